@@ -1,0 +1,40 @@
+# fusionp2p: `make demo` and `make test` are the two commands of the README.
+# Both install everything they need into .venv first (from scratch on a fresh clone).
+
+PYTHON      ?= python3
+VENV        := .venv
+PY          := $(VENV)/bin/python
+# torch is installed on its own first, so that no other requirement pulls a CUDA build of it.
+TORCH_SPEC  := torch==2.13.0
+PIP_FLAGS   := --disable-pip-version-check --quiet
+STAMP       := $(VENV)/.installed
+
+.PHONY: setup test test-all demo bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
+	$(PY) -m pip install $(PIP_FLAGS) $(TORCH_SPEC)
+	$(PY) -m pip install $(PIP_FLAGS) -e '.[dev]'
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(VENV)/bin/fusionp2p demo
+
+bench: setup
+	$(PY) -m benchmarks.all --quick
+
+lint: setup
+	$(VENV)/bin/ruff check fusionp2p node bootstrap benchmarks tests
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info
