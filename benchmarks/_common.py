@@ -1,0 +1,57 @@
+"""Shared benchmark plumbing: argument parsing, the machine description, and the JSON result file.
+
+Every benchmark writes ``benchmarks/results/NAME.json`` with ``machine``, ``results`` (the full
+figures) and ``headline``: ``{"metric", "value", "unit", "target", "better", "baseline"}`` where
+``value`` is measured in the same run as its baseline (ARCHITECTURE.md, Benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=doc)
+    p.add_argument("--quick", action="store_true", help="a short run (under about two minutes)")
+    p.add_argument("--out", type=Path, default=RESULTS / f"{name}.json", help="where to write the JSON")
+    return p
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (0.0, 0.0, 0.0)
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_at_start": [round(x, 2) for x in load],
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def headline(metric: str, value: float, unit: str, target: float, better: str, baseline: str) -> dict[str, Any]:
+    if better not in ("higher", "lower"):
+        raise ValueError("better must be 'higher' or 'lower'")
+    return {"metric": metric, "value": float(value), "unit": unit, "target": float(target), "better": better, "baseline": baseline}
+
+
+def write(name: str, out: Path, results: Any, head: dict[str, Any], *, quick: bool) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": name, "quick": quick, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "results": results, "headline": head}
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    ok = head["value"] >= head["target"] if head["better"] == "higher" else head["value"] <= head["target"]
+    print(f"headline: {head['metric']} = {head['value']:.4g} {head['unit']} (target {head['better']} than {head['target']}: {'met' if ok else 'NOT met'}) -> {out}")
