@@ -1,1 +1,38 @@
-"""compress"""
+"""Tensor compression: codecs (tensor → (payload, meta) → tensor) and the AdaTopK ratio policy.
+
+Pure (no trio, sockets or clock). See docs/dataplane.md.
+"""
+
+from fusionp2p.compress.adatopk import AdaTopK, ErrorFeedback, boundary, kept_mask
+from fusionp2p.compress.codec import (
+    CastCodec,
+    Codec,
+    IdentityCodec,
+    TopKCodec,
+    decode,
+    index_dtype,
+    sparse_bytes,
+)
+from fusionp2p.compress.policy import LinkCost, RatioEstimator, choose_ratio, plan_ratios
+from fusionp2p.compress.select import approx_topk_indices, exact_topk_indices, k_for
+
+__all__ = [
+    "AdaTopK",
+    "CastCodec",
+    "Codec",
+    "ErrorFeedback",
+    "IdentityCodec",
+    "LinkCost",
+    "RatioEstimator",
+    "TopKCodec",
+    "approx_topk_indices",
+    "boundary",
+    "choose_ratio",
+    "decode",
+    "exact_topk_indices",
+    "index_dtype",
+    "k_for",
+    "kept_mask",
+    "plan_ratios",
+    "sparse_bytes",
+]

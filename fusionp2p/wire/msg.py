@@ -34,7 +34,6 @@ def unpackb(data: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_LI
             raw=False,
             use_list=True,
             strict_map_key=False,
-            max_buffer_size=bound,
             max_str_len=limits.max_str,
             max_bin_len=bound,
             max_array_len=limits.max_msgpack_items,

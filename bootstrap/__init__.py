@@ -1,0 +1,1 @@
+"""The bootstrap application: ``python -m bootstrap`` == ``fusionp2p bootstrap``."""

@@ -1,0 +1,243 @@
+"""One averaging round as a sans-IO state machine: parts in, actions out (STYLE.md 1).
+
+Theory of operation. The round is a butterfly (all-to-all) reduce-scatter followed by an
+all-gather, over a fixed, ordered replica list (the *epoch*). Replica ``r`` owns shard ``r`` of
+:func:`~fusionp2p.average.shard.shard_bounds`:
+
+1. ``start(snap)`` sends slice ``k`` of the snapshot to the owner of shard ``k`` (``Send``).
+2. The owner collects the slices of its shard from every peer. When none is outstanding it emits
+   ``Reduced`` with the weighted mean, summed in RANK order (not arrival order) so that the result
+   is bitwise reproducible. The caller runs the outer step on the owned shard and calls
+   ``publish(new_shard, scalar)``, which sends the new anchor shard to every live peer.
+3. When every shard has arrived, ``Finished`` carries the full new vector and the rank-ordered sum
+   of the owners' scalars (used for ``‖x̃_{t+1} − x̃_t‖²``).
+
+Per replica each phase moves ``(n−1)/n`` of the vector out and in, the same volume as a ring
+all-reduce, in one hop of latency instead of ``n−1``.
+
+Failures. The caller reports a dead or timed-out peer with ``peer_lost`` (the shell enforces the
+deadlines; this core has no clock). A part that never came is left out of the mean, whose weights
+are renormalised over the parts that did come (correct weights over the survivors). A shard whose
+owner died before publishing cannot be known: the round then finishes ``complete=False`` (skipped,
+with the reason) and the caller must not load anything from it. A message tagged with another
+epoch comes from a live peer that sees a different replica set: it contributes nothing, and the
+round is skipped, but the peer is NOT marked lost (no cascade of false deaths).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fusionp2p.average.shard import shard_bounds, weighted_mean
+from fusionp2p.errors import LocalProtocolError, RemoteProtocolError
+
+PHASES = ("scatter", "gather")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundMsg:
+    """One part of a round: a slice ``[lo, hi)`` of a snapshot (scatter) or of the new anchor (gather)."""
+
+    round_id: int
+    epoch: str
+    phase: str
+    lo: int
+    hi: int
+    data: torch.Tensor
+    weight: float = 1.0
+    scalar: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Send:
+    peer: str
+    msg: RoundMsg
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reduced:
+    """The owned shard is reduced: run the outer step on ``mean`` and call ``publish``."""
+
+    lo: int
+    hi: int
+    mean: torch.Tensor
+    weight: float
+    contributors: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundResult:
+    round_id: int
+    complete: bool
+    vector: torch.Tensor | None = None       # the gathered full vector, when complete
+    scalar_sum: float = 0.0
+    lost: frozenset[str] = frozenset()
+    contributors: tuple[str, ...] = ()       # whose snapshot entered THIS replica's shard
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finished:
+    result: RoundResult
+
+
+Action = Send | Reduced | Finished
+
+
+@dataclass(slots=True)
+class _Phase:
+    pending: set[str]
+    got: dict[str, RoundMsg] = field(default_factory=dict)
+
+
+class AllReduceRound:
+    """Reduce-scatter + all-gather of one flat fp32 vector among ``peers`` (this replica is ``me``)."""
+
+    def __init__(self, *, peers: Sequence[str], me: str, n_elems: int, round_id: int, epoch: str) -> None:
+        if len(set(peers)) != len(peers):
+            raise LocalProtocolError("replica list has duplicates")
+        if me not in peers:
+            raise LocalProtocolError(f"{me} is not in the replica list")
+        self.peers = tuple(peers)
+        self.me = me
+        self.rank = self.peers.index(me)
+        self.n_elems = n_elems
+        self.round_id = round_id
+        self.epoch = epoch
+        self.bounds = shard_bounds(n_elems, len(self.peers))
+        others = {p for p in self.peers if p != me}
+        self._scatter = _Phase(pending=set(others))
+        self._gather = _Phase(pending=set(others))
+        self._lost: set[str] = set()
+        self._mismatch: set[str] = set()
+        self._own_part: RoundMsg | None = None
+        self._own_shard: RoundMsg | None = None
+        self._reduced = False
+        self._finished = False
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def my_bounds(self) -> tuple[int, int]:
+        return self.bounds[self.rank]
+
+    def awaiting(self) -> frozenset[str]:
+        """Peers this replica still waits on (the shell declares them lost at the deadline)."""
+        if self._finished:
+            return frozenset()
+        if not self._reduced:
+            return frozenset(self._scatter.pending)
+        return frozenset(self._gather.pending)
+
+    # ------------------------------------------------------------------ inputs
+    def start(self, snap: torch.Tensor, weight: float = 1.0) -> list[Action]:
+        """Send the slices of the snapshot *snap* (flat, fp32) to their owners."""
+        if self._own_part is not None:
+            raise LocalProtocolError("round already started")
+        if snap.dim() != 1 or snap.numel() != self.n_elems or snap.dtype != torch.float32:
+            raise LocalProtocolError(f"snapshot must be a flat fp32 vector of {self.n_elems} elements")
+        if not (weight > 0 and math.isfinite(weight)):
+            raise LocalProtocolError("weight must be positive and finite")
+        actions: list[Action] = []
+        for k, peer in enumerate(self.peers):
+            lo, hi = self.bounds[k]
+            msg = RoundMsg(round_id=self.round_id, epoch=self.epoch, phase="scatter", lo=lo, hi=hi, data=snap[lo:hi], weight=weight)
+            if peer == self.me:
+                self._own_part = msg
+            elif peer not in self._lost:
+                actions.append(Send(peer=peer, msg=msg))
+        return actions + self._advance()
+
+    def receive(self, peer: str, msg: RoundMsg) -> list[Action]:
+        """Handle one message from *peer*. Malformed content raises RemoteProtocolError."""
+        if msg.round_id != self.round_id:
+            raise LocalProtocolError(f"round {msg.round_id} message routed to round {self.round_id}")
+        if peer not in self.peers or peer == self.me:
+            raise RemoteProtocolError(f"{peer} is not a replica of this round")
+        if msg.phase not in PHASES:
+            raise RemoteProtocolError(f"unknown averaging phase {msg.phase!r}")
+        phase = self._scatter if msg.phase == "scatter" else self._gather
+        if peer in phase.got or (peer in self._mismatch and peer not in phase.pending):
+            raise RemoteProtocolError(f"duplicate {msg.phase} part from {peer}")
+        if peer in self._lost:
+            return []  # declared lost already (deadline); a straggler changes nothing
+        if msg.epoch != self.epoch:
+            self._mismatch.add(peer)
+            phase.pending.discard(peer)
+            return self._advance()
+        want = self.my_bounds if msg.phase == "scatter" else self.bounds[self.peers.index(peer)]
+        if (msg.lo, msg.hi) != want:
+            raise RemoteProtocolError(f"{msg.phase} part [{msg.lo},{msg.hi}) from {peer}, expected {list(want)}")
+        if msg.data.dtype != torch.float32 or msg.data.dim() != 1 or msg.data.numel() != msg.hi - msg.lo:
+            raise RemoteProtocolError(f"{msg.phase} part from {peer} has the wrong dtype or shape")
+        if not (msg.weight > 0 and math.isfinite(msg.weight)) or not math.isfinite(msg.scalar):
+            raise RemoteProtocolError(f"{msg.phase} part from {peer} has a bad weight or scalar")
+        phase.got[peer] = msg
+        phase.pending.discard(peer)
+        return self._advance()
+
+    def peer_lost(self, peer: str) -> list[Action]:
+        """*peer* is dead or missed the deadline: stop waiting for it in this round."""
+        if peer == self.me or peer not in self.peers or self._finished:
+            return []
+        self._lost.add(peer)
+        self._scatter.pending.discard(peer)
+        self._gather.pending.discard(peer)
+        return self._advance()
+
+    def publish(self, shard: torch.Tensor, scalar: float = 0.0) -> list[Action]:
+        """Send this replica's new anchor shard (the outer step's result) to every live peer."""
+        if not self._reduced:
+            raise LocalProtocolError("publish before the owned shard was reduced")
+        if self._own_shard is not None:
+            raise LocalProtocolError("shard already published")
+        lo, hi = self.my_bounds
+        if shard.dim() != 1 or shard.numel() != hi - lo:
+            raise LocalProtocolError("published shard has the wrong size")
+        msg = RoundMsg(round_id=self.round_id, epoch=self.epoch, phase="gather", lo=lo, hi=hi, data=shard.to(torch.float32), scalar=scalar)
+        self._own_shard = msg
+        sends: list[Action] = [Send(peer=p, msg=msg) for p in self.peers if p != self.me and p not in self._lost]
+        return sends + self._advance()
+
+    # ------------------------------------------------------------------ transitions
+    def _advance(self) -> list[Action]:
+        out: list[Action] = []
+        if self._own_part is None or self._finished:
+            return out
+        if not self._reduced and not self._scatter.pending:
+            self._reduced = True
+            got = {**self._scatter.got, self.me: self._own_part}
+            order = [p for p in self.peers if p in got]  # rank order: bitwise reproducible
+            mean = weighted_mean([got[p].data for p in order], [got[p].weight for p in order])
+            lo, hi = self.my_bounds
+            out.append(Reduced(lo=lo, hi=hi, mean=mean, weight=sum(got[p].weight for p in order), contributors=tuple(order)))
+        if self._reduced and self._own_shard is not None and not self._gather.pending:
+            self._finished = True
+            out.append(Finished(result=self._result()))
+        return out
+
+    def _result(self) -> RoundResult:
+        assert self._own_shard is not None
+        shards = {**self._gather.got, self.me: self._own_shard}
+        contributors = tuple(p for p in self.peers if p == self.me or p in self._scatter.got)
+        missing = [p for p in self.peers if p not in shards]
+        lost = frozenset(self._lost)
+        if missing or self._mismatch:
+            why = []
+            if missing:
+                why.append(f"no anchor shard from {', '.join(missing)}")
+            if self._mismatch:
+                why.append(f"epoch mismatch with {', '.join(sorted(self._mismatch))}")
+            return RoundResult(round_id=self.round_id, complete=False, lost=lost, contributors=contributors, reason="; ".join(why))
+        vector = torch.cat([shards[p].data for p in self.peers])
+        scalar = 0.0
+        for p in self.peers:  # rank order: every replica gets the same float
+            scalar += shards[p].scalar
+        return RoundResult(round_id=self.round_id, complete=True, vector=vector, scalar_sum=scalar, lost=lost, contributors=contributors)

@@ -1,0 +1,100 @@
+"""Sharded outer state: the ZeRO idea applied to CO2 (pure).
+
+The flat parameter vector of ``n_elems`` floats is cut into ``replicas`` contiguous shards whose
+sizes differ by at most one (the first ``n_elems % replicas`` shards get the extra element).
+Replica ``r`` owns the anchor, previous anchor and momentum of shard ``r`` only, so the outer
+state costs ``3·n_elems/replicas`` floats per replica instead of ``3·n_elems``.
+
+One round is: reduce-scatter (weighted mean) of the snapshots, the outer step on each owned
+shard, all-gather of the new anchor shards. :class:`ShardedOuter` runs that round for n simulated
+replicas in one process; it is the reference the networked averager must match and the proof
+(tests/unit/test_average_shard.py) that sharding does not change the update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fusionp2p.average.outer import OuterConfig, OuterOptimizer
+from fusionp2p.errors import ConfigError
+
+
+def shard_bounds(n_elems: int, replicas: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of every shard, in rank order; they tile ``[0, n_elems)`` exactly."""
+    if replicas < 1:
+        raise ConfigError(f"replicas must be >= 1, got {replicas}")
+    if n_elems < 0:
+        raise ConfigError(f"n_elems must be >= 0, got {n_elems}")
+    base, extra = divmod(n_elems, replicas)
+    bounds = []
+    lo = 0
+    for r in range(replicas):
+        hi = lo + base + (1 if r < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``Σ w_i·x_i / Σ w_i`` in fp32, summed in the given order (deterministic).
+
+    With equal weights this is ``Σ x_i / n``, which is what every test reference computes.
+    """
+    if not parts or len(parts) != len(weights):
+        raise ValueError("weighted_mean needs one weight per part and at least one part")
+    total = float(sum(weights))
+    if not total > 0:
+        raise ValueError("weights must sum to a positive number")
+    acc = torch.zeros_like(parts[0], dtype=torch.float32)
+    uniform = all(w == weights[0] for w in weights)
+    for x, w in zip(parts, weights):
+        if uniform:
+            acc.add_(x.to(torch.float32))
+        else:
+            acc.add_(x.to(torch.float32), alpha=w)
+    return acc.div_(len(parts) if uniform else total)
+
+
+class ShardedOuter:
+    """n owners, each with the outer state of its shard; one call = one averaging round."""
+
+    def __init__(self, config: OuterConfig, initial: torch.Tensor, replicas: int) -> None:
+        flat = initial.detach().reshape(-1).to(torch.float32)
+        self.config = config
+        self.bounds = shard_bounds(flat.numel(), replicas)
+        self.owners = [
+            OuterOptimizer(config, flat[lo:hi], lo=lo, sharded=replicas > 1) for lo, hi in self.bounds
+        ]
+
+    def step(self, snapshots: Sequence[torch.Tensor], *, lr: float | None = None, weights: Sequence[float] | None = None) -> torch.Tensor:
+        """Reduce-scatter *snapshots*, step every owner, all-gather: the new full anchor."""
+        w = list(weights) if weights is not None else [1.0] * len(snapshots)
+        shards = []
+        gap_sq = 0.0
+        for opt, (lo, hi) in zip(self.owners, self.bounds):
+            avg = weighted_mean([s.reshape(-1)[lo:hi] for s in snapshots], w)
+            res = opt.step(avg, lr=lr)
+            shards.append(res.anchor)
+            gap_sq += res.gap_sq_part
+        for opt in self.owners:  # what the all-gather tells every owner
+            opt.gap_sq = gap_sq
+        return torch.cat(shards)
+
+    def hold(self, *, lr: float | None = None) -> torch.Tensor:
+        for opt in self.owners:
+            opt.hold(lr=lr)
+        return self.anchor
+
+    @property
+    def anchor(self) -> torch.Tensor:
+        return torch.cat([o.anchor for o in self.owners])
+
+    @property
+    def momentum(self) -> torch.Tensor:
+        return torch.cat([o.momentum for o in self.owners])
+
+    def state_floats_per_replica(self) -> list[int]:
+        """Outer-state floats each owner holds (anchor, previous anchor, momentum)."""
+        return [3 * o.anchor.numel() for o in self.owners]

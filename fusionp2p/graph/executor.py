@@ -1,0 +1,229 @@
+"""StageExecutor: runs one StageProgram forward and backward (remote autodiff, ALGORITHMS.md §1.3).
+
+Theory of operation. The program is compiled once into a ``torch.fx.GraphModule`` whose Python code
+calls the whitelisted ``torch.ops.aten`` overloads directly, so a forward costs what eager PyTorch
+costs (no per-node interpretation). Per micro-batch:
+
+* ``forward(micro, inputs)`` makes every received floating-point boundary tensor a leaf that requires
+  grad, runs the module with autograd on, keeps ``(leaves, outputs)`` for that micro-batch and returns
+  the outputs detached (the tensors to send, and the loss on the last stage);
+* ``backward(micro, grad_outputs)`` runs ``torch.autograd.backward`` from the outputs with the given
+  gradients (the loss gets ``loss_scale``, e.g. 1/num_micro_batches), which *accumulates* into the
+  parameters' ``.grad``, frees the micro-batch's state and returns the gradients of the received
+  tensors, to be sent back to their producers.
+
+Micro-batches are independent: their forwards and backwards may run in any interleaving (GPipe,
+1F1B...). :class:`Inbox` collects boundary messages per micro-batch and releases a complete set; it sums
+the gradients of a fanned-out tensor in stage order, so arrival order never changes the numbers.
+Parameter gradients are summed over micro-batches in the order their backwards run (float addition:
+equal to within rounding whatever the order).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.graph.dag import Arg, Ref
+from fusionp2p.graph.ops import resolve
+from fusionp2p.graph.program import DATA, StageProgram
+
+log = logging.getLogger(__name__)
+
+
+def build_module(program: StageProgram, device: torch.device) -> torch.fx.GraphModule:
+    """Compile *program* into a GraphModule taking ``program.inputs`` positionally, returning a tuple
+    of ``program.outputs``. Device constants in arguments are replaced by *device*. Only whitelisted
+    operator names are resolved (``resolve`` raises KeyError otherwise)."""
+    g = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}
+    for i, spec in enumerate(program.inputs):
+        env[spec.name] = g.placeholder(f"in_{i}")
+    for n in program.nodes:
+        fn = resolve(n.op)
+        args = tuple(_fx_arg(a, env, device) for a in n.args)
+        kwargs = {k: _fx_arg(v, env, device) for k, v in n.kwargs}
+        env[n.name] = g.call_function(fn, args, kwargs)
+    g.output(tuple(env[o] for o in program.outputs))
+    g.lint()
+    return torch.fx.GraphModule(nn.Module(), g, class_name=f"Stage{program.stage}")
+
+
+def _fx_arg(a: Arg, env: Mapping[str, torch.fx.Node], device: torch.device) -> Any:
+    if isinstance(a, Ref):
+        return env[a.name]
+    if isinstance(a, (list, tuple)):
+        return [_fx_arg(x, env, device) for x in a]
+    if isinstance(a, torch.device):
+        return device
+    return a
+
+
+class StageExecutor:
+    """Runs a StageProgram; owns its parameters (``nn.Parameter``, grads accumulate) and buffers."""
+
+    def __init__(self, program: StageProgram, *, device: str | torch.device = "cpu") -> None:
+        self.program = program
+        self.device = torch.device(device)
+        self._module = build_module(program, self.device)
+        self._params: dict[str, nn.Parameter] = {}
+        self._state: list[torch.Tensor] = []
+        for spec in program.inputs:
+            if spec.kind == "input":
+                continue
+            t = program.tensors[spec.name].detach().to(self.device).clone()
+            if spec.kind == "param":
+                p = nn.Parameter(t, requires_grad=t.is_floating_point())
+                self._params[spec.name] = p
+                self._state.append(p)
+            else:
+                self._state.append(t)
+        self._buffers = {s.name: t for s, t in zip((s for s in program.inputs if s.kind != "input"), self._state)
+                         if s.kind != "param"}
+        # micro -> (received leaves by name, outputs in program.outputs order)
+        self._stash: dict[int, tuple[dict[str, torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+
+    # ---------------------------------------------------------------- state
+    def parameters(self) -> dict[str, nn.Parameter]:
+        """The stage's trainable parameters by DAG name (give them to an optimizer)."""
+        return dict(self._params)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return dict(self._buffers)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers by DAG name (detached); see ``trace.load_into`` to go back to a module."""
+        return {k: v.detach() for k, v in {**self._params, **self._buffers}.items()}
+
+    def zero_grad(self) -> None:
+        for p in self._params.values():
+            p.grad = None
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """Micro-batches whose forward ran and whose backward has not."""
+        return tuple(sorted(self._stash))
+
+    # ---------------------------------------------------------------- compute
+    def forward(self, micro: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the stage on one micro-batch. *inputs* holds every ``program.recv`` tensor by name.
+
+        Returns the tensors to send (by name) and, on the loss stage, the loss (detached). A missing,
+        misshapen or mistyped boundary tensor raises RemoteProtocolError (it came from a peer).
+        """
+        if micro in self._stash:
+            raise ValueError(f"micro-batch {micro} is already in flight on stage {self.program.stage}")
+        leaves: dict[str, torch.Tensor] = {}
+        args: list[torch.Tensor] = []
+        for r in self.program.recv:
+            t = inputs.get(r.name)
+            if t is None:
+                raise RemoteProtocolError(f"stage {self.program.stage}: boundary tensor {r.name!r} missing")
+            if tuple(t.shape) != r.meta.shape or t.dtype != r.meta.dtype:
+                raise RemoteProtocolError(f"stage {self.program.stage}: {r.name!r} has {tuple(t.shape)} {t.dtype}, "
+                                          f"expected {r.meta.shape} {r.meta.dtype}")
+            x = t.detach().to(self.device)
+            if r.needs_grad:
+                x = x.requires_grad_(True)
+            leaves[r.name] = x
+            args.append(x)
+        with torch.enable_grad():
+            outs: tuple[torch.Tensor, ...] = self._module(*args, *self._state)
+        self._stash[micro] = (leaves, outs)
+        return {name: o.detach() for name, o in zip(self.program.outputs, outs)}
+
+    def backward(self, micro: int, grad_outputs: Mapping[str, torch.Tensor], *,
+                 loss_scale: float = 1.0) -> dict[str, torch.Tensor]:
+        """Back-propagate one micro-batch; return the gradients of the received tensors that need one.
+
+        *grad_outputs* holds the (already summed) gradient of every floating-point sent tensor; the loss,
+        if on this stage, gets ``loss_scale``. Parameter gradients accumulate into ``.grad``. A received
+        tensor that did not influence the outputs gets a zero gradient, so a producer always hears back.
+        """
+        if micro not in self._stash:
+            raise ValueError(f"micro-batch {micro} has no forward state on stage {self.program.stage}")
+        leaves, outs = self._stash[micro]
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for o, t in zip(self.program.send, outs):
+            if not o.needs_grad:
+                continue
+            g = grad_outputs.get(o.name)
+            if g is None:
+                raise RemoteProtocolError(f"stage {self.program.stage}: gradient of {o.name!r} missing")
+            if tuple(g.shape) != o.meta.shape or g.dtype != o.meta.dtype:
+                raise RemoteProtocolError(f"stage {self.program.stage}: gradient of {o.name!r} has shape "
+                                          f"{tuple(g.shape)} {g.dtype}, expected {o.meta.shape} {o.meta.dtype}")
+            if t.requires_grad:
+                roots.append(t)
+                grads.append(g.to(self.device))
+        if self.program.loss is not None:
+            loss = outs[-1]
+            if loss.requires_grad:
+                roots.append(loss)
+                grads.append(torch.full_like(loss, loss_scale))
+        del self._stash[micro]
+        if roots:
+            torch.autograd.backward(roots, grads)
+        out: dict[str, torch.Tensor] = {}
+        for r in self.program.recv:
+            if r.needs_grad:
+                x = leaves[r.name]
+                out[r.name] = x.grad if x.grad is not None else torch.zeros_like(x)
+        return out
+
+    def drop(self, micro: int) -> None:
+        """Forget a micro-batch's forward state (e.g. the step was abandoned)."""
+        self._stash.pop(micro, None)
+
+
+class Inbox:
+    """Collects one stage's boundary messages per micro-batch (pure; no I/O).
+
+    ``put_activation`` returns the complete input dict of a micro-batch once every ``recv`` tensor
+    (data inputs included) is there; ``put_grad`` returns the complete, summed gradient dict once every
+    consuming stage of every sent tensor has answered. Sums run in ascending stage order, so the result
+    does not depend on arrival order. Duplicates (same key) are ignored: retransmission is idempotent.
+    """
+
+    def __init__(self, program: StageProgram) -> None:
+        self.program = program
+        self._acts: dict[int, dict[str, torch.Tensor]] = {}
+        self._grads: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
+        self._need_act = {r.name for r in program.recv}
+        self._need_grad = {(o.name, d) for o in program.send if o.needs_grad for d in o.dsts}
+        self._final = [o.name for o in program.send if o.needs_grad and not o.dsts]
+
+    def put_activation(self, micro: int, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if name not in self._need_act:
+            raise RemoteProtocolError(f"stage {self.program.stage} does not receive {name!r}")
+        box = self._acts.setdefault(micro, {})
+        box.setdefault(name, tensor)
+        if len(box) == len(self._need_act):
+            return self._acts.pop(micro)
+        return None
+
+    def put_grad(self, micro: int, name: str, src_stage: int, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """*src_stage* is the consumer that sent the gradient (DATA for a final output's gradient)."""
+        key = (name, src_stage)
+        if key not in self._need_grad and not (src_stage == DATA and name in self._final):
+            raise RemoteProtocolError(f"stage {self.program.stage} expects no gradient of {name!r} from {src_stage}")
+        box = self._grads.setdefault(micro, {})
+        box.setdefault(key, tensor)
+        need = len(self._need_grad) + len(self._final)
+        if len(box) < need:
+            return None
+        del self._grads[micro]
+        out: dict[str, torch.Tensor] = {}
+        for (n, _), g in sorted(box.items(), key=lambda kv: kv[0]):
+            out[n] = g.clone() if n not in out else out[n] + g
+        return out
+
+    def grads_needed(self) -> bool:
+        """False when backward needs no incoming message (the loss stage, or nothing differentiable sent)."""
+        return bool(self._need_grad or self._final)

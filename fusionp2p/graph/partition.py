@@ -1,0 +1,142 @@
+"""Partitioning: an OpDAG plus an assignment of its nodes to stages -> one StageProgram per stage.
+
+Rules (each violation is a ConfigError saying what to change):
+
+* an assignment gives a stage to every operator node (directly, or per coarse unit);
+* data flows forward only: a node never reads a value from a later stage (else stages would wait on
+  each other in a cycle);
+* ``getitem`` nodes live with the operator whose sequence they read (sequences never cross stages);
+* nodes that depend on no data input and no parameter (index ranges, masks built from constants) are
+  *replicated* into every stage that reads them instead of being sent: they are cheap and carry no
+  gradient;
+* a parameter is read by one stage only (tied weights across stages are refused: untie them or keep
+  their users together); buffers and constants are copied to every stage that reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from fusionp2p.errors import ConfigError
+from fusionp2p.graph.coarsen import CoarseDAG, coarsen
+from fusionp2p.graph.dag import InputSpec, OpDAG, OpNode, Ref, TensorMeta
+from fusionp2p.graph.ops import GETITEM
+from fusionp2p.graph.program import DATA, BoundaryIn, BoundaryOut, StageProgram
+
+
+def single_stage(dag: OpDAG) -> StageProgram:
+    """The whole DAG as one stage program (for one node, or to check tracing)."""
+    return partition(dag, {n.name: 0 for n in dag.nodes})[0]
+
+
+def partition(graph: OpDAG | CoarseDAG, assignment: Mapping[str, int] | Sequence[int]) -> list[StageProgram]:
+    """Cut *graph* into stage programs.
+
+    *assignment* is either a mapping from every fine node name to its stage, or a sequence with one
+    stage per coarse unit (``graph`` is then coarsened first if it is a plain OpDAG). Stages are
+    numbered 0..S-1 and none may be empty.
+    """
+    if isinstance(assignment, Mapping):
+        dag = graph.dag if isinstance(graph, CoarseDAG) else graph
+        fine = dict(assignment)
+    else:
+        coarse = graph if isinstance(graph, CoarseDAG) else coarsen(graph)
+        dag = coarse.dag
+        fine = coarse.assignment(assignment)
+    missing = [n.name for n in dag.nodes if n.name not in fine]
+    if missing:
+        raise ConfigError(f"assignment misses {len(missing)} nodes, e.g. {missing[:3]}")
+    num_stages = max(fine.values(), default=0) + 1
+    if min(fine.values(), default=0) < 0:
+        raise ConfigError("stage indices must be >= 0")
+    kinds = {i.name: i.kind for i in dag.inputs}
+    by_name = {n.name: n for n in dag.nodes}
+    specs = {i.name: i for i in dag.inputs}
+
+    # replicable: depends on no data input and no parameter
+    replicable: set[str] = set()
+    for n in dag.nodes:
+        srcs = list(n.refs())
+        if all((kinds.get(r) in ("buffer", "constant")) or r in replicable for r in srcs) and n.op != GETITEM:
+            replicable.add(n.name)
+        elif n.op == GETITEM and isinstance(n.args[0], Ref) and n.args[0].name in replicable:
+            replicable.add(n.name)
+
+    stage_of: dict[str, int] = {}
+    for n in dag.nodes:
+        s = fine[n.name]
+        if n.op == GETITEM and isinstance(n.args[0], Ref):
+            s = stage_of[n.args[0].name]
+        stage_of[n.name] = s
+        for r in n.refs():
+            if r in stage_of and r not in replicable and stage_of[r] > s:
+                raise ConfigError(f"node {n.name!r} on stage {s} reads {r!r} from the later stage {stage_of[r]}; "
+                                  "assign stages in topological order")
+
+    # stages that hold each node: its own, or (replicated) every stage that reads it
+    consumers = dag.consumers()
+    holders: dict[str, set[int]] = {}
+    for n in reversed(dag.nodes):
+        if n.name in replicable and consumers[n.name]:
+            holders[n.name] = set().union(*(holders[c] for c in consumers[n.name]))
+        else:
+            holders[n.name] = {stage_of[n.name]}
+
+    programs = []
+    recv_by_stage: list[dict[str, int]] = []
+    stage_nodes = []
+    for s in range(num_stages):
+        nodes = [n for n in dag.nodes if s in holders[n.name]]
+        if not any(n.name not in replicable for n in nodes):
+            raise ConfigError(f"stage {s} has no operators")
+        local = {n.name for n in nodes}
+        recv: dict[str, int] = {}
+        for n in nodes:
+            for r in n.refs():
+                if r in local or r in recv:
+                    continue
+                if r in kinds:
+                    if kinds[r] == "input":
+                        recv[r] = DATA
+                else:
+                    recv[r] = stage_of[r]
+        recv_by_stage.append(recv)
+        stage_nodes.append(nodes)
+
+    param_stage: dict[str, int] = {}
+    for s in range(num_stages):
+        nodes = stage_nodes[s]
+        recv = recv_by_stage[s]
+        dsts = {}
+        for n in nodes:
+            if n.name in replicable or n.multi:
+                continue
+            d = tuple(t for t in range(s + 1, num_stages) if recv_by_stage[t].get(n.name) == s)
+            if d or (n.name in dag.outputs and n.name != dag.loss):
+                dsts[n.name] = d
+        state: list[InputSpec] = []
+        used = dict.fromkeys(r for n in nodes for r in n.refs() if r in kinds and kinds[r] != "input")
+        for name in used:
+            if kinds[name] == "param":
+                if param_stage.setdefault(name, s) != s:
+                    raise ConfigError(f"parameter {name!r} is used by stages {param_stage[name]} and {s} (tied "
+                                      "weights?); untie it or assign its users to one stage")
+            state.append(specs[name])
+        recv_list = tuple(BoundaryIn(name=r, meta=_meta(specs, by_name, r), src=src) for r, src in recv.items())
+        inputs = tuple(InputSpec(name=b.name, kind="input", meta=b.meta) for b in recv_list) + tuple(state)
+        send = tuple(BoundaryOut(name=k, meta=_meta(specs, by_name, k), dsts=v) for k, v in dsts.items())
+        loss = dag.loss if dag.loss is not None and dag.loss in {n.name for n in nodes} else None
+        prog = StageProgram(stage=s, num_stages=num_stages, inputs=inputs, recv=recv_list, nodes=tuple(nodes),
+                            send=send, loss=loss, tensors={i.name: dag.tensors[i.name] for i in state})
+        prog.check(ConfigError)
+        programs.append(prog)
+    if dag.loss is not None and programs[-1].loss is None:
+        raise ConfigError("the loss must be computed on the last stage; assign the loss unit to it")
+    return programs
+
+
+def _meta(specs: Mapping[str, InputSpec], by_name: Mapping[str, OpNode], name: str) -> TensorMeta:
+    m = specs[name].meta if name in specs else (None if by_name[name].multi else by_name[name].out[0])
+    if m is None:
+        raise ConfigError(f"{name!r} is not a single tensor and cannot cross a stage boundary")
+    return m

@@ -1,0 +1,330 @@
+"""The libp2p adapter of :class:`fusionp2p.net.transport.Transport` (py-libp2p 0.8.1).
+
+Configured as LIBP2P_NOTES.md measured it must be:
+
+* Noise is the only security transport (the default also accepts plaintext dialers), yamux the only
+  muxer, ``max_connections_per_peer=1`` (otherwise every connect waits the 250 ms happy-eyeballs delay).
+* Kademlia in SERVER mode, used for discovery and provider records only; provider lists are deduplicated.
+* GossipSub with a 1 s heartbeat (the default is 120 s), the per-peer rate limit set to our real rate,
+  eclipse protection off (every test host shares one IP), payloads bounded well under 1 MiB.
+* ``unblock_peer`` before every dial (the swarm keeps a 60 s negative dial cache), and every call is
+  wrapped in a deadline.
+* libp2p's logger is left alone here; the CLI routes it (STYLE.md 17).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.network.config import ConnectionConfig
+from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamError, StreamReset
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service import background_trio_service
+
+from fusionp2p.errors import ConfigError, PeerUnavailable
+from fusionp2p.net.identity import Identity
+from fusionp2p.net.transport import GossipMessage, StreamHandler
+
+log = logging.getLogger(__name__)
+
+_READ_MAX = 65_536
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Libp2pConfig:
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce: tuple[str, ...] = ()
+    dial_timeout: float = 10.0
+    stream_timeout: float = 10.0
+    dht_timeout: float = 15.0
+    gossip_heartbeat: int = 1
+    gossip_max_rate: float = 50.0       # messages / s / peer / topic we really send is far below this
+    gossip_buffer: int = 1024
+    max_gossip_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        for a in (*self.listen, *self.announce):
+            parse_multiaddr(a)
+        if self.dial_timeout <= 0 or self.stream_timeout <= 0:
+            raise ConfigError("timeouts must be positive")
+
+
+def parse_multiaddr(addr: str) -> multiaddr.Multiaddr:
+    """Parse or raise a one-line ConfigError."""
+    try:
+        return multiaddr.Multiaddr(addr)
+    except Exception:
+        raise ConfigError(f"malformed multiaddr {addr!r}; expected e.g. /ip4/127.0.0.1/tcp/4001") from None
+
+
+def parse_peer_addr(addr: str) -> tuple[str, multiaddr.Multiaddr]:
+    """Split a full ``.../p2p/<id>`` address; ConfigError if it is not one."""
+    ma = parse_multiaddr(addr)
+    try:
+        info = info_from_p2p_addr(ma)
+    except Exception:
+        raise ConfigError(f"{addr!r} has no /p2p/<peer id> part; use the full address the bootstrap printed") from None
+    return info.peer_id.to_base58(), ma
+
+
+class Libp2pStream:
+    """Adapts a libp2p net stream to our Stream protocol."""
+
+    def __init__(self, stream: Any, remote: str, timeout: float) -> None:
+        self._s = stream
+        self._remote = remote
+        self._timeout = timeout
+
+    @property
+    def remote_peer(self) -> str:
+        return self._remote
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        try:
+            await self._s.write(bytes(data))
+        except (StreamClosed, StreamReset, StreamError, OSError) as exc:
+            raise PeerUnavailable(self._remote, f"write failed: {exc}") from None
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        try:
+            data: bytes = await self._s.read(max_bytes or _READ_MAX)
+        except StreamEOF:
+            return b""
+        except (StreamReset, StreamError, StreamClosed, OSError) as exc:
+            raise PeerUnavailable(self._remote, f"read failed: {exc}") from None
+        return data
+
+    async def send_eof(self) -> None:
+        try:
+            await self._s.close_write()
+        except Exception as exc:
+            log.debug("close_write: %s", exc)
+
+    async def aclose(self) -> None:
+        try:
+            await self._s.close()
+        except Exception as exc:
+            log.debug("close: %s", exc)
+
+
+class Libp2pTransport:
+    """A running libp2p host with DHT and gossip; create with :func:`open_libp2p_transport`."""
+
+    def __init__(self, identity: Identity, config: Libp2pConfig) -> None:
+        self._identity = identity
+        self._config = config
+        kp = identity.key_pair
+        self.host = new_host(
+            key_pair=kp,
+            sec_opt={TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(kp, noise_privkey=create_new_x25519_key_pair().private_key)},
+            muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+            connection_config=ConnectionConfig(max_connections_per_peer=1),
+            announce_addrs=[parse_multiaddr(a) for a in config.announce] or None,
+        )
+        self.dht = KadDHT(self.host, DHTMode.SERVER)
+        self.router = GossipSub(
+            protocols=[PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=12,
+            heartbeat_interval=config.gossip_heartbeat,
+            spam_protection_enabled=True, max_messages_per_topic_per_second=config.gossip_max_rate,
+            eclipse_protection_enabled=False,
+        )
+        self.pubsub = Pubsub(self.host, self.router, max_inbound_rpc_size=4 * config.max_gossip_bytes)
+        self._nursery: trio.Nursery | None = None
+        self._subs: dict[str, list[trio.MemorySendChannel[GossipMessage]]] = {}
+        self.dropped_gossip = 0
+
+    # -- identity ---------------------------------------------------------------------------------
+    @property
+    def peer_id(self) -> str:
+        return self._identity.peer_id
+
+    def listen_addrs(self) -> list[str]:
+        out = []
+        for a in self.host.get_addrs():
+            s = str(a)
+            out.append(s if "/p2p/" in s else f"{s}/p2p/{self.peer_id}")
+        return out
+
+    def sign(self, data: bytes) -> bytes:
+        return self._identity.sign(data)
+
+    # -- streams ----------------------------------------------------------------------------------
+    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
+        timeout = self._config.stream_timeout
+
+        async def wrapped(stream: Any) -> None:
+            remote = stream.muxed_conn.peer_id.to_base58()
+            s = Libp2pStream(stream, remote, timeout)
+            try:
+                await handler(s)
+            except PeerUnavailable as exc:
+                log.debug("handler %s: %s", protocol, exc)
+            except Exception:
+                log.exception("stream handler for %s failed", protocol)
+            finally:
+                await s.aclose()
+
+        self.host.set_stream_handler(TProtocol(protocol), wrapped)
+
+    async def connect(self, addr: str) -> str:
+        peer, ma = parse_peer_addr(addr)
+        info = info_from_p2p_addr(ma)
+        self.host.get_network().unblock_peer(info.peer_id)
+        try:
+            with trio.fail_after(self._config.dial_timeout):
+                await self.host.connect(info)
+        except trio.TooSlowError:
+            raise PeerUnavailable(peer, "dial timed out") from None
+        except Exception as exc:
+            raise PeerUnavailable(peer, f"dial failed: {exc}") from None
+        try:
+            with trio.move_on_after(self._config.dht_timeout):
+                await self.dht.add_peer(info.peer_id)
+        except Exception as exc:
+            log.debug("dht.add_peer(%s): %s", peer, exc)
+        return peer
+
+    async def open_stream(self, peer: str, protocol: str) -> Libp2pStream:
+        pid = _peer(peer)
+        if not self.host.get_network().connections.get(pid):
+            self.host.get_network().unblock_peer(pid)
+        try:
+            with trio.fail_after(self._config.stream_timeout):
+                s = await self.host.new_stream(pid, [TProtocol(protocol)])
+        except trio.TooSlowError:
+            raise PeerUnavailable(peer, f"opening {protocol} timed out") from None
+        except Exception as exc:
+            raise PeerUnavailable(peer, f"cannot open {protocol}: {exc}") from None
+        return Libp2pStream(s, peer, self._config.stream_timeout)
+
+    def connected_peers(self) -> list[str]:
+        return sorted(p.to_base58() for p in self.host.get_connected_peers())
+
+    def peer_addrs(self, peer: str) -> list[str]:
+        try:
+            return [str(a) for a in self.host.get_peerstore().addrs(_peer(peer))]
+        except Exception:
+            return []
+
+    async def hang_up(self, peer: str) -> None:
+        try:
+            with trio.move_on_after(self._config.stream_timeout):
+                await self.host.disconnect(_peer(peer))
+        except Exception as exc:
+            log.debug("disconnect %s: %s", peer, exc)
+
+    # -- gossip -----------------------------------------------------------------------------------
+    async def publish(self, topic: str, data: bytes) -> None:
+        if len(data) > self._config.max_gossip_bytes:
+            raise ConfigError(f"gossip payload of {len(data)} bytes is over the {self._config.max_gossip_bytes} limit")
+        # Deliver to our own subscribers first: gossipsub does not loop back reliably.
+        self._deliver(GossipMessage(topic, self.peer_id, bytes(data)))
+        with trio.move_on_after(self._config.stream_timeout):
+            await self.pubsub.publish(topic, bytes(data))
+
+    async def subscribe(self, topic: str) -> trio.MemoryReceiveChannel[GossipMessage]:
+        send, recv = trio.open_memory_channel[GossipMessage](self._config.gossip_buffer)
+        first = topic not in self._subs
+        self._subs.setdefault(topic, []).append(send)
+        if first:
+            sub = await self.pubsub.subscribe(topic)
+            assert self._nursery is not None, "transport not running"
+            self._nursery.start_soon(self._pump, topic, sub)
+        return recv
+
+    def _deliver(self, msg: GossipMessage) -> None:
+        for ch in self._subs.get(msg.topic, []):
+            try:
+                ch.send_nowait(msg)
+            except trio.WouldBlock:
+                self.dropped_gossip += 1
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    async def _pump(self, topic: str, sub: Any) -> None:
+        while True:
+            m = await sub.get()
+            try:
+                sender = ID(m.from_id).to_base58()
+            except Exception:
+                self.dropped_gossip += 1
+                continue
+            if sender == self.peer_id:
+                continue  # already delivered locally in publish()
+            if len(m.data) > self._config.max_gossip_bytes:
+                self.dropped_gossip += 1
+                continue
+            self._deliver(GossipMessage(topic, sender, bytes(m.data)))
+
+    # -- DHT --------------------------------------------------------------------------------------
+    async def dht_put(self, key: str, value: bytes) -> None:
+        with trio.move_on_after(self._config.dht_timeout):
+            await self.dht.put_value(key, bytes(value))
+
+    async def dht_get(self, key: str) -> bytes | None:
+        with trio.move_on_after(self._config.dht_timeout):
+            v = await self.dht.get_value(key)
+            return bytes(v) if v is not None else None
+        return None
+
+    async def provide(self, key: str) -> None:
+        with trio.move_on_after(self._config.dht_timeout):
+            await self.dht.provide(key)
+
+    async def find_providers(self, key: str) -> list[str]:
+        with trio.move_on_after(self._config.dht_timeout):
+            infos = await self.dht.find_providers(key)
+            return sorted({i.peer_id.to_base58() for i in infos})
+        return []
+
+    async def refresh(self) -> None:
+        """Refresh the DHT routing table (after joining)."""
+        with trio.move_on_after(self._config.dht_timeout):
+            await self.dht.refresh_routing_table()
+
+
+def _peer(peer: str) -> ID:
+    try:
+        return ID.from_base58(peer)
+    except Exception:
+        raise ConfigError(f"{peer!r} is not a peer id") from None
+
+
+@asynccontextmanager
+async def open_libp2p_transport(identity: Identity, config: Libp2pConfig | None = None) -> AsyncIterator[Libp2pTransport]:
+    """Start a libp2p host listening on ``config.listen``; stop it on exit."""
+    config = config or Libp2pConfig()
+    t = Libp2pTransport(identity, config)
+    listen = [parse_multiaddr(a) for a in config.listen]
+    try:
+        async with t.host.run(listen_addrs=listen), trio.open_nursery() as nursery:
+            t._nursery = nursery
+            async with background_trio_service(t.dht), background_trio_service(t.pubsub), background_trio_service(t.router):
+                with trio.fail_after(config.dial_timeout):
+                    await t.pubsub.wait_until_ready()
+                try:
+                    yield t
+                finally:
+                    for chans in t._subs.values():
+                        for ch in chans:
+                            ch.close()
+                    nursery.cancel_scope.cancel()
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {', '.join(config.listen)}: {exc.strerror or exc}") from None

@@ -1,0 +1,80 @@
+"""The planner's one frozen config (STYLE.md 8). Every knob of the cost model is here, with its unit."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fusionp2p.errors import ConfigError
+from fusionp2p.plan.snapshot import Link
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannerConfig:
+    """Cost model and search options of OP-Fence (ALGORITHMS.md §1.4-1.6).
+
+    Memory of one replica of a stage holding units [i, j)::
+
+        param_bytes * (param_memory_factor + replica_memory_factor if replicated else 0)
+        + act_bytes * micro_batches          # GPipe keeps every micro-batch's activations
+        <= memory_bytes * memory_headroom
+    """
+
+    micro_batches: int = 8                  # M: micro-batches per step (GPipe flush)
+    efficiency: tuple[tuple[str, float], ...] = ()   # per Unit.kind: achieved fraction of flops_fp32
+    default_efficiency: float = 1.0         # flops_fp32 is a measured matmul rate, so ~1 for matmul-bound units
+    param_memory_factor: float = 4.0        # weights + grads + Adam m and v (fp32)
+    replica_memory_factor: float = 2.0      # CO2 anchor + outer momentum, only for replicated stages
+    memory_headroom: float = 0.9            # keep 10% of memory_bytes free
+    full_duplex: bool = False               # False: activations and gradients share a link (cost x2)
+    compression: bool = True                # AdaTopK on links slower than the compute bottleneck
+    rho_min: float = 0.01                   # AdaTopK floor of the kept fraction
+    value_bytes: int = 4                    # fp32 values on the wire
+    index_bytes: int = 4                    # int32 indices of sparse payloads
+    replicas: bool = True                   # add data-parallel replicas with left-over devices
+    replica_overhead: float = 0.05          # compute slowdown charged to a replicated stage (CO2 overlap)
+    co2_tau: int = 48                       # local steps between CO2 averaging rounds
+    cluster_theta: float = 0.25             # merge clusters while inter-bandwidth >= theta * intra
+    exact_search_devices: int = 5           # up to this many devices: search every device order
+    missing_link: Link = field(default_factory=lambda: Link(bandwidth_bps=125_000.0, latency_s=0.5))
+
+    def __post_init__(self) -> None:
+        if self.micro_batches < 1:
+            raise ConfigError("micro_batches must be >= 1")
+        for kind, eff in self.efficiency:
+            if not (0 < eff <= 1.0):
+                raise ConfigError(f"efficiency of {kind!r} must be in (0, 1]")
+        if not (0 < self.default_efficiency <= 1.0):
+            raise ConfigError("default_efficiency must be in (0, 1]")
+        if self.param_memory_factor < 1 or self.replica_memory_factor < 0:
+            raise ConfigError("param_memory_factor must be >= 1 and replica_memory_factor >= 0")
+        if not (0 < self.memory_headroom <= 1):
+            raise ConfigError("memory_headroom must be in (0, 1]")
+        if not (0 < self.rho_min <= 1):
+            raise ConfigError("rho_min must be in (0, 1]")
+        if self.value_bytes < 1 or self.index_bytes < 1:
+            raise ConfigError("value_bytes and index_bytes must be >= 1")
+        if not (0 <= self.replica_overhead < 1) or not math.isfinite(self.replica_overhead):
+            raise ConfigError("replica_overhead must be in [0, 1)")
+        if self.co2_tau < 1:
+            raise ConfigError("co2_tau must be >= 1")
+        if not (0 < self.cluster_theta <= 1):
+            raise ConfigError("cluster_theta must be in (0, 1]")
+        if not (0 <= self.exact_search_devices <= 8):
+            raise ConfigError("exact_search_devices must be in [0, 8] (the search is exponential)")
+
+    @property
+    def directions(self) -> int:
+        """How many times a fence's bytes cross its link per micro-batch on the critical resource."""
+        return 1 if self.full_duplex else 2
+
+    @property
+    def dense_ratio(self) -> float:
+        """A kept fraction at or above this is sent dense: sparse (value, index) pairs would be larger."""
+        return self.value_bytes / (self.value_bytes + self.index_bytes)
+
+    def efficiency_of(self, kind: str) -> float:
+        for k, eff in self.efficiency:
+            if k == kind:
+                return eff
+        return self.default_efficiency

@@ -1,0 +1,202 @@
+"""The planner's output: a frozen :class:`Plan`, its wire form and its hash.
+
+A plan is what every member of a job agrees on by hash (runtime/election.py), so the hash covers
+exactly the *decisions* — job, epoch, snapshot hash, algorithm, seed, micro-batches, stage ranges,
+replicas, and per-fence kept ratios (quantised to 1e-4) — and not the predicted times, which are
+floating-point forecasts that may differ in the last bit between machines.
+
+Timing fields (seconds per micro-batch unless stated):
+
+* ``Stage.compute_s``: throughput-equivalent compute of the stage (replicas share micro-batches);
+* ``Fence.time_s`` / ``dense_time_s``: the link's time with / without the chosen compression,
+  activations forward plus gradients backward;
+* ``bottleneck_s``: max over stages and fences; throughput in steady state is ``1 / bottleneck_s``;
+* ``step_time_s``: one GPipe step of M micro-batches,
+  ``(M - 1) * bottleneck_s + sum(stage compute) + sum(fence time)`` — the first micro-batch
+  crosses every pipeline element once (fill and drain) and the other M-1 leave one bottleneck
+  interval apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.wire.limits import DEFAULT_LIMITS
+from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+
+PLAN_VERSION = 1
+MAX_PLAN_BYTES = DEFAULT_LIMITS.max_control_frame
+MAX_STAGES = 4096
+RHO_GRID = 10_000  # kept ratios are multiples of 1/RHO_GRID, so that they hash identically everywhere
+
+
+def quantize_rho(rho: float) -> float:
+    """Round a kept fraction *down* to the 1e-4 grid (never above the exact value, so never slower)."""
+    if rho >= 1.0:
+        return 1.0
+    return max(1, math.floor(rho * RHO_GRID)) / RHO_GRID
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stage:
+    start: int                      # first unit (inclusive)
+    end: int                        # last unit (exclusive)
+    replicas: tuple[str, ...]       # peers serving the stage, sorted
+    compute_s: float = 0.0          # predicted seconds per micro-batch (throughput-equivalent)
+    memory_bytes: float = 0.0       # predicted bytes per replica
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.start < self.end):
+            raise ValueError(f"stage [{self.start}, {self.end}) is empty or negative")
+        if not self.replicas or len(set(self.replicas)) != len(self.replicas):
+            raise ValueError("a stage needs distinct replicas")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fence:
+    """The boundary between stage ``index`` and ``index + 1`` (before unit ``unit``)."""
+
+    index: int
+    unit: int
+    dense_bytes: float              # bytes per micro-batch crossing the fence, uncompressed
+    rho: float                      # AdaTopK kept fraction, 1.0 = no compression
+    time_s: float = 0.0
+    dense_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.rho <= 1.0):
+            raise ValueError(f"fence {self.index}: rho must be in (0, 1], got {self.rho}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    job: str
+    epoch: int
+    snapshot_hash: str
+    algorithm: str                  # "op-fence" | "even-layers" | "even-flops"
+    seed: int
+    n_units: int
+    micro_batches: int
+    stages: tuple[Stage, ...]
+    fences: tuple[Fence, ...]
+    bottleneck_s: float = 0.0
+    step_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ValueError("a plan needs at least one stage")
+        if self.stages[0].start != 0 or self.stages[-1].end != self.n_units:
+            raise ValueError("stages must cover every unit")
+        for a, b in zip(self.stages, self.stages[1:]):
+            if a.end != b.start:
+                raise ValueError("stages must be contiguous and in order")
+        if len(self.fences) != len(self.stages) - 1:
+            raise ValueError("a plan has one fence between consecutive stages")
+        for k, f in enumerate(self.fences):
+            if f.index != k or f.unit != self.stages[k].end:
+                raise ValueError(f"fence {k} is not at the end of stage {k}")
+        seen: set[str] = set()
+        for s in self.stages:
+            if seen.intersection(s.replicas):
+                raise ValueError("a peer serves at most one stage")
+            seen.update(s.replicas)
+        if self.micro_batches < 1:
+            raise ValueError("micro_batches must be >= 1")
+
+    # -- derived ---------------------------------------------------------------------------------
+    @property
+    def throughput(self) -> float:
+        """Micro-batches per second over a whole step (M / step_time)."""
+        return self.micro_batches / self.step_time_s if self.step_time_s > 0 else math.inf
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(sorted(p for s in self.stages for p in s.replicas))
+
+    def stage_of(self, peer: str) -> int | None:
+        for k, s in enumerate(self.stages):
+            if peer in s.replicas:
+                return k
+        return None
+
+    # -- hash and wire ---------------------------------------------------------------------------
+    def _decision(self) -> dict[str, Any]:
+        return {
+            "v": PLAN_VERSION, "job": self.job, "epoch": int(self.epoch), "snapshot": self.snapshot_hash,
+            "algorithm": self.algorithm, "seed": int(self.seed), "n_units": int(self.n_units),
+            "micro_batches": int(self.micro_batches),
+            "stages": [[s.start, s.end, list(s.replicas)] for s in self.stages],
+            "rho": [round(f.rho * RHO_GRID) for f in self.fences],
+        }
+
+    def plan_hash(self) -> str:
+        """Hex sha256 of the canonical encoding of the decisions (not of the predictions)."""
+        return hashlib.sha256(packb(self._decision())).hexdigest()
+
+    def to_wire(self) -> bytes:
+        m = self._decision()
+        m["pred"] = {
+            "stage": [[float(s.compute_s), float(s.memory_bytes)] for s in self.stages],
+            "fence": [[float(f.dense_bytes), float(f.time_s), float(f.dense_time_s)] for f in self.fences],
+            "bottleneck": float(self.bottleneck_s), "step": float(self.step_time_s),
+        }
+        return packb(m)
+
+    @classmethod
+    def from_wire(cls, data: bytes, *, max_size: int = MAX_PLAN_BYTES) -> Plan:
+        """Decode and validate; anything malformed raises RemoteProtocolError."""
+        what = "plan"
+        m = expect_map(unpackb(data, max_size=max_size), what)
+        if field(m, "v", int, what) != PLAN_VERSION:
+            raise RemoteProtocolError("plan: unsupported version")
+        raw_stages = field(m, "stages", list, what)
+        rhos = field(m, "rho", list, what)
+        pred = expect_map(field(m, "pred", dict, what), "plan.pred")
+        pst = field(pred, "stage", list, what)
+        pfe = field(pred, "fence", list, what)
+        if not (0 < len(raw_stages) <= MAX_STAGES) or len(rhos) != len(raw_stages) - 1:
+            raise RemoteProtocolError("plan: bad number of stages or ratios")
+        if len(pst) != len(raw_stages) or len(pfe) != len(rhos):
+            raise RemoteProtocolError("plan: predictions do not match the stages")
+        try:
+            stages = []
+            for (start, end, reps), (comp, mem) in zip(raw_stages, pst):
+                if not isinstance(reps, list) or not all(isinstance(r, str) for r in reps):
+                    raise TypeError("replicas must be strings")
+                stages.append(Stage(start=_int(start), end=_int(end), replicas=tuple(reps),
+                                    compute_s=_flt(comp), memory_bytes=_flt(mem)))
+            fences = []
+            for k, (q, (nb, t, dt)) in enumerate(zip(rhos, pfe)):
+                qi = _int(q)
+                if not (0 < qi <= RHO_GRID):
+                    raise ValueError("rho out of range")
+                fences.append(Fence(index=k, unit=stages[k].end, dense_bytes=_flt(nb), rho=qi / RHO_GRID,
+                                    time_s=_flt(t), dense_time_s=_flt(dt)))
+            return cls(
+                job=field(m, "job", str, what), epoch=field(m, "epoch", int, what),
+                snapshot_hash=field(m, "snapshot", str, what), algorithm=field(m, "algorithm", str, what),
+                seed=field(m, "seed", int, what), n_units=field(m, "n_units", int, what),
+                micro_batches=field(m, "micro_batches", int, what), stages=tuple(stages), fences=tuple(fences),
+                bottleneck_s=_flt(field(pred, "bottleneck", float, what)), step_time_s=_flt(field(pred, "step", float, what)),
+            )
+        except (ValueError, TypeError) as exc:
+            raise RemoteProtocolError(f"plan: invalid content: {exc}") from exc
+
+
+def _int(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"expected an integer, got {type(v).__name__}")
+    return v
+
+
+def _flt(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise TypeError(f"expected a number, got {type(v).__name__}")
+    f = float(v)
+    if not math.isfinite(f) or f < 0:
+        raise ValueError("predictions must be finite and non-negative")
+    return f

@@ -1,0 +1,130 @@
+"""Evaluate a layout or a plan under the cost model, and choose AdaTopK ratios (ALGORITHMS.md §1.6).
+
+A *layout* is the planners' internal form of a plan: ``[(start, end, device indices), ...]`` in
+pipeline order, device indices into ``CostModel.peers``. :func:`build_plan` turns a layout and its
+kept ratios into a :class:`~fusionp2p.plan.plan.Plan` with every prediction filled in;
+:func:`predict` re-evaluates any plan (ours or a baseline) on a snapshot, which is what the
+benchmarks compare with measured step times.
+
+AdaTopK policy (:func:`choose_ratios`): with ``T_comp`` the slowest stage and ``T_floor`` the
+slowest link's best achievable time (at ``rho_min``), the target is ``T* = max(T_comp, T_floor)``.
+A link with dense time ``<= T*`` is not compressed (ratio 1.0); a slower one keeps just enough,
+``rho = (T*/dirs - latency) * bandwidth / (n * (b_val + b_idx))``, clipped to ``[rho_min, 1]`` and
+sent dense when ``rho >= b_val / (b_val + b_idx)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fusionp2p.plan.config import PlannerConfig
+from fusionp2p.plan.estimator import CostModel, compressed_bytes
+from fusionp2p.plan.plan import Fence, Plan, Stage, quantize_rho
+from fusionp2p.plan.snapshot import Snapshot
+from fusionp2p.plan.workload import WorkloadGraph
+
+Layout = list[tuple[int, int, tuple[int, ...]]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prediction:
+    """Predicted times of a plan, seconds per micro-batch except ``step_time_s`` (one step of M)."""
+
+    stage_s: tuple[float, ...]
+    fence_s: tuple[float, ...]
+    bottleneck_s: float
+    step_time_s: float
+    throughput: float               # micro-batches per second over a whole step
+
+
+def step_time(stage_s: Sequence[float], fence_s: Sequence[float], micro_batches: int) -> tuple[float, float]:
+    """(bottleneck, GPipe step time) = (max element, (M-1)*bottleneck + sum of all elements)."""
+    elems = [*stage_s, *fence_s]
+    bottleneck = max(elems)
+    return bottleneck, (micro_batches - 1) * bottleneck + math.fsum(elems)
+
+
+def fence_time(cm: CostModel, layout: Layout, k: int, rho: float) -> tuple[float, float, float]:
+    """(dense bytes, time, dense time) of the fence after stage *k* of *layout* with ratio *rho*."""
+    cfg = cm.config
+    link = cm.group_link(layout[k][2], layout[k + 1][2])
+    dense = float(cm.cut[layout[k][1]])
+    t = cfg.directions * link.time(compressed_bytes(dense, rho, cfg))
+    return dense, t, cfg.directions * link.time(dense)
+
+
+def choose_ratios(cm: CostModel, layout: Layout) -> list[float]:
+    """AdaTopK kept ratio per fence of *layout* (1.0 everywhere when compression is off)."""
+    cfg = cm.config
+    n_f = len(layout) - 1
+    if not cfg.compression or n_f == 0:
+        return [1.0] * n_f
+    t_comp = max(cm.stage_time(i, j, g) for i, j, g in layout)
+    dense_t = [fence_time(cm, layout, k, 1.0)[1] for k in range(n_f)]
+    floor_t = [min(dense_t[k], fence_time(cm, layout, k, cfg.rho_min)[1]) for k in range(n_f)]
+    target = max(t_comp, *floor_t)
+    rhos: list[float] = []
+    for k in range(n_f):
+        if dense_t[k] <= target:
+            rhos.append(1.0)
+            continue
+        link = cm.group_link(layout[k][2], layout[k + 1][2])
+        n = math.ceil(float(cm.cut[layout[k][1]]) / cfg.value_bytes)
+        budget = (target / cfg.directions - link.latency_s) * link.bandwidth_bps
+        rho = budget / (n * (cfg.value_bytes + cfg.index_bytes)) if n > 0 else 1.0
+        rho = min(1.0, max(cfg.rho_min, rho))
+        rhos.append(1.0 if rho >= cfg.dense_ratio else max(cfg.rho_min, quantize_rho(rho)))
+    return rhos
+
+
+def build_plan(
+    cm: CostModel, layout: Layout, rhos: Sequence[float], *,
+    job: str, epoch: int, snapshot_hash: str, algorithm: str, seed: int,
+) -> Plan:
+    """A :class:`Plan` for *layout* with every prediction computed under *cm*."""
+    stages = []
+    for i, j, g in layout:
+        reps = tuple(sorted(cm.peers[d] for d in g))
+        stages.append(Stage(start=i, end=j, replicas=reps, compute_s=cm.stage_time(i, j, g),
+                            memory_bytes=cm.range_memory(i, j, replicated=len(g) > 1)))
+    fences = []
+    for k in range(len(layout) - 1):
+        dense, t, dt = fence_time(cm, layout, k, rhos[k])
+        fences.append(Fence(index=k, unit=layout[k][1], dense_bytes=dense, rho=rhos[k], time_s=t, dense_time_s=dt))
+    bottleneck, step = step_time([s.compute_s for s in stages], [f.time_s for f in fences], cm.config.micro_batches)
+    return Plan(job=job, epoch=epoch, snapshot_hash=snapshot_hash, algorithm=algorithm, seed=seed,
+                n_units=cm.n_units, micro_batches=cm.config.micro_batches, stages=tuple(stages),
+                fences=tuple(fences), bottleneck_s=bottleneck, step_time_s=step)
+
+
+def layout_of(plan: Plan, cm: CostModel) -> Layout:
+    """The layout of *plan* in *cm*'s device indices (KeyError if a replica is not a member)."""
+    return [(s.start, s.end, tuple(cm.index[p] for p in s.replicas)) for s in plan.stages]
+
+
+def predict(plan: Plan, workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfig | None = None) -> Prediction:
+    """Predicted times of *plan* (with its own ratios) on *snapshot*; ValueError if it does not fit."""
+    cfg = config or PlannerConfig(micro_batches=plan.micro_batches)
+    if plan.n_units != len(workload.units):
+        raise ValueError("the plan was made for a different workload")
+    cm = CostModel(workload, snapshot, cfg)
+    try:
+        layout = layout_of(plan, cm)
+    except KeyError as exc:
+        raise ValueError(f"plan names a peer outside the snapshot: {exc}") from None
+    stage_s = tuple(cm.stage_time(i, j, g) for i, j, g in layout)
+    fence_s = tuple(fence_time(cm, layout, k, f.rho)[1] for k, f in enumerate(plan.fences))
+    bottleneck, step = step_time(stage_s, fence_s, cfg.micro_batches)
+    return Prediction(stage_s=stage_s, fence_s=fence_s, bottleneck_s=bottleneck, step_time_s=step,
+                      throughput=cfg.micro_batches / step if step > 0 else math.inf)
+
+
+def layout_fits(cm: CostModel, layout: Layout) -> bool:
+    """True when every replica of every stage has the memory for it."""
+    for i, j, g in layout:
+        need = cm.range_memory(i, j, replicated=len(g) > 1)
+        if need > float(cm.mem_cap[list(g)].min()):
+            return False
+    return True

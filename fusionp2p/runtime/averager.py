@@ -1,0 +1,365 @@
+"""ReplicaAverager: CO2 averaging among the replicas of one stage, in the background (trio shell).
+
+Theory of operation. The training loop calls :meth:`ReplicaAverager.round_boundary` every τ
+local steps. That call copies the live parameters into a fresh snapshot buffer (the only thing
+the averaging ever reads: live parameters keep training while it runs), then
+
+* sync mode: runs the round (reduce-scatter → outer step on the owned shard → all-gather) and
+  returns the new anchor x̃_{t+1};
+* async mode (CO2): waits for the round launched at the PREVIOUS boundary, launches this
+  boundary's round in the background, and returns the anchor the previous round produced. Since
+  that round's outer step needs only state known at its launch (x̃_t, x̃_{t-1}, m and the average
+  of snap_{t-1}), the whole round, all-gather included, overlaps with the next τ local steps.
+
+The pure round logic is :class:`fusionp2p.average.allreduce.AllReduceRound`; this module only
+moves messages. Every wait has a deadline (``round_timeout``): a peer that has not delivered when
+it passes, or whose channel breaks, is declared lost; the round then completes over the survivors
+or is skipped (``BoundaryResult.anchor is None``: keep the live parameters). After any loss or
+skip the survivors form a new epoch (sorted survivor list) and the next round re-initialises the
+outer state from the mean of their snapshots (momentum restarts at zero).
+
+Wire: ``TensorMessage(kind="avg", job, stage, step=round id, name=phase,
+meta={"epoch","lo","hi","w","s"}, tensors=(fp32 slice,))``. Other kinds arriving on the same
+channel are handed to ``on_other`` (e.g. the stage worker's activation router).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from fusionp2p.average.allreduce import AllReduceRound, Finished, Reduced, RoundMsg, RoundResult, Send
+from fusionp2p.average.outer import OuterConfig, OuterOptimizer
+from fusionp2p.average.shard import shard_bounds
+from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.net.channel import TensorChannel, TensorMessage
+
+log = logging.getLogger(__name__)
+
+KIND = "avg"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AveragerConfig:
+    """The averager of one stage's replica set."""
+
+    outer: OuterConfig
+    job: str
+    stage: int = 0
+    round_timeout: float = 60.0   # seconds a round may take from its launch, all phases included
+    weight: float = 1.0           # this replica's weight in the mean (e.g. its samples per round)
+    send_window: int = 8          # queued messages per peer before round tasks block
+
+    def __post_init__(self) -> None:
+        if not (self.round_timeout > 0 and math.isfinite(self.round_timeout)):
+            raise ConfigError("round_timeout must be a positive number of seconds")
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            raise ConfigError("weight must be positive")
+        if self.send_window < 1:
+            raise ConfigError("send_window must be >= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BoundaryResult:
+    """What a round boundary hands the training loop.
+
+    ``anchor`` is the flat fp32 vector to load (``load_flat_``), or None: keep the live parameters.
+    ``consumed_round`` is the round whose snapshots produced it (t−1 in async mode, t in sync mode).
+    """
+
+    boundary: int
+    anchor: torch.Tensor | None
+    consumed_round: int | None
+    launched_round: int | None
+    reason: str = ""
+
+
+def flatten(params: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor:
+    """A NEW flat fp32 copy of *params* (never a view of live memory)."""
+    if isinstance(params, torch.Tensor):
+        return params.detach().reshape(-1).to(torch.float32, copy=True)
+    return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+
+
+def load_flat_(params: Iterable[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy the flat vector *flat* into *params* in place (sizes must add up)."""
+    off = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[off : off + n].view_as(p))
+            off += n
+    if off != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} elements, parameters {off}")
+
+
+def epoch_id(peers: Sequence[str]) -> str:
+    return hashlib.sha256("\n".join(peers).encode()).hexdigest()[:16]
+
+
+def to_message(job: str, stage: int, msg: RoundMsg) -> TensorMessage:
+    meta = {"epoch": msg.epoch, "lo": msg.lo, "hi": msg.hi, "w": msg.weight, "s": msg.scalar}
+    return TensorMessage(job=job, kind=KIND, stage=stage, step=msg.round_id, name=msg.phase, meta=meta, tensors=(msg.data,))
+
+
+def from_message(tm: TensorMessage) -> RoundMsg:
+    """Decode a peer's averaging message; anything malformed raises RemoteProtocolError."""
+    m = tm.meta
+    try:
+        epoch, lo, hi, w, s = m["epoch"], m["lo"], m["hi"], m["w"], m["s"]
+    except (KeyError, TypeError):
+        raise RemoteProtocolError("averaging message lacks epoch/lo/hi/w/s") from None
+    if not isinstance(epoch, str) or not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)):
+        raise RemoteProtocolError("averaging message has mistyped fields")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (w, s)):
+        raise RemoteProtocolError("averaging message has a mistyped weight")
+    if len(tm.tensors) != 1 or not 0 <= lo <= hi:
+        raise RemoteProtocolError("averaging message must carry exactly one slice")
+    return RoundMsg(round_id=tm.step, epoch=epoch, phase=tm.name, lo=lo, hi=hi, data=tm.tensors[0], weight=float(w), scalar=float(s))
+
+
+_Event = tuple[str, str, "RoundMsg | None"]  # ("msg" | "lost", peer, message)
+
+
+class _Round:
+    """One round in flight: its result is set once, by its task."""
+
+    def __init__(self, round_id: int, boundary: int) -> None:
+        self.round_id = round_id
+        self.boundary = boundary
+        self.done = trio.Event()
+        self.result: RoundResult | None = None
+
+
+class ReplicaAverager:
+    """CO2 averaging of this replica (``me``) with ``peers`` over ``channels`` (one per other peer).
+
+    Construct through :func:`open_replica_averager`. ``initial`` is the shared starting point x̃_0
+    (identical on every replica, e.g. same seed or checkpoint).
+    """
+
+    def __init__(
+        self,
+        config: AveragerConfig,
+        *,
+        peers: Sequence[str],
+        me: str,
+        channels: Mapping[str, TensorChannel],
+        initial: torch.Tensor | Iterable[torch.Tensor],
+        on_other: Callable[[str, TensorMessage], Awaitable[None]] | None = None,
+    ) -> None:
+        missing = [p for p in peers if p != me and p not in channels]
+        if me not in peers or missing:
+            raise ConfigError(f"need {me} in peers and a channel to every other peer (missing: {missing})")
+        self.config = config
+        self.me = me
+        self.alive: tuple[str, ...] = tuple(peers)
+        self.epoch = epoch_id(self.alive)
+        self._channels = dict(channels)
+        self._on_other = on_other
+        flat = flatten(initial)
+        self.n_elems = flat.numel()
+        self._initial: torch.Tensor | None = flat
+        self._opt = self._make_opt(flat)
+        self._needs_reinit = False
+        self._boundary = 0
+        self._next_round = 0
+        self._pending: _Round | None = None
+        self._dead: set[str] = set()
+        self._stash: dict[int, list[tuple[str, RoundMsg]]] = defaultdict(list)
+        self._events_send, self._events_recv = trio.open_memory_channel[_Event](1024)
+        self._queues: dict[str, trio.MemorySendChannel[TensorMessage]] = {}
+        self._nursery: trio.Nursery | None = None
+        self.results: list[BoundaryResult] = []
+
+    def _make_opt(self, flat: torch.Tensor) -> OuterOptimizer:
+        lo, hi = shard_bounds(flat.numel(), len(self.alive))[self.alive.index(self.me)]
+        return OuterOptimizer(self.config.outer, flat[lo:hi], lo=lo, sharded=len(self.alive) > 1)
+
+    # ------------------------------------------------------------------ the training loop's API
+    async def round_boundary(self, params: torch.Tensor | Iterable[torch.Tensor], *, lr: float | None = None) -> BoundaryResult:
+        """Snapshot *params*, complete/launch averaging rounds, return what to load (see module doc)."""
+        b = self._boundary
+        self._boundary += 1
+        outer = self.config.outer
+        if not outer.sync and self._pending is not None and not self._pending.done.is_set():
+            age = b - self._pending.boundary
+            if age < outer.max_staleness:  # bounded staleness: let the late round finish later
+                return self._record(BoundaryResult(boundary=b, anchor=None, consumed_round=None, launched_round=None, reason="average late"))
+        snap = flatten(params)  # the copy happens before any await: live params are never read again
+        if outer.sync:
+            rnd = self._launch(snap, b, lr)
+            await rnd.done.wait()
+            return self._record(self._consume(b, rnd, launched=None))
+        prev, self._pending = self._pending, None
+        if prev is not None:
+            await prev.done.wait()
+        elif self._initial is not None:  # async warm-up: x̃_1 = x̃_0, nothing to average yet
+            self._opt.hold(lr=lr)
+            anchor, self._initial = self._initial, None
+            self._pending = self._launch(snap, b, lr)
+            return self._record(BoundaryResult(boundary=b, anchor=anchor, consumed_round=None, launched_round=self._pending.round_id))
+        self._pending = self._launch(snap, b, lr)
+        if prev is None:
+            return self._record(BoundaryResult(boundary=b, anchor=None, consumed_round=None, launched_round=self._pending.round_id, reason="no round in flight"))
+        return self._record(self._consume(b, prev, launched=self._pending.round_id))
+
+    async def finalize(self) -> BoundaryResult | None:
+        """Wait for the round in flight (async mode) and return its anchor, if any."""
+        prev, self._pending = self._pending, None
+        if prev is None:
+            return None
+        await prev.done.wait()
+        return self._record(self._consume(self._boundary, prev, launched=None))
+
+    # ------------------------------------------------------------------ internals
+    def _record(self, res: BoundaryResult) -> BoundaryResult:
+        self.results.append(res)
+        return res
+
+    def _consume(self, b: int, rnd: _Round, *, launched: int | None) -> BoundaryResult:
+        r = rnd.result
+        assert r is not None
+        if not r.complete or r.vector is None:
+            return BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=launched, reason=r.reason or "skipped")
+        return BoundaryResult(boundary=b, anchor=r.vector, consumed_round=rnd.round_id, launched_round=launched)
+
+    def _launch(self, snap: torch.Tensor, boundary: int, lr: float | None) -> _Round:
+        assert self._nursery is not None, "use open_replica_averager"
+        self._initial = None if self.config.outer.sync else self._initial
+        rnd = _Round(self._next_round, boundary)
+        self._next_round += 1
+        self._nursery.start_soon(self._run_round, rnd, snap, lr)
+        return rnd
+
+    async def _run_round(self, rnd: _Round, snap: torch.Tensor, lr: float | None) -> None:
+        reinit = self._needs_reinit
+        sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=self.n_elems, round_id=rnd.round_id, epoch=self.epoch)
+        result: RoundResult | None = None
+
+        async def act(actions: list[Send | Reduced | Finished]) -> None:
+            nonlocal result
+            for a in actions:
+                if isinstance(a, Send):
+                    await self._queues[a.peer].send(to_message(self.config.job, self.config.stage, a.msg))
+                elif isinstance(a, Reduced):
+                    if reinit:  # new epoch: restart the outer state from the survivors' mean
+                        self._opt = OuterOptimizer(self.config.outer, a.mean, lo=a.lo, sharded=len(self.alive) > 1)
+                        await act(sm.publish(a.mean, 0.0))
+                    else:
+                        step = self._opt.step(a.mean, lr=lr)
+                        await act(sm.publish(step.anchor, step.gap_sq_part))
+                else:
+                    result = a.result
+
+        await act(sm.start(snap, self.config.weight))
+        for peer in sorted(self._dead & set(self.alive)):
+            await act(sm.peer_lost(peer))
+        for peer, stashed in self._stash.pop(rnd.round_id, []):
+            await act(self._safe_receive(sm, peer, stashed))
+        with trio.move_on_after(self.config.round_timeout):
+            while result is None:
+                kind, peer, msg = await self._events_recv.receive()
+                if kind == "lost":
+                    await act(sm.peer_lost(peer))
+                elif msg is not None and msg.round_id == rnd.round_id:
+                    await act(self._safe_receive(sm, peer, msg))
+                elif msg is not None and msg.round_id > rnd.round_id:
+                    self._stash[msg.round_id].append((peer, msg))
+        while result is None:  # deadline: whoever we still wait on is lost for this round
+            waiting = sorted(sm.awaiting())
+            log.warning("averaging round %d: deadline passed, giving up on %s", rnd.round_id, waiting)
+            for peer in waiting:
+                self._dead.add(peer)
+                await act(sm.peer_lost(peer))
+        self._after_round(result)
+        rnd.result = result
+        rnd.done.set()
+
+    def _safe_receive(self, sm: AllReduceRound, peer: str, msg: RoundMsg) -> list[Send | Reduced | Finished]:
+        try:
+            return sm.receive(peer, msg)
+        except RemoteProtocolError as exc:  # a peer's bad bytes are never our crash: treat it as lost
+            log.warning("averaging: bad message from %s: %s", peer, exc)
+            self._dead.add(peer)
+            return sm.peer_lost(peer)
+
+    def _after_round(self, result: RoundResult) -> None:
+        lost = (set(result.lost) | self._dead) & set(self.alive)
+        if result.complete:
+            self._opt.gap_sq = result.scalar_sum
+            self._needs_reinit = False
+        if lost or not result.complete:
+            if lost:
+                self.alive = tuple(p for p in self.alive if p not in lost)
+                self.epoch = epoch_id(self.alive)
+                log.warning("averaging: replicas %s lost; continuing with %d in epoch %s", sorted(lost), len(self.alive), self.epoch)
+            self._needs_reinit = True
+
+    async def _receiver(self, peer: str, ch: TensorChannel) -> None:
+        try:
+            while True:
+                tm = await ch.receive()
+                if tm.kind != KIND:
+                    if self._on_other is not None:
+                        await self._on_other(peer, tm)
+                    continue
+                if tm.job != self.config.job or tm.stage != self.config.stage:
+                    log.debug("averaging: dropping message for job %s stage %d", tm.job, tm.stage)
+                    continue
+                try:
+                    msg = from_message(tm)
+                except RemoteProtocolError as exc:
+                    log.warning("averaging: malformed message from %s: %s", peer, exc)
+                    break
+                await self._events_send.send(("msg", peer, msg))
+        except (PeerUnavailable, trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError) as exc:
+            log.info("averaging: channel to %s ended: %r", peer, exc)
+        self._dead.add(peer)
+        await self._events_send.send(("lost", peer, None))
+
+    async def _sender(self, peer: str, ch: TensorChannel, queue: trio.MemoryReceiveChannel[TensorMessage]) -> None:
+        async for tm in queue:
+            if peer in self._dead:
+                continue
+            try:
+                await ch.send(tm)
+            except (PeerUnavailable, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                log.info("averaging: send to %s failed: %r", peer, exc)
+                self._dead.add(peer)
+                await self._events_send.send(("lost", peer, None))
+
+
+@asynccontextmanager
+async def open_replica_averager(
+    config: AveragerConfig,
+    *,
+    peers: Sequence[str],
+    me: str,
+    channels: Mapping[str, TensorChannel],
+    initial: torch.Tensor | Iterable[torch.Tensor],
+    on_other: Callable[[str, TensorMessage], Awaitable[None]] | None = None,
+) -> AsyncIterator[ReplicaAverager]:
+    """Run a :class:`ReplicaAverager` (its receivers, senders and rounds) for the block's duration."""
+    avg = ReplicaAverager(config, peers=peers, me=me, channels=channels, initial=initial, on_other=on_other)
+    async with trio.open_nursery() as nursery:
+        avg._nursery = nursery
+        for peer in peers:
+            if peer == me:
+                continue
+            send, recv = trio.open_memory_channel[TensorMessage](config.send_window)
+            avg._queues[peer] = send
+            nursery.start_soon(avg._sender, peer, channels[peer], recv)
+            nursery.start_soon(avg._receiver, peer, channels[peer])
+        try:
+            yield avg
+        finally:
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,79 @@
+"""The long-running processes: ``fusionp2p node`` and ``fusionp2p bootstrap``.
+
+Both load (or create) a persistent identity in their home directory, start a libp2p transport,
+run the swarm service, print their full multiaddrs once listening, and leave cleanly on SIGINT or
+SIGTERM (announce departure, close streams, exit 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from fusionp2p.errors import ConfigError
+from fusionp2p.net.identity import Identity
+from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport, parse_peer_addr
+from fusionp2p.runtime.profile import measure_profile, parse_device
+from fusionp2p.runtime.swarm import SwarmConfig, SwarmNode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DaemonConfig:
+    role: str
+    home: Path
+    listen: tuple[str, ...]
+    bootstrap: tuple[str, ...] = ()
+    announce: tuple[str, ...] = ()
+    device: str = "cpu"
+    swarm: SwarmConfig = SwarmConfig()
+
+    def __post_init__(self) -> None:
+        for b in self.bootstrap:
+            parse_peer_addr(b)
+        if self.role == "node":
+            parse_device(self.device)
+        Libp2pConfig(listen=self.listen, announce=self.announce)  # validates the addresses
+
+
+async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], None],
+                     extra_services: Callable[[SwarmNode, trio.Nursery], None] | None = None) -> None:
+    """Run until SIGINT/SIGTERM; *on_ready* receives the listen addresses once we listen."""
+    identity = Identity.load_or_create(cfg.home)
+    profile = await trio.to_thread.run_sync(measure_profile, cfg.device) if cfg.role == "node" else None
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce)) as t:
+            on_ready(t.listen_addrs())
+            swarm = SwarmNode(t, SwarmConfig(**{**_fields(cfg.swarm), "role": cfg.role}), profile)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(swarm.run, list(cfg.bootstrap))
+                if extra_services is not None:
+                    extra_services(swarm, nursery)
+                log.info("%s %s joined; %d members", cfg.role, t.peer_id, len(swarm.members()))
+                async for signum in signals:
+                    log.info("signal %s: leaving", signal.Signals(signum).name)
+                    break
+                await swarm.leave()
+                nursery.cancel_scope.cancel()
+
+
+def _fields(c: SwarmConfig) -> dict[str, object]:
+    return {name: getattr(c, name) for name in c.__slots__}  # type: ignore[attr-defined]
+
+
+def check_home(home: str | None, default: Path) -> Path:
+    p = Path(home) if home else default
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"--home {p} is not a directory")
+    return p
+
+
+
+
+__all__ = ["DaemonConfig", "check_home", "run_daemon"]

@@ -1,0 +1,300 @@
+"""The user's training settings: :class:`TrainConfig` and its parts (:class:`CO2`, :class:`AdaTopK`,
+:class:`LRSchedule`), validated where they are built, with messages that say what to do.
+
+Each config has ``to_wire()`` (a canonical msgpack-able dict) and ``from_wire(obj)``, which turns any
+malformed or invalid value from a peer into :class:`RemoteProtocolError`. Floats are normalised to
+``float`` in ``__post_init__`` so that an encoding round trip is byte-for-byte identical (the job's
+content hash and signature depend on it).
+
+The SDK accepts shorthands, normalised here: ``averaging="co2"`` → ``CO2()``, ``averaging="none"``
+→ ``None``, ``compression="adatopk"`` → ``AdaTopK()``, ``lr_schedule="cosine"`` → ``LRSchedule()``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fusionp2p.errors import ConfigError, RemoteProtocolError
+from fusionp2p.wire.msg import expect_map, field
+
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("1f1b", "gpipe")
+LR_KINDS = ("constant", "cosine", "linear")
+PENALTIES = ("none", "constant", "elementwise", "lr_ratio")
+
+_T = TypeVar("_T")
+
+
+def _pos_int(name: str, v: object, *, minimum: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {v!r}")
+
+
+def _num(name: str, v: object, *, lo: float = -math.inf, hi: float = math.inf, lo_open: bool = False) -> float:
+    """Check a number's range and return it as float (ints are accepted from users)."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ConfigError(f"{name} must be a finite number, got {v!r}")
+    f = float(v)
+    if f < lo or f > hi or (lo_open and f == lo):
+        bound = f"> {lo}" if lo_open else f">= {lo}"
+        raise ConfigError(f"{name} must be {bound} and <= {hi}, got {f}")
+    return f
+
+
+def _float(obj: object, name: str, v: object, *, lo: float = -math.inf, hi: float = math.inf, lo_open: bool = False) -> None:
+    """Validate field *name* of a frozen dataclass and store it back as float (canonical encoding)."""
+    object.__setattr__(obj, name, _num(name, v, lo=lo, hi=hi, lo_open=lo_open))
+
+
+def _from_wire(cls: type[_T], obj: Any, what: str, conv: dict[str, Any]) -> _T:
+    """Build *cls* from a peer's map; any validation failure becomes RemoteProtocolError."""
+    m = expect_map(obj, what)
+    unknown = set(m) - set(conv)
+    if unknown:
+        raise RemoteProtocolError(f"{what}: unknown fields {sorted(unknown)}")
+    kwargs = {k: f(m, k) for k, f in conv.items()}
+    try:
+        return cls(**kwargs)
+    except (ConfigError, TypeError) as exc:
+        raise RemoteProtocolError(f"{what}: {exc}") from None
+
+
+def _typed(typ: type | tuple[type, ...], what: str) -> Any:
+    return lambda m, k: field(m, k, typ, what)
+
+
+def _opt_float(what: str) -> Any:
+    def get(m: dict[str, Any], k: str) -> float | None:
+        if m.get(k, 0.0) is None:
+            return None
+        return float(field(m, k, float, what))
+
+    return get
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CO2:
+    """CO2 averaging of the replicas of each stage (ALGORITHMS.md §2): every ``tau`` local steps, an
+    outer step with ``outer_lr`` and heavy-ball ``outer_momentum`` on the (one-round-stale) average."""
+
+    tau: int = 8
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.5
+    clip: float | None = None           # element-wise clip of the outer momentum; None = no clip
+    penalty: str = "none"               # staleness gap penalty Λ: none | constant | elementwise | lr_ratio
+    penalty_scale: float = 1.0
+    sync: bool = False                  # True: block on the average (SlowMo); for tests and equivalence
+
+    def __post_init__(self) -> None:
+        _pos_int("CO2.tau", self.tau)
+        _float(self, "outer_lr", self.outer_lr, lo=0.0, lo_open=True)
+        _float(self, "outer_momentum", self.outer_momentum, lo=0.0, hi=0.999)
+        if self.clip is not None:
+            _float(self, "clip", self.clip, lo=0.0, lo_open=True)
+        if self.penalty not in PENALTIES:
+            raise ConfigError(f"CO2.penalty must be one of {', '.join(PENALTIES)}, got {self.penalty!r}")
+        _float(self, "penalty_scale", self.penalty_scale, lo=0.0)
+        if not isinstance(self.sync, bool):
+            raise ConfigError("CO2.sync must be True or False")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "tau": self.tau, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "clip": self.clip,
+            "penalty": self.penalty, "penalty_scale": self.penalty_scale, "sync": self.sync,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> CO2:
+        w = "CO2 config"
+        return _from_wire(cls, obj, w, {
+            "tau": _typed(int, w), "outer_lr": _typed(float, w), "outer_momentum": _typed(float, w),
+            "clip": _opt_float(w), "penalty": _typed(str, w), "penalty_scale": _typed(float, w), "sync": _typed(bool, w),
+        })
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdaTopK:
+    """AdaTopK compression on the links the plan marks slow (ALGORITHMS.md §1.6)."""
+
+    rho_min: float = 0.01   # smallest kept fraction: bounds the accuracy loss
+
+    def __post_init__(self) -> None:
+        _float(self, "rho_min", self.rho_min, lo=0.0, hi=1.0, lo_open=True)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"rho_min": self.rho_min}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> AdaTopK:
+        return _from_wire(cls, obj, "AdaTopK config", {"rho_min": _typed(float, "AdaTopK config")})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LRSchedule:
+    """Linear warm-up over ``warmup_steps``, then ``constant``, ``cosine`` or ``linear`` decay to
+    ``min_lr_ratio * lr`` at the last step."""
+
+    kind: str = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.kind not in LR_KINDS:
+            raise ConfigError(f"lr_schedule kind must be one of {', '.join(LR_KINDS)}, got {self.kind!r}")
+        _pos_int("warmup_steps", self.warmup_steps, minimum=0)
+        _float(self, "min_lr_ratio", self.min_lr_ratio, lo=0.0, hi=1.0)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "warmup_steps": self.warmup_steps, "min_lr_ratio": self.min_lr_ratio}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> LRSchedule:
+        w = "lr schedule"
+        return _from_wire(cls, obj, w, {"kind": _typed(str, w), "warmup_steps": _typed(int, w), "min_lr_ratio": _typed(float, w)})
+
+    def factor(self, step: int, steps: int) -> float:
+        """Multiplier of the base lr at 0-based *step* of *steps*."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return 1.0
+        span = max(1, steps - 1 - self.warmup_steps)
+        frac = min(1.0, max(0.0, (step - self.warmup_steps) / span))
+        shape = 0.5 * (1.0 + math.cos(math.pi * frac)) if self.kind == "cosine" else 1.0 - frac
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """How to train: ``TrainConfig(steps=2000, micro_batch=8, micro_batches=4, optimizer="adamw", lr=3e-4,
+    averaging=CO2(tau=8), compression="adatopk")``.
+
+    One step = ``micro_batches`` micro-batches of ``micro_batch`` samples through the pipeline, then an
+    optimizer step on every stage. ``checkpoint_every=0`` saves only at the end; ``replicas`` is a hint
+    for the planner (replicas per stage), ``None`` lets it choose.
+    """
+
+    steps: int
+    micro_batch: int = 8
+    micro_batches: int = 4
+    optimizer: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    momentum: float = 0.0                       # sgd only
+    betas: tuple[float, float] = (0.9, 0.999)   # adamw only
+    eps: float = 1e-8
+    grad_clip: float | None = None              # global-norm clip per stage; None = off
+    lr_schedule: LRSchedule | str | None = None
+    averaging: CO2 | str | None = None
+    compression: AdaTopK | str | None = None
+    schedule: str = "1f1b"
+    checkpoint_every: int = 0
+    seed: int = 0
+    replicas: int | None = None
+
+    def __post_init__(self) -> None:
+        _pos_int("steps", self.steps)
+        _pos_int("micro_batch", self.micro_batch)
+        _pos_int("micro_batches", self.micro_batches)
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        _float(self, "lr", self.lr, lo=0.0, lo_open=True)
+        _float(self, "weight_decay", self.weight_decay, lo=0.0)
+        _float(self, "momentum", self.momentum, lo=0.0, hi=0.999)
+        if self.optimizer == "adamw" and self.momentum:
+            raise ConfigError("momentum applies to sgd only; for adamw set betas=(b1, b2)")
+        betas = self.betas
+        if not isinstance(betas, tuple | list) or len(betas) != 2:
+            raise ConfigError(f"betas must be a pair (b1, b2), got {betas!r}")
+        object.__setattr__(self, "betas", (_num("betas[0]", betas[0], lo=0.0, hi=0.9999), _num("betas[1]", betas[1], lo=0.0, hi=0.99999)))
+        _float(self, "eps", self.eps, lo=0.0, lo_open=True)
+        if self.grad_clip is not None:
+            _float(self, "grad_clip", self.grad_clip, lo=0.0, lo_open=True)
+        object.__setattr__(self, "lr_schedule", _shorthand(self.lr_schedule, "lr_schedule", {"cosine": LRSchedule, "linear": lambda: LRSchedule(kind="linear"), "constant": None}, LRSchedule))
+        object.__setattr__(self, "averaging", _shorthand(self.averaging, "averaging", {"co2": CO2, "none": None}, CO2))
+        object.__setattr__(self, "compression", _shorthand(self.compression, "compression", {"adatopk": AdaTopK, "none": None}, AdaTopK))
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        _pos_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.replicas is not None:
+            _pos_int("replicas", self.replicas)
+
+    # -- typed views of the normalised fields ------------------------------------------------------
+
+    @property
+    def co2(self) -> CO2 | None:
+        assert not isinstance(self.averaging, str)
+        return self.averaging
+
+    @property
+    def adatopk(self) -> AdaTopK | None:
+        assert not isinstance(self.compression, str)
+        return self.compression
+
+    @property
+    def lr_sched(self) -> LRSchedule | None:
+        assert not isinstance(self.lr_schedule, str)
+        return self.lr_schedule
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of 0-based *step* (the base lr when there is no schedule)."""
+        s = self.lr_sched
+        return self.lr if s is None else self.lr * s.factor(step, self.steps)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.micro_batch * self.micro_batches
+
+    # -- wire ----------------------------------------------------------------------------------------
+
+    def to_wire(self) -> dict[str, Any]:
+        sched, co2, comp = self.lr_sched, self.co2, self.adatopk
+        return {
+            "steps": self.steps, "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
+            "optimizer": self.optimizer, "lr": self.lr, "weight_decay": self.weight_decay, "momentum": self.momentum,
+            "betas": list(self.betas), "eps": self.eps, "grad_clip": self.grad_clip,
+            "lr_schedule": None if sched is None else sched.to_wire(),
+            "averaging": None if co2 is None else co2.to_wire(),
+            "compression": None if comp is None else comp.to_wire(),
+            "schedule": self.schedule, "checkpoint_every": self.checkpoint_every, "seed": self.seed,
+            "replicas": self.replicas,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> TrainConfig:
+        w = "train config"
+
+        def nested(sub: Any) -> Any:
+            return lambda m, k: None if m.get(k, 0) is None else sub.from_wire(m.get(k))
+
+        def betas(m: dict[str, Any], k: str) -> tuple[float, float]:
+            v = field(m, k, list, w)
+            if len(v) != 2 or not all(isinstance(x, float) for x in v):
+                raise RemoteProtocolError(f"{w}: betas must be two floats")
+            return (v[0], v[1])
+
+        def opt_int(m: dict[str, Any], k: str) -> int | None:
+            return None if m.get(k, 0) is None else int(field(m, k, int, w))
+
+        return _from_wire(cls, obj, w, {
+            "steps": _typed(int, w), "micro_batch": _typed(int, w), "micro_batches": _typed(int, w),
+            "optimizer": _typed(str, w), "lr": _typed(float, w), "weight_decay": _typed(float, w),
+            "momentum": _typed(float, w), "betas": betas, "eps": _typed(float, w), "grad_clip": _opt_float(w),
+            "lr_schedule": nested(LRSchedule), "averaging": nested(CO2), "compression": nested(AdaTopK),
+            "schedule": _typed(str, w), "checkpoint_every": _typed(int, w), "seed": _typed(int, w),
+            "replicas": opt_int,
+        })
+
+
+def _shorthand(value: object, name: str, table: dict[str, Any], cls: type) -> Any:
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str) and value.lower() in table:
+        make = table[value.lower()]
+        return None if make is None else make()
+    names = ", ".join(repr(k) for k in table)
+    raise ConfigError(f"{name} must be None, one of {names}, or a {cls.__name__}(...) instance; got {value!r}")

@@ -1,0 +1,624 @@
+"""The emulated-WAN testbed: shaped network namespaces, the processes in them, and their teardown.
+
+Use::
+
+    spec = load_spec("fusionp2p/testing/specs/wan6.json")
+    with up(spec) as tb:                       # namespaces, bridge, veths, tbf shaping
+        boot, addr = tb.start_bootstrap()      # `fusionp2p bootstrap` in the spec's bootstrap host
+        nodes = tb.start_nodes(addr)           # `fusionp2p node` in every host
+        tb.run(tb.hosts[0], ["python", "-c", "..."], timeout=10)
+    # every process the testbed started is stopped, every namespace deleted
+
+The layout and the shaping are described in :mod:`fusionp2p.testing.netns`. Teardown is idempotent
+and happens on leaving the ``with`` block (also on an exception or Ctrl-C), at interpreter exit
+(atexit) for testbeds still open, and on demand with :func:`down` / :func:`down_all`, which need no
+state from the process that created the testbed: they find our namespaces by name and kill what
+runs inside them. :func:`cli_up` / :func:`cli_down` are what ``fusionp2p testbed up|down`` calls.
+
+Only the namespaces created here are ever addressed: hosts live on ``10.77.<octet>.0/24``, which
+exists only on the testbed's veths.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from fusionp2p.errors import ConfigError
+from fusionp2p.testing import netns
+from fusionp2p.testing.netns import (
+    Layout,
+    Proc,
+    TestbedError,
+    format_rate,
+    parse_rate,
+    spawn_process,
+    stop_all,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "HostSpec",
+    "Proc",
+    "Testbed",
+    "TestbedError",
+    "TestbedHost",
+    "TestbedSpec",
+    "cli_down",
+    "cli_up",
+    "down",
+    "down_all",
+    "fusionp2p_command",
+    "load_spec",
+    "spec_from_dict",
+    "up",
+]
+
+_HOST_KEYS = {"name", "up", "down", "torch_threads", "slowdown", "node_args"}
+_SPEC_KEYS = {"hosts", "bootstrap_host", "bootstrap_port", "description"}
+_NETEM_KEYS = {"latency", "delay", "rtt", "loss", "jitter"}
+_NAME_OK = set("abcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostSpec:
+    """One emulated host. Rates are bits per second; None leaves that direction unshaped.
+
+    ``torch_threads`` and ``slowdown`` emulate heterogeneous compute; they reach the processes
+    started in the host as environment variables (see :meth:`TestbedHost.env`).
+    """
+
+    name: str
+    up_bps: int | None = None
+    down_bps: int | None = None
+    torch_threads: int | None = None
+    slowdown: float = 1.0
+    node_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name) > 32 or not set(self.name) <= _NAME_OK:
+            raise ConfigError(f"host name {self.name!r}: use 1-32 characters from a-z, 0-9, '-', '_'")
+        if self.torch_threads is not None and not 1 <= self.torch_threads <= 256:
+            raise ConfigError(f"host {self.name}: torch_threads must be in 1..256")
+        if not 1.0 <= self.slowdown <= 1000.0:
+            raise ConfigError(f"host {self.name}: slowdown must be in 1..1000 (1 = full speed)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TestbedSpec:
+    """A whole testbed: its hosts, and where the bootstrap runs (default: the first host)."""
+
+    __test__ = False  # not a pytest test class
+
+    hosts: tuple[HostSpec, ...]
+    bootstrap_host: str = ""
+    bootstrap_port: int = 4001
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.hosts) <= netns.MAX_HOSTS:
+            raise ConfigError(f"a testbed spec needs 1..{netns.MAX_HOSTS} hosts, got {len(self.hosts)}")
+        names = [h.name for h in self.hosts]
+        if len(set(names)) != len(names):
+            raise ConfigError("host names in a testbed spec must be unique")
+        if self.bootstrap_host and self.bootstrap_host not in names:
+            raise ConfigError(f"bootstrap_host {self.bootstrap_host!r} is not one of the hosts {names}")
+        if not 1 <= self.bootstrap_port <= 65535:
+            raise ConfigError("bootstrap_port must be in 1..65535")
+
+    @property
+    def bootstrap(self) -> str:
+        return self.bootstrap_host or self.hosts[0].name
+
+
+def _opt_rate(where: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: a rate is a string such as '100mbit'")
+    return parse_rate(value)
+
+
+def spec_from_dict(doc: Mapping[str, Any]) -> TestbedSpec:
+    """Validate a parsed spec document (JSON or TOML) and build the spec. Unknown keys are errors."""
+    if not isinstance(doc, Mapping):
+        raise ConfigError("a testbed spec is a table/object with a 'hosts' list")
+    unknown = set(doc) - _SPEC_KEYS
+    if unknown:
+        raise ConfigError(f"unknown testbed spec keys {sorted(unknown)}; known: {sorted(_SPEC_KEYS)}")
+    raw_hosts = doc.get("hosts")
+    if not isinstance(raw_hosts, list) or not raw_hosts:
+        raise ConfigError("a testbed spec needs a non-empty 'hosts' list")
+    hosts: list[HostSpec] = []
+    for i, h in enumerate(raw_hosts):
+        if not isinstance(h, Mapping):
+            raise ConfigError(f"hosts[{i}] must be a table/object")
+        where = f"host {h.get('name', i)!r}"
+        netem = set(h) & _NETEM_KEYS
+        if netem:
+            raise ConfigError(
+                f"{where}: {sorted(netem)} not supported: this kernel has no tc netem, the testbed shapes rates only (tbf)"
+            )
+        bad = set(h) - _HOST_KEYS
+        if bad:
+            raise ConfigError(f"{where}: unknown keys {sorted(bad)}; known: {sorted(_HOST_KEYS)}")
+        threads, slowdown, args = h.get("torch_threads"), h.get("slowdown", 1.0), h.get("node_args", [])
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool)):
+            raise ConfigError(f"{where}: torch_threads must be an integer")
+        if not isinstance(slowdown, (int, float)) or isinstance(slowdown, bool):
+            raise ConfigError(f"{where}: slowdown must be a number")
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise ConfigError(f"{where}: node_args must be a list of strings")
+        name = h.get("name")
+        if not isinstance(name, str):
+            raise ConfigError(f"hosts[{i}] needs a string 'name'")
+        hosts.append(
+            HostSpec(
+                name=name,
+                up_bps=_opt_rate(f"{where} up", h.get("up")),
+                down_bps=_opt_rate(f"{where} down", h.get("down")),
+                torch_threads=threads,
+                slowdown=float(slowdown),
+                node_args=tuple(args),
+            )
+        )
+    port = doc.get("bootstrap_port", 4001)
+    boot = doc.get("bootstrap_host", "")
+    desc = doc.get("description", "")
+    if not isinstance(port, int) or not isinstance(boot, str) or not isinstance(desc, str):
+        raise ConfigError("bootstrap_port is an integer; bootstrap_host and description are strings")
+    return TestbedSpec(hosts=tuple(hosts), bootstrap_host=boot, bootstrap_port=port, description=desc)
+
+
+def load_spec(path: str | os.PathLike[str]) -> TestbedSpec:
+    """Read a spec from a ``.json`` or ``.toml`` file; every problem is a one-line ConfigError."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read testbed spec {p}: {e.strerror}") from None
+    try:
+        if p.suffix == ".toml":
+            import tomllib  # Python >= 3.11; JSON specs work on 3.10 too
+
+            doc: Any = tomllib.loads(text)
+        else:
+            doc = json.loads(text)
+    except ImportError:
+        raise ConfigError("TOML specs need Python >= 3.11; use the JSON form") from None
+    except ValueError as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
+        raise ConfigError(f"testbed spec {p} does not parse: {e}") from None
+    return spec_from_dict(doc)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TestbedHost:
+    """A host of a running testbed: its spec, namespace and address."""
+
+    __test__ = False
+
+    spec: HostSpec
+    namespace: str
+    address: str
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def env(self) -> dict[str, str]:
+        """Environment added to processes started in this host (heterogeneous compute).
+
+        ``FUSIONP2P_TORCH_THREADS`` / ``OMP_NUM_THREADS`` cap torch's threads;
+        ``FUSIONP2P_COMPUTE_SLOWDOWN`` asks the node to run its compute that many times slower;
+        ``FUSIONP2P_TESTBED_HOST`` / ``FUSIONP2P_TESTBED_ADDR`` are the host's name and address.
+        """
+        env = {
+            "FUSIONP2P_COMPUTE_SLOWDOWN": repr(self.spec.slowdown),
+            "FUSIONP2P_TESTBED_HOST": self.name,
+            "FUSIONP2P_TESTBED_ADDR": self.address,
+        }
+        if self.spec.torch_threads is not None:
+            n = str(self.spec.torch_threads)
+            env |= {"FUSIONP2P_TORCH_THREADS": n, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+        return env
+
+
+def fusionp2p_command() -> list[str]:
+    """argv prefix that runs the ``fusionp2p`` CLI of *this* interpreter's installation."""
+    script = Path(sys.executable).parent / "fusionp2p"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from fusionp2p.cli import main; sys.exit(main())"]
+
+
+# Testbeds still open in this process, torn down at interpreter exit. A registry is the only way an
+# atexit hook can find them; it holds nothing else.
+_LIVE: dict[str, Testbed] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+def _close_live_at_exit() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE.values())
+    for tb in live:
+        tb.close()
+
+
+atexit.register(_close_live_at_exit)
+
+
+@dataclass(kw_only=True, eq=False)
+class Testbed:
+    """A running testbed. Create it with :func:`up`; :meth:`close` (or ``with``) tears it down."""
+
+    __test__ = False
+
+    spec: TestbedSpec
+    layout: Layout
+    workdir: Path
+    hosts: tuple[TestbedHost, ...]
+    owns_workdir: bool = True
+    procs: list[Proc] = field(default_factory=list)
+    closed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.layout.run
+
+    def host(self, name: str) -> TestbedHost:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise ConfigError(f"no host {name!r} in testbed {self.name}; hosts: {[h.name for h in self.hosts]}")
+
+    def _resolve(self, host: TestbedHost | str) -> TestbedHost:
+        return self.host(host) if isinstance(host, str) else host
+
+    def argv(self, host: TestbedHost | str, argv: Sequence[str]) -> list[str]:
+        """The argv that runs ``argv`` inside ``host``'s namespace."""
+        return netns.exec_argv(self._resolve(host).namespace, argv)
+
+    def spawn(
+        self,
+        host: TestbedHost | str,
+        argv: Sequence[str],
+        *,
+        label: str = "",
+        env: Mapping[str, str] | None = None,
+        detached_output: bool = False,
+    ) -> Proc:
+        """Start ``argv`` inside ``host`` and track it, so that teardown stops exactly this process.
+
+        stdout is readable line by line with :meth:`Proc.read_line` (and copied to the workdir);
+        with ``detached_output`` it goes only to a file, so the process outlives this Python process.
+        """
+        if self.closed:
+            raise TestbedError(f"testbed {self.name} is closed")
+        h = self._resolve(host)
+        full_env = {**os.environ, **h.env(), **(env or {})}
+        tag = label or f"{h.name}-{len(self.procs)}"
+        proc = spawn_process(
+            self.argv(h, argv), label=tag, env=full_env, logdir=self.workdir / "logs", pipe_stdout=not detached_output
+        )
+        with self._lock:
+            self.procs.append(proc)
+        return proc
+
+    def run(self, host: TestbedHost | str, argv: Sequence[str], *, timeout: float) -> tuple[int, str]:
+        """Run ``argv`` inside ``host`` to completion; return (exit status, stdout). Stops it on timeout."""
+        proc = self.spawn(host, argv)
+        try:
+            rc = proc.wait(timeout)
+        finally:
+            proc.stop(grace=1.0)
+        return rc, proc.drain_stdout()
+
+    def start_bootstrap(
+        self, argv: Sequence[str] | None = None, *, ready_timeout: float = 60.0, detached_output: bool = False
+    ) -> tuple[Proc, str]:
+        """Start the bootstrap in the spec's bootstrap host; return it and its first multiaddr line.
+
+        ``argv`` defaults to ``fusionp2p bootstrap --listen /ip4/IP/tcp/PORT --home DIR``. The address
+        is the first stdout line starting with ``/``, read with a deadline of ``ready_timeout``.
+        """
+        h = self.host(self.spec.bootstrap)
+        if argv is None:
+            home = self.workdir / h.name / "bootstrap-home"
+            home.mkdir(parents=True, exist_ok=True)
+            listen = f"/ip4/{h.address}/tcp/{self.spec.bootstrap_port}"
+            argv = [*fusionp2p_command(), "bootstrap", "--listen", listen, "--home", str(home)]
+        proc = self.spawn(h, argv, label=f"{h.name}-bootstrap", detached_output=detached_output)
+        addr = proc.read_line(ready_timeout, match=lambda line: line.startswith("/"))
+        log.info("testbed %s: bootstrap at %s", self.name, addr)
+        return proc, addr
+
+    def node_argv(self, host: TestbedHost | str, bootstrap_addr: str) -> list[str]:
+        """The default node command for ``host``: ``fusionp2p node --bootstrap … --listen … --home …``."""
+        h = self._resolve(host)
+        home = self.workdir / h.name / "home"
+        home.mkdir(parents=True, exist_ok=True)
+        return [
+            *fusionp2p_command(),
+            "node",
+            "--bootstrap",
+            bootstrap_addr,
+            "--listen",
+            f"/ip4/{h.address}/tcp/0",
+            "--home",
+            str(home),
+            *h.spec.node_args,
+        ]
+
+    def start_nodes(
+        self,
+        bootstrap_addr: str,
+        argv_for: Callable[[TestbedHost, str], Sequence[str]] | None = None,
+        *,
+        detached_output: bool = False,
+    ) -> list[Proc]:
+        """Start one node per host (``argv_for(host, bootstrap_addr)``, default :meth:`node_argv`)."""
+        make = argv_for or self.node_argv
+        return [
+            self.spawn(h, make(h, bootstrap_addr), label=f"{h.name}-node", detached_output=detached_output)
+            for h in self.hosts
+        ]
+
+    def stop_processes(self, grace: float = 5.0) -> None:
+        """SIGTERM every tracked process group, wait up to ``grace`` s in total, then SIGKILL."""
+        with self._lock:
+            procs = list(self.procs)
+        stop_all(procs, grace=grace)
+
+    def close(self, *, grace: float = 5.0, keep_workdir: bool = False) -> None:
+        """Stop the processes, delete the namespaces and (if we made it) the workdir. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            stop_all(list(self.procs), grace=grace)
+        finally:
+            _delete_run(self.name)
+            with _LIVE_LOCK:
+                _LIVE.pop(self.name, None)
+            if self.owns_workdir and not keep_workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            elif keep_workdir:
+                log.warning("testbed %s: logs kept in %s", self.name, self.workdir)
+
+    def detach(self) -> None:
+        """Leave the testbed running after this process exits (``fusionp2p testbed down`` removes it)."""
+        with _LIVE_LOCK:
+            _LIVE.pop(self.name, None)
+        self.closed = True
+
+    def __enter__(self) -> Testbed:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        # On a failure, keep the logs: they are what explains it.
+        self.close(keep_workdir=et is not None and not issubclass(et, KeyboardInterrupt))
+
+
+def up(
+    spec: TestbedSpec,
+    *,
+    name: str | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+    rng: random.Random | None = None,
+) -> Testbed:
+    """Create the namespaces, bridge, veths and shaping of ``spec``; return the running Testbed.
+
+    ``name`` (``fp2p-<6 hex>``) and the subnet octet are drawn from ``rng`` (default: the OS's
+    entropy) so that parallel runs never collide. If any step fails, whatever was created is removed
+    before the error propagates. Raises ConfigError without root or iproute2.
+    """
+    netns.check_environment()
+    r = rng or random.SystemRandom()
+    existing = {netns.run_of(ns) for ns in netns.list_namespaces()}
+    if name is None:
+        name = f"{netns.PREFIX}{r.getrandbits(24):06x}"
+        while name in existing:
+            name = f"{netns.PREFIX}{r.getrandbits(24):06x}"
+    elif name in existing:
+        raise ConfigError(f"testbed {name} already exists; run `fusionp2p testbed down {name}` first")
+    layout = netns.make_layout(name, r.randrange(256), [(h.up_bps, h.down_bps) for h in spec.hosts])
+    owns = workdir is None
+    wd = Path(tempfile.mkdtemp(prefix=f"{name}-")) if workdir is None else Path(workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    try:
+        for cmd in netns.plan_commands(layout):
+            netns.run_cmd(cmd)
+    except BaseException:
+        _delete_run(name)
+        if owns:
+            shutil.rmtree(wd, ignore_errors=True)
+        raise
+    hosts = tuple(TestbedHost(spec=s, namespace=h.namespace, address=h.address) for s, h in zip(spec.hosts, layout.hosts))
+    tb = Testbed(spec=spec, layout=layout, workdir=wd, hosts=hosts, owns_workdir=owns)
+    with _LIVE_LOCK:
+        _LIVE[name] = tb
+    log.info("testbed %s up: %d hosts on 10.77.%d.0/24, workdir %s", name, len(hosts), layout.octet, wd)
+    return tb
+
+
+def _delete_run(run: str) -> list[str]:
+    """Delete every namespace of ``run`` (hosts first, then the bridge); return the names deleted."""
+    mine = [ns for ns in netns.list_namespaces() if netns.run_of(ns) == run]
+    mine.sort(key=lambda ns: ns.endswith("-br"))
+    errors: list[str] = []
+    for ns in mine:
+        try:
+            netns.delete_namespace(ns)
+        except TestbedError as e:
+            errors.append(str(e))
+    if errors:
+        raise TestbedError("; ".join(errors))
+    return mine
+
+
+def down(name: str) -> list[str]:
+    """Tear down testbed ``name`` (also one created by another process); return the namespaces removed.
+
+    Idempotent: a testbed that is already gone removes nothing.
+    """
+    netns.check_run_name(name)
+    netns.check_environment()
+    with _LIVE_LOCK:
+        live = _LIVE.get(name)
+    if live is not None:
+        live.close()
+    return _delete_run(name)
+
+
+def running() -> list[str]:
+    """Names of the testbeds whose namespaces exist on this machine (created by any process)."""
+    netns.check_environment()
+    return sorted({r for ns in netns.list_namespaces() if (r := netns.run_of(ns)) is not None})
+
+
+def down_all() -> list[str]:
+    """Tear down every testbed on this machine (leftovers of crashed runs included)."""
+    removed: list[str] = []
+    for run in running():
+        removed += down(run)
+    return removed
+
+
+# ---------------------------------------------------------------- what `fusionp2p testbed` calls
+
+
+def describe(tb: Testbed) -> str:
+    """A plain-text table of the hosts of ``tb``."""
+    def rate(bps: int | None) -> str:
+        return format_rate(bps) if bps is not None else "unshaped"
+
+    rows = [f"testbed {tb.name}: {len(tb.hosts)} hosts on 10.77.{tb.layout.octet}.0/24 (workdir {tb.workdir})"]
+    rows.append(f"  {'host':<12} {'namespace':<18} {'address':<15} {'up':>9} {'down':>9}  compute")
+    for h in tb.hosts:
+        comp = f"x{h.spec.slowdown:g} slower" if h.spec.slowdown != 1.0 else "full speed"
+        if h.spec.torch_threads is not None:
+            comp += f", {h.spec.torch_threads} threads"
+        rows.append(f"  {h.name:<12} {h.namespace:<18} {h.address:<15} {rate(h.spec.up_bps):>9} {rate(h.spec.down_bps):>9}  {comp}")
+    return "\n".join(rows)
+
+def _remove_tmp_workdirs(run: str) -> None:
+    """Remove the auto-created workdirs of ``run`` (``mkdtemp(prefix=run + '-')``), e.g. of a detached run."""
+    for d in Path(tempfile.gettempdir()).glob(f"{run}-*"):
+        if d.is_dir() and not d.is_symlink():
+            shutil.rmtree(d, ignore_errors=True)
+
+
+class _Terminate(KeyboardInterrupt):
+    """SIGTERM/SIGHUP turned into the same unwinding as Ctrl-C."""
+
+
+def _raise_terminate(signum: int, frame: object) -> None:
+    raise _Terminate(f"signal {signum}")
+
+
+def cli_up(
+    spec_path: str | os.PathLike[str],
+    *,
+    swarm: bool = True,
+    detach: bool = False,
+    ready_timeout: float = 60.0,
+    bootstrap_argv: Sequence[str] | None = None,
+    node_argv: Callable[[TestbedHost, str], Sequence[str]] | None = None,
+) -> int:
+    """``fusionp2p testbed up --spec FILE``: build the testbed, start a bootstrap and a node per host.
+
+    In the foreground (default) it waits until Ctrl-C/SIGTERM or until the bootstrap exits, then
+    tears everything down. With ``detach`` it returns 0 and leaves the testbed running for
+    ``fusionp2p testbed down``. Returns the exit status: 0 ok, 1 a process failed, 2 a bad spec or
+    a machine without root/iproute2 (one line on stderr).
+    """
+    try:
+        tb = up(load_spec(spec_path))
+    except (ConfigError, TestbedError) as e:
+        print(f"fusionp2p testbed: {e}", file=sys.stderr)
+        return 2
+    print(describe(tb), flush=True)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, _raise_terminate) for s in (signal.SIGTERM, signal.SIGHUP)} if main_thread else {}
+    ok = False
+    try:
+        boot: Proc | None = None
+        if swarm:
+            boot, addr = tb.start_bootstrap(bootstrap_argv, ready_timeout=ready_timeout, detached_output=detach)
+            print(f"bootstrap: {addr}", flush=True)
+            nodes = tb.start_nodes(addr, node_argv, detached_output=detach)
+            print(f"started {len(nodes)} nodes; logs in {tb.workdir / 'logs'}", flush=True)
+        if detach:
+            tb.detach()
+            print(f"testbed {tb.name} left running; remove it with: fusionp2p testbed down {tb.name}", flush=True)
+            ok = True
+            return 0
+        print(f"testbed {tb.name} is up; Ctrl-C tears it down", flush=True)
+        if boot is None:
+            signal.pause()
+        else:
+            rc = boot.popen.wait()
+            print(f"bootstrap exited with status {rc} (stderr: {boot.err_path}); tearing down", file=sys.stderr)
+            return 1
+        ok = True
+        return 0
+    except KeyboardInterrupt:
+        print(f"\ntearing down testbed {tb.name}", flush=True)
+        ok = True
+        return 0
+    except (ConfigError, TestbedError) as e:
+        print(f"fusionp2p testbed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if not tb.closed:
+            tb.close(keep_workdir=not ok)
+            if ok:
+                print(f"testbed {tb.name} removed", flush=True)
+
+
+def cli_down(name: str | None = None, *, all_testbeds: bool = False) -> int:
+    """``fusionp2p testbed down [NAME] [--all]``: remove a testbed (the only one running if no NAME).
+
+    Returns 0 when done (also when there was nothing to remove), 2 on a bad name, an ambiguous
+    request or a machine without root/iproute2.
+    """
+    try:
+        runs = running()
+        if all_testbeds:
+            targets = runs
+        elif name is not None:
+            netns.check_run_name(name)
+            targets = [name]
+        elif len(runs) <= 1:
+            targets = runs
+        else:
+            print(f"fusionp2p testbed: several testbeds are running ({', '.join(runs)}); name one or use --all", file=sys.stderr)
+            return 2
+        if not targets:
+            print("no testbed running", flush=True)
+        for run in targets:
+            removed = down(run)
+            _remove_tmp_workdirs(run)
+            print(f"testbed {run}: removed {len(removed)} namespaces" if removed else f"testbed {run}: nothing left to remove", flush=True)
+        return 0
+    except (ConfigError, TestbedError) as e:
+        print(f"fusionp2p testbed: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,141 @@
+"""Signed swarm records: node records, departures, bandwidth measurements.
+
+Envelope (msgpack map): ``{"v": 1, "t": TYPE, "b": BODY_BYTES, "s": SIGNATURE}`` where BODY_BYTES
+is the canonical msgpack of the body and SIGNATURE is the Ed25519 signature of ``TYPE || 0x00 ||
+BODY_BYTES`` by the peer named in the body (``body["peer"]``). Verification is injected
+(``verify(peer, data, sig) -> bool``) so that this module stays pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.plan.profile import DeviceProfile
+from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+
+VERSION = 1
+MAX_RECORD = 16 * 1024
+MAX_ADDRS = 16
+MAX_MEASUREMENTS = 512
+
+Signer = Callable[[bytes], bytes]
+Verifier = Callable[[str, bytes, bytes], bool]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeRecord:
+    peer: str
+    role: str                     # "node" | "bootstrap"
+    addrs: tuple[str, ...]
+    profile: DeviceProfile | None
+    started: float               # the node's own wall-clock start time (informational)
+    seq: int                      # increases with every heartbeat; newer wins
+    leaving: bool = False
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "peer": self.peer, "role": self.role, "addrs": list(self.addrs),
+            "profile": self.profile.to_wire() if self.profile else None,
+            "started": float(self.started), "seq": int(self.seq), "leaving": bool(self.leaving),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Measurement:
+    src: str
+    dst: str
+    bandwidth: float   # bytes / s, EMA
+    rtt: float         # seconds, EMA
+    samples: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BandwidthReport:
+    peer: str                       # the measuring node (== every measurement's src)
+    seq: int
+    uplink: float                   # estimated capacity, bytes / s (0 = unknown)
+    downlink: float
+    measurements: tuple[Measurement, ...]
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "peer": self.peer, "seq": int(self.seq), "up": float(self.uplink), "down": float(self.downlink),
+            "m": [[m.dst, float(m.bandwidth), float(m.rtt), int(m.samples)] for m in self.measurements],
+        }
+
+
+Record = NodeRecord | BandwidthReport
+
+
+def _tag(t: str, body: bytes) -> bytes:
+    return t.encode() + b"\x00" + body
+
+
+def encode_signed(record: Record, sign: Signer) -> bytes:
+    t = "node" if isinstance(record, NodeRecord) else "bw"
+    body = packb(record.body())
+    return packb({"v": VERSION, "t": t, "b": body, "s": sign(_tag(t, body))})
+
+
+def decode_signed(data: bytes, verify: Verifier) -> Record:
+    """Decode and verify a signed record; RemoteProtocolError on anything wrong."""
+    env = expect_map(unpackb(data, max_size=MAX_RECORD), "record")
+    if env.get("v") != VERSION:
+        raise RemoteProtocolError(f"record version {env.get('v')!r} not supported")
+    t = field(env, "t", str, "record")
+    body_bytes = field(env, "b", bytes, "record")
+    sig = field(env, "s", bytes, "record")
+    body = expect_map(unpackb(body_bytes, max_size=MAX_RECORD), "record body")
+    peer = field(body, "peer", str, "record body")
+    if not verify(peer, _tag(t, body_bytes), sig):
+        raise RemoteProtocolError(f"bad signature on {t} record claiming to be from {peer[:16]}")
+    try:
+        if t == "node":
+            return _node(body)
+        if t == "bw":
+            return _bw(body)
+    except RemoteProtocolError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RemoteProtocolError(f"malformed {t} record: {exc}") from None
+    raise RemoteProtocolError(f"unknown record type {t!r}")
+
+
+def _node(b: dict[str, Any]) -> NodeRecord:
+    addrs = field(b, "addrs", list, "node record")
+    if len(addrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
+        raise RemoteProtocolError("node record: bad addrs")
+    role = field(b, "role", str, "node record")
+    if role not in ("node", "bootstrap", "client"):
+        raise RemoteProtocolError(f"node record: unknown role {role!r}")
+    prof = b.get("profile")
+    profile = DeviceProfile.from_wire(expect_map(prof, "profile")) if prof is not None else None
+    seq = field(b, "seq", int, "node record")
+    if seq < 0:
+        raise RemoteProtocolError("node record: negative seq")
+    return NodeRecord(
+        peer=b["peer"], role=role, addrs=tuple(addrs), profile=profile,
+        started=field(b, "started", float, "node record"), seq=seq,
+        leaving=bool(field(b, "leaving", bool, "node record")),
+    )
+
+
+def _bw(b: dict[str, Any]) -> BandwidthReport:
+    raw = field(b, "m", list, "bandwidth report")
+    if len(raw) > MAX_MEASUREMENTS:
+        raise RemoteProtocolError("bandwidth report: too many measurements")
+    ms = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str)):
+            raise RemoteProtocolError("bandwidth report: bad measurement")
+        bw, rtt, n = float(item[1]), float(item[2]), int(item[3])
+        if not (0 <= bw < 1e13 and 0 <= rtt < 3600 and n >= 0):
+            raise RemoteProtocolError("bandwidth report: measurement out of range")
+        ms.append(Measurement(src=b["peer"], dst=item[0], bandwidth=bw, rtt=rtt, samples=n))
+    up, down = field(b, "up", float, "bandwidth report"), field(b, "down", float, "bandwidth report")
+    if not (0 <= up < 1e13 and 0 <= down < 1e13):
+        raise RemoteProtocolError("bandwidth report: capacity out of range")
+    return BandwidthReport(peer=b["peer"], seq=field(b, "seq", int, "bandwidth report"), uplink=up, downlink=down, measurements=tuple(ms))

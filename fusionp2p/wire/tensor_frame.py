@@ -1,0 +1,223 @@
+"""Byte layouts of the data plane: a TensorMessage, the records of a tensor channel, the bulk ticket.
+
+**TensorMessage** (the plaintext of one message)::
+
+    u32 BE header_len | msgpack header | zero pad to 8 | tensor 0 bytes | pad to 8 | tensor 1 bytes | ...
+
+    header = {"v": 1, "job": str, "kind": str, "stage": int, "step": int, "micro": int, "name": str,
+              "meta": map, "t": [[dtype, shape], ...]}
+
+Tensor bytes are little-endian, C-contiguous, each starting at an 8-byte aligned offset, so the
+decoder can hand out zero-copy tensor views into one receive buffer. The decoder checks every size
+against :class:`~fusionp2p.wire.limits.Limits` and that the byte count matches the header exactly.
+
+**Channel record** (one AEAD-sealed unit on the TCP side channel)::
+
+    u32 BE n | u8 kind | ciphertext (n - 1 bytes: sealed body + 16-byte tag)
+
+The 5 header bytes are the AEAD associated data, so the kind and length are authenticated too. The
+nonce is implicit (a per-direction counter), so a replayed, reordered or dropped record fails
+authentication. Kinds: ``MSG_MORE``/``MSG_END`` carry consecutive slices of one TensorMessage;
+``ACK`` (u32 BE count of messages consumed) returns window credit; ``PING`` keeps an idle link
+alive; ``HELLO`` confirms the keys; ``CLOSE`` is a clean end.
+
+**Bulk ticket** (over the authenticated libp2p stream, each a length-prefixed msgpack map): request
+``{"v": 1, "cipher": str}``; reply ``{"v": 1, "ticket": bin16, "cipher": str, "k_dial": bin32,
+"k_listen": bin32, "host": str, "port": int}``; then on the TCP connection the dialer sends the
+16 raw ticket bytes first.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Protocol
+
+import torch
+
+from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.wire.limits import DEFAULT_LIMITS, Limits
+from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.tensor import check_header, encode_tensor
+
+VERSION = 1
+_U32 = struct.Struct(">I")
+_REC = struct.Struct(">IB")
+RECORD_HEADER = _REC.size  # 5
+TAG_SIZE = 16
+TICKET_SIZE = 16
+KEY_SIZE = 32
+
+# record kinds
+MSG_MORE = 1
+MSG_END = 2
+ACK = 3
+PING = 4
+HELLO = 5
+CLOSE = 6
+KINDS = frozenset({MSG_MORE, MSG_END, ACK, PING, HELLO, CLOSE})
+
+Buffer = bytes | bytearray | memoryview
+
+
+class MessageLike(Protocol):
+    """What the encoder reads (``fusionp2p.net.channel.TensorMessage``; wire/ does not import net/)."""
+
+    @property
+    def job(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def stage(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def micro(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def meta(self) -> dict[str, Any]: ...
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]: ...
+
+
+def _pad(n: int) -> int:
+    return -n % 8
+
+
+# ------------------------------------------------------------------------------------- TensorMessage
+def encode_message(msg: MessageLike) -> list[Buffer]:
+    """The message as a list of buffers (header first, then zero-copy tensor views and pads)."""
+    specs: list[list[Any]] = []
+    views: list[memoryview] = []
+    for t in msg.tensors:
+        h, view = encode_tensor(t)
+        specs.append([h["dtype"], h["shape"]])
+        views.append(view)
+    header = packb({"v": VERSION, "job": msg.job, "kind": msg.kind, "stage": msg.stage, "step": msg.step,
+                    "micro": msg.micro, "name": msg.name, "meta": msg.meta, "t": specs})
+    head = _U32.pack(len(header)) + header
+    parts: list[Buffer] = [head + bytes(_pad(len(head)))]
+    for v in views:
+        if len(v):
+            parts.append(v)
+            if _pad(len(v)):
+                parts.append(bytes(_pad(len(v))))
+    return parts
+
+
+def message_bytes(msg: MessageLike) -> bytes:
+    """The whole message as one bytes object (tests and small messages)."""
+    return b"".join(bytes(p) for p in encode_message(msg))
+
+
+def _int(m: dict[str, Any], name: str) -> int:
+    v = field(m, name, int, "tensor message")
+    if not 0 <= v < 2**63:
+        raise RemoteProtocolError(f"tensor message: field {name!r} out of range")
+    return int(v)
+
+
+def decode_message(data: bytes | bytearray, *, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Decode one complete message from a peer into the keyword arguments of a ``TensorMessage``. With a ``bytearray`` the tensors are zero-copy views
+    into it (the caller hands the buffer over); ``bytes`` are copied first. RemoteProtocolError on any
+    malformed, inconsistent or oversized input."""
+    if len(data) > limits.max_frame:
+        raise RemoteProtocolError(f"tensor message of {len(data)} bytes exceeds the limit of {limits.max_frame}")
+    if len(data) < 4:
+        raise RemoteProtocolError("tensor message: truncated header length")
+    (hlen,) = _U32.unpack_from(data, 0)
+    if 4 + hlen > len(data) or hlen > limits.max_control_frame:
+        raise RemoteProtocolError("tensor message: header length out of bounds")
+    h = expect_map(unpackb(memoryview(data)[4 : 4 + hlen], limits=limits), "tensor message")
+    if h.get("v") != VERSION:
+        raise RemoteProtocolError(f"tensor message: unsupported version {h.get('v')!r}")
+    specs = field(h, "t", list, "tensor message")
+    meta = expect_map(field(h, "meta", dict, "tensor message"), "tensor message meta")
+    off = 4 + hlen + _pad(4 + hlen)
+    layout: list[tuple[torch.dtype, tuple[int, ...], int, int]] = []
+    total = 0
+    for spec in specs:
+        if not isinstance(spec, list) or len(spec) != 2:
+            raise RemoteProtocolError("tensor message: bad tensor spec")
+        dtype, shape, nbytes = check_header({"dtype": spec[0], "shape": spec[1]}, limits=limits)
+        total += nbytes
+        if total > limits.max_frame:
+            raise RemoteProtocolError("tensor message: tensors exceed the frame limit")
+        layout.append((dtype, shape, off, nbytes))
+        off += nbytes + (_pad(nbytes) if nbytes else 0)
+    if off != len(data):
+        raise RemoteProtocolError(f"tensor message: expected {off} bytes, got {len(data)}")
+    buf = data if isinstance(data, bytearray) else bytearray(data)
+    tensors: list[torch.Tensor] = []
+    for dtype, shape, start, nbytes in layout:
+        if nbytes == 0:
+            tensors.append(torch.empty(shape, dtype=dtype))
+            continue
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start)
+        tensors.append(raw.to(torch.bool).reshape(shape) if dtype == torch.bool else raw.view(dtype).reshape(shape))
+    return {"job": field(h, "job", str, "tensor message"), "kind": field(h, "kind", str, "tensor message"),
+            "stage": _int(h, "stage"), "step": _int(h, "step"), "micro": _int(h, "micro"),
+            "name": field(h, "name", str, "tensor message"), "meta": meta, "tensors": tuple(tensors)}
+
+
+# ------------------------------------------------------------------------------------------- records
+def record_header(kind: int, body_len: int) -> bytes:
+    """The 5-byte record header (also the AEAD associated data) for a sealed body of *body_len* bytes."""
+    return _REC.pack(body_len + 1, kind)
+
+
+def parse_record_header(hdr: Buffer, *, max_body: int) -> tuple[int, int]:
+    """(kind, sealed body length) from 5 header bytes; RemoteProtocolError before any allocation if the
+    length is over *max_body* or the kind is unknown."""
+    n, kind = _REC.unpack_from(hdr, 0)
+    if kind not in KINDS:
+        raise RemoteProtocolError(f"unknown record kind {kind}")
+    if n < 1 or n - 1 > max_body:
+        raise RemoteProtocolError(f"record of {n - 1} bytes exceeds the limit of {max_body}")
+    return kind, n - 1
+
+
+def encode_ack(count: int) -> bytes:
+    return _U32.pack(count)
+
+
+def decode_ack(body: Buffer) -> int:
+    if len(body) != 4:
+        raise RemoteProtocolError("ACK record must carry exactly 4 bytes")
+    (n,) = _U32.unpack_from(body, 0)
+    return int(n)
+
+
+# -------------------------------------------------------------------------------------------- ticket
+def encode_ticket_request(cipher: str) -> bytes:
+    return packb({"v": VERSION, "cipher": cipher})
+
+
+def decode_ticket_request(data: Buffer, *, limits: Limits = DEFAULT_LIMITS) -> str:
+    m = expect_map(unpackb(data, limits=limits), "bulk ticket request")
+    if m.get("v") != VERSION:
+        raise RemoteProtocolError("bulk ticket request: unsupported version")
+    return str(field(m, "cipher", str, "bulk ticket request"))
+
+
+def encode_ticket_reply(*, ticket: bytes, cipher: str, k_dial: bytes, k_listen: bytes, host: str, port: int) -> bytes:
+    return packb({"v": VERSION, "ticket": ticket, "cipher": cipher, "k_dial": k_dial, "k_listen": k_listen,
+                  "host": host, "port": port})
+
+
+def decode_ticket_reply(data: Buffer, *, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """The validated reply map (ticket, cipher, k_dial, k_listen, host, port)."""
+    m = expect_map(unpackb(data, limits=limits), "bulk ticket reply")
+    if m.get("v") != VERSION:
+        raise RemoteProtocolError("bulk ticket reply: unsupported version")
+    what = "bulk ticket reply"
+    if len(field(m, "ticket", bytes, what)) != TICKET_SIZE:
+        raise RemoteProtocolError("bulk ticket reply: ticket must be 16 bytes")
+    for k in ("k_dial", "k_listen"):
+        if len(field(m, k, bytes, what)) != KEY_SIZE:
+            raise RemoteProtocolError(f"bulk ticket reply: {k} must be 32 bytes")
+    field(m, "cipher", str, what)
+    field(m, "host", str, what)
+    if not 0 < field(m, "port", int, what) < 65536:
+        raise RemoteProtocolError("bulk ticket reply: bad port")
+    return m

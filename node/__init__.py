@@ -1,0 +1,1 @@
+"""The node daemon application: ``python -m node`` == ``fusionp2p node``."""

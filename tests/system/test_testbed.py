@@ -1,0 +1,311 @@
+"""The emulated-WAN testbed on the real kernel: shaping accuracy, isolation, and teardown in every case.
+
+Needs root and iproute2 (``ip netns``, ``tc``); skipped with the reason otherwise. Every testbed here
+is created with its own random name, so parallel runs of this file do not interfere, and every test
+removes what it made (the ``cleanup`` fixture is the last line of defence).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fusionp2p.errors import ConfigError
+from fusionp2p.testing import netns, tcpprobe
+from fusionp2p.testing.testbed import (
+    HostSpec,
+    Testbed,
+    TestbedHost,
+    TestbedSpec,
+    cli_down,
+    cli_up,
+    down,
+    load_spec,
+    up,
+)
+
+
+def _env_problem() -> str | None:
+    try:
+        netns.check_environment()
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+_PROBLEM = _env_problem()
+pytestmark = [
+    pytest.mark.testbed,
+    pytest.mark.system,
+    pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or ""),
+]
+
+SPECS = Path(netns.__file__).parent / "specs"
+# Run the probe as a script, so that each probe process imports only the stdlib.
+PROBE = str(Path(tcpprobe.__file__))
+MBIT = 10**6
+TOLERANCE = 0.15
+
+
+def _ours(run: str) -> list[str]:
+    return [ns for ns in netns.list_namespaces() if netns.run_of(ns) == run]
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (an exited child nobody reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[str]]:
+    """Collects run names; whatever a failing test left behind is removed afterwards."""
+    runs: list[str] = []
+    yield runs
+    for run in runs:
+        down(run)
+
+
+def _quick_spec() -> TestbedSpec:
+    return TestbedSpec(
+        hosts=(
+            HostSpec(name="a", up_bps=100 * MBIT, down_bps=100 * MBIT),
+            HostSpec(name="b", up_bps=100 * MBIT, down_bps=100 * MBIT),
+            HostSpec(name="c", up_bps=20 * MBIT, down_bps=20 * MBIT),
+            HostSpec(name="d", up_bps=20 * MBIT, down_bps=20 * MBIT),
+        )
+    )
+
+
+def _measure_round(tb: Testbed, pairs: list[tuple[TestbedHost, TestbedHost]], seconds: float) -> list[float]:
+    """Run one TCP flow per (src, dst) pair at the same time; return each flow's steady bit rate."""
+    recvs = [
+        tb.spawn(dst, [sys.executable, PROBE, "recv", "--bind", dst.address, "--warmup", "0.3"], label=f"recv-{src.name}-{dst.name}")
+        for src, dst in pairs
+    ]
+    ports = [int(r.read_line(20.0)) for r in recvs]
+    senders = [
+        tb.spawn(src, [sys.executable, PROBE, "send", "--to", f"{dst.address}:{port}", "--seconds", str(seconds)], label=f"send-{src.name}-{dst.name}")
+        for (src, dst), port in zip(pairs, ports)
+    ]
+    for s in senders:
+        assert s.wait(seconds + 30.0) == 0, s.err_path.read_text()
+    return [float(json.loads(r.read_line(20.0))["bits_per_s"]) for r in recvs]
+
+
+@pytest.mark.timeout(120)
+def test_pairwise_bandwidth_matches_shaped_rates(cleanup: list[str]) -> None:
+    spec = load_spec(SPECS / "quick4.json")
+    assert spec.hosts == _quick_spec().hosts
+    with up(spec) as tb:
+        cleanup.append(tb.name)
+        hosts = list(tb.hosts)
+        n = len(hosts)
+        measured: dict[tuple[str, str], float] = {}
+        # Round k pairs every host i with host i+k: each host sends one flow and receives one, so
+        # flows never share a shaped link and all 12 ordered pairs take 3 rounds.
+        for k in range(1, n):
+            pairs = [(hosts[i], hosts[(i + k) % n]) for i in range(n)]
+            for (src, dst), bps in zip(pairs, _measure_round(tb, pairs, seconds=1.5)):
+                measured[src.name, dst.name] = bps
+        assert len(measured) == n * (n - 1)
+        report = []
+        for (s, d), bps in sorted(measured.items()):
+            src, dst = tb.host(s).spec, tb.host(d).spec
+            assert src.up_bps is not None
+            assert dst.down_bps is not None
+            expected = min(src.up_bps, dst.down_bps)
+            report.append(f"{s}->{d}: {bps / MBIT:.1f} of {expected / MBIT:.0f} Mbit/s")
+            assert abs(bps / expected - 1.0) <= TOLERANCE, "\n".join(report)
+        print("\n".join(report))
+
+
+def test_hosts_are_isolated_and_loopback_is_up(cleanup: list[str]) -> None:
+    with up(_quick_spec()) as tb:
+        cleanup.append(tb.name)
+        subnet = f"10.77.{tb.layout.octet}.0/24"
+        for h in tb.hosts:
+            routes = netns.run_cmd(["ip", "-n", h.namespace, "-4", "route", "show"]).strip().splitlines()
+            # One route, to the run's own /24: there is no default route, nothing else is reachable.
+            assert len(routes) == 1 and routes[0].startswith(subnet), routes
+            lo = netns.run_cmd(["ip", "-n", h.namespace, "-o", "link", "show", "lo"])
+            assert "LOOPBACK,UP" in lo, lo
+            up_q = netns.run_cmd(["tc", "-n", h.namespace, "qdisc", "show", "dev", "eth0"])
+            down_q = netns.run_cmd(["tc", "-n", tb.layout.bridge_ns, "qdisc", "show", "dev", f"p{tb.hosts.index(h)}"])
+            rate = "rate 100Mbit" if h.name in ("a", "b") else "rate 20Mbit"
+            assert "tbf" in up_q and rate in up_q, up_q
+            assert "tbf" in down_q and rate in down_q, down_q
+            rc, out = tb.run(h, [sys.executable, "-c", "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print('lo ok')"], timeout=20.0)
+            assert rc == 0
+            assert out.strip() == "lo ok"
+
+
+@pytest.mark.timeout(60)
+def test_close_removes_namespaces_processes_and_workdir(cleanup: list[str]) -> None:
+    tb = up(_quick_spec())
+    cleanup.append(tb.name)
+    sleeper = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
+    # A process that leaves its own process group (setsid) must still be killed: it is in our netns.
+    escaper = [sys.executable, "-c", "import os, time; os.setsid(); print(os.getpid(), flush=True); time.sleep(600)"]
+    procs = [tb.spawn(h, sleeper) for h in tb.hosts]
+    for p in procs:
+        assert p.read_line(20.0) == "up"
+    esc = tb.spawn(tb.hosts[0], ["sh", "-c", " ".join(f"'{a}'" for a in escaper) + " & wait"])
+    escaped_pid = int(esc.read_line(20.0))
+    assert len(_ours(tb.name)) == len(tb.hosts) + 1
+    workdir = tb.workdir
+    tb.close(grace=2.0)
+    assert _ours(tb.name) == []
+    assert not any(_alive(p.pid) for p in procs)
+    assert not _alive(escaped_pid)
+    assert not workdir.exists()
+    tb.close()  # idempotent
+    assert down(tb.name) == []
+
+
+def test_exception_inside_with_block_tears_down(cleanup: list[str]) -> None:
+    tb = up(_quick_spec())
+    name = tb.name
+    cleanup.append(name)
+
+    def fail() -> None:
+        with tb:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fail()
+    assert name
+    assert _ours(name) == []
+    assert tb.workdir.exists()  # logs are kept after a failure
+    shutil.rmtree(tb.workdir)
+
+
+# Stand-ins for `fusionp2p bootstrap` / `fusionp2p node`: same command-line contract (the bootstrap
+# prints its multiaddr on stdout once it listens), and the nodes really connect across the bridge.
+FAKE_BOOTSTRAP = textwrap.dedent(
+    """
+    import os, socket
+    ip = os.environ["FUSIONP2P_TESTBED_ADDR"]
+    srv = socket.create_server((ip, 4001))
+    print("starting (a log line, not an address)", flush=True)
+    print(f"/ip4/{ip}/tcp/4001/p2p/12D3KooWFake", flush=True)
+    while True:
+        conn, _ = srv.accept()
+        print("peer", conn.recv(64).decode(), flush=True)
+        conn.close()
+    """
+)
+FAKE_NODE = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    parts = sys.argv[1].split("/")
+    with socket.create_connection((parts[2], int(parts[4])), timeout=10) as s:
+        s.sendall(os.environ["FUSIONP2P_TESTBED_HOST"].encode())
+    print("joined", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _fake_node_argv(host: TestbedHost, addr: str) -> list[str]:
+    return [sys.executable, "-c", FAKE_NODE, addr]
+
+
+@pytest.mark.timeout(60)
+def test_start_bootstrap_and_nodes(cleanup: list[str]) -> None:
+    with up(_quick_spec()) as tb:
+        cleanup.append(tb.name)
+        boot, addr = tb.start_bootstrap([sys.executable, "-c", FAKE_BOOTSTRAP], ready_timeout=20.0)
+        assert addr == f"/ip4/{tb.hosts[0].address}/tcp/4001/p2p/12D3KooWFake"
+        nodes = tb.start_nodes(addr, _fake_node_argv)
+        for n in nodes:
+            assert n.read_line(20.0) == "joined"
+        seen = {boot.read_line(20.0) for _ in nodes}
+        assert seen == {f"peer {h.name}" for h in tb.hosts}
+        assert tb.host("c").env()["FUSIONP2P_TESTBED_ADDR"] == tb.hosts[2].address
+
+
+@pytest.mark.timeout(60)
+def test_cli_detach_then_down_removes_everything(cleanup: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    spec_path = SPECS / "quick4.json"
+    boot_argv = [sys.executable, "-c", FAKE_BOOTSTRAP]
+    assert cli_up(spec_path, detach=True, ready_timeout=20.0, bootstrap_argv=boot_argv, node_argv=_fake_node_argv) == 0
+    out = capsys.readouterr().out
+    name = out.split()[1].rstrip(":")
+    cleanup.append(name)
+    assert "bootstrap: /ip4/" in out
+    assert f"fusionp2p testbed down {name}" in out
+    pids = [pid for ns in _ours(name) for pid in netns.namespace_pids(ns)]
+    assert len(pids) == 5  # the bootstrap and four nodes
+    assert cli_down(name) == 0
+    assert f"testbed {name}: removed 5 namespaces" in capsys.readouterr().out
+    assert _ours(name) == []
+    assert not any(_alive(p) for p in pids)
+    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob(f"{name}-*"))
+    assert cli_down(name) == 0  # idempotent
+    assert "nothing left to remove" in capsys.readouterr().out
+
+
+_RUN_CLI_UP = textwrap.dedent(
+    """
+    import sys
+    from fusionp2p.testing.testbed import cli_up
+    boot = [sys.executable, "-c", sys.argv[2]]
+    node = lambda host, addr: [sys.executable, "-c", sys.argv[3], addr]
+    sys.exit(cli_up(sys.argv[1], bootstrap_argv=boot, node_argv=node, ready_timeout=20.0))
+    """
+)
+
+
+def _start_cli_up() -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUN_CLI_UP, str(SPECS / "quick4.json"), FAKE_BOOTSTRAP, FAKE_NODE],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    name = first.split()[1].rstrip(":")
+    for line in proc.stdout:  # blocks until the line arrives; the test timeout bounds it
+        if "is up" in line:
+            break
+    return proc, name
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_cli_up_tears_down_on_signal(sig: int, cleanup: list[str]) -> None:
+    proc, name = _start_cli_up()
+    cleanup.append(name)
+    pids = [pid for ns in _ours(name) for pid in netns.namespace_pids(ns)]
+    assert len(pids) == 5
+    proc.send_signal(sig)
+    assert proc.wait(30) == 0
+    assert _ours(name) == []
+    assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.timeout(60)
+def test_down_after_sigkill_of_the_creator(cleanup: list[str]) -> None:
+    proc, name = _start_cli_up()
+    cleanup.append(name)
+    pids = [pid for ns in _ours(name) for pid in netns.namespace_pids(ns)]
+    proc.kill()  # no finally, no atexit: everything is left behind
+    proc.wait(10)
+    assert len(_ours(name)) == 5
+    assert all(_alive(p) for p in pids)
+    assert cli_down(name) == 0
+    assert _ours(name) == []
+    assert not any(_alive(p) for p in pids)
