@@ -189,6 +189,11 @@ def _status(args: argparse.Namespace) -> int:
     setup_logging(args.log_level if args.log_level != "info" else "warning", None)
 
     async def go() -> dict[str, Any]:
+        # one deadline over everything, the transport's start and teardown included
+        with trio.fail_after(args.timeout + 10):
+            return await _go()
+
+    async def _go() -> dict[str, Any]:
         async with open_libp2p_transport(Identity.generate(), Libp2pConfig(listen=("/ip4/127.0.0.1/tcp/0",))) as t:
             last: Exception | None = None
             for addr in args.bootstrap:
@@ -199,7 +204,10 @@ def _status(args: argparse.Namespace) -> int:
                     last = exc
             raise PeerUnavailable(args.bootstrap[0], f"no bootstrap answered ({last})")
 
-    view = trio.run(go)
+    try:
+        view = trio.run(go)
+    except trio.TooSlowError:
+        raise PeerUnavailable(args.bootstrap[0].rsplit("/p2p/", 1)[-1], f"no answer within {args.timeout + 10:.0f} s") from None
     alive = set(view["alive"])
     recs = {r.peer: r for r in view["records"] if isinstance(r, NodeRecord)}
     table = BandwidthTable()

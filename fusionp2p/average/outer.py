@@ -172,6 +172,7 @@ class OuterOptimizer:
         self.config = config
         self.lo = lo
         self.sharded = sharded
+        self._needs_gap = config.penalty == "elementwise" or callable(config.penalty)
         self.anchor = initial.detach().to(torch.float32, copy=True)
         self.prev_anchor = self.anchor.clone()
         self.momentum = torch.zeros_like(self.anchor)
@@ -204,7 +205,8 @@ class OuterOptimizer:
         clip_(m, cfg.clip, cfg.clip_threshold)
         update = delta.add(m, alpha=cfg.outer_momentum) if cfg.nesterov else m
         new = self.anchor - cfg.outer_lr * update
-        gap_part = float((new - self.anchor).pow(2).sum(dtype=torch.float64))
+        # ‖x̃_{t+1} − x̃_t‖² feeds only gap-aware penalties; skip the pass over the vector otherwise
+        gap_part = float((new - self.anchor).pow(2).sum(dtype=torch.float64)) if self._needs_gap else 0.0
         self.prev_anchor = self.anchor
         self.anchor = new
         self.lr_prev = lr

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import torch
 
@@ -39,8 +39,8 @@ class Ref:
     name: str
 
 
-Arg = Union[Ref, None, bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format,
-            list["Arg"], tuple["Arg", ...]]
+Arg: TypeAlias = (Ref | bool | int | float | str | torch.dtype | torch.device | torch.layout
+                  | torch.memory_format | list["Arg"] | tuple["Arg", ...] | None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -221,3 +221,40 @@ def _check_getitem(n: OpNode, seen: Mapping[str, OpNode | None], err: type[Excep
         raise err(f"{what}: getitem node {n.name!r} reads {n.args[0].name!r}, which is not a sequence")
     if not 0 <= n.args[1] < len(src.out):
         raise err(f"{what}: getitem node {n.name!r} index {n.args[1]} out of range")
+
+
+def check_shapes(inputs: tuple[InputSpec, ...], nodes: tuple[OpNode, ...], err: type[Exception], *,
+                 what: str = "DAG") -> None:
+    """Run the nodes on ``meta`` tensors (no data, no memory) and check every declared output meta.
+
+    Call after :func:`validate` (which guarantees whitelisted operators and resolvable references).
+    Any failure, including an operator rejecting its arguments, is reported as *err*.
+    """
+    from fusionp2p.graph.ops import resolve  # local: ops is tiny, but keep the import graph flat
+
+    meta = torch.device("meta")
+    env: dict[str, Any] = {s.name: torch.empty(s.meta.shape, dtype=s.meta.dtype, device=meta) for s in inputs}
+
+    def conv(a: Any) -> Any:
+        if isinstance(a, Ref):
+            return env[a.name]
+        if isinstance(a, (list, tuple)):
+            return [conv(x) for x in a]
+        return meta if isinstance(a, torch.device) else a
+
+    for n in nodes:
+        try:
+            val = resolve(n.op)(*[conv(a) for a in n.args], **{k: conv(v) for k, v in n.kwargs})
+        except Exception as exc:
+            raise err(f"{what}: node {n.name!r} ({n.op}) rejects its inputs: {type(exc).__name__}: "
+                      f"{str(exc)[:200]}") from exc
+        got = tuple(val) if n.multi and isinstance(val, (list, tuple)) else (val,)
+        if n.multi != isinstance(val, (list, tuple)) or len(got) != len(n.out):
+            raise err(f"{what}: node {n.name!r} declares {len(n.out)} outputs, the operator gives another structure")
+        for m, v in zip(n.out, got):
+            if m is None:
+                continue
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != m.shape or v.dtype != m.dtype:
+                shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise err(f"{what}: node {n.name!r} declares {m.shape} {m.dtype}, computes {shape}")
+        env[n.name] = val

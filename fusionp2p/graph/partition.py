@@ -29,6 +29,16 @@ def single_stage(dag: OpDAG) -> StageProgram:
     return partition(dag, {n.name: 0 for n in dag.nodes})[0]
 
 
+def replicable_nodes(dag: OpDAG) -> set[str]:
+    """Nodes that depend on no data input and no parameter (transitively): copied, never sent."""
+    kinds = {i.name: i.kind for i in dag.inputs}
+    out: set[str] = set()
+    for n in dag.nodes:
+        if all(kinds.get(r) in ("buffer", "constant") or r in out for r in n.refs()):
+            out.add(n.name)
+    return out
+
+
 def partition(graph: OpDAG | CoarseDAG, assignment: Mapping[str, int] | Sequence[int]) -> list[StageProgram]:
     """Cut *graph* into stage programs.
 
@@ -53,14 +63,7 @@ def partition(graph: OpDAG | CoarseDAG, assignment: Mapping[str, int] | Sequence
     by_name = {n.name: n for n in dag.nodes}
     specs = {i.name: i for i in dag.inputs}
 
-    # replicable: depends on no data input and no parameter
-    replicable: set[str] = set()
-    for n in dag.nodes:
-        srcs = list(n.refs())
-        if all((kinds.get(r) in ("buffer", "constant")) or r in replicable for r in srcs) and n.op != GETITEM:
-            replicable.add(n.name)
-        elif n.op == GETITEM and isinstance(n.args[0], Ref) and n.args[0].name in replicable:
-            replicable.add(n.name)
+    replicable = replicable_nodes(dag)
 
     stage_of: dict[str, int] = {}
     for n in dag.nodes:
@@ -117,10 +120,9 @@ def partition(graph: OpDAG | CoarseDAG, assignment: Mapping[str, int] | Sequence
         state: list[InputSpec] = []
         used = dict.fromkeys(r for n in nodes for r in n.refs() if r in kinds and kinds[r] != "input")
         for name in used:
-            if kinds[name] == "param":
-                if param_stage.setdefault(name, s) != s:
-                    raise ConfigError(f"parameter {name!r} is used by stages {param_stage[name]} and {s} (tied "
-                                      "weights?); untie it or assign its users to one stage")
+            if kinds[name] == "param" and param_stage.setdefault(name, s) != s:
+                raise ConfigError(f"parameter {name!r} is used by stages {param_stage[name]} and {s} (tied "
+                                  "weights?); untie it or assign its users to one stage")
             state.append(specs[name])
         recv_list = tuple(BoundaryIn(name=r, meta=_meta(specs, by_name, r), src=src) for r, src in recv.items())
         inputs = tuple(InputSpec(name=b.name, kind="input", meta=b.meta) for b in recv_list) + tuple(state)

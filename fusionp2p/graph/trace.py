@@ -31,6 +31,7 @@ from fusionp2p.graph.ops import DROPPED, GETITEM, WHITELIST, op_name, resolve
 log = logging.getLogger(__name__)
 
 _PREFIX = "model."
+_PORTABLE = {"aten.view.default": "aten.reshape.default"}
 
 
 class _Wrapped(nn.Module):
@@ -180,10 +181,14 @@ def _from_exported(ep: torch.export.ExportedProgram, model: nn.Module, names: li
         if fx_node.op != "call_function":
             continue
         name = op_name(fx_node.target)
+        # the trace records view() where the traced kernels happened to produce viewable strides; another
+        # device or kernel (and the meta check of the decoder) may not, and reshape is view when it can be
+        name = _PORTABLE.get(name, name)
         if name in DROPPED:
             continue
         if name not in WHITELIST:
             unsupported.add(name)
+            rename[fx_node.name] = fx_node.name  # keep collecting: report every unsupported op at once
             continue
         if fx_node.name in rename.values():
             raise ConfigError(f"node name {fx_node.name!r} collides with an input name; rename that input")
@@ -192,7 +197,7 @@ def _from_exported(ep: torch.export.ExportedProgram, model: nn.Module, names: li
         scope = ""
         stack = fx_node.meta.get("nn_module_stack") or {}
         if stack:
-            path, typ = list(stack.values())[-1]
+            path, _ = list(stack.values())[-1]
             scope = _strip(str(path))
             for p, t in stack.values():
                 scope_types[_strip(str(p))] = (t if isinstance(t, str) else getattr(t, "__qualname__", str(t))

@@ -96,7 +96,8 @@ class Block(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_BTD = x_BTD + self.attn(self.ln_1(x_BTD))
-        return x_BTD + self.mlp(self.ln_2(x_BTD))
+        out: torch.Tensor = x_BTD + self.mlp(self.ln_2(x_BTD))
+        return out
 
 
 class Embedding(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ class MLP(nn.Module):
         super().__init__()
         self.config = cfg
         sizes = (cfg.in_features, *cfg.hidden)
-        self.layers = nn.ModuleList([nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:])])
+        self.layers = nn.ModuleList([nn.Linear(a, b) for a, b in itertools.pairwise(sizes)])
         self.out = nn.Linear(sizes[-1], cfg.out_features)
 
     def forward(self, x_BF: torch.Tensor) -> torch.Tensor:

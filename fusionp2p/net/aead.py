@@ -75,21 +75,26 @@ class Sealer:
         self._counter += 1
         return nonce
 
-    def seal(self, nonce: bytes, kind: int, parts: list[bytes | bytearray | memoryview]) -> bytearray:
-        """One wire record carrying the concatenation of *parts* (one part: no plaintext copy)."""
+    def seal(self, nonce: bytes, kind: int, parts: list[bytes | bytearray | memoryview],
+             out: bytearray | None = None) -> memoryview:
+        """One wire record carrying the concatenation of *parts* (a single part is sealed without a
+        plaintext copy), written into *out* when it is large enough (buffer reuse) or a fresh buffer."""
         n = sum(len(p) for p in parts)
+        size = RECORD_HEADER + n + overhead(self.cipher)
+        if out is None or len(out) < size:
+            out = bytearray(size)
+        view = memoryview(out)[:size]
         hdr = record_header(kind, n + overhead(self.cipher))
-        out = bytearray(RECORD_HEADER + n + overhead(self.cipher))
-        out[:RECORD_HEADER] = hdr
+        view[:RECORD_HEADER] = hdr
         if self._aead is None:
             off = RECORD_HEADER
             for p in parts:
-                out[off : off + len(p)] = p
+                view[off : off + len(p)] = p
                 off += len(p)
-            return out
+            return view
         data: bytes | bytearray | memoryview = parts[0] if len(parts) == 1 else b"".join(parts)
-        self._aead.encrypt_into(nonce, data, hdr, memoryview(out)[RECORD_HEADER:])
-        return out
+        self._aead.encrypt_into(nonce, data, hdr, view[RECORD_HEADER:])
+        return view
 
 
 class Opener:
@@ -109,15 +114,23 @@ class Opener:
         self._counter += 1
         return nonce
 
-    def open(self, nonce: bytes, hdr: bytes, body: bytes | bytearray | memoryview) -> bytearray:
-        """The plaintext of a sealed *body* whose 5-byte header was *hdr*; RemoteProtocolError if forged."""
-        if self._aead is None:
-            return bytearray(body)
-        if len(body) < TAG_SIZE:
+    def open(self, nonce: bytes, hdr: bytes, body: bytes | bytearray | memoryview,
+             out: memoryview | None = None) -> bytearray | memoryview:
+        """The plaintext of a sealed *body* whose 5-byte header was *hdr*, decrypted into *out* when given
+        (it must have exactly the plaintext's length); RemoteProtocolError if forged."""
+        size = len(body) - overhead(self.cipher)
+        if size < 0:
             raise RemoteProtocolError("record shorter than its authentication tag")
-        out = bytearray(len(body) - TAG_SIZE)
+        if out is not None and len(out) != size:
+            raise RemoteProtocolError("record does not fit its destination")
+        if self._aead is None:
+            if out is None:
+                return bytearray(body)
+            out[:] = body
+            return out
+        dest: bytearray | memoryview = bytearray(size) if out is None else out
         try:
-            self._aead.decrypt_into(nonce, body, hdr, out)
+            self._aead.decrypt_into(nonce, body, hdr, dest)
         except InvalidTag:
             raise RemoteProtocolError("record failed authentication (forged, replayed or reordered)") from None
-        return out
+        return dest

@@ -24,10 +24,11 @@ Theory of operation (ARCHITECTURE.md "Planes", LIBP2P_NOTES.md §9):
 from __future__ import annotations
 
 import logging
-import math
 import os
+import socket
+import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +43,9 @@ from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.limits import DEFAULT_LIMITS, KiB, Limits, MiB
 from fusionp2p.wire.protocols import BULK_TICKET
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,10 @@ class DataPlaneConfig:
             raise ConfigError("DataPlaneConfig timeouts must be positive")
 
 
+# (kind, header bytes, sealed body, the pooled buffer holding it, nonce)
+_Record = tuple[int, bytes, memoryview, bytearray, bytes]
+
+
 class BulkChannel:
     """One encrypted TCP tensor channel (implements ``fusionp2p.net.channel.TensorChannel``)."""
 
@@ -101,6 +109,9 @@ class BulkChannel:
         self._hello = trio.Event()
         self._scope = trio.CancelScope()
         self._last_sent = 0.0
+        # reusable record buffers (fresh multi-MiB allocations cost page faults on every record)
+        self._seal_pool: list[bytearray] = []
+        self._recv_pool: list[bytearray] = []
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -124,8 +135,11 @@ class BulkChannel:
                 plans = self._writer.plan_message(msg)
                 try:
                     await self._send_plans(plans)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    raise self._fail(PeerUnavailable(self._peer, f"send failed: {exc}")) from None
+                except BaseException as exc:
+                    err = _classify(self._peer, exc)
+                    if err is None:
+                        raise
+                    raise self._fail(err) from None
 
     async def receive(self) -> TensorMessage:
         """The next message; trio.EndOfChannel after a clean close by the peer."""
@@ -140,10 +154,9 @@ class BulkChannel:
         except trio.ClosedResourceError:
             raise trio.ClosedResourceError("channel closed") from None
         if self._error is None and not self._peer_closed:
-            try:
+            # a failure here is reported by the reader on the next call
+            with suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 await self._control(tf.ACK, tf.encode_ack(1))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                pass  # the reader reports the failure on the next call
         return TensorMessage(**fields)
 
     async def aclose(self) -> None:
@@ -154,10 +167,8 @@ class BulkChannel:
         if self._error is None and not self._peer_closed:
             with trio.move_on_after(self._cfg.dead_after) as cs:
                 cs.shield = True
-                try:
+                with suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.BusyResourceError):
                     await self._control(tf.CLOSE)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.BusyResourceError):
-                    pass
         self._scope.cancel()
         self._inbox.close()
         self._credit.set()
@@ -181,7 +192,7 @@ class BulkChannel:
         self._scope.cancel()
         return self._error
 
-    async def _write(self, buf: bytearray) -> None:
+    async def _write(self, buf: memoryview) -> None:
         await self._stream.send_all(buf)
         self.bytes_sent += len(buf)
         self._last_sent = trio.current_time()
@@ -190,17 +201,21 @@ class BulkChannel:
         async with self._wire_lock:
             await self._write(self._writer.control(kind, body))
 
-    async def _seal(self, plan: RecordPlan) -> bytearray:
+    async def _seal(self, plan: RecordPlan) -> tuple[memoryview, bytearray | None]:
         if plan.size >= self._cfg.thread_threshold:
-            return await trio.to_thread.run_sync(self._writer.seal, plan)
-        return self._writer.seal(plan)
+            out = self._seal_pool.pop() if self._seal_pool else bytearray(self._writer.max_record)
+            return await trio.to_thread.run_sync(self._writer.seal, plan, out), out
+        return self._writer.seal(plan), None
 
     async def _send_plans(self, plans: list[RecordPlan]) -> None:
         if len(plans) == 1:
-            await self._write(await self._seal(plans[0]))
+            view, out = await self._seal(plans[0])
+            await self._write(view)
+            if out is not None:
+                self._seal_pool.append(out)
             return
         # two-stage pipeline: seal record i+1 in a worker thread while the socket takes record i
-        sealed_send, sealed_recv = trio.open_memory_channel[bytearray](1)
+        sealed_send, sealed_recv = trio.open_memory_channel[tuple[memoryview, bytearray | None]](1)
 
         async def sealer() -> None:
             async with sealed_send:
@@ -210,8 +225,10 @@ class BulkChannel:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sealer)
             async with sealed_recv:
-                async for buf in sealed_recv:
-                    await self._write(buf)
+                async for view, out in sealed_recv:
+                    await self._write(view)
+                    if out is not None:
+                        self._seal_pool.append(out)
 
     async def _recv_exactly(self, view: memoryview, *, at_boundary: bool) -> bool:
         """Fill *view*; False at a clean EOF on a record boundary. Deadline: dead_after of silence."""
@@ -234,27 +251,30 @@ class BulkChannel:
             self.bytes_received += n
         return True
 
-    async def _read_records(self, out: trio.MemorySendChannel[tuple[int, bytes, bytearray, bytes]]) -> None:
+    async def _read_records(self, out: trio.MemorySendChannel[_Record]) -> None:
         async with out:
             while True:
                 hdr = bytearray(tf.RECORD_HEADER)
                 if not await self._recv_exactly(memoryview(hdr), at_boundary=True):
-                    if self._reader.closed:
-                        return
-                    raise PeerUnavailable(self._peer, "connection closed without CLOSE")
+                    return
                 kind, n = self._reader.header(hdr)  # bound checked before allocating the body
-                body = bytearray(n)
-                await self._recv_exactly(memoryview(body), at_boundary=False)
-                await out.send((kind, bytes(hdr), body, self._reader.opener.next_nonce()))
+                buf = self._recv_pool.pop() if self._recv_pool else bytearray(self._reader.max_body)
+                body = memoryview(buf)[:n]
+                await self._recv_exactly(body, at_boundary=False)
+                await out.send((kind, bytes(hdr), body, buf, self._reader.opener.next_nonce()))
 
-    async def _open_records(self, inp: trio.MemoryReceiveChannel[tuple[int, bytes, bytearray, bytes]]) -> None:
+    async def _open_records(self, inp: trio.MemoryReceiveChannel[_Record]) -> None:
         opener = self._reader.opener
         async with inp:
-            async for kind, hdr, body, nonce in inp:
+            async for kind, hdr, body, buf, nonce in inp:
+                dest = self._reader.destination(kind, len(body))  # decrypt in place into the message
                 if len(body) >= self._cfg.thread_threshold:
-                    plain = await trio.to_thread.run_sync(opener.open, nonce, hdr, body)
+                    plain = await trio.to_thread.run_sync(opener.open, nonce, hdr, body, dest)
                 else:
-                    plain = opener.open(nonce, hdr, body)
+                    plain = opener.open(nonce, hdr, body, dest)
+                del body
+                if len(self._recv_pool) < 4:
+                    self._recv_pool.append(buf)
                 for ev in self._reader.on_plaintext(kind, plain):
                     self._on_event(ev.kind, ev.message, ev.count)
 
@@ -286,27 +306,51 @@ class BulkChannel:
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     return
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    # Any: the trio-typing stubs libp2p installs shadow trio.TaskStatus for mypy
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """The channel's background work (reader, opener, keepalive) until it closes or fails."""
         self._last_sent = trio.current_time()
         with self._scope:
             try:
                 async with trio.open_nursery() as nursery:
-                    records_send, records_recv = trio.open_memory_channel[tuple[int, bytes, bytearray, bytes]](2)
                     nursery.start_soon(self._keepalive)
-                    nursery.start_soon(self._open_records, records_recv)
                     task_status.started()
-                    await self._read_records(records_send)
-                    # clean end: the opener task drains and finishes; stop the keepalive
-                    with trio.CancelScope(shield=False):
-                        pass
-                    nursery.cancel_scope.cancel() if self._reader.closed else None
-            except (PeerUnavailable, RemoteProtocolError) as exc:
-                self._fail(exc)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._fail(PeerUnavailable(self._peer, f"connection lost: {exc}"))
+                    records_send, records_recv = trio.open_memory_channel[_Record](2)
+                    async with trio.open_nursery() as inner:
+                        inner.start_soon(self._open_records, records_recv)
+                        await self._read_records(records_send)
+                    # EOF and every record processed: clean only if the peer said CLOSE first
+                    if not self._reader.closed:
+                        raise PeerUnavailable(self._peer, "connection closed without CLOSE")
+                    nursery.cancel_scope.cancel()
+            except BaseException as exc:
+                err = _classify(self._peer, exc)
+                if err is None:
+                    raise
+                self._fail(err)
         if self._error is not None or self._closed:
             await trio.aclose_forcefully(self._stream)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
+    return [exc]
+
+
+def _classify(peer: str, exc: BaseException) -> FusionError | None:
+    """The channel error behind *exc* (unwrapping exception groups): a peer's protocol violation wins
+    over a lost connection; None when *exc* is not a channel failure (e.g. a cancellation)."""
+    leaves = _leaves(exc)
+    for leaf in leaves:
+        if isinstance(leaf, RemoteProtocolError):
+            return leaf
+    for leaf in leaves:
+        if isinstance(leaf, PeerUnavailable):
+            return leaf
+        if isinstance(leaf, trio.BrokenResourceError | trio.ClosedResourceError | OSError):
+            return PeerUnavailable(peer, f"connection lost: {leaf!r}")
+    return None
 
 
 def _keys_for_dialer(reply: dict[str, Any]) -> tuple[bytes, bytes]:
@@ -441,13 +485,9 @@ class DataPlane:
 
 
 def _tune(stream: trio.SocketStream, cfg: DataPlaneConfig) -> None:
-    import socket
-
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
+        with suppress(OSError):
             stream.setsockopt(socket.SOL_SOCKET, opt, cfg.socket_buffer)
-        except OSError:
-            pass
 
 
 @asynccontextmanager
@@ -472,4 +512,3 @@ async def open_data_plane(transport: Transport, *, config: DataPlaneConfig | Non
 
 
 __all__ = ["BulkChannel", "DataPlane", "DataPlaneConfig", "open_data_plane"]
-_ = math

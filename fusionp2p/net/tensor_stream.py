@@ -4,7 +4,8 @@ The trio shell (``fusionp2p.net.bulk``) only moves bytes and runs the sealing in
 protocol decisions live here so they can be tested one byte at a time. Record layout and kinds are
 in ``fusionp2p.wire.tensor_frame``.
 
-A message is cut into records of at most ``chunk_size`` plaintext bytes (``MSG_MORE`` … ``MSG_END``),
+A message is cut into records of at most ``chunk_size`` plaintext bytes (``MSG_START``, ``MSG_MORE`` …
+``MSG_END``),
 so no record needs a huge allocation and keepalives still flow between the slices of a large tensor.
 Small pieces (the header, small tensors) are coalesced into one record; large tensors are sealed
 straight from their memory (no plaintext copy).
@@ -55,12 +56,20 @@ class RecordWriter:
         self.sealer = sealer
         self.chunk_size = chunk_size
 
+    @property
+    def max_record(self) -> int:
+        """The largest wire record this writer produces (header + MSG_START prefix + chunk + tag)."""
+        return tf.RECORD_HEADER + tf.START_PREFIX + self.chunk_size + overhead(self.sealer.cipher)
+
     def plan_message(self, msg: tf.MessageLike) -> list[RecordPlan]:
+        """The records of *msg*, nonces assigned in order (call under the channel's wire lock)."""
         chunks: list[list[Buffer]] = []
         pending: list[Buffer] = []
         pending_n = 0
+        total = 0
         small = min(64 * 1024, self.chunk_size)
         for part in tf.encode_message(msg):
+            total += len(part)
             if len(part) <= small and pending_n + len(part) <= self.chunk_size:
                 pending.append(part)
                 pending_n += len(part)
@@ -72,32 +81,37 @@ class RecordWriter:
                 pending, pending_n = [part], len(part)
                 continue
             mv = memoryview(part)
-            for i in range(0, len(mv), self.chunk_size):
-                chunks.append([mv[i : i + self.chunk_size]])
+            chunks.extend([mv[i : i + self.chunk_size]] for i in range(0, len(mv), self.chunk_size))
         if pending:
             chunks.append(pending)
-        last = len(chunks) - 1
-        return [RecordPlan(self.sealer.next_nonce(), tf.MSG_END if i == last else tf.MSG_MORE, c)
-                for i, c in enumerate(chunks)]
+        if len(chunks) == 1:
+            return [RecordPlan(self.sealer.next_nonce(), tf.MSG_END, chunks[0])]
+        kinds = [tf.MSG_START] + [tf.MSG_MORE] * (len(chunks) - 2) + [tf.MSG_END]
+        chunks[0] = [tf.encode_start(total), *chunks[0]]
+        return [RecordPlan(self.sealer.next_nonce(), k, c) for k, c in zip(kinds, chunks)]
 
-    def seal(self, plan: RecordPlan) -> bytearray:
-        return self.sealer.seal(plan.nonce, plan.kind, plan.parts)
+    def seal(self, plan: RecordPlan, out: bytearray | None = None) -> memoryview:
+        return self.sealer.seal(plan.nonce, plan.kind, plan.parts, out)
 
-    def control(self, kind: int, body: bytes = b"") -> bytearray:
+    def control(self, kind: int, body: bytes = b"") -> memoryview:
         """A sealed control record (ACK, PING, HELLO, CLOSE)."""
         return self.sealer.seal(self.sealer.next_nonce(), kind, [body])
 
 
 class RecordReader:
-    """Turns received bytes (or whole records) into events, with every bound checked before allocating."""
+    """Turns received bytes (or whole records) into events, with every bound checked before allocating.
+
+    A multi-record message is allocated once, at its ``MSG_START`` (whose announced total is checked
+    against the limit), and the following slices are decrypted straight into it (:meth:`destination`).
+    """
 
     def __init__(self, opener: Opener, *, chunk_size: int, limits: Limits = DEFAULT_LIMITS) -> None:
         self.opener = opener
         self.limits = limits
-        self.max_body = chunk_size + overhead(opener.cipher)
+        self.max_body = tf.START_PREFIX + chunk_size + overhead(opener.cipher)
         self._buf = bytearray()
-        self._msg = bytearray()
-        self._msg_parts = 0
+        self._msg: bytearray | None = None
+        self._pos = 0
         self.closed = False
 
     # --- the byte path (tests, small reads)
@@ -106,19 +120,21 @@ class RecordReader:
         self._buf += data
         out: list[Event] = []
         while len(self._buf) >= tf.RECORD_HEADER:
-            kind, n = tf.parse_record_header(self._buf, max_body=self.max_body)
+            kind, n = self.header(self._buf)
             if len(self._buf) < tf.RECORD_HEADER + n:
                 break
             hdr = bytes(self._buf[: tf.RECORD_HEADER])
             body = bytes(self._buf[tf.RECORD_HEADER : tf.RECORD_HEADER + n])
             del self._buf[: tf.RECORD_HEADER + n]
-            out.extend(self.on_plaintext(kind, self.opener.open(self.opener.next_nonce(), hdr, body)))
+            dest = self.destination(kind, n)
+            plain = self.opener.open(self.opener.next_nonce(), hdr, body, dest)
+            out.extend(self.on_plaintext(kind, plain))
         return out
 
     @property
     def pending(self) -> int:
         """Bytes held that are not yet a complete record or message (0 at a clean boundary)."""
-        return len(self._buf) + len(self._msg) + self._msg_parts
+        return len(self._buf) + (self._pos + 1 if self._msg is not None else 0)
 
     def check_eof(self) -> None:
         """At end of stream: RemoteProtocolError if a record or a message was cut off."""
@@ -128,26 +144,49 @@ class RecordReader:
     # --- the record path (the trio shell reads a header, then exactly the body, then opens it)
     def header(self, hdr: Buffer) -> tuple[int, int]:
         """Validate a record header: (kind, body length). Raises before the body is allocated."""
-        return tf.parse_record_header(hdr, max_body=self.max_body)
-
-    def on_plaintext(self, kind: int, plain: bytearray) -> list[Event]:
-        """Process one authenticated record's plaintext."""
         if self.closed:
             raise RemoteProtocolError("record after CLOSE")
+        return tf.parse_record_header(hdr, max_body=self.max_body)
+
+    def destination(self, kind: int, body_len: int) -> memoryview | None:
+        """Where to decrypt the next record in place: the next slice of the message being assembled."""
+        if self._msg is None or kind not in (tf.MSG_MORE, tf.MSG_END):
+            return None
+        size = body_len - overhead(self.opener.cipher)
+        if size < 0 or self._pos + size > len(self._msg):
+            raise RemoteProtocolError("message slices exceed the announced length")
+        return memoryview(self._msg)[self._pos : self._pos + size]
+
+    def on_plaintext(self, kind: int, plain: bytearray | memoryview) -> list[Event]:
+        """Process one authenticated record's plaintext (already in place if it came from :meth:`destination`)."""
+        if self.closed:
+            raise RemoteProtocolError("record after CLOSE")
+        if kind == tf.MSG_START:
+            if self._msg is not None:
+                raise RemoteProtocolError("MSG_START inside a message")
+            total = tf.decode_start(plain, limits=self.limits)
+            self._msg = bytearray(total)
+            self._msg[: len(plain) - tf.START_PREFIX] = plain[tf.START_PREFIX :]
+            self._pos = len(plain) - tf.START_PREFIX
+            return []
         if kind in (tf.MSG_MORE, tf.MSG_END):
-            if len(self._msg) + len(plain) > self.limits.max_frame:
-                raise RemoteProtocolError(f"message exceeds the limit of {self.limits.max_frame} bytes")
+            if self._msg is None:
+                if kind == tf.MSG_MORE:
+                    raise RemoteProtocolError("MSG_MORE without MSG_START")
+                whole = plain if isinstance(plain, bytearray) else bytearray(plain)  # single-record message
+                return [Event(tf.MSG_END, message=tf.decode_message(whole, limits=self.limits))]
+            if not (isinstance(plain, memoryview) and plain.obj is self._msg):
+                if self._pos + len(plain) > len(self._msg):
+                    raise RemoteProtocolError("message slices exceed the announced length")
+                self._msg[self._pos : self._pos + len(plain)] = plain
+            self._pos += len(plain)
             if kind == tf.MSG_MORE:
-                self._msg += plain
-                self._msg_parts += 1
                 return []
-            if self._msg_parts:
-                self._msg += plain
-                whole, self._msg, self._msg_parts = self._msg, bytearray(), 0
-            else:
-                whole = plain  # single-record message: no copy
+            if self._pos != len(self._msg):
+                raise RemoteProtocolError("message shorter than announced")
+            whole, self._msg, self._pos = self._msg, None, 0
             return [Event(tf.MSG_END, message=tf.decode_message(whole, limits=self.limits))]
-        if self._msg_parts:
+        if self._msg is not None:
             # the writer holds its wire lock for a whole message: nothing interleaves its slices
             raise RemoteProtocolError("control record inside a message")
         if kind == tf.ACK:

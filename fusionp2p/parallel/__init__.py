@@ -20,7 +20,20 @@ from fusionp2p.parallel.convert import (
     shard_input,
 )
 from fusionp2p.parallel.linear import OverlapConfig, TensorParallel, TensorParallelLinear
-from fusionp2p.parallel.rendezvous import RendezvousSpec, init_distributed, launch_local, select_device, shutdown
+from fusionp2p.parallel.rendezvous import (
+    RendezvousSpec,
+    init_distributed,
+    launch_local,
+    select_device,
+    shutdown,
+)
+from fusionp2p.parallel.search import (
+    TrialConfig,
+    TrialResult,
+    choose_config,
+    measure_bandwidth,
+    measure_config,
+)
 
 __all__ = [
     "Comm",
@@ -33,12 +46,17 @@ __all__ = [
     "RendezvousSpec",
     "TensorParallel",
     "TensorParallelLinear",
+    "TrialConfig",
+    "TrialResult",
+    "choose_config",
     "gather_batch",
     "gather_features",
     "gather_full_weight",
     "gather_output",
     "init_distributed",
     "launch_local",
+    "measure_bandwidth",
+    "measure_config",
     "parallelize_gpt2_block",
     "parallelize_linears",
     "scatter_features",

@@ -67,13 +67,13 @@ class _GatherFeatures(torch.autograd.Function):
 
 def scatter_features(x: torch.Tensor, tp: TensorParallel, dim: Dim) -> torch.Tensor:
     """This rank's slice of the last axis over ``dim`` (backward: all-gather over ``dim``)."""
-    out: torch.Tensor = _ScatterFeatures.apply(x, tp, dim)
+    out: torch.Tensor = _ScatterFeatures.apply(x, tp, dim)  # type: ignore[no-untyped-call]
     return out
 
 
 def gather_features(x: torch.Tensor, tp: TensorParallel, dim: Dim) -> torch.Tensor:
     """All-gather the last axis over ``dim`` (backward: keep this rank's slice)."""
-    out: torch.Tensor = _GatherFeatures.apply(x, tp, dim)
+    out: torch.Tensor = _GatherFeatures.apply(x, tp, dim)  # type: ignore[no-untyped-call]
     return out
 
 

@@ -136,14 +136,14 @@ class TensorParallel:
                 self.comm.all_reduce(_grad_of(m.weight), "data", label="sync")
                 tp_params.add(id(m.weight))
                 if m.bias is not None:
-                    for dim in ("z", "data"):
-                        self.comm.all_reduce(_grad_of(m.bias), dim, label="sync")
+                    self.comm.all_reduce(_grad_of(m.bias), "z", label="sync")
+                    self.comm.all_reduce(_grad_of(m.bias), "data", label="sync")
                     tp_params.add(id(m.bias))
         rest = [p for p in model.parameters() if p.requires_grad and id(p) not in tp_params]
         if rest and (self.grid.size("z") > 1 or self.grid.size("data") > 1):
             bucket = torch.cat([_grad_of(p).reshape(-1) for p in rest])
-            for dim in ("z", "data"):
-                self.comm.all_reduce(bucket, dim, label="sync")
+            self.comm.all_reduce(bucket, "z", label="sync")
+            self.comm.all_reduce(bucket, "data", label="sync")
             off = 0
             for p in rest:
                 n = p.numel()
@@ -252,7 +252,7 @@ class TensorParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = _TPLinearFn.apply(x.reshape(-1, x.shape[-1]), self.weight, self)
+        y: torch.Tensor = _TPLinearFn.apply(x.reshape(-1, x.shape[-1]), self.weight, self)  # type: ignore[no-untyped-call]
         y = y.view(*lead, y.shape[-1])
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

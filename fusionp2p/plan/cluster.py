@@ -3,8 +3,8 @@
 Theory of operation. Devices are merged agglomeratively with *average linkage on log-bandwidth*
 (the similarity of two clusters is the mean of ``log B[i, j]`` over their cross pairs, i.e. the
 log of the geometric-mean bandwidth). Two clusters may merge only while their linkage bandwidth is
-at least ``theta`` times the internal (geometric-mean) bandwidth of each of them, so a cluster
-never swallows a much slower neighbour; a block-structured matrix (fast inside groups, slow
+at least ``theta`` times the internal (geometric-mean) bandwidth of each of them (a single
+device's reference is its fastest link), so a cluster never swallows a much slower neighbour; a block-structured matrix (fast inside groups, slow
 between) is therefore recovered exactly for any ``theta`` above the block contrast.
 
 The clusters are then ordered as a max-bottleneck Hamiltonian path over the linkage bandwidths
@@ -39,7 +39,9 @@ def cluster_devices(bw: F64, theta: float) -> list[list[int]]:
     sim = logb.copy()                         # cluster-to-cluster mean log bandwidth
     np.fill_diagonal(sim, -np.inf)
     size = np.ones(d, dtype=np.float64)
-    intra = np.full(d, -np.inf)               # -inf: a singleton has no internal links
+    # Reference speed of a singleton: its fastest link (a device whose links are all equally slow
+    # may pair up; one with a fast partner will not be merged into a slow group).
+    intra = sim.max(axis=1)
     members: list[list[int]] = [[i] for i in range(d)]
     active = np.ones(d, dtype=bool)
     log_theta = math.log(theta)
@@ -95,8 +97,12 @@ def order_clusters(link: F64, seed: int, *, tries: int = 8) -> list[int]:
     if m <= 2:
         return list(range(m))
     if m <= EXHAUSTIVE_CLUSTERS:
-        best = max(itertools.permutations(range(m)), key=lambda o: (*_score(o, link), tuple(-x for x in o)))
-        return list(best)
+        # All m! paths at once (40320 x 8 for m = 8); permutations come in lexicographic order, so
+        # the stable sort keeps the lexicographically first of equally good paths.
+        perms = np.array(list(itertools.permutations(range(m))), dtype=np.intp)
+        steps = link[perms[:, :-1], perms[:, 1:]]
+        first = np.lexsort((np.arange(len(perms)), -steps.sum(axis=1), -steps.min(axis=1)))[0]
+        return [int(x) for x in perms[first]]
     rng = np.random.default_rng(seed)
     starts = [0, *(int(s) for s in rng.choice(m, size=min(tries, m) - 1, replace=False) if s != 0)]
     best_order: tuple[int, ...] = ()

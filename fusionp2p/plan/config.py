@@ -36,6 +36,7 @@ class PlannerConfig:
     co2_tau: int = 48                       # local steps between CO2 averaging rounds
     cluster_theta: float = 0.25             # merge clusters while inter-bandwidth >= theta * intra
     exact_search_devices: int = 5           # up to this many devices: search every device order
+    skip_window: int = 32                   # cluster order: next stage at most this many devices later
     missing_link: Link = field(default_factory=lambda: Link(bandwidth_bps=125_000.0, latency_s=0.5))
 
     def __post_init__(self) -> None:
@@ -60,6 +61,8 @@ class PlannerConfig:
             raise ConfigError("co2_tau must be >= 1")
         if not (0 < self.cluster_theta <= 1):
             raise ConfigError("cluster_theta must be in (0, 1]")
+        if self.skip_window < 1:
+            raise ConfigError("skip_window must be >= 1")
         if not (0 <= self.exact_search_devices <= 8):
             raise ConfigError("exact_search_devices must be in [0, 8] (the search is exponential)")
 

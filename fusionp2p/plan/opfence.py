@@ -17,9 +17,11 @@ between the two devices, where ``bytes`` may shrink to the AdaTopK floor when co
    those reached by a predecessor whose link carries that cut within ``T``; from a start ``i`` a
    stage can end anywhere up to ``rmax(i)``, the last unit that fits ``T * flops`` and the device's
    memory (prefix sums + ``searchsorted``; ``rmax`` is monotone, so the latest start dominates and
-   a whole row is one vectorised pass). Cost O(states * predecessors * N) per candidate.
+   a whole row is one vectorised pass). Cost O(states * predecessors * N) per candidate, i.e.
+   O(D * min(D, skip_window) * N) on the cluster order.
 3. *Bisection* on ``T`` (geometric, to relative 1e-9) between a lower bound (perfect parallelism)
-   and an upper bound that is always feasible when memory is; then a backtrack gives the stages.
+   and an upper bound that is always feasible when memory is; each feasible probe is backtracked
+   into stages and ``hi`` snaps down to their real bottleneck, so few probes are needed.
 4. *Refinement.* Pairwise rebalancing of neighbouring stages (never raises the bottleneck; it
    spreads the slack of non-bottleneck stages evenly, which also shortens fill and drain).
 5. *Replicas.* Devices left over join, one at a time, the stage whose replication lowers the
@@ -30,6 +32,7 @@ between the two devices, where ``bytes`` may shrink to the AdaTopK floor when co
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -49,6 +52,7 @@ log = logging.getLogger(__name__)
 
 F64 = npt.NDArray[np.float64]
 BoolA = npt.NDArray[np.bool_]
+Idx = npt.NDArray[np.intp] | npt.NDArray[np.int64] | int
 GiB = float(1 << 30)
 REL_TOL = 1e-9
 
@@ -67,8 +71,10 @@ class _States:
         self.first = first
 
     @classmethod
-    def ordered(cls, order: list[int]) -> _States:
-        return cls(list(order), [np.arange(q, dtype=np.intp) for q in range(len(order))], [True] * len(order))
+    def ordered(cls, order: list[int], window: int | None = None) -> _States:
+        """Subsequences of *order*; with *window*, consecutive stages are at most that many apart."""
+        w = len(order) if window is None else window
+        return cls(list(order), [np.arange(max(0, q - w), q, dtype=np.intp) for q in range(len(order))], [True] * len(order))
 
     @classmethod
     def subsets(cls, devices: list[int]) -> _States:
@@ -100,8 +106,18 @@ class _Search:
         self.cut_eff: F64 = np.zeros(self.n + 1) if ignore_links else cm.cut * cm.min_byte_factor
         self.R: npt.NDArray[np.bool_] = np.zeros((len(states.dev), self.n + 1), dtype=bool)
         self.E: npt.NDArray[np.bool_] = np.zeros((len(states.dev), self.n), dtype=bool)
+        self.live: npt.NDArray[np.bool_] = np.zeros(len(states.dev), dtype=bool)
+        self.dev: npt.NDArray[np.intp] = np.array(states.dev, dtype=np.intp)
         self.rmax: dict[int, npt.NDArray[np.intp]] = {}
         self.T = math.inf
+        self._mem_limits: dict[float, npt.NDArray[np.intp]] = {}  # independent of T: kept across probes
+
+    def _limit(self, prefix: F64, cap: float, cache: dict[float, npt.NDArray[np.intp]]) -> npt.NDArray[np.intp]:
+        """For every start i, the last end j with prefix[j] - prefix[i] <= cap."""
+        got = cache.get(cap)
+        if got is None:
+            got = cache[cap] = np.searchsorted(prefix, prefix[: self.n] + cap, side="right") - 1
+        return got
 
     def thr(self, a: npt.NDArray[np.intp] | int, b: int, T: float) -> F64:
         """Largest cut (effective bytes) a link a->b carries within T."""
@@ -118,28 +134,39 @@ class _Search:
         self.rmax = {}
         self.R[:] = False
         self.E[:] = False
+        self.live[:] = False
         ends = np.arange(1, n + 1)
         idx = np.arange(n)
+        by_cap: dict[float, npt.NDArray[np.intp]] = {}   # devices of equal speed share one search
         for s, d in enumerate(self.st.dev):
             rmax = self.rmax.get(d)
             if rmax is None:
-                lim_w = np.searchsorted(cm.work, cm.work[:n] + T * cm.flops[d], side="right") - 1
-                lim_m = np.searchsorted(cm.mem, cm.mem[:n] + cm.mem_cap[d], side="right") - 1
-                rmax = self.rmax[d] = np.minimum(lim_w, lim_m)
+                rmax = self.rmax[d] = np.minimum(self._limit(cm.work, T * float(cm.flops[d]), by_cap),
+                                                 self._limit(cm.mem, float(cm.mem_cap[d]), self._mem_limits))
             entry = self.E[s]
             preds = self.st.preds[s]
             if len(preds):
-                live = preds[self.R[preds, :n].any(axis=1)]
+                live = preds[self.live[preds]]
                 if len(live):
-                    thr = self.thr(np.array([self.st.dev[p] for p in live], dtype=np.intp), d, T)
+                    thr = self.thr(self.dev[live], d, T)
                     best = np.where(self.R[live, :n], thr[:, None], -np.inf).max(axis=0)
                     entry |= best >= self.cut_eff[:n]
             entry[0] = self.st.first[s]
             latest = np.maximum.accumulate(np.where(entry, idx, -1))
             self.R[s, 1:] = (latest >= 0) & (rmax[np.maximum(latest, 0)] >= ends)
+            self.live[s] = self.R[s].any()
             if self.R[s, n]:
                 return s
         return None
+
+    def bottleneck(self, layout: Layout) -> float:
+        """The DP's objective for a one-device-per-stage layout (links at the AdaTopK floor)."""
+        cm = self.cm
+        worst = max(float(cm.work[j] - cm.work[i]) / float(cm.flops[g[0]]) for i, j, g in layout)
+        if not self.ignore_links:
+            for (_, j, (a,)), (_, _, (b,)) in itertools.pairwise(layout):
+                worst = max(worst, cm.config.directions * (float(cm.lat[a, b]) + float(self.cut_eff[j]) / float(cm.bw[a, b])))
+        return worst
 
     def backtrack(self, s: int) -> Layout:
         """Stages of the reach found by the last :meth:`feasible` call, ending in state *s*."""
@@ -154,7 +181,7 @@ class _Search:
                 break
             preds = self.st.preds[s]
             live = preds[self.R[preds, i]]
-            thr = self.thr(np.array([self.st.dev[p] for p in live], dtype=np.intp), d, self.T)
+            thr = self.thr(self.dev[live], d, self.T)
             ok = thr >= self.cut_eff[i]
             s, j = int(live[ok][np.argmax(thr[ok])]), i
         layout.reverse()
@@ -182,24 +209,29 @@ def min_bottleneck_layout(cm: CostModel, states: _States, *, job: str = "", igno
     if search.feasible(math.inf) is None:
         _check_memory(cm, job)
     total = float(cm.work[-1])
-    fmin, fsum = float(cm.flops.min()), float(cm.flops.sum())
+    fmin, fmax, fsum = float(cm.flops.min()), float(cm.flops.max()), float(cm.flops.sum())
     link_worst = 0.0 if ignore_links else cm.config.directions * float(
         np.max(cm.lat) + float(np.max(search.cut_eff)) / float(np.min(cm.bw)))
     hi = max(total / fmin + link_worst, 1e-30) * (1 + 1e-6)
-    lo = max(total / fsum, 1e-30 * hi) * (1 - 1e-9)
-    if search.feasible(hi) is None:  # pragma: no cover - the bound above is feasible whenever memory is
+    lo = max(total / fsum, float(np.max(np.diff(cm.work))) / fmax, 1e-30 * hi) * (1 - 1e-9)
+    s = search.feasible(hi)
+    if s is None:  # pragma: no cover - the bound above is feasible whenever memory is
         hi = math.inf
-    if search.feasible(lo) is not None:
-        hi = lo
-    while math.isfinite(hi) and hi / lo > 1 + REL_TOL:
+        s = search.feasible(hi)
+        assert s is not None
+    best = search.backtrack(s)
+    hi = min(hi, search.bottleneck(best))
+    # Geometric bisection that snaps to the bottleneck actually achieved: a feasible probe lowers
+    # hi to its layout's true bottleneck, often far below the probe.
+    while hi / lo > 1 + REL_TOL:
         mid = math.sqrt(lo * hi)
-        if search.feasible(mid) is None:
+        s = search.feasible(mid)
+        if s is None:
             lo = mid
         else:
-            hi = mid
-    s = search.feasible(hi)
-    assert s is not None
-    return search.backtrack(s)
+            best = search.backtrack(s)
+            hi = min(mid, search.bottleneck(best))
+    return best
 
 
 # -- refinement and replicas ------------------------------------------------------------------------
@@ -208,7 +240,7 @@ def _link_time(cm: CostModel, a: tuple[int, ...], b: tuple[int, ...], cut_eff: F
     return np.asarray(cm.config.directions * (link.latency_s + cut_eff / link.bandwidth_bps), dtype=np.float64)
 
 
-def _stage_vec(cm: CostModel, i: F64 | int, j: F64 | int, g: tuple[int, ...]) -> F64:
+def _stage_vec(cm: CostModel, i: Idx, j: Idx, g: tuple[int, ...]) -> F64:
     """Vectorised CostModel.stage_time over arrays of range ends."""
     i_a, j_a = np.asarray(i), np.asarray(j)
     t = (cm.work[j_a] - cm.work[i_a]) / float(cm.flops[list(g)].sum())
@@ -220,7 +252,7 @@ def _stage_vec(cm: CostModel, i: F64 | int, j: F64 | int, g: tuple[int, ...]) ->
     return np.asarray(t, dtype=np.float64)
 
 
-def _mem_ok(cm: CostModel, i: F64 | int, j: F64 | int, g: tuple[int, ...]) -> BoolA:
+def _mem_ok(cm: CostModel, i: Idx, j: Idx, g: tuple[int, ...]) -> BoolA:
     i_a, j_a = np.asarray(i), np.asarray(j)
     need = cm.mem[j_a] - cm.mem[i_a]
     if len(g) > 1:
@@ -259,30 +291,34 @@ def _elements(cm: CostModel, layout: Layout, cut_eff: F64) -> list[float]:
 
 
 def add_replicas(cm: CostModel, layout: Layout, cut_eff: F64) -> Layout:
-    """Step 5: each left-over device (fastest first) joins the stage it helps most, if any."""
+    """Step 5: each left-over device (fastest first) joins the stage where it shortens the predicted
+    step most — the bottleneck stage when there is one, since the step is ``(M-1) * max + sum`` —
+    and stays idle when no stage gains."""
     used = {d for _, _, g in layout for d in g}
     left = sorted((d for d in range(cm.n_devices) if d not in used), key=lambda d: (-float(cm.flops[d]), d))
     out = list(layout)
     s_n = len(out)
+    m1 = cm.config.micro_batches - 1
     for d in left:
         elems = _elements(cm, out, cut_eff)
-        cur = max(elems)
+        cur = m1 * max(elems) + math.fsum(elems)
         best: tuple[float, int] | None = None
         for k in range(s_n):
             i, j, g = out[k]
             ng = tuple(sorted((*g, d)))
             if not bool(_mem_ok(cm, i, j, ng)):
                 continue
-            touched = {k, s_n + k - 1, s_n + k}
-            rest = max((e for x, e in enumerate(elems) if x not in touched), default=0.0)
-            new = [float(_stage_vec(cm, i, j, ng))]
+            new = list(elems)
+            new[k] = float(_stage_vec(cm, i, j, ng))
             if k > 0:
-                new.append(float(_link_time(cm, out[k - 1][2], ng, cut_eff[i])))
+                new[s_n + k - 1] = float(_link_time(cm, out[k - 1][2], ng, cut_eff[i]))
             if k < s_n - 1:
-                new.append(float(_link_time(cm, ng, out[k + 1][2], cut_eff[j])))
-            b = max(rest, *new)
-            if b < cur * (1 - 1e-9) and (best is None or b < best[0]):
-                best = (b, k)
+                new[s_n + k] = float(_link_time(cm, ng, out[k + 1][2], cut_eff[j]))
+            if max(new) > max(elems):
+                continue
+            step = m1 * max(new) + math.fsum(new)
+            if step < cur * (1 - 1e-9) and (best is None or step < best[0]):
+                best = (step, k)
         if best is not None:
             i, j, g = out[best[1]]
             out[best[1]] = (i, j, tuple(sorted((*g, d))))
@@ -304,7 +340,7 @@ def make_plan(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfig
         states = _States.subsets(list(range(cm.n_devices)))
     else:
         _, order = device_order(cm.bw, cm.flops, cfg.cluster_theta, seed)
-        states = _States.ordered(order)
+        states = _States.ordered(order, cfg.skip_window)
     layout = min_bottleneck_layout(cm, states, job=snapshot.job)
     cut_eff = cm.cut * cm.min_byte_factor
     layout = refine(cm, layout, cut_eff)

@@ -25,6 +25,7 @@ channel are handed to ``on_other`` (e.g. the stage worker's activation router).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -249,7 +250,8 @@ class ReplicaAverager:
             nonlocal result
             for a in actions:
                 if isinstance(a, Send):
-                    await self._queues[a.peer].send(to_message(self.config.job, self.config.stage, a.msg))
+                    with contextlib.suppress(trio.ClosedResourceError):  # closing down
+                        await self._queues[a.peer].send(to_message(self.config.job, self.config.stage, a.msg))
                 elif isinstance(a, Reduced):
                     if reinit:  # new epoch: restart the outer state from the survivors' mean
                         self._opt = OuterOptimizer(self.config.outer, a.mean, lo=a.lo, sharded=len(self.alive) > 1)
@@ -265,21 +267,25 @@ class ReplicaAverager:
             await act(sm.peer_lost(peer))
         for peer, stashed in self._stash.pop(rnd.round_id, []):
             await act(self._safe_receive(sm, peer, stashed))
-        with trio.move_on_after(self.config.round_timeout):
-            while result is None:
-                kind, peer, msg = await self._events_recv.receive()
-                if kind == "lost":
+        # One deadline window per phase: at the end of a window whoever is still awaited is lost,
+        # and the survivors get a fresh window for the next phase (so that one silent peer does not
+        # make every replica also give up on the others, who are busy timing it out too).
+        while result is None:
+            with trio.move_on_after(self.config.round_timeout):
+                while result is None:
+                    kind, peer, msg = await self._events_recv.receive()
+                    if kind == "lost":
+                        await act(sm.peer_lost(peer))
+                    elif msg is not None and msg.round_id == rnd.round_id:
+                        await act(self._safe_receive(sm, peer, msg))
+                    elif msg is not None and msg.round_id > rnd.round_id:
+                        self._stash[msg.round_id].append((peer, msg))
+            if result is None:
+                waiting = sorted(sm.awaiting())
+                log.warning("averaging round %d: deadline passed, giving up on %s", rnd.round_id, waiting)
+                for peer in waiting:
+                    self._dead.add(peer)
                     await act(sm.peer_lost(peer))
-                elif msg is not None and msg.round_id == rnd.round_id:
-                    await act(self._safe_receive(sm, peer, msg))
-                elif msg is not None and msg.round_id > rnd.round_id:
-                    self._stash[msg.round_id].append((peer, msg))
-        while result is None:  # deadline: whoever we still wait on is lost for this round
-            waiting = sorted(sm.awaiting())
-            log.warning("averaging round %d: deadline passed, giving up on %s", rnd.round_id, waiting)
-            for peer in waiting:
-                self._dead.add(peer)
-                await act(sm.peer_lost(peer))
         self._after_round(result)
         rnd.result = result
         rnd.done.set()
@@ -350,16 +356,24 @@ async def open_replica_averager(
 ) -> AsyncIterator[ReplicaAverager]:
     """Run a :class:`ReplicaAverager` (its receivers, senders and rounds) for the block's duration."""
     avg = ReplicaAverager(config, peers=peers, me=me, channels=channels, initial=initial, on_other=on_other)
-    async with trio.open_nursery() as nursery:
-        avg._nursery = nursery
+    async with trio.open_nursery() as senders:
         for peer in peers:
             if peer == me:
                 continue
             send, recv = trio.open_memory_channel[TensorMessage](config.send_window)
             avg._queues[peer] = send
-            nursery.start_soon(avg._sender, peer, channels[peer], recv)
-            nursery.start_soon(avg._receiver, peer, channels[peer])
-        try:
-            yield avg
-        finally:
-            nursery.cancel_scope.cancel()
+            senders.start_soon(avg._sender, peer, channels[peer], recv)
+        async with trio.open_nursery() as nursery:
+            avg._nursery = nursery
+            for peer in peers:
+                if peer != me:
+                    nursery.start_soon(avg._receiver, peer, channels[peer])
+            try:
+                yield avg
+            finally:
+                nursery.cancel_scope.cancel()
+        # Flush: parts this replica already queued (e.g. its last anchor shard) are still owed to
+        # peers that may be waiting on them; deliver them, within one round deadline.
+        for q in avg._queues.values():
+            q.close()
+        senders.cancel_scope.deadline = trio.current_time() + config.round_timeout

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from fusionp2p.data.shards import is_sha256_hex
+from fusionp2p.data.shards import ShardManifest, is_sha256_hex, make_shards
+from fusionp2p.data.tokens import BuiltinCorpus, TokenFile
 from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
 from fusionp2p.net.identity import is_valid_peer_id, verify
 from fusionp2p.runtime.trainconfig import CO2, AdaTopK, LRSchedule, TrainConfig
@@ -34,7 +35,7 @@ from fusionp2p.wire.msg import field as wire_field
 
 __all__ = [
     "CO2", "AdaTopK", "DatasetRef", "JobSpec", "LRSchedule", "Resources", "TrainConfig",
-    "decode_signed", "new_job_id", "sign_spec",
+    "decode_signed", "new_job_id", "prepare_dataset", "sign_spec",
 ]
 
 SPEC_VERSION = 1
@@ -99,6 +100,25 @@ class DatasetRef:
             "seq_len": wire_field(m, "seq_len", int, w), "vocab_size": wire_field(m, "vocab_size", int, w),
             "num_tokens": wire_field(m, "num_tokens", int, w), "name": wire_field(m, "name", str, w),
         })
+
+
+def prepare_dataset(
+    src: BuiltinCorpus | TokenFile, *, shard_tokens: int = 1 << 20
+) -> tuple[DatasetRef, ShardManifest | None, dict[str, bytes]]:
+    """The publisher's side: a dataset reference for *src*, plus (for files) the manifest and the
+    blobs to publish — the manifest's encoding under its hash and every shard under its own.
+
+    A built-in corpus needs no blobs: every node rebuilds it and checks the pinned hash.
+    """
+    if isinstance(src, BuiltinCorpus):
+        ref = DatasetRef(kind="builtin", name=src.name, content_hash=src.content_hash, seq_len=src.seq_len,
+                         vocab_size=src.vocab_size, num_tokens=len(src.tokens()))
+        return ref, None, {}
+    manifest, blobs = make_shards(src.tokens(), vocab_size=src.vocab_size, shard_tokens=shard_tokens)
+    blobs = {manifest.content_hash: manifest.encode(), **blobs}
+    ref = DatasetRef(kind=src.kind, name=str(src.path)[-256:], content_hash=manifest.content_hash, seq_len=src.seq_len,
+                     vocab_size=src.vocab_size, num_tokens=manifest.num_tokens)
+    return ref, manifest, blobs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -50,7 +50,7 @@ class SwarmConfig:
     probe_interval: float = 10.0
     probe_sample: int = 8              # peers probed per round once the swarm is larger
     probe_bytes: int = 1024 * 1024     # first probe size; adapted so a probe lasts ~0.3 s
-    probe_timeout: float = 20.0
+    probe_timeout: float = 5.0
     probe: bool = True
     ema_alpha: float = 0.5
     join_attempts: int = 5
@@ -222,7 +222,9 @@ class SwarmNode:
             if rec.leaving:
                 self.bandwidth.forget(rec.peer)
             self._apply_events(events)
-            if rec.peer != self.peer_id and not rec.leaving and rec.peer not in self._dialed and rec.addrs:
+            # Only the larger peer id dials: simultaneous cross-dials leave py-libp2p with a half-dead
+            # duplicate connection on which new streams hang (seen with 8 hosts in one process).
+            if rec.peer < self.peer_id and not rec.leaving and rec.peer not in self._dialed and rec.addrs:
                 self._dialed.add(rec.peer)
                 self._spawn_dial(rec)
         elif isinstance(rec, BandwidthReport):
@@ -271,7 +273,8 @@ class SwarmNode:
 
     # -- probes -----------------------------------------------------------------------------------
     def _probe_targets(self) -> list[str]:
-        peers = [p for p in self.members() if p != self.peer_id]
+        connected = set(self.t.connected_peers())
+        peers = [p for p in self.members() if p != self.peer_id and p in connected]
         never = [p for p in peers if p not in self._links or self._links[p].samples == 0]
         rest = [p for p in peers if p not in never]
         k = max(0, self.config.probe_sample - len(never))
@@ -284,7 +287,12 @@ class SwarmNode:
                 await self._probe_one(peer)
             if targets:
                 await self._publish_bandwidth()
-            with trio.move_on_after(self.config.probe_interval):
+            connected = set(self.t.connected_peers())
+            pending = [p for p in self.members() if p != self.peer_id
+                       and (p not in connected or p not in self._links or self._links[p].samples == 0)]
+            # members not yet connected (their dial is under way) or never measured (a probe failed) are retried
+            # after one heartbeat rather than a full probe interval
+            with trio.move_on_after(self.config.heartbeat if pending else self.config.probe_interval):
                 await self._probe_now.wait()
             self._probe_now = trio.Event()
 

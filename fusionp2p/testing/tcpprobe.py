@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 _CHUNK = 256 * 1024
+_SOCKBUF = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,6 +105,7 @@ def receive(bind: str, port: int, *, warmup: float, accept_timeout: float) -> Pr
     """Listen on ``bind:port``, print the bound port, measure one connection until EOF."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKBUF)  # inherited by the accepted socket
         srv.bind((bind, port))
         srv.listen(1)
         srv.settimeout(accept_timeout)
@@ -127,6 +129,9 @@ def send(host: str, port: int, *, seconds: float, connect_timeout: float) -> int
     payload = bytes(_CHUNK)
     sent = 0
     with socket.create_connection((host, port), timeout=connect_timeout) as conn:
+        # A deep send buffer keeps the shaped link busy while this process waits for a CPU on a
+        # loaded machine; the kernel, not our scheduling, should decide the rate we measure.
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKBUF)
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             conn.sendall(payload)

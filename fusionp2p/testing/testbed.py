@@ -31,6 +31,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -361,6 +362,7 @@ class Testbed:
             f"/ip4/{h.address}/tcp/0",
             "--home",
             str(home),
+            *(["--torch-threads", str(h.spec.torch_threads)] if h.spec.torch_threads is not None else []),
             *h.spec.node_args,
         ]
 
@@ -369,14 +371,24 @@ class Testbed:
         bootstrap_addr: str,
         argv_for: Callable[[TestbedHost, str], Sequence[str]] | None = None,
         *,
+        ready_timeout: float | None = None,
         detached_output: bool = False,
     ) -> list[Proc]:
-        """Start one node per host (``argv_for(host, bootstrap_addr)``, default :meth:`node_argv`)."""
+        """Start one node per host (``argv_for(host, bootstrap_addr)``, default :meth:`node_argv`).
+
+        With ``ready_timeout``, also wait (that long in all) until every node has printed a first
+        stdout line, which is how a node says it is up.
+        """
         make = argv_for or self.node_argv
-        return [
+        procs = [
             self.spawn(h, make(h, bootstrap_addr), label=f"{h.name}-node", detached_output=detached_output)
             for h in self.hosts
         ]
+        if ready_timeout is not None:
+            deadline = time.monotonic() + ready_timeout
+            for p in procs:
+                p.read_line(max(deadline - time.monotonic(), 0.0))
+        return procs
 
     def stop_processes(self, grace: float = 5.0) -> None:
         """SIGTERM every tracked process group, wait up to ``grace`` s in total, then SIGKILL."""
@@ -535,16 +547,18 @@ def _raise_terminate(signum: int, frame: object) -> None:
 def cli_up(
     spec_path: str | os.PathLike[str],
     *,
-    swarm: bool = True,
+    start_nodes: bool = True,
     detach: bool = False,
     ready_timeout: float = 60.0,
+    wait_nodes: bool = False,
     bootstrap_argv: Sequence[str] | None = None,
     node_argv: Callable[[TestbedHost, str], Sequence[str]] | None = None,
 ) -> int:
     """``fusionp2p testbed up --spec FILE``: build the testbed, start a bootstrap and a node per host.
 
     In the foreground (default) it waits until Ctrl-C/SIGTERM or until the bootstrap exits, then
-    tears everything down. With ``detach`` it returns 0 and leaves the testbed running for
+    tears everything down. ``wait_nodes`` also waits for each node's first stdout line (within
+    ``ready_timeout``), so that "up" means up. With ``detach`` it returns 0 and leaves the testbed running for
     ``fusionp2p testbed down``. Returns the exit status: 0 ok, 1 a process failed, 2 a bad spec or
     a machine without root/iproute2 (one line on stderr).
     """
@@ -559,11 +573,13 @@ def cli_up(
     ok = False
     try:
         boot: Proc | None = None
-        if swarm:
+        if start_nodes:
             boot, addr = tb.start_bootstrap(bootstrap_argv, ready_timeout=ready_timeout, detached_output=detach)
             print(f"bootstrap: {addr}", flush=True)
-            nodes = tb.start_nodes(addr, node_argv, detached_output=detach)
-            print(f"started {len(nodes)} nodes; logs in {tb.workdir / 'logs'}", flush=True)
+            wait = ready_timeout if wait_nodes else None
+            nodes = tb.start_nodes(addr, node_argv, ready_timeout=wait, detached_output=detach)
+            state = "up" if wait_nodes else "started"
+            print(f"{len(nodes)} nodes {state}; logs in {tb.workdir / 'logs'}", flush=True)
         if detach:
             tb.detach()
             print(f"testbed {tb.name} left running; remove it with: fusionp2p testbed down {tb.name}", flush=True)
@@ -594,24 +610,16 @@ def cli_up(
                 print(f"testbed {tb.name} removed", flush=True)
 
 
-def cli_down(name: str | None = None, *, all_testbeds: bool = False) -> int:
-    """``fusionp2p testbed down [NAME] [--all]``: remove a testbed (the only one running if no NAME).
+def cli_down(name: str | None = None) -> int:
+    """``fusionp2p testbed down [--name NAME]``: remove testbed NAME, or every testbed of ours if None.
 
-    Returns 0 when done (also when there was nothing to remove), 2 on a bad name, an ambiguous
-    request or a machine without root/iproute2.
+    Also removes the testbed's auto-created workdir (logs, node homes). Returns 0 when done (also
+    when there was nothing to remove), 2 on a bad name or a machine without root/iproute2.
     """
     try:
-        runs = running()
-        if all_testbeds:
-            targets = runs
-        elif name is not None:
+        if name is not None:
             netns.check_run_name(name)
-            targets = [name]
-        elif len(runs) <= 1:
-            targets = runs
-        else:
-            print(f"fusionp2p testbed: several testbeds are running ({', '.join(runs)}); name one or use --all", file=sys.stderr)
-            return 2
+        targets = [name] if name is not None else running()
         if not targets:
             print("no testbed running", flush=True)
         for run in targets:

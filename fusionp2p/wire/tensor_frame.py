@@ -17,7 +17,10 @@ against :class:`~fusionp2p.wire.limits.Limits` and that the byte count matches t
 
 The 5 header bytes are the AEAD associated data, so the kind and length are authenticated too. The
 nonce is implicit (a per-direction counter), so a replayed, reordered or dropped record fails
-authentication. Kinds: ``MSG_MORE``/``MSG_END`` carry consecutive slices of one TensorMessage;
+authentication. Kinds: ``MSG_START`` (plaintext ``u64 BE total message length`` + first slice),
+``MSG_MORE`` … ``MSG_END`` carry consecutive slices of one TensorMessage (a message that fits one
+record is a lone ``MSG_END``; the announced total lets the receiver allocate the message once and
+decrypt every slice in place);
 ``ACK`` (u32 BE count of messages consumed) returns window credit; ``PING`` keeps an idle link
 alive; ``HELLO`` confirms the keys; ``CLOSE`` is a clean end.
 
@@ -54,7 +57,11 @@ ACK = 3
 PING = 4
 HELLO = 5
 CLOSE = 6
-KINDS = frozenset({MSG_MORE, MSG_END, ACK, PING, HELLO, CLOSE})
+MSG_START = 7
+KINDS = frozenset({MSG_MORE, MSG_END, ACK, PING, HELLO, CLOSE, MSG_START})
+MSG_KINDS = frozenset({MSG_START, MSG_MORE, MSG_END})
+_U64 = struct.Struct(">Q")
+START_PREFIX = _U64.size
 
 Buffer = bytes | bytearray | memoryview
 
@@ -175,6 +182,22 @@ def parse_record_header(hdr: Buffer, *, max_body: int) -> tuple[int, int]:
     if n < 1 or n - 1 > max_body:
         raise RemoteProtocolError(f"record of {n - 1} bytes exceeds the limit of {max_body}")
     return kind, n - 1
+
+
+def encode_start(total: int) -> bytes:
+    return _U64.pack(total)
+
+
+def decode_start(plain: Buffer, *, limits: Limits = DEFAULT_LIMITS) -> int:
+    """The total length announced by a MSG_START record, checked against the frame limit."""
+    if len(plain) < START_PREFIX:
+        raise RemoteProtocolError("MSG_START record too short")
+    (total,) = _U64.unpack_from(plain, 0)
+    if total > limits.max_frame:
+        raise RemoteProtocolError(f"message of {total} bytes exceeds the limit of {limits.max_frame}")
+    if total < len(plain) - START_PREFIX:
+        raise RemoteProtocolError("MSG_START carries more than the announced message")
+    return int(total)
 
 
 def encode_ack(count: int) -> bytes:

@@ -16,6 +16,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +30,7 @@ from fusionp2p.testing.testbed import (
     cli_down,
     cli_up,
     down,
+    fusionp2p_command,
     load_spec,
     up,
 )
@@ -54,6 +56,8 @@ SPECS = Path(netns.__file__).parent / "specs"
 PROBE = str(Path(tcpprobe.__file__))
 MBIT = 10**6
 TOLERANCE = 0.15
+SECONDS = 2.0  # per flow; the first 0.3 s (tbf burst, TCP slow start) is not counted
+EXTRA_ATTEMPTS = 2
 
 
 def _ours(run: str) -> list[str]:
@@ -105,6 +109,10 @@ def _measure_round(tb: Testbed, pairs: list[tuple[TestbedHost, TestbedHost]], se
     return [float(json.loads(r.read_line(20.0))["bits_per_s"]) for r in recvs]
 
 
+def _within(bps: float, expected: int) -> bool:
+    return abs(bps / expected - 1.0) <= TOLERANCE
+
+
 @pytest.mark.timeout(120)
 def test_pairwise_bandwidth_matches_shaped_rates(cleanup: list[str]) -> None:
     spec = load_spec(SPECS / "quick4.json")
@@ -113,23 +121,34 @@ def test_pairwise_bandwidth_matches_shaped_rates(cleanup: list[str]) -> None:
         cleanup.append(tb.name)
         hosts = list(tb.hosts)
         n = len(hosts)
-        measured: dict[tuple[str, str], float] = {}
+
+        def expected(src: TestbedHost, dst: TestbedHost) -> int:
+            assert src.spec.up_bps is not None
+            assert dst.spec.down_bps is not None
+            return min(src.spec.up_bps, dst.spec.down_bps)
+
+        best: dict[tuple[str, str], float] = {}
         # Round k pairs every host i with host i+k: each host sends one flow and receives one, so
         # flows never share a shaped link and all 12 ordered pairs take 3 rounds.
         for k in range(1, n):
             pairs = [(hosts[i], hosts[(i + k) % n]) for i in range(n)]
-            for (src, dst), bps in zip(pairs, _measure_round(tb, pairs, seconds=1.5)):
-                measured[src.name, dst.name] = bps
-        assert len(measured) == n * (n - 1)
-        report = []
-        for (s, d), bps in sorted(measured.items()):
-            src, dst = tb.host(s).spec, tb.host(d).spec
-            assert src.up_bps is not None
-            assert dst.down_bps is not None
-            expected = min(src.up_bps, dst.down_bps)
-            report.append(f"{s}->{d}: {bps / MBIT:.1f} of {expected / MBIT:.0f} Mbit/s")
-            assert abs(bps / expected - 1.0) <= TOLERANCE, "\n".join(report)
+            for (src, dst), bps in zip(pairs, _measure_round(tb, pairs, seconds=SECONDS)):
+                best[src.name, dst.name] = bps
+        # CPU contention on a shared machine can only slow a flow down (a descheduled sender leaves
+        # the link idle), never speed it up: the best of a few attempts estimates the link's
+        # capacity. A shaper set wrong fails every attempt, and "too fast" is never retried away.
+        for _ in range(EXTRA_ATTEMPTS):
+            for s, d in [k for k, v in best.items() if not _within(v, expected(tb.host(k[0]), tb.host(k[1])))]:
+                src, dst = tb.host(s), tb.host(d)
+                best[s, d] = max(best[s, d], _measure_round(tb, [(src, dst)], seconds=SECONDS)[0])
+        assert len(best) == n * (n - 1)
+        report = [
+            f"{s}->{d}: {bps / MBIT:.1f} of {expected(tb.host(s), tb.host(d)) / MBIT:.0f} Mbit/s"
+            for (s, d), bps in sorted(best.items())
+        ]
         print("\n".join(report))
+        bad = [r for r, ((s, d), bps) in zip(report, sorted(best.items())) if not _within(bps, expected(tb.host(s), tb.host(d)))]
+        assert not bad, "\n".join(report)
 
 
 def test_hosts_are_isolated_and_loopback_is_up(cleanup: list[str]) -> None:
@@ -139,14 +158,17 @@ def test_hosts_are_isolated_and_loopback_is_up(cleanup: list[str]) -> None:
         for h in tb.hosts:
             routes = netns.run_cmd(["ip", "-n", h.namespace, "-4", "route", "show"]).strip().splitlines()
             # One route, to the run's own /24: there is no default route, nothing else is reachable.
-            assert len(routes) == 1 and routes[0].startswith(subnet), routes
+            assert len(routes) == 1, routes
+            assert routes[0].startswith(subnet), routes
             lo = netns.run_cmd(["ip", "-n", h.namespace, "-o", "link", "show", "lo"])
             assert "LOOPBACK,UP" in lo, lo
             up_q = netns.run_cmd(["tc", "-n", h.namespace, "qdisc", "show", "dev", "eth0"])
             down_q = netns.run_cmd(["tc", "-n", tb.layout.bridge_ns, "qdisc", "show", "dev", f"p{tb.hosts.index(h)}"])
             rate = "rate 100Mbit" if h.name in ("a", "b") else "rate 20Mbit"
-            assert "tbf" in up_q and rate in up_q, up_q
-            assert "tbf" in down_q and rate in down_q, down_q
+            assert up_q.startswith("qdisc tbf"), up_q
+            assert rate in up_q, up_q
+            assert down_q.startswith("qdisc tbf"), down_q
+            assert rate in down_q, down_q
             rc, out = tb.run(h, [sys.executable, "-c", "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print('lo ok')"], timeout=20.0)
             assert rc == 0
             assert out.strip() == "lo ok"
@@ -241,7 +263,7 @@ def test_start_bootstrap_and_nodes(cleanup: list[str]) -> None:
 def test_cli_detach_then_down_removes_everything(cleanup: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     spec_path = SPECS / "quick4.json"
     boot_argv = [sys.executable, "-c", FAKE_BOOTSTRAP]
-    assert cli_up(spec_path, detach=True, ready_timeout=20.0, bootstrap_argv=boot_argv, node_argv=_fake_node_argv) == 0
+    assert cli_up(spec_path, detach=True, wait_nodes=True, ready_timeout=20.0, bootstrap_argv=boot_argv, node_argv=_fake_node_argv) == 0
     out = capsys.readouterr().out
     name = out.split()[1].rstrip(":")
     cleanup.append(name)
@@ -264,7 +286,7 @@ _RUN_CLI_UP = textwrap.dedent(
     from fusionp2p.testing.testbed import cli_up
     boot = [sys.executable, "-c", sys.argv[2]]
     node = lambda host, addr: [sys.executable, "-c", sys.argv[3], addr]
-    sys.exit(cli_up(sys.argv[1], bootstrap_argv=boot, node_argv=node, ready_timeout=20.0))
+    sys.exit(cli_up(sys.argv[1], bootstrap_argv=boot, node_argv=node, ready_timeout=20.0, wait_nodes=True))
     """
 )
 
@@ -309,3 +331,42 @@ def test_down_after_sigkill_of_the_creator(cleanup: list[str]) -> None:
     assert cli_down(name) == 0
     assert _ours(name) == []
     assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_real_swarm_in_the_testbed(cleanup: list[str]) -> None:
+    """`fusionp2p bootstrap` and a `fusionp2p node` per shaped host: all join, all pairs get measured,
+    and no measured bandwidth exceeds what the shaped link can carry."""
+    with up(_quick_spec()) as tb:
+        cleanup.append(tb.name)
+        _, addr = tb.start_bootstrap(ready_timeout=120.0)
+        assert addr.startswith(f"/ip4/{tb.hosts[0].address}/tcp/4001/p2p/")
+        nodes = tb.start_nodes(addr, ready_timeout=180.0)
+        by_peer: dict[str, TestbedHost] = {}
+        for h, n in zip(tb.hosts, nodes):
+            line = n.drain_stdout().splitlines()[0]  # the node's own multiaddr
+            assert line.startswith(f"/ip4/{h.address}/tcp/"), line
+            by_peer[line.rsplit("/p2p/", 1)[1]] = h
+        status: dict[str, Any] = {}
+        complete = False
+        # Each status call joins the swarm for a few seconds, so this loop paces itself.
+        for _ in range(10):
+            rc, out = tb.run(tb.hosts[1], [*fusionp2p_command(), "status", "--bootstrap", addr, "--json"], timeout=60.0)
+            assert rc == 0, out
+            status = json.loads(out)
+            members = {m["peer"] for m in status["members"] if m["alive"]}
+            pairs = {(e["src"], e["dst"]) for e in status["bandwidth"] if e["measured"]}
+            complete = set(by_peer) <= members and all((a, b) in pairs for a in by_peer for b in by_peer if a != b)
+            if complete:
+                break
+        assert complete, status
+        for e in status["bandwidth"]:
+            src, dst = by_peer.get(e["src"]), by_peer.get(e["dst"])
+            if src is None or dst is None or not e["measured"]:
+                continue
+            assert src.spec.up_bps is not None
+            assert dst.spec.down_bps is not None
+            # The probe may be symmetric, so bound by the slower direction of the pair.
+            cap = max(min(src.spec.up_bps, dst.spec.down_bps), min(dst.spec.up_bps or 0, src.spec.down_bps or 0))
+            assert 8 * e["bytes_per_s"] <= (1 + TOLERANCE) * cap, (src.name, dst.name, e)

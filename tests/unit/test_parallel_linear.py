@@ -83,7 +83,9 @@ def _run_case(shape: GridShape, grid: ProcessGrid, bias: bool, overlap: OverlapC
     dw = gather_full_weight(layer, grad=True)
     _close(dw, fc1.weight.grad, "linear dW")  # type: ignore[arg-type]
     if bias:
-        assert layer.bias is not None and layer.bias.grad is not None and fc1.bias is not None
+        assert layer.bias is not None
+        assert layer.bias.grad is not None
+        assert fc1.bias is not None
         _close(layer.bias.grad, _slice(fc1.bias.grad, tp, "y"), "linear db")  # type: ignore[arg-type]
     spec = LinearSpec(n_in=N_IN, n_out=N_HID, bias=bias)
     want = Counter(layer_collectives(shape, spec, B * S // shape.batch_split, act_bytes=4, grad_bytes=4))

@@ -27,14 +27,19 @@ from fusionp2p.runtime.schedule import (
 )
 
 
-def simulate(kind: str, stages: int, micro: int, seed: int) -> tuple[list[StageSchedule], list[list[Action]]]:
+def simulate(
+    kind: str, stages: int, micro: int, seed: int, max_in_flight: int | None = None
+) -> tuple[list[StageSchedule], list[list[Action]]]:
     """Run all stages with a random interleaving of every pending completion and message delivery.
 
     Pending items are (stage, event); at each step one is picked at random, so messages overtake one
     another and computes finish in any order across stages. Returns the machines and their action logs.
     """
     rng = random.Random(seed)
-    scheds = [StageSchedule(ScheduleConfig(kind=kind, stages=stages, micro_batches=micro, stage=s)) for s in range(stages)]
+    scheds = [
+        StageSchedule(ScheduleConfig(kind=kind, stages=stages, micro_batches=micro, stage=s, max_in_flight=max_in_flight))
+        for s in range(stages)
+    ]
     logs: list[list[Action]] = [[] for _ in range(stages)]
     pending: list[tuple[int, Event]] = []
 
@@ -94,6 +99,16 @@ def test_1f1b_bound_is_reached_when_micro_batches_allow(stages: int, micro: int,
     """Stage 0 fills its window to min(S, M) under any order: the bound is tight, not just safe."""
     scheds, _ = simulate("1f1b", stages, micro, seed)
     assert scheds[0].peak_in_flight == min(stages, micro)
+
+
+@settings(max_examples=100, deadline=None)
+@given(stages=st.integers(1, 6), micro=st.integers(1, 16), limit=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
+def test_any_in_flight_window_is_deadlock_free(stages: int, micro: int, limit: int, seed: int) -> None:
+    """The subset argument holds for any window >= 1, so the max_in_flight knob is safe too."""
+    scheds, logs = simulate("1f1b", stages, micro, seed, max_in_flight=limit)
+    assert all(s.done for s in scheds)
+    assert all(s.peak_in_flight <= min(limit, micro) for s in scheds)
+    assert all(sum(isinstance(a, RunBackward) for a in log) == micro for log in logs)
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])

@@ -1,0 +1,323 @@
+"""Tensor data plane throughput: raw TCP vs our encrypted channel vs py-libp2p, and AdaTopK speed.
+
+Transfers (two processes on loopback, the receiver is a child process of this one):
+  raw     a plain trio TCP socket; the receiver ``recv_into`` a fixed buffer (the ceiling)
+  ours    fusionp2p.net.bulk.BulkChannel: AES-GCM (or ChaCha20) records, window, acks; the receiver
+          gets TensorMessages (keys are handed to the child directly: the ticket exchange costs
+          ~ms once per channel and is not what is measured)
+  libp2p  a py-libp2p 0.8.1 Noise + yamux stream (LIBP2P_NOTES.md §2-3), same message sizes
+for messages of 1-64 MiB, the receiver acknowledging the total at the end.
+
+Compression (this process, ``torch.set_num_threads(1)``: per core): encode+decode of a 25M-element
+fp32 tensor with AdaTopK (fast selection) at ratios 0.01 / 0.1 / 0.3 against exact ``torch.topk``.
+
+Headline: median over message sizes of ours / raw bytes per second (target >= 0.7).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+import trio
+
+from benchmarks._common import headline, parser, write
+
+NAME = "stream"
+MiB = 1 << 20
+PROTO = "/fusionp2p/bench-stream/1.0.0"
+
+
+# ------------------------------------------------------------------------------------------ children
+async def _recv_exactly(sock: Any, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = await sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError
+        got += n
+
+
+async def child_raw() -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    print(listeners[0].socket.getsockname()[1], flush=True)
+
+    async def handle(stream: trio.SocketStream) -> None:
+        sock = stream.socket
+        hdr = bytearray(8)
+        await _recv_exactly(sock, memoryview(hdr))
+        total, = struct.unpack(">Q", hdr)
+        buf = memoryview(bytearray(4 * MiB))
+        got = 0
+        while got < total:
+            n = await sock.recv_into(buf[: min(len(buf), total - got)])
+            if n == 0:
+                return
+            got += n
+        await stream.send_all(b"ok")
+        await stream.aclose()
+
+    await trio.serve_listeners(handle, listeners)
+
+
+async def child_ours(keys_hex: str, cipher: str) -> None:
+    from fusionp2p.net.bulk import BulkChannel, DataPlaneConfig
+
+    k_dial, k_listen = (bytes.fromhex(k) for k in keys_hex.split(":"))
+    cfg = DataPlaneConfig(cipher=cipher, insecure_plaintext_for_tests=cipher == "none")
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    print(listeners[0].socket.getsockname()[1], flush=True)
+
+    async def handle(stream: trio.SocketStream) -> None:
+        ch = BulkChannel(stream, "bench", (k_listen, k_dial), cfg)
+        async with trio.open_nursery() as n:
+            await n.start(ch.run)
+            while True:
+                msg = await ch.receive()
+                if msg.kind == "end":
+                    break
+            from fusionp2p.net.channel import TensorMessage
+
+            await ch.send(TensorMessage(job="bench", kind="ok"))
+            await ch.aclose()
+            n.cancel_scope.cancel()
+
+    await trio.serve_listeners(handle, listeners)
+
+
+def _libp2p_host() -> Any:
+    from libp2p import new_host
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
+    from libp2p.custom_types import TProtocol
+    from libp2p.network.config import ConnectionConfig
+    from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+    from libp2p.security.noise.transport import Transport as NoiseTransport
+    from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+    from libp2p.stream_muxer.yamux.yamux import Yamux
+
+    kp = create_new_key_pair()
+    return new_host(key_pair=kp,
+                    sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(kp, noise_privkey=create_new_x25519_key_pair().private_key)},
+                    muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+                    connection_config=ConnectionConfig(max_connections_per_peer=1))
+
+
+async def _lp_read_exactly(stream: Any, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await stream.read(n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+async def child_libp2p() -> None:
+    import multiaddr
+    from libp2p.custom_types import TProtocol
+
+    host = _libp2p_host()
+
+    async def handler(stream: Any) -> None:
+        total, = struct.unpack(">Q", await _lp_read_exactly(stream, 8))
+        got = 0
+        while got < total:
+            chunk = await stream.read(min(total - got, 4 * MiB))
+            if not chunk:
+                return
+            got += len(chunk)
+        await stream.write(b"ok")
+        await stream.close()
+
+    host.set_stream_handler(TProtocol(PROTO), handler)
+    async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        print(str(host.get_addrs()[0]), flush=True)
+        await trio.sleep_forever()
+
+
+# ------------------------------------------------------------------------------------------- senders
+async def send_raw(port: int, size: int, total: int) -> float:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    payload = memoryview(bytearray(os.urandom(1024)) * (size // 1024))
+    t0 = time.perf_counter()
+    await stream.send_all(struct.pack(">Q", total))
+    for _ in range(total // size):
+        await stream.send_all(payload)
+    assert await stream.receive_some(2) == b"ok"
+    dt = time.perf_counter() - t0
+    await stream.aclose()
+    return total / dt
+
+
+async def send_ours(port: int, size: int, total: int, keys: tuple[bytes, bytes], cipher: str) -> float:
+    from fusionp2p.net.bulk import BulkChannel, DataPlaneConfig
+    from fusionp2p.net.channel import TensorMessage
+
+    cfg = DataPlaneConfig(cipher=cipher, insecure_plaintext_for_tests=cipher == "none")
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    ch = BulkChannel(stream, "bench", keys, cfg)
+    x = torch.randn(size // 4)
+    async with trio.open_nursery() as n:
+        await n.start(ch.run)
+        t0 = time.perf_counter()
+        for i in range(total // size):
+            await ch.send(TensorMessage(job="bench", kind="act", step=i, tensors=(x,)))
+        await ch.send(TensorMessage(job="bench", kind="end"))
+        assert (await ch.receive()).kind == "ok"
+        dt = time.perf_counter() - t0
+        await ch.aclose()
+        n.cancel_scope.cancel()
+    return total / dt
+
+
+async def send_libp2p(addr: str, size: int, total: int) -> float:
+    import multiaddr
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    host = _libp2p_host()
+    payload = bytes(bytearray(os.urandom(1024)) * (size // 1024))
+    async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        await host.connect(info)
+        s = await host.new_stream(info.peer_id, [TProtocol(PROTO)])
+        t0 = time.perf_counter()
+        await s.write(struct.pack(">Q", total))
+        for _ in range(total // size):
+            await s.write(payload)
+        assert await _lp_read_exactly(s, 2) == b"ok"
+        dt = time.perf_counter() - t0
+        await s.close()
+    return total / dt
+
+
+def _spawn(*args: str) -> tuple[subprocess.Popen[str], str]:
+    p = subprocess.Popen([sys.executable, "-m", "benchmarks.stream", "--role", *args], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    line = p.stdout.readline().strip()
+    if not line:
+        p.kill()
+        raise RuntimeError(f"benchmark child {args[0]} failed to start")
+    return p, line
+
+
+def transfers(sizes_mib: list[int], total_mib: int, cipher: str, *, libp2p_total_mib: int) -> list[dict[str, Any]]:
+    from fusionp2p.net.aead import new_key
+
+    keys = (new_key(), new_key())
+    children = {
+        "raw": _spawn("raw"),
+        "ours": _spawn("ours", f"{keys[0].hex()}:{keys[1].hex()}", cipher),
+        "libp2p": _spawn("libp2p"),
+    }
+    rows: list[dict[str, Any]] = []
+    try:
+        for size_mib in sizes_mib:
+            size, total = size_mib * MiB, max(total_mib, size_mib * 4) * MiB
+            lp_total = max(libp2p_total_mib, size_mib * 2) * MiB
+            row: dict[str, Any] = {"size_mib": size_mib, "total_mib": total // MiB}
+            with trio.fail_after(300) if False else _nullctx():
+                raw = max(trio.run(send_raw, int(children["raw"][1]), size, total) for _ in range(2))
+                ours = max(trio.run(send_ours, int(children["ours"][1]), size, total, keys, cipher) for _ in range(2))
+                lp = trio.run(send_libp2p, children["libp2p"][1], size, lp_total)
+            row.update(raw_MBps=raw / 1e6, ours_MBps=ours / 1e6, libp2p_MBps=lp / 1e6,
+                       ours_over_raw=ours / raw, ours_over_libp2p=ours / lp)
+            rows.append(row)
+            print(f"{size_mib:>5} MiB | raw {raw / 1e6:8.0f} MB/s | ours ({cipher}) {ours / 1e6:8.0f} MB/s "
+                  f"| libp2p {lp / 1e6:6.0f} MB/s | ours/raw {ours / raw:5.2f} | ours/libp2p {ours / lp:5.1f}", flush=True)
+    finally:
+        for p, _ in children.values():
+            p.kill()
+            p.wait()
+    return rows
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def compression(n: int, ratios: list[float], reps: int) -> list[dict[str, Any]]:
+    from fusionp2p.compress import TopKCodec, decode
+
+    torch.set_num_threads(1)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    rows = []
+
+    def best(codec: TopKCodec) -> tuple[float, int]:
+        t_best, k = 1e9, 0
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            payload, meta = codec.encode(x)
+            decode(payload, meta)
+            t_best = min(t_best, time.perf_counter() - t0)
+            k = int(meta.get("k", n))
+        return t_best, k
+
+    for r in ratios:
+        t_fast, k_fast = best(TopKCodec(ratio=r, approx=True))
+        t_exact, k_exact = best(TopKCodec(ratio=r, approx=False))
+        gbps = n * 4 / t_fast / 1e9
+        rows.append({"ratio": r, "n": n, "adatopk_s": t_fast, "exact_topk_s": t_exact, "adatopk_GBps_per_core": gbps,
+                     "speedup": t_exact / t_fast, "k_fast": k_fast, "k_exact": k_exact})
+        print(f"ratio {r:5.2f} | AdaTopK {t_fast * 1e3:7.1f} ms = {gbps:5.2f} GB/s/core (k +{(k_fast / k_exact - 1) * 100:.1f}%) "
+              f"| exact torch.topk {t_exact * 1e3:7.1f} ms | speedup {t_exact / t_fast:5.1f}x", flush=True)
+    return rows
+
+
+def main() -> None:
+    p = parser(NAME, __doc__)
+    p.add_argument("--role", nargs="+", help=argparse_hidden())
+    p.add_argument("--cipher", default=None, help="aes-gcm | chacha20-poly1305 (default: the data plane's default)")
+    args = p.parse_args()
+    if args.role:
+        role = args.role[0]
+        if role == "raw":
+            trio.run(child_raw)
+        elif role == "ours":
+            trio.run(child_ours, args.role[1], args.role[2])
+        else:
+            trio.run(child_libp2p)
+        return
+    import logging
+
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    from fusionp2p.net.aead import default_cipher
+
+    cipher = args.cipher or default_cipher()
+    if args.quick:
+        sizes, total, lp_total, n, reps = [1, 16, 64], 256, 64, 25_000_000, 2
+    else:
+        sizes, total, lp_total, n, reps = [1, 4, 16, 64], 1024, 256, 25_000_000, 3
+    print(f"transfers: two processes on loopback, cipher {cipher}")
+    rows = transfers(sizes, total, cipher, libp2p_total_mib=lp_total)
+    print("compression: 25M fp32 elements, encode + decode, 1 torch thread")
+    comp = compression(n, [0.01, 0.1, 0.3], reps)
+    ratio = statistics.median(r["ours_over_raw"] for r in rows)
+    print(json.dumps({"median ours/raw": round(ratio, 3),
+                      "median ours/libp2p": round(statistics.median(r["ours_over_libp2p"] for r in rows), 2),
+                      "min AdaTopK GB/s/core": round(min(c["adatopk_GBps_per_core"] for c in comp), 2)}))
+    write(NAME, args.out, {"cipher": cipher, "transfers": rows, "compression": comp},
+          headline("encrypted channel / raw TCP throughput (median over 1-64 MiB messages)", ratio, "ratio", 0.7,
+                   "higher", "raw trio TCP socket between two processes, same run"), quick=args.quick)
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Content-addressed blobs (OP-DAGs, weights, dataset shards and manifests): store, serve, fetch.
+
+Blobs are named by the lowercase hex sha256 of their bytes. A node that holds a blob serves it on
+the ``CONTENT`` protocol and announces it with ``transport.provide(hash)``; a node that needs it
+asks ``find_providers(hash)`` and fetches from them in turn, checking the size against its cap
+*before* receiving and the hash *after*. Whatever a peer sends, the fetcher either gets the exact
+bytes promised or raises (RemoteProtocolError for a broken exchange, IntegrityError for the wrong
+bytes); it never buffers more than its cap.
+
+Wire (framed with :mod:`fusionp2p.wire.framing`, maps with :mod:`fusionp2p.wire.msg`)::
+
+    client → server  frame(msgpack {"op": "get", "hash": <hex>, "max": <int>})
+    server → client  frame(msgpack {"ok": true, "size": n})  then raw data frames of <= chunk bytes
+                     totalling exactly n, then end of stream
+                 or  frame(msgpack {"ok": false, "error": <str>})
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from fusionp2p.data.shards import is_sha256_hex
+from fusionp2p.errors import ConfigError, IntegrityError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.net.transport import Stream, Transport
+from fusionp2p.wire.framing import FrameDecoder, encode_frame
+from fusionp2p.wire.limits import DEFAULT_LIMITS, GiB, MiB
+from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.protocols import CONTENT
+
+log = logging.getLogger(__name__)
+
+
+def sha256_hex(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContentConfig:
+    chunk_bytes: int = 1 * MiB          # data frame size on the wire
+    max_blob_bytes: int = 4 * GiB       # the most this node serves or stores in one blob
+    request_timeout: float = 30.0       # server: seconds to wait for a client's request
+    fetch_timeout: float = 600.0        # client: seconds for one whole fetch from one peer
+
+    def __post_init__(self) -> None:
+        if not 1024 <= self.chunk_bytes <= DEFAULT_LIMITS.max_frame:
+            raise ConfigError(f"chunk_bytes must lie in [1024, {DEFAULT_LIMITS.max_frame}]")
+        if self.max_blob_bytes < 1 or self.request_timeout <= 0 or self.fetch_timeout <= 0:
+            raise ConfigError("max_blob_bytes and timeouts must be positive")
+
+
+class ContentStore:
+    """Blobs by sha256, in memory and (with *root*) on disk as ``root/<h[:2]>/<h>``."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self._mem: dict[str, bytes] = {}
+        self._root = Path(root) if root is not None else None
+
+    def _path(self, h: str) -> Path:
+        assert self._root is not None
+        return self._root / h[:2] / h
+
+    def put(self, data: bytes | bytearray | memoryview) -> str:
+        """Store *data*; return its hash (idempotent)."""
+        blob = bytes(data)
+        h = sha256_hex(blob)
+        self._mem[h] = blob
+        if self._root is not None:
+            p = self._path(h)
+            if not p.exists():
+                p.parent.mkdir(parents=True, exist_ok=True)
+                tmp = p.with_name(p.name + ".tmp")
+                tmp.write_bytes(blob)
+                os.replace(tmp, p)
+        return h
+
+    def put_verified(self, h: str, data: bytes | bytearray | memoryview) -> None:
+        """Store *data* only if it hashes to *h* (IntegrityError otherwise)."""
+        if sha256_hex(data) != h:
+            raise IntegrityError(f"content does not match its hash {h[:16]}…")
+        self.put(data)
+
+    def has(self, h: str) -> bool:
+        return h in self._mem or (self._root is not None and is_sha256_hex(h) and self._path(h).is_file())
+
+    def get(self, h: str) -> bytes:
+        """The blob named *h*; KeyError if absent; IntegrityError if its file on disk was corrupted."""
+        blob = self._mem.get(h)
+        if blob is not None:
+            return blob
+        if self._root is None or not is_sha256_hex(h) or not self._path(h).is_file():
+            raise KeyError(h)
+        blob = self._path(h).read_bytes()
+        if sha256_hex(blob) != h:
+            raise IntegrityError(f"stored blob {h[:16]}… is corrupted on disk; delete {self._path(h)}")
+        self._mem[h] = blob
+        return blob
+
+    def size(self, h: str) -> int:
+        if h in self._mem:
+            return len(self._mem[h])
+        if self._root is not None and is_sha256_hex(h) and self._path(h).is_file():
+            return self._path(h).stat().st_size
+        raise KeyError(h)
+
+
+async def _read_frame(stream: Stream, dec: FrameDecoder, pending: list[bytes]) -> bytes | None:
+    """Next frame, or None at a clean end of stream; RemoteProtocolError if cut inside a frame."""
+    while not pending:
+        chunk = await stream.receive_some(64 * 1024)
+        if not chunk:
+            dec.check_eof()
+            return None
+        pending.extend(dec.feed(chunk))
+    return pending.pop(0)
+
+
+class ContentService:
+    """Serve the blobs of a :class:`ContentStore` and fetch missing ones from providers."""
+
+    def __init__(self, transport: Transport, store: ContentStore, config: ContentConfig | None = None) -> None:
+        self.transport = transport
+        self.store = store
+        self.config = config or ContentConfig()
+        self.served = 0
+        self.rejected = 0
+
+    def install(self) -> None:
+        """Register the CONTENT stream handler on the transport."""
+        self.transport.set_stream_handler(CONTENT, self._handle)
+
+    async def publish(self, data: bytes | bytearray | memoryview) -> str:
+        """Store *data*, announce it on the DHT and return its hash."""
+        h = self.store.put(data)
+        await self.transport.provide(h)
+        return h
+
+    # -- server ------------------------------------------------------------------------------------
+
+    async def _handle(self, stream: Stream) -> None:
+        try:
+            await self._serve_one(stream)
+        except (RemoteProtocolError, PeerUnavailable) as exc:
+            self.rejected += 1
+            log.info("content request from %s dropped: %s", stream.remote_peer, exc)
+        finally:
+            await stream.aclose()
+
+    async def _serve_one(self, stream: Stream) -> None:
+        dec = FrameDecoder(max_frame=DEFAULT_LIMITS.max_control_frame)
+        req = None
+        with trio.move_on_after(self.config.request_timeout):
+            req = await _read_frame(stream, dec, [])
+        if req is None:
+            raise RemoteProtocolError("no request before the timeout or end of stream")
+        m = expect_map(unpackb(req), "content request")
+        op, h, cap = field(m, "op", str, "content request"), field(m, "hash", str, "content request"), field(m, "max", int, "content request")
+        if op != "get" or not is_sha256_hex(h):
+            raise RemoteProtocolError(f"content request: bad op {op!r} or hash")
+        if not self.store.has(h):
+            await stream.send_all(encode_frame(packb({"ok": False, "error": "not found"}), max_frame=DEFAULT_LIMITS.max_control_frame))
+            return
+        size = self.store.size(h)
+        if size > cap or size > self.config.max_blob_bytes:
+            await stream.send_all(encode_frame(packb({"ok": False, "error": f"blob of {size} bytes exceeds the cap"}), max_frame=DEFAULT_LIMITS.max_control_frame))
+            return
+        blob = memoryview(self.store.get(h))
+        await stream.send_all(encode_frame(packb({"ok": True, "size": size}), max_frame=DEFAULT_LIMITS.max_control_frame))
+        step = self.config.chunk_bytes
+        for i in range(0, size, step):
+            await stream.send_all(encode_frame(blob[i : i + step], max_frame=step))
+        await stream.send_eof()
+        self.served += 1
+
+    # -- client ------------------------------------------------------------------------------------
+
+    async def fetch_from(self, peer: str, h: str, *, max_size: int) -> bytes:
+        """Fetch blob *h* from *peer*, at most *max_size* bytes, verified. Does not store it.
+
+        Raises PeerUnavailable (cannot reach / does not have it), RemoteProtocolError (broken
+        exchange, over the cap) or IntegrityError (wrong bytes).
+        """
+        if not is_sha256_hex(h):
+            raise ConfigError(f"{h!r} is not a sha256 content hash")
+        max_size = min(max_size, self.config.max_blob_bytes)
+        with trio.fail_after(self.config.fetch_timeout):
+            stream = await self.transport.open_stream(peer, CONTENT)
+            try:
+                return await self._fetch_on(stream, peer, h, max_size)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
+
+    async def _fetch_on(self, stream: Stream, peer: str, h: str, max_size: int) -> bytes:
+        req = packb({"op": "get", "hash": h, "max": max_size})
+        await stream.send_all(encode_frame(req, max_frame=DEFAULT_LIMITS.max_control_frame))
+        await stream.send_eof()
+        # Data frames are at most one chunk; allow the larger of our chunk and the control bound.
+        dec = FrameDecoder(max_frame=max(self.config.chunk_bytes, DEFAULT_LIMITS.max_control_frame))
+        pending: list[bytes] = []
+        head = await _read_frame(stream, dec, pending)
+        if head is None:
+            raise RemoteProtocolError(f"{peer} closed the content stream without answering")
+        m = expect_map(unpackb(head), "content response")
+        if m.get("ok") is not True:
+            err = m.get("error")
+            raise PeerUnavailable(peer, f"cannot serve {h[:16]}…: {err if isinstance(err, str) else 'refused'}"[:200])
+        size = field(m, "size", int, "content response")
+        if not 0 <= size <= max_size:
+            raise RemoteProtocolError(f"{peer} announced {size} bytes for {h[:16]}…; the cap is {max_size}")
+        buf = bytearray()
+        while len(buf) < size:
+            frame = await _read_frame(stream, dec, pending)
+            if frame is None:
+                raise RemoteProtocolError(f"{peer} ended the content stream after {len(buf)} of {size} bytes")
+            if len(buf) + len(frame) > size:
+                raise RemoteProtocolError(f"{peer} sent more than the {size} bytes it announced")
+            buf += frame
+        if pending or await _read_frame(stream, dec, pending) is not None:
+            raise RemoteProtocolError(f"{peer} sent data after the blob")
+        if sha256_hex(buf) != h:
+            raise IntegrityError(f"{peer} served bytes that do not match {h[:16]}…")
+        return bytes(buf)
+
+    async def fetch(self, h: str, *, max_size: int, peers: list[str] | None = None) -> bytes:
+        """The blob *h*: from the local store, else from *peers* or the DHT's providers, in turn.
+
+        A verified blob is stored and announced (this node becomes a provider). Raises
+        PeerUnavailable when no provider delivered it; a provider that sent wrong bytes is logged
+        and skipped.
+        """
+        if self.store.has(h):
+            return self.store.get(h)
+        candidates = peers if peers is not None else await self.transport.find_providers(h)
+        errors: list[str] = []
+        for peer in candidates:
+            if peer == self.transport.peer_id:
+                continue
+            try:
+                blob = await self.fetch_from(peer, h, max_size=max_size)
+            except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
+                level = logging.WARNING if isinstance(exc, IntegrityError) else logging.INFO
+                log.log(level, "fetch of %s… from %s failed: %s", h[:16], peer, exc)
+                errors.append(f"{peer[:12]}…: {type(exc).__name__}")
+                continue
+            self.store.put(blob)
+            await self.transport.provide(h)
+            return blob
+        raise PeerUnavailable(f"providers of {h[:16]}…", "; ".join(errors) or "no provider found")

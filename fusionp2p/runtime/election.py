@@ -1,0 +1,410 @@
+"""Plan election: every member computes the plan from the same snapshot and the swarm agrees by hash.
+
+Theory of operation
+-------------------
+For a (job, epoch) each member publishes a signed :class:`Vote` ``{job, epoch, plan_hash,
+snapshot_hash, peer}`` on the jobs topic (``TOPIC_JOBS``; a ``"t": "plan-vote"`` field tells
+votes apart from the topic's other messages), optionally carrying the plan's wire form so that a
+node that computed something else can still adopt the winner.
+
+:class:`Election` is the sans-IO core (events in, decisions out; no trio, no clock):
+
+* a vote that is unsigned, forged, from a non-member, for another election, or whose attached plan
+  does not hash to the signed ``plan_hash`` is dropped and counted;
+* each member counts once (its first vote; a later different vote is counted as equivocation);
+* a hash backed by a **quorum** (a strict majority of the snapshot's members) is adopted at once.
+  Two hashes cannot both reach a majority while members vote once, so every node that adopts by
+  quorum adopts the same hash;
+* when every member has voted and no hash has a majority, the tie is broken deterministically:
+  the largest group wins, and among equal groups the one containing the lowest peer id. Every
+  node that saw all votes computes the same winner;
+* otherwise the shell's deadline ends the election with :class:`Failed`; the caller takes a new
+  snapshot and opens the next epoch (as it does on any membership change).
+Disagreement is logged with the differing snapshot hashes, which is how diverging inputs are found.
+
+:class:`PlanElector` is the thin trio shell: ``async with open_elector(transport) as el:
+outcome = await el.elect(snapshot, plan)``. It subscribes on entry (so votes published while this
+node is still planning are queued), buffers votes for future epochs, republishes its own vote
+until decided, and bounds every wait with ``move_on_after``. The adopted plan and its quorum of
+votes are stored in the DHT under :func:`plan_key`, so a node that joins late adopts the current
+plan with :func:`fetch_adopted` (it checks the signatures and the quorum).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from fusionp2p.errors import ConfigError, RemoteProtocolError
+from fusionp2p.net.identity import verify
+from fusionp2p.net.transport import GossipMessage, Transport
+from fusionp2p.plan.plan import Plan
+from fusionp2p.plan.snapshot import Snapshot
+from fusionp2p.wire.limits import DEFAULT_LIMITS
+from fusionp2p.wire.msg import expect_map, packb, unpackb
+from fusionp2p.wire.msg import field as wfield
+from fusionp2p.wire.protocols import TOPIC_JOBS
+
+log = logging.getLogger(__name__)
+
+VOTE_KIND = "plan-vote"
+MAX_VOTE_BYTES = DEFAULT_LIMITS.max_gossip
+MAX_RECORD_BYTES = DEFAULT_LIMITS.max_control_frame
+Verifier = Callable[[str, bytes, bytes], bool]
+
+
+def plan_key(job: str) -> str:
+    """DHT key of a job's adopted plan record."""
+    return f"/fusionp2p/plan/{job}"
+
+
+# -- votes --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Vote:
+    job: str
+    epoch: int
+    plan_hash: str
+    snapshot_hash: str
+    peer: str
+    signature: bytes = b""
+    plan: bytes = b""               # optional Plan.to_wire(); checked against plan_hash, not signed
+
+    def signed_bytes(self) -> bytes:
+        """The canonical bytes the signature covers."""
+        return packb({"t": VOTE_KIND, "job": self.job, "epoch": self.epoch, "plan": self.plan_hash,
+                      "snapshot": self.snapshot_hash, "peer": self.peer})
+
+    @classmethod
+    def make(cls, *, job: str, epoch: int, plan_hash: str, snapshot_hash: str, peer: str,
+             sign: Callable[[bytes], bytes], plan: bytes = b"") -> Vote:
+        unsigned = cls(job=job, epoch=epoch, plan_hash=plan_hash, snapshot_hash=snapshot_hash, peer=peer)
+        return cls(job=job, epoch=epoch, plan_hash=plan_hash, snapshot_hash=snapshot_hash, peer=peer,
+                   signature=sign(unsigned.signed_bytes()), plan=plan)
+
+    def encode(self) -> bytes:
+        return packb({"t": VOTE_KIND, "job": self.job, "epoch": self.epoch, "plan": self.plan_hash,
+                      "snapshot": self.snapshot_hash, "peer": self.peer, "sig": self.signature,
+                      "body": self.plan})
+
+    @classmethod
+    def decode(cls, data: bytes, *, max_size: int = MAX_VOTE_BYTES) -> Vote | None:
+        """A vote, None for another kind of message, RemoteProtocolError for a malformed vote."""
+        m = expect_map(unpackb(data, max_size=max_size), "gossip")
+        if m.get("t") != VOTE_KIND:
+            return None
+        w = "plan vote"
+        epoch = wfield(m, "epoch", int, w)
+        if epoch < 0:
+            raise RemoteProtocolError("plan vote: negative epoch")
+        return cls(job=wfield(m, "job", str, w), epoch=epoch, plan_hash=wfield(m, "plan", str, w),
+                   snapshot_hash=wfield(m, "snapshot", str, w), peer=wfield(m, "peer", str, w),
+                   signature=wfield(m, "sig", bytes, w), plan=wfield(m, "body", bytes, w))
+
+
+# -- decisions ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Adopted:
+    job: str
+    epoch: int
+    plan_hash: str
+    voters: tuple[str, ...]         # members that voted for the adopted hash
+    by: str                         # "quorum" | "tiebreak"
+    dissent: tuple[tuple[str, str, tuple[str, ...]], ...] = ()  # (plan_hash, snapshot_hash, peers) of others
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Failed:
+    job: str
+    epoch: int
+    reason: str
+
+
+Decision = Adopted | Failed
+
+
+@dataclass(slots=True)
+class ElectionStats:
+    accepted: int = 0
+    forged: int = 0                 # unsigned or bad signature, or attached plan not matching its hash
+    non_member: int = 0
+    other_election: int = 0
+    duplicates: int = 0
+    equivocations: int = 0
+
+
+class Election:
+    """The sans-IO core of one (job, epoch) election; see the module docstring for the rules."""
+
+    def __init__(self, *, job: str, epoch: int, members: Iterable[str], verifier: Verifier = verify) -> None:
+        self.job = job
+        self.epoch = epoch
+        self.members = tuple(sorted(set(members)))
+        if not self.members:
+            raise ConfigError("an election needs members")
+        self.quorum = len(self.members) // 2 + 1
+        self._verify = verifier
+        self.votes: dict[str, Vote] = {}
+        self.plans: dict[str, bytes] = {}   # plan_hash -> verified plan bytes
+        self.stats = ElectionStats()
+        self.decision: Decision | None = None
+
+    def on_vote(self, vote: Vote) -> Decision | None:
+        """Record *vote*; returns the decision when this vote completes one (only once)."""
+        if vote.job != self.job or vote.epoch != self.epoch:
+            self.stats.other_election += 1
+            return None
+        if vote.peer not in self.members:
+            self.stats.non_member += 1
+            return None
+        if not self._verify(vote.peer, vote.signed_bytes(), vote.signature) or not self._plan_ok(vote):
+            self.stats.forged += 1
+            log.debug("election %s/%d: dropped a forged vote claiming %s", self.job, self.epoch, vote.peer)
+            return None
+        prev = self.votes.get(vote.peer)
+        if prev is not None:
+            if (prev.plan_hash, prev.snapshot_hash) == (vote.plan_hash, vote.snapshot_hash):
+                self.stats.duplicates += 1
+            else:
+                self.stats.equivocations += 1
+                log.warning("election %s/%d: %s voted twice differently; keeping its first vote",
+                            self.job, self.epoch, vote.peer)
+            return None
+        self.stats.accepted += 1
+        self.votes[vote.peer] = vote
+        if vote.plan:
+            self.plans.setdefault(vote.plan_hash, vote.plan)
+        if self.decision is not None:
+            return None
+        return self._decide(final=False)
+
+    def on_deadline(self) -> Decision:
+        """The shell's deadline passed: the decision, or Failed when there is none."""
+        if self.decision is None:
+            self.decision = self._decide(final=True)
+        assert self.decision is not None  # _decide(final=True) always decides
+        return self.decision
+
+    def _plan_ok(self, vote: Vote) -> bool:
+        if not vote.plan:
+            return True
+        try:
+            plan = Plan.from_wire(vote.plan)
+        except RemoteProtocolError:
+            return False
+        return plan.plan_hash() == vote.plan_hash and plan.job == self.job and plan.epoch == self.epoch
+
+    def _groups(self) -> dict[str, list[str]]:
+        groups: dict[str, list[str]] = {}
+        for peer in sorted(self.votes):
+            groups.setdefault(self.votes[peer].plan_hash, []).append(peer)
+        return groups
+
+    def _decide(self, *, final: bool) -> Decision | None:
+        groups = self._groups()
+        winner: str | None = None
+        by = "quorum"
+        for h, peers in groups.items():
+            if len(peers) >= self.quorum:
+                winner = h
+        if winner is None and len(self.votes) == len(self.members):
+            # Everyone voted, nobody has a majority: largest group, then the lowest peer id.
+            winner = min(groups, key=lambda h: (-len(groups[h]), groups[h][0]))
+            by = "tiebreak"
+        if winner is None:
+            if not final:
+                return None
+            self.decision = Failed(job=self.job, epoch=self.epoch, reason=(
+                f"no quorum before the deadline: {len(self.votes)}/{len(self.members)} votes, "
+                f"largest group {max((len(p) for p in groups.values()), default=0)}, quorum {self.quorum}"))
+            self._log_dissent(None, groups)
+            return self.decision
+        dissent = tuple(
+            (h, self.votes[p[0]].snapshot_hash, tuple(p)) for h, p in sorted(groups.items()) if h != winner
+        )
+        self._log_dissent(winner, groups)
+        self.decision = Adopted(job=self.job, epoch=self.epoch, plan_hash=winner, voters=tuple(groups[winner]),
+                                by=by, dissent=dissent)
+        return self.decision
+
+    def _log_dissent(self, winner: str | None, groups: dict[str, list[str]]) -> None:
+        if len(groups) <= 1:
+            return
+        detail = "; ".join(
+            f"plan {h[:12]} from snapshots {sorted({self.votes[p].snapshot_hash[:12] for p in peers})} by {peers}"
+            for h, peers in sorted(groups.items()))
+        log.warning("election %s/%d: members disagree (adopted %s): %s", self.job, self.epoch,
+                    winner[:12] if winner else "none", detail)
+
+
+# -- trio shell ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ElectionConfig:
+    timeout_s: float = 30.0             # deadline of one election
+    republish_s: float = 2.0            # re-send our vote this often until decided (gossip may drop)
+    topic: str = TOPIC_JOBS
+    attach_plan: bool = True            # carry the plan in our vote (when it fits a gossip message)
+    max_future_votes: int = 4096        # votes buffered for epochs we have not opened yet
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.republish_s <= 0:
+            raise ConfigError("election timeout_s and republish_s must be positive")
+        if self.max_future_votes < 0:
+            raise ConfigError("max_future_votes must be >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
+    decision: Decision
+    plan: Plan | None                   # the adopted plan when known (ours, or attached to a vote)
+    stats: ElectionStats = field(default_factory=ElectionStats)
+
+
+class PlanElector:
+    """Runs elections for one node. Create with :func:`open_elector`."""
+
+    def __init__(self, transport: Transport, config: ElectionConfig, inbox: trio.MemoryReceiveChannel[GossipMessage]) -> None:
+        self._t = transport
+        self._cfg = config
+        self._inbox = inbox
+        self._future: list[Vote] = []
+        self.dropped_malformed = 0
+
+    async def elect(self, snapshot: Snapshot, plan: Plan) -> Outcome:
+        """Vote for *plan* (computed from *snapshot*) and wait, at most ``timeout_s``, for a decision."""
+        if plan.job != snapshot.job or plan.epoch != snapshot.epoch or plan.snapshot_hash != snapshot.snapshot_hash():
+            raise ConfigError("the plan was not computed from this snapshot")
+        core = Election(job=snapshot.job, epoch=snapshot.epoch, members=snapshot.peers)
+        body = plan.to_wire() if self._cfg.attach_plan else b""
+        mine = Vote.make(job=snapshot.job, epoch=snapshot.epoch, plan_hash=plan.plan_hash(),
+                         snapshot_hash=plan.snapshot_hash, peer=self._t.peer_id, sign=self._t.sign, plan=body)
+        data = mine.encode()
+        if len(data) > MAX_VOTE_BYTES:
+            mine = Vote.make(job=mine.job, epoch=mine.epoch, plan_hash=mine.plan_hash,
+                             snapshot_hash=mine.snapshot_hash, peer=mine.peer, sign=self._t.sign)
+            data = mine.encode()
+        decision: Decision | None = None
+        pending, self._future = self._future, []
+        for v in pending:
+            decision = self._feed(core, v) or decision
+        voting = self._t.peer_id in core.members
+        async with trio.open_nursery() as nursery:
+            if voting:
+                await self._t.publish(self._cfg.topic, data)
+                nursery.start_soon(self._republish, data)
+            with trio.move_on_after(self._cfg.timeout_s):
+                while decision is None:
+                    msg = await self._inbox.receive()
+                    vote = self._decode(msg)
+                    if vote is not None:
+                        decision = self._feed(core, vote)
+            nursery.cancel_scope.cancel()
+        if decision is None:
+            decision = core.on_deadline()
+        adopted_plan: Plan | None = None
+        if isinstance(decision, Adopted):
+            if decision.plan_hash == plan.plan_hash():
+                adopted_plan = plan
+            elif decision.plan_hash in core.plans:
+                adopted_plan = Plan.from_wire(core.plans[decision.plan_hash])
+            if adopted_plan is not None and voting:
+                await self._store(decision, adopted_plan, core)
+        return Outcome(decision=decision, plan=adopted_plan, stats=core.stats)
+
+    def _decode(self, msg: GossipMessage) -> Vote | None:
+        try:
+            vote = Vote.decode(msg.data)
+        except RemoteProtocolError:
+            self.dropped_malformed += 1
+            return None
+        # Gossip authenticates the publisher; a vote relayed under another sender is still fine
+        # because the signature, not the sender, proves who voted.
+        return vote
+
+    def _feed(self, core: Election, vote: Vote) -> Decision | None:
+        if vote.job == core.job and vote.epoch > core.epoch:
+            if len(self._future) < self._cfg.max_future_votes:
+                self._future.append(vote)
+            return None
+        return core.on_vote(vote)
+
+    async def _republish(self, data: bytes) -> None:
+        while True:
+            await trio.sleep(self._cfg.republish_s)
+            await self._t.publish(self._cfg.topic, data)
+
+    async def _store(self, decision: Adopted, plan: Plan, core: Election) -> None:
+        """Publish the adopted plan with its votes for late joiners (keeps the newest epoch)."""
+        old = await self._t.dht_get(plan_key(decision.job))
+        if old is not None:
+            try:
+                if _record_epoch(old) >= decision.epoch:
+                    return
+            except RemoteProtocolError:
+                pass
+        # Every vote goes in, so that a reader can replay the election (quorum or tie-break).
+        record = packb({"job": decision.job, "epoch": decision.epoch, "members": list(core.members),
+                        "plan": plan.to_wire(), "votes": [_strip(v).encode() for _, v in sorted(core.votes.items())]})
+        if len(record) <= MAX_RECORD_BYTES:
+            await self._t.dht_put(plan_key(decision.job), record)
+
+
+def _strip(v: Vote) -> Vote:
+    return Vote(job=v.job, epoch=v.epoch, plan_hash=v.plan_hash, snapshot_hash=v.snapshot_hash, peer=v.peer,
+                signature=v.signature)
+
+
+def _record_epoch(data: bytes) -> int:
+    m = expect_map(unpackb(data, max_size=MAX_RECORD_BYTES), "plan record")
+    epoch: int = wfield(m, "epoch", int, "plan record")
+    return epoch
+
+
+def parse_adopted(data: bytes, *, verifier: Verifier = verify) -> tuple[int, Plan]:
+    """Check a DHT plan record by replaying its signed votes: (epoch, plan), or RemoteProtocolError.
+
+    Trust note: the record names its own member list; a reader that knows the members of the
+    epoch (from its own snapshot) should also compare them.
+    """
+    w = "plan record"
+    m: dict[str, Any] = expect_map(unpackb(data, max_size=MAX_RECORD_BYTES), w)
+    members = wfield(m, "members", list, w)
+    if not members or not all(isinstance(p, str) for p in members):
+        raise RemoteProtocolError("plan record: bad members")
+    plan = Plan.from_wire(wfield(m, "plan", bytes, w))
+    core = Election(job=plan.job, epoch=plan.epoch, members=members, verifier=verifier)
+    for raw in wfield(m, "votes", list, w):
+        if not isinstance(raw, bytes):
+            raise RemoteProtocolError("plan record: a vote is not bytes")
+        v = Vote.decode(raw)
+        if v is not None:
+            core.on_vote(v)
+    decision = core.decision
+    if not isinstance(decision, Adopted) or decision.plan_hash != plan.plan_hash():
+        raise RemoteProtocolError("plan record: its votes do not elect its plan")
+    return plan.epoch, plan
+
+
+async def fetch_adopted(transport: Transport, job: str) -> tuple[int, Plan] | None:
+    """The current adopted plan of *job* for a node that joins late, or None (or a bad record)."""
+    data = await transport.dht_get(plan_key(job))
+    if data is None:
+        return None
+    try:
+        return parse_adopted(data)
+    except RemoteProtocolError as exc:
+        log.warning("ignoring the plan record of %s: %s", job, exc)
+        return None
+
+
+@asynccontextmanager
+async def open_elector(transport: Transport, config: ElectionConfig | None = None) -> AsyncIterator[PlanElector]:
+    """Subscribe to the election topic and yield a :class:`PlanElector`."""
+    cfg = config or ElectionConfig()
+    inbox = await transport.subscribe(cfg.topic)
+    async with inbox:
+        yield PlanElector(transport, cfg, inbox)

@@ -1,0 +1,344 @@
+"""Stage worker: the thin trio shell that runs one stage replica of a training job.
+
+Theory of operation. A job's plan cuts the model into ``S`` stages, each served by ``R`` replicas.
+Replica ``r`` of every stage forms *pipeline* ``r``: it exchanges activations and gradients with
+replica ``r`` of the other stages over :class:`~fusionp2p.net.channel.TensorChannel` s, and reads
+its own slice of the data order (global step ``step * R + r`` of the job's
+:class:`~fusionp2p.data.BatchSampler`), so ``R = 1`` reproduces single-process training exactly.
+Replicas of one stage average their parameters with a CO2 outer step every ``tau`` steps (and
+once at the end, so that every replica and the checkpoint hold the consensus weights).
+
+Per step the worker makes a fresh pure :class:`~fusionp2p.runtime.schedule.StageSchedule` and
+only moves data: it performs the schedule's actions in order (compute in a worker thread so that
+the channels keep flowing), feeds arrivals back as events, and buffers messages of a later step
+by the step number in their key. Sends never deadlock: every channel has a reader task that
+drains it into an unbounded local queue.
+
+Links that the plan marks (fence ``rho < 1``) carry AdaTopK-compressed activations forward and
+gradients backward; everything else is sent dense with the identity codec.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+
+from fusionp2p.average.outer import OuterConfig, OuterOptimizer
+from fusionp2p.compress.adatopk import AdaTopK as TopKLink
+from fusionp2p.compress.codec import decode
+from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.graph.executor import Inbox, StageExecutor
+from fusionp2p.graph.program import DATA
+from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.runtime.schedule import (
+    ActivationArrived,
+    BackwardDone,
+    ForwardDone,
+    GradientArrived,
+    OptimizerDone,
+    OptimizerStep,
+    RunBackward,
+    RunForward,
+    ScheduleConfig,
+    SendActivation,
+    SendGradient,
+    StageSchedule,
+)
+from fusionp2p.runtime.trainconfig import TrainConfig
+
+log = logging.getLogger(__name__)
+
+DataFn = Callable[[int, int], Mapping[str, torch.Tensor]]   # (global step, micro) -> data inputs by DAG name
+ProgressFn = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageReport:
+    """What one stage replica did in one step (the job runner turns it into progress events)."""
+
+    step: int
+    stage: int
+    replica: int
+    loss: float | None          # mean micro-batch loss on the loss stage, else None
+    compute_s: float            # seconds spent in forward/backward/optimizer
+    wall_s: float               # seconds of the whole step
+    tokens: int                 # tokens this pipeline processed in the step
+    eval: bool = False          # the final evaluation pass (forward only, consensus weights)
+
+
+@dataclass(kw_only=True)
+class StageContext:
+    """Everything one stage replica needs (runtime objects; built by the job runner)."""
+
+    job: str
+    executor: StageExecutor
+    config: TrainConfig
+    replica: int
+    replicas: int
+    links: Mapping[int, TensorChannel]             # other stage of this pipeline -> channel
+    peers: Sequence[TensorChannel] = ()            # the other replicas of this stage (sorted by peer id)
+    data: DataFn
+    tokens_per_micro: int
+    rho_out: Mapping[int, float] = field(default_factory=dict)   # dst stage -> AdaTopK kept fraction
+    report: Callable[[StageReport], Awaitable[None]]
+    checkpoint: Callable[[int, dict[str, torch.Tensor]], Awaitable[None]] | None = None
+    start_step: int = 0
+
+
+def make_optimizer(params: Sequence[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The job's local optimizer over a stage's parameters (same settings on every replica)."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(list(params), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(list(params), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def _encode(x: torch.Tensor, rho: float) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
+    if rho >= 1.0:
+        return {}, (x.contiguous(),)
+    payload, meta = TopKLink(ratio=rho).encode_act(x)
+    return dict(meta), tuple(payload)
+
+
+def _decode(msg: TensorMessage) -> torch.Tensor:
+    if not msg.meta:
+        if len(msg.tensors) != 1:
+            raise RemoteProtocolError(f"{msg.kind} {msg.name!r}: expected one tensor")
+        return msg.tensors[0]
+    return decode(msg.tensors, msg.meta)
+
+
+class StageWorker:
+    """Runs ``config.steps`` training steps of one stage replica, then a final evaluation pass."""
+
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.ex = ctx.executor
+        self.prog = ctx.executor.program
+        params = self.ex.parameters()
+        self._names = list(self.prog.param_names)
+        self._params = [params[n] for n in self._names if n in params]
+        self.opt = make_optimizer(self._params, ctx.config)
+        co2 = ctx.config.co2
+        self._outer: OuterOptimizer | None = None
+        if co2 is not None and ctx.replicas > 1:
+            # Synchronous outer step (SlowMo form of CO2): every replica applies the same update to the
+            # same average, so replicas stay bit-identical after each round.
+            ocfg = OuterConfig(tau=co2.tau, outer_lr=co2.outer_lr, outer_momentum=co2.outer_momentum, sync=True)
+            self._outer = OuterOptimizer(ocfg, self._flat())
+        self._queue_send, self._queue_recv = trio.open_memory_channel[tuple[int, TensorMessage]](math.inf)
+        self._avg_send, self._avg_recv = trio.open_memory_channel[TensorMessage](math.inf)
+        self._early: dict[int, list[tuple[int, TensorMessage]]] = {}
+        self._fwd_payload: dict[tuple[int, str], torch.Tensor] = {}
+        self.src_of = {r.name: r.src for r in self.prog.recv}
+
+    # ------------------------------------------------------------------ params
+    def _flat(self) -> torch.Tensor:
+        if not self._params:
+            return torch.zeros(0)
+        return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self._params])
+
+    def _unflat(self, v: torch.Tensor) -> None:
+        off = 0
+        with torch.no_grad():
+            for p in self._params:
+                n = p.numel()
+                p.copy_(v[off:off + n].view_as(p).to(p.dtype))
+                off += n
+
+    # ------------------------------------------------------------------ main
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for src, ch in self.ctx.links.items():
+                nursery.start_soon(self._reader, src, ch, False)
+            for ch in self.ctx.peers:
+                nursery.start_soon(self._reader, -2, ch, True)
+            cfg = self.ctx.config
+            for step in range(self.ctx.start_step, cfg.steps):
+                await self._train_step(step)
+                last = step == cfg.steps - 1
+                if self._outer is not None and ((step + 1) % self._outer.config.tau == 0 or last):
+                    await self._average(step)
+                if self.ctx.checkpoint is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
+                    await self.ctx.checkpoint(step + 1, self.ex.state_dict())
+            await self._eval_pass(cfg.steps)
+            nursery.cancel_scope.cancel()
+
+    async def _reader(self, src: int, ch: TensorChannel, avg: bool) -> None:
+        while True:
+            try:
+                msg = await ch.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            if msg.job != self.ctx.job:
+                raise RemoteProtocolError(f"message of job {msg.job!r} on a channel of job {self.ctx.job!r}")
+            if avg:
+                self._avg_send.send_nowait(msg)
+            else:
+                self._queue_send.send_nowait((src, msg))
+
+    async def _next_message(self, step: int) -> tuple[int, TensorMessage]:
+        early = self._early.get(step)
+        if early:
+            return early.pop(0)
+        while True:
+            src, msg = await self._queue_recv.receive()
+            if msg.step == step:
+                return src, msg
+            if msg.step < step:
+                raise RemoteProtocolError(f"stage {self.prog.stage}: message of past step {msg.step}")
+            self._early.setdefault(msg.step, []).append((src, msg))
+
+    def _gstep(self, step: int) -> int:
+        return step * self.ctx.replicas + self.ctx.replica
+
+    async def _train_step(self, step: int) -> None:
+        cfg, prog, ex = self.ctx.config, self.prog, self.ex
+        t0 = time.perf_counter()
+        compute = 0.0
+        m_count = cfg.micro_batches
+        sched = StageSchedule(ScheduleConfig(kind=cfg.schedule, stages=prog.num_stages, micro_batches=m_count,
+                                             stage=prog.stage))
+        inbox = Inbox(prog)
+        has_remote_in = any(r.src != DATA for r in prog.recv)
+        ready_in: dict[int, dict[str, torch.Tensor]] = {}
+        ready_grad: dict[int, dict[str, torch.Tensor]] = {}
+        outs: dict[int, dict[str, torch.Tensor]] = {}
+        backs: dict[int, dict[str, torch.Tensor]] = {}
+        losses: dict[int, float] = {}
+        for mu in range(m_count):
+            data = self.ctx.data(self._gstep(step), mu)
+            done = None
+            for r in prog.recv:
+                if r.src == DATA:
+                    done = inbox.put_activation(mu, r.name, data[r.name])
+            if done is not None:
+                ready_in[mu] = done
+        actions = list(sched.start())
+        scale = 1.0 / m_count
+        finished = False
+        while not finished:
+            while actions:
+                act = actions.pop(0)
+                if isinstance(act, RunForward):
+                    t = time.perf_counter()
+                    outs[act.micro] = await trio.to_thread.run_sync(ex.forward, act.micro, ready_in.pop(act.micro))
+                    compute += time.perf_counter() - t
+                    if prog.loss is not None:
+                        losses[act.micro] = float(outs[act.micro][prog.loss])
+                    actions += sched.handle(ForwardDone(micro=act.micro))
+                elif isinstance(act, SendActivation):
+                    await self._send_acts(step, act.micro, outs.pop(act.micro))
+                elif isinstance(act, RunBackward):
+                    t = time.perf_counter()
+                    backs[act.micro] = await trio.to_thread.run_sync(
+                        lambda mu=act.micro: ex.backward(mu, ready_grad.pop(mu, {}), loss_scale=scale))
+                    compute += time.perf_counter() - t
+                    actions += sched.handle(BackwardDone(micro=act.micro))
+                elif isinstance(act, SendGradient):
+                    await self._send_grads(step, act.micro, backs.pop(act.micro))
+                elif isinstance(act, OptimizerStep):
+                    t = time.perf_counter()
+                    await trio.to_thread.run_sync(self._optimizer_step, step)
+                    compute += time.perf_counter() - t
+                    actions += sched.handle(OptimizerDone())
+                    finished = True
+            if finished:
+                break
+            src, msg = await self._next_message(step)
+            t_in = _decode(msg)
+            if msg.kind == "act":
+                if not has_remote_in:
+                    raise RemoteProtocolError(f"stage {prog.stage} receives no activations")
+                done = inbox.put_activation(msg.micro, msg.name, t_in)
+                if done is not None:
+                    ready_in[msg.micro] = done
+                    actions += sched.handle(ActivationArrived(micro=msg.micro))
+            elif msg.kind == "grad":
+                got = inbox.put_grad(msg.micro, msg.name, src, t_in)
+                if got is not None:
+                    ready_grad[msg.micro] = got
+                    actions += sched.handle(GradientArrived(micro=msg.micro))
+            else:
+                raise RemoteProtocolError(f"unexpected message kind {msg.kind!r} on a pipeline link")
+        loss = sum(losses[m] for m in sorted(losses)) / len(losses) if losses else None
+        await self.ctx.report(StageReport(step=step, stage=prog.stage, replica=self.ctx.replica, loss=loss,
+                                          compute_s=compute, wall_s=time.perf_counter() - t0,
+                                          tokens=self.ctx.tokens_per_micro * m_count))
+
+    async def _send_acts(self, step: int, micro: int, out: Mapping[str, torch.Tensor]) -> None:
+        for o in self.prog.send:
+            for d in o.dsts:
+                meta, tensors = _encode(out[o.name], self.ctx.rho_out.get(d, 1.0))
+                await self.ctx.links[d].send(TensorMessage(job=self.ctx.job, kind="act", stage=d, step=step,
+                                                           micro=micro, name=o.name, meta=meta, tensors=tensors))
+
+    async def _send_grads(self, step: int, micro: int, grads: Mapping[str, torch.Tensor]) -> None:
+        for name, g in grads.items():
+            src = self.src_of[name]
+            # the gradient goes back over the same fence as its activation, with the same kept fraction
+            rho = self._rho_in(src)
+            meta, tensors = _encode(g, rho)
+            await self.ctx.links[src].send(TensorMessage(job=self.ctx.job, kind="grad", stage=src, step=step,
+                                                         micro=micro, name=name, meta=meta, tensors=tensors))
+
+    def _rho_in(self, src: int) -> float:
+        return self.ctx.rho_out.get(-1 - src, 1.0)   # incoming fences are stored under -1 - src
+
+    def _optimizer_step(self, step: int) -> None:
+        cfg = self.ctx.config
+        if cfg.grad_clip is not None and self._params:
+            torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip)
+        lr = cfg.lr_at(step)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.ex.zero_grad()
+
+    async def _average(self, step: int) -> None:
+        assert self._outer is not None
+        mine = self._flat()
+        for ch in self.ctx.peers:
+            await ch.send(TensorMessage(job=self.ctx.job, kind="avg", stage=self.prog.stage, step=step,
+                                        name=f"r{self.ctx.replica}", tensors=(mine,)))
+        got: dict[str, torch.Tensor] = {f"r{self.ctx.replica}": mine}
+        while len(got) <= len(self.ctx.peers):
+            msg = await self._avg_recv.receive()
+            if msg.kind != "avg" or msg.step != step or len(msg.tensors) != 1 or msg.tensors[0].shape != mine.shape:
+                raise RemoteProtocolError(f"stage {self.prog.stage}: bad averaging message {msg.key}")
+            got.setdefault(msg.name, msg.tensors[0].to(torch.float32))
+        # sum in a fixed order so every replica computes the same bits
+        avg = torch.stack([got[k] for k in sorted(got)]).mean(dim=0)
+        res = self._outer.step(avg, lr=self.ctx.config.lr_at(step))
+        self._unflat(res.anchor)
+
+    async def _eval_pass(self, step: int) -> None:
+        """Forward only, on the batch after the last one, with the final (consensus) weights."""
+        prog, ex = self.prog, self.ex
+        losses: list[float] = []
+        inbox = Inbox(prog)
+        for mu in range(self.ctx.config.micro_batches):
+            data = self.ctx.data(self._gstep(step), mu)
+            ready = None
+            for r in prog.recv:
+                if r.src == DATA:
+                    ready = inbox.put_activation(mu, r.name, data[r.name])
+            while ready is None:
+                _, msg = await self._next_message(step)
+                if msg.kind != "act":
+                    raise RemoteProtocolError("only activations flow in the evaluation pass")
+                ready = inbox.put_activation(msg.micro, msg.name, _decode(msg))
+            out = await trio.to_thread.run_sync(ex.forward, mu, ready)
+            ex.drop(mu)
+            if prog.loss is not None:
+                losses.append(float(out[prog.loss]))
+            await self._send_acts(step, mu, out)
+        loss = sum(losses) / len(losses) if losses else None
+        await self.ctx.report(StageReport(step=step, stage=prog.stage, replica=self.ctx.replica, loss=loss,
+                                          compute_s=0.0, wall_s=0.0, tokens=0, eval=True))

@@ -1,0 +1,50 @@
+"""Many swarm nodes in one trio.run, on real libp2p over loopback or on the in-memory transport."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import trio
+
+from fusionp2p.net.identity import Identity
+from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
+from fusionp2p.plan.profile import DeviceProfile
+from fusionp2p.runtime.swarm import SwarmConfig, SwarmNode
+from fusionp2p.testing.memory import memory_network
+
+TEST_PROFILE = DeviceProfile(device="cpu", kind="cpu", name="test-cpu", flops_fp32=1e10, flops_bf16=0.0, memory_bytes=4 * 2**30)
+
+
+@asynccontextmanager
+async def local_swarm(n: int, *, config: SwarmConfig | None = None, libp2p: bool = True,
+                      profiles: list[DeviceProfile] | None = None) -> AsyncIterator[tuple[SwarmNode, list[SwarmNode]]]:
+    """A bootstrap plus *n* nodes, all joined; yields (bootstrap, nodes)."""
+    cfg = config or SwarmConfig(probe_bytes=256 * 1024)
+    boot_cfg = SwarmConfig(role="bootstrap", heartbeat=cfg.heartbeat, dead_timeout=cfg.dead_timeout)
+    async with AsyncExitStack() as stack:
+        if libp2p:
+            transports = [await stack.enter_async_context(open_libp2p_transport(Identity.generate(), Libp2pConfig()))
+                          for _ in range(n + 1)]
+        else:
+            net = await stack.enter_async_context(memory_network())
+            transports = [net.add_host() for _ in range(n + 1)]  # type: ignore[misc]
+        boot = SwarmNode(transports[0], boot_cfg, None)
+        nodes = [SwarmNode(t, cfg, (profiles[i] if profiles else TEST_PROFILE)) for i, t in enumerate(transports[1:])]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(boot.run, [])
+            addr = transports[0].listen_addrs()[0]
+            for node in nodes:
+                await nursery.start(node.run, [addr])
+            try:
+                yield boot, nodes
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+async def converge(nodes: list[SwarmNode], *, bandwidth: bool, timeout: float) -> None:
+    """Wait until every node sees exactly *nodes* alive (and, optionally, a complete bandwidth matrix)."""
+    ids = sorted(n.peer_id for n in nodes)
+    for node in nodes:
+        await node.wait_until(lambda node=node: node.members() == ids and (not bandwidth or node.bandwidth.complete(ids)),  # type: ignore[misc]
+                              timeout)

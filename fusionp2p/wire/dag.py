@@ -1,0 +1,276 @@
+"""Byte layout of OP-DAGs and stage programs: msgpack header + raw tensor bytes. No pickle.
+
+Layout (version 1)::
+
+    b"FPDG" | u8 version | u8 kind (1 = OpDAG, 2 = StageProgram) | u32 BE header length
+    | msgpack header | tensor bytes, concatenated in header["tensors"] order
+
+The header names operators as strings; arguments are msgpack scalars, lists, or one-key maps for
+non-scalar constants: ``{"r": name}`` a reference, ``{"t": "f32"}`` a dtype, ``{"d": "cpu"}`` a device,
+``{"l": "strided"}`` a layout, ``{"mf": "contiguous_format"}`` a memory format. Tensor dtypes/shapes come
+from the input specs, so a tensor's byte count is fixed by the header and checked exactly.
+
+Decoding is bounded (``Limits``) and validates everything before anything is built to run: every
+operator whitelisted, every reference to an input or an earlier node (so no cycle), declared shapes
+re-derived by running the nodes on ``meta`` tensors, exact tensor byte counts. Any violation raises
+:class:`~fusionp2p.errors.RemoteProtocolError` naming it.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fusionp2p.errors import LocalProtocolError, RemoteProtocolError
+from fusionp2p.graph.dag import Arg, InputSpec, OpDAG, OpNode, Ref, TensorMeta, check_shapes, validate
+from fusionp2p.graph.program import BoundaryIn, BoundaryOut, StageProgram
+from fusionp2p.wire.limits import DEFAULT_LIMITS, Limits
+from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.tensor import DTYPES, decode_tensor, dtype_name
+
+MAGIC = b"FPDG"
+VERSION = 1
+KIND_DAG = 1
+KIND_STAGE = 2
+_HEAD = struct.Struct(">4sBBI")
+_MAX_DEPTH = 6
+_DEVICE_RE = re.compile(r"^(cpu|cuda|meta|mps)(:\d{1,3})?$")
+_LAYOUTS = {"strided": torch.strided}
+_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
+            "preserve_format": torch.preserve_format}
+_FORMAT_NAMES = {v: k for k, v in _FORMATS.items()}
+
+
+# ------------------------------------------------------------------------------------------ encode
+def _enc_arg(a: Arg) -> Any:
+    if isinstance(a, Ref):
+        return {"r": a.name}
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    if isinstance(a, torch.dtype):
+        return {"t": dtype_name(a)}
+    if isinstance(a, torch.device):
+        return {"d": str(a)}
+    if isinstance(a, torch.layout):
+        if a != torch.strided:
+            raise LocalProtocolError(f"layout {a} cannot be encoded")
+        return {"l": "strided"}
+    if isinstance(a, torch.memory_format):
+        return {"mf": _FORMAT_NAMES[a]}
+    if isinstance(a, (list, tuple)):
+        return [_enc_arg(x) for x in a]
+    raise LocalProtocolError(f"argument {a!r} cannot be encoded")
+
+
+def _enc_meta(m: TensorMeta | None) -> Any:
+    return None if m is None else [dtype_name(m.dtype), list(m.shape)]
+
+
+def _enc_node(n: OpNode) -> dict[str, Any]:
+    return {"n": n.name, "op": n.op, "a": [_enc_arg(a) for a in n.args], "k": {k: _enc_arg(v) for k, v in n.kwargs},
+            "o": [_enc_meta(m) for m in n.out], "m": n.multi, "s": n.scope, "f": float(n.flops)}
+
+
+def _enc_common(inputs: tuple[InputSpec, ...], nodes: tuple[OpNode, ...], outputs: tuple[str, ...],
+                loss: str | None, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], list[bytes]]:
+    order = [s.name for s in inputs if s.kind != "input"]
+    blobs = [_tensor_bytes(tensors[name]) for name in order]
+    head = {"inputs": [[s.name, s.kind, *_enc_meta(s.meta)] for s in inputs],
+            "nodes": [_enc_node(n) for n in nodes], "outputs": list(outputs), "loss": loss,
+            "tensors": [[name, len(b)] for name, b in zip(order, blobs)]}
+    return head, blobs
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    if t.numel() == 0:
+        return b""
+    flat = t.reshape(-1)  # 1-D first: a 0-dim tensor cannot be viewed as bytes
+    raw = flat.view(torch.uint8) if t.dtype != torch.bool else flat.to(torch.uint8)
+    return raw.numpy().tobytes()
+
+
+def _pack(kind: int, head: dict[str, Any], blobs: list[bytes]) -> bytes:
+    h = packb(head)
+    return b"".join([_HEAD.pack(MAGIC, VERSION, kind, len(h)), h, *blobs])
+
+
+def encode_dag(dag: OpDAG) -> bytes:
+    """Serialize an OpDAG with its parameters, buffers and constants."""
+    head, blobs = _enc_common(dag.inputs, dag.nodes, dag.outputs, dag.loss, dag.tensors)
+    head |= {"module_names": {k: list(v) for k, v in dag.module_names.items()},
+             "scope_types": dict(dag.scope_types), "batch_size": dag.batch_size}
+    return _pack(KIND_DAG, head, blobs)
+
+
+def encode_stage(p: StageProgram) -> bytes:
+    """Serialize a StageProgram with its own parameters, buffers and constants."""
+    head, blobs = _enc_common(p.inputs, p.nodes, p.outputs, p.loss, p.tensors)
+    head |= {"stage": p.stage, "num_stages": p.num_stages, "recv": [[r.name, r.src] for r in p.recv],
+             "send": [[o.name, list(o.dsts)] for o in p.send]}
+    return _pack(KIND_STAGE, head, blobs)
+
+
+# ------------------------------------------------------------------------------------------ decode
+def _dec_arg(a: Any, depth: int = 0) -> Arg:
+    if depth > _MAX_DEPTH:
+        raise RemoteProtocolError("argument nested too deeply")
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a  # type: ignore[no-any-return]
+    if isinstance(a, list):
+        return [_dec_arg(x, depth + 1) for x in a]
+    if isinstance(a, dict) and len(a) == 1:
+        ((k, v),) = a.items()
+        if isinstance(v, str):
+            if k == "r":
+                return Ref(v)
+            if k == "t" and v in DTYPES:
+                return DTYPES[v]
+            if k == "d" and _DEVICE_RE.match(v):
+                return torch.device(v)
+            if k == "l" and v in _LAYOUTS:
+                return _LAYOUTS[v]
+            if k == "mf" and v in _FORMATS:
+                return _FORMATS[v]
+    raise RemoteProtocolError(f"unsupported argument {str(a)[:80]}")
+
+
+def _dec_meta(m: Any, what: str) -> TensorMeta:
+    if (not isinstance(m, list) or len(m) != 2 or not isinstance(m[0], str) or m[0] not in DTYPES
+            or not isinstance(m[1], list) or len(m[1]) > 8
+            or not all(type(d) is int and 0 <= d < 2**40 for d in m[1])):
+        raise RemoteProtocolError(f"{what}: bad tensor meta {str(m)[:80]}")
+    return TensorMeta(shape=tuple(m[1]), dtype=DTYPES[m[0]])
+
+
+def _str(v: Any, what: str) -> str:
+    if not isinstance(v, str):
+        raise RemoteProtocolError(f"{what}: expected a string")
+    return v
+
+
+def _dec_node(raw: Any) -> OpNode:
+    m = expect_map(raw, "node")
+    name = field(m, "n", str, "node")
+    what = f"node {name!r}"
+    kw = expect_map(field(m, "k", dict, what), what)
+    outs = field(m, "o", list, what)
+    return OpNode(name=name, op=field(m, "op", str, what), args=tuple(_dec_arg(a) for a in field(m, "a", list, what)),
+                  kwargs=tuple((k, _dec_arg(v)) for k, v in kw.items()),
+                  out=tuple(None if o is None else _dec_meta(o, what) for o in outs),
+                  multi=field(m, "m", bool, what), scope=field(m, "s", str, what), flops=field(m, "f", float, what))
+
+
+def _unpack(data: bytes | bytearray | memoryview, kind: int, limits: Limits, max_bytes: int | None
+            ) -> tuple[dict[str, Any], memoryview]:
+    bound = limits.max_tensor_bytes if max_bytes is None else max_bytes
+    if len(data) > bound:
+        raise RemoteProtocolError(f"serialized graph of {len(data)} bytes exceeds the limit of {bound}")
+    if len(data) < _HEAD.size:
+        raise RemoteProtocolError("serialized graph truncated before its header")
+    magic, version, got_kind, hlen = _HEAD.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise RemoteProtocolError("not a serialized graph (bad magic)")
+    if version != VERSION:
+        raise RemoteProtocolError(f"serialized graph version {version} is not supported (want {VERSION})")
+    if got_kind != kind:
+        raise RemoteProtocolError(f"serialized graph kind {got_kind}, expected {kind}")
+    view = memoryview(data)
+    if _HEAD.size + hlen > len(data):
+        raise RemoteProtocolError("serialized graph truncated inside its header")
+    head = expect_map(unpackb(view[_HEAD.size:_HEAD.size + hlen], limits=limits, max_size=limits.max_frame), "graph")
+    return head, view[_HEAD.size + hlen:]
+
+
+def _dec_common(head: dict[str, Any], payload: memoryview, limits: Limits
+                ) -> tuple[tuple[InputSpec, ...], tuple[OpNode, ...], tuple[str, ...], str | None, dict[str, torch.Tensor]]:
+    raw_inputs = field(head, "inputs", list, "graph")
+    inputs: list[InputSpec] = []
+    for r in raw_inputs:
+        if not isinstance(r, list) or len(r) != 4:
+            raise RemoteProtocolError("graph: bad input spec")
+        name, kind = _str(r[0], "input"), _str(r[1], "input")
+        try:
+            inputs.append(InputSpec(name=name, kind=kind, meta=_dec_meta([r[2], r[3]], f"input {name!r}")))
+        except ValueError as exc:
+            raise RemoteProtocolError(f"graph: {exc}") from exc
+    raw_nodes = field(head, "nodes", list, "graph")
+    if len(raw_nodes) > limits.max_dag_nodes:
+        raise RemoteProtocolError(f"graph has {len(raw_nodes)} nodes; limit is {limits.max_dag_nodes}")
+    nodes = tuple(_dec_node(n) for n in raw_nodes)
+    outputs = tuple(_str(o, "output") for o in field(head, "outputs", list, "graph"))
+    loss = head.get("loss")
+    if loss is not None and not isinstance(loss, str):
+        raise RemoteProtocolError("graph: loss must be a string or nil")
+    specs = {s.name: s for s in inputs}
+    tensors: dict[str, torch.Tensor] = {}
+    off = 0
+    for t in field(head, "tensors", list, "graph"):
+        if not isinstance(t, list) or len(t) != 2 or not isinstance(t[0], str) or type(t[1]) is not int:
+            raise RemoteProtocolError("graph: bad tensor entry")
+        name, n = t
+        spec = specs.get(name)
+        if spec is None or spec.kind == "input" or name in tensors:
+            raise RemoteProtocolError(f"graph: tensor {name!r} is not a declared param/buffer/constant")
+        if n < 0 or off + n > len(payload):
+            raise RemoteProtocolError(f"graph: tensor {name!r} runs past the end of the buffer (truncated?)")
+        tensors[name] = decode_tensor({"dtype": dtype_name(spec.meta.dtype), "shape": list(spec.meta.shape)},
+                                      payload[off:off + n], limits=limits)
+        off += n
+    if off != len(payload):
+        raise RemoteProtocolError(f"graph: {len(payload) - off} trailing bytes after the tensors")
+    tin = tuple(inputs)
+    validate(tin, nodes, outputs, tensors, RemoteProtocolError, what="graph")
+    if loss is not None and loss not in outputs:
+        raise RemoteProtocolError(f"graph: loss {loss!r} is not an output")
+    check_shapes(tin, nodes, RemoteProtocolError, what="graph")
+    return tin, nodes, outputs, loss, tensors
+
+
+def decode_dag(data: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_LIMITS,
+               max_bytes: int | None = None) -> OpDAG:
+    """Decode and fully validate an OpDAG; RemoteProtocolError on anything wrong."""
+    head, payload = _unpack(data, KIND_DAG, limits, max_bytes)
+    inputs, nodes, outputs, loss, tensors = _dec_common(head, payload, limits)
+    mn = expect_map(head.get("module_names", {}), "module_names")
+    st = expect_map(head.get("scope_types", {}), "scope_types")
+    if not all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in mn.values()):
+        raise RemoteProtocolError("graph: module_names must map names to lists of strings")
+    if not all(isinstance(v, str) for v in st.values()):
+        raise RemoteProtocolError("graph: scope_types must map to strings")
+    batch = field(head, "batch_size", int, "graph")
+    if batch <= 0:
+        raise RemoteProtocolError("graph: batch_size must be positive")
+    return OpDAG(inputs=inputs, nodes=nodes, outputs=outputs, loss=loss, tensors=tensors,
+                 module_names={k: tuple(v) for k, v in mn.items()}, scope_types=dict(st), batch_size=batch)
+
+
+def decode_stage(data: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_LIMITS,
+                 max_bytes: int | None = None) -> StageProgram:
+    """Decode and fully validate a StageProgram; RemoteProtocolError on anything wrong."""
+    head, payload = _unpack(data, KIND_STAGE, limits, max_bytes)
+    inputs, nodes, outputs, loss, tensors = _dec_common(head, payload, limits)
+    stage = field(head, "stage", int, "stage program")
+    num = field(head, "num_stages", int, "stage program")
+    metas = {s.name: s.meta for s in inputs}
+    metas |= {n.name: n.out[0] for n in nodes if not n.multi and n.out and n.out[0] is not None}
+    recv, send = [], []
+    for r in field(head, "recv", list, "stage program"):
+        if not (isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and type(r[1]) is int) or r[0] not in metas:
+            raise RemoteProtocolError("stage program: bad recv entry")
+        recv.append(BoundaryIn(name=r[0], meta=metas[r[0]], src=r[1]))
+    for o in field(head, "send", list, "stage program"):
+        if not (isinstance(o, list) and len(o) == 2 and isinstance(o[0], str) and isinstance(o[1], list)
+                and all(type(d) is int for d in o[1])) or o[0] not in metas:
+            raise RemoteProtocolError("stage program: bad send entry")
+        send.append(BoundaryOut(name=o[0], meta=metas[o[0]], dsts=tuple(o[1])))
+    prog = StageProgram(stage=stage, num_stages=num, inputs=inputs, recv=tuple(recv), nodes=nodes, send=tuple(send),
+                        loss=loss, tensors=tensors)
+    if prog.outputs != outputs:
+        raise RemoteProtocolError("stage program: outputs do not match send list and loss")
+    prog.check(RemoteProtocolError)
+    return prog

@@ -1,0 +1,177 @@
+"""The encrypted data plane end to end over loopback: failure detection, reconnect, tampering,
+tickets and the test-only plaintext flag. Many nodes in one trio.run; every test has a deadline."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import pytest
+import torch
+import trio
+
+from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.net.bulk import DataPlane, DataPlaneConfig, open_data_plane
+from fusionp2p.net.channel import TensorMessage
+from fusionp2p.testing.memory import MemoryNetwork, memory_network
+from fusionp2p.wire import tensor_frame as tf
+
+MSG = TensorMessage(job="j", kind="grad", step=1, tensors=(torch.arange(10.0),))
+
+
+def run(body: Callable[[MemoryNetwork], Awaitable[None]], timeout: float = 15.0) -> None:
+    async def main() -> None:
+        with trio.fail_after(timeout):
+            async with memory_network() as net:
+                await body(net)
+
+    trio.run(main)
+
+
+async def _serve(tb: object, task_status: trio.TaskStatus[DataPlane] = trio.TASK_STATUS_IGNORED, **kw: object) -> None:
+    async with open_data_plane(tb, **kw) as db:  # type: ignore[arg-type]
+        task_status.started(db)
+        await trio.sleep_forever()
+
+
+def test_silent_peer_detected_by_deadline() -> None:
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        async with trio.open_nursery() as n:
+            # B never pings (keepalive 5 s); A declares a peer dead after 0.5 s of silence
+            db = await n.start(lambda task_status: _serve(tb, task_status, keepalive=5.0, dead_after=10.0))
+            async with open_data_plane(ta, keepalive=0.2, dead_after=0.5) as da:
+                ch = await da.connect(tb.peer_id)
+                await db.incoming.receive()
+                t0 = trio.current_time()
+                with pytest.raises(PeerUnavailable, match="silent"):
+                    await ch.receive()
+                assert 0.4 < trio.current_time() - t0 < 1.5
+            n.cancel_scope.cancel()
+
+    run(body)
+
+
+def test_keepalive_keeps_an_idle_channel_up() -> None:
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        async with trio.open_nursery() as n:
+            db = await n.start(lambda task_status: _serve(tb, task_status, keepalive=0.1, dead_after=0.4))
+            async with open_data_plane(ta, keepalive=0.1, dead_after=0.4) as da:
+                ch = await da.connect(tb.peer_id)
+                chb = await db.incoming.receive()
+                with trio.move_on_after(1.2):  # three deadlines of idleness: nothing may fail
+                    await chb.receive()
+                await ch.send(MSG)
+                assert torch.equal((await chb.receive()).tensors[0], MSG.tensors[0])
+            n.cancel_scope.cancel()
+
+    run(body)
+
+
+def test_reconnect_after_the_peer_returns() -> None:
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        async with open_data_plane(ta) as da, trio.open_nursery() as n:
+            scope = trio.CancelScope()
+
+            async def serve_b(task_status: trio.TaskStatus[DataPlane]) -> None:
+                with scope:
+                    await _serve(tb, task_status)
+
+            db = await n.start(serve_b)
+            ch = await da.connect(tb.peer_id)
+            await db.incoming.receive()
+            scope.cancel()  # B's process "dies"
+            with pytest.raises(PeerUnavailable):
+                await ch.receive()
+            db2 = await n.start(_serve, tb)  # B comes back (new port, same identity)
+            assert db2.port != 0
+            ch2 = await da.connect(tb.peer_id)
+            chb2 = await db2.incoming.receive()
+            await ch2.send(MSG)
+            assert (await chb2.receive()).key == MSG.key
+            n.cancel_scope.cancel()
+
+    run(body)
+
+
+def test_tampered_frame_closes_the_channel() -> None:
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        async with open_data_plane(ta) as da, open_data_plane(tb) as db:
+            ch = await da.connect(tb.peer_id)
+            chb = await db.incoming.receive()
+            rec = bytearray(chb._writer.control(tf.PING))
+            rec[-1] ^= 1  # flip one tag bit in flight
+            await chb._stream.send_all(bytes(rec))
+            with pytest.raises(RemoteProtocolError, match="authentication"):
+                await ch.receive()
+            with pytest.raises(RemoteProtocolError):
+                await ch.send(MSG)
+            # the victim closed the connection, so the sender of the forgery sees the peer gone
+            with pytest.raises(PeerUnavailable):
+                await chb.receive()
+
+    run(body)
+
+
+def test_oversized_record_closes_the_channel() -> None:
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        async with open_data_plane(ta, chunk_size=64 * 1024) as da, open_data_plane(tb) as db:
+            ch = await da.connect(tb.peer_id)
+            chb = await db.incoming.receive()
+            await chb._stream.send_all(tf.record_header(tf.MSG_END, 2**31))
+            with pytest.raises(RemoteProtocolError, match="exceeds"):
+                await ch.receive()
+
+    run(body)
+
+
+def test_tickets_are_one_time_and_bound_to_the_peer() -> None:
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        async with open_data_plane(ta) as da, open_data_plane(tb) as db:
+            reply = await da._request_ticket(tb.peer_id)
+            assert len(db._tickets) == 1
+            assert next(iter(db._tickets.values()))[0] == ta.peer_id
+            for attempt in range(2):
+                s = await trio.open_tcp_stream("127.0.0.1", db.port)
+                await s.send_all(reply["ticket"])  # the same ticket twice
+                data = await s.receive_some(1024)
+                if attempt == 0:
+                    assert data  # the HELLO record: the ticket was accepted
+                    chb = await db.incoming.receive()
+                    assert chb.remote_peer == ta.peer_id
+                else:
+                    assert data == b""  # replayed ticket: the listener hangs up
+                await s.aclose()
+            s = await trio.open_tcp_stream("127.0.0.1", db.port)
+            await s.send_all(bytes(16))  # an unknown ticket
+            assert await s.receive_some(1024) == b""
+            await s.aclose()
+
+    run(body)
+
+
+def test_plaintext_needs_the_test_flag_and_ciphers_must_match() -> None:
+    with pytest.raises(ConfigError):
+        DataPlaneConfig(cipher="none")
+    with pytest.raises(ConfigError):
+        DataPlaneConfig(keepalive=2.0, dead_after=1.0)
+
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb, tc = net.add_host(), net.add_host(), net.add_host()
+        plain = {"cipher": "none", "insecure_plaintext_for_tests": True}
+        async with open_data_plane(ta, **plain) as da, open_data_plane(tb, **plain) as db, \
+                open_data_plane(tc, cipher="chacha20-poly1305") as dc:
+            ch = await da.connect(tb.peer_id)
+            await ch.send(MSG)
+            assert (await (await db.incoming.receive()).receive()).key == MSG.key
+            with pytest.raises(PeerUnavailable):
+                await da.connect(tc.peer_id)  # C refuses plaintext
+            with pytest.raises(PeerUnavailable):
+                await dc.connect(net.add_host().peer_id)  # a peer without a data plane
+            _ = dc
+
+    run(body)

@@ -1,0 +1,148 @@
+"""End to end on the embedded local swarm: publish -> verify/fetch/plan -> pipeline + CO2 -> download."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+
+from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, corpus_tokens
+from fusionp2p.errors import ConfigError, JobError
+from fusionp2p.models.gpt2 import GPT2, GPT2Config
+from fusionp2p.runtime.job_local import build_job
+from fusionp2p.runtime.jobspec import Resources
+from fusionp2p.runtime.metrics import PlanChanged, StepProgress
+from fusionp2p.runtime.trainconfig import TrainConfig
+from fusionp2p.sdk import Swarm
+
+SEQ = 32
+TIMEOUT = 240
+
+
+def _model(seed: int = 0) -> GPT2:
+    torch.manual_seed(seed)
+    return GPT2(GPT2Config.tiny(block_size=SEQ))
+
+
+def _sampler(cfg: TrainConfig) -> tuple[BatchSampler, np.ndarray]:
+    tokens = corpus_tokens("pydoc")
+    return BatchSampler(SamplerConfig(num_tokens=len(tokens), seq_len=SEQ, micro_batch=cfg.micro_batch,
+                                      micro_batches=cfg.micro_batches, seed=cfg.seed)), tokens
+
+
+def _batch(s: BatchSampler, tokens: np.ndarray, step: int, mu: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(s.inputs(tokens, step, mu)), torch.from_numpy(s.targets(tokens, step, mu))
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Swarm:
+    torch.set_num_threads(1)
+    sw = Swarm.local(n_nodes=4, home=tmp_path_factory.mktemp("swarm"))
+    yield sw  # type: ignore[misc]
+    sw.close()
+
+
+def test_two_stages_two_replicas_trains_and_downloads(swarm: Swarm, tmp_path: Path) -> None:
+    cfg = TrainConfig(steps=30, micro_batch=4, micro_batches=2, lr=3e-3, replicas=2, averaging="co2",
+                      compression="adatopk", checkpoint_every=10, seed=1)
+    model = _model()
+    job = swarm.publish(model=model, dataset=BuiltinCorpus(seq_len=SEQ), config=cfg)
+    events = list(job.events(timeout=TIMEOUT))
+    job.wait(timeout=1)
+    plan = next(e for e in events if isinstance(e, PlanChanged))
+    assert plan.stage_sizes == (2, 2)
+    steps = [e for e in events if isinstance(e, StepProgress) and e.step < cfg.steps]
+    assert [e.step for e in steps] == list(range(cfg.steps))
+    first = np.mean([e.loss for e in steps[:3]])
+    last = np.mean([e.loss for e in steps[-3:]])
+    assert last < first - 1.0, (first, last)
+    # the downloaded model loads into the original module and reproduces the final reported loss
+    path = job.download(tmp_path)
+    fresh = _model(seed=123)
+    fresh.load_state_dict(safetensors.torch.load_file(str(path)))
+    s, tokens = _sampler(cfg)
+    with torch.no_grad():
+        ref = np.mean([float(fresh(*_batch(s, tokens, cfg.steps * 2 + r, mu))[1])
+                       for r in range(2) for mu in range(cfg.micro_batches)])
+    assert job.final_loss is not None
+    assert abs(ref - job.final_loss) < 1e-4
+
+
+def test_one_replica_matches_single_process(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=20, micro_batch=4, micro_batches=3, lr=2e-3, replicas=1, averaging="none",
+                      compression="none", schedule="1f1b", seed=3)
+    with Swarm.local(n_nodes=2, home=tmp_path) as sw:
+        job = sw.publish(model=_model(), dataset=BuiltinCorpus(seq_len=SEQ), config=cfg)
+        job.wait(timeout=TIMEOUT)
+    ref_model = _model()
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=0.0)
+    s, tokens = _sampler(cfg)
+    ref: list[float] = []
+    for step in range(cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr_at(step)
+        losses = []
+        for mu in range(cfg.micro_batches):
+            _, loss = ref_model(*_batch(s, tokens, step, mu))
+            (loss / cfg.micro_batches).backward()
+            losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+        ref.append(sum(losses) / len(losses))
+    got = [job.losses[i] for i in range(cfg.steps)]
+    assert np.max(np.abs(np.array(got) - np.array(ref))) < 1e-4
+
+
+def test_tampered_spec_is_refused(swarm: Swarm) -> None:
+    cfg = TrainConfig(steps=2, micro_batch=2, micro_batches=1)
+    built = build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=swarm.publisher_id, sign=swarm.sign,
+                      now=1.0, nonce=b"n" * 16)
+    bad = bytearray(built.envelope)
+    bad[len(bad) // 2] ^= 0x01
+    job = swarm.publish_built(dataclasses.replace(built, envelope=bytes(bad)))
+    with pytest.raises(JobError, match="no node accepted"):
+        job.wait(timeout=TIMEOUT)
+
+
+def test_hash_mismatch_is_refused(swarm: Swarm) -> None:
+    cfg = TrainConfig(steps=2, micro_batch=2, micro_batches=1)
+    built = build_job(_model(seed=77), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=swarm.publisher_id,
+                      sign=swarm.sign, now=2.0, nonce=b"m" * 16)
+    # the publisher serves weights that are not the ones the signed spec names
+    other = build_job(_model(seed=5), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=swarm.publisher_id,
+                      sign=swarm.sign, now=2.0, nonce=b"m" * 16)
+    blobs = {h: b for h, b in built.blobs.items() if h != built.spec.weights_hash}
+    blobs.update({other.spec.weights_hash: other.blobs[other.spec.weights_hash]})
+    job = swarm.publish_built(dataclasses.replace(built, blobs=blobs))
+    with pytest.raises(JobError, match="no node accepted"):
+        job.wait(timeout=TIMEOUT)
+
+
+def test_job_no_node_fits_fails_fast(swarm: Swarm) -> None:
+    cfg = TrainConfig(steps=2, micro_batch=2, micro_batches=1)
+    job = swarm.publish(model=_model(), dataset=BuiltinCorpus(seq_len=SEQ), config=cfg,
+                        resources=Resources(min_memory_bytes=1 << 50))
+    with pytest.raises(JobError, match="needs"):
+        job.wait(timeout=TIMEOUT)
+
+
+class _Weird(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.fft.rfft(self.emb(x).float(), dim=-1).abs()
+        return F.cross_entropy(h.reshape(-1, h.shape[-1]).repeat(1, 52)[:, :256], y.reshape(-1))
+
+
+def test_non_whitelisted_operator_is_refused(swarm: Swarm) -> None:
+    with pytest.raises(ConfigError, match="whitelist"):
+        swarm.publish(model=_Weird(), dataset=BuiltinCorpus(seq_len=SEQ), config=TrainConfig(steps=1, micro_batch=2,
+                                                                                            micro_batches=1))

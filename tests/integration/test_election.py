@@ -1,0 +1,160 @@
+"""Many nodes in one trio.run elect a plan over the in-memory transport."""
+
+from __future__ import annotations
+
+import random
+from contextlib import AsyncExitStack
+
+import trio
+import trio.testing
+
+from fusionp2p.net.identity import Identity
+from fusionp2p.net.transport import Transport
+from fusionp2p.plan.opfence import make_plan
+from fusionp2p.plan.plan import Plan
+from fusionp2p.plan.profile import DeviceProfile
+from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
+from fusionp2p.runtime.election import (
+    Adopted,
+    ElectionConfig,
+    Failed,
+    Outcome,
+    PlanElector,
+    fetch_adopted,
+    open_elector,
+)
+from fusionp2p.testing.memory import MemoryNetwork, memory_network
+from tests.unit.test_plan_helpers import chain, profile
+
+WORKLOAD = chain(24, act=2_000_000)
+JOB = "job-e"
+
+
+def records(peers: list[str]) -> tuple[list[tuple[str, DeviceProfile]], list[tuple[str, str, Link]]]:
+    """Signed-record stand-ins: one profile per peer, two measurements per pair (one each way)."""
+    profs = [(p, profile(flops=1e10 * (1 + k % 3))) for k, p in enumerate(peers)]
+    meas = []
+    for a in range(len(peers)):
+        for b in range(len(peers)):
+            if a != b:
+                fast = (a < len(peers) // 2) == (b < len(peers) // 2)
+                meas.append((peers[a], peers[b], Link(bandwidth_bps=(1.25e8 if fast else 1.25e6) * (1 + (a + b) % 2), latency_s=1e-3)))
+    return profs, meas
+
+
+def local_snapshot(rnd: random.Random, epoch: int, peers: list[str]) -> Snapshot:
+    """What one node assembles from records arriving in its own (shuffled) order."""
+    profs, meas = records(peers)
+    rnd.shuffle(profs)
+    rnd.shuffle(meas)
+    return snapshot_from_records(JOB, epoch, profs, meas)
+
+
+async def run_round(electors: dict[str, PlanElector], snaps: dict[str, Snapshot]) -> dict[str, Outcome]:
+    out: dict[str, Outcome] = {}
+
+    async def one(peer: str) -> None:
+        snap = snaps[peer]
+        out[peer] = await electors[peer].elect(snap, make_plan(WORKLOAD, snap, seed=7))
+
+    async with trio.open_nursery() as n:
+        for p in electors:
+            n.start_soon(one, p)
+    return out
+
+
+async def start(net: MemoryNetwork, stack: AsyncExitStack, n: int, cfg: ElectionConfig) -> tuple[dict[str, Transport], dict[str, PlanElector]]:
+    hosts = {t.peer_id: t for t in (net.add_host(Identity(bytes([k + 1]) * 32)) for k in range(n))}
+    electors = {p: await stack.enter_async_context(open_elector(t, cfg)) for p, t in hosts.items()}
+    return dict(hosts), electors
+
+
+def test_six_nodes_shuffled_records_adopt_the_same_plan_then_one_dies() -> None:
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with memory_network() as net, AsyncExitStack() as stack:
+                hosts, electors = await start(net, stack, 6, ElectionConfig(timeout_s=10))
+                peers = sorted(hosts)
+                rnd = random.Random(1)
+                snaps = {p: local_snapshot(rnd, 0, peers) for p in peers}
+                assert len({s.snapshot_hash() for s in snaps.values()}) == 1
+                out = await run_round(electors, snaps)
+                hashes = {o.decision.plan_hash for o in out.values() if isinstance(o.decision, Adopted)}
+                assert len(hashes) == 1
+                assert len(out) == 6
+                (h0,) = hashes
+                assert h0 == make_plan(WORKLOAD, snaps[peers[0]], seed=7).plan_hash()
+                assert all(o.plan is not None and o.plan.plan_hash() == h0 for o in out.values())
+
+                # A member dies: the survivors open epoch 1 without it and agree on a new plan.
+                dead = peers[2]
+                net.kill(dead)
+                alive = [p for p in peers if p != dead]
+                snaps = {p: local_snapshot(rnd, 1, alive) for p in alive}
+                out = await run_round({p: electors[p] for p in alive}, snaps)
+                hashes = {o.decision.plan_hash for o in out.values() if isinstance(o.decision, Adopted)}
+                assert len(hashes) == 1
+                assert len(out) == 5
+                (h1,) = hashes
+                assert h1 != h0
+                plan1 = out[alive[0]].plan
+                assert isinstance(plan1, Plan)
+                assert plan1.epoch == 1
+                assert dead not in plan1.peers
+
+                # A node that joins late adopts the current plan from the DHT.
+                late = net.add_host(Identity(bytes([99]) * 32))
+                got = await fetch_adopted(late, JOB)
+                assert got is not None
+                assert got[0] == 1
+                assert got[1].plan_hash() == h1
+
+    trio.run(main)
+
+
+def test_stale_membership_still_reaches_quorum_and_a_minority_fails_at_the_deadline() -> None:
+    async def main() -> None:
+        with trio.fail_after(120):  # virtual seconds under the autojump clock
+            async with memory_network() as net, AsyncExitStack() as stack:
+                hosts, electors = await start(net, stack, 6, ElectionConfig(timeout_s=20, republish_s=3))
+                peers = sorted(hosts)
+                rnd = random.Random(2)
+                # Epoch 0 still lists a dead member: 5 of 6 votes exceed the quorum of 4.
+                net.kill(peers[0])
+                snaps = {p: local_snapshot(rnd, 0, peers) for p in peers[1:]}
+                out = await run_round({p: electors[p] for p in peers[1:]}, snaps)
+                assert len({o.decision.plan_hash for o in out.values() if isinstance(o.decision, Adopted)}) == 1
+                assert len(out) == 5
+                # Only 3 of 6 members are alive: no quorum, every survivor reports Failed at the deadline.
+                net.kill(peers[1])
+                net.kill(peers[2])
+                snaps = {p: local_snapshot(rnd, 1, peers) for p in peers[3:]}
+                t0 = trio.current_time()
+                out = await run_round({p: electors[p] for p in peers[3:]}, snaps)
+                assert all(isinstance(o.decision, Failed) for o in out.values())
+                assert trio.current_time() - t0 >= 20
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_node_with_a_diverging_snapshot_adopts_the_majority_plan() -> None:
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with memory_network() as net, AsyncExitStack() as stack:
+                hosts, electors = await start(net, stack, 6, ElectionConfig(timeout_s=10))
+                peers = sorted(hosts)
+                rnd = random.Random(3)
+                snaps = {p: local_snapshot(rnd, 0, peers) for p in peers}
+                # One node missed a record: its snapshot (and so its plan) differ.
+                profs, meas = records(peers)
+                snaps[peers[4]] = snapshot_from_records(JOB, 0, profs, [m for m in meas if m[:2] != (peers[0], peers[5]) and m[:2] != (peers[5], peers[0])])
+                out = await run_round(electors, snaps)
+                majority = make_plan(WORKLOAD, snaps[peers[0]], seed=7).plan_hash()
+                assert make_plan(WORKLOAD, snaps[peers[4]], seed=7).plan_hash() != majority
+                for o in out.values():
+                    assert isinstance(o.decision, Adopted)
+                    assert o.decision.plan_hash == majority
+                    assert o.plan is not None
+                    assert o.plan.plan_hash() == majority
+
+    trio.run(main)

@@ -1,0 +1,80 @@
+"""The fast approximate top-k selection stays within its documented bound (compress/select.py)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fusionp2p.compress import TopKCodec, approx_topk_indices, decode, exact_topk_indices, k_for
+
+torch.set_num_threads(1)
+
+
+def _check_bound(mag: torch.Tensor, idx: torch.Tensor, k: int, tol: float) -> None:
+    n = mag.numel()
+    assert k <= idx.numel() <= math.ceil((1 + tol) * k)
+    assert idx.unique().numel() == idx.numel()
+    assert int(idx.min()) >= 0
+    assert int(idx.max()) < n
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[idx] = True
+    # threshold-closed: nothing dropped is larger than the smallest kept magnitude
+    if (~kept).any():
+        assert mag[~kept].max() <= mag[kept].min()
+    # hence it contains an exact top-k set
+    assert mag[kept].sort(descending=True).values[:k].equal(mag.sort(descending=True).values[:k])
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**20), ratio=st.sampled_from([0.005, 0.01, 0.05, 0.1, 0.3]),
+       dist=st.sampled_from(["normal", "heavy", "lowrank", "ties"]), tol=st.sampled_from([0.0, 0.02, 0.05, 0.2]))
+def test_approx_selection_bound(seed: int, ratio: float, dist: str, tol: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    n = 60_000
+    if dist == "normal":
+        x = torch.randn(n, generator=g)
+    elif dist == "heavy":
+        x = torch.randn(n, generator=g) ** 3
+    elif dist == "lowrank":
+        x = (torch.randn(300, 1, generator=g) * torch.randn(1, 200, generator=g)).reshape(-1)
+    else:
+        x = torch.randint(0, 5, (n,), generator=g).float()
+    mag = x.abs()
+    k = k_for(ratio, n)
+    idx = approx_topk_indices(mag, k, generator=torch.Generator().manual_seed(seed), tolerance=tol, sample_size=2048)
+    if dist == "ties":
+        # with massive ties the set stays threshold-closed and contains a top-k; the count may exceed the band
+        assert idx.numel() >= k
+        kept = torch.zeros(n, dtype=torch.bool)
+        kept[idx] = True
+        assert (~kept).sum() == 0 or mag[~kept].max() <= mag[kept].min()
+        return
+    _check_bound(mag, idx, k, tol)
+
+
+def test_exact_k_variant_is_exact() -> None:
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(3))
+    mag = x.abs()
+    for ratio in (0.01, 0.1):
+        k = k_for(ratio, x.numel())
+        idx = approx_topk_indices(mag, k, generator=torch.Generator().manual_seed(0), sample_size=1024, exact_k=True)
+        assert torch.equal(idx, exact_topk_indices(mag, k))
+
+
+def test_codec_approx_error_no_worse_than_exact() -> None:
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(4))
+    exact = decode(*TopKCodec(ratio=0.05).encode(x))
+    payload, meta = TopKCodec(ratio=0.05, approx=True, sample_size=4096).encode(x)
+    approx = decode(payload, meta)
+    assert 10_000 <= meta["k"] <= math.ceil(1.05 * 10_000)
+    assert (x - approx).norm() <= (x - exact).norm() + 1e-6
+
+
+def test_small_inputs_use_exact_path() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(5)).abs()
+    assert torch.equal(approx_topk_indices(x, 17, generator=torch.Generator()), exact_topk_indices(x, 17))
+    assert approx_topk_indices(x, 0, generator=torch.Generator()).numel() == 0
+    assert approx_topk_indices(x, 5000, generator=torch.Generator()).numel() == 1000

@@ -1,0 +1,95 @@
+"""Progress events: gossip encoding with bounds, JSON-lines log."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.runtime.metrics import (
+    CheckpointSaved,
+    JobStateChanged,
+    MembersChanged,
+    MetricsWriter,
+    PlanChanged,
+    StepProgress,
+    decode_event,
+    encode_event,
+    event_to_dict,
+    read_metrics,
+)
+from fusionp2p.wire.msg import packb
+
+EVENTS = [
+    StepProgress(job="j", step=3, epoch=1, stage=1, peer="p", loss=2.5, tokens_per_s=1234.0, compute_util=0.7, link_util=0.2, at=1.0),
+    StepProgress(job="j", step=4),
+    PlanChanged(job="j", epoch=2, plan_hash="h", stage_sizes=(2, 2), members=("a", "b", "c", "d"), at=2.0),
+    MembersChanged(job="j", epoch=2, joined=("e",), left=("a",)),
+    JobStateChanged(job="j", state="running", reason="plan adopted"),
+    CheckpointSaved(job="j", step=100, stage=0, peer="a"),
+]
+
+
+@pytest.mark.parametrize("ev", EVENTS, ids=lambda e: type(e).__name__)
+def test_round_trip(ev: object) -> None:
+    assert decode_event(encode_event(ev)) == ev  # type: ignore[arg-type]
+
+
+def test_nan_loss_survives_but_other_nans_do_not() -> None:
+    ev = decode_event(encode_event(StepProgress(job="j", step=1, loss=math.nan)))
+    assert isinstance(ev, StepProgress)
+    assert ev.loss is not None
+    assert math.isnan(ev.loss)
+    with pytest.raises(RemoteProtocolError):
+        decode_event(packb({"type": "step", "job": "j", "step": 1, "tokens_per_s": math.nan}))
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        {"type": "nope", "job": "j"},
+        {"type": "step", "job": "j"},                            # missing step
+        {"type": "step", "job": "j", "step": "1"},
+        {"type": "step", "job": "j", "step": True},
+        {"type": "step", "job": "j", "step": 1, "evil": 1},
+        {"type": "plan", "job": "j", "epoch": 1, "plan_hash": "h", "members": [1]},
+        {"type": "plan", "job": "j", "epoch": 1, "plan_hash": "h", "stage_sizes": ["x"]},
+        [1, 2],
+    ],
+)
+def test_malformed_events(msg: object) -> None:
+    with pytest.raises(RemoteProtocolError):
+        decode_event(packb(msg))
+
+
+def test_oversized_event() -> None:
+    with pytest.raises(RemoteProtocolError):
+        decode_event(packb({"type": "members", "job": "j", "epoch": 1, "joined": ["x" * 200] * 400}))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=300))
+def test_fuzz(data: bytes) -> None:
+    with contextlib.suppress(RemoteProtocolError):
+        decode_event(data)
+
+
+def test_jsonl_writer(tmp_path: Path) -> None:
+    path = tmp_path / "m" / "metrics.jsonl"
+    with MetricsWriter(path) as w:
+        for ev in EVENTS:
+            w.write(ev)
+        w.write({"custom": 1})
+    with path.open("a") as f:
+        f.write('{"torn": ')  # a crash mid-line
+    rows = read_metrics(path)
+    assert rows == [event_to_dict(e) for e in EVENTS] + [{"custom": 1}]
+    with MetricsWriter(path) as w:  # appends
+        w.write(EVENTS[1])
+    with pytest.raises(ValueError, match="closed"):
+        w.write(EVENTS[1])

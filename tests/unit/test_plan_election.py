@@ -1,0 +1,152 @@
+"""The election's sans-IO core: quorum, tie-break, forged and stray votes, order independence."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.net.identity import Identity
+from fusionp2p.plan.opfence import make_plan
+from fusionp2p.runtime.election import Adopted, Election, Failed, Vote, parse_adopted
+from fusionp2p.wire.msg import packb
+from tests.unit.test_plan_helpers import chain, snapshot
+
+IDS = [Identity(bytes([i + 1]) * 32) for i in range(7)]
+MEMBERS = sorted(i.peer_id for i in IDS[:6])
+BY_PEER = {i.peer_id: i for i in IDS}
+OUTSIDER = IDS[6]
+H_A, H_B, S_A, S_B = "a" * 64, "b" * 64, "1" * 64, "2" * 64
+
+
+def vote(peer: str, plan_hash: str = H_A, snap: str = S_A, *, epoch: int = 3, job: str = "job") -> Vote:
+    return Vote.make(job=job, epoch=epoch, plan_hash=plan_hash, snapshot_hash=snap, peer=peer, sign=BY_PEER[peer].sign)
+
+
+def election() -> Election:
+    return Election(job="job", epoch=3, members=MEMBERS)
+
+
+def test_quorum_adopts_on_the_fourth_of_six() -> None:
+    e = election()
+    assert e.quorum == 4
+    decisions = [e.on_vote(vote(p)) for p in MEMBERS[:4]]
+    assert decisions[:3] == [None, None, None]
+    d = decisions[3]
+    assert isinstance(d, Adopted)
+    assert d.plan_hash == H_A
+    assert d.by == "quorum"
+    assert d.voters == tuple(MEMBERS[:4])
+    assert e.on_vote(vote(MEMBERS[4])) is None  # decided once
+    assert e.on_deadline() == d
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.randoms(use_true_random=False), st.integers(0, 6))
+def test_decision_does_not_depend_on_arrival_order(rnd: random.Random, n_b: int) -> None:
+    votes = [vote(p, H_B if k < n_b else H_A, S_B if k < n_b else S_A) for k, p in enumerate(MEMBERS)]
+    outcomes = set()
+    for _ in range(3):
+        rnd.shuffle(votes)
+        e = election()
+        for v in votes:
+            e.on_vote(v)
+        d = e.on_deadline()
+        assert isinstance(d, Adopted)
+        outcomes.add((d.plan_hash, d.by))
+    assert len(outcomes) == 1
+    (h, by), = outcomes
+    if n_b == 3:
+        assert by == "tiebreak"
+        assert h == H_B
+    else:
+        assert by == "quorum"
+        assert h == (H_B if n_b > 3 else H_A)
+
+
+def test_tiebreak_needs_every_vote_else_fails_at_deadline() -> None:
+    e = election()
+    for k, p in enumerate(MEMBERS[:5]):
+        assert e.on_vote(vote(p, H_A if k % 2 else H_B)) is None
+    d = e.on_deadline()
+    assert isinstance(d, Failed)
+    assert "no quorum" in d.reason
+
+
+def test_forged_unsigned_stray_and_equivocating_votes_are_dropped_and_counted() -> None:
+    e = election()
+    good = vote(MEMBERS[0])
+    forged = Vote.make(job="job", epoch=3, plan_hash=H_B, snapshot_hash=S_A, peer=MEMBERS[1], sign=OUTSIDER.sign)
+    unsigned = Vote(job="job", epoch=3, plan_hash=H_B, snapshot_hash=S_A, peer=MEMBERS[2])
+    outsider = Vote.make(job="job", epoch=3, plan_hash=H_B, snapshot_hash=S_A, peer=OUTSIDER.peer_id, sign=OUTSIDER.sign)
+    for v in (good, forged, unsigned, outsider, vote(MEMBERS[3], epoch=4), vote(MEMBERS[3], job="other"),
+              good, vote(MEMBERS[0], H_B)):
+        assert e.on_vote(v) is None
+    st_ = e.stats
+    assert (st_.accepted, st_.forged, st_.non_member, st_.other_election, st_.duplicates, st_.equivocations) == (1, 2, 1, 2, 1, 1)
+    assert e.votes[MEMBERS[0]].plan_hash == H_A
+
+
+def test_attached_plan_must_match_the_signed_hash() -> None:
+    snap = snapshot(6, job="job", epoch=3)
+    plan = make_plan(chain(6), snap)
+    other = make_plan(chain(6), snap, seed=1)
+    e = election()
+    ok = Vote.make(job="job", epoch=3, plan_hash=plan.plan_hash(), snapshot_hash=S_A, peer=MEMBERS[0],
+                   sign=BY_PEER[MEMBERS[0]].sign, plan=plan.to_wire())
+    bad = Vote.make(job="job", epoch=3, plan_hash=plan.plan_hash(), snapshot_hash=S_A, peer=MEMBERS[1],
+                    sign=BY_PEER[MEMBERS[1]].sign, plan=other.to_wire())
+    e.on_vote(ok)
+    e.on_vote(bad)
+    assert e.stats.forged == 1
+    assert e.plans == {plan.plan_hash(): plan.to_wire()}
+
+
+def test_disagreement_is_logged_with_snapshot_hashes(caplog: pytest.LogCaptureFixture) -> None:
+    e = election()
+    e.on_vote(vote(MEMBERS[5], H_B, S_B))
+    with caplog.at_level(logging.WARNING, logger="fusionp2p.runtime.election"):
+        for p in MEMBERS[:4]:
+            d = e.on_vote(vote(p))
+    assert isinstance(d, Adopted)
+    assert d.dissent == ((H_B, S_B, (MEMBERS[5],)),)
+    assert S_B[:12] in caplog.text
+    assert S_A[:12] in caplog.text
+
+
+def test_vote_codec() -> None:
+    v = vote(MEMBERS[0])
+    assert Vote.decode(v.encode()) == v
+    assert Vote.decode(packb({"t": "job-announce", "x": 1})) is None
+    with pytest.raises(RemoteProtocolError):
+        Vote.decode(packb({"t": "plan-vote", "job": "j"}))
+    with pytest.raises(RemoteProtocolError):
+        Vote.decode(packb([1, 2]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200))
+def test_vote_decode_never_crashes(data: bytes) -> None:
+    with contextlib.suppress(RemoteProtocolError):
+        Vote.decode(data)
+
+
+def test_parse_adopted_replays_the_votes() -> None:
+    snap = snapshot(6, job="job", epoch=3)
+    plan = make_plan(chain(6), snap)
+    ids = sorted(IDS[:6], key=lambda i: i.peer_id)
+    votes = [Vote.make(job="job", epoch=3, plan_hash=plan.plan_hash(), snapshot_hash=S_A, peer=i.peer_id, sign=i.sign).encode()
+             for i in ids[:4]]
+    rec = {"job": "job", "epoch": 3, "members": MEMBERS, "plan": plan.to_wire(), "votes": votes}
+    assert parse_adopted(packb(rec)) == (3, plan)
+    with pytest.raises(RemoteProtocolError, match="do not elect"):
+        parse_adopted(packb({**rec, "votes": votes[:3]}))
+    with pytest.raises(RemoteProtocolError):
+        parse_adopted(packb({**rec, "plan": make_plan(chain(6), snap, seed=5).to_wire()}))
+    with pytest.raises(RemoteProtocolError):
+        parse_adopted(packb({**rec, "members": []}))

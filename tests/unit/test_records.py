@@ -1,0 +1,91 @@
+"""Signed records: round trips, forgery, tampering, malformed bytes."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.net.identity import Identity, verify
+from fusionp2p.plan.profile import DeviceProfile
+from fusionp2p.wire.msg import packb, unpackb
+from fusionp2p.wire.records import BandwidthReport, Measurement, NodeRecord, decode_signed, encode_signed
+
+PROFILE = DeviceProfile(device="cpu", kind="cpu", name="test", flops_fp32=1e10, flops_bf16=5e9, memory_bytes=2**30,
+                        versions=(("torch", "2.13.0"),))
+A = Identity(b"\x01" * 32)
+B = Identity(b"\x02" * 32)
+
+
+def node_record(ident: Identity = A, **kw: object) -> NodeRecord:
+    base = dict(peer=ident.peer_id, role="node", addrs=("/ip4/127.0.0.1/tcp/1",), profile=PROFILE, started=1.5, seq=3)
+    base.update(kw)
+    return NodeRecord(**base)  # type: ignore[arg-type]
+
+
+def test_node_record_round_trip() -> None:
+    rec = node_record()
+    assert decode_signed(encode_signed(rec, A.sign), verify) == rec
+
+
+def test_bandwidth_report_round_trip() -> None:
+    rep = BandwidthReport(peer=A.peer_id, seq=1, uplink=1e6, downlink=2e6,
+                          measurements=(Measurement(src=A.peer_id, dst=B.peer_id, bandwidth=1e6, rtt=0.01, samples=2),))
+    assert decode_signed(encode_signed(rep, A.sign), verify) == rep
+
+
+def test_deterministic_identity_peer_id() -> None:
+    assert Identity(b"\x01" * 32).peer_id == A.peer_id
+    assert A.peer_id.startswith("12D3KooW")
+
+
+def test_forged_record_rejected() -> None:
+    # B signs a record that claims to be A's.
+    with pytest.raises(RemoteProtocolError, match="signature"):
+        decode_signed(encode_signed(node_record(A), B.sign), verify)
+
+
+def test_tampered_record_rejected() -> None:
+    data = encode_signed(node_record(), A.sign)
+    env = unpackb(data)
+    body = unpackb(env["b"])
+    body["seq"] = 99
+    env["b"] = packb(body)
+    with pytest.raises(RemoteProtocolError):
+        decode_signed(packb(env), verify)
+
+
+def test_unsigned_and_wrong_version_rejected() -> None:
+    data = unpackb(encode_signed(node_record(), A.sign))
+    with pytest.raises(RemoteProtocolError):
+        decode_signed(packb({**data, "s": b""}), verify)
+    with pytest.raises(RemoteProtocolError):
+        decode_signed(packb({**data, "v": 2}), verify)
+
+
+def test_malformed_body_fields_rejected() -> None:
+    def signed(body: dict[str, object]) -> bytes:
+        b = packb(body)
+        return packb({"v": 1, "t": "node", "b": b, "s": A.sign(b"node\x00" + b)})
+
+    good = node_record().body()
+    for bad in ({**good, "role": "king"}, {**good, "addrs": "nope"}, {**good, "seq": -1},
+                {**good, "profile": {"device": "cpu"}}, {k: v for k, v in good.items() if k != "started"}):
+        with pytest.raises(RemoteProtocolError):
+            decode_signed(signed(bad), verify)
+
+
+def test_oversized_record_rejected() -> None:
+    rec = dataclasses.replace(node_record(), addrs=tuple("/ip4/1.1.1.1/tcp/1" for _ in range(2000)))
+    with pytest.raises(RemoteProtocolError):
+        decode_signed(encode_signed(rec, A.sign), verify)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_never_crash(data: bytes) -> None:
+    try:
+        decode_signed(data, verify)
+    except RemoteProtocolError:
+        pass

@@ -1,0 +1,148 @@
+"""One conformance suite for both Transport implementations: in-memory and libp2p (loopback)."""
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+
+from fusionp2p.errors import PeerUnavailable
+from fusionp2p.net.identity import Identity
+from fusionp2p.net.libp2p_host import open_libp2p_transport
+from fusionp2p.net.transport import Stream
+from fusionp2p.testing.memory import memory_network
+
+
+@asynccontextmanager
+async def memory_pair() -> AsyncIterator[tuple[Any, Any, Callable[[], None]]]:
+    async with memory_network() as net:
+        a, b = net.add_host(), net.add_host()
+        yield a, b, lambda: net.kill(b.peer_id)
+
+
+@asynccontextmanager
+async def libp2p_pair() -> AsyncIterator[tuple[Any, Any, Callable[[], None]]]:
+    async with AsyncExitStack() as st:
+        a = await st.enter_async_context(open_libp2p_transport(Identity.generate()))
+        b = await st.enter_async_context(open_libp2p_transport(Identity.generate()))
+        yield a, b, None  # type: ignore[misc]
+
+
+PAIRS = {"memory": memory_pair, "libp2p": libp2p_pair}
+
+
+async def echo(s: Stream) -> None:
+    while data := await s.receive_some():
+        await s.send_all(data)
+    await s.send_eof()
+
+
+@pytest.mark.parametrize("kind", sorted(PAIRS))
+def test_stream_echo_and_eof(kind: str) -> None:
+    async def main() -> None:
+        with trio.fail_after(20):
+            async with PAIRS[kind]() as (a, b, _):
+                b.set_stream_handler("/t/echo/1", echo)
+                assert await a.connect(b.listen_addrs()[0]) == b.peer_id
+                s = await a.open_stream(b.peer_id, "/t/echo/1")
+                assert s.remote_peer == b.peer_id
+                payload = bytes(range(256)) * 1024
+                await s.send_all(payload)
+                await s.send_eof()
+                got = bytearray()
+                while chunk := await s.receive_some():
+                    got += chunk
+                assert bytes(got) == payload
+                await s.aclose()
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("kind", sorted(PAIRS))
+def test_handler_sees_authenticated_peer(kind: str) -> None:
+    async def main() -> None:
+        seen: list[str] = []
+
+        async def who(s: Stream) -> None:
+            seen.append(s.remote_peer)
+            await s.send_all(b"ok")
+
+        with trio.fail_after(20):
+            async with PAIRS[kind]() as (a, b, _):
+                b.set_stream_handler("/t/who/1", who)
+                await a.connect(b.listen_addrs()[0])
+                s = await a.open_stream(b.peer_id, "/t/who/1")
+                assert await s.receive_some() == b"ok"
+                assert seen == [a.peer_id]
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("kind", sorted(PAIRS))
+def test_unknown_protocol_is_peer_unavailable(kind: str) -> None:
+    async def main() -> None:
+        with trio.fail_after(20):
+            async with PAIRS[kind]() as (a, b, _):
+                await a.connect(b.listen_addrs()[0])
+                with pytest.raises(PeerUnavailable):
+                    await a.open_stream(b.peer_id, "/t/nothing/1")
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("kind", sorted(PAIRS))
+def test_gossip_and_dht(kind: str) -> None:
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with PAIRS[kind]() as (a, b, _):
+                await a.connect(b.listen_addrs()[0])
+                sa, sb = await a.subscribe("t"), await b.subscribe("t")
+                got = None
+                while got is None:  # gossipsub needs a heartbeat to graft the mesh: republish until delivered
+                    await a.publish("t", b"hello")
+                    assert (await sa.receive()).data == b"hello"  # local delivery is immediate
+                    with trio.move_on_after(0.5):
+                        got = await sb.receive()
+                assert got.sender == a.peer_id and got.data == b"hello"
+                await a.dht_put("/fusionp2p/test", b"v")
+                assert await b.dht_get("/fusionp2p/test") == b"v"
+
+    trio.run(main)
+
+
+def test_memory_dead_peer_breaks_stream() -> None:
+    async def main() -> None:
+        with trio.fail_after(10):
+            async with memory_pair() as (a, b, kill):
+                b.set_stream_handler("/t/echo/1", echo)
+                s = await a.open_stream(b.peer_id, "/t/echo/1")
+                kill()
+                with pytest.raises(PeerUnavailable):
+                    await s.send_all(b"x")
+                with pytest.raises(PeerUnavailable):
+                    await a.open_stream(b.peer_id, "/t/echo/1")
+
+    trio.run(main)
+
+
+def test_libp2p_refuses_plaintext_dialer() -> None:
+    """Our host offers only Noise: a dialer that speaks only /plaintext/2.0.0 cannot connect."""
+    from libp2p import new_host
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+    import multiaddr
+
+    async def main() -> None:
+        with trio.fail_after(20):
+            async with open_libp2p_transport(Identity.generate()) as ours:
+                kp = Identity.generate().key_pair
+                evil = new_host(key_pair=kp, sec_opt={PLAINTEXT_PROTOCOL_ID: InsecureTransport(kp)})
+                async with evil.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+                    info = info_from_p2p_addr(multiaddr.Multiaddr(ours.listen_addrs()[0]))
+                    with pytest.raises(Exception):  # noqa: B017,PT011 - libp2p raises its own types
+                        with trio.fail_after(8):
+                            await evil.connect(info)
+                    assert evil.get_id() not in [p for p in ours.host.get_connected_peers()]
+
+    trio.run(main)
