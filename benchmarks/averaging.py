@@ -231,7 +231,7 @@ async def main_async(args: Any) -> dict[str, Any]:
     quick = args.quick
     width, depth = (1024, 5) if quick else (2048, 6)
     batch = 32
-    steps = 8 if quick else 24
+    steps = 8 if quick else 16
     peers = [f"r{i}" for i in range(REPLICAS)]
     reps = [Replica(i, width, depth, batch) for i in range(REPLICAS)]
     n = sum(p.numel() for p in reps[0].model.parameters())

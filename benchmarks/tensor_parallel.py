@@ -119,7 +119,7 @@ def _rank_agreement(pred: list[float], meas: list[float]) -> tuple[float, int]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser(NAME, __doc__).parse_args(argv)
-    steps, warmup, rounds = (2, 1, 3) if args.quick else (3, 1, 6)
+    steps, warmup, rounds = (2, 1, 2) if args.quick else (3, 1, 6)
     threads = max(2, min(os.cpu_count() or 2, 8) // WORLD * WORLD)
     t_single = _single(threads, steps * rounds, warmup)
     t_one_thread = _single(1, steps, warmup)

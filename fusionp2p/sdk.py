@@ -213,7 +213,8 @@ class Swarm:
         trio.from_thread.run_sync(fn, trio_token=self._token)
 
     async def _run_job(self, job: Job, built: BuiltJob) -> None:
-        assert self._pub is not None and self._pub_host is not None
+        assert self._pub is not None
+        assert self._pub_host is not None
         now = time.time
 
         def state(s: JobState, reason: str = "") -> None:

@@ -108,13 +108,35 @@ class CostModel:
 
     # -- groups of replicas -----------------------------------------------------------------------
     def group_link(self, a: Sequence[int], b: Sequence[int]) -> Link:
-        """The link between two replica groups: min(|a|, |b|) parallel pairs at the worst pair's speed."""
-        sub_bw = self.bw[np.ix_(a, b)]
-        sub_lat = self.lat[np.ix_(a, b)]
-        bw = float(sub_bw.min()) * min(len(a), len(b))
-        if not math.isfinite(bw):  # the same single device on both sides (not produced by planners)
-            return Link(bandwidth_bps=1e30, latency_s=0.0)
-        return Link(bandwidth_bps=bw, latency_s=float(sub_lat.max()))
+        """The link between two replica groups, as ``min(|a|, |b|)`` paired streams.
+
+        Replicas are paired greedily fastest pair first (each replica in at most one pair), and
+        micro-batches are routed over the pairs in proportion to their bandwidth (SWARM-style), so
+        the pairs' bandwidths add up; the latency is the worst paired latency. Two sites each
+        holding a full pipeline thus talk inside their site, not across the slow link.
+        """
+        if len(a) == 1 and len(b) == 1:
+            bw, lat = float(self.bw[a[0], b[0]]), float(self.lat[a[0], b[0]])
+            if not math.isfinite(bw):  # the same single device on both sides (not produced by planners)
+                return Link(bandwidth_bps=1e30, latency_s=0.0)
+            return Link(bandwidth_bps=bw, latency_s=lat)
+        total, worst_lat = 0.0, 0.0
+        for x, y in self.pairing(a, b):
+            total += min(float(self.bw[x, y]), 1e30)
+            worst_lat = max(worst_lat, float(self.lat[x, y]))
+        return Link(bandwidth_bps=total, latency_s=worst_lat)
+
+    def pairing(self, a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
+        """Greedy matching of replicas of two neighbouring stages, fastest pair first (deterministic)."""
+        pairs = sorted((-float(self.bw[x, y]), float(self.lat[x, y]), x, y) for x in a for y in b)
+        free_a, free_b = set(a), set(b)
+        out: list[tuple[int, int]] = []
+        for _, _, x, y in pairs:
+            if x in free_a and y in free_b:
+                free_a.discard(x)
+                free_b.discard(y)
+                out.append((x, y))
+        return out
 
     def stage_time(self, i: int, j: int, group: Sequence[int]) -> float:
         """Seconds per micro-batch of stage [i, j) served by *group* (throughput-equivalent).

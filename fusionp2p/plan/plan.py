@@ -45,7 +45,7 @@ def quantize_rho(rho: float) -> float:
 class Stage:
     start: int                      # first unit (inclusive)
     end: int                        # last unit (exclusive)
-    replicas: tuple[str, ...]       # peers serving the stage, sorted
+    replicas: tuple[str, ...]       # peers serving the stage; replica r of consecutive stages form pipeline r
     compute_s: float = 0.0          # predicted seconds per micro-batch (throughput-equivalent)
     memory_bytes: float = 0.0       # predicted bytes per replica
 

@@ -85,8 +85,9 @@ def build_plan(
 ) -> Plan:
     """A :class:`Plan` for *layout* with every prediction computed under *cm*."""
     stages = []
-    for i, j, g in layout:
-        reps = tuple(sorted(cm.peers[d] for d in g))
+    for (i, j, _), order in zip(layout, pipeline_order(cm, layout)):
+        g = order
+        reps = tuple(cm.peers[d] for d in order)
         stages.append(Stage(start=i, end=j, replicas=reps, compute_s=cm.stage_time(i, j, g),
                             memory_bytes=cm.range_memory(i, j, replicated=len(g) > 1)))
     fences = []
@@ -97,6 +98,24 @@ def build_plan(
     return Plan(job=job, epoch=epoch, snapshot_hash=snapshot_hash, algorithm=algorithm, seed=seed,
                 n_units=cm.n_units, micro_batches=cm.config.micro_batches, stages=tuple(stages),
                 fences=tuple(fences), bottleneck_s=bottleneck, step_time_s=step)
+
+
+def pipeline_order(cm: CostModel, layout: Layout) -> list[tuple[int, ...]]:
+    """Each stage's replicas ordered so that replica r of consecutive stages are the pairs of
+    :meth:`CostModel.pairing` (pipeline r runs over the fast pairs); unpaired replicas go last.
+
+    The first stage is in peer-id order; the order is part of the plan (and of its hash).
+    """
+    out: list[tuple[int, ...]] = []
+    for k, (_, _, g) in enumerate(layout):
+        if k == 0:
+            out.append(tuple(sorted(g, key=lambda d: cm.peers[d])))
+            continue
+        partner = {x: y for x, y in cm.pairing(out[-1], g)}
+        paired = [partner[x] for x in out[-1] if x in partner]
+        rest = sorted((d for d in g if d not in paired), key=lambda d: cm.peers[d])
+        out.append((*paired, *rest))
+    return out
 
 
 def layout_of(plan: Plan, cm: CostModel) -> Layout:

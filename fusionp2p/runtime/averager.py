@@ -179,7 +179,7 @@ class ReplicaAverager:
         self._events_send, self._events_recv = trio.open_memory_channel[_Event](1024)
         self._queues: dict[str, trio.MemorySendChannel[TensorMessage]] = {}
         self._nursery: trio.Nursery | None = None
-        self.results: list[BoundaryResult] = []
+        self.last: BoundaryResult | None = None   # the latest boundary's result (for status/metrics)
 
     def _make_opt(self, flat: torch.Tensor) -> OuterOptimizer:
         lo, hi = shard_bounds(flat.numel(), len(self.alive))[self.alive.index(self.me)]
@@ -223,7 +223,7 @@ class ReplicaAverager:
 
     # ------------------------------------------------------------------ internals
     def _record(self, res: BoundaryResult) -> BoundaryResult:
-        self.results.append(res)
+        self.last = res
         return res
 
     def _consume(self, b: int, rnd: _Round, *, launched: int | None) -> BoundaryResult:

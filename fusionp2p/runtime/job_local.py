@@ -28,7 +28,15 @@ import torch
 import trio
 from torch import nn
 
-from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, ShardedTokens, ShardManifest, TokenFile, corpus_tokens
+from fusionp2p.data import (
+    BatchSampler,
+    BuiltinCorpus,
+    SamplerConfig,
+    ShardedTokens,
+    ShardManifest,
+    TokenFile,
+    corpus_tokens,
+)
 from fusionp2p.data.corpus import corpus_hash
 from fusionp2p.errors import ConfigError, JobError, PlanError
 from fusionp2p.graph import OpDAG, StageExecutor, coarsen, partition, stages_from_fences, to_workload, trace
@@ -37,9 +45,16 @@ from fusionp2p.net.channel import TensorChannel
 from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, make_plan, plan_even_flops
 from fusionp2p.plan.profile import DeviceProfile
 from fusionp2p.runtime.checkpoint import StageCheckpointMeta, save_stage
-from fusionp2p.runtime.content import ContentService, ContentStore, sha256_hex
+from fusionp2p.runtime.content import ContentService, sha256_hex
 from fusionp2p.runtime.jobrunner import StageContext, StageReport, StageWorker
-from fusionp2p.runtime.jobspec import JobSpec, Resources, decode_signed, new_job_id, prepare_dataset, sign_spec
+from fusionp2p.runtime.jobspec import (
+    JobSpec,
+    Resources,
+    decode_signed,
+    new_job_id,
+    prepare_dataset,
+    sign_spec,
+)
 from fusionp2p.runtime.metrics import CheckpointSaved, PlanChanged, ProgressEvent, StepProgress
 from fusionp2p.runtime.trainconfig import TrainConfig
 from fusionp2p.testing.channels import memory_channel_pair

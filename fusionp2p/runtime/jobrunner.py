@@ -272,10 +272,10 @@ class StageWorker:
                                           compute_s=compute, wall_s=time.perf_counter() - t0,
                                           tokens=self.ctx.tokens_per_micro * m_count))
 
-    async def _send_acts(self, step: int, micro: int, out: Mapping[str, torch.Tensor]) -> None:
+    async def _send_acts(self, step: int, micro: int, out: Mapping[str, torch.Tensor], *, dense: bool = False) -> None:
         for o in self.prog.send:
             for d in o.dsts:
-                meta, tensors = _encode(out[o.name], self.ctx.rho_out.get(d, 1.0))
+                meta, tensors = _encode(out[o.name], 1.0 if dense else self.ctx.rho_out.get(d, 1.0))
                 await self.ctx.links[d].send(TensorMessage(job=self.ctx.job, kind="act", stage=d, step=step,
                                                            micro=micro, name=o.name, meta=meta, tensors=tensors))
 
@@ -338,7 +338,7 @@ class StageWorker:
             ex.drop(mu)
             if prog.loss is not None:
                 losses.append(float(out[prog.loss]))
-            await self._send_acts(step, mu, out)
+            await self._send_acts(step, mu, out, dense=True)   # evaluate the weights, not the codec
         loss = sum(losses) / len(losses) if losses else None
         await self.ctx.report(StageReport(step=step, stage=prog.stage, replica=self.ctx.replica, loss=loss,
                                           compute_s=0.0, wall_s=0.0, tokens=0, eval=True))

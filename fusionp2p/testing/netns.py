@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -240,19 +241,49 @@ def namespace_pids(namespace: str) -> list[int]:
     return [int(tok) for tok in res.stdout.split() if tok.isdigit()]
 
 
-def delete_namespace(namespace: str) -> None:
-    """SIGKILL whatever still runs in ``namespace`` (only ever ours) and delete it; idempotent.
+def delete_namespace(namespace: str, *, timeout: float = 10.0) -> None:
+    """SIGKILL whatever still runs in ``namespace`` (only ever ours), wait until it is gone, and
+    delete the namespace; idempotent.
 
-    Deleting a namespace destroys the veth ends in it, and a veth's peer goes with it.
+    The wait uses pidfds (readable once the process has exited), so it needs no polling and works
+    for processes that are not our children (e.g. left behind by a testbed whose creator was
+    killed). Deleting a namespace destroys the veth ends in it, and a veth's peer goes with it.
     """
     if run_of(namespace) is None:
         raise ConfigError(f"refusing to delete namespace {namespace!r}: not a testbed namespace")
-    for pid in namespace_pids(namespace):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    fds: list[int] = []
+    try:
+        for pid in namespace_pids(namespace):
+            try:
+                fd = os.pidfd_open(pid)  # pins this process: no pid-reuse race before the kill
+            except ProcessLookupError:
+                continue
+            fds.append(fd)
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        _wait_exited(fds, timeout)
+    finally:
+        for fd in fds:
+            os.close(fd)
     res = subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, text=True, check=False)
     if res.returncode != 0 and namespace in list_namespaces():
         raise TestbedError(f"could not delete namespace {namespace}: {res.stderr.strip()}")
+
+
+def _wait_exited(pidfds: Sequence[int], timeout: float) -> None:
+    """Wait until every pidfd reports its process exited; TestbedError after ``timeout`` seconds."""
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    pending = set(pidfds)
+    deadline = time.monotonic() + timeout
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TestbedError(f"{len(pending)} killed testbed processes did not exit within {timeout:g} s")
+        for fd, _ in poller.poll(left * 1000):
+            poller.unregister(fd)
+            pending.discard(fd)
 
 
 # ---------------------------------------------------------------- processes started in the testbed

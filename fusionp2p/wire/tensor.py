@@ -51,7 +51,8 @@ def encode_tensor(t: torch.Tensor) -> tuple[dict[str, Any], memoryview]:
     if t.numel() == 0:
         return header, memoryview(b"")
     raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
-    return header, memoryview(raw.reshape(-1).numpy())
+    arr = raw.reshape(-1).numpy()
+    return header, memoryview(arr.data)
 
 
 def check_header(header: Any, *, limits: Limits = DEFAULT_LIMITS) -> tuple[torch.dtype, tuple[int, ...], int]:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusionp2p.average.outer import OuterConfig, OuterOptimizer, clip_, suggest_tau
+from fusionp2p.average.outer import OuterConfig, OuterOptimizer, clip_, ring_allreduce_time, suggest_tau
 from fusionp2p.average.shard import weighted_mean
 from fusionp2p.errors import ConfigError
 
@@ -237,6 +237,11 @@ def test_suggest_tau() -> None:
     assert suggest_tau(1.0, 0.25, margin=1.5) == 6
     with pytest.raises(ConfigError):
         suggest_tau(1.0, 0.0)
+    # 25M floats, 4 replicas, 100 Mbit/s, 5 ms: 2·3/4·100 MB/12.5 MB/s + 6·5 ms = 12.03 s
+    t = ring_allreduce_time(25_000_000, 4, bytes_per_s=12.5e6, latency_s=0.005)
+    assert t == pytest.approx(12.03)
+    assert suggest_tau(t, 0.5) == 25
+    assert ring_allreduce_time(10, 1, bytes_per_s=1.0, latency_s=1.0) == 0.0
 
 
 @pytest.mark.parametrize(

@@ -190,3 +190,36 @@ def test_ticket_messages() -> None:
             tf.decode_ticket_reply(tf.encode_ticket_reply(**{**good, **bad}))  # type: ignore[arg-type]
     with pytest.raises(RemoteProtocolError):
         tf.decode_ticket_reply(b"\xc1")
+
+
+def test_message_start_bounds_and_order() -> None:
+    limits = Limits(max_frame=64 * 1024)
+    w = RecordWriter(Sealer("aes-gcm", KEY), chunk_size=4096)
+    r = RecordReader(Opener("aes-gcm", KEY), chunk_size=4096, limits=limits)
+    # an announced total over the limit is refused before the message buffer is allocated
+    rec = w.sealer.seal(w.sealer.next_nonce(), tf.MSG_START, [tf.encode_start(2**40), b"x"])
+    with pytest.raises(RemoteProtocolError, match="exceeds"):
+        r.feed(rec)
+    w, r = _pair()
+    with pytest.raises(RemoteProtocolError, match="without"):
+        r.feed(w.sealer.seal(w.sealer.next_nonce(), tf.MSG_MORE, [b"abc"]))
+    # slices longer than announced
+    w, r = _pair()
+    r.feed(w.sealer.seal(w.sealer.next_nonce(), tf.MSG_START, [tf.encode_start(10), b"12345"]))
+    with pytest.raises(RemoteProtocolError, match="exceed"):
+        r.feed(w.sealer.seal(w.sealer.next_nonce(), tf.MSG_END, [b"1234567"]))
+    # and shorter
+    w, r = _pair()
+    r.feed(w.sealer.seal(w.sealer.next_nonce(), tf.MSG_START, [tf.encode_start(10), b"12345"]))
+    with pytest.raises(RemoteProtocolError, match="shorter"):
+        r.feed(w.sealer.seal(w.sealer.next_nonce(), tf.MSG_END, [b"12"]))
+
+
+def test_multi_record_message_is_decrypted_in_place() -> None:
+    w, r = _pair(chunk=4096)
+    msg = _msg(3, 5000)
+    plans = w.plan_message(msg)
+    assert [p.kind for p in plans][0] == tf.MSG_START
+    assert plans[-1].kind == tf.MSG_END
+    events = r.feed(b"".join(bytes(w.seal(p)) for p in plans))
+    _same(msg, TensorMessage(**events[0].message))  # type: ignore[arg-type]

@@ -164,3 +164,42 @@ def test_tied_weights_across_stages_are_refused() -> None:
     with pytest.raises(ConfigError, match="tied"):
         partition(coarse, stages_from_fences(len(coarse.units), [2]))
     assert len(partition(coarse, [0] * len(coarse.units))) == 1
+
+
+def test_inbox_and_executor_guard_boundary_messages(
+        skipnet: tuple[SkipNet, OpDAG, list[dict[str, torch.Tensor]]]) -> None:
+    from fusionp2p.errors import RemoteProtocolError
+    from fusionp2p.graph import Inbox, StageExecutor
+
+    _, dag, micro = skipnet
+    coarse = coarsen(dag)
+    programs = partition(coarse, stages_from_fences(len(coarse.units), [1, 2, 3]))
+    first, last = programs[0], programs[3]
+    box = Inbox(last)
+    with pytest.raises(RemoteProtocolError):
+        box.put_activation(0, "no_such_tensor", torch.zeros(1))
+    names = [r.name for r in last.recv]
+    x = {r.name: torch.randn(r.meta.shape) if r.meta.dtype.is_floating_point else micro[0]["y"] for r in last.recv}
+    assert box.put_activation(0, names[0], x[names[0]]) is None
+    assert box.put_activation(0, names[0], x[names[0]] + 1) is None      # a duplicate is ignored
+    assert all(box.put_activation(0, n, x[n]) is None for n in names[1:-1])
+    ready = box.put_activation(0, names[-1], x[names[-1]])
+    assert ready is not None
+    assert torch.equal(ready[names[0]], x[names[0]])
+    ex = StageExecutor(first)
+    with pytest.raises(RemoteProtocolError, match="expected"):
+        ex.forward(0, {"x": torch.zeros(2, 12)})
+    with pytest.raises(RemoteProtocolError, match="missing"):
+        ex.forward(0, {})
+    # gradients of a fanned-out tensor are summed in stage order, whatever the arrival order
+    g1, g3 = torch.randn(3, 12), torch.randn(3, 12)
+    (name,) = [o.name for o in first.send]
+    a, b = Inbox(first), Inbox(first)
+    assert a.put_grad(0, name, 3, g3) is None
+    got_a = a.put_grad(0, name, 1, g1)
+    assert b.put_grad(0, name, 1, g1) is None
+    got_b = b.put_grad(0, name, 3, g3)
+    assert got_a is not None
+    assert got_b is not None
+    assert torch.equal(got_a[name], got_b[name])
+    torch.testing.assert_close(got_a[name], g1 + g3)

@@ -99,7 +99,8 @@ def sample_plan() -> Plan:
 
 
 def _make_sample() -> Plan:
-    return make_plan(chain(20, act=4_000_000), snapshot(6, bw=lambda a, b: 1.25e9 if (a < 3) == (b < 3) else 1.25e6))
+    snap = snapshot(6, bw=lambda a, b: 1.25e9 if (a < 3) == (b < 3) else 1.25e6)
+    return make_plan(chain(20, act=4_000_000), snap, PlannerConfig(replicas=False))
 
 
 def test_plan_wire_roundtrip_and_hash_ignores_predictions() -> None:
@@ -213,3 +214,15 @@ def test_ratio_is_one_when_the_link_keeps_up_and_below_half_otherwise() -> None:
 def test_compression_off_means_dense() -> None:
     plan = make_plan(chain(40, act=4_000_000), two_groups(1e6), PlannerConfig(compression=False))
     assert all(f.rho == 1.0 and f.time_s == f.dense_time_s for f in plan.fences)
+
+
+def test_replica_groups_pair_over_their_fast_links() -> None:
+    from fusionp2p.plan.estimator import CostModel
+
+    site = [0, 0, 1, 1]
+    snap = snapshot(4, bw=lambda a, b: 1e9 if site[a] == site[b] else 1e6, lat=0.0)
+    cm = CostModel(chain(2), snap, PlannerConfig())
+    link = cm.group_link((0, 2), (1, 3))   # 0-1 inside site 0, 2-3 inside site 1
+    assert link.bandwidth_bps == 2e9
+    assert cm.group_link((0,), (2,)).bandwidth_bps == 1e6
+    assert cm.group_link((0, 1), (2,)).bandwidth_bps == 1e6   # one pair, and it crosses

@@ -1,0 +1,116 @@
+"""Time for N node processes to converge on a full membership view and a full bandwidth matrix.
+
+Starts a bootstrap and N ``fusionp2p node`` processes on loopback (real processes, real libp2p), then
+watches the bootstrap's view (the VIEW protocol, every record verified) until it lists all N nodes
+alive and every pair has a direct bandwidth measurement. Two clocks are reported: from spawning the
+processes (includes Python + torch start-up and the device benchmark of every node on 2 shared cores)
+and from the moment the last node printed its listen address (the protocol's own convergence time).
+Headline: the 20-process convergence time after listen, target 15 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from benchmarks._common import headline, parser, write
+from fusionp2p.net.identity import Identity
+from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
+from fusionp2p.runtime.membership import BandwidthTable
+from fusionp2p.runtime.swarm import fetch_view
+from fusionp2p.wire.records import BandwidthReport, NodeRecord
+
+CLI = [sys.executable, "-m", "fusionp2p.cli"]
+
+
+async def watch(addr: str, n: int, timeout: float) -> tuple[float | None, float | None]:
+    """Poll the bootstrap's view; return (t_members, t_matrix) in trio time since start, None if not reached."""
+    t0 = trio.current_time()
+    t_members = t_matrix = None
+    async with open_libp2p_transport(Identity.generate(), Libp2pConfig()) as t:
+        peer = await t.connect(addr)
+        with trio.move_on_after(timeout):
+            while t_matrix is None:
+                try:
+                    v = await fetch_view(t, peer, timeout=10)
+                except Exception:
+                    await trio.sleep(0.2)
+                    continue
+                alive = set(v["alive"])
+                nodes = sorted(r.peer for r in v["records"] if isinstance(r, NodeRecord) and r.role == "node" and r.peer in alive)
+                if len(nodes) == n and t_members is None:
+                    t_members = trio.current_time() - t0
+                table = BandwidthTable()
+                for r in v["bw"]:
+                    if isinstance(r, BandwidthReport):
+                        table.on_report(r)
+                if len(nodes) == n and table.complete(nodes):
+                    t_matrix = trio.current_time() - t0
+                await trio.sleep(0.2)  # polling another process's state
+    return t_members, t_matrix
+
+
+def run_one(n: int, timeout: float) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs: list[subprocess.Popen[str]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            t_spawn = time.monotonic()
+            boot = subprocess.Popen([*CLI, "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--home", f"{tmp}/boot"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+            procs.append(boot)
+            assert boot.stdout is not None
+            addr = boot.stdout.readline().strip()
+            for i in range(n):
+                procs.append(subprocess.Popen(
+                    [*CLI, "node", "--bootstrap", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--home", f"{tmp}/n{i}",
+                     "--torch-threads", "1", "--log-level", "warning"],
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env))
+            for p in procs[1:]:
+                assert p.stdout is not None
+                p.stdout.readline()
+            t_listen = time.monotonic()
+            t_members, t_matrix = trio.run(watch, addr, n, timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    return {"n": n, "spawn_to_listen_s": t_listen - t_spawn, "members_after_listen_s": t_members,
+            "matrix_after_listen_s": t_matrix, "members_after_spawn_s": None if t_members is None else t_members + t_listen - t_spawn,
+            "matrix_after_spawn_s": None if t_matrix is None else t_matrix + t_listen - t_spawn}
+
+
+def main() -> None:
+    ap = parser("membership", __doc__)
+    ap.add_argument("--sizes", default=None, help="comma-separated N (default 4,8,16,20; --quick: 4,8)")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([4, 8] if args.quick else [4, 8, 16, 20])
+    rows = []
+    print(f"{'N':>4} {'spawn->listen s':>16} {'members s':>10} {'matrix s':>10}  (after listen)")
+    for n in sizes:
+        r = run_one(n, timeout=120)
+        rows.append(r)
+        f = lambda x: "timeout" if x is None else f"{x:.2f}"  # noqa: E731
+        print(f"{n:>4} {r['spawn_to_listen_s']:>16.2f} {f(r['members_after_listen_s']):>10} {f(r['matrix_after_listen_s']):>10}")
+    big = rows[-1]
+    value = big["matrix_after_listen_s"] if big["matrix_after_listen_s"] is not None else float("inf")
+    write("membership", args.out, rows,
+          headline(f"convergence time of {big['n']} processes (members + full matrix, after listen)", value, "s", 15.0, "lower",
+                   "absolute time; the same run reports the spawn-to-listen start-up cost"), quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()
