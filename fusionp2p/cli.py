@@ -79,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("testbed", help="emulated-WAN testbed in network namespaces (root)")
     tsub = t.add_subparsers(dest="testbed_cmd", required=True)
     tu = tsub.add_parser("up", help="create namespaces, shape links, start a bootstrap and nodes")
-    tu.add_argument("--spec", required=True, help="testbed spec file (JSON)")
+    tu.add_argument("--spec", required=True, help="testbed spec file (JSON, or TOML on Python 3.11+)")
     tu.add_argument("--no-nodes", action="store_true", help="only create and shape the network")
+    tu.add_argument("--detach", action="store_true", help="leave the testbed running and return (tear down with `testbed down`)")
+    tu.add_argument("--wait-nodes", action="store_true", help="wait until every node has joined before reporting ready")
     td = tsub.add_parser("down", help="tear a testbed down")
     td.add_argument("--name", default=None, help="testbed name (default: all of ours)")
     _common(t)
@@ -260,7 +262,7 @@ def _testbed(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level, None)
     if args.testbed_cmd == "up":
-        return int(testbed.cli_up(args.spec, start_nodes=not args.no_nodes) or 0)
+        return int(testbed.cli_up(args.spec, start_nodes=not args.no_nodes, detach=args.detach, wait_nodes=args.wait_nodes) or 0)
     return int(testbed.cli_down(args.name) or 0)
 
 

@@ -38,11 +38,13 @@ import torch
 import trio
 from torch import nn
 
-from fusionp2p.errors import FusionError, JobError
+from fusionp2p.errors import FusionError, JobError, PeerUnavailable
 from fusionp2p.net.identity import Identity
+from fusionp2p.net.transport import Transport
 from fusionp2p.plan.profile import DeviceProfile
 from fusionp2p.runtime.checkpoint import assemble, latest_complete_step
 from fusionp2p.runtime.content import ContentService, ContentStore
+from fusionp2p.runtime.job_client import Publisher, discover
 from fusionp2p.runtime.job_local import (
     AcceptedJob,
     BuiltJob,
@@ -57,7 +59,12 @@ from fusionp2p.runtime.job_local import (
 )
 from fusionp2p.runtime.jobspec import Resources
 from fusionp2p.runtime.lifecycle import JobState
-from fusionp2p.runtime.metrics import JobStateChanged, MetricsWriter, ProgressEvent, StepProgress
+from fusionp2p.runtime.metrics import (
+    JobStateChanged,
+    MetricsWriter,
+    ProgressEvent,
+    StepProgress,
+)
 from fusionp2p.runtime.trainconfig import TrainConfig
 from fusionp2p.testing.memory import MemoryTransport, memory_network
 
@@ -152,13 +159,17 @@ class Job:
 class Swarm:
     """A handle on a swarm; use :meth:`local` (embedded, in-process)."""
 
-    def __init__(self, n_nodes: int, profiles: list[DeviceProfile] | None, home: Path) -> None:
+    def __init__(self, n_nodes: int, profiles: list[DeviceProfile] | None, home: Path, *,
+                 bootstrap: list[str] | None = None, identity: Identity | None = None,
+                 listen: str = "/ip4/0.0.0.0/tcp/0") -> None:
         self.n_nodes = n_nodes
         self.profiles = profiles or [LOCAL_PROFILE] * n_nodes
         if len(self.profiles) != n_nodes:
             raise ValueError("give one DeviceProfile per node")
         self.home = home
-        self._identity = Identity.generate()
+        self._identity = identity or Identity.generate()
+        self._bootstrap = list(bootstrap or [])
+        self._listen = listen
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
         self._stop: trio.Event | None = None
@@ -167,7 +178,39 @@ class Swarm:
         self._pub: ContentService | None = None
         self._pub_host: MemoryTransport | None = None
         self._nodes: list[tuple[str, NodeJobs]] = []
-        self._thread = threading.Thread(target=self._main, name="fusionp2p-local-swarm", daemon=True)
+        self._t: Transport | None = None                  # connect mode: the client's libp2p transport
+        self._boot_peers: list[str] = []
+        self._publisher: Publisher | None = None
+        self._thread = threading.Thread(target=self._main, name="fusionp2p-swarm", daemon=True)
+
+    @property
+    def remote(self) -> bool:
+        """True for a swarm reached with :meth:`connect` (real processes over libp2p)."""
+        return bool(self._bootstrap)
+
+    @classmethod
+    def connect(cls, bootstrap: list[str], *, identity: Identity | None = None,
+                home: str | os.PathLike[str] | None = None, listen: str = "/ip4/0.0.0.0/tcp/0") -> Swarm:
+        """Join a running swarm as a client (no training) through *bootstrap* multiaddrs.
+
+        Starts a libp2p transport (an ephemeral identity unless one is given) in a background
+        thread. Jobs published here are offered to the swarm's nodes, their content is served
+        from this process, progress arrives on gossip and the trained model is downloaded by hash.
+        PeerUnavailable if no bootstrap answers.
+        """
+        if not bootstrap:
+            raise ValueError("Swarm.connect needs at least one bootstrap multiaddr")
+        from fusionp2p.net.libp2p_host import parse_peer_addr
+
+        for b in bootstrap:
+            parse_peer_addr(b)   # ConfigError on a malformed address, before any thread starts
+        root = Path(home) if home is not None else Path(tempfile.mkdtemp(prefix="fusionp2p-client-"))
+        swarm = cls(0, [], root, bootstrap=list(bootstrap), identity=identity, listen=listen)
+        swarm._thread.start()
+        swarm._ready.wait()
+        if swarm._error is not None:
+            raise swarm._error
+        return swarm
 
     @classmethod
     def local(cls, n_nodes: int = 4, *, profiles: list[DeviceProfile] | None = None,
@@ -186,7 +229,7 @@ class Swarm:
     # -------------------------------------------------- trio thread
     def _main(self) -> None:
         try:
-            trio.run(self._serve)
+            trio.run(self._serve_remote if self.remote else self._serve)
         except BaseException as exc:  # surfaced to the caller of local()/close()
             self._error = exc
             self._ready.set()
@@ -207,6 +250,58 @@ class Swarm:
             self._ready.set()
             await self._stop.wait()
             nursery.cancel_scope.cancel()
+
+    async def _serve_remote(self) -> None:
+        from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
+
+        async with open_libp2p_transport(self._identity, Libp2pConfig(listen=(self._listen,))) as t, \
+                trio.open_nursery() as nursery:
+            self._t = t
+            self._pub = ContentService(t, ContentStore())
+            errors: list[str] = []
+            for addr in self._bootstrap:
+                try:
+                    self._boot_peers.append(await t.connect(addr))
+                except PeerUnavailable as exc:
+                    errors.append(str(exc))
+            if not self._boot_peers:
+                raise PeerUnavailable(self._bootstrap[0].rsplit("/p2p/", 1)[-1], "; ".join(errors))
+            self._publisher = Publisher(t, self._pub, self._boot_peers)
+            await nursery.start(self._publisher.run)
+            self._token = trio.lowlevel.current_trio_token()
+            self._nursery = nursery
+            self._stop = trio.Event()
+            self._ready.set()
+            await self._stop.wait()
+            nursery.cancel_scope.cancel()
+
+    async def _run_remote_job(self, job: Job, built: BuiltJob) -> None:
+        assert self._publisher is not None
+        try:
+            with trio.CancelScope() as scope:
+                job._cancel = scope
+                await self._publisher.run_job(built, job._emit, job.home / "checkpoints")
+            if scope.cancelled_caught:
+                job._emit(JobStateChanged(job=job.id, state=JobState.CANCELLED.value, reason="cancelled by the publisher",
+                                          at=time.time()))
+        except Exception as exc:   # never leave the user's wait() hanging
+            log.exception("job %s failed", job.id)
+            job._emit(JobStateChanged(job=job.id, state=JobState.FAILED.value, reason=f"{type(exc).__name__}: {exc}",
+                                      at=time.time()))
+
+    def members(self, timeout: float = 15.0) -> list[str]:
+        """Peer ids of the live training nodes (connect mode: the bootstrap's verified view)."""
+        if not self.remote:
+            return [p for p, _ in self._nodes]
+        if self._token is None:
+            raise JobError("the swarm is closed")
+        t = self._t
+        assert t is not None
+
+        async def ask() -> list[str]:
+            return sorted((await discover(t, self._boot_peers, timeout=timeout)).members)
+
+        return trio.from_thread.run(ask, trio_token=self._token)
 
     def _call_soon(self, fn: Callable[[], Any]) -> None:
         assert self._token is not None
@@ -285,7 +380,8 @@ class Swarm:
         job = Job(self, built, home)
         nursery = self._nursery
         assert nursery is not None
-        self._call_soon(lambda: nursery.start_soon(self._run_job, job, built))
+        run = self._run_remote_job if self.remote else self._run_job
+        self._call_soon(lambda: nursery.start_soon(run, job, built))
         return job
 
     @property

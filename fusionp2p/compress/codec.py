@@ -189,12 +189,11 @@ class TopKCodec:
         flat = x.reshape(-1)
         n = flat.numel()
         k = k_for(self.ratio, n)
-        mag = flat.abs()
         if self.approx:
-            idx = approx_topk_indices(mag, k, generator=self._gen, tolerance=self.tolerance,
+            idx = approx_topk_indices(flat, k, generator=self._gen, tolerance=self.tolerance,
                                        sample_size=self.sample_size, exact_k=self.exact_k)
         else:
-            idx = exact_topk_indices(mag, k)
+            idx = exact_topk_indices(flat.abs(), k)
         vals = flat.index_select(0, idx)
         meta.update(k=idx.numel(), row=False)
         return (vals.to(vd), idx.to(index_dtype(n))), meta

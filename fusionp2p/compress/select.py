@@ -42,12 +42,12 @@ def exact_topk_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _nonzero(mask: torch.Tensor) -> torch.Tensor:
-    # numpy's flatnonzero is 3-5x faster than torch.nonzero on one CPU thread (measured, 25M elements).
+    # numpy's flatnonzero is 3-5x faster than torch.nonzero on one CPU thread (measured, 25M elements)
     return torch.from_numpy(np.flatnonzero(mask.numpy()))
 
 
 def approx_topk_indices(
-    mag: torch.Tensor,
+    values: torch.Tensor,
     k: int,
     *,
     generator: torch.Generator,
@@ -55,12 +55,13 @@ def approx_topk_indices(
     sample_size: int = 1 << 18,
     exact_k: bool = False,
 ) -> torch.Tensor:
-    """Indices (int64, ascending) of a threshold-closed set of between ``k`` and ``⌈(1+tol)k⌉`` largest
-    entries of the 1-D, non-negative, finite tensor *mag* (see the module docstring for the bound).
+    """Indices (int64, ascending) of a threshold-closed set of between ``k`` and ``⌈(1+tol)k⌉``
+    largest-magnitude entries of the 1-D, finite, contiguous tensor *values* (see the module docstring
+    for the bound). Selection is by ``|values|``; a non-negative tensor selects by value.
 
     Small inputs (``n <= 4·sample_size``) or large ratios use the exact path, where sampling saves nothing.
     """
-    n = mag.numel()
+    n = values.numel()
     if k >= n:
         return torch.arange(n, dtype=torch.int64)
     if k <= 0:
@@ -68,19 +69,24 @@ def approx_topk_indices(
     if not 0.0 <= tolerance <= 1.0:
         raise ValueError("tolerance must be in [0, 1]")
     if n <= 4 * sample_size or k > n // 2:
-        return exact_topk_indices(mag, k)
+        return exact_topk_indices(values.abs(), k)
     hi = math.ceil((1.0 + tolerance) * k)
-    sample = mag[torch.randint(0, n, (sample_size,), generator=generator)]
+    sample = values[torch.randint(0, n, (sample_size,), generator=generator)].abs()
     # aim for the middle of [k, hi]: count above the threshold ≈ k·(1 + tol/2)
     frac_above = min(1.0, (k * (1.0 + tolerance / 2.0)) / n)
     rank = max(1, min(sample_size, sample_size - math.ceil(frac_above * sample_size) + 1))
     thresh = torch.kthvalue(sample, rank).values
-    idx = _nonzero(mag >= thresh)
+    # numpy's abs+compare is ~3x faster than torch's on one thread here (no 4-byte |x| tensor kept)
+    if values.dtype in (torch.float32, torch.float64, torch.float16):
+        v_np = values.detach().contiguous().numpy()
+        idx = torch.from_numpy(np.flatnonzero(np.abs(v_np) >= thresh.numpy().astype(v_np.dtype)))
+    else:  # bf16 has no numpy dtype
+        idx = _nonzero(values.abs() >= thresh)
     c = idx.numel()
     if c < k:
-        return exact_topk_indices(mag, k)
+        return exact_topk_indices(values.abs(), k)
     if c > hi or exact_k:
-        vals = mag[idx]
+        vals = values[idx].abs()
         if exact_k:
             keep = torch.topk(vals, k, sorted=False).indices
             return torch.sort(idx[keep]).values

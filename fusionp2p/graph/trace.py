@@ -211,8 +211,8 @@ def _from_exported(ep: torch.export.ExportedProgram, model: nn.Module, names: li
         raise ConfigError(f"the model uses operators outside the whitelist: {sorted(unsupported)}; rewrite "
                           "those parts with supported operations or ask for the whitelist to be extended")
     (out_node,) = [n for n in ep.graph.nodes if n.op == "output"]
-    outputs = tuple(rename[a.name] for a in torch.fx.node.map_arg(out_node.args[0], lambda n: n)
-                    if isinstance(a, torch.fx.Node)) if isinstance(out_node.args[0], (tuple, list)) else ()
+    flat_out = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else (out_node.args[0],)
+    outputs = tuple(rename[a.name] for a in flat_out if isinstance(a, torch.fx.Node))
     if has_loss and len(outputs) != 1:
         raise ConfigError("the loss must be a single tensor")
     loss = outputs[0] if has_loss else None

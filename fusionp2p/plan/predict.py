@@ -85,9 +85,8 @@ def build_plan(
 ) -> Plan:
     """A :class:`Plan` for *layout* with every prediction computed under *cm*."""
     stages = []
-    for (i, j, _), order in zip(layout, pipeline_order(cm, layout)):
-        g = order
-        reps = tuple(cm.peers[d] for d in order)
+    for (i, j, _), g in zip(layout, pipeline_order(cm, layout)):
+        reps = tuple(cm.peers[d] for d in g)
         stages.append(Stage(start=i, end=j, replicas=reps, compute_s=cm.stage_time(i, j, g),
                             memory_bytes=cm.range_memory(i, j, replicated=len(g) > 1)))
     fences = []
@@ -111,7 +110,7 @@ def pipeline_order(cm: CostModel, layout: Layout) -> list[tuple[int, ...]]:
         if k == 0:
             out.append(tuple(sorted(g, key=lambda d: cm.peers[d])))
             continue
-        partner = {x: y for x, y in cm.pairing(out[-1], g)}
+        partner = dict(cm.pairing(out[-1], g))
         paired = [partner[x] for x in out[-1] if x in partner]
         rest = sorted((d for d in g if d not in paired), key=lambda d: cm.peers[d])
         out.append((*paired, *rest))

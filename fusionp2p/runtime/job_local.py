@@ -38,7 +38,7 @@ from fusionp2p.data import (
     corpus_tokens,
 )
 from fusionp2p.data.corpus import corpus_hash
-from fusionp2p.errors import ConfigError, JobError, PlanError
+from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, PlanError, RemoteProtocolError
 from fusionp2p.graph import OpDAG, StageExecutor, coarsen, partition, stages_from_fences, to_workload, trace
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.net.channel import TensorChannel
@@ -127,6 +127,7 @@ class NodeJobs:
         self.content = content
         self.profile = profile
         self.max_blob = 2 << 30
+        self.fetched: list[str] = []     # hashes fetched from the given peers and not yet provided
 
     async def accept(self, envelope: bytes, *, peers: Sequence[str] = ()) -> AcceptedJob:
         spec = decode_signed(envelope)    # IntegrityError on a forged/tampered spec
@@ -153,7 +154,21 @@ class NodeJobs:
         return AcceptedJob(spec=spec, dag=dag, tokens=tokens)
 
     async def _fetch(self, h: str, peers: Sequence[str]) -> bytes:
-        return await self.content.fetch(h, max_size=self.max_blob, peers=list(peers))
+        """From *peers* first (verified, stored; announcing it on the DHT is left to the caller, see
+        ``fetched``, because a DHT provide can take seconds), then from the DHT's providers."""
+        store = self.content.store
+        if store.has(h):
+            return store.get(h)
+        for peer in peers:
+            try:
+                blob = await self.content.fetch_from(peer, h, max_size=self.max_blob)
+            except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
+                log.info("fetch of %s from %s failed: %s", h[:16], peer[:12], exc)
+                continue
+            store.put(blob)
+            self.fetched.append(h)
+            return blob
+        return await self.content.fetch(h, max_size=self.max_blob)
 
 
 def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile], *,
@@ -189,6 +204,14 @@ def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile],
     plan = make_plan(wl, snap, pcfg, seed=cfg.seed)
     r = min(len(st.replicas) for st in plan.stages)
     return dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, replicas=st.replicas[:r]) for st in plan.stages))
+
+
+def plan_for_snapshot(spec: JobSpec, dag: OpDAG, snap: Snapshot) -> Plan:
+    """:func:`choose_plan` over a swarm snapshot, stamped with that snapshot's hash (for the election)."""
+    if snap.job != spec.job_id:
+        raise PlanError(f"snapshot of job {snap.job}, not {spec.job_id}")
+    plan = choose_plan(spec, dag, snap.members, links=snap.links, epoch=snap.epoch)
+    return dataclasses.replace(plan, job=spec.job_id, epoch=snap.epoch, snapshot_hash=snap.snapshot_hash())
 
 
 def stage_programs(dag: OpDAG, plan: Plan) -> list[StageProgram]:
@@ -314,4 +337,4 @@ def save_module_state(path: Path, state: Mapping[str, torch.Tensor]) -> Path:
 
 
 __all__ = ["AcceptedJob", "BuiltJob", "NodeJobs", "build_job", "choose_plan", "data_fn", "module_state",
-           "run_local_job", "save_module_state", "stage_programs", "trace_job"]
+           "plan_for_snapshot", "run_local_job", "save_module_state", "stage_programs", "trace_job"]

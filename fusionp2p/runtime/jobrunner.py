@@ -33,7 +33,7 @@ import trio
 from fusionp2p.average.outer import OuterConfig, OuterOptimizer
 from fusionp2p.compress.adatopk import AdaTopK as TopKLink
 from fusionp2p.compress.codec import decode
-from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
@@ -54,6 +54,9 @@ from fusionp2p.runtime.schedule import (
 from fusionp2p.runtime.trainconfig import TrainConfig
 
 log = logging.getLogger(__name__)
+
+# Marker queued by a reader when its channel ends (compared by identity).
+_CLOSED = TensorMessage(job="", kind="closed")
 
 DataFn = Callable[[int, int], Mapping[str, torch.Tensor]]   # (global step, micro) -> data inputs by DAG name
 ProgressFn = Callable[[dict[str, Any]], Awaitable[None]]
@@ -90,6 +93,7 @@ class StageContext:
     report: Callable[[StageReport], Awaitable[None]]
     checkpoint: Callable[[int, dict[str, torch.Tensor]], Awaitable[None]] | None = None
     start_step: int = 0
+    recv_timeout: float | None = None              # seconds to wait for any one message (None: forever)
 
 
 def make_optimizer(params: Sequence[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -137,6 +141,7 @@ class StageWorker:
         self._early: dict[int, list[tuple[int, TensorMessage]]] = {}
         self._fwd_payload: dict[tuple[int, str], torch.Tensor] = {}
         self.src_of = {r.name: r.src for r in self.prog.recv}
+        self._closed_links: set[int] = set()
 
     # ------------------------------------------------------------------ params
     def _flat(self) -> torch.Tensor:
@@ -175,6 +180,10 @@ class StageWorker:
             try:
                 msg = await ch.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
+                # A neighbour closes only when it is done (or gave up); queue a marker behind its last
+                # message so that a wait for more from it ends at once instead of at the deadline.
+                if not avg:
+                    self._queue_send.send_nowait((src, _CLOSED))
                 return
             if msg.job != self.ctx.job:
                 raise RemoteProtocolError(f"message of job {msg.job!r} on a channel of job {self.ctx.job!r}")
@@ -188,12 +197,27 @@ class StageWorker:
         if early:
             return early.pop(0)
         while True:
-            src, msg = await self._queue_recv.receive()
+            src, msg = await self._receive(self._queue_recv, f"stage {self.prog.stage}, step {step}")
+            if msg is _CLOSED:
+                self._closed_links.add(src)
+                if self._closed_links >= set(self.ctx.links):
+                    raise PeerUnavailable(f"stage {src}", f"every link of stage {self.prog.stage} closed before step {step} ended")
+                continue
             if msg.step == step:
                 return src, msg
             if msg.step < step:
                 raise RemoteProtocolError(f"stage {self.prog.stage}: message of past step {msg.step}")
             self._early.setdefault(msg.step, []).append((src, msg))
+
+    async def _receive(self, ch: trio.MemoryReceiveChannel[Any], what: str) -> Any:
+        timeout = self.ctx.recv_timeout
+        if timeout is None:
+            return await ch.receive()
+        try:
+            with trio.fail_after(timeout):
+                return await ch.receive()
+        except trio.TooSlowError:
+            raise PeerUnavailable("neighbour", f"{what}: no message within {timeout:.0f} s") from None
 
     def _gstep(self, step: int) -> int:
         return step * self.ctx.replicas + self.ctx.replica
@@ -309,7 +333,7 @@ class StageWorker:
                                         name=f"r{self.ctx.replica}", tensors=(mine,)))
         got: dict[str, torch.Tensor] = {f"r{self.ctx.replica}": mine}
         while len(got) <= len(self.ctx.peers):
-            msg = await self._avg_recv.receive()
+            msg = await self._receive(self._avg_recv, f"stage {self.prog.stage}, averaging after step {step}")
             if msg.kind != "avg" or msg.step != step or len(msg.tensors) != 1 or msg.tensors[0].shape != mine.shape:
                 raise RemoteProtocolError(f"stage {self.prog.stage}: bad averaging message {msg.key}")
             got.setdefault(msg.name, msg.tensors[0].to(torch.float32))

@@ -1,4 +1,4 @@
-"""Job worker attached to a node daemon (filled in by the jobs runtime)."""
+"""Job worker attached to a node daemon: installs the node's job service (``runtime/job_node.py``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,22 @@ from pathlib import Path
 
 import trio
 
+from fusionp2p.runtime.job_node import NodeJobConfig, NodeJobService
 from fusionp2p.runtime.swarm import SwarmNode
 
 
-def attach_worker(home: Path) -> Callable[[SwarmNode, trio.Nursery], None] | None:
-    """Return a hook that starts the node's job services, or None when there are none."""
-    return None
+def attach_worker(home: Path, config: NodeJobConfig | None = None) -> Callable[[SwarmNode, trio.Nursery], None]:
+    """Return the daemon hook that starts the node's job service in the daemon's nursery.
+
+    The service serves the JOB control protocol, fetches job content by hash, joins plan
+    elections, and trains its stage over the encrypted data plane. A job's failure is reported to
+    its publisher and never ends the node.
+    """
+
+    def hook(swarm: SwarmNode, nursery: trio.Nursery) -> None:
+        nursery.start_soon(NodeJobService(swarm, home, config).run)
+
+    return hook
+
+
+__all__ = ["attach_worker"]

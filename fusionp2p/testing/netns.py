@@ -12,6 +12,9 @@ side ``p<i>``. Both get ``tc qdisc replace ... root tbf rate R burst B latency L
 ``sch_netem``, so only rates are emulated (no propagation delay, no loss). See :func:`tbf_params` for
 how ``burst`` and ``latency`` are chosen.
 
+CPU caps. A host with ``cpus`` in its spec gets a cgroup named like its namespace with a CFS quota;
+its processes join it through :func:`in_cgroup_argv` before ``ip netns exec``.
+
 Processes. :func:`spawn_process` starts a command in its own session (so its process group is
 exactly what it started) and returns a :class:`Proc`, whose stdout can be read line by line with a
 deadline. Whatever escapes a process group is still inside one of our namespaces, and
@@ -284,6 +287,67 @@ def _wait_exited(pidfds: Sequence[int], timeout: float) -> None:
         for fd, _ in poller.poll(left * 1000):
             poller.unregister(fd)
             pending.discard(fd)
+
+
+# ---------------------------------------------------------------- CPU caps (heterogeneous compute)
+
+# A host's ``cpus`` becomes a CFS quota on a cgroup named like its namespace. cgroup v1 (a ``cpu``
+# hierarchy, as on this machine) and v2 (``cpu`` enabled in the root's subtree_control) both work.
+_CG_V1 = Path("/sys/fs/cgroup/cpu")
+_CG_V2 = Path("/sys/fs/cgroup")
+_CFS_PERIOD_US = 100_000
+
+
+def cpu_cgroup_root() -> tuple[Path, int] | None:
+    """Where CPU-capped cgroups can be made, and the cgroup version; None if nowhere."""
+    if (_CG_V1 / "cpu.cfs_quota_us").exists() and os.access(_CG_V1, os.W_OK):
+        return _CG_V1, 1
+    ctl = _CG_V2 / "cgroup.subtree_control"
+    if ctl.exists() and "cpu" in ctl.read_text().split() and os.access(_CG_V2, os.W_OK):
+        return _CG_V2, 2
+    return None
+
+
+def cfs_quota_us(cpus: float) -> int:
+    """The CFS quota per 100 ms period that allows ``cpus`` cores (at least 1 ms, the kernel minimum)."""
+    return max(1000, round(cpus * _CFS_PERIOD_US))
+
+
+def make_cpu_cgroup(namespace: str, cpus: float) -> Path:
+    """Create the cgroup for ``namespace`` capped at ``cpus`` cores; return its ``cgroup.procs``."""
+    if run_of(namespace) is None:
+        raise ConfigError(f"not a testbed namespace: {namespace!r}")
+    found = cpu_cgroup_root()
+    if found is None:
+        raise ConfigError("a host's 'cpus' needs a writable cgroup cpu controller (/sys/fs/cgroup); remove 'cpus' or run on the host")
+    root, version = found
+    path = root / namespace
+    path.mkdir(exist_ok=True)
+    quota = cfs_quota_us(cpus)
+    if version == 1:
+        (path / "cpu.cfs_period_us").write_text(str(_CFS_PERIOD_US))
+        (path / "cpu.cfs_quota_us").write_text(str(quota))
+    else:
+        (path / "cpu.max").write_text(f"{quota} {_CFS_PERIOD_US}")
+    return path / "cgroup.procs"
+
+
+def in_cgroup_argv(procs: Path, argv: Sequence[str]) -> list[str]:
+    """argv that joins the cgroup whose ``cgroup.procs`` is ``procs``, then execs ``argv`` (same PID)."""
+    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), *argv]
+
+
+def remove_cpu_cgroups(run: str) -> None:
+    """Remove the (empty, once the run's processes are dead) cgroups of ``run``; idempotent."""
+    found = cpu_cgroup_root()
+    if found is None:
+        return
+    for d in found[0].glob(f"{run}-h*"):
+        if run_of(d.name) == run and d.is_dir():
+            try:
+                d.rmdir()
+            except OSError as e:
+                log.warning("testbed: could not remove cgroup %s: %s", d, e)
 
 
 # ---------------------------------------------------------------- processes started in the testbed

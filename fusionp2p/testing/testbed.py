@@ -78,6 +78,7 @@ class TestbedHost:
     spec: HostSpec
     namespace: str
     address: str
+    cgroup_procs: Path | None = None  # set when the host has a CPU cap (spec ``cpus``)
 
     @property
     def name(self) -> str:
@@ -176,9 +177,10 @@ class Testbed:
         h = self._resolve(host)
         full_env = {**os.environ, **h.env(), **(env or {})}
         tag = label or f"{h.name}-{len(self.procs)}"
-        proc = spawn_process(
-            self.argv(h, argv), label=tag, env=full_env, logdir=self.workdir / "logs", pipe_stdout=not detached_output
-        )
+        full = self.argv(h, argv)
+        if h.cgroup_procs is not None:
+            full = netns.in_cgroup_argv(h.cgroup_procs, full)
+        proc = spawn_process(full, label=tag, env=full_env, logdir=self.workdir / "logs", pipe_stdout=not detached_output)
         with self._lock:
             self.procs.append(proc)
         return proc
@@ -316,15 +318,31 @@ def up(
     owns = workdir is None
     wd = Path(tempfile.mkdtemp(prefix=f"{name}-")) if workdir is None else Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
+    created: list[str] = []
     try:
         for cmd in netns.plan_commands(layout):
             netns.run_cmd(cmd)
+            if cmd[:3] == ["ip", "netns", "add"]:
+                created.append(cmd[3])
+        hosts = tuple(
+            TestbedHost(
+                spec=s,
+                namespace=h.namespace,
+                address=h.address,
+                cgroup_procs=None if s.cpus is None else netns.make_cpu_cgroup(h.namespace, s.cpus),
+            )
+            for s, h in zip(spec.hosts, layout.hosts)
+        )
     except BaseException:
-        _delete_run(name)
+        # Remove only what this call created: should another run have taken the same name in the
+        # meantime (1 in 16 million), its namespaces are not ours to delete.
+        for ns in reversed(created):
+            netns.delete_namespace(ns)
+        if created:
+            netns.remove_cpu_cgroups(name)
         if owns:
             shutil.rmtree(wd, ignore_errors=True)
         raise
-    hosts = tuple(TestbedHost(spec=s, namespace=h.namespace, address=h.address) for s, h in zip(spec.hosts, layout.hosts))
     tb = Testbed(spec=spec, layout=layout, workdir=wd, hosts=hosts, owns_workdir=owns)
     with _LIVE_LOCK:
         _LIVE[name] = tb
@@ -342,6 +360,7 @@ def _delete_run(run: str) -> list[str]:
             netns.delete_namespace(ns)
         except TestbedError as e:
             errors.append(str(e))
+    netns.remove_cpu_cgroups(run)  # after the namespaces: their processes are dead by now
     if errors:
         raise TestbedError("; ".join(errors))
     return mine
@@ -387,6 +406,8 @@ def describe(tb: Testbed) -> str:
     rows.append(f"  {'host':<12} {'namespace':<18} {'address':<15} {'up':>9} {'down':>9}  compute")
     for h in tb.hosts:
         comp = f"x{h.spec.slowdown:g} slower" if h.spec.slowdown != 1.0 else "full speed"
+        if h.spec.cpus is not None:
+            comp += f", {h.spec.cpus:g} cpus"
         if h.spec.torch_threads is not None:
             comp += f", {h.spec.torch_threads} threads"
         rows.append(f"  {h.name:<12} {h.namespace:<18} {h.address:<15} {rate(h.spec.up_bps):>9} {rate(h.spec.down_bps):>9}  {comp}")
@@ -419,8 +440,8 @@ def cli_up(
 ) -> int:
     """``fusionp2p testbed up --spec FILE``: build the testbed, start a bootstrap and a node per host.
 
-    In the foreground (default) it waits until Ctrl-C/SIGTERM or until the bootstrap exits, then
-    tears everything down. ``wait_nodes`` also waits for each node's first stdout line (within
+    In the foreground (default) it waits until Ctrl-C/SIGTERM, until the bootstrap exits, or until
+    ``fusionp2p testbed down`` removed the testbed from another shell, then tears everything down. ``wait_nodes`` also waits for each node's first stdout line (within
     ``ready_timeout``), so that "up" means up. With ``detach`` it returns 0 and leaves the testbed running for
     ``fusionp2p testbed down``. Returns the exit status: 0 ok, 1 a process failed, 2 a bad spec or
     a machine without root/iproute2 (one line on stderr).
@@ -448,15 +469,17 @@ def cli_up(
             print(f"testbed {tb.name} left running; remove it with: fusionp2p testbed down {tb.name}", flush=True)
             ok = True
             return 0
+        # Without a bootstrap, a sentinel process stands in for it: `testbed down` from another
+        # shell kills everything in our namespaces, so its exit tells us the testbed is gone.
+        watched = boot if boot is not None else tb.spawn(tb.hosts[0], ["sleep", "infinity"], label="sentinel")
         print(f"testbed {tb.name} is up; Ctrl-C tears it down", flush=True)
-        if boot is None:
-            signal.pause()
-        else:
-            rc = boot.popen.wait()
-            print(f"bootstrap exited with status {rc} (stderr: {boot.err_path}); tearing down", file=sys.stderr)
-            return 1
-        ok = True
-        return 0
+        rc = watched.popen.wait()
+        if rc == -signal.SIGKILL:  # we never SIGKILL it ourselves before this point: `testbed down` did
+            print(f"testbed {tb.name} is being removed by `fusionp2p testbed down`", flush=True)
+            ok = True
+            return 0
+        print(f"{watched.label} exited with status {rc} (stderr: {watched.err_path}); tearing down", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"\ntearing down testbed {tb.name}", flush=True)
         ok = True

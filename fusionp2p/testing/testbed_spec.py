@@ -19,7 +19,7 @@ from fusionp2p.testing.netns import MAX_HOSTS, parse_rate
 
 __all__ = ["HostSpec", "TestbedSpec", "load_spec", "spec_from_dict"]
 
-_HOST_KEYS = {"name", "up", "down", "torch_threads", "slowdown", "node_args"}
+_HOST_KEYS = {"name", "up", "down", "cpus", "torch_threads", "slowdown", "node_args"}
 _SPEC_KEYS = {"hosts", "bootstrap_host", "bootstrap_port", "description"}
 _NETEM_KEYS = {"latency", "delay", "rtt", "loss", "jitter"}
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyz0123456789-_")
@@ -29,7 +29,8 @@ _NAME_OK = set("abcdefghijklmnopqrstuvwxyz0123456789-_")
 class HostSpec:
     """One emulated host. Rates are bits per second; None leaves that direction unshaped.
 
-    ``torch_threads`` and ``slowdown`` emulate heterogeneous compute; they reach the processes
+    ``cpus`` caps the CPU time of every process in the host (a cgroup CPU quota, in cores).
+    ``torch_threads`` and ``slowdown`` emulate heterogeneous compute too; they reach the processes
     started in the host as environment variables (see :meth:`TestbedHost.env`).
     """
 
@@ -37,6 +38,7 @@ class HostSpec:
     up_bps: int | None = None
     down_bps: int | None = None
     torch_threads: int | None = None
+    cpus: float | None = None
     slowdown: float = 1.0
     node_args: tuple[str, ...] = ()
 
@@ -45,6 +47,8 @@ class HostSpec:
             raise ConfigError(f"host name {self.name!r}: use 1-32 characters from a-z, 0-9, '-', '_'")
         if self.torch_threads is not None and not 1 <= self.torch_threads <= 256:
             raise ConfigError(f"host {self.name}: torch_threads must be in 1..256")
+        if self.cpus is not None and not 0.01 <= self.cpus <= 1024.0:
+            raise ConfigError(f"host {self.name}: cpus must be in 0.01..1024 (cores)")
         if not 1.0 <= self.slowdown <= 1000.0:
             raise ConfigError(f"host {self.name}: slowdown must be in 1..1000 (1 = full speed)")
 
@@ -110,8 +114,10 @@ def spec_from_dict(doc: Mapping[str, Any]) -> TestbedSpec:
         threads, slowdown, args = h.get("torch_threads"), h.get("slowdown", 1.0), h.get("node_args", [])
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool)):
             raise ConfigError(f"{where}: torch_threads must be an integer")
-        if not isinstance(slowdown, (int, float)) or isinstance(slowdown, bool):
-            raise ConfigError(f"{where}: slowdown must be a number")
+        cpus = h.get("cpus")
+        for key, val in (("slowdown", slowdown), ("cpus", cpus)):
+            if val is not None and (not isinstance(val, (int, float)) or isinstance(val, bool)):
+                raise ConfigError(f"{where}: {key} must be a number")
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ConfigError(f"{where}: node_args must be a list of strings")
         name = h.get("name")
@@ -123,6 +129,7 @@ def spec_from_dict(doc: Mapping[str, Any]) -> TestbedSpec:
                 up_bps=_opt_rate(f"{where} up", h.get("up")),
                 down_bps=_opt_rate(f"{where} down", h.get("down")),
                 torch_threads=threads,
+                cpus=None if cpus is None else float(cpus),
                 slowdown=float(slowdown),
                 node_args=tuple(args),
             )

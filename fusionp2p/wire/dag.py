@@ -202,6 +202,12 @@ def _dec_common(head: dict[str, Any], payload: memoryview, limits: Limits
     if len(raw_nodes) > limits.max_dag_nodes:
         raise RemoteProtocolError(f"graph has {len(raw_nodes)} nodes; limit is {limits.max_dag_nodes}")
     nodes = tuple(_dec_node(n) for n in raw_nodes)
+    for n in nodes:
+        # bound what running the program may allocate, before anything runs
+        if any(m is not None and m.nbytes > limits.max_tensor_bytes for m in n.out):
+            raise RemoteProtocolError(f"graph: node {n.name!r} declares an output over {limits.max_tensor_bytes} bytes")
+        if not 0.0 <= n.flops < float("inf"):
+            raise RemoteProtocolError(f"graph: node {n.name!r} has flops {n.flops}")
     outputs = tuple(_str(o, "output") for o in field(head, "outputs", list, "graph"))
     loss = head.get("loss")
     if loss is not None and not isinstance(loss, str):

@@ -2,9 +2,15 @@
 
 The GPT-2 reference model is split by hand into 2 stages (embedding + first block | the rest + head);
 the activation crossing the link is compressed with AdaTopK at ratio 0.1 (per-row top-k, as
-recommended for transformer activations) and the backward gradient with the same ratio
-(straight-through). Trained for a few hundred steps on the built-in corpus from the same
-initialisation and data order as uncompressed training, the final loss must be within 5%.
+recommended for transformer activations) and the backward gradient with the same ratio, using the
+``masked`` backward (the exact gradient of the forward mask). Trained for 300 steps on the built-in
+corpus from the same initialisation and data order as uncompressed training, the final loss must be
+within 5%.
+
+Measured (2 layers, width 64, batch 16 x 64 tokens, AdamW 3e-3; mean loss of the last 30 steps):
+uncompressed 2.360; AdaTopK 0.1 masked per-row 2.391 (+1.3%), masked global 2.394 (+1.4%);
+straight-through per-row 3.151 (+33%), straight-through global 3.229 (+37%). So the default
+backward of ``AdaTopK`` is ``masked``; straight-through stays selectable.
 """
 
 from __future__ import annotations
@@ -57,10 +63,10 @@ def test_adatopk_ratio_0_1_converges_within_5_percent() -> None:
     base = GPT2(GPT2Config.tiny(n_layer=2, n_embd=64, block_size=SEQ))
     comp = copy.deepcopy(base)
     dense = _train(base, None, tokens)
-    sparse = _train(comp, AdaTopK(ratio=0.1, per_row=True, backward="straight_through"), tokens)
+    sparse = _train(comp, AdaTopK(ratio=0.1, per_row=True, backward="masked"), tokens)
     final_dense = float(np.mean(dense[-30:]))
     final_sparse = float(np.mean(sparse[-30:]))
     print(f"\nstart loss {dense[0]:.3f}; final (mean of last 30 of {STEPS} steps): "
-          f"uncompressed {final_dense:.4f}, AdaTopK 0.1 {final_sparse:.4f} ({(final_sparse / final_dense - 1) * 100:+.2f}%)")
+          f"uncompressed {final_dense:.4f}, AdaTopK 0.1 (masked, per row) {final_sparse:.4f} ({(final_sparse / final_dense - 1) * 100:+.2f}%)")
     assert final_dense < 0.8 * dense[0]  # training did happen
     assert final_sparse <= 1.05 * final_dense

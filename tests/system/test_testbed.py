@@ -8,13 +8,14 @@ removes what it made (the ``cleanup`` fixture is the last line of defence).
 from __future__ import annotations
 
 import json
-import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -275,7 +276,7 @@ def test_cli_detach_then_down_removes_everything(cleanup: list[str], capsys: pyt
     assert f"testbed {name}: removed 5 namespaces" in capsys.readouterr().out
     assert _ours(name) == []
     assert not any(_alive(p) for p in pids)
-    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob(f"{name}-*"))
+    assert not list(Path(tempfile.gettempdir()).glob(f"{name}-*"))
     assert cli_down(name) == 0  # idempotent
     assert "nothing left to remove" in capsys.readouterr().out
 
@@ -370,3 +371,60 @@ def test_real_swarm_in_the_testbed(cleanup: list[str]) -> None:
             # The probe may be symmetric, so bound by the slower direction of the pair.
             cap = max(min(src.spec.up_bps, dst.spec.down_bps), min(dst.spec.up_bps or 0, src.spec.down_bps or 0))
             assert 8 * e["bytes_per_s"] <= (1 + TOLERANCE) * cap, (src.name, dst.name, e)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(netns.cpu_cgroup_root() is None, reason="no writable cgroup cpu controller")
+def test_cpu_cap_throttles_the_host(cleanup: list[str]) -> None:
+    spec = TestbedSpec(hosts=(HostSpec(name="slow", cpus=0.05), HostSpec(name="free")))
+    busy = textwrap.dedent(
+        """
+        import os, time
+        t0, c0 = time.monotonic(), time.process_time()
+        while time.monotonic() - t0 < 1.0:
+            pass
+        print(os.getpid(), (time.process_time() - c0) / (time.monotonic() - t0), flush=True)
+        """
+    )
+    with up(spec) as tb:
+        cleanup.append(tb.name)
+        slow = tb.host("slow")
+        assert slow.cgroup_procs is not None
+        assert tb.host("free").cgroup_procs is None
+        rc, out = tb.run(slow, [sys.executable, "-c", busy], timeout=30.0)
+        assert rc == 0
+        share = float(out.split()[1])
+        # 5 ms of CPU per 100 ms period; an uncapped busy loop gets far more unless the machine is
+        # saturated, which is why the kernel's throttle counter is checked as well.
+        assert share <= 0.05 * 1.6, share
+        stat = dict(line.split() for line in (slow.cgroup_procs.parent / "cpu.stat").read_text().splitlines())
+        assert int(stat["nr_throttled"]) > 0, stat
+        cgroup_dir = slow.cgroup_procs.parent
+    assert not cgroup_dir.exists()  # removed at teardown
+
+
+def test_failure_during_up_removes_what_was_created(monkeypatch: pytest.MonkeyPatch, cleanup: list[str]) -> None:
+    name = f"fp2p-{secrets.token_hex(3)}"
+    cleanup.append(name)
+    real = netns.run_cmd
+
+    def failing_tc(argv: Sequence[str]) -> str:
+        if argv[0] == "tc":  # after the namespaces, veths and addresses exist
+            assert len(_ours(name)) == 5
+            raise netns.TestbedError("injected tc failure")
+        return real(argv)
+
+    monkeypatch.setattr(netns, "run_cmd", failing_tc)
+    with pytest.raises(netns.TestbedError, match="injected"):
+        up(_quick_spec(), name=name)
+    assert _ours(name) == []
+    assert not list(Path(tempfile.gettempdir()).glob(f"{name}-*"))
+
+
+@pytest.mark.timeout(60)
+def test_cli_up_in_foreground_ends_when_downed_elsewhere(cleanup: list[str]) -> None:
+    proc, name = _start_cli_up()
+    cleanup.append(name)
+    assert cli_down(name) == 0
+    assert proc.wait(30) == 0
+    assert _ours(name) == []

@@ -35,7 +35,7 @@ def test_ratio_one_bitwise_identical_forward_and_backward() -> None:
 
 @pytest.mark.parametrize("per_row", [False, True])
 def test_straight_through_gradient_is_topk_of_grad(per_row: bool) -> None:
-    cfg = AdaTopK(ratio=0.25, per_row=per_row, approx=False)
+    cfg = AdaTopK(ratio=0.25, per_row=per_row, approx=False, backward="straight_through")
     x = torch.randn(8, 32, requires_grad=True, generator=torch.Generator().manual_seed(1))
     y = boundary(x, cfg)
     assert torch.equal(y, decode(*TopKCodec(ratio=0.25, per_row=per_row).encode(x)))

@@ -78,3 +78,10 @@ def test_small_inputs_use_exact_path() -> None:
     assert torch.equal(approx_topk_indices(x, 17, generator=torch.Generator()), exact_topk_indices(x, 17))
     assert approx_topk_indices(x, 0, generator=torch.Generator()).numel() == 0
     assert approx_topk_indices(x, 5000, generator=torch.Generator()).numel() == 1000
+
+
+def test_signed_and_bf16_inputs_select_by_magnitude() -> None:
+    x = torch.randn(60_000, generator=torch.Generator().manual_seed(6))
+    for values in (x, x.bfloat16(), x.double()):
+        idx = approx_topk_indices(values, 600, generator=torch.Generator().manual_seed(0), sample_size=2048)
+        _check_bound(values.abs().float(), idx, 600, 0.05)

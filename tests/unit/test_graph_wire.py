@@ -173,3 +173,14 @@ def test_mutated_blob_decodes_or_raises(small: OpDAG, data: st.DataObject) -> No
         blob[i] = data.draw(st.integers(0, 255))
     with contextlib.suppress(RemoteProtocolError):
         decode_dag(bytes(blob))
+
+
+def test_huge_declared_output_rejected_before_running(small: OpDAG) -> None:
+    kind, head, payload = split(encode_dag(small))
+    head["nodes"][0]["o"] = [["f32", [1 << 20, 1 << 20]]]   # 4 TiB: never allocated, rejected on sight
+    with pytest.raises(RemoteProtocolError, match="over"):
+        decode_dag(join(kind, head, payload))
+    kind, head, payload = split(encode_dag(small))
+    head["nodes"][0]["f"] = -1.0
+    with pytest.raises(RemoteProtocolError, match="flops"):
+        decode_dag(join(kind, head, payload))

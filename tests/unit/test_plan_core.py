@@ -226,3 +226,17 @@ def test_replica_groups_pair_over_their_fast_links() -> None:
     assert link.bandwidth_bps == 2e9
     assert cm.group_link((0,), (2,)).bandwidth_bps == 1e6
     assert cm.group_link((0, 1), (2,)).bandwidth_bps == 1e6   # one pair, and it crosses
+
+
+@pytest.mark.parametrize("site", [[0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]])
+def test_replica_order_forms_pipelines_over_fast_pairs(site: list[int]) -> None:
+    # Two sites of two devices; each stage gets one replica per site, and replica r of both stages
+    # sits in the same site, so pipeline r never crosses the slow link (peer-id order would, for
+    # the first and last layouts).
+    snap = snapshot(4, bw=lambda a, b: 1.25e9 if site[a] == site[b] else 1.25e5, lat=0.0)
+    plan = make_plan(chain(2, params=1000, act=10_000_000), snap)
+    where = {p: site[i] for i, p in enumerate(snap.peers)}
+    assert [len(s.replicas) for s in plan.stages] == [2, 2]
+    first, second = plan.stages
+    assert [where[p] for p in first.replicas] == [where[p] for p in second.replicas]
+    assert all(f.rho == 1.0 for f in plan.fences)

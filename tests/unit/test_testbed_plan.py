@@ -164,6 +164,26 @@ def test_exec_argv() -> None:
         exec_argv(f"{RUN}-h0", [])
 
 
+def test_cpu_cap_helpers() -> None:
+    assert netns.cfs_quota_us(0.25) == 25_000
+    assert netns.cfs_quota_us(2) == 200_000
+    assert netns.cfs_quota_us(0.001) == 1000  # the kernel's minimum quota
+    argv = netns.in_cgroup_argv(Path("/sys/fs/cgroup/cpu/x/cgroup.procs"), ["ip", "netns", "exec", "n", "python"])
+    assert argv[:3] == ["sh", "-c", 'echo $$ > "$0" && exec "$@"']
+    assert argv[3:] == ["/sys/fs/cgroup/cpu/x/cgroup.procs", "ip", "netns", "exec", "n", "python"]
+    with pytest.raises(ConfigError, match="not a testbed namespace"):
+        netns.make_cpu_cgroup("../../etc", 1.0)
+
+
+def test_in_cgroup_argv_runs_the_command_with_the_same_pid(tmp_path: Path) -> None:
+    procs = tmp_path / "cgroup.procs"  # a plain file stands in for the cgroup
+    code = "import os; print(os.getpid(), flush=True)"
+    p = spawn_process(netns.in_cgroup_argv(procs, [sys.executable, "-c", code]), label="cg", env={}, logdir=tmp_path, pipe_stdout=True)
+    assert int(p.read_line(20.0)) == p.pid
+    assert p.wait(20.0) == 0
+    assert procs.read_text().strip() == str(p.pid)
+
+
 def test_check_environment_without_root_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     with pytest.raises(ConfigError) as ei:
@@ -188,12 +208,12 @@ def _doc(**host: object) -> dict[str, object]:
 
 def test_spec_from_dict() -> None:
     spec = spec_from_dict(
-        {"bootstrap_host": "b", "hosts": [{"name": "a", "up": "1gbit"}, {"name": "b", "down": "8mbit", "torch_threads": 2, "slowdown": 3, "node_args": ["--device", "cpu"]}]}
+        {"bootstrap_host": "b", "hosts": [{"name": "a", "up": "1gbit"}, {"name": "b", "down": "8mbit", "cpus": 0.5, "torch_threads": 2, "slowdown": 3, "node_args": ["--device", "cpu"]}]}
     )
     assert spec.bootstrap == "b"
     assert spec.hosts == (
         HostSpec(name="a", up_bps=10**9),
-        HostSpec(name="b", down_bps=8 * 10**6, torch_threads=2, slowdown=3.0, node_args=("--device", "cpu")),
+        HostSpec(name="b", down_bps=8 * 10**6, cpus=0.5, torch_threads=2, slowdown=3.0, node_args=("--device", "cpu")),
     )
     assert TestbedSpec(hosts=spec.hosts).bootstrap == "a"
 
@@ -210,6 +230,8 @@ def test_spec_from_dict() -> None:
         (_doc(torch_threads=0), "torch_threads"),
         (_doc(torch_threads="2"), "torch_threads"),
         (_doc(slowdown=0.5), "slowdown"),
+        (_doc(cpus=0), "cpus"),
+        (_doc(cpus="1"), "cpus must be a number"),
         (_doc(node_args="--x"), "node_args"),
         ({"hosts": []}, "non-empty 'hosts'"),
         ({"hosts": [{"name": "a"}, {"name": "a"}]}, "unique"),

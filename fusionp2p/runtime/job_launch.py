@@ -1,0 +1,114 @@
+"""A bootstrap and N ``fusionp2p node`` processes on loopback, for the demo, tests and benchmarks.
+
+``with LocalCluster(nodes=4, home=dir) as cluster:`` starts ``python -m fusionp2p.cli bootstrap``,
+reads its multiaddr from its stdout, starts the nodes pointing at it, and on exit sends SIGTERM to
+every process it started (by PID, nodes first), waits for them, and SIGKILLs any that hang. The
+exit codes are kept in ``cluster.exit_codes`` (a clean node leaves with 0). Each process writes its
+stderr to ``<home>/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from fusionp2p.errors import PeerUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class LocalCluster:
+    """Processes of a loopback swarm (see the module docstring)."""
+
+    def __init__(self, nodes: int, home: Path, *, torch_threads: int = 1, heartbeat: float = 1.0,
+                 dead_timeout: float = 10.0, probe_interval: float = 30.0, start_timeout: float = 60.0,
+                 log_level: str = "info") -> None:
+        if nodes < 1:
+            raise ValueError("a cluster needs at least one node")
+        self.n = nodes
+        self.home = home
+        self.torch_threads = torch_threads
+        self.node_args = ["--heartbeat", str(heartbeat), "--dead-timeout", str(dead_timeout),
+                          "--probe-interval", str(probe_interval)]
+        self.start_timeout = start_timeout
+        self.log_level = log_level
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[IO[bytes]] = []
+        self.bootstrap = ""
+        self.exit_codes: dict[str, int | None] = {}
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        d = self.home / name
+        d.mkdir(parents=True, exist_ok=True)
+        err = open(self.home / f"{name}.log", "wb")   # noqa: SIM115 - closed in stop()
+        self._logs.append(err)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.torch_threads)}
+        p = subprocess.Popen([sys.executable, "-m", "fusionp2p.cli", *args, "--home", str(d), "--log-level", self.log_level],
+                             stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
+        self.procs[name] = p
+        return p
+
+    def start(self) -> LocalCluster:
+        """Start the bootstrap (wait for its address) and the nodes. PeerUnavailable if it fails."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        boot = self._spawn("bootstrap", ["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0"])
+        assert boot.stdout is not None
+        deadline = time.monotonic() + self.start_timeout
+        line = b""
+        while time.monotonic() < deadline and b"/p2p/" not in line:
+            line = boot.stdout.readline()
+            if not line and boot.poll() is not None:
+                break
+        if b"/p2p/" not in line:
+            self.stop()
+            raise PeerUnavailable("bootstrap", f"did not print its address; see {self.home / 'bootstrap.log'}")
+        self.bootstrap = line.decode().strip()
+        for i in range(self.n):
+            self._spawn(f"node{i}", ["node", "--bootstrap", self.bootstrap, "--listen", "/ip4/127.0.0.1/tcp/0",
+                                     "--torch-threads", str(self.torch_threads), *self.node_args])
+        return self
+
+    def alive(self) -> list[str]:
+        """Names of the processes still running."""
+        return [n for n, p in self.procs.items() if p.poll() is None]
+
+    def stop(self, timeout: float = 30.0) -> dict[str, int | None]:
+        """SIGTERM every process (nodes first), wait up to *timeout*, SIGKILL the rest; exit codes."""
+        order = [n for n in self.procs if n != "bootstrap"] + [n for n in self.procs if n == "bootstrap"]
+        for name in order:
+            p = self.procs[name]
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name in order:
+            p = self.procs[name]
+            try:
+                self.exit_codes[name] = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) ignored SIGTERM; killing it", name, p.pid)
+                p.kill()
+                p.wait()
+                self.exit_codes[name] = None
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+        for p in self.procs.values():
+            if p.stdout is not None:
+                p.stdout.close()
+        return self.exit_codes
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+__all__ = ["LocalCluster"]

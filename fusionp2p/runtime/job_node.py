@@ -1,0 +1,392 @@
+"""A node's job service over a real swarm: accept, elect, train one stage replica, report.
+
+Theory of operation. :class:`NodeJobService` runs inside ``fusionp2p node`` (installed by
+``runtime/worker.py``). It serves the JOB control protocol (``runtime/job_proto.py``):
+
+1. ``offer`` (from the publisher): the signed envelope is verified (the stream's authenticated peer
+   must be the spec's publisher), the node checks that it fits, and fetches the DAG, weights and
+   data shards by hash from the publisher through :class:`ContentService` (every blob checked
+   against its hash). ``ok`` means "accepted, ready to start".
+2. ``start``: the publisher proposes a :class:`Snapshot` of the accepting members (their signed
+   device profiles and measured links). The node computes the plan from it
+   (:func:`plan_for_snapshot`, pure and deterministic) and runs the gossip election of
+   ``runtime/election.py``: the plan is adopted once a quorum of members signed the same hash.
+3. Training: the node opens the encrypted data plane (``net/bulk.py``) links its role needs, one
+   TCP channel per (pipeline neighbour | fellow replica). The lower stage (or replica index) dials;
+   the first message on a channel names the link (``kind="link"``), which is how the acceptor routes
+   it. Then :class:`StageWorker` trains (1F1B/GPipe, AdaTopK on marked fences, CO2 between replicas),
+   the loss stage gossips a :class:`StepProgress` per step, replica 0 of each stage saves
+   safetensors checkpoints.
+4. ``report`` (to the publisher): DONE with the final evaluation loss and the content hash of the
+   final stage checkpoint (the publisher downloads it from us by hash), or FAILED/CANCELLED with the
+   reason. A failure never takes the node down: everything is caught at the job's task.
+
+Every wait has a deadline (config below); a dead neighbour shows up as PeerUnavailable from the data
+plane (silence > ``dead_after``) or as the worker's ``recv_timeout``, and fails the job (no re-plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from fusionp2p.errors import FusionError, PeerUnavailable, PlanError, RemoteProtocolError
+from fusionp2p.graph import StageExecutor
+from fusionp2p.net.bulk import BulkChannel, DataPlane, DataPlaneConfig, open_data_plane
+from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.plan import Plan
+from fusionp2p.plan.snapshot import Snapshot
+from fusionp2p.runtime import job_proto
+from fusionp2p.runtime.checkpoint import StageCheckpointMeta, save_stage
+from fusionp2p.runtime.content import ContentService, ContentStore
+from fusionp2p.runtime.election import Adopted, ElectionConfig, open_elector
+from fusionp2p.runtime.job_local import AcceptedJob, NodeJobs, data_fn, plan_for_snapshot, stage_programs
+from fusionp2p.runtime.jobrunner import StageContext, StageReport, StageWorker
+from fusionp2p.runtime.lifecycle import JobState
+from fusionp2p.runtime.metrics import CheckpointSaved, ProgressEvent, StepProgress, encode_event
+from fusionp2p.runtime.swarm import SwarmNode
+from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeJobConfig:
+    """Deadlines and limits of a node's job service (seconds)."""
+
+    accept_timeout: float = 300.0      # verify + fetch DAG, weights and data
+    election_timeout: float = 60.0
+    link_timeout: float = 60.0         # all data-plane links of a role set up
+    recv_timeout: float = 300.0        # one activation/gradient/averaging message
+    report_timeout: float = 15.0
+    report_attempts: int = 4
+    max_jobs: int = 4                  # offered or running at once
+    max_pending_links: int = 64
+    data_plane: DataPlaneConfig = field(default_factory=lambda: DataPlaneConfig(keepalive=1.0, dead_after=60.0))
+
+    def __post_init__(self) -> None:
+        for name in ("accept_timeout", "election_timeout", "link_timeout", "recv_timeout", "report_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"NodeJobConfig.{name} must be positive")
+        if self.report_attempts < 1 or self.max_jobs < 1:
+            raise ValueError("NodeJobConfig.report_attempts and max_jobs must be >= 1")
+
+
+@dataclass
+class _Job:
+    accepted: AcceptedJob
+    publisher: str
+    state: JobState = JobState.PENDING
+    reason: str = ""
+    scope: trio.CancelScope | None = None
+    role: tuple[int, int] | None = None
+
+
+def describe(exc: BaseException) -> str:
+    """One line for the publisher: the first real error inside (possibly nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
+        if not inner:
+            break
+        exc = inner[0]
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+class NodeJobService:
+    """Serves JOB requests and runs accepted jobs on one node (see the module docstring)."""
+
+    def __init__(self, swarm: SwarmNode, home: Path, config: NodeJobConfig | None = None) -> None:
+        self.swarm = swarm
+        self.t = swarm.t
+        self.home = home
+        self.config = config or NodeJobConfig()
+        self.content = ContentService(self.t, ContentStore(home / "content"))
+        self.jobs: dict[str, _Job] = {}
+        self._arrived: dict[tuple[str, str], BulkChannel] = {}
+        self._arrival = trio.Event()
+        self._dp: DataPlane | None = None
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Install the JOB and CONTENT handlers, open the data plane, serve until cancelled."""
+        dp_cfg = dataclasses.replace(self.config.data_plane, listen_host=self._bulk_host())
+        self.content.install()
+        gossip = await self.t.subscribe(TOPIC_JOBS)   # keeps us in the jobs topic's mesh
+        async with open_data_plane(self.t, config=dp_cfg) as dp, trio.open_nursery() as nursery:
+            self._dp, self._nursery = dp, nursery
+            nursery.start_soon(self._route_incoming, dp)
+            nursery.start_soon(self._drain, gossip)
+            self.t.set_stream_handler(JOB, job_proto.serve(self._handle))
+            log.info("job service ready (data plane %s:%d)", dp.host, dp.port)
+            task_status.started()
+            await trio.sleep_forever()
+
+    def _bulk_host(self) -> str:
+        # Bind the data plane where the transport listens: loopback stays loopback.
+        for a in self.t.listen_addrs():
+            parts = a.split("/")
+            if len(parts) > 2 and parts[1] == "ip4":
+                return parts[2] if parts[2] == "127.0.0.1" else "0.0.0.0"
+        return "0.0.0.0"
+
+    async def _provide(self, hashes: list[str]) -> None:
+        for h in hashes:
+            await self.t.provide(h)   # bounded by the transport's DHT timeout
+
+    @staticmethod
+    async def _drain(ch: trio.MemoryReceiveChannel[Any]) -> None:
+        async for _ in ch:
+            pass
+
+    # ------------------------------------------------------------------ control protocol
+    async def _handle(self, peer: str, req: dict[str, Any]) -> dict[str, Any]:
+        op = req["op"]
+        if op == "offer":
+            env = req.get("envelope")
+            if not isinstance(env, bytes):
+                raise RemoteProtocolError("offer: envelope must be bytes")
+            return await self._offer(peer, env)
+        job_id = job_proto.str_field(req, "job", op)
+        nj = self.jobs.get(job_id)
+        if op == "status":
+            return {"ok": nj is not None, "state": nj.state.value if nj else "", "reason": nj.reason if nj else "unknown job"}
+        if nj is None or nj.publisher != peer:
+            return {"ok": False, "error": f"no job {job_id} from this publisher"}
+        if op == "cancel":
+            if nj.scope is not None:
+                nj.scope.cancel()
+            elif nj.state is JobState.PENDING:
+                self.jobs.pop(job_id, None)
+            return {"ok": True}
+        if op == "start":
+            snap_bytes = req.get("snapshot")
+            if not isinstance(snap_bytes, bytes):
+                raise RemoteProtocolError("start: snapshot must be bytes")
+            snap = Snapshot.from_wire(snap_bytes)
+            if snap.job != job_id or self.t.peer_id not in snap.members:
+                return {"ok": False, "error": "the snapshot is for another job or does not name this node"}
+            if nj.state is not JobState.PENDING:
+                return {"ok": False, "error": f"job already {nj.state.value}"}
+            nj.state = JobState.PLANNED
+            assert self._nursery is not None
+            self._nursery.start_soon(self._run, nj, snap)
+            return {"ok": True}
+        return {"ok": False, "error": f"op {op} is not served by nodes"}
+
+    async def _offer(self, peer: str, envelope: bytes) -> dict[str, Any]:
+        if len(self.jobs) >= self.config.max_jobs:
+            return {"ok": False, "error": "this node is busy"}
+        profile = self.swarm.profile
+        if profile is None:
+            return {"ok": False, "error": "this node has no device profile"}
+        try:
+            intake = NodeJobs(self.content, profile)
+            with trio.fail_after(self.config.accept_timeout):
+                acc = await intake.accept(envelope, peers=[peer])
+        except trio.TooSlowError:
+            return {"ok": False, "error": f"fetching the job's content took over {self.config.accept_timeout:.0f} s"}
+        except (FusionError, ValueError) as exc:
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        if acc.spec.publisher != peer:
+            return {"ok": False, "error": "the spec is signed by another publisher than the one offering it"}
+        self.jobs.setdefault(acc.spec.job_id, _Job(accepted=acc, publisher=peer))
+        assert self._nursery is not None
+        self._nursery.start_soon(self._provide, intake.fetched)   # we can serve these blobs to others now
+        log.info("accepted job %s from %s", acc.spec.job_id, peer[:12])
+        return {"ok": True, "job": acc.spec.job_id}
+
+    # ------------------------------------------------------------------ running a job
+    async def _run(self, nj: _Job, snap: Snapshot) -> None:
+        job_id = nj.accepted.spec.job_id
+        result: dict[str, Any] = {}
+        state, reason = JobState.FAILED, ""
+        with trio.CancelScope() as scope:
+            nj.scope = scope
+            try:
+                result = await self._train(nj, snap)
+                state = JobState.DONE
+            except Exception as exc:   # any failure ends this job, never the node
+                log.warning("job %s failed: %s", job_id, describe(exc), exc_info=not isinstance(exc, FusionError))
+                reason = describe(exc)
+        if scope.cancelled_caught:
+            state, reason = JobState.CANCELLED, "cancelled by the publisher"
+        nj.state, nj.reason, nj.scope = state, reason, None
+        log.info("job %s %s %s", job_id, state.value, reason)
+        await self._report(nj, state, reason, result)
+        for key in [k for k in self._arrived if k[0] == job_id]:
+            with trio.CancelScope(shield=True):
+                await self._arrived.pop(key).aclose()
+
+    async def _report(self, nj: _Job, state: JobState, reason: str, result: Mapping[str, Any]) -> None:
+        msg = {"op": "report", "job": nj.accepted.spec.job_id, "state": state.value, "reason": reason, **result}
+        for attempt in range(self.config.report_attempts):
+            try:
+                await job_proto.request(self.t, nj.publisher, msg, timeout=self.config.report_timeout)
+                return
+            except (PeerUnavailable, RemoteProtocolError) as exc:
+                log.info("report of %s to %s failed (attempt %d): %s", nj.accepted.spec.job_id, nj.publisher[:12],
+                         attempt + 1, exc)
+                await trio.sleep(0.5 * (attempt + 1))   # backoff between retries, not a readiness wait
+
+    async def _train(self, nj: _Job, snap: Snapshot) -> dict[str, Any]:
+        acc = nj.accepted
+        spec, cfg = acc.spec, acc.spec.config
+        me = self.t.peer_id
+        plan = plan_for_snapshot(spec, acc.dag, snap)
+        async with open_elector(self.t, ElectionConfig(timeout_s=self.config.election_timeout)) as el:
+            outcome = await el.elect(snap, plan)
+        if not isinstance(outcome.decision, Adopted) or outcome.plan is None:
+            raise PlanError(f"no plan adopted for job {spec.job_id}: {outcome.decision}")
+        plan = outcome.plan
+        roles = [(s, r) for s, st in enumerate(plan.stages) for r, p in enumerate(st.replicas) if p == me]
+        if not roles:
+            return {"stage": -1, "replica": -1}
+        if len(roles) > 1:
+            raise PlanError(f"the plan gives this node {len(roles)} roles; one is supported")
+        s, r = roles[0]
+        nj.role = (s, r)
+        nj.state = JobState.RUNNING
+        programs = stage_programs(acc.dag, plan)
+        links, peers = await self._open_links(spec.job_id, plan, programs, s, r)
+        n_st = len(plan.stages)
+        rho_out: dict[int, float] = {}
+        if cfg.adatopk is not None:
+            if s + 1 < n_st:
+                rho_out[s + 1] = plan.fences[s].rho
+            if s > 0:
+                rho_out[-1 - (s - 1)] = plan.fences[s - 1].rho
+        final: list[float] = []
+        saved: dict[int, Path] = {}
+        ckpt_root = self.home / "checkpoints"
+
+        async def report(rep: StageReport) -> None:
+            if rep.eval:
+                if rep.loss is not None:
+                    final.append(rep.loss)
+                return
+            if rep.loss is None:
+                return   # only the loss stage publishes per-step progress (gossip stays small)
+            await self._gossip(StepProgress(job=spec.job_id, step=rep.step, epoch=plan.epoch, stage=s, peer=me,
+                                            loss=rep.loss, tokens_per_s=rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0,
+                                            compute_util=min(1.0, rep.compute_s / rep.wall_s) if rep.wall_s > 0 else None,
+                                            at=time.time()))
+
+        async def checkpoint(step: int, state: dict[str, torch.Tensor]) -> None:
+            meta = StageCheckpointMeta(job=spec.job_id, stage=s, num_stages=n_st, step=step, plan_hash=plan.plan_hash())
+            saved[step] = await trio.to_thread.run_sync(lambda: save_stage(ckpt_root, meta, state))
+            await self._gossip(CheckpointSaved(job=spec.job_id, step=step, stage=s, peer=me, at=time.time()))
+
+        prog = programs[s]
+        ctx = StageContext(job=spec.job_id, executor=StageExecutor(prog), config=cfg, replica=r,
+                           replicas=len(plan.stages[s].replicas), links=links, peers=peers, data=data_fn(acc),
+                           tokens_per_micro=cfg.micro_batch * spec.dataset.seq_len, rho_out=rho_out, report=report,
+                           checkpoint=checkpoint if r == 0 else None, recv_timeout=self.config.recv_timeout)
+        try:
+            await StageWorker(ctx).run()
+        finally:
+            with trio.CancelScope(shield=True):
+                for ch in [*links.values(), *peers]:
+                    await ch.aclose()
+        out: dict[str, Any] = {"stage": s, "replica": r, "final_loss": final[0] if final else None}
+        if r == 0 and cfg.steps in saved:
+            blob = await trio.to_thread.run_sync(saved[cfg.steps].read_bytes)
+            out["checkpoint"] = self.content.store.put(blob)
+            out["step"] = cfg.steps
+        return out
+
+    async def _gossip(self, ev: ProgressEvent) -> None:
+        try:
+            with trio.move_on_after(5):
+                await self.t.publish(TOPIC_JOBS, encode_event(ev))
+        except FusionError as exc:
+            log.debug("progress not published: %s", exc)
+
+    # ------------------------------------------------------------------ data-plane links
+    async def _open_links(self, job: str, plan: Plan, programs: list[Any], s: int,
+                          r: int) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:
+        """Channels to this pipeline's neighbour stages and to the other replicas of stage *s*."""
+        dial: list[tuple[str, str, int | None]] = []     # (link name, peer, pipeline stage or None)
+        accept: list[tuple[str, str, int | None]] = []
+        for p in programs:
+            for src in sorted({x.src for x in p.recv if x.src >= 0}):
+                name = f"p{r}:{src}-{p.stage}"
+                if src == s:
+                    dial.append((name, plan.stages[p.stage].replicas[r], p.stage))
+                elif p.stage == s:
+                    accept.append((name, plan.stages[src].replicas[r], src))
+        reps = plan.stages[s].replicas
+        for j, peer in enumerate(reps):
+            if j != r:
+                name = f"s{s}:{min(r, j)}-{max(r, j)}"
+                (dial if r < j else accept).append((name, peer, None))
+        got: dict[str, TensorChannel] = {}
+        with trio.fail_after(self.config.link_timeout):
+            async with trio.open_nursery() as nursery:
+                for name, peer, _ in dial:
+                    nursery.start_soon(self._dial_link, job, name, peer, got)
+                for name, peer, _ in accept:
+                    nursery.start_soon(self._claim_link, job, name, peer, got)
+        links = {st: got[name] for name, _, st in [*dial, *accept] if st is not None}
+        peers = [got[f"s{s}:{min(r, j)}-{max(r, j)}"] for j in range(len(reps)) if j != r]
+        return links, peers
+
+    async def _dial_link(self, job: str, name: str, peer: str, got: dict[str, TensorChannel]) -> None:
+        assert self._dp is not None
+        delay = 0.2
+        while True:
+            try:
+                ch = await self._dp.connect(peer)
+                break
+            except PeerUnavailable as exc:
+                log.info("data plane to %s: %s; retrying", peer[:12], exc)
+                await trio.sleep(delay)     # retry backoff, bounded by link_timeout
+                delay = min(2.0, delay * 2)
+        await ch.send(TensorMessage(job=job, kind="link", name=name))
+        got[name] = ch
+
+    async def _claim_link(self, job: str, name: str, peer: str, got: dict[str, TensorChannel]) -> None:
+        while (job, name) not in self._arrived:
+            await self._arrival.wait()
+        ch = self._arrived.pop((job, name))
+        if ch.remote_peer != peer:
+            await ch.aclose()
+            raise RemoteProtocolError(f"link {name} of job {job} came from {ch.remote_peer[:12]}, not {peer[:12]}")
+        got[name] = ch
+
+    async def _route_incoming(self, dp: DataPlane) -> None:
+        async with trio.open_nursery() as nursery:
+            async for ch in dp.incoming:
+                nursery.start_soon(self._route_one, ch)
+
+    async def _route_one(self, ch: BulkChannel) -> None:
+        try:
+            with trio.fail_after(self.config.link_timeout):
+                msg = await ch.receive()
+            if msg.kind != "link" or not msg.name or msg.job not in self.jobs:
+                raise RemoteProtocolError(f"first data-plane message is {msg.kind!r} for job {msg.job!r}")
+            key = (msg.job, msg.name)
+            if key in self._arrived or len(self._arrived) >= self.config.max_pending_links:
+                raise RemoteProtocolError(f"duplicate or too many pending links ({msg.name})")
+        except (FusionError, trio.TooSlowError, trio.EndOfChannel) as exc:
+            log.info("data-plane channel from %s dropped: %s", ch.remote_peer[:12], exc)
+            with trio.CancelScope(shield=True):
+                await ch.aclose()
+            return
+        self._arrived[key] = ch
+        self._arrival.set()
+        self._arrival = trio.Event()
+
+
+__all__ = ["NodeJobConfig", "NodeJobService", "describe"]

@@ -1,0 +1,126 @@
+"""The job control protocol (``wire.protocols.JOB``): one request, one reply, per stream.
+
+Both ends speak it: a node serves ``offer`` / ``start`` / ``cancel`` / ``status`` from the publisher,
+and the publisher serves ``report`` from the nodes (a member's terminal state, its final evaluation
+loss and the content hash of its stage checkpoint). Messages are msgpack maps in one length-prefixed
+frame each (``fusionp2p.wire``); a request carries ``op``, a reply carries ``ok`` and, when not ok,
+``error``. Anything a peer sends that does not parse raises :class:`RemoteProtocolError`.
+
+Progress (loss, tokens/s, plan, checkpoints) does *not* travel here: it is small, frequent and
+fire-and-forget, so it goes on the jobs gossip topic (``metrics.encode_event``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
+from fusionp2p.net.transport import Stream, Transport
+from fusionp2p.wire.framing import FrameDecoder, encode_frame
+from fusionp2p.wire.limits import DEFAULT_LIMITS
+from fusionp2p.wire.msg import expect_map, packb, unpackb
+from fusionp2p.wire.protocols import JOB
+
+log = logging.getLogger(__name__)
+
+MAX_JOB_FRAME = 8 * 1024 * 1024        # a snapshot of a large swarm fits; blobs never travel here
+OPS = ("offer", "start", "cancel", "status", "report")
+
+Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]   # (remote peer, request) -> reply
+
+
+async def _read_one(stream: Stream, what: str) -> dict[str, Any]:
+    dec = FrameDecoder(max_frame=MAX_JOB_FRAME)
+    while True:
+        data = await stream.receive_some(64 * 1024)
+        if not data:
+            dec.check_eof()
+            raise RemoteProtocolError(f"{what}: stream ended before a message")
+        frames = dec.feed(data)
+        if frames:
+            return expect_map(unpackb(frames[0], max_size=MAX_JOB_FRAME, limits=DEFAULT_LIMITS), what)
+
+
+async def request(transport: Transport, peer: str, msg: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+    """Send one request to *peer* and return its reply (``ok`` checked by the caller).
+
+    PeerUnavailable when the peer cannot be reached or does not answer within *timeout*;
+    RemoteProtocolError when its answer is malformed.
+    """
+    if msg.get("op") not in OPS:
+        raise ValueError(f"unknown job op {msg.get('op')!r}")
+    try:
+        with trio.fail_after(timeout):
+            stream = await transport.open_stream(peer, JOB)
+            try:
+                await stream.send_all(encode_frame(packb(msg), max_frame=MAX_JOB_FRAME))
+                await stream.send_eof()
+                reply = await _read_one(stream, f"job reply from {peer[:12]}")
+            finally:
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + 2):
+                    await stream.aclose()
+    except trio.TooSlowError:
+        raise PeerUnavailable(peer, f"no answer to {msg['op']} within {timeout:.0f} s") from None
+    if not isinstance(reply.get("ok"), bool):
+        raise RemoteProtocolError(f"job reply from {peer[:12]} has no ok field")
+    return reply
+
+
+def serve(handler: Handler, *, timeout: float = 30.0) -> Callable[[Stream], Awaitable[None]]:
+    """A stream handler for JOB: read one request, answer with ``handler``'s reply.
+
+    A malformed request, or an exception in the handler, is answered ``ok: False`` with the reason
+    (a node never crashes on a publisher's bytes, and the publisher learns why).
+    """
+
+    async def handle(stream: Stream) -> None:
+        peer = stream.remote_peer
+        try:
+            with trio.fail_after(timeout):
+                req = await _read_one(stream, f"job request from {peer[:12]}")
+                op = req.get("op")
+                if op not in OPS:
+                    raise RemoteProtocolError(f"unknown job op {op!r}")
+                try:
+                    reply = await handler(peer, req)
+                except (RemoteProtocolError, ValueError) as exc:
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+                except Exception as exc:   # the node keeps running; the publisher gets the reason
+                    log.exception("job %s request from %s failed", op, peer[:12])
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+                await stream.send_all(encode_frame(packb(reply), max_frame=MAX_JOB_FRAME))
+                await stream.send_eof()
+        except (RemoteProtocolError, PeerUnavailable, trio.TooSlowError) as exc:
+            log.info("job request from %s dropped: %s", peer[:12], exc)
+
+    return handle
+
+
+def str_field(m: dict[str, Any], name: str, what: str, *, limit: int = 4096) -> str:
+    v = m.get(name)
+    if not isinstance(v, str) or len(v) > limit:
+        raise RemoteProtocolError(f"{what}: field {name!r} must be a string")
+    return v
+
+
+def opt_float(m: dict[str, Any], name: str, what: str) -> float | None:
+    v = m.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise RemoteProtocolError(f"{what}: field {name!r} must be a number")
+    return float(v)
+
+
+def int_field(m: dict[str, Any], name: str, what: str) -> int:
+    v = m.get(name)
+    if isinstance(v, bool) or not isinstance(v, int) or not -(2**31) < v < 2**31:
+        raise RemoteProtocolError(f"{what}: field {name!r} must be an integer")
+    return v
+
+
+__all__ = ["MAX_JOB_FRAME", "int_field", "opt_float", "request", "serve", "str_field"]
