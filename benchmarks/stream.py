@@ -17,6 +17,7 @@ Headline: median over message sizes of ours / raw bytes per second (target >= 0.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import struct
@@ -96,12 +97,15 @@ async def child_ours(keys_hex: str, cipher: str) -> None:
 
 
 THREAD_THRESHOLD: int | None = None  # --thread-threshold (children get it through argv)
+CHUNK_MIB: int | None = None  # --chunk-mib
 
 
 def _config(cipher: str) -> Any:
     from fusionp2p.net.bulk import DataPlaneConfig
 
-    extra = {} if THREAD_THRESHOLD is None else {"thread_threshold": THREAD_THRESHOLD}
+    extra: dict[str, int] = {} if THREAD_THRESHOLD is None else {"thread_threshold": THREAD_THRESHOLD}
+    if CHUNK_MIB is not None:
+        extra["chunk_size"] = CHUNK_MIB * MiB
     return DataPlaneConfig(cipher=cipher, insecure_plaintext_for_tests=cipher == "none", **extra)
 
 
@@ -116,6 +120,8 @@ def _libp2p_host() -> Any:
     from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
     from libp2p.stream_muxer.yamux.yamux import Yamux
 
+    # libp2p configures its own logging at import; silence its routine dial errors afterwards
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     kp = create_new_key_pair()
     return new_host(key_pair=kp,
                     sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(kp, noise_privkey=create_new_x25519_key_pair().private_key)},
@@ -218,6 +224,7 @@ async def send_libp2p(addr: str, size: int, total: int) -> float:
 
 def _spawn(*args: str) -> tuple[subprocess.Popen[str], str]:
     extra = [] if THREAD_THRESHOLD is None else ["--thread-threshold", str(THREAD_THRESHOLD)]
+    extra += [] if CHUNK_MIB is None else ["--chunk-mib", str(CHUNK_MIB)]
     p = subprocess.Popen([sys.executable, "-m", "benchmarks.stream", *extra, "--role", *args], stdout=subprocess.PIPE,
                          text=True)
     assert p.stdout is not None
@@ -303,10 +310,11 @@ def main() -> None:
     p.add_argument("--cipher", default=None, help="aes-gcm | chacha20-poly1305 (default: the data plane's default)")
     p.add_argument("--thread-threshold", type=int, default=None,
                    help="records at least this big are sealed/opened in worker threads (DataPlaneConfig)")
+    p.add_argument("--chunk-mib", type=int, default=None, help="record size in MiB (DataPlaneConfig.chunk_size)")
     p.add_argument("--only", choices=["transfers", "compression"], default=None)
     args = p.parse_args()
-    global THREAD_THRESHOLD
-    THREAD_THRESHOLD = args.thread_threshold
+    global THREAD_THRESHOLD, CHUNK_MIB
+    THREAD_THRESHOLD, CHUNK_MIB = args.thread_threshold, args.chunk_mib
     if args.role:
         role = args.role[0]
         if role == "raw":
@@ -316,9 +324,6 @@ def main() -> None:
         else:
             trio.run(child_libp2p)
         return
-    import logging
-
-    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     from fusionp2p.net.aead import default_cipher
 
     cipher = args.cipher or default_cipher()
@@ -326,10 +331,17 @@ def main() -> None:
         sizes, total, lp_total, n, reps = [1, 16, 64], 256, 64, 25_000_000, 2
     else:
         sizes, total, lp_total, n, reps = [1, 4, 16, 64], 1024, 256, 25_000_000, 3
-    print(f"transfers: two processes on loopback, cipher {cipher}")
-    rows = transfers(sizes, total, cipher, libp2p_total_mib=lp_total)
-    print("compression: 25M fp32 elements, encode + decode, 1 torch thread")
-    comp = compression(n, [0.01, 0.1, 0.3], reps)
+    rows: list[dict[str, Any]] = []
+    comp: list[dict[str, Any]] = []
+    if args.only in (None, "transfers"):
+        print(f"transfers: two processes on loopback, cipher {cipher}")
+        rows = transfers(sizes, total, cipher, libp2p_total_mib=lp_total)
+    if args.only in (None, "compression"):
+        print("compression: 25M fp32 elements, encode + decode, 1 torch thread")
+        comp = compression(n, [0.01, 0.1, 0.3], reps)
+    if not rows or not comp:
+        print(json.dumps({"transfers": rows, "compression": comp}, indent=1))
+        return
     ratio = statistics.median(r["ours_over_raw"] for r in rows)
     print(json.dumps({"median ours/raw": round(ratio, 3),
                       "median ours/libp2p": round(statistics.median(r["ours_over_libp2p"] for r in rows), 2),

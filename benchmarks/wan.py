@@ -61,7 +61,9 @@ def _worker_argv(job_path: Path, host: str, cpu: int | None) -> list[str]:
 
 def _barrier(procs: list[Proc], want: str, timeout: float) -> None:
     for p in procs:
-        p.read_line(timeout, match=lambda line: line.strip() == want)
+        line = p.read_line(timeout, match=lambda line: line.strip() in (want, f"failed {want[5:]}"))
+        if line.startswith("failed"):
+            raise RuntimeError(f"{p.label} failed (see {p.err_path})")
 
 
 def run(scenario: str, cfg: RunConfig, *, loopback: bool, pin: bool, system_timeout: float) -> dict[str, Any]:
@@ -84,7 +86,11 @@ def run(scenario: str, cfg: RunConfig, *, loopback: bool, pin: bool, system_time
         else:
             addrs, ports = ["127.0.0.1"] * n, _free_ports(n)
         t = time.perf_counter()
-        job = prepare(spec, cfg, workdir, addrs=addrs, ports=ports, cpu_share=default_cpu_share(n))
+        caps = [h.cpus for h in spec.hosts]
+        # Each emulated device computes at its cgroup cap (testbed) or its even share of the cores
+        # (loopback), whether or not the other hosts are busy: that is what the planner is told.
+        share = min(c for c in caps if c is not None) if tb is not None and None not in caps else default_cpu_share(n)
+        job = prepare(spec, cfg, workdir, addrs=addrs, ports=ports, cpu_share=min(1.0, share))
         log.info("planned in %.1fs (1-thread compute %.1f GFLOP/s)", time.perf_counter() - t, job["flops_1thread"] / 1e9)
         for i, h in enumerate(spec.hosts):
             argv = _worker_argv(workdir / "job.json", h.name, i % cpus if pin else None)
@@ -99,6 +105,9 @@ def run(scenario: str, cfg: RunConfig, *, loopback: bool, pin: bool, system_time
             (workdir / f"go-{k}").touch()
             _barrier(procs, f"done {k}", system_timeout)
             print(f"  {sysd['name']:<13} finished in {time.perf_counter() - t:5.1f} s", flush=True)
+        (workdir / f"go-{len(job['systems'])}").touch()   # everyone is done: workers may close and exit
+        for p in procs:
+            p.wait(60.0)
         summary = collect(job, workdir)
         log.info("logs and results in %s", workdir)
         return {"scenario": scenario, "loopback": loopback, "spec": spec.description, "job": {

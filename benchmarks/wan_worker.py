@@ -136,7 +136,8 @@ async def _channels(dp: DataPlane, tp: Libp2pTransport, me: dict[str, Any], othe
 
 
 async def run_system(k: int, sysd: dict[str, Any], job: dict[str, Any], me: dict[str, Any], dp: DataPlane,
-                     tp: Libp2pTransport, connected: set[str], tokens: np.ndarray[Any, Any]) -> dict[str, Any] | None:
+                     tp: Libp2pTransport, connected: set[str], tokens: np.ndarray[Any, Any],
+                     opened: list[BulkChannel]) -> dict[str, Any] | None:
     hosts = {h["name"]: h for h in job["hosts"]}
     order = {h["name"]: i for i, h in enumerate(job["hosts"])}
     role = next(((s, st["replicas"].index(me["name"])) for s, st in enumerate(sysd["stages"])
@@ -193,8 +194,9 @@ async def run_system(k: int, sysd: dict[str, Any], job: dict[str, Any], me: dict
     await worker.run()
     t_end = time.time()
     sent = {h: ch.bytes_sent for h, ch in chans.items()}
-    for ch in chans.values():
-        await ch.aclose()
+    # Closing now would reset a neighbour still in its evaluation pass (its reader would see the
+    # connection go); the caller closes these after the harness's next barrier.
+    opened.extend(chans.values())
     return {"system": sysd["name"], "host": me["name"], "stage": s, "replica": r, "t_start": t_start, "t_end": t_end,
             "steps": steps, "eval_loss": final[0] if final else None, "bytes_sent": sent,
             "roles": {h: ("replica" if h in peer_hosts else "pipeline") for h in chans}}
@@ -204,18 +206,33 @@ async def main_async(job: dict[str, Any], host: str) -> None:
     me = next(h for h in job["hosts"] if h["name"] == host)
     workdir = Path(job["workdir"])
     tokens = corpus_tokens("pydoc")
+    completed = False
     ident = Identity(bytes.fromhex(me["seed"]))
     lcfg = Libp2pConfig(listen=(f"/ip4/{me['addr']}/tcp/{me['port']}",), dial_timeout=30.0, stream_timeout=30.0)
     async with open_libp2p_transport(ident, lcfg) as tp, open_data_plane(
             tp, listen_host=me["addr"], dead_after=60.0, keepalive=1.0, connect_timeout=60.0, ticket_ttl=60.0) as dp:
         print("up", flush=True)
         connected: set[str] = set()
+        opened: list[BulkChannel] = []
         for k, sysd in enumerate(job["systems"]):
             await _wait_go(workdir, k)
-            res = await run_system(k, sysd, job, me, dp, tp, connected, tokens)
+            for ch in opened:   # every worker finished system k-1: its channels can go
+                await ch.aclose()
+            opened.clear()
+            try:
+                res = await run_system(k, sysd, job, me, dp, tp, connected, tokens, opened)
+            except BaseException:
+                # the transports' context managers may swallow what unwinds through them: log it here
+                log.exception("system %s failed on %s", sysd["name"], host)
+                print(f"failed {k}", flush=True)
+                raise
             if res is not None:
                 (workdir / f"result-{k}-{host}.json").write_text(json.dumps(res))
             print(f"done {k}", flush=True)
+        await _wait_go(workdir, len(job["systems"]))   # a neighbour may still be evaluating: wait for all
+        completed = True
+    if not completed:
+        raise SystemExit(f"{host}: the transport closed before every system ran")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,15 +1,27 @@
-"""``fusionp2p demo``: train the GPT-2 reference on an embedded swarm and show it.
+"""``fusionp2p demo`` (``make demo``): a real swarm on loopback trains the GPT-2 reference, live.
 
-Starts ``Swarm.local(nodes)`` (all nodes in one process, in-memory transport: see docs/sdk.md for
-what is and is not real about it), publishes a small GPT-2 on the built-in byte-level corpus with
-2 stages x ``nodes // 2`` replicas, CO2 averaging and AdaTopK, shows live progress (rich), prints
-the loss at the start and end and the throughput, and saves the trained model.
+What it does, in order:
+
+1. starts a bootstrap and ``nodes`` ``fusionp2p node`` processes on 127.0.0.1 (tracked by PID,
+   terminated on exit and on Ctrl-C; :class:`~fusionp2p.runtime.job_launch.LocalCluster`);
+2. connects to it with ``Swarm.connect`` (a libp2p client in a background thread) and waits, with a
+   deadline, until the bootstrap's view lists every node;
+3. publishes a small GPT-2 on the built-in byte-level pydoc corpus: 2 stages x ``nodes // 2``
+   replicas, CO2 averaging between replicas, AdaTopK on the stage link; the nodes verify the signed
+   job, fetch the model and weights by hash from this process, elect the plan over gossip, and train
+   over the encrypted data plane;
+4. shows live progress (rich), then the loss at the start and the end and the throughput, downloads
+   the stage checkpoints by hash, saves ``<out>/model.safetensors``, and shuts the swarm down.
+
+``embedded=True`` runs the same job on ``Swarm.local`` (one process, in-memory transport) instead.
 """
 
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,9 +32,9 @@ from rich.table import Table
 from fusionp2p.data import BuiltinCorpus
 from fusionp2p.errors import JobError
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
-from fusionp2p.runtime.metrics import PlanChanged, StepProgress
+from fusionp2p.runtime.metrics import CheckpointSaved, JobStateChanged, PlanChanged, StepProgress
 from fusionp2p.runtime.trainconfig import TrainConfig
-from fusionp2p.sdk import Swarm
+from fusionp2p.sdk import Job, Swarm
 
 log = logging.getLogger(__name__)
 
@@ -41,47 +53,107 @@ def demo_config(steps: int, nodes: int) -> TrainConfig:
                        checkpoint_every=max(1, steps // 2), seed=0)
 
 
-def run_demo(nodes: int = 4, steps: int = 60, out: Path = Path("out/demo")) -> int:
-    """Run the demo; 0 on success."""
-    console = Console()
-    torch.set_num_threads(1)
-    cfg = demo_config(steps, nodes)
-    console.print(f"[bold]fusionp2p demo[/]: {nodes} nodes, GPT-2 ({demo_model().num_params():,} params), "
-                  f"{steps} steps on the built-in pydoc corpus")
-    t0 = time.perf_counter()
-    losses: list[float] = []
-    tps: list[float] = []
-    with Swarm.local(n_nodes=nodes) as swarm:
-        job = swarm.publish(model=demo_model(), dataset=BuiltinCorpus(seq_len=SEQ_LEN), config=cfg, name="demo")
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task("training", total=steps, info="")
-            for ev in job.events():
-                if isinstance(ev, PlanChanged):
-                    console.print(f"plan {ev.plan_hash[:12]}: stages x replicas = {ev.stage_sizes}")
-                elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
-                    losses.append(ev.loss)
-                    tps.append(ev.tokens_per_s)
-                    bar.update(task, completed=ev.step + 1, info=f"loss {ev.loss:.3f}  {ev.tokens_per_s:,.0f} tok/s")
-        try:
-            job.wait(timeout=5)
-        except JobError as exc:
-            console.print(f"[red]job failed[/]: {exc}")
-            return 1
-        path = job.download(out)
-    wall = time.perf_counter() - t0
-    table = Table(title="demo summary")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    k = min(5, len(losses))
-    table.add_row("loss, first steps", f"{sum(losses[:k]) / k:.3f}")
-    table.add_row("loss, last steps", f"{sum(losses[-k:]) / k:.3f}")
-    table.add_row("final eval loss", f"{job.final_loss:.3f}" if job.final_loss is not None else "-")
-    table.add_row("throughput (median)", f"{sorted(tps)[len(tps) // 2]:,.0f} tokens/s")
-    table.add_row("wall time", f"{wall:.1f} s")
+@dataclass
+class Followed:
+    """What :func:`follow` saw: per-step losses and throughputs, and the wall time of the run."""
+
+    losses: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    started: float = 0.0      # perf_counter at the RUNNING state
+    ended: float = 0.0        # perf_counter at the terminal state
+
+    def summary(self, job: Job) -> Table:
+        table = Table(title=f"job {job.id}: {job.state.value}")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        k = min(5, len(self.losses))
+        if k:
+            table.add_row(f"loss, first {k} steps", f"{sum(self.losses[:k]) / k:.3f}")
+            table.add_row(f"loss, last {k} steps", f"{sum(self.losses[-k:]) / k:.3f}")
+        table.add_row("final eval loss", f"{job.final_loss:.3f}" if job.final_loss is not None else "-")
+        if self.tokens_per_s:
+            table.add_row("throughput (median)", f"{sorted(self.tokens_per_s)[len(self.tokens_per_s) // 2]:,.0f} tokens/s")
+        if self.ended > self.started > 0:
+            table.add_row("training wall time", f"{self.ended - self.started:.1f} s")
+        return table
+
+
+def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
+    """Show a job's progress live until it ends (TimeoutError after *timeout* s without an event)."""
+    seen = Followed()
+    steps = job.spec.config.steps
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("training", total=steps, info="")
+        for ev in job.events(timeout=timeout):
+            if isinstance(ev, PlanChanged):
+                bar.console.print(f"plan {ev.plan_hash[:12]}: replicas per stage {ev.stage_sizes} "
+                                  f"on {len(set(ev.members))} nodes")
+            elif isinstance(ev, JobStateChanged):
+                bar.console.print(f"job {ev.state}" + (f": {ev.reason}" if ev.reason and ev.state != "planned" else ""))
+                if ev.state == "running":
+                    seen.started = time.perf_counter()
+                elif ev.state in ("done", "failed", "cancelled"):
+                    seen.ended = time.perf_counter()
+            elif isinstance(ev, CheckpointSaved):
+                bar.update(task, info=f"checkpoint step {ev.step} stage {ev.stage}")
+            elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
+                seen.losses.append(ev.loss)
+                seen.tokens_per_s.append(ev.tokens_per_s)
+                bar.update(task, completed=ev.step + 1, info=f"loss {ev.loss:.3f}  {ev.tokens_per_s:,.0f} tok/s")
+    return seen
+
+
+def _train(swarm: Swarm, steps: int, nodes: int, out: Path, console: Console) -> int:
+    job = swarm.publish(model=demo_model(), dataset=BuiltinCorpus(seq_len=SEQ_LEN), config=demo_config(steps, nodes),
+                        name="demo")
+    try:
+        seen = follow(job, console)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: cancelling the job[/]")
+        job.cancel()
+        raise
+    try:
+        job.wait(timeout=5)
+    except JobError as exc:
+        console.print(f"[red]job failed[/]: {exc}")
+        return 1
+    path = job.download(out)
+    table = seen.summary(job)
     table.add_row("model", str(path))
     console.print(table)
     return 0
 
 
-__all__ = ["demo_config", "demo_model", "run_demo"]
+def run_demo(nodes: int = 4, steps: int = 60, out: Path = Path("out/demo"), *, embedded: bool = False,
+             home: Path | None = None) -> int:
+    """Run the demo; 0 on success."""
+    from fusionp2p.runtime.job_launch import LocalCluster
+    from fusionp2p.testing.wait import wait_until
+
+    console = Console()
+    torch.set_num_threads(1)
+    console.print(f"[bold]fusionp2p demo[/]: {nodes} nodes, GPT-2 ({demo_model().num_params():,} params), "
+                  f"{steps} steps on the built-in pydoc corpus")
+    t0 = time.perf_counter()
+    if embedded:
+        with Swarm.local(n_nodes=nodes) as swarm:
+            rc = _train(swarm, steps, nodes, out, console)
+    else:
+        root = home or Path(tempfile.mkdtemp(prefix="fusionp2p-demo-"))
+        with LocalCluster(nodes, root) as cluster:
+            console.print(f"bootstrap {cluster.bootstrap}\n{nodes} node processes, logs in {root}")
+            with Swarm.connect([cluster.bootstrap], home=root / "client", listen="/ip4/127.0.0.1/tcp/0") as swarm:
+                wait_until(lambda: len(swarm.members()) >= nodes, timeout=120, interval=0.5,
+                           what=f"{nodes} nodes in the swarm")
+                console.print(f"swarm ready after {time.perf_counter() - t0:.1f} s: {nodes} members")
+                rc = _train(swarm, steps, nodes, out, console)
+        codes = cluster.exit_codes
+        console.print("swarm stopped: " + ", ".join(f"{n} exit {c}" for n, c in codes.items()))
+        if any(c != 0 for c in codes.values()):
+            rc = rc or 1
+    console.print(f"total wall time {time.perf_counter() - t0:.1f} s")
+    return rc
+
+
+__all__ = ["Followed", "demo_config", "demo_model", "follow", "run_demo"]

@@ -294,11 +294,6 @@ def _count_flops(inputs: tuple[InputSpec, ...], nodes: list[OpNode], tensors: Ma
     return out
 
 
-def module_state_names(dag: OpDAG) -> dict[str, tuple[str, ...]]:
-    """DAG tensor name -> the state_dict names of the traced module that hold it (tied weights: several)."""
-    return {k: tuple(v) for k, v in dag.module_names.items()}
-
-
 def _module_names(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
     by_id: dict[int, list[str]] = {}
     for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:

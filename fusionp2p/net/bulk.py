@@ -66,7 +66,7 @@ class DataPlaneConfig:
     connect_timeout: float = 5.0
     ticket_ttl: float = 10.0
     incoming_buffer: int = 16
-    socket_buffer: int = 4 * MiB
+    socket_buffer: int = 0              # SO_SNDBUF/SO_RCVBUF; 0 keeps Linux autotuning (faster on loopback)
     insecure_plaintext_for_tests: bool = False
     limits: Limits = DEFAULT_LIMITS
 
@@ -189,6 +189,7 @@ class BulkChannel:
             log.info("bulk channel to %s failed: %s", self._peer, exc)
         self._inbox_send.close()
         self._credit.set()
+        self._hello.set()  # wakes a connect() still waiting for the listener's HELLO
         self._scope.cancel()
         return self._error
 
@@ -385,6 +386,7 @@ class DataPlane:
     async def connect(self, peer: str) -> BulkChannel:
         """Open an encrypted channel to *peer* (PeerUnavailable if it cannot be reached in time)."""
         cfg = self._cfg
+        ch: BulkChannel | None = None
         try:
             with trio.fail_after(cfg.connect_timeout):
                 reply = await self._request_ticket(peer)
@@ -396,13 +398,20 @@ class DataPlane:
                 await stream.send_all(reply["ticket"])
                 ch = BulkChannel(stream, peer, _keys_for_dialer(reply), replace(cfg, cipher=reply["cipher"]))
                 await self._nursery.start(ch.run)
-                await ch._hello.wait() if ch._error is None else None
+                await ch._hello.wait()  # set by HELLO, or by a failure
                 if ch._error is not None:
                     raise ch._error
-        except trio.TooSlowError:
-            raise PeerUnavailable(peer, "bulk channel set-up timed out") from None
-        except OSError as exc:
-            raise PeerUnavailable(peer, f"cannot reach the bulk port: {exc}") from None
+        except BaseException as exc:
+            if ch is not None:
+                with trio.CancelScope(shield=True):
+                    await ch.aclose()
+            if isinstance(exc, trio.TooSlowError):
+                raise PeerUnavailable(peer, "bulk channel set-up timed out") from None
+            if isinstance(exc, OSError):
+                raise PeerUnavailable(peer, f"cannot reach the bulk port: {exc}") from None
+            if isinstance(exc, RemoteProtocolError | PeerUnavailable) and ch is not None and exc is ch._error:
+                raise PeerUnavailable(peer, f"bulk channel set-up failed: {exc}") from None
+            raise
         return ch
 
     async def _request_ticket(self, peer: str) -> dict[str, Any]:
@@ -485,6 +494,8 @@ class DataPlane:
 
 
 def _tune(stream: trio.SocketStream, cfg: DataPlaneConfig) -> None:
+    if cfg.socket_buffer <= 0:
+        return
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with suppress(OSError):
             stream.setsockopt(socket.SOL_SOCKET, opt, cfg.socket_buffer)

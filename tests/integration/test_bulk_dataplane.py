@@ -3,6 +3,7 @@ tickets and the test-only plaintext flag. Many nodes in one trio.run; every test
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -12,8 +13,11 @@ import trio
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.bulk import DataPlane, DataPlaneConfig, open_data_plane
 from fusionp2p.net.channel import TensorMessage
+from fusionp2p.net.transport import Stream
 from fusionp2p.testing.memory import MemoryNetwork, memory_network
 from fusionp2p.wire import tensor_frame as tf
+from fusionp2p.wire.framing import encode_frame
+from fusionp2p.wire.protocols import BULK_TICKET
 
 MSG = TensorMessage(job="j", kind="grad", step=1, tensors=(torch.arange(10.0),))
 
@@ -173,5 +177,26 @@ def test_plaintext_needs_the_test_flag_and_ciphers_must_match() -> None:
             with pytest.raises(PeerUnavailable):
                 await dc.connect(net.add_host().peer_id)  # a peer without a data plane
             _ = dc
+
+    run(body)
+
+
+def test_rejected_ticket_fails_fast() -> None:
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        async with open_data_plane(ta, connect_timeout=5.0) as da, open_data_plane(tb) as db:
+
+            async def forged_ticket(stream: Stream) -> None:
+                # answers like a listener but with a ticket the TCP side never issued
+                await stream.receive_some(1024)
+                reply = tf.encode_ticket_reply(ticket=os.urandom(16), cipher=db.config.cipher, k_dial=os.urandom(32),
+                                               k_listen=os.urandom(32), host="127.0.0.1", port=db.port)
+                await stream.send_all(encode_frame(reply, max_frame=1 << 20))
+
+            tb.set_stream_handler(BULK_TICKET, forged_ticket)
+            t0 = trio.current_time()
+            with pytest.raises(PeerUnavailable):
+                await da.connect(tb.peer_id)
+            assert trio.current_time() - t0 < 2.0  # the listener hung up: no waiting for the 5 s timeout
 
     run(body)

@@ -1,0 +1,197 @@
+"""The swarm job path (node job service + publisher driver) in one trio.run.
+
+Nodes run the real ``NodeJobService`` (JOB protocol, content fetch, gossip election, encrypted TCP
+data plane on loopback) on the in-memory transport; the publisher is the ``Publisher`` that
+``Swarm.connect`` uses. Real processes over libp2p: tests/system/test_e2e_processes.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import trio
+
+from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, corpus_tokens
+from fusionp2p.models.gpt2 import GPT2, GPT2Config
+from fusionp2p.runtime.checkpoint import assemble
+from fusionp2p.runtime.content import ContentService, ContentStore
+from fusionp2p.runtime.job_client import DriverConfig, Publisher
+from fusionp2p.runtime.job_local import build_job, module_state
+from fusionp2p.runtime.job_node import NodeJobConfig, NodeJobService
+from fusionp2p.runtime.jobspec import Resources
+from fusionp2p.runtime.metrics import JobStateChanged, PlanChanged, ProgressEvent, StepProgress
+from fusionp2p.runtime.swarm import SwarmConfig, SwarmNode
+from fusionp2p.runtime.trainconfig import TrainConfig
+from fusionp2p.testing.memory import MemoryTransport, memory_network
+from fusionp2p.testing.swarm import TEST_PROFILE
+from fusionp2p.wire.framing import encode_frame
+from fusionp2p.wire.protocols import JOB
+
+SEQ = 32
+CFG = SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probe=False)
+NODE_CFG = NodeJobConfig(election_timeout=20, link_timeout=20, recv_timeout=20)
+
+
+def _model(seed: int = 0) -> GPT2:
+    torch.manual_seed(seed)
+    return GPT2(GPT2Config.tiny(block_size=SEQ))
+
+
+class _Cluster:
+    def __init__(self, net: object, boot: SwarmNode, nodes: list[SwarmNode], scopes: list[trio.CancelScope],
+                 pub: Publisher, client: MemoryTransport) -> None:
+        self.net, self.boot, self.nodes, self.scopes, self.pub, self.client = net, boot, nodes, scopes, pub, client
+
+
+@asynccontextmanager
+async def _cluster(n: int, home: Path) -> AsyncIterator[_Cluster]:
+    async with memory_network() as net, trio.open_nursery() as nursery:
+        boot = SwarmNode(net.add_host(), SwarmConfig(role="bootstrap", heartbeat=0.2, dead_timeout=5.0), None)
+        await nursery.start(boot.run, [])
+        addr = boot.t.listen_addrs()[0]
+        nodes: list[SwarmNode] = []
+        scopes: list[trio.CancelScope] = []
+
+        async def node_main(i: int, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with trio.CancelScope() as scope:
+                scopes.append(scope)
+                node = SwarmNode(net.add_host(), CFG, TEST_PROFILE)
+                nodes.append(node)
+                async with trio.open_nursery() as inner:
+                    await inner.start(node.run, [addr])
+                    await inner.start(NodeJobService(node, home / f"node{i}", NODE_CFG).run)
+                    task_status.started()
+
+        for i in range(n):
+            await nursery.start(node_main, i)
+        client = net.add_host()
+        await client.connect(addr)
+        pub = Publisher(client, ContentService(client, ContentStore()), [boot.peer_id],
+                        DriverConfig(idle_timeout=30, offer_timeout=30))
+        await nursery.start(pub.run)
+        await boot.wait_until(lambda: len(boot.members()) >= n, 20)
+        try:
+            yield _Cluster(net, boot, nodes, scopes, pub, client)
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def _run(cl: _Cluster, built: object, home: Path) -> list[ProgressEvent]:
+    events: list[ProgressEvent] = []
+    await cl.pub.run_job(built, events.append, home / "checkpoints")  # type: ignore[arg-type]
+    return events
+
+
+def test_two_by_two_over_the_data_plane(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=12, micro_batch=4, micro_batches=2, lr=3e-3, replicas=2, averaging="co2",
+                      compression="adatopk", checkpoint_every=6, seed=1)
+
+    async def main() -> tuple[list[ProgressEvent], object]:
+        with trio.fail_after(120):
+            async with _cluster(4, tmp_path) as cl:
+                built = build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id,
+                                  sign=cl.client.sign, now=1.0, nonce=b"a" * 16)
+                return await _run(cl, built, tmp_path / "pub"), built
+
+    events, built = trio.run(main)
+    states = [e.state for e in events if isinstance(e, JobStateChanged)]
+    assert states == ["planned", "running", "done"], events[-1]
+    assert next(e for e in events if isinstance(e, PlanChanged)).stage_sizes == (2, 2)
+    steps = [e for e in events if isinstance(e, StepProgress) and e.step < cfg.steps]
+    assert [e.step for e in steps] == list(range(cfg.steps))
+    assert np.mean([e.loss for e in steps[-3:]]) < np.mean([e.loss for e in steps[:3]]) - 0.5
+    final = next(e for e in events if isinstance(e, StepProgress) and e.step == cfg.steps)
+    # the stage checkpoints fetched by hash assemble into the user's module and reproduce the final loss
+    state = module_state(built.dag, assemble(tmp_path / "pub" / "checkpoints", built.spec.job_id))  # type: ignore[attr-defined]
+    fresh = _model(seed=9)
+    fresh.load_state_dict(state)
+    tokens = corpus_tokens("pydoc")
+    s = BatchSampler(SamplerConfig(num_tokens=len(tokens), seq_len=SEQ, micro_batch=cfg.micro_batch,
+                                   micro_batches=cfg.micro_batches, seed=cfg.seed))
+    with torch.no_grad():
+        ref = np.mean([float(fresh(torch.from_numpy(s.inputs(tokens, cfg.steps * 2 + r, mu)),
+                                   torch.from_numpy(s.targets(tokens, cfg.steps * 2 + r, mu)))[1])
+                       for r in range(2) for mu in range(cfg.micro_batches)])
+    assert final.loss is not None
+    assert abs(ref - final.loss) < 1e-4
+    safetensors.torch.save_file(state, str(tmp_path / "m.safetensors"))   # the download format round-trips
+
+
+def test_unfittable_job_fails_with_the_nodes_reason(tmp_path: Path) -> None:
+    cfg = TrainConfig(steps=2, micro_batch=2, micro_batches=1)
+
+    async def main() -> list[ProgressEvent]:
+        with trio.fail_after(60):
+            async with _cluster(2, tmp_path) as cl:
+                built = build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id,
+                                  sign=cl.client.sign, now=1.0, nonce=b"b" * 16,
+                                  resources=Resources(min_memory_bytes=1 << 50))
+                return await _run(cl, built, tmp_path / "pub")
+
+    events = trio.run(main)
+    last = events[-1]
+    assert isinstance(last, JobStateChanged)
+    assert last.state == "failed"
+    assert "no node accepted" in last.reason
+    assert "needs" in last.reason
+
+
+def test_dead_node_fails_the_job_and_the_others_survive(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=400, micro_batch=2, micro_batches=2, replicas=1, averaging="none", compression="none")
+
+    async def main() -> tuple[list[ProgressEvent], list[ProgressEvent]]:
+        with trio.fail_after(120):
+            async with _cluster(2, tmp_path) as cl:
+                built = build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id,
+                                  sign=cl.client.sign, now=1.0, nonce=b"c" * 16)
+                events: list[ProgressEvent] = []
+
+                def emit(ev: ProgressEvent) -> None:
+                    events.append(ev)
+                    if isinstance(ev, StepProgress) and ev.step == 3:
+                        cl.scopes[1].cancel()                 # the node dies mid-job
+                        cl.net.kill(cl.nodes[1].peer_id)       # type: ignore[attr-defined]
+
+                await cl.pub.run_job(built, emit, tmp_path / "pub")
+                # the surviving node still serves jobs: a short one runs to the end on it alone
+                small = TrainConfig(steps=2, micro_batch=2, micro_batches=1)
+                built2 = build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), small, publisher=cl.client.peer_id,
+                                   sign=cl.client.sign, now=2.0, nonce=b"d" * 16)
+                await cl.boot.wait_until(lambda: len(cl.boot.members()) == 1, 60)   # the dead node is reaped
+                return events, await _run(cl, built2, tmp_path / "pub2")
+
+    events, second = trio.run(main)
+    last = events[-1]
+    assert isinstance(last, JobStateChanged)
+    assert last.state == "failed", last
+    assert last.reason
+    assert isinstance(second[-1], JobStateChanged)
+    assert second[-1].state == "done", second[-1]
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x00\x00\x00\x05hello", encode_frame(b"\x81\xa2op\xa4nope", max_frame=64),
+                                     encode_frame(b"\x81\xa2op\xa5offer", max_frame=64)])
+def test_garbage_on_the_job_protocol_is_answered_not_fatal(tmp_path: Path, payload: bytes) -> None:
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with _cluster(1, tmp_path) as cl:
+                s = await cl.client.open_stream(cl.nodes[0].peer_id, JOB)
+                await s.send_all(payload)
+                await s.send_eof()
+                while await s.receive_some():
+                    pass
+                # the node still answers a well-formed request
+                from fusionp2p.runtime import job_proto
+
+                reply = await job_proto.request(cl.client, cl.nodes[0].peer_id, {"op": "status", "job": "x"}, timeout=5)
+                assert reply["ok"] is False
+
+    trio.run(main)
