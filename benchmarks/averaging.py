@@ -252,7 +252,8 @@ async def main_async(args: Any) -> dict[str, Any]:
     peers = [f"r{i}" for i in range(REPLICAS)]
     reps = [Replica(i, width, depth, batch) for i in range(REPLICAS)]
     n = sum(p.numel() for p in reps[0].model.parameters())
-    out: dict[str, Any] = {"replicas": REPLICAS, "width": width, "depth": depth, "batch": batch, "params": n}
+    out: dict[str, Any] = {"replicas": REPLICAS, "width": width, "depth": depth, "batch": batch, "params": n,
+                           "margin": args.margin, "mbps": args.mbps, "latency_ms": args.latency_ms}
     print(f"model: {n / 1e6:.1f}M parameters x {REPLICAS} replicas in one process, torch threads={torch.get_num_threads()}")
     ar_elems = n if quick else 25_000_000
     if args.links in ("tcp", "both"):

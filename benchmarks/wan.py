@@ -56,7 +56,7 @@ def _free_ports(n: int) -> list[int]:
 
 def _worker_argv(job_path: Path, host: str, cpu: int | None) -> list[str]:
     argv = [sys.executable, "-m", "benchmarks.wan_worker", "--job", str(job_path), "--host", host]
-    return argv + ["--cpu", str(cpu)] if cpu is not None else argv
+    return [*argv, "--cpu", str(cpu)] if cpu is not None else argv
 
 
 def _barrier(procs: list[Proc], want: str, timeout: float) -> None:

@@ -37,10 +37,18 @@ from fusionp2p.graph import coarsen, partition, stages_from_fences, to_workload,
 from fusionp2p.graph.dag import OpDAG
 from fusionp2p.models import GPT2, GPT2Config
 from fusionp2p.net.identity import Identity
-from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, make_plan, plan_even_flops, plan_even_layers, predict
+from fusionp2p.plan import (
+    Link,
+    Plan,
+    PlannerConfig,
+    Snapshot,
+    make_plan,
+    plan_even_flops,
+    plan_even_layers,
+    predict,
+)
 from fusionp2p.plan.profile import DeviceProfile
 from fusionp2p.plan.workload import WorkloadGraph
-from fusionp2p.testing.netns import parse_rate
 from fusionp2p.testing.testbed_spec import TestbedSpec, load_spec
 from fusionp2p.wire.dag import encode_stage
 

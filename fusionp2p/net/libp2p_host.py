@@ -7,6 +7,7 @@ Configured as LIBP2P_NOTES.md measured it must be:
 * Kademlia in SERVER mode, used for discovery and provider records only; provider lists are deduplicated.
 * GossipSub with a 1 s heartbeat (the default is 120 s), the per-peer rate limit set to our real rate,
   eclipse protection off (every test host shares one IP), payloads bounded well under 1 MiB.
+* py-libp2p's auto-connector is switched off (membership decides whom to dial).
 * ``unblock_peer`` before every dial (the swarm keeps a 60 s negative dial cache), and every call is
   wrapped in a deadline.
 * libp2p's logger is left alone here; the CLI routes it (STYLE.md 17).
@@ -135,9 +136,13 @@ class Libp2pTransport:
             key_pair=kp,
             sec_opt={TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(kp, noise_privkey=create_new_x25519_key_pair().private_key)},
             muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
-            connection_config=ConnectionConfig(max_connections_per_peer=1),
+            connection_config=ConnectionConfig(max_connections_per_peer=1, min_connections=0, low_watermark=0),
             announce_addrs=[parse_multiaddr(a) for a in config.announce] or None,
         )
+        # py-libp2p's AutoConnector dials every peer in the peerstore until the connection count reaches
+        # the midpoint of its watermarks (150 by default): with our one-directional dialing that produced
+        # simultaneous cross-dials and stuck streams. Membership decides whom we connect to.
+        self.host.get_network().auto_connector.maybe_connect = _no_auto_connect
         self.dht = KadDHT(self.host, DHTMode.SERVER)
         self.router = GossipSub(
             protocols=[PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=12,
@@ -298,6 +303,10 @@ class Libp2pTransport:
         """Refresh the DHT routing table (after joining)."""
         with trio.move_on_after(self._config.dht_timeout):
             await self.dht.refresh_routing_table()
+
+
+async def _no_auto_connect() -> None:
+    return None
 
 
 def _peer(peer: str) -> ID:

@@ -246,19 +246,23 @@ class ReplicaAverager:
         sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=self.n_elems, round_id=rnd.round_id, epoch=self.epoch)
         result: RoundResult | None = None
 
+        # NOT recursive on purpose: a closure that calls itself is a reference cycle, and the cycle
+        # would keep this round's buffers (snapshot, parts, shards) alive until the cyclic GC runs.
         async def act(actions: list[Send | Reduced | Finished]) -> None:
             nonlocal result
-            for a in actions:
+            todo = list(actions)
+            while todo:
+                a = todo.pop(0)
                 if isinstance(a, Send):
                     with contextlib.suppress(trio.ClosedResourceError):  # closing down
                         await self._queues[a.peer].send(to_message(self.config.job, self.config.stage, a.msg))
                 elif isinstance(a, Reduced):
                     if reinit:  # new epoch: restart the outer state from the survivors' mean
                         self._opt = OuterOptimizer(self.config.outer, a.mean, lo=a.lo, sharded=len(self.alive) > 1)
-                        await act(sm.publish(a.mean, 0.0))
+                        todo.extend(sm.publish(a.mean, 0.0))
                     else:
                         step = self._opt.step(a.mean, lr=lr)
-                        await act(sm.publish(step.anchor, step.gap_sq_part))
+                        todo.extend(sm.publish(step.anchor, step.gap_sq_part))
                 else:
                     result = a.result
 

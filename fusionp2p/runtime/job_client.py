@@ -238,8 +238,9 @@ class JobDriver:
                 reports[peer] = msg
             else:
                 raise JobError(f"member {peer[:12]} {state}: {msg.get('reason', '')}")
-        self._flush_steps(plan, final=True)
         last = len(plan.stages) - 1
+        self._fill_from_reports(plan, [reports[p] for p in plan.stages[last].replicas if p in reports])
+        self._flush_steps(plan, final=True)
         finals = [job_proto.opt_float(reports[p], "final_loss", "report") for p in plan.stages[last].replicas if p in roles]
         losses = [f for f in finals if f is not None]
         for s, st in enumerate(plan.stages):
@@ -276,6 +277,25 @@ class JobDriver:
         got[sender] = ev
         if len(got) == len(plan.stages[last].replicas):
             self._flush_steps(plan, upto=ev.step)
+
+    def _fill_from_reports(self, plan: Plan, reps: list[dict[str, Any]]) -> None:
+        """Steps whose gossip never arrived, rebuilt from the loss replicas' final reports."""
+        per_step: dict[int, list[float]] = {}
+        for rep in reps:
+            vals = rep.get("losses")
+            if not isinstance(vals, list) or len(vals) > self.spec.config.steps:
+                continue
+            for step, v in enumerate(vals):
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    per_step.setdefault(step, []).append(float(v))
+        missing = [st for st in sorted(per_step) if st not in self._emitted_steps]   # lost or partial on gossip
+        if missing:
+            log.info("job %s: %d steps recovered from the final reports", self.job, len(missing))
+        last = len(plan.stages) - 1
+        for step in missing:
+            vals = per_step[step]
+            self._steps[step] = {"report": StepProgress(job=self.job, step=step, epoch=plan.epoch, stage=last,
+                                                        loss=sum(vals) / len(vals), at=time.time())}
 
     def _flush_steps(self, plan: Plan, *, upto: int | None = None, final: bool = False) -> None:
         """Emit complete steps, and incomplete ones older than *upto* (a lost gossip message)."""

@@ -48,7 +48,7 @@ from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.runtime import job_proto
 from fusionp2p.runtime.checkpoint import StageCheckpointMeta, save_stage
 from fusionp2p.runtime.content import ContentService, ContentStore
-from fusionp2p.runtime.election import Adopted, ElectionConfig, open_elector
+from fusionp2p.runtime.election import Adopted, ElectionConfig, fetch_adopted, open_elector
 from fusionp2p.runtime.job_local import AcceptedJob, NodeJobs, data_fn, plan_for_snapshot, stage_programs
 from fusionp2p.runtime.jobrunner import StageContext, StageReport, StageWorker
 from fusionp2p.runtime.lifecycle import JobState
@@ -244,12 +244,7 @@ class NodeJobService:
         acc = nj.accepted
         spec, cfg = acc.spec, acc.spec.config
         me = self.t.peer_id
-        plan = plan_for_snapshot(spec, acc.dag, snap)
-        async with open_elector(self.t, ElectionConfig(timeout_s=self.config.election_timeout)) as el:
-            outcome = await el.elect(snap, plan)
-        if not isinstance(outcome.decision, Adopted) or outcome.plan is None:
-            raise PlanError(f"no plan adopted for job {spec.job_id}: {outcome.decision}")
-        plan = outcome.plan
+        plan = await self._elect(snap, plan_for_snapshot(spec, acc.dag, snap))
         roles = [(s, r) for s, st in enumerate(plan.stages) for r, p in enumerate(st.replicas) if p == me]
         if not roles:
             return {"stage": -1, "replica": -1}
@@ -268,6 +263,7 @@ class NodeJobService:
             if s > 0:
                 rho_out[-1 - (s - 1)] = plan.fences[s - 1].rho
         final: list[float] = []
+        losses: dict[int, float] = {}
         saved: dict[int, Path] = {}
         ckpt_root = self.home / "checkpoints"
 
@@ -278,6 +274,7 @@ class NodeJobService:
                 return
             if rep.loss is None:
                 return   # only the loss stage publishes per-step progress (gossip stays small)
+            losses[rep.step] = rep.loss
             await self._gossip(StepProgress(job=spec.job_id, step=rep.step, epoch=plan.epoch, stage=s, peer=me,
                                             loss=rep.loss, tokens_per_s=rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0,
                                             compute_util=min(1.0, rep.compute_s / rep.wall_s) if rep.wall_s > 0 else None,
@@ -299,12 +296,36 @@ class NodeJobService:
             with trio.CancelScope(shield=True):
                 for ch in [*links.values(), *peers]:
                     await ch.aclose()
-        out: dict[str, Any] = {"stage": s, "replica": r, "final_loss": final[0] if final else None}
+        # the per-step losses again, in the reliable report: gossip may have lost some of them
+        out: dict[str, Any] = {"stage": s, "replica": r, "final_loss": final[0] if final else None,
+                               "losses": [losses.get(i) for i in range(cfg.steps)] if losses else []}
         if r == 0 and cfg.steps in saved:
             blob = await trio.to_thread.run_sync(saved[cfg.steps].read_bytes)
             out["checkpoint"] = self.content.store.put(blob)
             out["step"] = cfg.steps
         return out
+
+    async def _elect(self, snap: Snapshot, mine: Plan) -> Plan:
+        """The plan adopted by the members' gossip election (runtime/election.py).
+
+        py-libp2p's gossipsub sometimes leaves a member short of votes after the others decided
+        (they stop republishing then). Such a member reads the adopted plan, with the quorum of
+        signed votes that elected it, from the DHT record the winners store (``fetch_adopted``).
+        """
+        deadline = trio.current_time() + self.config.election_timeout
+        rounds = 0
+        async with open_elector(self.t, ElectionConfig(timeout_s=min(10.0, self.config.election_timeout))) as el:
+            while True:
+                rounds += 1
+                outcome = await el.elect(snap, mine)
+                if isinstance(outcome.decision, Adopted) and outcome.plan is not None:
+                    return outcome.plan
+                rec = await fetch_adopted(self.t, snap.job)
+                if rec is not None and rec[0] == snap.epoch and rec[1].snapshot_hash == snap.snapshot_hash():
+                    log.info("job %s: plan %s adopted from the DHT record", snap.job, rec[1].plan_hash()[:12])
+                    return rec[1]
+                if trio.current_time() >= deadline:
+                    raise PlanError(f"no plan adopted for job {snap.job} after {rounds} rounds: {outcome.decision}")
 
     async def _gossip(self, ev: ProgressEvent) -> None:
         try:

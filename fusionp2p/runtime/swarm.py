@@ -174,9 +174,6 @@ class SwarmNode:
                 except PeerUnavailable as exc:
                     last = exc
             if ok:
-                refresh = getattr(self.t, "refresh", None)
-                if refresh is not None:
-                    await refresh()
                 return
             await trio.sleep(delay)  # backoff between join attempts, not a readiness wait
             delay *= 2

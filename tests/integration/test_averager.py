@@ -396,3 +396,19 @@ def test_wire_roundtrip_and_routing_over_testing_channels() -> None:
 
     trio.run(main)
     assert others == [("a", "act")]
+
+
+def test_round_buffers_are_freed_without_the_cyclic_gc() -> None:
+    """A finished round must not sit in a reference cycle: its buffers are model-sized."""
+    import gc
+
+    from fusionp2p.average.allreduce import AllReduceRound
+
+    gc.collect()
+    gc.disable()
+    try:
+        _timed_run(OuterConfig(tau=1, sync=False), 0.0, steps=4, n=3)
+        alive = [o for o in gc.get_objects() if isinstance(o, AllReduceRound)]
+    finally:
+        gc.enable()
+    assert alive == []

@@ -98,8 +98,8 @@ def test_two_stages_two_replicas_over_real_processes(swarm: Swarm, tmp_path: Pat
 def test_cli_job_submit_builtin(cluster: LocalCluster, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "fusionp2p.cli", "job", "submit", "--builtin", "gpt2-tiny",
-                        "--bootstrap", cluster.bootstrap, "--steps", "4", "--out", str(out), "--log-level", "warning"],
+    p = subprocess.run([sys.executable, "-m", "fusionp2p.cli", "job", "--log-level", "warning", "submit", "--builtin",
+                        "gpt2-tiny", "--bootstrap", cluster.bootstrap, "--steps", "4", "--out", str(out)],
                        capture_output=True, text=True, env=env, timeout=TIMEOUT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert (out / "model.safetensors").is_file()
