@@ -97,7 +97,10 @@ def processes(steps: int, nodes: int) -> dict[str, float]:
 
 
 def main() -> None:
+    import logging
+
     args = parser("e2e", __doc__).parse_args()
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)   # py-libp2p warns at routine events
     torch.set_num_threads(1)
     steps = 20 if args.quick else 100
     one = single(steps)

@@ -322,6 +322,7 @@ async def open_libp2p_transport(identity: Identity, config: Libp2pConfig | None 
     config = config or Libp2pConfig()
     t = Libp2pTransport(identity, config)
     listen = [parse_multiaddr(a) for a in config.listen]
+    body_error: BaseException | None = None
     try:
         async with t.host.run(listen_addrs=listen), trio.open_nursery() as nursery:
             t._nursery = nursery
@@ -330,10 +331,18 @@ async def open_libp2p_transport(identity: Identity, config: Libp2pConfig | None 
                     await t.pubsub.wait_until_ready()
                 try:
                     yield t
+                except BaseException as exc:
+                    body_error = exc
+                    raise
                 finally:
                     for chans in t._subs.values():
                         for ch in chans:
                             ch.close()
                     nursery.cancel_scope.cancel()
     except OSError as exc:
+        if body_error is not None:
+            raise
         raise ConfigError(f"cannot listen on {', '.join(config.listen)}: {exc.strerror or exc}") from None
+    # py-libp2p's service contexts can swallow an exception raised in our body; never let that happen
+    if body_error is not None and not isinstance(body_error, trio.Cancelled):
+        raise body_error

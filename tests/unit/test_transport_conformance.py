@@ -146,3 +146,15 @@ def test_libp2p_refuses_plaintext_dialer() -> None:
                     assert evil.get_id() not in [p for p in ours.host.get_connected_peers()]
 
     trio.run(main)
+
+
+def test_libp2p_context_propagates_body_exceptions() -> None:
+    """py-libp2p's service contexts swallowed exceptions raised inside our `async with`; ours must not."""
+
+    async def main() -> None:
+        with trio.fail_after(20):
+            with pytest.raises(KeyError, match="boom"):
+                async with open_libp2p_transport(Identity.generate()):
+                    raise KeyError("boom")
+
+    trio.run(main)
