@@ -19,6 +19,11 @@ the trio thread. There every node verifies the signature, fetches the DAG, the w
 hash from the publisher, checks that it fits, and computes the plan; the plan is adopted when every
 accepting node computed the same hash. Then all stage replicas run (``runtime/jobrunner.py``) and
 progress events flow to the job's queue. A job that no node accepts fails with the nodes' reasons.
+
+``Swarm.connect(bootstrap=[...])`` runs the same user API against real node processes: a libp2p
+client in the background thread hosts a :class:`~fusionp2p.runtime.job_client.Publisher` (content
+served by hash, JOB reports in, progress from the jobs gossip topic); the nodes run
+``runtime/job_node.py`` (see docs/sdk.md for the whole flow).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import tempfile
 import threading
 import time
@@ -68,6 +74,9 @@ from fusionp2p.runtime.metrics import (
 )
 from fusionp2p.runtime.trainconfig import TrainConfig
 from fusionp2p.testing.memory import MemoryTransport, memory_network
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger(__name__)
 
@@ -231,8 +240,9 @@ class Swarm:
     def _main(self) -> None:
         try:
             trio.run(self._serve_remote if self.remote else self._serve)
-        except BaseException as exc:  # surfaced to the caller of local()/close()
-            self._error = exc
+        except BaseException as exc:  # surfaced to the caller of local()/connect()/close()
+            # trio wraps errors raised inside nurseries in groups; the caller wants the error itself
+            self._error = _root_error(exc)
             self._ready.set()
 
     async def _serve(self) -> None:
@@ -473,3 +483,24 @@ def cli_job(args: Any) -> int:
 
 
 __all__ = ["Job", "Swarm", "cli_job"]
+
+
+def _root_error(exc: BaseException) -> BaseException:
+    """The error a caller wants from a trio exception group: our own (FusionError) first, else the first leaf.
+
+    Under load, libp2p teardown errors can join ours in the group, so a one-member unwrap is not enough.
+    """
+    from fusionp2p.errors import FusionError
+
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        else:
+            leaves.append(e)
+
+    walk(exc)
+    ours = [e for e in leaves if isinstance(e, FusionError)]
+    return ours[0] if ours else (leaves[0] if leaves else exc)

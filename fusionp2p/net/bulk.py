@@ -61,8 +61,8 @@ class DataPlaneConfig:
     window: int = 8                     # messages in flight per direction
     chunk_size: int = 4 * MiB           # plaintext bytes per record
     thread_threshold: int = 256 * KiB   # records at least this big are sealed/opened in worker threads
-    keepalive: float = 0.25             # seconds between PINGs on an idle channel
-    dead_after: float = 1.0             # seconds of silence before PeerUnavailable
+    keepalive: float = 0.5              # seconds between PINGs on an idle channel
+    dead_after: float = 3.0             # seconds of silence before PeerUnavailable (a killed peer is seen at once: reset or EOF)
     connect_timeout: float = 5.0
     ticket_ttl: float = 10.0
     incoming_buffer: int = 16

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -58,7 +59,7 @@ async def _cluster(n: int, home: Path) -> AsyncIterator[_Cluster]:
         nodes: list[SwarmNode] = []
         scopes: list[trio.CancelScope] = []
 
-        async def node_main(i: int, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async def node_main(i: int, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
             with trio.CancelScope() as scope:
                 scopes.append(scope)
                 node = SwarmNode(net.add_host(), CFG, TEST_PROFILE)
@@ -106,7 +107,7 @@ def test_two_by_two_over_the_data_plane(tmp_path: Path) -> None:
     assert next(e for e in events if isinstance(e, PlanChanged)).stage_sizes == (2, 2)
     steps = [e for e in events if isinstance(e, StepProgress) and e.step < cfg.steps]
     assert [e.step for e in steps] == list(range(cfg.steps))
-    assert np.mean([e.loss for e in steps[-3:]]) < np.mean([e.loss for e in steps[:3]]) - 0.5
+    assert float(np.mean([e.loss for e in steps[-3:]])) < float(np.mean([e.loss for e in steps[:3]])) - 0.5
     final = next(e for e in events if isinstance(e, StepProgress) and e.step == cfg.steps)
     # the stage checkpoints fetched by hash assemble into the user's module and reproduce the final loss
     state = module_state(built.dag, assemble(tmp_path / "pub" / "checkpoints", built.spec.job_id))  # type: ignore[attr-defined]

@@ -76,8 +76,8 @@ def test_two_stages_two_replicas_over_real_processes(swarm: Swarm, tmp_path: Pat
     assert [e.state for e in events if isinstance(e, JobStateChanged)] == ["planned", "running", "done"]
     steps = [e for e in events if isinstance(e, StepProgress) and e.step < cfg.steps]
     assert len(steps) >= cfg.steps - 2          # progress rides on gossip; a lost message is tolerated
-    first = np.mean([e.loss for e in steps[:3]])
-    last = np.mean([e.loss for e in steps[-3:]])
+    first = float(np.mean([e.loss for e in steps[:3]]))
+    last = float(np.mean([e.loss for e in steps[-3:]]))
     assert last < first - 1.0, (first, last)
     # the model assembled from the stage checkpoints (fetched by hash from the nodes) loads into the
     # original module and reproduces the last reported (evaluation) loss
