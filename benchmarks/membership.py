@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -69,11 +68,10 @@ def run_one(n: int, timeout: float) -> dict[str, Any]:
             procs.append(boot)
             assert boot.stdout is not None
             addr = boot.stdout.readline().strip()
-            for i in range(n):
-                procs.append(subprocess.Popen(
-                    [*CLI, "node", "--bootstrap", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--home", f"{tmp}/n{i}",
-                     "--torch-threads", "1", "--log-level", "warning"],
-                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env))
+            procs.extend(subprocess.Popen(
+                [*CLI, "node", "--bootstrap", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--home", f"{tmp}/n{i}",
+                 "--torch-threads", "1", "--log-level", "warning"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env) for i in range(n))
             for p in procs[1:]:
                 assert p.stdout is not None
                 p.stdout.readline()

@@ -142,7 +142,8 @@ class Libp2pTransport:
         # py-libp2p's AutoConnector dials every peer in the peerstore until the connection count reaches
         # the midpoint of its watermarks (150 by default): with our one-directional dialing that produced
         # simultaneous cross-dials and stuck streams. Membership decides whom we connect to.
-        self.host.get_network().auto_connector.maybe_connect = _no_auto_connect
+        network: Any = self.host.get_network()  # the concrete Swarm (the interface type lacks these attributes)
+        network.auto_connector.maybe_connect = _no_auto_connect
         self.dht = KadDHT(self.host, DHTMode.SERVER)
         self.router = GossipSub(
             protocols=[PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=12,
@@ -154,6 +155,9 @@ class Libp2pTransport:
         self._nursery: trio.Nursery | None = None
         self._subs: dict[str, list[trio.MemorySendChannel[GossipMessage]]] = {}
         self.dropped_gossip = 0
+
+    def _network(self) -> Any:
+        return self.host.get_network()
 
     # -- identity ---------------------------------------------------------------------------------
     @property
@@ -191,7 +195,7 @@ class Libp2pTransport:
     async def connect(self, addr: str) -> str:
         peer, ma = parse_peer_addr(addr)
         info = info_from_p2p_addr(ma)
-        self.host.get_network().unblock_peer(info.peer_id)
+        self._network().unblock_peer(info.peer_id)
         try:
             with trio.fail_after(self._config.dial_timeout):
                 await self.host.connect(info)
@@ -208,8 +212,8 @@ class Libp2pTransport:
 
     async def open_stream(self, peer: str, protocol: str) -> Libp2pStream:
         pid = _peer(peer)
-        if not self.host.get_network().connections.get(pid):
-            self.host.get_network().unblock_peer(pid)
+        if not self._network().connections.get(pid):
+            self._network().unblock_peer(pid)
         try:
             with trio.fail_after(self._config.stream_timeout):
                 s = await self.host.new_stream(pid, [TProtocol(protocol)])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import trio
@@ -31,7 +31,7 @@ class DaemonConfig:
     bootstrap: tuple[str, ...] = ()
     announce: tuple[str, ...] = ()
     device: str = "cpu"
-    swarm: SwarmConfig = SwarmConfig()
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
 
     def __post_init__(self) -> None:
         for b in self.bootstrap:
@@ -55,7 +55,7 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce)) as t:
             on_ready(t.listen_addrs())
-            swarm = SwarmNode(t, SwarmConfig(**{**_fields(cfg.swarm), "role": cfg.role}), profile)
+            swarm = SwarmNode(t, replace(cfg.swarm, role=cfg.role), profile)
             async with trio.open_nursery() as nursery:
                 await nursery.start(swarm.run, list(cfg.bootstrap))
                 if extra_services is not None:
@@ -66,10 +66,6 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
                     break
                 await swarm.leave()
                 nursery.cancel_scope.cancel()
-
-
-def _fields(c: SwarmConfig) -> dict[str, object]:
-    return {name: getattr(c, name) for name in c.__slots__}  # type: ignore[attr-defined]
 
 
 def check_home(home: str | None, default: Path) -> Path:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from fusionp2p.wire.records import BandwidthReport, NodeRecord
+from fusionp2p.wire.records import BandwidthReport, Measurement, NodeRecord
 
 
 class Change(Enum):
@@ -113,14 +113,12 @@ class BandwidthTable:
 
     def direct(self, a: str, b: str) -> LinkEstimate | None:
         """The measurement of a->b or b->a; the one with more samples wins (then the smaller bandwidth)."""
-        found = []
+        found: list[tuple[int, float, Measurement]] = []
         for src, dst in ((a, b), (b, a)):
             rep = self.reports.get(src)
             if rep is None:
                 continue
-            for m in rep.measurements:
-                if m.dst == dst and m.samples > 0:
-                    found.append((m.samples, -m.bandwidth, m))
+            found.extend((m.samples, -m.bandwidth, m) for m in rep.measurements if m.dst == dst and m.samples > 0)
         if not found:
             return None
         m = max(found, key=lambda x: (x[0], x[1]))[2]

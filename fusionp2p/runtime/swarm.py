@@ -32,7 +32,8 @@ from fusionp2p.plan.profile import DeviceProfile
 from fusionp2p.runtime.membership import BandwidthTable, Change, MemberEvent, MembershipView, ema
 from fusionp2p.runtime.probe import ProbeResult, next_probe_size, probe, serve_probe
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
-from fusionp2p.wire.msg import expect_map, field as wfield, packb, unpackb
+from fusionp2p.wire.msg import expect_map, packb, unpackb
+from fusionp2p.wire.msg import field as wfield
 from fusionp2p.wire.protocols import PROBE, TOPIC_BANDWIDTH, TOPIC_MEMBERS
 from fusionp2p.wire.records import BandwidthReport, Measurement, NodeRecord, decode_signed, encode_signed
 
@@ -108,7 +109,7 @@ class SwarmNode:
         self._dial_send, self._dial_recv = trio.open_memory_channel[NodeRecord](1024)
 
     # -- public -----------------------------------------------------------------------------------
-    async def run(self, bootstrap: list[str], *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, bootstrap: list[str], *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Join through *bootstrap* addresses and serve until cancelled."""
         self.t.set_stream_handler(PROBE, serve_probe)
         self.t.set_stream_handler(VIEW, self._serve_view)
@@ -147,17 +148,18 @@ class SwarmNode:
         peers = self.view.alive(role=None)
         return {
             "self": self.peer_id,
-            "members": [
-                {"peer": p, "role": self.view.records[p].role, "addrs": list(self.view.records[p].addrs),
-                 "profile": (self.view.records[p].profile.to_wire() if self.view.records[p].profile else None)}
-                for p in peers
-            ],
+            "members": [self._member_json(self.view.records[p]) for p in peers],
             "dead": sorted(self.view.dead),
             "bandwidth": [
                 {"src": a, "dst": b, "bytes_per_s": e.bandwidth, "rtt_s": e.rtt, "measured": e.measured}
                 for (a, b), e in sorted(self.bandwidth.matrix(self.members()).items())
             ],
         }
+
+    @staticmethod
+    def _member_json(rec: NodeRecord) -> dict[str, Any]:
+        prof = rec.profile
+        return {"peer": rec.peer, "role": rec.role, "addrs": list(rec.addrs), "profile": prof.to_wire() if prof else None}
 
     # -- joining ----------------------------------------------------------------------------------
     async def _join(self, bootstrap: list[str]) -> None:
@@ -224,10 +226,9 @@ class SwarmNode:
             if rec.peer < self.peer_id and not rec.leaving and rec.peer not in self._dialed and rec.addrs:
                 self._dialed.add(rec.peer)
                 self._spawn_dial(rec)
-        elif isinstance(rec, BandwidthReport):
-            if self.bandwidth.on_report(rec):
-                self._raw_bw[rec.peer] = msg.data
-                self._notify()
+        elif isinstance(rec, BandwidthReport) and self.bandwidth.on_report(rec):
+            self._raw_bw[rec.peer] = msg.data
+            self._notify()
 
     def _spawn_dial(self, rec: NodeRecord) -> None:
         try:
@@ -309,8 +310,8 @@ class SwarmNode:
         link.next_bytes = next_probe_size(res.nbytes, res.elapsed)
 
     async def _publish_bandwidth(self) -> None:
-        ms = tuple(Measurement(src=self.peer_id, dst=p, bandwidth=l.bandwidth or 0.0, rtt=l.rtt or 0.0, samples=l.samples)
-                   for p, l in sorted(self._links.items()) if l.samples)
+        ms = tuple(Measurement(src=self.peer_id, dst=p, bandwidth=ln.bandwidth or 0.0, rtt=ln.rtt or 0.0, samples=ln.samples)
+                   for p, ln in sorted(self._links.items()) if ln.samples)
         if not ms:
             return
         self._bw_seq += 1

@@ -1,5 +1,7 @@
 """Framing and msgpack: whole buffer, one byte at a time, trailing bytes, golden bytes, property tests."""
 
+import contextlib
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -59,11 +61,7 @@ def test_msgpack_golden_and_limits() -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=64))
 def test_any_bytes_decode_or_remote_error(data: bytes) -> None:
-    try:
+    with contextlib.suppress(RemoteProtocolError):
         unpackb(data)
-    except RemoteProtocolError:
-        pass
-    try:
+    with contextlib.suppress(RemoteProtocolError):
         FrameDecoder(max_frame=16).feed(data)
-    except RemoteProtocolError:
-        pass
