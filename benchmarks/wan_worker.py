@@ -40,7 +40,6 @@ from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.graph.executor import StageExecutor
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.net.bulk import BulkChannel, DataPlane, open_data_plane
-from fusionp2p.net.channel import TensorMessage
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, Libp2pTransport, open_libp2p_transport
 from fusionp2p.runtime.jobrunner import StageContext, StageReport, StageWorker
@@ -75,38 +74,15 @@ class SlowExecutor(StageExecutor):
 
 
 class SyncDPWorker(StageWorker):
-    """StageWorker whose replicas all-reduce gradients before every optimizer step (synchronous DP)."""
+    """StageWorker whose replicas all-reduce gradients before every optimizer step (synchronous DP).
+
+    StageWorker does this itself whenever a stage has replicas and the job has no CO2, so this class
+    only documents the baselines' choice; ``sync_grads=False`` is not supported without CO2.
+    """
 
     def __init__(self, ctx: StageContext, *, sync_grads: bool) -> None:
         super().__init__(ctx)
         self.sync_grads = sync_grads and bool(ctx.peers)
-
-    def _optimizer_step(self, step: int) -> None:
-        if self.sync_grads:
-            # runs in the worker thread of trio.to_thread.run_sync; hop back into trio for the exchange
-            trio.from_thread.run(self._allreduce_grads, step)
-        super()._optimizer_step(step)
-
-    async def _allreduce_grads(self, step: int) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-        mine = torch.cat([g.reshape(-1).to(torch.float32) for g in grads]) if grads else torch.zeros(0)
-        me = f"g{self.ctx.replica}"
-        for ch in self.ctx.peers:
-            await ch.send(TensorMessage(job=self.ctx.job, kind="avg", stage=self.prog.stage, step=step, name=me,
-                                        tensors=(mine,)))
-        got = {me: mine}
-        while len(got) <= len(self.ctx.peers):
-            msg = await self._avg_recv.receive()
-            if msg.step != step or len(msg.tensors) != 1 or msg.tensors[0].shape != mine.shape:
-                raise RemoteProtocolError(f"stage {self.prog.stage}: bad gradient message {msg.key}")
-            got.setdefault(msg.name, msg.tensors[0].to(torch.float32))
-        avg = torch.stack([got[k] for k in sorted(got)]).mean(dim=0)   # same order on every replica
-        off = 0
-        with torch.no_grad():
-            for p, g in zip(self._params, grads, strict=True):
-                n = g.numel()
-                p.grad = avg[off:off + n].view_as(g).to(g.dtype).clone()
-                off += n
 
 
 async def _wait_go(workdir: Path, k: int) -> None:

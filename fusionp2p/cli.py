@@ -27,8 +27,9 @@ def _data_home() -> Path:
 
 
 def setup_logging(level: str, libp2p_log: Path | None) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # --log-level applies to our loggers; third-party ones (multiaddr logs every parse at DEBUG) stay at WARNING
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("fusionp2p").setLevel(getattr(logging, level.upper(), logging.INFO))
     lp = logging.getLogger("libp2p")
     for h in list(lp.handlers):
         lp.removeHandler(h)

@@ -30,13 +30,14 @@ from typing import Any
 import torch
 import trio
 
-from fusionp2p.average.outer import OuterConfig, OuterOptimizer
+from fusionp2p.average.outer import OuterConfig
 from fusionp2p.compress.adatopk import AdaTopK as TopKLink
 from fusionp2p.compress.codec import decode
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.runtime.averager import AveragerConfig, ReplicaAverager, open_replica_averager
 from fusionp2p.runtime.schedule import (
     ActivationArrived,
     BackwardDone,
@@ -130,12 +131,17 @@ class StageWorker:
         self._params = [params[n] for n in self._names if n in params]
         self.opt = make_optimizer(self._params, ctx.config)
         co2 = ctx.config.co2
-        self._outer: OuterOptimizer | None = None
+        # CO2 across the replicas of this stage runs in a ReplicaAverager (runtime/averager.py): every tau
+        # steps the live parameters are snapshotted and averaged in the background (sharded outer state,
+        # reduce-scatter + all-gather over the replica channels) while the next tau steps compute; the
+        # one-round-stale average is applied through the outer momentum step (sync=True blocks instead).
+        self._outer: OuterConfig | None = None
         if co2 is not None and ctx.replicas > 1:
-            # Synchronous outer step (SlowMo form of CO2): every replica applies the same update to the
-            # same average, so replicas stay bit-identical after each round.
-            ocfg = OuterConfig(tau=co2.tau, outer_lr=co2.outer_lr, outer_momentum=co2.outer_momentum, sync=True)
-            self._outer = OuterOptimizer(ocfg, self._flat())
+            self._outer = OuterConfig(
+                tau=co2.tau, outer_lr=co2.outer_lr, outer_momentum=co2.outer_momentum,
+                penalty=co2.penalty, penalty_value=co2.penalty_scale,
+                clip="elementwise" if co2.clip is not None else "none",
+                clip_threshold=co2.clip if co2.clip is not None else math.inf, sync=co2.sync)
         self._queue_send, self._queue_recv = trio.open_memory_channel[tuple[int, TensorMessage]](math.inf)
         self._avg_send, self._avg_recv = trio.open_memory_channel[TensorMessage](math.inf)
         self._early: dict[int, list[tuple[int, TensorMessage]]] = {}
@@ -162,18 +168,50 @@ class StageWorker:
         async with trio.open_nursery() as nursery:
             for src, ch in self.ctx.links.items():
                 nursery.start_soon(self._reader, src, ch, False)
-            for ch in self.ctx.peers:
-                nursery.start_soon(self._reader, -2, ch, True)
-            cfg = self.ctx.config
-            for step in range(self.ctx.start_step, cfg.steps):
-                await self._train_step(step)
-                last = step == cfg.steps - 1
-                if self._outer is not None and ((step + 1) % self._outer.config.tau == 0 or last):
-                    await self._average(step)
-                if self.ctx.checkpoint is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
-                    await self.ctx.checkpoint(step + 1, self.ex.state_dict())
-            await self._eval_pass(cfg.steps)
+            if self._outer is None:
+                for ch in self.ctx.peers:   # gradient all-reduce messages (the averager owns them under CO2)
+                    nursery.start_soon(self._reader, -2, ch, True)
+                await self._train(None)
+            else:
+                names = await self._replica_names()
+                me = f"r{self.ctx.replica}"
+                acfg = AveragerConfig(outer=self._outer, job=self.ctx.job, stage=self.prog.stage,
+                                      round_timeout=self.ctx.recv_timeout or 600.0)
+                async with open_replica_averager(acfg, peers=sorted([me, *names]), me=me, channels=names,
+                                                 initial=self._flat()) as avg:
+                    await self._train(avg)
+            await self._eval_pass(self.ctx.config.steps)
             nursery.cancel_scope.cancel()
+
+    async def _train(self, avg: ReplicaAverager | None) -> None:
+        cfg = self.ctx.config
+        for step in range(self.ctx.start_step, cfg.steps):
+            await self._train_step(step)
+            last = step == cfg.steps - 1
+            if avg is not None and self._outer is not None and ((step + 1) % self._outer.tau == 0 or last):
+                res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
+                if res.anchor is not None:
+                    self._unflat(res.anchor)
+                if last:
+                    final = await avg.finalize()   # the round still in flight (async mode)
+                    if final is not None and final.anchor is not None:
+                        self._unflat(final.anchor)
+            if self.ctx.checkpoint is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
+                await self.ctx.checkpoint(step + 1, self.ex.state_dict())
+
+    async def _replica_names(self) -> dict[str, TensorChannel]:
+        """Name each replica channel by the replica index its far end announces (a one-message hello)."""
+        me = f"r{self.ctx.replica}"
+        for ch in self.ctx.peers:
+            await ch.send(TensorMessage(job=self.ctx.job, kind="avg-hello", stage=self.prog.stage, name=me))
+        out: dict[str, TensorChannel] = {}
+        for ch in self.ctx.peers:
+            with trio.fail_after(self.ctx.recv_timeout or 600.0):
+                msg = await ch.receive()
+            if msg.kind != "avg-hello" or msg.job != self.ctx.job or not msg.name.startswith("r") or msg.name in out or msg.name == me:
+                raise RemoteProtocolError(f"stage {self.prog.stage}: bad replica hello {msg.key}")
+            out[msg.name] = ch
+        return out
 
     async def _reader(self, src: int, ch: TensorChannel, avg: bool) -> None:
         while True:
@@ -269,6 +307,8 @@ class StageWorker:
                     await self._send_grads(step, act.micro, backs.pop(act.micro))
                 elif isinstance(act, OptimizerStep):
                     t = time.perf_counter()
+                    if self._outer is None and self.ctx.peers:
+                        await self._allreduce_grads(step)   # replicas without CO2: synchronous data parallelism
                     await trio.to_thread.run_sync(self._optimizer_step, step)
                     compute += time.perf_counter() - t
                     actions += sched.handle(OptimizerDone())
@@ -315,6 +355,28 @@ class StageWorker:
     def _rho_in(self, src: int) -> float:
         return self.ctx.rho_out.get(-1 - src, 1.0)   # incoming fences are stored under -1 - src
 
+    async def _allreduce_grads(self, step: int) -> None:
+        """Average parameter gradients with the other replicas of this stage (every step, blocking)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+        mine = torch.cat([g.reshape(-1).to(torch.float32) for g in grads]) if grads else torch.zeros(0)
+        me = f"g{self.ctx.replica}"
+        for ch in self.ctx.peers:
+            await ch.send(TensorMessage(job=self.ctx.job, kind="grad-avg", stage=self.prog.stage, step=step, name=me,
+                                        tensors=(mine,)))
+        got = {me: mine}
+        while len(got) <= len(self.ctx.peers):
+            msg = await self._receive(self._avg_recv, f"stage {self.prog.stage}, gradient all-reduce at step {step}")
+            if msg.kind != "grad-avg" or msg.step != step or len(msg.tensors) != 1 or msg.tensors[0].shape != mine.shape:
+                raise RemoteProtocolError(f"stage {self.prog.stage}: bad gradient message {msg.key}")
+            got.setdefault(msg.name, msg.tensors[0].to(torch.float32))
+        avg = torch.stack([got[k] for k in sorted(got)]).mean(dim=0)   # same order, same bits on every replica
+        off = 0
+        with torch.no_grad():
+            for p, g in zip(self._params, grads, strict=True):
+                n = g.numel()
+                p.grad = avg[off:off + n].view_as(g).to(g.dtype).clone()
+                off += n
+
     def _optimizer_step(self, step: int) -> None:
         cfg = self.ctx.config
         if cfg.grad_clip is not None and self._params:
@@ -324,23 +386,6 @@ class StageWorker:
             g["lr"] = lr
         self.opt.step()
         self.ex.zero_grad()
-
-    async def _average(self, step: int) -> None:
-        assert self._outer is not None
-        mine = self._flat()
-        for ch in self.ctx.peers:
-            await ch.send(TensorMessage(job=self.ctx.job, kind="avg", stage=self.prog.stage, step=step,
-                                        name=f"r{self.ctx.replica}", tensors=(mine,)))
-        got: dict[str, torch.Tensor] = {f"r{self.ctx.replica}": mine}
-        while len(got) <= len(self.ctx.peers):
-            msg = await self._receive(self._avg_recv, f"stage {self.prog.stage}, averaging after step {step}")
-            if msg.kind != "avg" or msg.step != step or len(msg.tensors) != 1 or msg.tensors[0].shape != mine.shape:
-                raise RemoteProtocolError(f"stage {self.prog.stage}: bad averaging message {msg.key}")
-            got.setdefault(msg.name, msg.tensors[0].to(torch.float32))
-        # sum in a fixed order so every replica computes the same bits
-        avg = torch.stack([got[k] for k in sorted(got)]).mean(dim=0)
-        res = self._outer.step(avg, lr=self.ctx.config.lr_at(step))
-        self._unflat(res.anchor)
 
     async def _eval_pass(self, step: int) -> None:
         """Forward only, on the batch after the last one, with the final (consensus) weights."""

@@ -30,7 +30,7 @@ from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import GossipMessage, Stream, Transport
 from fusionp2p.plan.profile import DeviceProfile
 from fusionp2p.runtime.membership import BandwidthTable, Change, MemberEvent, MembershipView, ema
-from fusionp2p.runtime.probe import ProbeResult, next_probe_size, probe, serve_probe
+from fusionp2p.runtime.probe import ProbeBusy, ProbeResult, ProbeServer, next_probe_size, probe
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.msg import expect_map, packb, unpackb
 from fusionp2p.wire.msg import field as wfield
@@ -50,8 +50,8 @@ class SwarmConfig:
     dead_timeout: float = 5.0
     probe_interval: float = 10.0
     probe_sample: int = 8              # peers probed per round once the swarm is larger
-    probe_bytes: int = 1024 * 1024     # first probe size; adapted so a probe lasts ~0.3 s
-    probe_timeout: float = 5.0
+    probe_bytes: int = 256 * 1024      # first probe size; adapted so a probe lasts ~0.3 s
+    probe_timeout: float = 10.0
     probe: bool = True
     ema_alpha: float = 0.5
     join_attempts: int = 5
@@ -79,6 +79,7 @@ class Counters:
     bad_records: int = 0
     probes_ok: int = 0
     probes_failed: int = 0
+    probes_busy: int = 0
     events: list[MemberEvent] = field(default_factory=list)
 
 
@@ -111,7 +112,7 @@ class SwarmNode:
     # -- public -----------------------------------------------------------------------------------
     async def run(self, bootstrap: list[str], *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Join through *bootstrap* addresses and serve until cancelled."""
-        self.t.set_stream_handler(PROBE, serve_probe)
+        self.t.set_stream_handler(PROBE, ProbeServer())
         self.t.set_stream_handler(VIEW, self._serve_view)
         members = await self.t.subscribe(TOPIC_MEMBERS)
         bw = await self.t.subscribe(TOPIC_BANDWIDTH)
@@ -273,6 +274,7 @@ class SwarmNode:
     def _probe_targets(self) -> list[str]:
         connected = set(self.t.connected_peers())
         peers = [p for p in self.members() if p != self.peer_id and p in connected]
+        self._rng.shuffle(peers)   # every node walking the same sorted list would pile onto one target
         never = [p for p in peers if p not in self._links or self._links[p].samples == 0]
         rest = [p for p in peers if p not in never]
         k = max(0, self.config.probe_sample - len(never))
@@ -281,8 +283,13 @@ class SwarmNode:
     async def _probe_loop(self) -> None:
         while True:
             targets = self._probe_targets()
+            last_pub = -1e9
             for peer in targets:
-                await self._probe_one(peer)
+                if await self._probe_one(peer) and trio.current_time() - last_pub >= 0.5:
+                    # publish as results come in (at most 2/s), so that a large swarm gets a figure for
+                    # every pair (measured, or estimated from capacities) long before a round ends
+                    await self._publish_bandwidth()
+                    last_pub = trio.current_time()
             if targets:
                 await self._publish_bandwidth()
             connected = set(self.t.connected_peers())
@@ -294,20 +301,25 @@ class SwarmNode:
                 await self._probe_now.wait()
             self._probe_now = trio.Event()
 
-    async def _probe_one(self, peer: str) -> None:
+    async def _probe_one(self, peer: str) -> bool:
+        """Probe *peer* once; True when a measurement was taken."""
         link = self._links.setdefault(peer, _Link(next_bytes=self.config.probe_bytes))
         try:
             res: ProbeResult = await probe(self.t, peer, nbytes=link.next_bytes, timeout=self.config.probe_timeout)
+        except ProbeBusy:
+            self.counters.probes_busy += 1   # retried at the next round, one heartbeat later
+            return False
         except PeerUnavailable as exc:
             self.counters.probes_failed += 1
             log.debug("probe %s failed: %s", peer[:16], exc)
-            return
+            return False
         self.counters.probes_ok += 1
         a = self.config.ema_alpha
         link.bandwidth = ema(link.bandwidth, res.bandwidth, a)
         link.rtt = ema(link.rtt, res.rtt, a)
         link.samples += 1
         link.next_bytes = next_probe_size(res.nbytes, res.elapsed)
+        return True
 
     async def _publish_bandwidth(self) -> None:
         ms = tuple(Measurement(src=self.peer_id, dst=p, bandwidth=ln.bandwidth or 0.0, rtt=ln.rtt or 0.0, samples=ln.samples)

@@ -28,7 +28,7 @@ from fusionp2p.runtime.job_node import NodeJobConfig, NodeJobService
 from fusionp2p.runtime.jobspec import Resources
 from fusionp2p.runtime.metrics import JobStateChanged, PlanChanged, ProgressEvent, StepProgress
 from fusionp2p.runtime.swarm import SwarmConfig, SwarmNode
-from fusionp2p.runtime.trainconfig import TrainConfig
+from fusionp2p.runtime.trainconfig import CO2, TrainConfig
 from fusionp2p.testing.memory import MemoryTransport, memory_network
 from fusionp2p.testing.swarm import TEST_PROFILE
 from fusionp2p.wire.framing import encode_frame
@@ -91,7 +91,8 @@ async def _run(cl: _Cluster, built: object, home: Path) -> list[ProgressEvent]:
 
 def test_two_by_two_over_the_data_plane(tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    cfg = TrainConfig(steps=12, micro_batch=4, micro_batches=2, lr=3e-3, replicas=2, averaging="co2",
+    # tau=2: six rounds of the one-round-stale CO2 average fit in 12 steps (tau=8 would leave one)
+    cfg = TrainConfig(steps=12, micro_batch=4, micro_batches=2, lr=3e-3, replicas=2, averaging=CO2(tau=2),
                       compression="adatopk", checkpoint_every=6, seed=1)
 
     async def main() -> tuple[list[ProgressEvent], object]:
