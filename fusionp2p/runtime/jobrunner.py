@@ -5,8 +5,13 @@ Replica ``r`` of every stage forms *pipeline* ``r``: it exchanges activations an
 replica ``r`` of the other stages over :class:`~fusionp2p.net.channel.TensorChannel` s, and reads
 its own slice of the data order (global step ``step * R + r`` of the job's
 :class:`~fusionp2p.data.BatchSampler`), so ``R = 1`` reproduces single-process training exactly.
-Replicas of one stage average their parameters with a CO2 outer step every ``tau`` steps (and
-once at the end, so that every replica and the checkpoint hold the consensus weights).
+Replicas of one stage average their parameters with CO2 through a
+:class:`~fusionp2p.runtime.averager.ReplicaAverager`: every ``tau`` steps the parameters are
+snapshotted and the all-reduce runs in the background while the next ``tau`` steps compute; the
+one-round-stale average enters through the outer step (``CO2(sync=True)`` blocks instead), and a
+final round at the end leaves every replica and the checkpoint with the same consensus weights.
+Replicas of a job without CO2 all-reduce their gradients before every optimizer step (synchronous
+data parallelism).
 
 Per step the worker makes a fresh pure :class:`~fusionp2p.runtime.schedule.StageSchedule` and
 only moves data: it performs the schedule's actions in order (compute in a worker thread so that
