@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import safetensors.torch
+from safetensors.torch import load as load_safetensors_bytes  # safetensors: no pickle, bounded header
 import torch
 import trio
 from torch import nn
@@ -136,7 +137,7 @@ class NodeJobs:
                            f"with {self.profile.memory_bytes} bytes")
         dag_blob = await self._fetch(spec.model_hash, peers)
         dag = decode_dag(dag_blob)        # RemoteProtocolError on a non-whitelisted operator
-        weights = safetensors.torch.load(await self._fetch(spec.weights_hash, peers))
+        weights = load_safetensors_bytes(await self._fetch(spec.weights_hash, peers))
         if set(weights) != set(dag.tensors):
             raise JobError(f"job {spec.job_id}: the weights do not match the model's tensors")
         dag = dataclasses.replace(dag, tensors={**dag.tensors, **weights})
