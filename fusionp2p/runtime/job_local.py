@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 import safetensors.torch
-from safetensors.torch import load as load_safetensors_bytes  # safetensors: no pickle, bounded header
 import torch
 import trio
+from safetensors.torch import load as load_safetensors_bytes  # safetensors: no pickle, bounded header
 from torch import nn
 
 from fusionp2p.data import (
