@@ -73,18 +73,6 @@ class SlowExecutor(StageExecutor):
         return out
 
 
-class SyncDPWorker(StageWorker):
-    """StageWorker whose replicas all-reduce gradients before every optimizer step (synchronous DP).
-
-    StageWorker does this itself whenever a stage has replicas and the job has no CO2, so this class
-    only documents the baselines' choice; ``sync_grads=False`` is not supported without CO2.
-    """
-
-    def __init__(self, ctx: StageContext, *, sync_grads: bool) -> None:
-        super().__init__(ctx)
-        self.sync_grads = sync_grads and bool(ctx.peers)
-
-
 async def _wait_go(workdir: Path, k: int) -> None:
     # The harness's barrier is a file: stdin is not ours (the testbed gives processes /dev/null).
     # A file in another process's hands cannot set a trio.Event, so this polls (20 ms).
@@ -167,7 +155,8 @@ async def run_system(k: int, sysd: dict[str, Any], job: dict[str, Any], me: dict
                        links={d: chans[h] for d, h in link_host.items()},
                        peers=[chans[h] for h in peer_hosts], data=data,
                        tokens_per_micro=run["micro_batch"] * run["seq_len"], rho_out=rho_out, report=report)
-    worker = SyncDPWorker(ctx, sync_grads=not co2)
+    # replicas all-reduce gradients every step unless the system averages with CO2 (StageWorker does both)
+    worker = StageWorker(ctx)
     await worker.run()
     t_end = time.time()
     sent = {h: ch.bytes_sent for h, ch in chans.items()}
