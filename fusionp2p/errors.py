@@ -10,6 +10,11 @@
 
 from __future__ import annotations
 
+import sys
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
 
 class FusionError(Exception):
     """Base of every error fusionp2p raises on purpose."""
@@ -50,3 +55,10 @@ class PlanError(FusionError):
 
 class JobError(FusionError):
     """A training job failed or was rejected; the message says why."""
+
+
+def leaf_errors(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside *exc*, with (nested) exception groups flattened, in order."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in leaf_errors(e)]
+    return [exc]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import sys
 import tempfile
 import threading
 import time
@@ -74,9 +73,6 @@ from fusionp2p.runtime.metrics import (
 )
 from fusionp2p.runtime.trainconfig import TrainConfig
 from fusionp2p.testing.memory import MemoryTransport, memory_network
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger(__name__)
 
@@ -490,17 +486,8 @@ def _root_error(exc: BaseException) -> BaseException:
 
     Under load, libp2p teardown errors can join ours in the group, so a one-member unwrap is not enough.
     """
-    from fusionp2p.errors import FusionError
+    from fusionp2p.errors import FusionError, leaf_errors
 
-    leaves: list[BaseException] = []
-
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for sub in e.exceptions:
-                walk(sub)
-        else:
-            leaves.append(e)
-
-    walk(exc)
+    leaves = leaf_errors(exc)
     ours = [e for e in leaves if isinstance(e, FusionError)]
-    return ours[0] if ours else (leaves[0] if leaves else exc)
+    return ours[0] if ours else leaves[0]

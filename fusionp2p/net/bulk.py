@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field, replace
@@ -34,7 +33,7 @@ from typing import Any
 
 import trio
 
-from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemoteProtocolError, leaf_errors
 from fusionp2p.net.aead import CIPHERS, Opener, Sealer, default_cipher, new_key
 from fusionp2p.net.channel import TensorMessage
 from fusionp2p.net.tensor_stream import RecordPlan, RecordReader, RecordWriter
@@ -43,9 +42,6 @@ from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.limits import DEFAULT_LIMITS, KiB, Limits, MiB
 from fusionp2p.wire.protocols import BULK_TICKET
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger(__name__)
 
@@ -333,16 +329,10 @@ class BulkChannel:
             await trio.aclose_forcefully(self._stream)
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
-    return [exc]
-
-
 def _classify(peer: str, exc: BaseException) -> FusionError | None:
     """The channel error behind *exc* (unwrapping exception groups): a peer's protocol violation wins
     over a lost connection; None when *exc* is not a channel failure (e.g. a cancellation)."""
-    leaves = _leaves(exc)
+    leaves = leaf_errors(exc)
     for leaf in leaves:
         if isinstance(leaf, RemoteProtocolError):
             return leaf
