@@ -3,7 +3,7 @@
 Pure (no trio, sockets or clock). See docs/dataplane.md.
 """
 
-from fusionp2p.compress.adatopk import AdaTopK, ErrorFeedback, boundary, kept_mask
+from fusionp2p.compress.adatopk import AdaTopK, ErrorFeedback, boundary
 from fusionp2p.compress.codec import (
     CastCodec,
     Codec,
@@ -11,10 +11,12 @@ from fusionp2p.compress.codec import (
     TopKCodec,
     decode,
     index_dtype,
+    kept_mask,
     sparse_bytes,
+    uses_bitmap,
 )
 from fusionp2p.compress.policy import LinkCost, RatioEstimator, choose_ratio, plan_ratios
-from fusionp2p.compress.select import approx_topk_indices, exact_topk_indices, k_for
+from fusionp2p.compress.select import approx_topk_indices, exact_topk_indices, k_for, select_topk
 
 __all__ = [
     "AdaTopK",
@@ -34,5 +36,7 @@ __all__ = [
     "k_for",
     "kept_mask",
     "plan_ratios",
+    "select_topk",
     "sparse_bytes",
+    "uses_bitmap",
 ]

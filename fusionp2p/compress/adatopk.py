@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from fusionp2p.compress.codec import Meta, Payload, TopKCodec, decode
+from fusionp2p.compress.codec import Meta, Payload, TopKCodec, decode, kept_mask
 from fusionp2p.errors import ConfigError
 
 Backward = Literal["straight_through", "masked"]
@@ -62,15 +62,6 @@ class AdaTopK:
             if mask is not None:
                 grad = grad * mask
         return self.codec().encode(grad)
-
-
-def kept_mask(payload: Sequence[torch.Tensor], meta: dict[str, Any]) -> torch.Tensor | None:
-    """Boolean mask of the entries a forward top-k message kept; ``None`` when it was dense."""
-    if meta.get("codec") != "topk":
-        return None
-    vals, idx = payload
-    ones = torch.ones_like(vals, dtype=torch.float32)
-    return decode((ones, idx), {**meta, "dtype": "f32"}).to(torch.bool)
 
 
 class _Boundary(torch.autograd.Function):

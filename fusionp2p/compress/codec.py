@@ -8,7 +8,11 @@ and meta as peer input: any inconsistency (shape, dtype, counts, index range) ra
 
 Codecs here: :class:`IdentityCodec` (``id``), :class:`CastCodec` (``cast``: fp16/bf16 on the wire),
 :class:`TopKCodec` (``topk``: global or per-row, exact or fast-approximate selection, dense fallback).
+A global top-k message carries the kept values plus either their indices (narrowest integer type) or,
+when smaller, a ``⌈n/8⌉``-byte bitmap (meta ``fmt: "bitmap"``; see :func:`uses_bitmap`).
 AdaTopK is a :class:`TopKCodec` whose ratio comes from the link (see ``compress.policy``).
+:func:`decode` can write into a caller's buffer (``out=``); otherwise dense outputs are numpy
+allocations (transparent huge pages: ~4x cheaper to fault in than torch's allocator here).
 
 Legend: n = numel of the dense tensor, k = kept entries, rows × cols = the per-row view (cols = last dim).
 """
@@ -20,9 +24,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 
-from fusionp2p.compress.select import approx_topk_indices, exact_topk_indices, k_for
+from fusionp2p.compress.select import CHUNK, RAW_NP, from_raw, k_for, raw_numpy, select_topk
 from fusionp2p.errors import ConfigError, RemoteProtocolError
 from fusionp2p.wire.limits import DEFAULT_LIMITS, Limits
 from fusionp2p.wire.tensor import DTYPES, dtype_name
@@ -40,7 +45,8 @@ class Codec(Protocol):
 
     def encode(self, x: torch.Tensor) -> tuple[Payload, Meta]: ...
 
-    def decode(self, payload: Sequence[torch.Tensor], meta: Mapping[str, Any]) -> torch.Tensor: ...
+    def decode(self, payload: Sequence[torch.Tensor], meta: Mapping[str, Any], *,
+               out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def index_dtype(n: int) -> torch.dtype:
@@ -54,9 +60,17 @@ def index_dtype(n: int) -> torch.dtype:
     return torch.int64
 
 
+def uses_bitmap(k: int, n: int) -> bool:
+    """Whether a global top-k message of *k* out of *n* carries a bitmap rather than indices: the
+    ``⌈n/8⌉``-byte bitmap is strictly smaller than ``k`` narrowest-type indices (ρ > 1/32 for int32)."""
+    return (n + 7) // 8 < k * torch.empty((), dtype=index_dtype(n)).element_size()
+
+
 def sparse_bytes(k: int, *, n: int, value_itemsize: int) -> int:
-    """Payload bytes of a global top-k message: ``k·(b_val + b_idx)`` (ALGORITHMS.md §1.6)."""
-    return k * (value_itemsize + torch.empty((), dtype=index_dtype(n)).element_size())
+    """Payload bytes of a global top-k message: ``k·b_val + min(k·b_idx, ⌈n/8⌉)`` (ALGORITHMS.md §1.6's
+    ``k·(b_val + b_idx)`` with the bitmap encoding where that is smaller)."""
+    idx_bytes = k * torch.empty((), dtype=index_dtype(n)).element_size()
+    return k * value_itemsize + min(idx_bytes, (n + 7) // 8)
 
 
 # ----------------------------------------------------------------------------------------- validation
@@ -90,9 +104,9 @@ class IdentityCodec:
     def encode(self, x: torch.Tensor) -> tuple[Payload, Meta]:
         return (x,), {"codec": "id"}
 
-    def decode(self, payload: Sequence[torch.Tensor], meta: Mapping[str, Any]) -> torch.Tensor:
-        _one(payload, 1, "id codec")
-        return payload[0]
+    def decode(self, payload: Sequence[torch.Tensor], meta: Mapping[str, Any], *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        return decode(payload, meta, out=out)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,8 +124,9 @@ class CastCodec:
             raise ConfigError(f"CastCodec needs a float tensor, got {x.dtype}")
         return (x.detach().to(_VALUE_DTYPES[self.wire_dtype]),), {"codec": "cast", "dtype": dtype_name(x.dtype)}
 
-    def decode(self, payload: Sequence[torch.Tensor], meta: Mapping[str, Any]) -> torch.Tensor:
-        return decode(payload, meta)
+    def decode(self, payload: Sequence[torch.Tensor], meta: Mapping[str, Any], *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        return decode(payload, meta, out=out)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,13 +177,14 @@ class TopKCodec:
         n = x.numel()
         if self.ratio >= 1.0 or n == 0:
             return True
-        if self.per_row and x.dim() >= 1:
+        if self.per_row and x.dim() >= 1:  # per row: always indices
             cols = x.shape[-1]
             k = k_for(self.ratio, cols) * (n // max(cols, 1))
-            width = cols
+            b_idx = torch.empty((), dtype=index_dtype(cols)).element_size()
+            sparse = k * (self._value_itemsize(x) + b_idx)
         else:
-            k, width = k_for(self.ratio, n), n
-        return sparse_bytes(k, n=width, value_itemsize=self._value_itemsize(x)) >= n * x.element_size()
+            sparse = sparse_bytes(k_for(self.ratio, n), n=n, value_itemsize=self._value_itemsize(x))
+        return sparse >= n * x.element_size()
 
     def encode(self, x: torch.Tensor) -> tuple[Payload, Meta]:
         if x.dtype not in FLOAT_DTYPES:
@@ -189,58 +205,170 @@ class TopKCodec:
         flat = x.reshape(-1)
         n = flat.numel()
         k = k_for(self.ratio, n)
-        if self.approx:
-            idx = approx_topk_indices(flat, k, generator=self._gen, tolerance=self.tolerance,
-                                       sample_size=self.sample_size, exact_k=self.exact_k)
-        else:
-            idx = exact_topk_indices(flat.abs(), k)
-        vals = flat.index_select(0, idx)
-        meta.update(k=idx.numel(), row=False)
-        return (vals.to(vd), idx.to(index_dtype(n))), meta
+        bitmap = uses_bitmap(k, n)
+        vals, idx, bits = select_topk(flat, k, approx=self.approx, generator=self._gen, tolerance=self.tolerance,
+                                      sample_size=self.sample_size, exact_k=self.exact_k,
+                                      index_dtype=None if bitmap else index_dtype(n), bitmap=bitmap)
+        where = bits if bitmap else idx
+        assert where is not None
+        vals = vals.to(vd)
+        if vals.nbytes + where.nbytes >= x.nbytes:  # massive ties at the threshold: sparse saves nothing
+            return (x,), {"codec": "id"}
+        meta.update(k=vals.numel(), row=False)
+        if bitmap:
+            meta["fmt"] = "bitmap"
+        return (vals, where), meta
 
-    def decode(self, payload: Sequence[torch.Tensor], meta: Mapping[str, Any]) -> torch.Tensor:
-        return decode(payload, meta)
+    def decode(self, payload: Sequence[torch.Tensor], meta: Mapping[str, Any], *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        return decode(payload, meta, out=out)
 
 
-def _decode_topk(payload: Sequence[torch.Tensor], meta: Mapping[str, Any], limits: Limits) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class _TopK:
+    """A validated top-k message."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    n: int
+    k: int
+    row: bool
+    bitmap: bool
+    vals: torch.Tensor      # (k,) or (rows, k), any float dtype
+    where: torch.Tensor     # indices (any wire integer type) or the packed bitmap (uint8)
+
+
+def _check_topk(payload: Sequence[torch.Tensor], meta: Mapping[str, Any], limits: Limits) -> _TopK:
+    """Validate a peer's top-k message completely (before anything of its size is allocated)."""
     shape, dtype = _meta_shape(meta, limits)
     _one(payload, 2, "topk codec")
-    vals, idx = payload
-    k, row = meta.get("k"), meta.get("row")
+    vals, where = payload
+    k, row, fmt = meta.get("k"), meta.get("row"), meta.get("fmt", "idx")
     if not isinstance(k, int) or isinstance(k, bool) or k < 0 or not isinstance(row, bool):
         raise RemoteProtocolError("topk codec: meta needs int 'k' >= 0 and bool 'row'")
-    if vals.dtype not in FLOAT_DTYPES or idx.dtype not in _INDEX_DTYPES:
-        raise RemoteProtocolError(f"topk codec: bad payload dtypes {vals.dtype}, {idx.dtype}")
+    if fmt not in ("idx", "bitmap"):
+        raise RemoteProtocolError(f"topk codec: unknown payload format {fmt!r}")
+    bitmap = fmt == "bitmap"
+    if vals.dtype not in FLOAT_DTYPES or where.dtype not in ((torch.uint8,) if bitmap else _INDEX_DTYPES):
+        raise RemoteProtocolError(f"topk codec: bad payload dtypes {vals.dtype}, {where.dtype}")
     n = math.prod(shape)
+    if bitmap:
+        if row or k > n or vals.shape != (k,) or where.shape != ((n + 7) // 8,):
+            raise RemoteProtocolError("topk codec: bitmap payload does not match k and shape")
+        bits = where.detach().contiguous().numpy()
+        if n % 8 and bits.size and int(bits[-1]) >> (n % 8):
+            raise RemoteProtocolError("topk codec: bitmap padding bits are set")
+        if _popcount(bits) != k:
+            raise RemoteProtocolError("topk codec: bitmap does not hold k set bits")
+        return _TopK(shape, dtype, n, k, False, True, vals, where)
     if row:
         if not shape:
             raise RemoteProtocolError("topk codec: per-row needs at least one dimension")
         cols = shape[-1]
         rows = n // cols if cols else 0
-        if k > cols or vals.shape != (rows, k) or idx.shape != (rows, k):
+        if k > cols or vals.shape != (rows, k) or where.shape != (rows, k):
             raise RemoteProtocolError("topk codec: per-row payload does not match k and shape")
-    elif k > n or vals.shape != (k,) or idx.shape != (k,):
+    elif k > n or vals.shape != (k,) or where.shape != (k,):
         raise RemoteProtocolError("topk codec: payload does not match k and shape")
     width = shape[-1] if row else n
-    idx64 = idx.long()
-    if idx64.numel() and (int(idx64.min()) < 0 or int(idx64.max()) >= width):
-        raise RemoteProtocolError("topk codec: index out of range")
-    out = torch.zeros(shape, dtype=dtype)
-    if row:
-        out.view(-1, shape[-1]).scatter_(1, idx64, vals.to(dtype))
+    if where.numel():
+        lo, hi = torch.aminmax(where.detach())
+        if int(lo) < 0 or int(hi) >= width:
+            raise RemoteProtocolError("topk codec: index out of range")
+    return _TopK(shape, dtype, n, k, row, False, vals, where)
+
+
+_POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+
+
+def _popcount(bits: np.ndarray) -> int:
+    count = getattr(np, "bitwise_count", None)  # numpy >= 2.0
+    per_byte = count(bits) if count is not None else _POP8.take(bits)
+    return int(per_byte.sum(dtype=np.int64))
+
+
+def _out_buffer(shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """The decoded tensor's memory: *out* (checked; not yet zeroed) or a fresh zeroed numpy allocation
+    (calloc'd, huge-page backed: far cheaper to fault in than ``torch.zeros`` of the same size)."""
+    if out is None:
+        fresh = np.zeros(math.prod(shape), dtype=RAW_NP[dtype])
+        return from_raw(fresh, dtype).view(shape), True
+    if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError("decode(out=...) needs a contiguous CPU tensor")
+    if out.dtype != dtype or tuple(out.shape) != shape:
+        raise RemoteProtocolError(f"decoded {dtype} {list(shape)} does not fit the output buffer "
+                                  f"{out.dtype} {list(out.shape)}")
+    return out, False
+
+
+def _decode_topk(payload: Sequence[torch.Tensor], meta: Mapping[str, Any], limits: Limits,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    msg = _check_topk(payload, meta, limits)
+    dest, zeroed = _out_buffer(msg.shape, msg.dtype, out)
+    vals = msg.vals.detach().to(msg.dtype).contiguous()
+    if msg.row:
+        if not zeroed:
+            dest.zero_()
+        if msg.n:
+            dest.view(-1, msg.shape[-1]).scatter_(1, msg.where.detach().long(), vals)
+        return dest
+    dest_raw, vals_raw = raw_numpy(dest.view(-1)), raw_numpy(vals.view(-1))
+    if not msg.bitmap:
+        if not zeroed:
+            dest.zero_()
+        dest_raw[msg.where.detach().contiguous().numpy()] = vals_raw
+        return dest
+    # bitmap: chunk by chunk (unpack, local indices, assign) so the mask never leaves the cache
+    bits = msg.where.detach().contiguous().numpy()
+    off = 0
+    for a in range(0, msg.n, CHUNK):
+        b = min(msg.n, a + CHUNK)
+        chunk = dest_raw[a:b]
+        if not zeroed:
+            chunk.fill(0)
+        loc = np.flatnonzero(np.unpackbits(bits[a >> 3 : (b + 7) >> 3], count=b - a, bitorder="little").view(np.bool_))
+        chunk[loc] = vals_raw[off : off + loc.size]
+        off += loc.size
+    return dest
+
+
+def kept_mask(payload: Sequence[torch.Tensor], meta: Mapping[str, Any], *,
+              limits: Limits = DEFAULT_LIMITS) -> torch.Tensor | None:
+    """Boolean mask (the dense shape) of the entries a top-k message kept; ``None`` when it was not a
+    top-k message (dense). RemoteProtocolError on a malformed message, like :func:`decode`."""
+    if not isinstance(meta, Mapping) or meta.get("codec") != "topk":
+        return None
+    msg = _check_topk(payload, meta, limits)
+    if msg.bitmap:
+        bits = msg.where.detach().contiguous().numpy()
+        return torch.from_numpy(np.unpackbits(bits, count=msg.n, bitorder="little").view(np.bool_)).view(msg.shape)
+    mask = torch.from_numpy(np.zeros(msg.n, dtype=np.bool_)).view(msg.shape)
+    if msg.row:
+        if msg.n:
+            mask.view(-1, msg.shape[-1]).scatter_(1, msg.where.detach().long(), True)
     else:
-        out.view(-1).scatter_(0, idx64, vals.to(dtype))
-    return out
+        mask.view(-1).numpy()[msg.where.detach().contiguous().numpy()] = True
+    return mask
 
 
-def decode(payload: Sequence[torch.Tensor], meta: Mapping[str, Any], *, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
-    """Decode any codec's output from a peer; RemoteProtocolError on anything inconsistent."""
+def decode(payload: Sequence[torch.Tensor], meta: Mapping[str, Any], *, limits: Limits = DEFAULT_LIMITS,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode any codec's output from a peer; RemoteProtocolError on anything inconsistent.
+
+    *out*: optional contiguous CPU tensor of the decoded shape and dtype to decode into (a receiver
+    that re-uses its input buffers saves the fresh allocation); it is returned. A message whose shape
+    or dtype differs from *out* raises RemoteProtocolError. Without *out*, ``id`` returns the payload
+    tensor itself and every other codec a fresh tensor.
+    """
     if not isinstance(meta, Mapping):
         raise RemoteProtocolError("codec meta is not a map")
     name = meta.get("codec")
     if name == "id":
         _one(payload, 1, "id codec")
-        return payload[0]
+        if out is None:
+            return payload[0]
+        dest, _ = _out_buffer(tuple(payload[0].shape), payload[0].dtype, out)
+        return dest.copy_(payload[0])
     if name == "cast":
         _one(payload, 1, "cast codec")
         dn = meta.get("dtype")
@@ -248,7 +376,10 @@ def decode(payload: Sequence[torch.Tensor], meta: Mapping[str, Any], *, limits: 
             raise RemoteProtocolError(f"cast codec: bad dtype {dn!r}")
         if payload[0].dtype not in FLOAT_DTYPES:
             raise RemoteProtocolError("cast codec: payload is not a float tensor")
-        return payload[0].to(DTYPES[dn])
+        if out is None:
+            return payload[0].to(DTYPES[dn])
+        dest, _ = _out_buffer(tuple(payload[0].shape), DTYPES[dn], out)
+        return dest.copy_(payload[0])
     if name == "topk":
-        return _decode_topk(payload, meta, limits)
+        return _decode_topk(payload, meta, limits, out)
     raise RemoteProtocolError(f"unknown codec {name!r}")

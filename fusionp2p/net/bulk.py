@@ -12,8 +12,9 @@ Theory of operation (ARCHITECTURE.md "Planes", LIBP2P_NOTES.md §9):
    dialer that the peer holds the keys. The identity behind the channel is therefore the one the
    transport authenticated; an eavesdropper on the TCP link learns only a used-up ticket.
 3. **Flow.** ``send`` blocks while ``window`` messages are unacknowledged (the receiver acks when the
-   application takes a message). Large records are sealed/opened in worker threads, one record ahead
-   of the socket, so encryption overlaps the kernel copy and both cores are used.
+   application takes a message). The socket is driven by two OS threads per channel (a writer that
+   seals and sends, a reader that receives each record into its final place and decrypts it there);
+   see :class:`BulkChannel`.
 4. **Failure.** Every read has a deadline of ``dead_after`` seconds of silence; idle ends send a PING
    every ``keepalive`` seconds. Silence, a reset or an EOF without ``CLOSE`` make ``send``/``receive``
    raise :class:`~fusionp2p.errors.PeerUnavailable`; a record failing authentication raises
@@ -23,9 +24,13 @@ Theory of operation (ARCHITECTURE.md "Planes", LIBP2P_NOTES.md §9):
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import queue
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field, replace
@@ -34,9 +39,9 @@ from typing import Any
 import trio
 
 from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemoteProtocolError, leaf_errors
-from fusionp2p.net.aead import CIPHERS, Opener, Sealer, default_cipher, new_key
+from fusionp2p.net.aead import CIPHERS, Opener, Sealer, default_cipher, new_key, overhead
 from fusionp2p.net.channel import TensorMessage
-from fusionp2p.net.tensor_stream import RecordPlan, RecordReader, RecordWriter
+from fusionp2p.net.tensor_stream import BufferPool, RecordReader, RecordWriter
 from fusionp2p.net.transport import Stream, Transport
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
@@ -55,8 +60,8 @@ class DataPlaneConfig:
     advertise_host: str | None = None   # address peers should dial (default: the bound address)
     cipher: str = field(default_factory=default_cipher)
     window: int = 8                     # messages in flight per direction
-    chunk_size: int = 4 * MiB           # plaintext bytes per record
-    thread_threshold: int = 256 * KiB   # records at least this big are sealed/opened in worker threads
+    chunk_size: int = 1 * MiB           # plaintext bytes per record (fits L2 with the socket copy: less CPU than 4 MiB)
+    inline_seal: int = 2 * MiB          # messages up to this size are sealed by send() itself, bigger ones by the writer thread
     keepalive: float = 0.5              # seconds between PINGs on an idle channel
     dead_after: float = 3.0             # seconds of silence before PeerUnavailable (a killed peer is seen at once: reset or EOF)
     connect_timeout: float = 5.0
@@ -81,33 +86,51 @@ class DataPlaneConfig:
             raise ConfigError("DataPlaneConfig timeouts must be positive")
 
 
-# (kind, header bytes, sealed body, the pooled buffer holding it, nonce)
-_Record = tuple[int, bytes, memoryview, bytearray, bytes]
+# writer-queue items: (tag, payload, trio.Event to set when done or None)
+_RAW, _SEALED, _PLANS, _FLUSH = range(4)  # bytes | [(sealed view, pooled buffer)] | [RecordPlan] | -
 
 
 class BulkChannel:
-    """One encrypted TCP tensor channel (implements ``fusionp2p.net.channel.TensorChannel``)."""
+    """One encrypted TCP tensor channel (implements ``fusionp2p.net.channel.TensorChannel``).
 
-    def __init__(self, stream: trio.SocketStream, peer: str, keys: tuple[bytes, bytes], cfg: DataPlaneConfig) -> None:
-        self._stream = stream
+    The socket belongs to two OS threads: a writer that seals records and sends them, and a reader that
+    receives each record's body straight into its place in the message being assembled and decrypts it
+    there. Both block in the kernel or in the AEAD with the GIL released, so the two processes' four
+    threads keep both cores busy, and the per-record cost is a few microseconds of Python instead of an
+    event-loop round trip. The trio side only plans records (assigning nonces in queue order), waits
+    for the writer to have sealed a message (after which the caller may reuse its tensors) and receives
+    complete messages, which the reader hands over with ``run_sync_soon``.
+    """
+
+    def __init__(self, stream: trio.SocketStream | socket.socket, peer: str, keys: tuple[bytes, bytes],
+                 cfg: DataPlaneConfig) -> None:
+        _keep_freed_heap()
+        self._sock = stream if isinstance(stream, socket.socket) else _detach(stream)
+        self._sock.settimeout(cfg.dead_after)  # per call: a silent peer, not a slow one
         self._peer = peer
         self._cfg = cfg
         self._writer = RecordWriter(Sealer(cfg.cipher, keys[0]), chunk_size=cfg.chunk_size)
-        self._reader = RecordReader(Opener(cfg.cipher, keys[1]), chunk_size=cfg.chunk_size, limits=cfg.limits)
+        self._reader = RecordReader(Opener(cfg.cipher, keys[1]), chunk_size=cfg.chunk_size, limits=cfg.limits,
+                                    pool=BufferPool(max_buffers=cfg.window + 2))
+        self._token = trio.lowlevel.current_trio_token()
+        self._queue: queue.SimpleQueue[tuple[int, Any, trio.Event | None] | None] = queue.SimpleQueue()
+        self._seal_free: collections.deque[bytearray] = collections.deque(maxlen=cfg.window + 2)
         self._send_lock = trio.Lock()
-        self._wire_lock = trio.Lock()
-        self._inflight = 0
+        self._inflight = 0                   # unacknowledged messages (the reader thread takes ACKs)
+        self._window_lock = threading.Lock()
         self._credit = trio.Event()
+        self._credit_wanted = False          # a send waits for an ACK: the reader must wake trio
+        self._pending: set[trio.Event] = set()  # sends waiting for the writer
         self._inbox_send, self._inbox = trio.open_memory_channel[dict[str, Any]](cfg.window)
         self._error: FusionError | None = None
         self._closed = False
         self._peer_closed = False
         self._hello = trio.Event()
-        self._scope = trio.CancelScope()
-        self._last_sent = 0.0
-        # reusable record buffers (fresh multi-MiB allocations cost page faults on every record)
-        self._seal_pool: list[bytearray] = []
-        self._recv_pool: list[bytearray] = []
+        self._finished = trio.Event()
+        self._threads: list[threading.Thread] = []
+        self._threads_left = 2
+        self._threads_lock = threading.Lock()
+        self._last_sent = time.monotonic()
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -117,25 +140,38 @@ class BulkChannel:
 
     # ------------------------------------------------------------------------------------ public API
     async def send(self, msg: TensorMessage) -> None:
-        """Send one message; blocks while the window is full. PeerUnavailable if the peer is gone."""
+        """Send one message; blocks while the window is full, and until the message is sealed (its
+        tensors may be changed once ``send`` returns). PeerUnavailable if the peer is gone."""
         async with self._send_lock:
             while True:
                 self._check_send()
-                if self._inflight < self._cfg.window:
-                    break
-                self._credit = trio.Event()
+                with self._window_lock:
+                    if self._inflight < self._cfg.window:
+                        self._inflight += 1
+                        break
+                    self._credit = trio.Event()
+                    self._credit_wanted = True
                 await self._credit.wait()
-            self._inflight += 1
-            async with self._wire_lock:
-                self._check_send()
-                plans = self._writer.plan_message(msg)
-                try:
-                    await self._send_plans(plans)
-                except BaseException as exc:
-                    err = _classify(self._peer, exc)
-                    if err is None:
-                        raise
-                    raise self._fail(err) from None
+            plans = self._writer.plan_message(msg)  # nonces assigned in queue order
+            if sum(p.size for p in plans) <= self._cfg.inline_seal:
+                # small: seal here (the AEAD releases the GIL) and return at once; a cross-thread
+                # wake-up per message would cost more than the sealing
+                sealed = []
+                for p in plans:
+                    out = self._seal_free.pop() if self._seal_free else bytearray(self._writer.max_record)
+                    sealed.append((self._writer.seal(p, out), out))
+                self._queue.put((_SEALED, sealed, None))
+                await trio.lowlevel.checkpoint()
+                return
+            done = trio.Event()
+            self._pending.add(done)
+            self._queue.put((_PLANS, plans, done))
+            try:
+                await done.wait()
+            finally:
+                self._pending.discard(done)
+            if self._error is not None:  # woken by a failure, not by the writer
+                raise self._error
 
     async def receive(self) -> TensorMessage:
         """The next message; trio.EndOfChannel after a clean close by the peer."""
@@ -150,9 +186,7 @@ class BulkChannel:
         except trio.ClosedResourceError:
             raise trio.ClosedResourceError("channel closed") from None
         if self._error is None and not self._peer_closed:
-            # a failure here is reported by the reader on the next call
-            with suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                await self._control(tf.ACK, tf.encode_ack(1))
+            self._control(tf.ACK, tf.encode_ack(1))
         return TensorMessage(**fields)
 
     async def aclose(self) -> None:
@@ -160,15 +194,18 @@ class BulkChannel:
         if self._closed:
             return
         self._closed = True
-        if self._error is None and not self._peer_closed:
+        if self._error is None and not self._peer_closed and self._threads:
+            flushed = trio.Event()
+            self._control(tf.CLOSE)
+            self._queue.put((_FLUSH, None, flushed))
             with trio.move_on_after(self._cfg.dead_after) as cs:
                 cs.shield = True
-                with suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.BusyResourceError):
-                    await self._control(tf.CLOSE)
-        self._scope.cancel()
+                await flushed.wait()
         self._inbox.close()
         self._credit.set()
-        await trio.aclose_forcefully(self._stream)
+        for ev in self._pending:
+            ev.set()
+        self._shutdown()
 
     # ------------------------------------------------------------------------------------- internals
     def _check_send(self) -> None:
@@ -179,114 +216,179 @@ class BulkChannel:
         if self._peer_closed:
             raise PeerUnavailable(self._peer, "channel closed by peer")
 
-    def _fail(self, exc: FusionError) -> FusionError:
-        if self._error is None:
+    def _fail(self, exc: FusionError) -> None:
+        """(trio thread) Record the first failure and wake everyone waiting on the channel."""
+        if self._error is None and not self._closed:
             self._error = exc
             log.info("bulk channel to %s failed: %s", self._peer, exc)
         self._inbox_send.close()
         self._credit.set()
+        for ev in self._pending:
+            ev.set()
         self._hello.set()  # wakes a connect() still waiting for the listener's HELLO
-        self._scope.cancel()
-        return self._error
+        self._finished.set()
+        self._shutdown()
 
-    async def _write(self, buf: memoryview) -> None:
-        await self._stream.send_all(buf)
-        self.bytes_sent += len(buf)
-        self._last_sent = trio.current_time()
+    def _control(self, kind: int, body: bytes = b"") -> None:
+        """Queue a control record (sealed here, so that its nonce follows the queue order)."""
+        self._queue.put((_RAW, bytes(self._writer.control(kind, body)), None))
 
-    async def _control(self, kind: int, body: bytes = b"") -> None:
-        async with self._wire_lock:
-            await self._write(self._writer.control(kind, body))
+    def _send_raw_for_tests(self, data: bytes) -> None:
+        """Queue raw bytes on the wire (tests forge records with it)."""
+        self._queue.put((_RAW, data, None))
 
-    async def _seal(self, plan: RecordPlan) -> tuple[memoryview, bytearray | None]:
-        if plan.size >= self._cfg.thread_threshold:
-            out = self._seal_pool.pop() if self._seal_pool else bytearray(self._writer.max_record)
-            return await trio.to_thread.run_sync(self._writer.seal, plan, out), out
-        return self._writer.seal(plan), None
+    def _to_trio(self, fn: Any, *args: Any) -> None:
+        """(any thread) Run *fn* on the trio thread soon; nothing to do if the trio run has ended."""
+        with suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(fn, *args)
 
-    async def _send_plans(self, plans: list[RecordPlan]) -> None:
-        if len(plans) == 1:
-            view, out = await self._seal(plans[0])
-            await self._write(view)
-            if out is not None:
-                self._seal_pool.append(out)
-            return
-        # two-stage pipeline: seal record i+1 in a worker thread while the socket takes record i
-        sealed_send, sealed_recv = trio.open_memory_channel[tuple[memoryview, bytearray | None]](1)
+    def _shutdown(self) -> None:
+        """Wake both threads (a blocked recv/send returns, the writer's queue yields its end marker);
+        the last thread out closes the socket."""
+        self._queue.put(None)
+        with suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        if not self._threads:
+            self._sock.close()
 
-        async def sealer() -> None:
-            async with sealed_send:
-                for p in plans:
-                    await sealed_send.send(await self._seal(p))
+    def _thread_exit(self) -> None:
+        with self._threads_lock:
+            self._threads_left -= 1
+            last = self._threads_left == 0
+        if last:
+            self._sock.close()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(sealer)
-            async with sealed_recv:
-                async for view, out in sealed_recv:
-                    await self._write(view)
-                    if out is not None:
-                        self._seal_pool.append(out)
+    # --- the writer thread
+    def _send_exactly(self, view: memoryview) -> None:
+        sent = 0
+        while sent < len(view):
+            try:
+                n = self._sock.send(view[sent:])
+            except TimeoutError:
+                raise PeerUnavailable(self._peer, f"not reading for {self._cfg.dead_after:.1f} s") from None
+            sent += n
+            self.bytes_sent += n
+            self._last_sent = time.monotonic()
 
-    async def _recv_exactly(self, view: memoryview, *, at_boundary: bool) -> bool:
+    def _writer_main(self) -> None:
+        buf = bytearray(self._writer.max_record)
+        try:
+            while (item := self._queue.get()) is not None:
+                tag, what, done = item
+                if tag == _RAW:
+                    self._send_exactly(memoryview(what))
+                elif tag == _SEALED:
+                    for view, out in what:
+                        self._send_exactly(view)
+                        self._seal_free.append(out)
+                elif tag == _PLANS:
+                    last = len(what) - 1
+                    for i, plan in enumerate(what):
+                        view = self._writer.seal(plan, buf)
+                        if i == last and done is not None:
+                            self._to_trio(done.set)  # the caller's tensors have been read
+                            done = None
+                        self._send_exactly(view)
+                if done is not None:
+                    self._to_trio(done.set)
+        except BaseException as exc:
+            if not isinstance(exc, OSError | FusionError):
+                log.exception("bulk channel writer to %s crashed", self._peer)
+            self._to_trio(self._thread_failed, exc)
+        finally:
+            self._thread_exit()
+
+    # --- the reader thread
+    def _recv_exactly(self, view: memoryview, *, at_boundary: bool) -> bool:
         """Fill *view*; False at a clean EOF on a record boundary. Deadline: dead_after of silence."""
-        sock = self._stream.socket
         got = 0
         while got < len(view):
-            n = 0
-            with trio.move_on_after(self._cfg.dead_after):
-                try:
-                    n = await sock.recv_into(view[got:])
-                except OSError as exc:
-                    raise PeerUnavailable(self._peer, f"connection lost: {exc}") from None
-                if n == 0:
-                    if at_boundary and got == 0:
-                        return False
-                    raise PeerUnavailable(self._peer, "connection lost in the middle of a record")
+            try:
+                n = self._sock.recv_into(view[got:])
+            except TimeoutError:
+                raise PeerUnavailable(self._peer, f"silent for {self._cfg.dead_after:.1f} s") from None
             if n == 0:
-                raise PeerUnavailable(self._peer, f"silent for {self._cfg.dead_after:.1f} s")
+                if at_boundary and got == 0:
+                    return False
+                raise PeerUnavailable(self._peer, "connection lost in the middle of a record")
             got += n
             self.bytes_received += n
         return True
 
-    async def _read_records(self, out: trio.MemorySendChannel[_Record]) -> None:
-        async with out:
+    def _reader_main(self) -> None:
+        reader, opener = self._reader, self._reader.opener
+        tag = overhead(opener.cipher)
+        hdr = bytearray(tf.RECORD_HEADER)
+        hview = memoryview(hdr)
+        scratch = memoryview(bytearray(reader.max_body))
+        try:
             while True:
-                hdr = bytearray(tf.RECORD_HEADER)
-                if not await self._recv_exactly(memoryview(hdr), at_boundary=True):
-                    return
-                kind, n = self._reader.header(hdr)  # bound checked before allocating the body
-                buf = self._recv_pool.pop() if self._recv_pool else bytearray(self._reader.max_body)
-                body = memoryview(buf)[:n]
-                await self._recv_exactly(body, at_boundary=False)
-                await out.send((kind, bytes(hdr), body, buf, self._reader.opener.next_nonce()))
-
-    async def _open_records(self, inp: trio.MemoryReceiveChannel[_Record]) -> None:
-        opener = self._reader.opener
-        async with inp:
-            async for kind, hdr, body, buf, nonce in inp:
-                dest = self._reader.destination(kind, len(body))  # decrypt in place into the message
-                if len(body) >= self._cfg.thread_threshold:
-                    plain = await trio.to_thread.run_sync(opener.open, nonce, hdr, body, dest)
+                if not self._recv_exactly(hview, at_boundary=True):
+                    if not reader.closed:
+                        raise PeerUnavailable(self._peer, "connection closed without CLOSE")
+                    break
+                kind, n = reader.header(hdr)  # bound checked before anything is allocated
+                target = reader.body_target(kind, n)
+                nonce = opener.next_nonce()
+                if target is not None:  # message data: received and decrypted in its final place
+                    self._recv_exactly(target, at_boundary=False)
+                    plain = opener.open(nonce, bytes(hdr), target, target[: n - tag])
+                    events = reader.on_plaintext(kind, plain, owned=True)
                 else:
-                    plain = opener.open(nonce, hdr, body, dest)
-                del body
-                if len(self._recv_pool) < 4:
-                    self._recv_pool.append(buf)
-                for ev in self._reader.on_plaintext(kind, plain):
-                    self._on_event(ev.kind, ev.message, ev.count)
+                    body = scratch[:n]
+                    self._recv_exactly(body, at_boundary=False)
+                    events = reader.on_plaintext(kind, opener.open(nonce, bytes(hdr), body))
+                for ev in events:
+                    if ev.kind == tf.ACK:
+                        self._on_ack(ev.count)  # here: trio is woken only if a send waits for credit
+                    else:
+                        self._to_trio(self._on_event, ev.kind, ev.message, ev.count)
+            self._to_trio(self._on_eof)
+        except BaseException as exc:
+            if not isinstance(exc, OSError | FusionError):
+                log.exception("bulk channel reader from %s crashed", self._peer)
+            self._to_trio(self._thread_failed, exc)
+        finally:
+            self._thread_exit()
+
+    def _on_ack(self, count: int) -> None:
+        """(reader thread) The peer took *count* messages."""
+        with self._window_lock:
+            if count > self._inflight:
+                raise RemoteProtocolError("peer acknowledged messages never sent")
+            self._inflight -= count
+            wake, self._credit_wanted = self._credit_wanted, False
+            credit = self._credit
+        if wake:
+            self._to_trio(credit.set)
+
+    # --- the trio side of the threads' reports
+    def _thread_failed(self, exc: BaseException) -> None:
+        if self._closed or self._error is not None:
+            self._finished.set()
+            return
+        err = _classify(self._peer, exc)
+        self._fail(err if err is not None else PeerUnavailable(self._peer, f"channel thread failed: {exc!r}"))
+
+    def _on_eof(self) -> None:
+        self._peer_closed = True
+        self._inbox_send.close()
+        self._credit.set()
+        for ev in self._pending:
+            ev.set()
+        self._finished.set()
 
     def _on_event(self, kind: int, message: dict[str, Any] | None, count: int) -> None:
+        if self._error is not None or self._closed:
+            return
         if kind == tf.MSG_END:
             assert message is not None
             try:
                 self._inbox_send.send_nowait(message)
             except trio.WouldBlock:
-                raise RemoteProtocolError("peer sent more messages than the window allows") from None
-        elif kind == tf.ACK:
-            if count > self._inflight:
-                raise RemoteProtocolError("peer acknowledged messages never sent")
-            self._inflight -= count
-            self._credit.set()
+                self._fail(RemoteProtocolError("peer sent more messages than the window allows"))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass
         elif kind == tf.HELLO:
             self._hello.set()
         elif kind == tf.CLOSE:
@@ -297,36 +399,26 @@ class BulkChannel:
     async def _keepalive(self) -> None:
         while True:
             await trio.sleep(self._cfg.keepalive / 2)
-            if trio.current_time() - self._last_sent >= self._cfg.keepalive and not self._wire_lock.locked():
-                try:
-                    await self._control(tf.PING)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    return
+            if time.monotonic() - self._last_sent >= self._cfg.keepalive and self._queue.empty():
+                self._control(tf.PING)
 
     # Any: the trio-typing stubs libp2p installs shadow trio.TaskStatus for mypy
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """The channel's background work (reader, opener, keepalive) until it closes or fails."""
-        self._last_sent = trio.current_time()
-        with self._scope:
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._keepalive)
-                    task_status.started()
-                    records_send, records_recv = trio.open_memory_channel[_Record](2)
-                    async with trio.open_nursery() as inner:
-                        inner.start_soon(self._open_records, records_recv)
-                        await self._read_records(records_send)
-                    # EOF and every record processed: clean only if the peer said CLOSE first
-                    if not self._reader.closed:
-                        raise PeerUnavailable(self._peer, "connection closed without CLOSE")
-                    nursery.cancel_scope.cancel()
-            except BaseException as exc:
-                err = _classify(self._peer, exc)
-                if err is None:
-                    raise
-                self._fail(err)
-        if self._error is not None or self._closed:
-            await trio.aclose_forcefully(self._stream)
+        """Start the channel's threads and keep it alive (keepalives) until it closes or fails."""
+        self._last_sent = time.monotonic()
+        self._threads = [threading.Thread(target=self._writer_main, name=f"bulk-w-{self._peer[-6:]}", daemon=True),
+                         threading.Thread(target=self._reader_main, name=f"bulk-r-{self._peer[-6:]}", daemon=True)]
+        for t in self._threads:
+            t.start()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keepalive)
+                task_status.started()
+                await self._finished.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            if not self._finished.is_set() or self._error is not None or self._closed:
+                self._shutdown()
 
 
 def _classify(peer: str, exc: BaseException) -> FusionError | None:
@@ -474,13 +566,52 @@ class DataPlane:
             return
         peer, k_dial, k_listen, _ = entry
         ch = BulkChannel(stream, peer, (k_listen, k_dial), self._cfg)
+        ch._control(tf.HELLO)  # the writer sends it as soon as the channel runs
         try:
-            await ch._control(tf.HELLO)
             self._incoming_send.send_nowait(ch)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            await trio.aclose_forcefully(stream)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            await ch.aclose()
             return
         await ch.run()
+
+
+def _detach(stream: trio.SocketStream) -> socket.socket:
+    """Take the OS socket out of a trio stream (the channel's threads use it in blocking mode)."""
+    fd = stream.socket.detach()
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(True)
+    return sock
+
+
+_heap_kept = False
+
+
+def _keep_freed_heap() -> None:
+    """Keep freed message buffers in glibc's heap instead of returning them to the kernel.
+
+    glibc serves allocations above its (adaptive, at most 32 MiB) mmap threshold with fresh mappings and
+    unmaps them on free, so every incoming multi-MiB message would fault in all its pages again: on this
+    VM that cost 0.6-0.8 s per GB, more than the AES-GCM work. Raising the mmap threshold to 256 MiB and
+    the trim threshold to 1 GiB lets the next message reuse the memory of the last one. The price: a
+    node's resident size does not shrink after a burst of large messages. Once per process; glibc only.
+    """
+    global _heap_kept
+    if _heap_kept:
+        return
+    _heap_kept = True
+    if os.environ.get("FUSIONP2P_KEEP_HEAP", "1") == "0":
+        return
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return  # not glibc
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 256 * MiB)
+    mallopt(m_trim_threshold, 1024 * MiB)
 
 
 def _tune(stream: trio.SocketStream, cfg: DataPlaneConfig) -> None:

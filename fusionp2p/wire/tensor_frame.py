@@ -124,10 +124,11 @@ def _int(m: dict[str, Any], name: str) -> int:
     return int(v)
 
 
-def decode_message(data: bytes | bytearray, *, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """Decode one complete message from a peer into the keyword arguments of a ``TensorMessage``. With a ``bytearray`` the tensors are zero-copy views
-    into it (the caller hands the buffer over); ``bytes`` are copied first. RemoteProtocolError on any
-    malformed, inconsistent or oversized input."""
+def decode_message(data: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Decode one complete message from a peer into the keyword arguments of a ``TensorMessage``. With a
+    ``bytearray`` or a writable ``memoryview`` the tensors are zero-copy views into it (the caller hands the
+    buffer over); ``bytes`` and read-only views are copied first. RemoteProtocolError on any malformed,
+    inconsistent or oversized input."""
     if len(data) > limits.max_frame:
         raise RemoteProtocolError(f"tensor message of {len(data)} bytes exceeds the limit of {limits.max_frame}")
     if len(data) < 4:
@@ -154,7 +155,7 @@ def decode_message(data: bytes | bytearray, *, limits: Limits = DEFAULT_LIMITS) 
         off += nbytes + (_pad(nbytes) if nbytes else 0)
     if off != len(data):
         raise RemoteProtocolError(f"tensor message: expected {off} bytes, got {len(data)}")
-    buf = data if isinstance(data, bytearray) else bytearray(data)
+    buf = data if isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly) else bytearray(data)
     tensors: list[torch.Tensor] = []
     for dtype, shape, start, nbytes in layout:
         if nbytes == 0:

@@ -107,7 +107,7 @@ def test_tampered_frame_closes_the_channel() -> None:
             chb = await db.incoming.receive()
             rec = bytearray(chb._writer.control(tf.PING))
             rec[-1] ^= 1  # flip one tag bit in flight
-            await chb._stream.send_all(bytes(rec))
+            chb._send_raw_for_tests(bytes(rec))
             with pytest.raises(RemoteProtocolError, match="authentication"):
                 await ch.receive()
             with pytest.raises(RemoteProtocolError):
@@ -125,7 +125,7 @@ def test_oversized_record_closes_the_channel() -> None:
         async with open_data_plane(ta, chunk_size=64 * 1024) as da, open_data_plane(tb) as db:
             ch = await da.connect(tb.peer_id)
             chb = await db.incoming.receive()
-            await chb._stream.send_all(tf.record_header(tf.MSG_END, 2**31))
+            chb._send_raw_for_tests(tf.record_header(tf.MSG_END, 2**31))
             with pytest.raises(RemoteProtocolError, match="exceeds"):
                 await ch.receive()
 
@@ -198,5 +198,29 @@ def test_rejected_ticket_fails_fast() -> None:
             with pytest.raises(PeerUnavailable):
                 await da.connect(tb.peer_id)
             assert trio.current_time() - t0 < 2.0  # the listener hung up: no waiting for the 5 s timeout
+
+    run(body)
+
+
+def test_large_messages_survive_buffer_reuse() -> None:
+    """Multi-MiB messages go through the receive-buffer pool: tensors the application keeps are never
+    overwritten by later messages, dropped ones are recycled."""
+
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        async with open_data_plane(ta, chunk_size=256 * 1024) as da, open_data_plane(tb, chunk_size=256 * 1024) as db:
+            ch = await da.connect(tb.peer_id)
+            chb = await db.incoming.receive()
+            kept = []
+            for i in range(12):
+                x = torch.full((3 << 18,), float(i))  # 3 MiB: several records, pooled
+                await ch.send(TensorMessage(job="j", kind="act", step=i, tensors=(x,)))
+                got = await chb.receive()
+                assert got.step == i and torch.all(got.tensors[0] == float(i))
+                if i % 3 == 0:
+                    kept.append((i, got.tensors[0]))
+            for i, t in kept:
+                assert torch.all(t == float(i))
+            assert chb._reader.pool is not None and chb._reader.pool.reused > 0
 
     run(body)

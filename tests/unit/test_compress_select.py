@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusionp2p.compress import TopKCodec, approx_topk_indices, decode, exact_topk_indices, k_for
+import fusionp2p.compress.select as select_mod
+from fusionp2p.compress import TopKCodec, approx_topk_indices, decode, exact_topk_indices, k_for, select_topk
 
 torch.set_num_threads(1)
 
@@ -85,3 +87,72 @@ def test_signed_and_bf16_inputs_select_by_magnitude() -> None:
     for values in (x, x.bfloat16(), x.double()):
         idx = approx_topk_indices(values, 600, generator=torch.Generator().manual_seed(0), sample_size=2048)
         _check_bound(values.abs().float(), idx, 600, 0.05)
+
+
+def _count_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    passes: list[int] = []
+    real = select_mod._threshold_pass
+
+    def counting(*args: object, **kwargs: object) -> object:
+        passes.append(0)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(select_mod, "_threshold_pass", counting)
+    return passes
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.3, 0.7])
+@pytest.mark.parametrize("bitmap", [False, True])
+def test_tiny_sample_stays_in_bound(monkeypatch: pytest.MonkeyPatch, ratio: float, bitmap: bool) -> None:
+    # a 16-element sample misjudges the quantile: trims (c > hi; with a bitmap, a second pass) keep the bound
+    passes = _count_passes(monkeypatch)
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(11))
+    k = k_for(ratio, x.numel())
+    calls = []
+    for seed in range(12):
+        before = len(passes)
+        vals, idx, bits = select_topk(x, k, approx=True, generator=torch.Generator().manual_seed(seed),
+                                      sample_size=16, index_dtype=None if bitmap else torch.int64, bitmap=bitmap)
+        calls.append(len(passes) - before)
+        if bitmap:
+            assert bits is not None
+            mask = torch.from_numpy(__import__("numpy").unpackbits(bits.numpy(), count=20_000, bitorder="little"))
+            idx = mask.nonzero().view(-1)
+        assert idx is not None
+        assert torch.equal(vals, x[idx])
+        _check_bound(x.abs(), idx, k, 0.05)
+    assert max(calls) == (2 if bitmap else 1)
+
+
+def test_sample_far_too_high_falls_back_to_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    # plant huge values exactly where the sampler will look: the threshold is far too high, c < k every time
+    passes = _count_passes(monkeypatch)
+    n, k = 20_000, 2_000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(13))
+    pos = torch.randint(0, n, (16,), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    x[pos.long()] = 1e6
+    idx = approx_topk_indices(x, k, generator=torch.Generator().manual_seed(5), sample_size=16)
+    assert len(passes) == 2  # a lower threshold, then the lowest sampled magnitude, then exact
+    assert torch.equal(idx, exact_topk_indices(x.abs(), k))
+
+
+@pytest.mark.parametrize("approx", [False, True])
+@pytest.mark.parametrize("exact_k", [False, True])
+def test_bitmap_and_indices_describe_the_same_set(approx: bool, exact_k: bool) -> None:
+    x = torch.randn(50_000, generator=torch.Generator().manual_seed(12))
+    k = 5_000
+    kw = {"approx": approx, "tolerance": 0.05, "sample_size": 1024, "exact_k": exact_k}
+    v1, idx, none = select_topk(x, k, generator=torch.Generator().manual_seed(1), index_dtype=torch.int32, **kw)
+    v2, none2, bits = select_topk(x, k, generator=torch.Generator().manual_seed(1), index_dtype=None, bitmap=True,
+                                  **kw)
+    assert none is None and none2 is None and idx is not None and bits is not None
+    assert idx.dtype == torch.int32 and bits.dtype == torch.uint8 and bits.numel() == 50_000 // 8
+    assert torch.equal(v1, v2)
+    assert torch.equal(v1, x[idx.long()])
+    mask = torch.zeros(50_000, dtype=torch.bool)
+    mask[idx.long()] = True
+    packed = torch.from_numpy(__import__("numpy").packbits(mask.numpy(), bitorder="little"))
+    assert torch.equal(bits, packed)
+    if exact_k or not approx:
+        assert idx.numel() == k
+    _check_bound(x.abs(), idx.long(), k, 0.05)
