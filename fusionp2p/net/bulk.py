@@ -114,6 +114,8 @@ class BulkChannel:
                                     pool=BufferPool(max_buffers=cfg.window + 2))
         self._token = trio.lowlevel.current_trio_token()
         self._queue: queue.SimpleQueue[tuple[int, Any, trio.Event | None] | None] = queue.SimpleQueue()
+        self._queue_lock = threading.Lock()
+        self._writer_gone = False  # after this, queued items are never sent: their events are set at once
         self._seal_free: collections.deque[bytearray] = collections.deque(maxlen=cfg.window + 2)
         self._send_lock = trio.Lock()
         self._inflight = 0                   # unacknowledged messages (the reader thread takes ACKs)
@@ -160,12 +162,12 @@ class BulkChannel:
                 for p in plans:
                     out = self._seal_free.pop() if self._seal_free else bytearray(self._writer.max_record)
                     sealed.append((self._writer.seal(p, out), out))
-                self._queue.put((_SEALED, sealed, None))
+                self._put((_SEALED, sealed, None))
                 await trio.lowlevel.checkpoint()
                 return
             done = trio.Event()
             self._pending.add(done)
-            self._queue.put((_PLANS, plans, done))
+            self._put((_PLANS, plans, done))
             try:
                 await done.wait()
             finally:
@@ -197,7 +199,7 @@ class BulkChannel:
         if self._error is None and not self._peer_closed and self._threads:
             flushed = trio.Event()
             self._control(tf.CLOSE)
-            self._queue.put((_FLUSH, None, flushed))
+            self._put((_FLUSH, None, flushed))
             with trio.move_on_after(self._cfg.dead_after) as cs:
                 cs.shield = True
                 await flushed.wait()
@@ -231,11 +233,32 @@ class BulkChannel:
 
     def _control(self, kind: int, body: bytes = b"") -> None:
         """Queue a control record (sealed here, so that its nonce follows the queue order)."""
-        self._queue.put((_RAW, bytes(self._writer.control(kind, body)), None))
+        self._put((_RAW, bytes(self._writer.control(kind, body)), None))
+
+    def _put(self, item: tuple[int, Any, trio.Event | None] | None) -> None:
+        """(trio thread) Queue an item for the writer, or, once the writer has exited, release its waiter."""
+        with self._queue_lock:
+            if not self._writer_gone:
+                self._queue.put(item)
+                return
+        if item is not None and item[2] is not None:
+            item[2].set()
+
+    def _writer_exit(self) -> None:
+        """(writer thread) No more sends: wake whoever waits on a queued item (a flush in aclose, a send)."""
+        with self._queue_lock:
+            self._writer_gone = True
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[2] is not None:
+                self._to_trio(item[2].set)
 
     def _send_raw_for_tests(self, data: bytes) -> None:
         """Queue raw bytes on the wire (tests forge records with it)."""
-        self._queue.put((_RAW, data, None))
+        self._put((_RAW, data, None))
 
     def _to_trio(self, fn: Any, *args: Any) -> None:
         """(any thread) Run *fn* on the trio thread soon; nothing to do if the trio run has ended."""
@@ -245,7 +268,7 @@ class BulkChannel:
     def _shutdown(self) -> None:
         """Wake both threads (a blocked recv/send returns, the writer's queue yields its end marker);
         the last thread out closes the socket."""
-        self._queue.put(None)
+        self._put(None)
         with suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         if not self._threads:
@@ -296,6 +319,7 @@ class BulkChannel:
                 log.exception("bulk channel writer to %s crashed", self._peer)
             self._to_trio(self._thread_failed, exc)
         finally:
+            self._writer_exit()
             self._thread_exit()
 
     # --- the reader thread

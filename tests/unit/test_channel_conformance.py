@@ -1,5 +1,6 @@
-"""One conformance suite for every TensorChannel: the in-memory pair and the encrypted TCP channel
-(over loopback, keyed through the in-memory Transport). STYLE.md 14."""
+"""One conformance suite for every TensorChannel: the in-memory pair, the encrypted TCP channel
+(over loopback, keyed through the in-memory Transport) and the reconnecting channel on top of it
+(its reconnect timeout short, so that a dead peer is reported as fast as by the others). STYLE.md 14."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import trio.testing
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net.bulk import open_data_plane
 from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.net.resilient import ResilientConfig, open_resilient_acceptor, open_resilient_channel
 from fusionp2p.testing.channels import memory_channel_pair
 from fusionp2p.testing.memory import memory_network
 
@@ -62,7 +64,28 @@ async def bulk_pair() -> AsyncIterator[Pair]:
         nursery.cancel_scope.cancel()
 
 
-FACTORIES = {"memory": memory_pair, "bulk": bulk_pair}
+@asynccontextmanager
+async def resilient_pair() -> AsyncIterator[Pair]:
+    cfg = ResilientConfig(window=WINDOW, reconnect_timeout=0.5)
+    async with memory_network() as net, open_resilient_acceptor(config=cfg) as acc, \
+            trio.open_nursery() as nursery:
+        ta, tb = net.add_host(), net.add_host()
+        scope_b = trio.CancelScope()
+
+        async def run_b(task_status: Any) -> None:
+            with scope_b:
+                async with open_data_plane(tb, window=WINDOW, chunk_size=64 * 1024) as db:
+                    await acc.serve(db.incoming, task_status=task_status)
+
+        await nursery.start(run_b)
+        async with open_data_plane(ta, window=WINDOW, chunk_size=64 * 1024) as da, \
+                open_resilient_channel(da, tb.peer_id, name="conformance", config=cfg) as a:
+            b = await acc.incoming.receive()
+            yield Pair(a, b, ta.peer_id, tb.peer_id, scope_b.cancel)
+        nursery.cancel_scope.cancel()
+
+
+FACTORIES = {"memory": memory_pair, "bulk": bulk_pair, "resilient": resilient_pair}
 
 
 def run(factory: str, body: Callable[[Pair], Any], timeout: float = 10.0) -> None:
