@@ -196,6 +196,7 @@ class BulkChannel:
         if self._closed:
             return
         self._closed = True
+        graceful = False
         if self._error is None and not self._peer_closed and self._threads:
             flushed = trio.Event()
             self._control(tf.CLOSE)
@@ -203,11 +204,20 @@ class BulkChannel:
             with trio.move_on_after(self._cfg.dead_after) as cs:
                 cs.shield = True
                 await flushed.wait()
+            graceful = flushed.is_set() and self._error is None
         self._inbox.close()
         self._credit.set()
         for ev in self._pending:
             ev.set()
-        self._shutdown()
+        if graceful:
+            # FIN after the CLOSE record, and keep reading until the peer closes too: closing a socket
+            # with unread bytes (the peer's ACKs or PINGs) sends a reset, and a reset makes the peer's
+            # kernel drop the messages it has not read yet
+            self._put(None)
+            with suppress(OSError):
+                self._sock.shutdown(socket.SHUT_WR)
+        else:
+            self._shutdown()
 
     # ------------------------------------------------------------------------------------- internals
     def _check_send(self) -> None:
@@ -395,12 +405,14 @@ class BulkChannel:
         self._fail(err if err is not None else PeerUnavailable(self._peer, f"channel thread failed: {exc!r}"))
 
     def _on_eof(self) -> None:
+        """The peer said CLOSE and then closed its side: everything has been read, so close ours."""
         self._peer_closed = True
         self._inbox_send.close()
         self._credit.set()
         for ev in self._pending:
             ev.set()
         self._finished.set()
+        self._shutdown()
 
     def _on_event(self, kind: int, message: dict[str, Any] | None, count: int) -> None:
         if self._error is not None or self._closed:

@@ -11,18 +11,23 @@ Theory of operation. :class:`NodeJobService` runs inside ``fusionp2p node`` (ins
    device profiles and measured links). The node computes the plan from it
    (:func:`plan_for_snapshot`, pure and deterministic) and runs the gossip election of
    ``runtime/election.py``: the plan is adopted once a quorum of members signed the same hash.
-3. Training: the node opens the encrypted data plane (``net/bulk.py``) links its role needs, one
-   TCP channel per (pipeline neighbour | fellow replica). The lower stage (or replica index) dials;
-   the first message on a channel names the link (``kind="link"``), which is how the acceptor routes
-   it. Then :class:`StageWorker` trains (1F1B/GPipe, AdaTopK on marked fences, CO2 between replicas),
-   the loss stage gossips a :class:`StepProgress` per step, replica 0 of each stage saves
-   safetensors checkpoints.
+3. Training: the node opens the data-plane channels its role needs, one per (pipeline neighbour |
+   fellow replica): a :class:`~fusionp2p.net.resilient.ResilientChannel` named ``"<job>/<link>"``
+   over the encrypted data plane (``net/bulk.py``). The lower stage (or replica index) dials; the
+   service's :class:`~fusionp2p.net.resilient.ResilientAcceptor` takes every incoming channel and
+   the job claims it by (authenticated peer, name). Then :class:`StageWorker` trains (1F1B/GPipe,
+   AdaTopK on marked fences, CO2 between replicas), the loss stage gossips a
+   :class:`StepProgress` per step, replica 0 of each stage saves safetensors checkpoints.
 4. ``report`` (to the publisher): DONE with the final evaluation loss and the content hash of the
    final stage checkpoint (the publisher downloads it from us by hash), or FAILED/CANCELLED with the
    reason. A failure never takes the node down: everything is caught at the job's task.
 
-Every wait has a deadline (config below); a dead neighbour shows up as PeerUnavailable from the data
-plane (silence > ``dead_after``) or as the worker's ``recv_timeout``, and fails the job (no re-plan).
+Every wait has a deadline (config below). A lost data-plane connection between two live nodes (a
+reset, a cut cable seen as silence > ``dead_after``) is repaired by the channel: it reconnects and
+resends what the peer missed, and training goes on with the same messages in the same order (so the
+same losses). A neighbour that stays unreachable for ``reconnect_timeout`` (its process died, or the
+network stayed down) shows up as PeerUnavailable, or as the worker's ``recv_timeout``, and fails the
+job (no re-plan yet).
 """
 
 from __future__ import annotations
@@ -39,10 +44,17 @@ from typing import Any
 import torch
 import trio
 
-from fusionp2p.errors import FusionError, PeerUnavailable, PlanError, RemoteProtocolError
+from fusionp2p.errors import FusionError, PeerUnavailable, PlanError, RemoteProtocolError, leaf_errors
 from fusionp2p.graph import StageExecutor
-from fusionp2p.net.bulk import BulkChannel, DataPlane, DataPlaneConfig, open_data_plane
-from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.net.bulk import DataPlane, DataPlaneConfig, open_data_plane
+from fusionp2p.net.channel import TensorChannel
+from fusionp2p.net.resilient import (
+    ResilientAcceptor,
+    ResilientChannel,
+    ResilientConfig,
+    open_resilient_acceptor,
+    open_resilient_channel,
+)
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.runtime import job_proto
@@ -75,13 +87,41 @@ class NodeJobConfig:
     max_jobs: int = 4                  # offered or running at once
     max_pending_links: int = 64
     data_plane: DataPlaneConfig = field(default_factory=lambda: DataPlaneConfig(keepalive=1.0, dead_after=60.0))
+    # How long a lost data-plane connection between two live nodes may take to come back (the channel
+    # reconnects, resumes and resends what the peer missed; docs/dataplane.md "Reconnecting channels").
+    # Picked against the deadlines above: equal to link_timeout (a link may take as long to come back
+    # as it took to come up); a hung link is noticed after data_plane.dead_after (60 s), so the worst
+    # case, dead_after + reconnect_timeout = 120 s, stays well inside recv_timeout (300 s), past which
+    # the worker gives up anyway. The price: a neighbour whose process died now fails the job this
+    # long after its death instead of at once (refused reconnects look like a network outage).
+    reconnect_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("accept_timeout", "election_timeout", "link_timeout", "recv_timeout", "report_timeout"):
+        for name in ("accept_timeout", "election_timeout", "link_timeout", "recv_timeout", "report_timeout",
+                     "reconnect_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"NodeJobConfig.{name} must be positive")
         if self.report_attempts < 1 or self.max_jobs < 1:
             raise ValueError("NodeJobConfig.report_attempts and max_jobs must be >= 1")
+
+    def channels(self) -> ResilientConfig:
+        """Settings of a job's data-plane channels (both the dialing and the accepting side).
+
+        ``copy_on_send=False``: a sent message's tensors are kept by reference for retransmission, not
+        cloned, because nothing the job sends is modified in place after ``send`` returns: StageWorker
+        sends the forward outputs of ``StageExecutor.forward`` (fresh results of the stage's operators,
+        detached; the partitioner never sends a parameter or buffer), the gradients of received tensors
+        (a fresh ``.grad`` per micro-batch, never accumulated into again) or AdaTopK payloads built from
+        them, and for ``grad-avg`` a fresh ``torch.cat`` of the gradients; the ReplicaAverager sends
+        slices of ``flatten(params)`` (a copy) and anchor shards that ``OuterOptimizer.step`` returns as
+        new tensors (the optimizer rebinds, never updates, its anchor). The in-place updates of a step
+        (optimizer, CO2 ``_unflat``) touch only parameters and optimizer state. (Even a sent view of a
+        parameter would be safe: the optimizer step waits for that tensor's gradient, which the peer
+        computes only after receiving it, and a received message is never resent.) Checked by
+        tests/integration/test_e2e_local.py::test_sent_tensors_are_never_modified_after_send, which
+        compares every tensor a job sent, at its end, with its value when ``send`` returned.
+        """
+        return ResilientConfig(reconnect_timeout=self.reconnect_timeout, copy_on_send=False)
 
 
 @dataclass
@@ -92,6 +132,9 @@ class _Job:
     reason: str = ""
     scope: trio.CancelScope | None = None
     role: tuple[int, int] | None = None
+    members: frozenset[str] | None = None          # of the started snapshot: who may open links to us
+    channels: list[ResilientChannel] = field(default_factory=list)   # this job's open data-plane channels
+    closed: trio.Event = field(default_factory=trio.Event)            # set once they are closed
 
 
 def describe(exc: BaseException) -> str:
@@ -114,7 +157,8 @@ class NodeJobService:
         self.config = config or NodeJobConfig()
         self.content = ContentService(self.t, ContentStore(home / "content"))
         self.jobs: dict[str, _Job] = {}
-        self._arrived: dict[tuple[str, str], BulkChannel] = {}
+        # channels that arrived and wait for their job to claim them, by (job, link name, peer)
+        self._arrived: dict[tuple[str, str, str], ResilientChannel] = {}
         self._arrival = trio.Event()
         self._dp: DataPlane | None = None
         self._nursery: trio.Nursery | None = None
@@ -124,9 +168,13 @@ class NodeJobService:
         dp_cfg = dataclasses.replace(self.config.data_plane, listen_host=self._bulk_host())
         self.content.install()
         gossip = await self.t.subscribe(TOPIC_JOBS)   # keeps us in the jobs topic's mesh
-        async with open_data_plane(self.t, config=dp_cfg) as dp, trio.open_nursery() as nursery:
+        # exit order: the jobs' tasks, then the acceptor (goodbye on every accepted channel), then the plane
+        async with (open_data_plane(self.t, config=dp_cfg) as dp,
+                    open_resilient_acceptor(config=self.config.channels()) as acc,
+                    trio.open_nursery() as nursery):
             self._dp, self._nursery = dp, nursery
-            nursery.start_soon(self._route_incoming, dp)
+            await nursery.start(acc.serve, dp.incoming)
+            nursery.start_soon(self._route_incoming, acc)
             nursery.start_soon(self._drain, gossip)
             self.t.set_stream_handler(JOB, job_proto.serve(self._handle))
             log.info("job service ready (data plane %s:%d)", dp.host, dp.port)
@@ -180,6 +228,7 @@ class NodeJobService:
             if nj.state is not JobState.PENDING:
                 return {"ok": False, "error": f"job already {nj.state.value}"}
             nj.state = JobState.PLANNED
+            nj.members = frozenset(snap.members)
             assert self._nursery is not None
             self._nursery.start_soon(self._run, nj, snap)
             return {"ok": True}
@@ -218,16 +267,18 @@ class NodeJobService:
                 result = await self._train(nj, snap)
                 state = JobState.DONE
             except Exception as exc:   # any failure ends this job, never the node
-                log.warning("job %s failed: %s", job_id, describe(exc), exc_info=not isinstance(exc, FusionError))
+                log.warning("job %s failed: %s", job_id, describe(exc),
+                            exc_info=not all(isinstance(e, FusionError | trio.Cancelled) for e in leaf_errors(exc)))
                 reason = describe(exc)
         if scope.cancelled_caught:
             state, reason = JobState.CANCELLED, "cancelled by the publisher"
         nj.state, nj.reason, nj.scope = state, reason, None
         log.info("job %s %s %s", job_id, state.value, reason)
         await self._report(nj, state, reason, result)
-        for key in [k for k in self._arrived if k[0] == job_id]:
-            with trio.CancelScope(shield=True):
-                await self._arrived.pop(key).aclose()
+        with trio.CancelScope(shield=True):   # channels that arrived for this job and were never claimed
+            async with trio.open_nursery() as n:
+                for key in [k for k in self._arrived if k[0] == job_id]:
+                    n.start_soon(self._arrived.pop(key).aclose)
 
     async def _report(self, nj: _Job, state: JobState, reason: str, result: Mapping[str, Any]) -> None:
         msg = {"op": "report", "job": nj.accepted.spec.job_id, "state": state.value, "reason": reason, **result}
@@ -242,7 +293,7 @@ class NodeJobService:
 
     async def _train(self, nj: _Job, snap: Snapshot) -> dict[str, Any]:
         acc = nj.accepted
-        spec, cfg = acc.spec, acc.spec.config
+        spec = acc.spec
         me = self.t.peer_id
         plan = await self._elect(snap, plan_for_snapshot(spec, acc.dag, snap))
         roles = [(s, r) for s, st in enumerate(plan.stages) for r, p in enumerate(st.replicas) if p == me]
@@ -254,7 +305,18 @@ class NodeJobService:
         nj.role = (s, r)
         nj.state = JobState.RUNNING
         programs = stage_programs(acc.dag, plan)
-        links, peers = await self._open_links(spec.job_id, plan, programs, s, r)
+        async with trio.open_nursery() as holders:   # the tasks that hold this job's dialed channels open
+            try:
+                links, peers = await self._open_links(nj, plan, programs, s, r, holders)
+                return await self._train_stage(nj, plan, programs, s, r, links, peers)
+            finally:
+                await self._close_channels(nj)
+
+    async def _train_stage(self, nj: _Job, plan: Plan, programs: list[Any], s: int, r: int,
+                           links: dict[int, TensorChannel], peers: list[TensorChannel]) -> dict[str, Any]:
+        acc = nj.accepted
+        spec, cfg = acc.spec, acc.spec.config
+        me = self.t.peer_id
         n_st = len(plan.stages)
         rho_out: dict[int, float] = {}
         if cfg.adatopk is not None:
@@ -290,12 +352,7 @@ class NodeJobService:
                            replicas=len(plan.stages[s].replicas), links=links, peers=peers, data=data_fn(acc),
                            tokens_per_micro=cfg.micro_batch * spec.dataset.seq_len, rho_out=rho_out, report=report,
                            checkpoint=checkpoint if r == 0 else None, recv_timeout=self.config.recv_timeout)
-        try:
-            await StageWorker(ctx).run()
-        finally:
-            with trio.CancelScope(shield=True):
-                for ch in [*links.values(), *peers]:
-                    await ch.aclose()
+        await StageWorker(ctx).run()
         # the per-step losses again, in the reliable report: gossip may have lost some of them
         out: dict[str, Any] = {"stage": s, "replica": r, "final_loss": final[0] if final else None,
                                "losses": [losses.get(i) for i in range(cfg.steps)] if losses else []}
@@ -335,9 +392,10 @@ class NodeJobService:
             log.debug("progress not published: %s", exc)
 
     # ------------------------------------------------------------------ data-plane links
-    async def _open_links(self, job: str, plan: Plan, programs: list[Any], s: int,
-                          r: int) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:
-        """Channels to this pipeline's neighbour stages and to the other replicas of stage *s*."""
+    async def _open_links(self, nj: _Job, plan: Plan, programs: list[Any], s: int, r: int,
+                          holders: trio.Nursery) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:
+        """Channels to this pipeline's neighbour stages and to the other replicas of stage *s* (each
+        one also goes into ``nj.channels``, which :meth:`_close_channels` closes when the job ends)."""
         dial: list[tuple[str, str, int | None]] = []     # (link name, peer, pipeline stage or None)
         accept: list[tuple[str, str, int | None]] = []
         for p in programs:
@@ -356,55 +414,77 @@ class NodeJobService:
         with trio.fail_after(self.config.link_timeout):
             async with trio.open_nursery() as nursery:
                 for name, peer, _ in dial:
-                    nursery.start_soon(self._dial_link, job, name, peer, got)
+                    nursery.start_soon(self._dial_link, nj, name, peer, got, holders)
                 for name, peer, _ in accept:
-                    nursery.start_soon(self._claim_link, job, name, peer, got)
+                    nursery.start_soon(self._claim_link, nj, name, peer, got)
         links = {st: got[name] for name, _, st in [*dial, *accept] if st is not None}
         peers = [got[f"s{s}:{min(r, j)}-{max(r, j)}"] for j in range(len(reps)) if j != r]
         return links, peers
 
-    async def _dial_link(self, job: str, name: str, peer: str, got: dict[str, TensorChannel]) -> None:
-        assert self._dp is not None
+    async def _dial_link(self, nj: _Job, name: str, peer: str, got: dict[str, TensorChannel],
+                         holders: trio.Nursery) -> None:
         delay = 0.2
         while True:
             try:
-                ch = await self._dp.connect(peer)
+                ch: ResilientChannel = await holders.start(self._hold_channel, nj, name, peer)
                 break
-            except PeerUnavailable as exc:
-                log.info("data plane to %s: %s; retrying", peer[:12], exc)
+            except (PeerUnavailable, BaseExceptionGroup) as exc:
+                # open_resilient_channel retried for reconnect_timeout already; try again until link_timeout
+                if not all(isinstance(e, PeerUnavailable) for e in leaf_errors(exc)):
+                    raise
+                log.info("data plane to %s: %s; retrying", peer[:12], describe(exc))
                 await trio.sleep(delay)     # retry backoff, bounded by link_timeout
                 delay = min(2.0, delay * 2)
-        await ch.send(TensorMessage(job=job, kind="link", name=name))
         got[name] = ch
 
-    async def _claim_link(self, job: str, name: str, peer: str, got: dict[str, TensorChannel]) -> None:
-        while (job, name) not in self._arrived:
+    async def _hold_channel(self, nj: _Job, name: str, peer: str, *,
+                            task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Dial one channel and keep it open (reconnecting as needed) until the job's channels are closed."""
+        assert self._dp is not None
+        async with open_resilient_channel(self._dp, peer, name=f"{nj.accepted.spec.job_id}/{name}",
+                                          config=self.config.channels()) as ch:
+            nj.channels.append(ch)
+            task_status.started(ch)
+            await nj.closed.wait()
+
+    async def _claim_link(self, nj: _Job, name: str, peer: str, got: dict[str, TensorChannel]) -> None:
+        # keyed by the authenticated peer: a channel under this name from anyone else is never taken
+        key = (nj.accepted.spec.job_id, name, peer)
+        while key not in self._arrived:
             await self._arrival.wait()
-        ch = self._arrived.pop((job, name))
-        if ch.remote_peer != peer:
-            await ch.aclose()
-            raise RemoteProtocolError(f"link {name} of job {job} came from {ch.remote_peer[:12]}, not {peer[:12]}")
+        ch = self._arrived.pop(key)
+        nj.channels.append(ch)
         got[name] = ch
 
-    async def _route_incoming(self, dp: DataPlane) -> None:
-        async with trio.open_nursery() as nursery:
-            async for ch in dp.incoming:
-                nursery.start_soon(self._route_one, ch)
+    async def _close_channels(self, nj: _Job) -> None:
+        """The job is over: goodbye on each of its channels, all at once (each bounded by close_timeout)."""
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as n:
+                for ch in nj.channels:
+                    n.start_soon(ch.aclose)
+        nj.channels.clear()
+        nj.closed.set()   # the holders of dialed channels return (their links close in the background)
 
-    async def _route_one(self, ch: BulkChannel) -> None:
-        try:
-            with trio.fail_after(self.config.link_timeout):
-                msg = await ch.receive()
-            if msg.kind != "link" or not msg.name or msg.job not in self.jobs:
-                raise RemoteProtocolError(f"first data-plane message is {msg.kind!r} for job {msg.job!r}")
-            key = (msg.job, msg.name)
-            if key in self._arrived or len(self._arrived) >= self.config.max_pending_links:
-                raise RemoteProtocolError(f"duplicate or too many pending links ({msg.name})")
-        except (FusionError, trio.TooSlowError, trio.EndOfChannel) as exc:
-            log.info("data-plane channel from %s dropped: %s", ch.remote_peer[:12], exc)
-            with trio.CancelScope(shield=True):
-                await ch.aclose()
-            return
+    async def _route_incoming(self, acc: ResilientAcceptor) -> None:
+        """Take every new channel from the acceptor; park it until its job claims it, or drop it."""
+        async with trio.open_nursery() as nursery:
+            async for ch in acc.incoming:
+                try:
+                    self._route_one(ch)
+                except RemoteProtocolError as exc:
+                    log.info("data-plane channel from %s dropped: %s", ch.remote_peer[:12], exc)
+                    nursery.start_soon(ch.aclose)
+
+    def _route_one(self, ch: ResilientChannel) -> None:
+        job, _, name = ch.name.rpartition("/")
+        nj = self.jobs.get(job)
+        if not name or nj is None:
+            raise RemoteProtocolError(f"data-plane channel {ch.name[:80]!r} is for no job of this node")
+        if nj.members is not None and ch.remote_peer not in nj.members:
+            raise RemoteProtocolError(f"data-plane channel {name!r} of job {job} from a non-member")
+        key = (job, name, ch.remote_peer)
+        if key in self._arrived or len(self._arrived) >= self.config.max_pending_links:
+            raise RemoteProtocolError(f"duplicate or too many pending links ({name[:80]})")
         self._arrived[key] = ch
         self._arrival.set()
         self._arrival = trio.Event()

@@ -14,11 +14,14 @@ import torch.nn.functional as F
 from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, corpus_tokens
 from fusionp2p.errors import ConfigError, JobError
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
+from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.runtime import job_local
 from fusionp2p.runtime.job_local import build_job
 from fusionp2p.runtime.jobspec import Resources
 from fusionp2p.runtime.metrics import PlanChanged, StepProgress
-from fusionp2p.runtime.trainconfig import TrainConfig
+from fusionp2p.runtime.trainconfig import CO2, TrainConfig
 from fusionp2p.sdk import Swarm
+from fusionp2p.testing.channels import memory_channel_pair
 
 SEQ = 32
 TIMEOUT = 240
@@ -97,6 +100,55 @@ def test_one_replica_matches_single_process(tmp_path: Path) -> None:
         ref.append(sum(losses) / len(losses))
     got = [job.losses[i] for i in range(cfg.steps)]
     assert np.max(np.abs(np.array(got) - np.array(ref))) < 1e-4
+
+
+class _AuditedChannel:
+    """A TensorChannel that remembers every tensor it sent, as it was when ``send`` returned."""
+
+    def __init__(self, inner: TensorChannel, sent: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        self.inner, self.sent = inner, sent
+
+    @property
+    def remote_peer(self) -> str:
+        return self.inner.remote_peer
+
+    async def send(self, msg: TensorMessage) -> None:
+        await self.inner.send(msg)
+        self.sent.extend((msg.kind, t, t.detach().clone()) for t in msg.tensors)
+
+    async def receive(self) -> TensorMessage:
+        return await self.inner.receive()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@pytest.mark.parametrize("averaging", [
+    CO2(tau=2, outer_momentum=0.5, penalty="elementwise"),   # async CO2: snapshots and anchor shards
+    CO2(tau=2, sync=True),
+    "none",                                                  # replicas all-reduce gradients every step
+])
+def test_sent_tensors_are_never_modified_after_send(swarm: Swarm, monkeypatch: pytest.MonkeyPatch,
+                                                    averaging: CO2 | str) -> None:
+    """The job system's data-plane channels keep sent tensors by reference for retransmission
+    (``NodeJobConfig.channels``: ``copy_on_send=False``). That is only sound while nothing the stage
+    worker or the replica averager sends is changed in place afterwards: check every sent tensor at
+    the end of a job against its value when ``send`` returned."""
+    sent: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    def audited_pair(a: str, b: str, *, window: int = 8) -> tuple[_AuditedChannel, _AuditedChannel]:
+        x, y = memory_channel_pair(a, b, window=window)
+        return _AuditedChannel(x, sent), _AuditedChannel(y, sent)
+
+    monkeypatch.setattr(job_local, "memory_channel_pair", audited_pair)
+    cfg = TrainConfig(steps=5, micro_batch=2, micro_batches=2, lr=3e-3, replicas=2, averaging=averaging,
+                      compression="adatopk", seed=5)
+    job = swarm.publish(model=_model(), dataset=BuiltinCorpus(seq_len=SEQ), config=cfg)
+    job.wait(timeout=TIMEOUT)
+    kinds = {k for k, _, _ in sent}
+    assert {"act", "grad", "grad-avg" if averaging == "none" else "avg"} <= kinds, kinds
+    changed = [(k, i) for i, (k, t, was) in enumerate(sent) if not torch.equal(t, was)]
+    assert changed == [], f"{len(changed)} of {len(sent)} sent tensors were modified after send: {changed[:5]}"
 
 
 def test_tampered_spec_is_refused(swarm: Swarm) -> None:

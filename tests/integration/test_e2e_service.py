@@ -7,6 +7,7 @@ data plane on loopback) on the in-memory transport; the publisher is the ``Publi
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,6 +21,7 @@ import trio
 
 from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, corpus_tokens
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
+from fusionp2p.net.resilient import ResilientChannel
 from fusionp2p.runtime.checkpoint import assemble
 from fusionp2p.runtime.content import ContentService, ContentStore
 from fusionp2p.runtime.job_client import DriverConfig, Publisher
@@ -46,8 +48,9 @@ def _model(seed: int = 0) -> GPT2:
 
 class _Cluster:
     def __init__(self, net: object, boot: SwarmNode, nodes: list[SwarmNode], scopes: list[trio.CancelScope],
-                 pub: Publisher, client: MemoryTransport) -> None:
+                 pub: Publisher, client: MemoryTransport, services: list[NodeJobService]) -> None:
         self.net, self.boot, self.nodes, self.scopes, self.pub, self.client = net, boot, nodes, scopes, pub, client
+        self.services = services
 
 
 @asynccontextmanager
@@ -58,6 +61,7 @@ async def _cluster(n: int, home: Path) -> AsyncIterator[_Cluster]:
         addr = boot.t.listen_addrs()[0]
         nodes: list[SwarmNode] = []
         scopes: list[trio.CancelScope] = []
+        services: list[NodeJobService] = []
 
         async def node_main(i: int, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
             with trio.CancelScope() as scope:
@@ -66,7 +70,8 @@ async def _cluster(n: int, home: Path) -> AsyncIterator[_Cluster]:
                 nodes.append(node)
                 async with trio.open_nursery() as inner:
                     await inner.start(node.run, [addr])
-                    await inner.start(NodeJobService(node, home / f"node{i}", NODE_CFG).run)
+                    services.append(NodeJobService(node, home / f"node{i}", NODE_CFG))
+                    await inner.start(services[-1].run)
                     task_status.started()
 
         for i in range(n):
@@ -78,7 +83,7 @@ async def _cluster(n: int, home: Path) -> AsyncIterator[_Cluster]:
         await nursery.start(pub.run)
         await boot.wait_until(lambda: len(boot.members()) >= n, 20)
         try:
-            yield _Cluster(net, boot, nodes, scopes, pub, client)
+            yield _Cluster(net, boot, nodes, scopes, pub, client, services)
         finally:
             nursery.cancel_scope.cancel()
 
@@ -124,6 +129,59 @@ def test_two_by_two_over_the_data_plane(tmp_path: Path) -> None:
     assert final.loss is not None
     assert abs(ref - final.loss) < 1e-4
     safetensors.torch.save_file(state, str(tmp_path / "m.safetensors"))   # the download format round-trips
+
+
+def _cut(cl: _Cluster, job_id: str, *, stage: int) -> ResilientChannel:
+    """Break the TCP connection under the job's data-plane channel on the node running *stage* (both
+    directions at once, no CLOSE: both ends see a lost link). Returns that channel."""
+    svc = next(x for x in cl.services if job_id in x.jobs and x.jobs[job_id].role == (stage, 0))
+    (ch,) = svc.jobs[job_id].channels          # 2 stages x 1 replica: one link, p0:0-1
+    link = ch._link
+    assert link is not None, "the link is not up"
+    link._sock.shutdown(socket.SHUT_RDWR)
+    return ch
+
+
+def test_a_cut_data_plane_connection_does_not_change_the_training(tmp_path: Path) -> None:
+    """A 2-stage job whose one data-plane connection is cut twice mid-job (once under the dialing
+    stage, once under the accepting one) completes with exactly the losses of an uncut run."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=16, micro_batch=2, micro_batches=2, replicas=1, averaging="none",
+                      compression="adatopk", seed=4)
+
+    async def run(cl: _Cluster, nonce: bytes, cut_at: dict[int, int]) -> tuple[list[ProgressEvent], list[ResilientChannel]]:
+        built = build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id,
+                          sign=cl.client.sign, now=1.0, nonce=nonce)
+        events: list[ProgressEvent] = []
+        cut: list[ResilientChannel] = []
+
+        def emit(ev: ProgressEvent) -> None:
+            events.append(ev)
+            if isinstance(ev, StepProgress) and ev.step in cut_at:   # training is under way
+                cut.append(_cut(cl, built.spec.job_id, stage=cut_at.pop(ev.step)))
+
+        await cl.pub.run_job(built, emit, tmp_path / f"pub-{nonce[:1].decode()}")
+        return events, cut
+
+    async def main() -> tuple[list[ProgressEvent], list[ProgressEvent], list[ResilientChannel]]:
+        with trio.fail_after(180):
+            async with _cluster(2, tmp_path) as cl:
+                plain, _ = await run(cl, b"e" * 16, {})
+                events, cut = await run(cl, b"f" * 16, {1: 0, 5: 1})
+                return plain, events, cut
+
+    plain, events, cut = trio.run(main)
+    for evs in (plain, events):
+        assert [e.state for e in evs if isinstance(e, JobStateChanged)] == ["planned", "running", "done"], evs[-1]
+    assert [ch.links for ch in cut] == [3, 3]      # the first link and two reconnections, on both ends
+    assert cut[0].session == cut[1].session        # one session throughout: resumed, not reopened
+
+    def losses(evs: list[ProgressEvent]) -> dict[int, float]:
+        return {e.step: e.loss for e in evs if isinstance(e, StepProgress) and e.loss is not None}
+
+    want, got = losses(plain), losses(events)
+    assert sorted(want) == sorted(got) == list(range(cfg.steps + 1))   # every step and the final evaluation
+    assert got == want      # bit for bit: nothing lost, repeated or reordered (the training is deterministic)
 
 
 def test_unfittable_job_fails_with_the_nodes_reason(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from fusionp2p.runtime.schedule import (
 
 
 def simulate(
-    kind: str, stages: int, micro: int, seed: int, max_in_flight: int | None = None
+    kind: str, stages: int, micro: int, seed: int, max_in_flight: int | None = None, fifo: bool = False
 ) -> tuple[list[StageSchedule], list[list[Action]]]:
     """Run all stages with a random interleaving of every pending completion and message delivery.
 
@@ -60,7 +60,7 @@ def simulate(
     for s, sched in enumerate(scheds):
         perform(s, sched.start())
     while pending:
-        s, ev = pending.pop(rng.randrange(len(pending)))
+        s, ev = pending.pop(0 if fifo else rng.randrange(len(pending)))
         perform(s, scheds[s].handle(ev))
     return scheds, logs
 
@@ -93,11 +93,14 @@ def test_never_deadlocks_and_does_exact_work(kind: str, stages: int, micro: int,
             assert sched.peak_in_flight == micro  # GPipe stashes every micro-batch
 
 
-@settings(max_examples=100, deadline=None)
-@given(stages=st.integers(1, 6), micro=st.integers(1, 16), seed=st.integers(0, 2**32 - 1))
-def test_1f1b_bound_is_reached_when_micro_batches_allow(stages: int, micro: int, seed: int) -> None:
-    """Stage 0 fills its window to min(S, M) under any order: the bound is tight, not just safe."""
-    scheds, _ = simulate("1f1b", stages, micro, seed)
+@pytest.mark.parametrize("stages", range(1, 7))
+@pytest.mark.parametrize("micro", range(1, 17))
+def test_1f1b_bound_is_reached_when_micro_batches_allow(stages: int, micro: int) -> None:
+    """In lockstep (events handled in the order they were produced: every compute takes about as long),
+    stage 0 fills its window to min(S, M): the bound is tight, not just safe. Under arbitrary orders it
+    is only an upper bound: backward-first lets a gradient that overtook a forward drain the window
+    early (hypothesis found stages=3, micro=3 with peak 2)."""
+    scheds, _ = simulate("1f1b", stages, micro, seed=0, fifo=True)
     assert scheds[0].peak_in_flight == min(stages, micro)
 
 
