@@ -62,6 +62,7 @@ RESERVED = "_rc"           # the meta key (and control-message kind) this layer 
 PROTOCOL_VERSION = 1
 MAX_WINDOW = 1024
 MAX_NAME = 256
+_GONE_POLL = 0.5  # seconds between peer_gone checks while the accepting side waits for a link
 _SESSION = re.compile(r"[0-9a-f]{32}")
 
 
@@ -294,8 +295,10 @@ class ResilientChannel:
     :attr:`ResilientAcceptor.incoming` (listener)."""
 
     def __init__(self, *, peer: str, name: str, session: str, cfg: ResilientConfig, nursery: trio.Nursery,
-                 dialer: Dialer | None, on_end: Callable[[ResilientChannel], None] | None = None) -> None:
+                 dialer: Dialer | None, on_end: Callable[[ResilientChannel], None] | None = None,
+                 peer_gone: Callable[[str], bool] | None = None) -> None:
         self._peer = peer
+        self._peer_gone = peer_gone           # e.g. the swarm's membership view: stop waiting for a dead peer
         self.name = name
         self.session = session
         self._cfg = cfg
@@ -553,6 +556,7 @@ class ResilientChannel:
                     except RemoteProtocolError:
                         self._nursery.start_soon(_close_quietly, link)
                         raise
+                self._check_gone()
                 await trio.sleep_until(min(deadline, trio.current_time() + delay * random.uniform(0.5, 1.0)))
                 delay = min(2 * delay, self._cfg.backoff_max)
             if trio.current_time() >= deadline:
@@ -580,8 +584,13 @@ class ResilientChannel:
             if trio.current_time() >= deadline:
                 why = f": {cause.reason}" if cause is not None and cause.reason else ""
                 raise PeerUnavailable(self._peer, f"did not come back within {self._cfg.reconnect_timeout:g} s{why}")
-            with trio.move_on_at(deadline):
+            self._check_gone()
+            with trio.move_on_at(min(deadline, trio.current_time() + _GONE_POLL if self._peer_gone else deadline)):
                 await self._changed.wait()
+
+    def _check_gone(self) -> None:
+        if self._peer_gone is not None and self._peer_gone(self._peer):
+            raise PeerUnavailable(self._peer, "the swarm declared the peer dead or gone")
 
     async def _run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """The supervisor: serve a link, and on losing it get the next one within ``reconnect_timeout``.
@@ -622,18 +631,19 @@ class ResilientChannel:
 
 
 @asynccontextmanager
-async def open_resilient_channel(dialer: Dialer, peer: str, *, name: str,
-                                 config: ResilientConfig | None = None) -> AsyncIterator[ResilientChannel]:
+async def open_resilient_channel(dialer: Dialer, peer: str, *, name: str, config: ResilientConfig | None = None,
+                                 peer_gone: Callable[[str], bool] | None = None) -> AsyncIterator[ResilientChannel]:
     """``async with open_resilient_channel(dp, peer, name="job/0->1") as ch:`` — dial *peer* (retrying
     for up to ``reconnect_timeout``), and keep the channel connected until the block ends (then
     ``aclose``). *dialer* (the DataPlane) must outlive the block. The peer takes the other end from its
-    :class:`ResilientAcceptor`; *name* tells two channels between the same peers apart."""
+    :class:`ResilientAcceptor`; *name* tells two channels between the same peers apart. *peer_gone*
+    (e.g. "the membership view marks it dead or left") ends the wait for a lost peer early."""
     cfg = config or ResilientConfig()
     if not 0 < len(name) <= MAX_NAME:
         raise ConfigError(f"a resilient channel name must have 1 to {MAX_NAME} characters")
     async with trio.open_nursery() as nursery:
         ch = ResilientChannel(peer=peer, name=name, session=os.urandom(16).hex(), cfg=cfg, nursery=nursery,
-                              dialer=dialer)
+                              dialer=dialer, peer_gone=peer_gone)
         await nursery.start(ch._run)
         try:
             yield ch
@@ -649,8 +659,10 @@ class ResilientAcceptor:
     peer's session, and a new session under a known key (the dialer restarted) ends the old one.
     """
 
-    def __init__(self, cfg: ResilientConfig, nursery: trio.Nursery) -> None:
+    def __init__(self, cfg: ResilientConfig, nursery: trio.Nursery,
+                 peer_gone: Callable[[str], bool] | None = None) -> None:
         self._cfg = cfg
+        self._peer_gone = peer_gone
         self._nursery = nursery
         self._sessions: dict[tuple[str, str], ResilientChannel] = {}
         self._incoming_send, self.incoming = trio.open_memory_channel[ResilientChannel](cfg.incoming_buffer)
@@ -695,7 +707,7 @@ class ResilientAcceptor:
                 await self._reject(link, why)
                 return
             ch = ResilientChannel(peer=peer, name=hello.name, session=hello.session, cfg=self._cfg,
-                                  nursery=self._nursery, dialer=None, on_end=self._ended)
+                                  nursery=self._nursery, dialer=None, on_end=self._ended, peer_gone=self._peer_gone)
             try:
                 self._incoming_send.send_nowait(ch)
             except trio.WouldBlock:
@@ -727,13 +739,14 @@ class ResilientAcceptor:
 
 
 @asynccontextmanager
-async def open_resilient_acceptor(*, config: ResilientConfig | None = None) -> AsyncIterator[ResilientAcceptor]:
+async def open_resilient_acceptor(*, config: ResilientConfig | None = None,
+                                  peer_gone: Callable[[str], bool] | None = None) -> AsyncIterator[ResilientAcceptor]:
     """``async with open_resilient_acceptor() as acc:`` then run ``acc.serve(dp.incoming)`` next to each
     data plane and take channels from ``acc.incoming``. Sessions outlive a data plane (so that a restarted
     one resumes them) but not this block."""
     cfg = config or ResilientConfig()
     async with trio.open_nursery() as nursery:
-        acc = ResilientAcceptor(cfg, nursery)
+        acc = ResilientAcceptor(cfg, nursery, peer_gone)
         try:
             yield acc
         finally:

@@ -170,7 +170,7 @@ class NodeJobService:
         gossip = await self.t.subscribe(TOPIC_JOBS)   # keeps us in the jobs topic's mesh
         # exit order: the jobs' tasks, then the acceptor (goodbye on every accepted channel), then the plane
         async with (open_data_plane(self.t, config=dp_cfg) as dp,
-                    open_resilient_acceptor(config=self.config.channels()) as acc,
+                    open_resilient_acceptor(config=self.config.channels(), peer_gone=self._peer_gone) as acc,
                     trio.open_nursery() as nursery):
             self._dp, self._nursery = dp, nursery
             await nursery.start(acc.serve, dp.incoming)
@@ -437,12 +437,18 @@ class NodeJobService:
                 delay = min(2.0, delay * 2)
         got[name] = ch
 
+    def _peer_gone(self, peer: str) -> bool:
+        """A lost link's peer is not waited for once the membership view declares it dead or departed
+        (heartbeat timeout, seconds) instead of for the whole reconnect_timeout."""
+        view = self.swarm.view
+        return peer in view.dead or peer in view.left
+
     async def _hold_channel(self, nj: _Job, name: str, peer: str, *,
                             task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Dial one channel and keep it open (reconnecting as needed) until the job's channels are closed."""
         assert self._dp is not None
         async with open_resilient_channel(self._dp, peer, name=f"{nj.accepted.spec.job_id}/{name}",
-                                          config=self.config.channels()) as ch:
+                                          config=self.config.channels(), peer_gone=self._peer_gone) as ch:
             nj.channels.append(ch)
             task_status.started(ch)
             await nj.closed.wait()

@@ -155,6 +155,35 @@ def test_peer_that_never_returns_is_reported_within_the_deadline() -> None:
     run(body)
 
 
+def test_a_peer_the_swarm_declared_dead_is_not_waited_for() -> None:
+    """With a long reconnect_timeout, both ends give up as soon as peer_gone says so."""
+    cfg = ResilientConfig(window=4, reconnect_timeout=60.0)
+    dead: set[str] = set()
+
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        async with open_resilient_acceptor(config=cfg, peer_gone=dead.__contains__) as acc, \
+                open_data_plane(ta, chunk_size=CHUNK) as da, trio.open_nursery() as n:
+            scope = trio.CancelScope()
+            await n.start(_plane, tb, acc, scope)
+            async with open_resilient_channel(da, tb.peer_id, name="x", config=cfg,
+                                              peer_gone=dead.__contains__) as a:
+                b = await acc.incoming.receive()
+                await a.send(_msg(0))
+                _check(await b.receive(), 0)
+                scope.cancel()  # B's data plane dies; the membership view then marks both sides dead
+                dead.update({ta.peer_id, tb.peer_id})
+                t0 = trio.current_time()
+                with pytest.raises(PeerUnavailable, match="declared the peer dead"):
+                    await a.receive()
+                with pytest.raises(PeerUnavailable, match="declared the peer dead"):
+                    await b.receive()
+                assert trio.current_time() - t0 < 5.0  # not the 60 s reconnect_timeout
+            n.cancel_scope.cancel()
+
+    run(body)
+
+
 class _PointAt:
     """A BULK_TICKET stream whose reply sends the dialer to another TCP port (our proxy)."""
 
