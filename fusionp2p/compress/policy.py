@@ -2,11 +2,15 @@
 
 For a link ``e`` carrying ``n`` elements per micro-batch with latency ``α`` (s) and bandwidth ``β``
 (bytes/s), the time is ``T_e = α + V/β`` with ``V = n·b_dense``. The target is
-``T* = max(T_comp, min_e T_e)``; links with ``T_e <= T*`` are not compressed, the others get
+``T* = max(T_comp, min_e T_e)``; links with ``T_e <= T*`` are not compressed, the others keep the
+largest ratio whose sparse payload fits the byte budget ``B = (T* − α)·β``:
 
-    ρ_e = clip((T* − α)·β / (n·(b_val + b_idx)), ρ_min, 1)
+    ρ_e = clip(ρ_fit(B), ρ_min, (n−1)/n),   ρ_fit(B) = max(⌊B/(b_val + b_idx)⌋, ⌊(B − ⌈n/8⌉)/b_val⌋) / n
 
-and are sent dense anyway when ``ρ_e >= b_dense/(b_val + b_idx)`` (sparse would not save bytes).
+which is the inverse of the codec's wire size ``k·b_val + min(k·b_idx, ⌈n/8⌉)`` (``k = ⌈ρ·n⌉``; the
+kept set travels as indices below ``ρ = 1/(8·b_idx)``, as a bitmap above). The link is sent dense
+anyway when the codec would: sparse no smaller than ``n·b_dense`` (from ``ρ ≈ 31/32`` with fp32
+values). Both directions of the byte model are ``fusionp2p.plan.wirebytes``, shared with the planner.
 The receiver reads ``k`` from each message, so a ratio may change at any time without coordination.
 Pure: the caller passes measurements in; no clock is read here.
 """
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.plan.wirebytes import max_ratio, sends_dense, wire_bytes
 
 K = TypeVar("K")
 
@@ -31,17 +36,24 @@ class LinkCost:
     beta: float             # bandwidth, bytes/second
     b_dense: int = 4        # bytes per element when dense (fp32)
     b_val: int = 4          # bytes per kept value
-    b_idx: int = 4          # bytes per kept index
+    b_idx: int = 4          # bytes per kept index (the codec's narrowest type: 4 for 2^15 < n <= 2^31)
 
     def __post_init__(self) -> None:
         if self.n < 0 or self.alpha < 0 or self.beta <= 0 or min(self.b_dense, self.b_val, self.b_idx) <= 0:
             raise ConfigError("LinkCost needs n >= 0, alpha >= 0, beta > 0 and positive byte sizes")
 
     def time(self, ratio: float = 1.0) -> float:
-        """Predicted seconds per micro-batch at *ratio* (1.0 = dense)."""
-        if ratio >= 1.0:
-            return self.alpha + self.n * self.b_dense / self.beta
-        return self.alpha + ratio * self.n * (self.b_val + self.b_idx) / self.beta
+        """Predicted seconds per micro-batch at *ratio* (1.0 = dense; a ratio at which the codec
+        falls back to dense costs the dense time)."""
+        return self.alpha + self.wire_bytes(ratio) / self.beta
+
+    def wire_bytes(self, ratio: float = 1.0) -> int:
+        """Bytes per micro-batch on the wire at *ratio* (``plan.wirebytes.wire_bytes``)."""
+        return wire_bytes(self.n, ratio, dense_bytes=self.b_dense, value_bytes=self.b_val, index_bytes=self.b_idx)
+
+    def sends_dense(self, ratio: float) -> bool:
+        """Whether the codec sends this link dense at *ratio* (sparse would save no bytes)."""
+        return sends_dense(self.n, ratio, dense_bytes=self.b_dense, value_bytes=self.b_val, index_bytes=self.b_idx)
 
 
 def choose_ratio(link: LinkCost, target_time: float, *, rho_min: float = 0.01) -> float:
@@ -50,11 +62,11 @@ def choose_ratio(link: LinkCost, target_time: float, *, rho_min: float = 0.01) -
         raise ConfigError("rho_min must be in (0, 1]")
     if link.n == 0 or link.time(1.0) <= target_time:
         return 1.0
-    rho = (target_time - link.alpha) * link.beta / (link.n * (link.b_val + link.b_idx))
-    rho = min(1.0, max(rho_min, rho))
-    if rho >= link.b_dense / (link.b_val + link.b_idx):
-        return 1.0
-    return rho
+    fit = max_ratio(link.n, (target_time - link.alpha) * link.beta, value_bytes=link.b_val, index_bytes=link.b_idx)
+    # at most n-1 of n kept: ratio 1.0 means dense, which misses the target here (all n fit sparse
+    # only when b_val < b_dense, e.g. fp16 values of an fp32 tensor)
+    rho = max(rho_min, min(fit, (link.n - 1) / link.n))
+    return 1.0 if link.sends_dense(rho) else rho
 
 
 def plan_ratios(links: Mapping[K, LinkCost], t_comp: float, *, rho_min: float = 0.01) -> dict[K, float]:

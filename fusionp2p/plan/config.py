@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from fusionp2p.errors import ConfigError
 from fusionp2p.plan.snapshot import Link
+from fusionp2p.plan.wirebytes import dense_ratio
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,7 +31,7 @@ class PlannerConfig:
     compression: bool = True                # AdaTopK on links slower than the compute bottleneck
     rho_min: float = 0.01                   # AdaTopK floor of the kept fraction
     value_bytes: int = 4                    # fp32 values on the wire
-    index_bytes: int = 4                    # int32 indices of sparse payloads
+    index_bytes: int = 4                    # int32 indices of sparse payloads (the codec's type for 2^15 < n <= 2^31)
     replicas: bool = True                   # add data-parallel replicas with left-over devices
     replica_overhead: float = 0.05          # compute slowdown charged to a replicated stage (CO2 overlap)
     co2_tau: int = 48                       # local steps between CO2 averaging rounds
@@ -73,8 +74,10 @@ class PlannerConfig:
 
     @property
     def dense_ratio(self) -> float:
-        """A kept fraction at or above this is sent dense: sparse (value, index) pairs would be larger."""
-        return self.value_bytes / (self.value_bytes + self.index_bytes)
+        """A kept fraction at or above this is sent dense, for large tensors: the sparse payload
+        (values + indices or bitmap, ``plan.wirebytes``) would be no smaller. 31/32 for fp32 and int32;
+        the exact, per-size decision is ``wirebytes.sends_dense``."""
+        return dense_ratio(dense_bytes=self.value_bytes, value_bytes=self.value_bytes, index_bytes=self.index_bytes)
 
     def efficiency_of(self, kind: str) -> float:
         for k, eff in self.efficiency:

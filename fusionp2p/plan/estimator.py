@@ -9,8 +9,10 @@ so that the cost of any contiguous range ``[i, j)`` is O(1) (that is what keeps 
   ``replica_memory_factor * params`` when the stage is replicated, for CO2's anchor and momentum);
 * a fence's traffic ``cut[f]``: bytes per micro-batch of every edge ``src < f <= dst`` (skip edges
   are relayed through the stages in between, so they count on every fence they cross);
-* a link: ``directions * (latency + bytes / bandwidth)``, with AdaTopK payload
-  ``ceil(rho * n) * (value_bytes + index_bytes)`` for ``rho < dense_ratio``.
+* a link: ``directions * (latency + bytes / bandwidth)``, with the AdaTopK payload of the codec's
+  wire format (``plan.wirebytes``): ``k * value_bytes + min(k * index_bytes, ceil(n / 8))`` for
+  ``k = ceil(rho * n)`` kept of ``n = ceil(bytes / value_bytes)`` elements (indices or a bitmap,
+  whichever is smaller), and the dense bytes when that saves nothing (from ``rho`` ~ 31/32).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy.typing as npt
 from fusionp2p.plan.config import PlannerConfig
 from fusionp2p.plan.profile import DeviceProfile
 from fusionp2p.plan.snapshot import Link, Snapshot
+from fusionp2p.plan.wirebytes import bytes_per_element, wire_bytes
 from fusionp2p.plan.workload import Unit, WorkloadGraph
 
 F64 = npt.NDArray[np.float64]
@@ -42,11 +45,14 @@ def unit_memory(unit: Unit, config: PlannerConfig, *, replicated: bool = False) 
 
 
 def compressed_bytes(nbytes: float, rho: float, config: PlannerConfig) -> float:
-    """Bytes on the wire for a dense tensor of *nbytes* sent with kept fraction *rho* (1.0 = dense)."""
-    if rho >= config.dense_ratio or nbytes <= 0:
+    """Bytes on the wire for a dense tensor of *nbytes* sent with kept fraction *rho* (1.0 = dense):
+    :func:`~fusionp2p.plan.wirebytes.wire_bytes` of its ``ceil(nbytes / value_bytes)`` elements."""
+    if rho >= 1.0 or nbytes <= 0:
         return float(nbytes)
     n = math.ceil(nbytes / config.value_bytes)
-    return float(math.ceil(rho * n) * (config.value_bytes + config.index_bytes))
+    got = wire_bytes(n, rho, dense_bytes=config.value_bytes, value_bytes=config.value_bytes,
+                     index_bytes=config.index_bytes)
+    return float(nbytes) if got >= n * config.value_bytes else float(got)
 
 
 def link_time(link: Link, nbytes: float, rho: float, config: PlannerConfig) -> float:
@@ -87,8 +93,10 @@ class CostModel:
             self.lat[i, j] = self.lat[j, i] = lk.latency_s
         np.fill_diagonal(self.bw, np.inf)
         np.fill_diagonal(self.lat, 0.0)
-        # Fraction of dense bytes left at the AdaTopK floor: what the DP may assume a link can reach.
-        floor = config.rho_min * (config.value_bytes + config.index_bytes) / config.value_bytes
+        # Fraction of dense bytes left at the AdaTopK floor: what the DP may assume a link can reach
+        # (large-n bytes per element, a lower bound of compressed_bytes at rho_min for every n).
+        floor = bytes_per_element(config.rho_min, value_bytes=config.value_bytes,
+                                  index_bytes=config.index_bytes) / config.value_bytes
         self.min_byte_factor = min(1.0, floor) if config.compression else 1.0
 
     @property

@@ -8,9 +8,12 @@ benchmarks compare with measured step times.
 
 AdaTopK policy (:func:`choose_ratios`): with ``T_comp`` the slowest stage and ``T_floor`` the
 slowest link's best achievable time (at ``rho_min``), the target is ``T* = max(T_comp, T_floor)``.
-A link with dense time ``<= T*`` is not compressed (ratio 1.0); a slower one keeps just enough,
-``rho = (T*/dirs - latency) * bandwidth / (n * (b_val + b_idx))``, clipped to ``[rho_min, 1]`` and
-sent dense when ``rho >= b_val / (b_val + b_idx)``.
+A link with dense time ``<= T*`` is not compressed (ratio 1.0); a slower one keeps just enough: the
+largest ratio whose sparse bytes fit ``B = (T*/dirs - latency) * bandwidth``
+(``wirebytes.max_ratio``: ``max(floor(B / (b_val + b_idx)), floor((B - ceil(n/8)) / b_val)) / n``,
+index form below ``rho = 1/(8 b_idx)``, bitmap form above), clipped to ``[rho_min, 1]``, rounded
+down to the 1e-4 grid, and sent dense when the codec would (``wirebytes.sends_dense``: sparse no
+smaller than dense, from ``rho`` ~ 31/32 for fp32).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from fusionp2p.plan.config import PlannerConfig
 from fusionp2p.plan.estimator import CostModel, compressed_bytes
 from fusionp2p.plan.plan import Fence, Plan, Stage, quantize_rho
 from fusionp2p.plan.snapshot import Snapshot
+from fusionp2p.plan.wirebytes import max_ratio, sends_dense
 from fusionp2p.plan.workload import WorkloadGraph
 
 Layout = list[tuple[int, int, tuple[int, ...]]]
@@ -73,9 +77,11 @@ def choose_ratios(cm: CostModel, layout: Layout) -> list[float]:
         link = cm.group_link(layout[k][2], layout[k + 1][2])
         n = math.ceil(float(cm.cut[layout[k][1]]) / cfg.value_bytes)
         budget = (target / cfg.directions - link.latency_s) * link.bandwidth_bps
-        rho = budget / (n * (cfg.value_bytes + cfg.index_bytes)) if n > 0 else 1.0
-        rho = min(1.0, max(cfg.rho_min, rho))
-        rhos.append(1.0 if rho >= cfg.dense_ratio else max(cfg.rho_min, quantize_rho(rho)))
+        rho = max_ratio(n, budget, value_bytes=cfg.value_bytes, index_bytes=cfg.index_bytes)
+        rho = max(cfg.rho_min, quantize_rho(min(1.0, max(cfg.rho_min, rho))))
+        dense = sends_dense(n, rho, dense_bytes=cfg.value_bytes, value_bytes=cfg.value_bytes,
+                            index_bytes=cfg.index_bytes)
+        rhos.append(1.0 if dense else rho)
     return rhos
 
 
