@@ -48,6 +48,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+_GOSSIP_RATE_HELP = ("swarm-wide heartbeat messages per second: a node's heartbeat period stretches to "
+                     "members / rate when that is longer than --heartbeat (default 5)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fusionp2p", description="Peer-to-peer decentralized training node.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -57,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--announce-addr", action="append", default=[], help="public multiaddr to announce")
     b.add_argument("--bootstrap", action="append", default=[], help="other bootstrap nodes to peer with")
     b.add_argument("--home", default=None, help="directory for the identity key and logs")
+    b.add_argument("--gossip-rate", type=float, default=5.0, help=_GOSSIP_RATE_HELP)
     _common(b)
 
     n = sub.add_parser("node", help="run a training node that joins a swarm")
@@ -67,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--device", default="cpu", help="cpu or cuda:N")
     n.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat period, seconds")
     n.add_argument("--dead-timeout", type=float, default=5.0, help="seconds without heartbeat before a peer is dead")
+    n.add_argument("--gossip-rate", type=float, default=5.0, help=_GOSSIP_RATE_HELP)
     n.add_argument("--probe-interval", type=float, default=10.0, help="seconds between bandwidth probe rounds")
     n.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     _common(n)
@@ -154,13 +160,14 @@ def _run_daemon(args: argparse.Namespace) -> int:
     home = check_home(args.home, _data_home() / role)
     listen = tuple(args.listen or (["/ip4/0.0.0.0/tcp/4001"] if role == "bootstrap" else ["/ip4/0.0.0.0/tcp/0"]))
     if role == "node":
-        swarm = SwarmConfig(role="node", heartbeat=args.heartbeat, dead_timeout=args.dead_timeout, probe_interval=args.probe_interval)
+        swarm = SwarmConfig(role="node", heartbeat=args.heartbeat, dead_timeout=args.dead_timeout, gossip_rate=args.gossip_rate,
+                            probe_interval=args.probe_interval)
         if args.torch_threads:
             import torch
 
             torch.set_num_threads(args.torch_threads)
     else:
-        swarm = SwarmConfig(role="bootstrap")
+        swarm = SwarmConfig(role="bootstrap", gossip_rate=args.gossip_rate)
     cfg = DaemonConfig(role=role, home=home, listen=listen, bootstrap=tuple(args.bootstrap), announce=tuple(args.announce_addr),
                        device=getattr(args, "device", "cpu"), swarm=swarm)
     setup_logging(args.log_level, home / "libp2p.log")

@@ -2,7 +2,8 @@
 
 Every node keeps its *own* authoritative view (the DHT is only for discovery): a peer is alive while
 its heartbeats (signed NodeRecords with increasing ``seq``) keep arriving; it is dead once nothing
-came for ``timeout`` seconds, and gone at once when it announces ``leaving``. ``now`` is always
+came for ``timeout`` seconds, or for ``beats`` of its own announced heartbeat periods when that is
+longer (large swarms stretch the period, see swarm.py), and gone at once when it announces ``leaving``. ``now`` is always
 passed in (trio.current_time() in the shell, a fake clock in tests).
 
 The bandwidth table keeps each measuring node's latest report and answers, for any pair, the
@@ -42,11 +43,12 @@ def ema(old: float | None, new: float, alpha: float) -> float:
 class MembershipView:
     """Live members from heartbeats, with a timeout for dead peers."""
 
-    def __init__(self, *, self_peer: str, timeout: float) -> None:
-        if timeout <= 0:
-            raise ValueError("timeout must be positive")
+    def __init__(self, *, self_peer: str, timeout: float, beats: float = 5.0) -> None:
+        if timeout <= 0 or beats <= 1:
+            raise ValueError("timeout must be positive and beats larger than 1")
         self.self_peer = self_peer
         self.timeout = timeout
+        self.beats = beats
         self.records: dict[str, NodeRecord] = {}
         self.last_seen: dict[str, float] = {}
         self.dead: set[str] = set()
@@ -71,10 +73,15 @@ class MembershipView:
             return [MemberEvent(Change.REVIVED, rec.peer)]
         return [MemberEvent(Change.JOINED if old is None else Change.UPDATED, rec.peer)]
 
+    def timeout_of(self, peer: str) -> float:
+        """Seconds without a heartbeat after which *peer* is dead."""
+        rec = self.records.get(peer)
+        return max(self.timeout, self.beats * rec.period) if rec is not None else self.timeout
+
     def tick(self, now: float) -> list[MemberEvent]:
         out = []
         for peer, seen in list(self.last_seen.items()):
-            if peer != self.self_peer and now - seen > self.timeout:
+            if peer != self.self_peer and now - seen > self.timeout_of(peer):
                 del self.last_seen[peer]
                 self.dead.add(peer)
                 out.append(MemberEvent(Change.DEAD, peer))

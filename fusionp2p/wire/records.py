@@ -4,6 +4,11 @@ Envelope (msgpack map): ``{"v": 1, "t": TYPE, "b": BODY_BYTES, "s": SIGNATURE}``
 is the canonical msgpack of the body and SIGNATURE is the Ed25519 signature of ``TYPE || 0x00 ||
 BODY_BYTES`` by the peer named in the body (``body["peer"]``). Verification is injected
 (``verify(peer, data, sig) -> bool``) so that this module stays pure.
+
+A gossip message is either one signed record or a *bundle*: a msgpack array of up to
+``MAX_BUNDLE_PARTS`` signed records, each verified on its own. A node gossips one bundle per
+heartbeat (its NodeRecord plus its latest BandwidthReport), so the swarm carries one message per
+node per period instead of one per record.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ VERSION = 1
 MAX_RECORD = 16 * 1024
 MAX_ADDRS = 16
 MAX_MEASUREMENTS = 512
+MAX_BUNDLE_PARTS = 4
 
 Signer = Callable[[bytes], bytes]
 Verifier = Callable[[str, bytes, bytes], bool]
@@ -34,12 +40,14 @@ class NodeRecord:
     started: float               # the node's own wall-clock start time (informational)
     seq: int                      # increases with every heartbeat; newer wins
     leaving: bool = False
+    period: float = 0.0           # the sender's heartbeat period, seconds (0: not announced)
 
     def body(self) -> dict[str, Any]:
         return {
             "peer": self.peer, "role": self.role, "addrs": list(self.addrs),
             "profile": self.profile.to_wire() if self.profile else None,
             "started": float(self.started), "seq": int(self.seq), "leaving": bool(self.leaving),
+            "hb": float(self.period),
         }
 
 
@@ -104,6 +112,27 @@ def decode_signed(data: bytes, verify: Verifier) -> Record:
     raise RemoteProtocolError(f"unknown record type {t!r}")
 
 
+def encode_bundle(parts: list[bytes]) -> bytes:
+    """Several signed records (``encode_signed`` outputs) in one gossip payload."""
+    if not 0 < len(parts) <= MAX_BUNDLE_PARTS:
+        raise ValueError(f"a bundle holds 1 to {MAX_BUNDLE_PARTS} records")
+    return packb(list(parts))
+
+
+def split_bundle(data: bytes) -> list[bytes]:
+    """The signed records in a gossip payload (a bundle, or one bare record); not yet verified."""
+    obj = unpackb(data, max_size=MAX_BUNDLE_PARTS * (MAX_RECORD + 16))
+    if isinstance(obj, dict):
+        if len(data) > MAX_RECORD:
+            raise RemoteProtocolError("record too large")
+        return [data]
+    if not isinstance(obj, list) or not 0 < len(obj) <= MAX_BUNDLE_PARTS:
+        raise RemoteProtocolError("malformed record bundle")
+    if not all(isinstance(p, bytes) and len(p) <= MAX_RECORD for p in obj):
+        raise RemoteProtocolError("malformed record bundle")
+    return obj
+
+
 def _node(b: dict[str, Any]) -> NodeRecord:
     addrs = field(b, "addrs", list, "node record")
     if len(addrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
@@ -116,10 +145,13 @@ def _node(b: dict[str, Any]) -> NodeRecord:
     seq = field(b, "seq", int, "node record")
     if seq < 0:
         raise RemoteProtocolError("node record: negative seq")
+    period = b.get("hb", 0.0)   # absent in records of older nodes
+    if isinstance(period, bool) or not isinstance(period, (int, float)) or not 0 <= period <= 3600:
+        raise RemoteProtocolError("node record: heartbeat period out of range")
     return NodeRecord(
         peer=b["peer"], role=role, addrs=tuple(addrs), profile=profile,
         started=field(b, "started", float, "node record"), seq=seq,
-        leaving=bool(field(b, "leaving", bool, "node record")),
+        leaving=bool(field(b, "leaving", bool, "node record")), period=float(period),
     )
 
 

@@ -1,12 +1,18 @@
 """Many swarm nodes in one process: convergence on real libp2p, failure detection on the memory transport."""
 
+import pytest
 import trio
 import trio.testing
 
+from fusionp2p.net.identity import verify
+from fusionp2p.net.transport import GossipMessage
+from fusionp2p.runtime import swarm as swarm_mod
 from fusionp2p.runtime.membership import Change
 from fusionp2p.runtime.swarm import SwarmConfig, SwarmNode
 from fusionp2p.testing.memory import memory_network
 from fusionp2p.testing.swarm import TEST_PROFILE, converge, local_swarm
+from fusionp2p.wire.protocols import TOPIC_MEMBERS
+from fusionp2p.wire.records import BandwidthReport, encode_bundle
 
 
 def test_eight_libp2p_nodes_converge_on_members_and_bandwidth() -> None:
@@ -63,11 +69,130 @@ def test_forged_gossip_is_counted_not_fatal() -> None:
         with trio.fail_after(10):
             async with local_swarm(2, libp2p=False, config=SwarmConfig(probe=False)) as (_boot, nodes):
                 await converge(nodes, bandwidth=False, timeout=5)
-                from fusionp2p.net.transport import GossipMessage
-
                 for junk in (b"", b"\x00", b"\x81\xa1v\x01", b"\xff" * 100):
                     nodes[0].handle_gossip(GossipMessage("fusionp2p/members/1", nodes[1].peer_id, junk))
                 assert nodes[0].counters.bad_records == 4
                 assert nodes[0].members() == sorted(n.peer_id for n in nodes)
+
+    trio.run(main)
+
+
+def test_heartbeat_period_stretches_with_the_swarm_without_false_deaths() -> None:
+    """With gossip_rate 1 msg/s, 7 members beat every 7 s: the swarm sends ~1 heartbeat/s, nobody is
+    declared dead although dead_timeout (3 s) is far below the period, and a killed node still is."""
+
+    async def main() -> None:
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=3.0, gossip_rate=1.0, probe=False)
+        async with memory_network() as net:
+            hosts = [net.add_host() for _ in range(7)]
+            published = [0]
+            for h in hosts:
+                orig = h.publish
+
+                async def counting(topic: str, data: bytes, orig=orig) -> None:  # type: ignore[no-untyped-def]
+                    published[0] += 1
+                    await orig(topic, data)
+
+                h.publish = counting  # type: ignore[method-assign]
+            boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=3.0, gossip_rate=1.0), None)
+            nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
+            async with trio.open_nursery() as nursery:
+                await nursery.start(boot.run, [])
+                for n in nodes:
+                    await nursery.start(n.run, [hosts[0].listen_addrs()[0]])
+                await converge(nodes, bandwidth=False, timeout=30)
+                await trio.sleep(10)   # every node has announced the stretched period by now
+                assert all(n.period() == 7.0 for n in [boot, *nodes])
+                published[0] = 0
+                await trio.sleep(70)
+                assert 7 * 70 / 7.0 <= published[0] <= 7 * 70 / (0.8 * 7.0) + 7   # ~gossip_rate per second, swarm-wide
+                assert not any(e.change is Change.DEAD for n in nodes for e in n.counters.events)
+                victim = nodes[-1]
+                t0 = trio.current_time()
+                net.kill(victim.peer_id)
+                await nodes[0].wait_until(lambda: victim.peer_id in nodes[0].view.dead, timeout=60)
+                assert trio.current_time() - t0 <= cfg.dead_beats * 7.0 + 7.0   # dead_beats periods, plus one
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_large_swarm_probes_a_bounded_sample_and_publishes_its_first_figure_at_once() -> None:
+    """Beyond probe_sample peers a round probes at most probe_sample of them (never-measured first), every pair
+    still gets measured over the rounds, and a node's first figure goes out before its next regular heartbeat."""
+
+    async def main() -> None:
+        cfg = SwarmConfig(heartbeat=5.0, dead_timeout=30.0, probe_sample=2, probe_bytes=64 * 1024)
+        async with memory_network() as net:
+            hosts = [net.add_host() for _ in range(7)]
+            boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=5.0, dead_timeout=30.0), None)
+            nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
+            rounds: list[int] = []
+            first_probe: dict[str, float] = {}
+            for n in nodes:
+                targets, one = n._probe_targets, n._probe_one
+
+                def recording(targets=targets) -> list[str]:  # type: ignore[no-untyped-def]
+                    out = targets()
+                    rounds.append(len(out))
+                    return out
+
+                async def timed(peer: str, n=n, one=one) -> float:  # type: ignore[no-untyped-def]
+                    spent = await one(peer)
+                    if n.counters.probes_ok and n.peer_id not in first_probe:
+                        first_probe[n.peer_id] = trio.current_time()
+                    return spent
+
+                n._probe_targets = recording  # type: ignore[method-assign]
+                n._probe_one = timed  # type: ignore[method-assign]
+            report_at: dict[str, float] = {}
+            apply = boot._apply_record
+
+            def stamping(rec, raw, apply=apply):  # type: ignore[no-untyped-def]
+                if isinstance(rec, BandwidthReport):
+                    report_at.setdefault(rec.peer, trio.current_time())
+                apply(rec, raw)
+
+            boot._apply_record = stamping  # type: ignore[method-assign]
+            async with trio.open_nursery() as nursery:
+                await nursery.start(boot.run, [])
+                for n in nodes:
+                    await nursery.start(n.run, [hosts[0].listen_addrs()[0]])
+                for n in nodes:
+                    await boot.wait_until(lambda n=n: n.peer_id in boot.bandwidth.reports, timeout=60)
+                for n in nodes:
+                    # the bootstrap holds the node's report less than one heartbeat after its first measurement
+                    assert report_at[n.peer_id] - first_probe[n.peer_id] < cfg.heartbeat
+                await converge(nodes, bandwidth=True, timeout=300)
+                assert rounds and max(rounds) <= cfg.probe_sample
+                ids = sorted(n.peer_id for n in nodes)
+                assert len(boot.bandwidth.matrix(ids)) == len(ids) * (len(ids) - 1)
+                up = [boot.bandwidth.reports[p] for p in ids]
+                assert all(r.uplink > 0 and r.downlink > 0 for r in up)   # capacity estimates for unmeasured pairs
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_repeated_report_is_not_verified_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with local_swarm(2, libp2p=False, config=SwarmConfig(probe_bytes=64 * 1024)) as (_boot, nodes):
+                await converge(nodes, bandwidth=True, timeout=20)
+                a, b = nodes
+                await a.wait_until(lambda: b.peer_id in a._raw_bw, timeout=20)
+                calls: list[bytes] = []
+
+                def counting(peer: str, data: bytes, sig: bytes) -> bool:
+                    calls.append(data.split(b"\x00", 1)[0])
+                    return verify(peer, data, sig)
+
+                monkeypatch.setattr(swarm_mod, "verify", counting)
+                raw_bw = a._raw_bw[b.peer_id]
+                bundle = encode_bundle([a._raw[b.peer_id], raw_bw])
+                b_seen = a.counters.bad_records
+                a.handle_gossip(GossipMessage(TOPIC_MEMBERS, b.peer_id, bundle))
+                assert calls == [b"node"]     # the node record (stale seq, dropped by the view), not the report
+                assert a.counters.bad_records == b_seen
 
     trio.run(main)

@@ -68,3 +68,14 @@ def test_bandwidth_table_direct_estimate_complete() -> None:
                                               Measurement(src=P[2], dst=P[1], bandwidth=8.0, rtt=0.0, samples=1))))
     assert t.complete(P)
     assert len(t.matrix(P)) == 6
+
+
+def test_dead_timeout_follows_the_announced_heartbeat_period() -> None:
+    v = MembershipView(self_peer=P[0], timeout=5.0, beats=5.0)
+    slow = NodeRecord(peer=P[1], role="node", addrs=(), profile=None, started=0.0, seq=1, period=3.0)
+    v.on_record(slow, now=0.0)
+    v.on_record(rec(P[2], 1), now=0.0)                  # no period announced: the configured timeout
+    assert v.timeout_of(P[1]) == 15.0 and v.timeout_of(P[2]) == 5.0
+    assert [e.peer for e in v.tick(6.0)] == [P[2]]
+    assert v.tick(14.9) == []
+    assert [e.peer for e in v.tick(15.1)] == [P[1]]

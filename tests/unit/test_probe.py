@@ -55,3 +55,36 @@ def test_next_probe_size_targets_a_duration() -> None:
     assert next_probe_size(1 << 20, 0.03) == 8 << 20        # grows, at most 8x per step
     assert next_probe_size(1 << 20, 0.6) == 512 * 1024      # shrinks toward ~0.3 s
     assert next_probe_size(1 << 20, 100.0) == 256 * 1024    # floor
+
+
+def test_server_times_inbound_transfers_for_a_downlink_figure() -> None:
+    async def main() -> None:
+        with trio.fail_after(10):
+            async with memory_network() as net:
+                a, b = net.add_host(), net.add_host()
+                server = ProbeServer()
+                b.set_stream_handler(PROBE, server)
+                assert server.best_inbound() == 0.0
+                await probe(a, b.peer_id, nbytes=256 * 1024)
+                assert server.inbound[a.peer_id] > 0 and server.best_inbound() == server.inbound[a.peer_id]
+
+    trio.run(main)
+
+
+def test_a_peer_too_busy_to_answer_is_given_up_on_at_the_control_deadline() -> None:
+    """A server that accepts the stream but never answers the pings costs the client ctrl_timeout, not timeout."""
+
+    async def main() -> None:
+        async with memory_network() as net:
+            a, b = net.add_host(), net.add_host()
+
+            async def mute(stream: object) -> None:
+                await trio.sleep_forever()
+
+            b.set_stream_handler(PROBE, mute)  # type: ignore[arg-type]
+            t0 = trio.current_time()
+            with pytest.raises(PeerUnavailable, match="ping"):
+                await probe(a, b.peer_id, nbytes=1024, timeout=20.0, ctrl_timeout=2.0)
+            assert trio.current_time() - t0 == pytest.approx(2.0)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

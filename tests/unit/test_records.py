@@ -11,7 +11,16 @@ from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.net.identity import Identity, verify
 from fusionp2p.plan.profile import DeviceProfile
 from fusionp2p.wire.msg import packb, unpackb
-from fusionp2p.wire.records import BandwidthReport, Measurement, NodeRecord, decode_signed, encode_signed
+from fusionp2p.wire.records import (
+    MAX_RECORD,
+    BandwidthReport,
+    Measurement,
+    NodeRecord,
+    decode_signed,
+    encode_bundle,
+    encode_signed,
+    split_bundle,
+)
 
 PROFILE = DeviceProfile(device="cpu", kind="cpu", name="test", flops_fp32=1e10, flops_bf16=5e9, memory_bytes=2**30,
                         versions=(("torch", "2.13.0"),))
@@ -88,3 +97,32 @@ def test_oversized_record_rejected() -> None:
 def test_arbitrary_bytes_never_crash(data: bytes) -> None:
     with contextlib.suppress(RemoteProtocolError):
         decode_signed(data, verify)
+
+
+def test_heartbeat_period_round_trip_and_old_records_without_it() -> None:
+    rec = node_record(period=2.5)
+    assert decode_signed(encode_signed(rec, A.sign), verify).period == 2.5   # type: ignore[union-attr]
+    # a record from a node that does not announce its period (older version) still decodes, as "unknown"
+    body = {k: v for k, v in node_record().body().items() if k != "hb"}
+    data = packb({"v": 1, "t": "node", "b": packb(body), "s": A.sign(b"node\x00" + packb(body))})
+    assert decode_signed(data, verify).period == 0.0   # type: ignore[union-attr]
+    for bad in (-1.0, 1e9, "1"):
+        body = {**node_record().body(), "hb": bad}
+        data = packb({"v": 1, "t": "node", "b": packb(body), "s": A.sign(b"node\x00" + packb(body))})
+        with pytest.raises(RemoteProtocolError):
+            decode_signed(data, verify)
+
+
+def test_bundle_carries_several_records_each_verified_on_its_own() -> None:
+    rep = BandwidthReport(peer=A.peer_id, seq=1, uplink=1e6, downlink=1e6, measurements=())
+    parts = [encode_signed(node_record(), A.sign), encode_signed(rep, A.sign)]
+    assert split_bundle(encode_bundle(parts)) == parts
+    assert split_bundle(parts[0]) == [parts[0]]          # a bare record is a bundle of one
+    with pytest.raises(ValueError):
+        encode_bundle([])
+    for bad in (packb([]), packb([1, 2]), packb(["x"]), packb([b"r"] * 5), packb(3), packb([b"\x00" * (MAX_RECORD + 1)])):
+        with pytest.raises(RemoteProtocolError):
+            split_bundle(bad)
+    forged = encode_bundle([parts[0], encode_signed(rep, B.sign)])   # second part signed by someone else
+    with pytest.raises(RemoteProtocolError):
+        decode_signed(split_bundle(forged)[1], verify)
