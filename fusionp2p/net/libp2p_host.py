@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -153,6 +153,28 @@ class _GossipSub(GossipSub):
     async def send_recent_messages(self, peer_id: ID, topic: str) -> None:
         if topic not in self._state_topics:
             await super().send_recent_messages(peer_id, topic)
+
+    def _get_peers_to_send(self, topic_ids: Iterable[str], msg_forwarder: ID, origin: ID,
+                           msg_id: bytes | None = None) -> Iterable[ID]:
+        """Our own messages on a state topic reach at least ``degree`` peers even when our mesh is thin.
+
+        py-libp2p 0.8.1 sends a published message only to the topic's mesh, and has no flood publishing.
+        A node whose grafts were all pruned while a swarm forms (more than D_high grafts at once) sits
+        out the 60 s prune backoff with an empty mesh, and its heartbeats reach nobody: at 20 processes
+        that showed up as every member being alive at once only after 63 s. Topping up to ``degree``
+        subscribed peers costs nothing while the mesh is healthy.
+        """
+        topics = list(topic_ids)
+        peers = set(super()._get_peers_to_send(topics, msg_forwarder, origin, msg_id))
+        if self.pubsub is None or origin != self.pubsub.my_id:
+            return peers
+        for topic in topics:
+            want = self.degree - len(peers)
+            if (want > 0 and topic in self._state_topics and topic in self.pubsub.peer_topics
+                    and len(self.mesh.get(topic, ())) < self.degree_low):
+                extra = self._get_in_topic_gossipsub_peers_from_minus(topic, want, peers | {msg_forwarder, origin})
+                peers.update(extra)
+        return peers
 
 
 class Libp2pTransport:
