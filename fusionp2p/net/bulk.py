@@ -284,6 +284,12 @@ class BulkChannel:
         if not self._threads:
             self._sock.close()
 
+    def _thread_error(self, role: str, exc: BaseException) -> None:
+        """(either thread) Report why the thread stops; a traceback only for what is not a channel error."""
+        if not isinstance(exc, OSError | FusionError):
+            log.exception("bulk channel %s thread for %s crashed", role, self._peer)
+        self._to_trio(self._thread_failed, exc)
+
     def _thread_exit(self) -> None:
         with self._threads_lock:
             self._threads_left -= 1
@@ -325,9 +331,7 @@ class BulkChannel:
                 if done is not None:
                     self._to_trio(done.set)
         except BaseException as exc:
-            if not isinstance(exc, OSError | FusionError):
-                log.exception("bulk channel writer to %s crashed", self._peer)
-            self._to_trio(self._thread_failed, exc)
+            self._thread_error("writer", exc)
         finally:
             self._writer_exit()
             self._thread_exit()
@@ -379,9 +383,7 @@ class BulkChannel:
                         self._to_trio(self._on_event, ev.kind, ev.message, ev.count)
             self._to_trio(self._on_eof)
         except BaseException as exc:
-            if not isinstance(exc, OSError | FusionError):
-                log.exception("bulk channel reader from %s crashed", self._peer)
-            self._to_trio(self._thread_failed, exc)
+            self._thread_error("reader", exc)
         finally:
             self._thread_exit()
 

@@ -62,6 +62,7 @@ RESERVED = "_rc"           # the meta key (and control-message kind) this layer 
 PROTOCOL_VERSION = 1
 MAX_WINDOW = 1024
 MAX_NAME = 256
+_LINK_ERRORS = (PeerUnavailable, RemoteProtocolError, trio.ClosedResourceError)
 _GONE_POLL = 0.5  # seconds between peer_gone checks while the accepting side waits for a link
 _SESSION = re.compile(r"[0-9a-f]{32}")
 
@@ -435,18 +436,22 @@ class ResilientChannel:
             wire = self._book.wire(*item)
             try:
                 await link.send(wire)
-            except PeerUnavailable as exc:
-                self._lose(link, exc)
-                return
-            except RemoteProtocolError as exc:
-                self._fail(exc)
-                return
-            except trio.ClosedResourceError:
-                self._lose(link, PeerUnavailable(self._peer, "link closed"))  # no-op unless current
+            except _LINK_ERRORS as exc:
+                self._link_error(link, exc)
                 return  # the message stays kept
             if self._link is link:
                 self._link_sent = max(self._link_sent, item[0])
                 self._ack_sent = max(self._ack_sent, delivered)
+
+    def _link_error(self, link: BulkChannel, exc: BaseException) -> None:
+        """A link operation failed: a forged frame fails the channel, anything else loses the link (a
+        no-op unless *link* is the current one)."""
+        if isinstance(exc, RemoteProtocolError):
+            self._fail(exc)
+        elif isinstance(exc, PeerUnavailable):
+            self._lose(link, exc)
+        else:
+            self._lose(link, PeerUnavailable(self._peer, "link closed"))
 
     async def _pump(self, link: BulkChannel) -> None:
         """Drain the link at once (acks must never wait behind tensors the application has not taken)."""
@@ -458,14 +463,8 @@ class ResilientChannel:
                 if not self._book.peer_closed:
                     self._lose(link, PeerUnavailable(self._peer, "link closed without a goodbye"))
                 return
-            except PeerUnavailable as exc:
-                self._lose(link, exc)
-                return
-            except RemoteProtocolError as exc:
-                self._fail(exc)
-                return
-            except trio.ClosedResourceError:
-                self._lose(link, PeerUnavailable(self._peer, "link closed"))
+            except _LINK_ERRORS as exc:
+                self._link_error(link, exc)
                 return
             if kind != "duplicate":
                 self._wake()
@@ -478,14 +477,8 @@ class ResilientChannel:
             delivered = self._book.delivered
             try:
                 await link.send(_control("ack", d=delivered))
-            except PeerUnavailable as exc:
-                self._lose(link, exc)
-                return
-            except RemoteProtocolError as exc:
-                self._fail(exc)
-                return
-            except trio.ClosedResourceError:
-                self._lose(link, PeerUnavailable(self._peer, "link closed"))
+            except _LINK_ERRORS as exc:
+                self._link_error(link, exc)
                 return
             self._ack_sent = max(self._ack_sent, delivered)
 

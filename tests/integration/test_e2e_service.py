@@ -19,7 +19,7 @@ import safetensors.torch
 import torch
 import trio
 
-from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, corpus_tokens
+from fusionp2p.data import BuiltinCorpus
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
 from fusionp2p.net.resilient import ResilientChannel
 from fusionp2p.runtime.checkpoint import assemble
@@ -31,6 +31,7 @@ from fusionp2p.runtime.jobspec import Resources
 from fusionp2p.runtime.metrics import JobStateChanged, PlanChanged, ProgressEvent, StepProgress
 from fusionp2p.runtime.swarm import SwarmConfig, SwarmNode
 from fusionp2p.runtime.trainconfig import CO2, TrainConfig
+from fusionp2p.testing.evaluation import final_eval_loss
 from fusionp2p.testing.memory import MemoryTransport, memory_network
 from fusionp2p.testing.swarm import TEST_PROFILE
 from fusionp2p.wire.framing import encode_frame
@@ -119,13 +120,7 @@ def test_two_by_two_over_the_data_plane(tmp_path: Path) -> None:
     state = module_state(built.dag, assemble(tmp_path / "pub" / "checkpoints", built.spec.job_id))  # type: ignore[attr-defined]
     fresh = _model(seed=9)
     fresh.load_state_dict(state)
-    tokens = corpus_tokens("pydoc")
-    s = BatchSampler(SamplerConfig(num_tokens=len(tokens), seq_len=SEQ, micro_batch=cfg.micro_batch,
-                                   micro_batches=cfg.micro_batches, seed=cfg.seed))
-    with torch.no_grad():
-        ref = np.mean([float(fresh(torch.from_numpy(s.inputs(tokens, cfg.steps * 2 + r, mu)),
-                                   torch.from_numpy(s.targets(tokens, cfg.steps * 2 + r, mu)))[1])
-                       for r in range(2) for mu in range(cfg.micro_batches)])
+    ref = final_eval_loss(fresh, cfg, seq_len=SEQ)
     assert final.loss is not None
     assert abs(ref - final.loss) < 1e-4
     safetensors.torch.save_file(state, str(tmp_path / "m.safetensors"))   # the download format round-trips

@@ -14,13 +14,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, corpus_tokens
+from fusionp2p.data import BuiltinCorpus
 from fusionp2p.errors import JobError
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
 from fusionp2p.runtime.job_launch import LocalCluster
 from fusionp2p.runtime.metrics import JobStateChanged, PlanChanged, StepProgress
 from fusionp2p.runtime.trainconfig import TrainConfig
 from fusionp2p.sdk import Swarm
+from fusionp2p.testing.evaluation import final_eval_loss
 from fusionp2p.testing.wait import wait_until
 
 pytestmark = pytest.mark.system
@@ -84,13 +85,7 @@ def test_two_stages_two_replicas_over_real_processes(swarm: Swarm, tmp_path: Pat
     path = job.download(tmp_path)
     fresh = _model(seed=123)
     fresh.load_state_dict(safetensors.torch.load_file(str(path)))
-    tokens = corpus_tokens("pydoc")
-    s = BatchSampler(SamplerConfig(num_tokens=len(tokens), seq_len=SEQ, micro_batch=cfg.micro_batch,
-                                   micro_batches=cfg.micro_batches, seed=cfg.seed))
-    with torch.no_grad():
-        ref = np.mean([float(fresh(torch.from_numpy(s.inputs(tokens, cfg.steps * 2 + r, mu)),
-                                   torch.from_numpy(s.targets(tokens, cfg.steps * 2 + r, mu)))[1])
-                       for r in range(2) for mu in range(cfg.micro_batches)])
+    ref = final_eval_loss(fresh, cfg, seq_len=SEQ)
     assert job.final_loss is not None
     assert abs(ref - job.final_loss) < 1e-4
 
