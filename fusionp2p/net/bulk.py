@@ -206,9 +206,7 @@ class BulkChannel:
                 await flushed.wait()
             graceful = flushed.is_set() and self._error is None
         self._inbox.close()
-        self._credit.set()
-        for ev in self._pending:
-            ev.set()
+        self._wake_waiters()
         if graceful:
             # FIN after the CLOSE record, and keep reading until the peer closes too: closing a socket
             # with unread bytes (the peer's ACKs or PINGs) sends a reset, and a reset makes the peer's
@@ -233,13 +231,18 @@ class BulkChannel:
         if self._error is None and not self._closed:
             self._error = exc
             log.info("bulk channel to %s failed: %s", self._peer, exc)
+        self._wake_waiters()
+        self._hello.set()  # wakes a connect() still waiting for the listener's HELLO
+        self._finished.set()
+        self._shutdown()
+
+    def _wake_waiters(self) -> None:
+        """(trio thread) The channel is ending: receivers see the end of the inbox, and sends waiting for
+        window credit or for the writer return (and re-check the channel's state)."""
         self._inbox_send.close()
         self._credit.set()
         for ev in self._pending:
             ev.set()
-        self._hello.set()  # wakes a connect() still waiting for the listener's HELLO
-        self._finished.set()
-        self._shutdown()
 
     def _control(self, kind: int, body: bytes = b"") -> None:
         """Queue a control record (sealed here, so that its nonce follows the queue order)."""
@@ -409,10 +412,7 @@ class BulkChannel:
     def _on_eof(self) -> None:
         """The peer said CLOSE and then closed its side: everything has been read, so close ours."""
         self._peer_closed = True
-        self._inbox_send.close()
-        self._credit.set()
-        for ev in self._pending:
-            ev.set()
+        self._wake_waiters()
         self._finished.set()
         self._shutdown()
 
