@@ -7,6 +7,10 @@ Transfers (two processes on loopback, the receiver is a child process of this on
           gets TensorMessages (keys are handed to the child directly: the ticket exchange costs
           ~ms once per channel and is not what is measured)
   libp2p  a py-libp2p 0.8.1 Noise + yamux stream (LIBP2P_NOTES.md §2-3), same message sizes
+  bare    a reference for what the cipher costs here, not a system: one blocking thread per side, the
+          sender ``encrypt_into`` 1 MiB pieces of the message into one buffer and sends it, the receiver
+          reads each record into one buffer and ``decrypt_into`` its place in a message buffer (the same
+          AEAD and record size as ours, no framing, no window, no threads, no event loop)
 for messages of 1-64 MiB, the receiver acknowledging the total at the end.
 
 Compression (this process, ``torch.set_num_threads(1)``: per core): encode+decode of a 25M-element
@@ -92,6 +96,48 @@ def child_raw_blocking() -> None:
                 if n == 0:
                     break
                 got += n
+            conn.sendall(struct.pack(">d", time.process_time() - cpu0))
+
+
+def _bare_aead(cipher: str, key: bytes) -> Any:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+
+    return AESGCM(key) if cipher == "aes-gcm" else ChaCha20Poly1305(key)
+
+
+BARE_RECORD = 1 * MiB
+
+
+def child_bare(key_hex: str, cipher: str) -> None:
+    """The bare AEAD receiver: records of BARE_RECORD + 16 bytes, decrypted into a message buffer."""
+    import socket
+
+    aead = _bare_aead(cipher, bytes.fromhex(key_hex))
+    ls = socket.create_server(("127.0.0.1", 0))
+    print(ls.getsockname()[1], flush=True)
+    scratch = memoryview(bytearray(BARE_RECORD + 16))
+    while True:
+        conn, _ = ls.accept()
+        with conn:
+            hdr = bytearray(16)
+            got = 0
+            while got < 16:
+                got += conn.recv_into(memoryview(hdr)[got:])
+            total, size = struct.unpack(">QQ", hdr)
+            msg = memoryview(bytearray(size))
+            cpu0 = time.process_time()
+            counter = 0
+            for _ in range(total // size):
+                for off in range(0, size, BARE_RECORD):
+                    body = scratch[: min(BARE_RECORD, size - off) + 16]
+                    got = 0
+                    while got < len(body):
+                        n = conn.recv_into(body[got:])
+                        if n == 0:
+                            raise ConnectionError("bare sender went away")
+                        got += n
+                    aead.decrypt_into(struct.pack(">4xQ", counter), body, b"", msg[off : off + len(body) - 16])
+                    counter += 1
             conn.sendall(struct.pack(">d", time.process_time() - cpu0))
 
 
@@ -221,6 +267,30 @@ def send_raw_blocking(port: int, size: int, total: int) -> tuple[float, float, f
     return total / dt, cpu, struct.unpack(">d", reply)[0]
 
 
+def send_bare(port: int, size: int, total: int, key: bytes, cipher: str) -> tuple[float, float, float]:
+    """(bytes/s, sender CPU s, receiver CPU s) of the bare AEAD loop."""
+    import socket
+
+    aead = _bare_aead(cipher, key)
+    x = memoryview(torch.randn(size // 4).numpy()).cast("B")
+    out = memoryview(bytearray(BARE_RECORD + 16))
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        s.sendall(struct.pack(">QQ", total, size))
+        counter = 0
+        for _ in range(total // size):
+            for off in range(0, size, BARE_RECORD):
+                piece = x[off : off + BARE_RECORD]
+                aead.encrypt_into(struct.pack(">4xQ", counter), piece, b"", out)
+                counter += 1
+                s.sendall(out[: len(piece) + 16])
+        reply = b""
+        while len(reply) < 8:
+            reply += s.recv(8 - len(reply))
+        dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return total / dt, cpu, struct.unpack(">d", reply)[0]
+
+
 async def send_ours(port: int, size: int, total: int, keys: tuple[bytes, bytes], cipher: str) -> tuple[float, float, float]:
     """(bytes/s, sender CPU s, receiver CPU s)."""
     from fusionp2p.net.bulk import BulkChannel
@@ -286,6 +356,7 @@ def transfers(sizes_mib: list[int], total_mib: int, cipher: str, *, libp2p_total
         "rawb": _spawn("rawb"),
         "ours": _spawn("ours", f"{keys[0].hex()}:{keys[1].hex()}", cipher),
         "libp2p": _spawn("libp2p"),
+        "bare": _spawn("bare", keys[0].hex(), cipher),
     }
     rows: list[dict[str, Any]] = []
     try:
@@ -296,26 +367,33 @@ def transfers(sizes_mib: list[int], total_mib: int, cipher: str, *, libp2p_total
             # alternate the two TCP paths and keep the best of each: the machine is shared and noisy
             # raw is the faster of two raw TCP senders/receivers: trio's non-blocking sockets (an event loop
             # like the rest of the node) and plain blocking sockets (the I/O style of the channel's threads)
-            raw_runs, rawb_runs, ours_runs = [], [], []
+            raw_runs, rawb_runs, ours_runs, bare_runs = [], [], [], []
             for _ in range(reps):
                 raw_runs.append(trio.run(send_raw, int(children["raw"][1]), size, total))
                 rawb_runs.append(send_raw_blocking(int(children["rawb"][1]), size, total))
                 ours_runs.append(trio.run(send_ours, int(children["ours"][1]), size, total, keys, cipher))
+                if cipher != "none":
+                    bare_runs.append(send_bare(int(children["bare"][1]), size, total, keys[0], cipher))
             raw, raw_cs, raw_cr = max(raw_runs + rawb_runs)
             ours, ours_cs, ours_cr = max(ours_runs)
+            bare, bare_cs, bare_cr = max(bare_runs) if bare_runs else (float("nan"),) * 3
             lp = trio.run(send_libp2p, children["libp2p"][1], size, lp_total)
             gb = total / 1e9
             row.update(raw_MBps=raw / 1e6, ours_MBps=ours / 1e6, libp2p_MBps=lp / 1e6,
                        ours_over_raw=ours / raw, ours_over_libp2p=ours / lp,
                        raw_cpu_s_per_GB=[raw_cs / gb, raw_cr / gb], ours_cpu_s_per_GB=[ours_cs / gb, ours_cr / gb],
+                       bare_aead_MBps=bare / 1e6, ours_over_bare_aead=ours / bare, bare_over_raw=bare / raw,
+                       bare_cpu_s_per_GB=[bare_cs / gb, bare_cr / gb],
                        raw_trio_runs_MBps=[r[0] / 1e6 for r in raw_runs],
                        raw_blocking_runs_MBps=[r[0] / 1e6 for r in rawb_runs],
                        ours_runs_MBps=[r[0] / 1e6 for r in ours_runs])
             rows.append(row)
             print(f"{size_mib:>5} MiB | raw {raw / 1e6:6.0f} MB/s (trio {max(raw_runs)[0] / 1e6:.0f}, "
                   f"blocking {max(rawb_runs)[0] / 1e6:.0f}) | ours ({cipher}) {ours / 1e6:6.0f} MB/s "
-                  f"| libp2p {lp / 1e6:5.0f} MB/s | ours/raw {ours / raw:4.2f} | ours/libp2p {ours / lp:5.1f} "
-                  f"| CPU s/GB send+recv: raw {(raw_cs + raw_cr) / gb:4.2f}, ours {(ours_cs + ours_cr) / gb:4.2f}",
+                  f"| libp2p {lp / 1e6:5.0f} MB/s | bare AEAD {bare / 1e6:6.0f} MB/s | ours/raw {ours / raw:4.2f} "
+                  f"| ours/libp2p {ours / lp:5.1f} | bare/raw {bare / raw:4.2f} | ours/bare {ours / bare:4.2f} "
+                  f"| CPU s/GB send+recv: raw {(raw_cs + raw_cr) / gb:4.2f}, ours {(ours_cs + ours_cr) / gb:4.2f}, "
+                  f"bare {(bare_cs + bare_cr) / gb:4.2f}",
                   flush=True)
     finally:
         for p, _ in children.values():
@@ -369,6 +447,8 @@ def main() -> None:
             child_raw_blocking()
         elif role == "ours":
             trio.run(child_ours, args.role[1], args.role[2])
+        elif role == "bare":
+            child_bare(args.role[1], args.role[2])
         else:
             trio.run(child_libp2p)
         return
@@ -393,6 +473,8 @@ def main() -> None:
     ratio = statistics.median(r["ours_over_raw"] for r in rows)
     print(json.dumps({"median ours/raw": round(ratio, 3),
                       "median ours/libp2p": round(statistics.median(r["ours_over_libp2p"] for r in rows), 2),
+                      "median bare AEAD/raw": round(statistics.median(r["bare_over_raw"] for r in rows), 3),
+                      "median ours/bare AEAD": round(statistics.median(r["ours_over_bare_aead"] for r in rows), 3),
                       "min AdaTopK GB/s/core": round(min(c["adatopk_GBps_per_core"] for c in comp), 2)}))
     write(NAME, args.out, {"cipher": cipher, "transfers": rows, "compression": comp},
           headline("encrypted channel / raw TCP throughput (median over 1-64 MiB messages)", ratio, "ratio", 0.7,

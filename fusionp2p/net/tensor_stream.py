@@ -146,9 +146,8 @@ class RecordReader:
     """Turns received bytes (or whole records) into events, with every bound checked before allocating.
 
     A multi-record message is allocated once, at its ``MSG_START`` (whose announced total is checked
-    against the limit), with room for one authentication tag after it, so that the following records can
-    be received straight into their place and decrypted there (:meth:`body_target`), or decrypted into it
-    from elsewhere (:meth:`destination`).
+    against the limit), and the following records are decrypted straight into their place in it
+    (:meth:`destination`): no plaintext copy.
     """
 
     def __init__(self, opener: Opener, *, chunk_size: int, limits: Limits = DEFAULT_LIMITS,
@@ -197,43 +196,38 @@ class RecordReader:
             raise RemoteProtocolError("record after CLOSE")
         return tf.parse_record_header(hdr, max_body=self.max_body)
 
-    def _slice(self, body_len: int, extra: int) -> memoryview:
+    def _slice(self, body_len: int) -> memoryview:
         assert self._msg is not None
         size = body_len - overhead(self.opener.cipher)
         if size < 0 or self._pos + size > self._total:
             raise RemoteProtocolError("message slices exceed the announced length")
-        return self._msg[self._pos : self._pos + size + extra]
+        return self._msg[self._pos : self._pos + size]
 
     def destination(self, kind: int, body_len: int) -> memoryview | None:
-        """Where to decrypt the next record: the next slice of the message being assembled (or None)."""
-        if self._msg is None or kind not in (tf.MSG_MORE, tf.MSG_END):
-            return None
-        return self._slice(body_len, 0)
-
-    def body_target(self, kind: int, body_len: int) -> memoryview | None:
-        """Where to *receive* the next record's sealed body so that it can be decrypted in place
-        (``opener.open(nonce, hdr, target, target[:len(target) - tag])``): the message's next slice plus
-        the tag slack, or, for a message that fits one record, a fresh buffer that becomes the message.
-        None for records that are not message data (read those into a scratch buffer)."""
+        """Where to decrypt the next record (``opener.open(nonce, hdr, body, target)``): the message's next
+        slice, or, for a message that fits one record, a fresh buffer of the plaintext's size that becomes
+        the message. None for records that are not message data."""
         if kind not in (tf.MSG_MORE, tf.MSG_END):
             return None
         if self._msg is not None:
-            return self._slice(body_len, overhead(self.opener.cipher))
+            return self._slice(body_len)
         if kind == tf.MSG_MORE:
             raise RemoteProtocolError("MSG_MORE without MSG_START")
-        return self.pool.get(body_len) if self.pool is not None else alloc_buffer(body_len)
+        size = body_len - overhead(self.opener.cipher)
+        if size < 0:
+            raise RemoteProtocolError("record shorter than its authentication tag")
+        return self.pool.get(size) if self.pool is not None else alloc_buffer(size)
 
     def on_plaintext(self, kind: int, plain: bytearray | memoryview, *, owned: bool = False) -> list[Event]:
         """Process one authenticated record's plaintext. *owned*: *plain* lies where :meth:`destination`
-        or :meth:`body_target` said (it already is the message's memory), so it is not copied."""
+        said (it already is the message's memory), so it is not copied."""
         if self.closed:
             raise RemoteProtocolError("record after CLOSE")
         if kind == tf.MSG_START:
             if self._msg is not None:
                 raise RemoteProtocolError("MSG_START inside a message")
             total = tf.decode_start(plain, limits=self.limits)
-            n = total + overhead(self.opener.cipher)
-            self._msg = self.pool.get(n) if self.pool is not None else alloc_buffer(n)
+            self._msg = self.pool.get(total) if self.pool is not None else alloc_buffer(total)
             self._total = total
             first = len(plain) - tf.START_PREFIX
             self._msg[:first] = plain[tf.START_PREFIX :]

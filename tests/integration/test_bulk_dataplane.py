@@ -4,6 +4,7 @@ tickets and the test-only plaintext flag. Many nodes in one trio.run; every test
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -224,3 +225,50 @@ def test_large_messages_survive_buffer_reuse() -> None:
             assert chb._reader.pool is not None and chb._reader.pool.reused > 0
 
     run(body)
+
+
+def _channel_threads(*chs: object) -> list[threading.Thread]:
+    return [t for ch in chs for t in [*ch._threads, ch._sealer] if t is not None]  # type: ignore[attr-defined]
+
+
+def test_channel_threads_end_with_the_channel() -> None:
+    """All three threads of a channel (sealer, writer, reader) exit after a clean close, and after the
+    peer vanishes in the middle of a large message (the sealer may be waiting for a free record buffer)."""
+    threads: list[threading.Thread] = []
+
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb, tc = net.add_host(), net.add_host(), net.add_host()
+        small = {"chunk_size": 64 * 1024}
+        async with open_data_plane(ta, **small) as da, open_data_plane(tb, **small) as db:
+            ch = await da.connect(tb.peer_id)
+            chb = await db.incoming.receive()
+            x = torch.randn(1 << 20)  # 4 MiB = 64 records, far more than the sealer's ring
+            async with trio.open_nursery() as n:
+                n.start_soon(ch.send, TensorMessage(job="j", kind="act", tensors=(x,)))
+                got = await chb.receive()
+            assert torch.equal(got.tensors[0], x)
+            threads.extend(_channel_threads(ch, chb))
+            await ch.aclose()
+            with pytest.raises(trio.EndOfChannel):
+                await chb.receive()
+            await chb.aclose()
+        async with open_data_plane(ta, **small) as da:
+            async with trio.open_nursery() as peer:
+                dc = await peer.start(lambda task_status: _serve(tc, task_status, **small))
+                ch = await da.connect(tc.peer_id)
+                chc = await dc.incoming.receive()
+                threads.extend(_channel_threads(ch, chc))
+                peer.cancel_scope.cancel()  # the peer's data plane goes away (its sockets close)
+
+            async def send_until_it_fails() -> None:
+                for i in range(50):  # nobody reads: a send fails once the loss is seen
+                    await ch.send(TensorMessage(job="j", kind="act", step=i, tensors=(x,)))
+
+            with pytest.raises(PeerUnavailable):
+                await send_until_it_fails()
+
+    run(body)
+    assert len(threads) == 12
+    for t in threads:
+        t.join(timeout=5)
+        assert not t.is_alive(), t.name
