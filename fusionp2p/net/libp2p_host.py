@@ -10,19 +10,29 @@ Configured as LIBP2P_NOTES.md measured it must be:
 * py-libp2p's auto-connector is switched off (membership decides whom to dial).
 * ``unblock_peer`` before every dial (the swarm keeps a 60 s negative dial cache), and every call is
   wrapped in a deadline.
+* Per-RPC costs of py-libp2p cut (:func:`_install_fast_paths`): yamux window updates are batched to half
+  a window (go-yamux) instead of one per read, a peer's signed peer record is verified once rather than
+  on every pubsub RPC it rides on, and our own is not re-serialised for every RPC we send.
 * libp2p's logger is left alone here; the CLI routes it (STYLE.md 17).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import os
 import sys
+import time
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import libp2p.pubsub.gossipsub as _gossipsub_mod
+import libp2p.pubsub.pubsub as _pubsub_mod
+import libp2p.stream_muxer.yamux.yamux as _yamux_mod
 import multiaddr
 import trio
 from libp2p import new_host
@@ -149,6 +159,15 @@ class _GossipSub(GossipSub):
     def __init__(self, state_topics: tuple[str, ...], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._state_topics = frozenset(state_topics)
+        self.stats: collections.Counter[str] = collections.Counter()   # control messages received, by kind
+
+    async def handle_rpc(self, rpc: Any, sender_peer_id: ID) -> None:
+        if rpc.HasField("control"):
+            c = rpc.control
+            for kind in ("ihave", "iwant", "graft", "prune"):
+                if n := len(getattr(c, kind)):
+                    self.stats[kind] += n
+        await super().handle_rpc(rpc, sender_peer_id)
 
     async def send_recent_messages(self, peer_id: ID, topic: str) -> None:
         if topic not in self._state_topics:
@@ -177,10 +196,72 @@ class _GossipSub(GossipSub):
         return peers
 
 
+_SPR_SEND_TTL = 10.0     # seconds our serialised signed peer record is reused for outgoing RPCs
+_SPR_RECHECK = 600.0     # seconds after which a peer's unchanged record is verified (and its TTL refreshed) again
+_SPR_MAX_PEERS = 4096
+_fast_paths_installed = False
+
+
+def _install_fast_paths() -> None:
+    """Cut three per-RPC costs of py-libp2p 0.8.1 (each 10-15% of a node's CPU at 20 processes, py-spy).
+
+    * yamux: with ``PY_YAMUX_RELEASE_ON_READ`` at its default, every read sends a WINDOW_UPDATE frame (one
+      more Noise-encrypted write and syscall); off, credit is returned in batches of half the window, as
+      go-yamux does. A reader that consumes everything always returns credit before the sender can stall,
+      so this cannot deadlock. An explicit ``PY_YAMUX_RELEASE_ON_READ`` in the environment is respected.
+    * pubsub: every RPC carries the sender's signed peer record and the receiver verifies it (Ed25519) and
+      rewrites the peer's addresses each time. Bytes identical to the record already accepted from that
+      peer are skipped (re-checked after ``_SPR_RECHECK`` s, which also refreshes their 2 h TTL); any
+      other record goes through py-libp2p's own check.
+    * pubsub: the sender rebuilds its listen addresses and re-serialises its record for every RPC; the
+      serialised record is reused for ``_SPR_SEND_TTL`` seconds.
+    """
+    global _fast_paths_installed
+    if _fast_paths_installed:
+        return
+    _fast_paths_installed = True
+    if "PY_YAMUX_RELEASE_ON_READ" not in os.environ:
+        setattr(_yamux_mod, "_yamux_release_on_read", lambda: False)  # noqa: B010
+    consume = getattr(_pubsub_mod, "maybe_consume_signed_record")  # noqa: B009 (not re-exported for mypy)
+    seen: weakref.WeakKeyDictionary[Any, dict[Any, tuple[bytes, float]]] = weakref.WeakKeyDictionary()
+
+    def consume_once(msg: Any, host: Any, peer_id: Any) -> bool:
+        if not msg.HasField("senderRecord"):
+            return True
+        raw, now = msg.senderRecord, time.monotonic()
+        known = seen.setdefault(host, {})
+        hit = known.get(peer_id)
+        if hit is not None and hit[0] == raw and now - hit[1] < _SPR_RECHECK:
+            return True
+        ok: bool = consume(msg, host, peer_id)
+        if ok:
+            if len(known) >= _SPR_MAX_PEERS:
+                known.clear()
+            known[peer_id] = (raw, now)
+        return ok
+
+    make_env = getattr(_pubsub_mod, "env_to_send_in_RPC")  # noqa: B009
+    mine: weakref.WeakKeyDictionary[Any, tuple[float, bytes]] = weakref.WeakKeyDictionary()
+
+    def cached_env(host: Any) -> tuple[bytes, bool]:
+        now = time.monotonic()
+        hit = mine.get(host)
+        if hit is not None and now - hit[0] < _SPR_SEND_TTL:
+            return hit[1], False
+        env, fresh = make_env(host)
+        mine[host] = (now, env)
+        return env, fresh
+
+    for mod in (_pubsub_mod, _gossipsub_mod):
+        setattr(mod, "maybe_consume_signed_record", consume_once)  # noqa: B010 (names imported into each module)
+        setattr(mod, "env_to_send_in_RPC", cached_env)  # noqa: B010
+
+
 class Libp2pTransport:
     """A running libp2p host with DHT and gossip; create with :func:`open_libp2p_transport`."""
 
     def __init__(self, identity: Identity, config: Libp2pConfig) -> None:
+        _install_fast_paths()
         self._identity = identity
         self._config = config
         kp = identity.key_pair
@@ -213,12 +294,26 @@ class Libp2pTransport:
         # the oversized mesh again: measured 5-11 GRAFT/s per node at 20 processes, with GRAFT-flood penalties.
         self.router.scorer = None
         self.pubsub = Pubsub(self.host, self.router, max_inbound_rpc_size=4 * config.max_gossip_bytes)
+        push, stats, pubsub = self.pubsub.push_msg, self.router.stats, self.pubsub
+
+        async def counting_push(msg_forwarder: ID, msg: Any) -> None:
+            stats["dup" if pubsub._is_msg_seen(msg) else "msg"] += 1
+            await push(msg_forwarder, msg)
+
+        self.pubsub.push_msg = counting_push  # type: ignore[method-assign]
         self._nursery: trio.Nursery | None = None
         self._subs: dict[str, list[trio.MemorySendChannel[GossipMessage]]] = {}
         self.dropped_gossip = 0
 
     def _network(self) -> Any:
         return self.host.get_network()
+
+    async def _log_stats(self, every: float = 5.0) -> None:
+        """Debug log of the gossip received (messages, duplicate copies, control messages by kind)."""
+        while True:
+            await trio.sleep(every)
+            log.debug("gossip received: %s; mesh %s", dict(self.router.stats),
+                      {t[:20]: len(p) for t, p in self.router.mesh.items()})
 
     # -- identity ---------------------------------------------------------------------------------
     @property
@@ -398,6 +493,8 @@ async def open_libp2p_transport(identity: Identity, config: Libp2pConfig | None 
             async with background_trio_service(t.dht), background_trio_service(t.pubsub), background_trio_service(t.router):
                 with trio.fail_after(config.dial_timeout):
                     await t.pubsub.wait_until_ready()
+                if log.isEnabledFor(logging.DEBUG):
+                    nursery.start_soon(t._log_stats)
                 try:
                     yield t
                 except BaseException as exc:

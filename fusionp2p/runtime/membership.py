@@ -13,10 +13,25 @@ estimate ``min(uplink[a], downlink[b])`` from the nodes' own capacity estimates.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from enum import Enum
 
 from fusionp2p.wire.records import BandwidthReport, Measurement, NodeRecord
+
+
+def prober_of(a: str, b: str) -> str:
+    """The one of *a* and *b* that probes their link (every node computes the same answer).
+
+    Each unordered pair is probed from one side only: the measurement covers the pair (the bandwidth
+    table treats it as the link's figure in both directions, and the probed side times the same transfer
+    for its downlink figure), and halves the probes. A hash of the pair picks the side, so that every
+    node probes about half of its peers (the smaller peer id would leave one node all the work).
+    """
+    if a == b:
+        raise ValueError("a pair needs two peers")
+    lo, hi = (a, b) if a < b else (b, a)
+    return lo if hashlib.blake2b(f"{lo}/{hi}".encode(), digest_size=1).digest()[0] & 1 else hi
 
 
 class Change(Enum):

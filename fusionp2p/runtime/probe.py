@@ -1,12 +1,22 @@
 """Bandwidth and RTT probes between two peers over a Transport stream (protocol PROBE).
 
-Client: three ping/pong round trips (RTT = the minimum), then asks for a bulk transfer of *n* bytes;
-the server answers ``go`` (or ``busy`` while it is measuring another peer: concurrent transfers would
-share its link and each would under-measure), the client sends, and the server acknowledges once all
-arrived; throughput = n / (elapsed - rtt). The server bounds *n*. It also times the second half of
-the bytes it receives (from the ``mark`` the client names, n/2, to the last byte), which gives the
-node a downlink figure; timing only the second half leaves out what a token bucket lets through at
-line rate at the start (its burst) and TCP's slow start.
+A probe is a *session* on one stream: the client opens it and times three ping/pong round trips (RTT =
+the minimum), then runs one or more bulk transfers: it announces *n* bytes and a *mark* (n/4), the
+server answers ``go`` (or ``busy`` while it is measuring another peer: concurrent transfers would share
+its link and each would under-measure; the session stays open for a later try), the client sends, and
+the server acknowledges once all arrived with its own timing. That receiver-side figure is the
+measurement, on both sides. The server times the transfer twice, from the first read after the mark
+(what a token bucket lets through at line rate at the start, its burst, and TCP's slow start are left
+out) and from its first read (nothing depends on one late read there), and reports the smaller rate:
+a late read at the start of a window can only make its rate look higher (bytes that arrived before it
+are counted in it), so the two readings err high in different cases and the smaller one is sound.
+
+A transfer counts as a measurement only when its timed part lasted at least ``MEASURE_SECONDS`` or it
+moved ``MEASURE_BYTES`` (on links that fast a burst is a small part of it, and a probe stays cheap).
+A shorter one is a *pilot*: the client follows it at once with a transfer sized from the pilot's rate
+to last about ``TARGET_SECONDS`` (at most ``MAX_TRANSFERS`` in all). A pilot's figure is never reported
+as measured; the server applies the same rule before it takes an inbound rate as its downlink figure.
+The server stays reserved for the client from its first transfer to the end of the stream.
 All frames use the project's framing (wire/framing.py); control frames are small msgpack maps.
 """
 
@@ -26,6 +36,10 @@ from fusionp2p.wire.protocols import PROBE
 log = logging.getLogger(__name__)
 
 MAX_PROBE_BYTES = 64 * 1024 * 1024
+MEASURE_SECONDS = 0.1          # a transfer whose timed part (after the mark) lasted this long is a measurement,
+MEASURE_BYTES = 1024 * 1024     # and so is one of this many bytes (fast links; also the size cap of a probe)
+TARGET_SECONDS = 0.25           # a transfer sized from a known rate lasts about this long
+MAX_TRANSFERS = 3               # per probe: a pilot, its sized follow-up, one more if that fell short
 _CHUNK = 256 * 1024
 _CTRL = 4096
 
@@ -34,9 +48,29 @@ _CTRL = 4096
 class ProbeResult:
     peer: str
     rtt: float          # seconds
-    bandwidth: float    # bytes / s
-    nbytes: int
-    elapsed: float
+    bandwidth: float    # bytes / s: the receiver's timing of the last transfer
+    nbytes: int         # bytes of the last transfer
+    elapsed: float      # seconds all transfers took together (what the duty cycle counts)
+    measured: bool = True   # False: no transfer was long enough (bandwidth is a pilot's estimate only)
+    sent: int = 0       # bytes of all transfers together
+    transfers: int = 1
+
+
+def mark_of(nbytes: int) -> int:
+    """The byte after which the receiver starts its clock: the first quarter is burst and slow start."""
+    return max(1, nbytes // 4)
+
+
+def conclusive(nbytes: int, timed: float) -> bool:
+    """Whether a transfer of *nbytes* whose part after the mark took *timed* seconds is a measurement."""
+    return timed >= MEASURE_SECONDS or nbytes >= MEASURE_BYTES
+
+
+def probe_size(rate: float | None, *, lo: int, hi: int = MEASURE_BYTES, target: float = TARGET_SECONDS) -> int:
+    """Bytes for a transfer at *rate* (bytes/s) to last about *target* seconds, within [lo, hi] (hi for an unknown rate)."""
+    if rate is None or not rate > 0 or rate == float("inf"):
+        return max(lo, hi)
+    return max(min(lo, hi), min(hi, int(rate * target)))
 
 
 class _Framed:
@@ -54,25 +88,31 @@ class _Framed:
             self.frames.extend(self.dec.feed(data))
         return self.frames.pop(0)
 
-    async def recv_payload(self, n: int, mark: int) -> tuple[int, float | None, int]:
-        """Receive *n* payload bytes in frames; (bytes, seconds from the *mark*-th raw byte to the last, raw bytes after it)."""
+    async def recv_payload(self, n: int, mark: int) -> tuple[int, float, float | None]:
+        """Receive *n* payload bytes in frames: (bytes, seconds timed after the *mark*-th raw byte, rate).
+
+        The rate is the smaller of the one timed after the mark and the one timed after the first read
+        (the bytes a read returns arrived before it, so each window starts after its first read)."""
         got = sum(len(fr) for fr in self.frames)
         self.frames.clear()
         raw = 0
-        t_mark: float | None = None
-        raw_at_mark = 0
+        t_first = t_mark = 0.0
+        raw_first = raw_mark = -1
         while got < n:
             data = await self.s.receive_some()
             if not data:
                 self.dec.check_eof()
                 raise PeerUnavailable(self.s.remote_peer, "probe stream closed")
             raw += len(data)
-            if t_mark is None and raw >= mark:
-                t_mark, raw_at_mark = trio.current_time(), raw
+            if raw_first < 0:
+                t_first, raw_first = trio.current_time(), raw
+            if raw_mark < 0 and raw >= mark:
+                t_mark, raw_mark = trio.current_time(), raw
             got += sum(len(fr) for fr in self.dec.feed(data))
-        if t_mark is None:
-            return got, None, 0
-        return got, trio.current_time() - t_mark, raw - raw_at_mark
+        t_end = trio.current_time()
+        rates = [(raw - r0) / max(t_end - t0, 1e-6) for t0, r0 in ((t_mark, raw_mark), (t_first, raw_first))
+                 if r0 >= 0 and raw > r0]
+        return got, (t_end - t_mark if raw_mark >= 0 else 0.0), min(rates, default=None)
 
     async def recv_ctrl(self) -> dict[str, object]:
         return expect_map(unpackb(await self.recv(), max_size=_CTRL), "probe")
@@ -126,6 +166,7 @@ async def serve_probe(stream: Stream, server: ProbeServer | None = None) -> None
 
 async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
     f = _Framed(stream, _CHUNK)
+    holding = False   # we reserved the server for this client (its first transfer), until the stream ends
     try:
         while True:
             try:
@@ -141,93 +182,140 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
                 n = field(m, "n", int, "probe")
                 if not 0 < n <= MAX_PROBE_BYTES:
                     raise RemoteProtocolError(f"probe of {n} bytes refused")
-                if server is not None and server._busy:
+                if server is not None and server._busy and not holding:
                     with trio.fail_after(SERVER_IDLE):
                         await f.send_ctrl({"op": "busy"})
                     continue
-                if server is not None:
-                    server._busy = True
+                if server is not None and not holding:
+                    server._busy = holding = True
                 mark = m.get("mark", n)
                 mark = mark if isinstance(mark, int) and 0 < mark < n else n
-                try:
-                    with trio.fail_after(SERVER_BULK):
-                        await f.send_ctrl({"op": "go"})
-                        got, dt, db = await f.recv_payload(n, mark)
-                        if got != n:
-                            raise RemoteProtocolError("probe payload overran its announced size")
-                        await f.send_ctrl({"op": "ack", "n": got})
-                    if server is not None and dt is not None and dt > 0 and db > 0:
-                        server.record_inbound(stream.remote_peer, db / dt)
-                finally:
-                    if server is not None:
-                        server._busy = False
+                with trio.fail_after(SERVER_BULK):
+                    await f.send_ctrl({"op": "go"})
+                    got, timed, rate = await f.recv_payload(n, mark)
+                    if got != n:
+                        raise RemoteProtocolError("probe payload overran its announced size")
+                    await f.send_ctrl({"op": "ack", "n": got, "timed": timed, "rate": rate or 0.0})
+                # the same figure and the same rule as the client's: a pilot's rate is not a downlink figure
+                if server is not None and rate is not None and conclusive(n, timed):
+                    server.record_inbound(stream.remote_peer, rate)
             else:
                 raise RemoteProtocolError(f"unknown probe op {op!r}")
     except RemoteProtocolError:
         return
+    finally:
+        if server is not None and holding:
+            server._busy = False
+
+
+class ProbeSession:
+    """A client's open PROBE stream with its RTT; :meth:`measure` runs the bulk transfers."""
+
+    def __init__(self, stream: Stream, peer: str, rtt: float) -> None:
+        self.stream = stream
+        self.peer = peer
+        self.rtt = rtt
+        self._f = _Framed(stream, _CTRL)
+
+    async def measure(self, nbytes: int, *, max_bytes: int = MEASURE_BYTES) -> ProbeResult:
+        """Transfers until one is a measurement (see the module docstring); ProbeBusy before the first one
+        if the server is measuring someone else (the session stays usable), PeerUnavailable on failure.
+        No deadline of its own: the caller bounds it."""
+        if not 0 < nbytes <= MAX_PROBE_BYTES or not 0 < max_bytes <= MAX_PROBE_BYTES:
+            raise ValueError(f"nbytes and max_bytes must be in (0, {MAX_PROBE_BYTES}]")
+        f, stream = self._f, self.stream
+        size = min(nbytes, max_bytes)
+        sent = transfers = 0
+        bulk_time = rate = 0.0
+        measured = False
+        try:
+            while True:
+                await f.send_ctrl({"op": "bulk", "n": size, "mark": mark_of(size)})
+                answer = await f.recv_ctrl()
+                if answer.get("op") == "busy" and transfers == 0:
+                    raise ProbeBusy(self.peer)
+                if answer.get("op") != "go":
+                    raise RemoteProtocolError(f"unexpected probe answer {answer.get('op')!r}")
+                chunk = b"\x5a" * min(_CHUNK, size)
+                t0 = trio.current_time()
+                done = 0
+                while done < size:
+                    part = chunk[: size - done]
+                    await stream.send_all(encode_frame(part, max_frame=_CHUNK))
+                    done += len(part)
+                ack = await f.recv_ctrl()
+                elapsed = trio.current_time() - t0   # = n / bandwidth + one round trip (first byte out, ack back)
+                if ack.get("n") != size:
+                    raise RemoteProtocolError("probe ack does not match")
+                timed, got_rate = ack.get("timed"), ack.get("rate")
+                timed = float(timed) if isinstance(timed, (int, float)) and timed > 0 else 0.0
+                # the receiver's figure; the sender's whole transfer only where it has none (no time passed)
+                rate = (float(got_rate) if isinstance(got_rate, (int, float)) and got_rate > 0
+                        else size / max(elapsed - self.rtt, 1e-6))
+                sent += size
+                transfers += 1
+                bulk_time += elapsed
+                measured = conclusive(size, timed)
+                if measured or transfers >= MAX_TRANSFERS or size >= max_bytes:
+                    break
+                size = min(max_bytes, max(2 * size, probe_size(rate, lo=size, hi=max_bytes)))
+        except RemoteProtocolError as exc:
+            raise PeerUnavailable(self.peer, f"probe failed: {exc}") from None
+        return ProbeResult(peer=self.peer, rtt=self.rtt, bandwidth=rate, nbytes=size, elapsed=bulk_time,
+                           measured=measured, sent=sent, transfers=transfers)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def open_probe(transport: Transport, peer: str, *, pings: int = 3, phase: list[str] | None = None) -> ProbeSession:
+    """Open a PROBE stream to *peer* and time *pings* round trips; PeerUnavailable on failure.
+    No deadline of its own: the caller bounds it (the server gives up on a silent stream after SERVER_IDLE).
+    *phase*, if given, is set to ``["ping"]`` once the stream is open (for the caller's error message)."""
+    t_open = trio.current_time()
+    stream = await transport.open_stream(peer, PROBE)
+    log.debug("probe %s: stream open in %.0f ms", peer[:16], 1e3 * (trio.current_time() - t_open))
+    if phase is not None:
+        phase[:] = ["ping"]
+    f = _Framed(stream, _CTRL)
+    try:
+        rtts = []
+        for i in range(pings):
+            t0 = trio.current_time()
+            await f.send_ctrl({"op": "ping", "i": i})
+            await f.recv_ctrl()
+            rtts.append(trio.current_time() - t0)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+        raise
+    return ProbeSession(stream, peer, min(rtts) if rtts else 0.0)
 
 
 async def probe(transport: Transport, peer: str, *, nbytes: int, pings: int = 3, timeout: float = 20.0,
-                ctrl_timeout: float | None = None) -> ProbeResult:
-    """Measure RTT and throughput to *peer*; PeerUnavailable on failure or deadline.
+                ctrl_timeout: float | None = None, max_bytes: int = MEASURE_BYTES) -> ProbeResult:
+    """Measure RTT and throughput to *peer* (open a session, measure, close); PeerUnavailable on failure
+    or deadline, ProbeBusy if the server is measuring someone else.
 
+    The first transfer has *nbytes*; while a transfer is too short to be a measurement (a pilot), the
+    next one, sized from its rate, follows at once (at most ``MAX_TRANSFERS``, each at most *max_bytes*).
     *timeout* bounds the whole probe; *ctrl_timeout* (default: *timeout*) bounds the part before the
-    transfer (open, pings, the server's go/busy): a peer too loaded to answer a ping within it is
-    given up on quickly, rather than holding up the caller's other probes.
+    first transfer (open, pings): a peer too loaded to answer a ping within it is given up on quickly,
+    rather than holding up the caller's other probes.
     """
-    if not 0 < nbytes <= MAX_PROBE_BYTES:
-        raise ValueError(f"nbytes must be in (0, {MAX_PROBE_BYTES}]")
-    phase = "open"
+    if not 0 < nbytes <= MAX_PROBE_BYTES or not 0 < max_bytes <= MAX_PROBE_BYTES:
+        raise ValueError(f"nbytes and max_bytes must be in (0, {MAX_PROBE_BYTES}]")
+    phase = ["open"]
     try:
         with trio.fail_after(timeout):
-            ctrl_deadline = trio.current_time() + min(timeout, ctrl_timeout or timeout)
-            t_open = trio.current_time()
-            with trio.fail_at(ctrl_deadline):
-                stream = await transport.open_stream(peer, PROBE)
-            log.debug("probe %s: stream open in %.0f ms", peer[:16], 1e3 * (trio.current_time() - t_open))
-            f = _Framed(stream, _CTRL)
+            with trio.fail_after(min(timeout, ctrl_timeout or timeout)):
+                session = await open_probe(transport, peer, pings=pings, phase=phase)
+            phase = ["bulk"]
             try:
-                with trio.fail_at(ctrl_deadline):
-                    phase = "ping"
-                    rtts = []
-                    for i in range(pings):
-                        t0 = trio.current_time()
-                        await f.send_ctrl({"op": "ping", "i": i})
-                        await f.recv_ctrl()
-                        rtts.append(trio.current_time() - t0)
-                    rtt = min(rtts)
-                    phase = "go"
-                    await f.send_ctrl({"op": "bulk", "n": nbytes, "mark": nbytes // 2})
-                    answer = await f.recv_ctrl()
-                if answer.get("op") == "busy":
-                    raise ProbeBusy(peer)
-                if answer.get("op") != "go":
-                    raise RemoteProtocolError(f"unexpected probe answer {answer.get('op')!r}")
-                phase = "bulk"
-                chunk = b"\x5a" * min(_CHUNK, nbytes)
-                t0 = trio.current_time()
-                sent = 0
-                while sent < nbytes:
-                    part = chunk[: nbytes - sent]
-                    await stream.send_all(encode_frame(part, max_frame=_CHUNK))
-                    sent += len(part)
-                ack = await f.recv_ctrl()
-                elapsed = trio.current_time() - t0   # = n / bandwidth + one round trip (first byte out, ack back)
-                if ack.get("n") != nbytes:
-                    raise RemoteProtocolError("probe ack does not match")
+                return await session.measure(nbytes, max_bytes=max_bytes)
             finally:
-                await stream.aclose()
+                await session.aclose()
     except trio.TooSlowError:
-        raise PeerUnavailable(peer, f"probe timed out ({phase})") from None
+        raise PeerUnavailable(peer, f"probe timed out ({phase[0]})") from None
     except RemoteProtocolError as exc:
         raise PeerUnavailable(peer, f"probe failed: {exc}") from None
-    bw = nbytes / max(elapsed - rtt, 1e-6)
-    return ProbeResult(peer=peer, rtt=rtt, bandwidth=bw, nbytes=nbytes, elapsed=elapsed)
-
-
-def next_probe_size(current: int, elapsed: float, *, target: float = 0.3, lo: int = 256 * 1024, hi: int = 16 * 1024 * 1024) -> int:
-    """Size the next probe so that it lasts about *target* seconds (short probes overestimate through tbf bursts)."""
-    if elapsed <= 0:
-        return min(hi, current * 4)
-    want = int(current * target / elapsed)
-    return max(lo, min(hi, want, current * 8))

@@ -10,13 +10,15 @@ Tasks, all owned by :meth:`SwarmNode.run`'s nursery:
   identical to the one we hold is not verified again);
 * reaper: mark peers dead after ``dead_timeout`` (or ``dead_beats`` of their announced periods, if
   longer) without a heartbeat;
-* prober: measure RTT/throughput to peers: all of them while the swarm has at most ``probe_sample``
-  other members, otherwise at most ``probe_sample`` per round, never-measured peers first and then a
-  random sample; EMA-smoothed. Rounds are spaced so that bulk transfers take at most ``probe_duty``
-  of the time. The first measurement is published at once (an early heartbeat), so that the node's
-  capacity estimate, and with it an estimate for every pair it is part of, is known within seconds;
-* dialer: connect directly to every member we learn of, so gossip and probes do not depend on the
-  bootstrap; on joining, one VIEW round trip to the bootstrap tells us every live member at once.
+* prober: measure RTT/throughput to peers, each unordered pair from one side only (``prober_of``):
+  every never-measured peer of ours in one round (at most ``probe_first``), then refresh rounds of a
+  random sample of ``probe_sample``; a busy peer is tried again within the round; EMA-smoothed. A token
+  bucket keeps bulk transfers at ``probe_duty`` of the time (``probe_burst`` seconds at once; refresh
+  rounds wait for it). Our first figure, and the round that completes our share of the matrix, are
+  published at once (early heartbeats, at most one per half period);
+* dialer: connect directly to every member we learn of (again if the connection dropped), so gossip
+  and probes do not depend on the bootstrap; on joining, one VIEW round trip to the bootstrap tells us
+  every live member at once.
 
 A VIEW protocol serves the raw signed records we hold, so ``fusionp2p status`` can show the swarm
 after one round trip and verify every record itself.
@@ -37,8 +39,8 @@ from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import GossipMessage, Stream, Transport
 from fusionp2p.plan.profile import DeviceProfile
-from fusionp2p.runtime.membership import BandwidthTable, Change, MemberEvent, MembershipView, ema
-from fusionp2p.runtime.probe import ProbeBusy, ProbeResult, ProbeServer, next_probe_size, probe
+from fusionp2p.runtime.membership import BandwidthTable, Change, MemberEvent, MembershipView, ema, prober_of
+from fusionp2p.runtime.probe import ProbeBusy, ProbeResult, ProbeServer, ProbeSession, open_probe, probe_size
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.msg import expect_map, packb, unpackb
 from fusionp2p.wire.msg import field as wfield
@@ -68,9 +70,14 @@ class SwarmConfig:
     dead_beats: float = 5.0
     gossip_rate: float = 5.0           # swarm-wide heartbeat messages / s: period = max(heartbeat, members / rate)
     probe_interval: float = 10.0       # at least this long between probe rounds once every peer is measured
-    probe_sample: int = 8              # all peers while there are at most this many, else this many per round
-    probe_duty: float = 0.02           # bulk transfer time / wall time a node spends measuring, at most
-    probe_bytes: int = 256 * 1024      # first probe size; adapted so a probe lasts ~0.3 s
+    probe_first: int = 32              # never-measured peers probed in one round, at most
+    probe_sample: int = 8              # peers re-measured in one refresh round, at most
+    probe_duty: float = 0.02           # bulk transfer time / wall time a node spends measuring, at most ...
+    probe_burst: float = 4.0           # ... in the long run: a token bucket of this many seconds of transfer
+    probe_busy_retries: int = 3        # a peer busy measuring another is tried again this often within a round
+    probe_parallel: int = 4            # probe sessions opened (pings) at once; the transfers still go one at a time
+    probe_takeover: float = 30.0       # a pair its prober has not measured after this long is probed from here too
+    probe_bytes: int = 256 * 1024      # pilot of a first probe without an estimate; the others last ~0.25 s
     probe_timeout: float = 10.0
     probe_ctrl_timeout: float = 3.0    # open + pings + go/busy: a peer too loaded to answer is tried again later
     probe: bool = True
@@ -85,8 +92,10 @@ class SwarmConfig:
             raise ConfigError("dead_timeout must be larger than the heartbeat period")
         if self.dead_beats <= 1:
             raise ConfigError("dead_beats must be larger than 1")
-        if self.gossip_rate <= 0 or not 0 < self.probe_duty <= 1 or self.probe_sample < 1:
-            raise ConfigError("gossip_rate and probe_sample must be positive, probe_duty in (0, 1]")
+        if self.gossip_rate <= 0 or not 0 < self.probe_duty <= 1 or self.probe_sample < 1 or self.probe_first < 1:
+            raise ConfigError("gossip_rate, probe_sample and probe_first must be positive, probe_duty in (0, 1]")
+        if self.probe_burst < 0 or self.probe_busy_retries < 0 or self.probe_parallel < 1:
+            raise ConfigError("probe_burst and probe_busy_retries must not be negative, probe_parallel positive")
         if not 0 < self.ema_alpha <= 1:
             raise ConfigError("ema_alpha must be in (0, 1]")
 
@@ -105,6 +114,8 @@ class Counters:
     probes_ok: int = 0
     probes_failed: int = 0
     probes_busy: int = 0
+    probes_inconclusive: int = 0       # no transfer long enough to count (the figure only sizes the next probe)
+    early_beats: int = 0               # heartbeats sent early to publish newly measured pairs
     events: list[MemberEvent] = field(default_factory=list)
 
 
@@ -131,6 +142,12 @@ class SwarmNode:
         self._bw_dirty = False
         self._reported_down = 0.0
         self._announced = config.heartbeat
+        self._last_beat = -float("inf")
+        self._known_since: dict[str, float] = {}   # when each live member joined our view (for probe takeover)
+        self._next_refresh = 0.0                    # when the next refresh round (re-measuring peers) is due
+        self._credit = config.probe_burst           # duty-cycle bucket: seconds of bulk transfer we may spend
+        self._credit_t = 0.0
+        self._new_pairs = False                     # this round measured a pair for the first time
         self._dialed: set[str] = set()
         self._changed = trio.Event()
         self._probe_now = trio.Event()
@@ -150,14 +167,19 @@ class SwarmNode:
         joined = await self._join(bootstrap)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._listen, members)
-            for peer in joined:
-                nursery.start_soon(self._pull_view, peer)
-            nursery.start_soon(self._heartbeat_loop)
+            pulled = trio.Event()
+            nursery.start_soon(self._pull_views, joined, pulled)
             nursery.start_soon(self._reaper)
             nursery.start_soon(self._dialer)
             if self.config.probe and self.config.role == "node":
                 nursery.start_soon(self._probe_loop)
+            # Our first record announces our heartbeat period, which follows the swarm's size: with the view
+            # in hand it is the stretched one at once (otherwise the configured one, and an extra beat that
+            # every node of a forming swarm sends within a second). The pull is not waited for long.
+            with trio.move_on_after(self.config.heartbeat):
+                await pulled.wait()
             await self._publish_record()
+            nursery.start_soon(self._heartbeat_loop)
             task_status.started()
 
     async def leave(self) -> None:
@@ -214,6 +236,12 @@ class SwarmNode:
             delay *= 2
         raise PeerUnavailable(bootstrap[0].rsplit("/p2p/", 1)[-1], f"no bootstrap reachable after {self.config.join_attempts} attempts ({last})")
 
+    async def _pull_views(self, peers: list[str], done: trio.Event) -> None:
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                nursery.start_soon(self._pull_view, peer)
+        done.set()
+
     async def _pull_view(self, peer: str) -> None:
         """Take the live members' signed records from *peer* (a bootstrap) once, on joining.
 
@@ -243,6 +271,7 @@ class SwarmNode:
                           profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced)
 
     async def _publish_record(self, leaving: bool = False) -> None:
+        self._last_beat = trio.current_time()
         parts = [encode_signed(self._record(leaving), self.t.sign)]
         if not leaving and (bw := self._signed_report()) is not None:
             parts.append(bw)
@@ -253,6 +282,10 @@ class SwarmNode:
             # jitter below the announced period, so that heartbeats of nodes started together spread out
             with trio.move_on_after(self._announced * self._rng.uniform(0.8, 1.0)):
                 await self._beat_now.wait()
+                # an early beat (newly measured pairs): at most one per half period, and the next regular beat
+                # is a full period after it, so peers' timeouts hold and the gossip budget is barely touched
+                await trio.sleep_until(self._last_beat + self._announced / 2)
+                self.counters.early_beats += 1
             self._beat_now = trio.Event()
             if not self._leaving:
                 await self._publish_record()
@@ -298,8 +331,10 @@ class SwarmNode:
                 self._forget_bw(rec.peer)
             self._apply_events(events)
             # Only the larger peer id dials: simultaneous cross-dials leave py-libp2p with a half-dead
-            # duplicate connection on which new streams hang (seen with 8 hosts in one process).
-            if rec.peer < self.peer_id and not rec.leaving and rec.peer not in self._dialed and rec.addrs:
+            # duplicate connection on which new streams hang (seen with 8 hosts in one process). A member
+            # we are not connected to (never yet, or the connection dropped) is dialled at its heartbeat.
+            if (rec.peer < self.peer_id and not rec.leaving and rec.peer not in self._dialed and rec.addrs
+                    and rec.peer not in self.t.connected_peers()):
                 self._dialed.add(rec.peer)
                 self._spawn_dial(rec)
         elif isinstance(rec, BandwidthReport) and self.bandwidth.on_report(rec):
@@ -320,16 +355,17 @@ class SwarmNode:
 
     async def _dialer(self) -> None:
         async for rec in self._dial_recv:
-            if rec.peer in self.t.connected_peers() or not self.view.is_alive(rec.peer):
-                continue
-            for addr in rec.addrs:
-                try:
-                    await self.t.connect(f"{addr}/p2p/{rec.peer}")
-                    break
-                except (PeerUnavailable, ConfigError) as exc:
-                    log.debug("dial %s at %s: %s", rec.peer[:16], addr, exc)
-            else:
-                self._dialed.discard(rec.peer)
+            try:
+                if rec.peer in self.t.connected_peers() or not self.view.is_alive(rec.peer):
+                    continue
+                for addr in rec.addrs:
+                    try:
+                        await self.t.connect(f"{addr}/p2p/{rec.peer}")
+                        break
+                    except (PeerUnavailable, ConfigError) as exc:
+                        log.debug("dial %s at %s: %s", rec.peer[:16], addr, exc)
+            finally:
+                self._dialed.discard(rec.peer)   # _dialed = dials queued or under way
 
     def _apply_events(self, events: list[MemberEvent]) -> None:
         if not events:
@@ -338,7 +374,9 @@ class SwarmNode:
             if ev.change in (Change.DEAD, Change.LEFT):
                 self._dialed.discard(ev.peer)
                 self._links.pop(ev.peer, None)
+                self._known_since.pop(ev.peer, None)
             if ev.change in (Change.JOINED, Change.REVIVED):
+                self._known_since[ev.peer] = trio.current_time()
                 self._probe_now.set()
             if ev.change is not Change.UPDATED:
                 log.info("member %s %s", ev.peer[:16], ev.change.value)
@@ -355,56 +393,157 @@ class SwarmNode:
     def _measured(self, peer: str) -> bool:
         return peer in self._links and self._links[peer].samples > 0
 
+    def _ours(self, peer: str, now: float) -> bool:
+        """Whether we probe *peer*: the pair is ours (``prober_of``), or its prober has left it unmeasured
+        for ``probe_takeover`` seconds (a peer that does not probe, or cannot reach us)."""
+        if prober_of(self.peer_id, peer) == self.peer_id:
+            return True
+        since = self._known_since.get(peer)
+        return (since is not None and now - since > self.config.probe_takeover
+                and self.bandwidth.direct(self.peer_id, peer) is None)
+
     def _probe_targets(self) -> list[str]:
-        """This round's peers, at most ``probe_sample``: never-measured ones while there are any (their first
-        probe is small), otherwise a random sample of the others (all of them while the swarm is small)."""
+        """This round's peers: every never-measured one of ours (at most ``probe_first``; their first probe
+        starts with a small pilot), otherwise, once ``probe_interval`` has passed since the last refresh,
+        a random sample of ``probe_sample`` of ours."""
         connected = set(self.t.connected_peers())
-        peers = [p for p in self.members() if p != self.peer_id and p in connected]
+        now = trio.current_time()
+        peers = [p for p in self.members() if p != self.peer_id and p in connected and self._ours(p, now)]
         self._rng.shuffle(peers)   # every node walking the same sorted list would pile onto one target
         never = [p for p in peers if not self._measured(p)]
-        return (never or peers)[: self.config.probe_sample]
+        if never:
+            return never[: self.config.probe_first]
+        if now < self._next_refresh or self._refill() < 0:
+            return []
+        self._next_refresh = now + self.config.probe_interval
+        return peers[: self.config.probe_sample]
+
+    def _pending(self) -> bool:
+        """Some peer of ours is not measured yet (not connected yet, busy, or its probe failed)."""
+        now = trio.current_time()
+        return any(not self._measured(p) and self._ours(p, now) for p in self.members() if p != self.peer_id)
+
+    async def _probe_round(self) -> float:
+        """Probe this round's peers; the seconds of bulk transfer spent.
+
+        Up to ``probe_parallel`` sessions open and ping at once (a peer too loaded to answer then holds up
+        only its own slot, for ``probe_ctrl_timeout``), but the transfers go one at a time, so that they
+        never share our link. A busy peer is tried again within the round, its session kept open."""
+        spent = [0.0]
+        bulk = trio.Lock()
+        slots = trio.CapacityLimiter(self.config.probe_parallel)
+        async with trio.open_nursery() as nursery:
+            for peer in self._probe_targets():
+                nursery.start_soon(self._probe_one, peer, bulk, slots, spent)
+        return spent[0]
+
+    def _refill(self) -> float:
+        """The duty-cycle bucket (seconds of bulk transfer we may spend), refilled up to now."""
+        now = trio.current_time()
+        self._credit = min(self.config.probe_burst, self._credit + self.config.probe_duty * (now - self._credit_t))
+        self._credit_t = now
+        return self._credit
 
     async def _probe_loop(self) -> None:
+        self._credit, self._credit_t = self.config.probe_burst, trio.current_time()
         while True:
-            spent = 0.0
-            for peer in self._probe_targets():
-                spent += await self._probe_one(peer)
-            connected = set(self.t.connected_peers())
-            pending = any(p != self.peer_id and (p not in connected or not self._measured(p)) for p in self.members())
-            # Members not yet connected (their dial is under way) or never measured (not reached yet, busy, or a
-            # failed probe) are tried again after one heartbeat, otherwise after probe_interval; either way our
-            # bulk transfers take at most probe_duty of the time (they load the peer's link and, on one machine,
-            # its CPU: py-libp2p streams cost ~3 CPU-s per GB on each side).
-            wait = max(self.config.heartbeat if pending else self.config.probe_interval, spent / self.config.probe_duty)
+            spent = await self._probe_round()
+            if self._new_pairs and not self._pending():
+                # our share of the matrix is complete: publish it now, not up to a period later (not after
+                # every round: each gossip message costs the swarm ~N x D RPCs, which a forming swarm feels)
+                self._new_pairs = False
+                self._beat_now.set()
+            # Our bulk transfers take at most probe_duty of the time in the long run (they load the peer's link
+            # and, on one machine, its CPU: py-libp2p streams cost ~3 CPU-s per GB on each side): a token bucket
+            # refills at probe_duty seconds per second up to probe_burst, and every transfer draws from it. A
+            # refresh round waits until it is not overdrawn; the first measurement of a new peer does not (it
+            # is one probe per pair, at most MEASURE_BYTES and a pilot). Peers of ours not measured yet (a dial
+            # under way, a busy peer, a failed probe) are tried again after one heartbeat; a member joining or
+            # coming back starts a round at once.
+            self._refill()
+            self._credit -= spent
+            if self._pending():
+                wait = self.config.heartbeat
+            else:
+                wait = max(self.config.heartbeat, self._next_refresh - trio.current_time(), -self._credit / self.config.probe_duty)
             with trio.move_on_after(wait):
                 await self._probe_now.wait()
             self._probe_now = trio.Event()
 
-    async def _probe_one(self, peer: str) -> float:
-        """Probe *peer* once; the seconds its bulk transfer took (0 when no measurement was taken)."""
-        link = self._links.setdefault(peer, _Link(next_bytes=self.config.probe_bytes))
-        try:
-            res: ProbeResult = await probe(self.t, peer, nbytes=link.next_bytes, timeout=self.config.probe_timeout,
-                                           ctrl_timeout=self.config.probe_ctrl_timeout)
-        except ProbeBusy:
-            self.counters.probes_busy += 1   # retried at the next round, one heartbeat later
-            return 0.0
-        except PeerUnavailable as exc:
-            self.counters.probes_failed += 1
-            log.debug("probe %s failed: %s", peer[:16], exc)
-            return 0.0
+    async def _probe_one(self, peer: str, bulk: trio.Lock, slots: trio.CapacityLimiter, spent: list[float]) -> None:
+        """Probe *peer* once (within a round): add the seconds its transfers took to ``spent[0]``."""
+        async with slots:
+            if not self.view.is_alive(peer):
+                return
+            try:
+                with trio.fail_after(self.config.probe_ctrl_timeout):
+                    session = await open_probe(self.t, peer)
+            except (PeerUnavailable, trio.TooSlowError) as exc:
+                self.counters.probes_failed += 1
+                log.debug("probe %s failed: %s", peer[:16], str(exc) or "timed out (open/ping)")
+                return
+            try:
+                res = await self._measure(session, bulk, spent)
+            finally:
+                await session.aclose()
+        if res is not None:
+            self._apply_probe(peer, res)
+
+    def _new_link(self, peer: str) -> _Link:
+        """A never-measured link: its first transfer is sized from the pair's capacity estimate (our uplink,
+        its downlink) when there is one, else it is a small pilot. Too long an estimate only costs a longer
+        transfer (at most MEASURE_BYTES), too short a one a follow-up transfer."""
+        est = self.bandwidth.estimate(self.peer_id, peer)
+        size = probe_size(est.bandwidth, lo=self.config.probe_bytes) if est is not None else self.config.probe_bytes
+        return _Link(next_bytes=size)
+
+    async def _measure(self, session: ProbeSession, bulk: trio.Lock, spent: list[float]) -> ProbeResult | None:
+        peer = session.peer
+        link = self._links.get(peer) or self._links.setdefault(peer, self._new_link(peer))
+        for attempt in range(self.config.probe_busy_retries + 1):
+            if attempt:
+                # it is measuring someone else, which takes a few hundred ms: let our other peers go first
+                await trio.sleep(self._rng.uniform(0.1, 0.3))
+            async with bulk:
+                try:
+                    with trio.fail_after(self.config.probe_timeout):
+                        res = await session.measure(link.next_bytes)
+                except ProbeBusy:
+                    self.counters.probes_busy += 1
+                    log.debug("probe %s: busy", peer[:16])
+                    continue
+                except (PeerUnavailable, trio.TooSlowError) as exc:
+                    self.counters.probes_failed += 1
+                    log.debug("probe %s failed: %s", peer[:16], str(exc) or "timed out (bulk)")
+                    return None
+                spent[0] += res.elapsed
+                return res
+        return None   # still busy: the next round tries again, one heartbeat later
+
+    def _apply_probe(self, peer: str, res: ProbeResult) -> None:
+        if not self.view.is_alive(peer):
+            return   # it died or left while we measured it
+        link = self._links.get(peer) or self._links.setdefault(peer, self._new_link(peer))
+        log.debug("probe %s: %.1f MB/s, rtt %.1f ms, %d bytes in %d transfers, %.3f s%s", peer[:16], res.bandwidth / 1e6,
+                  res.rtt * 1e3, res.sent, res.transfers, res.elapsed, "" if res.measured else " (inconclusive)")
+        if not res.measured:   # a pilot's figure: it sizes the next probe, it is never reported
+            self.counters.probes_inconclusive += 1
+            link.next_bytes = probe_size(res.bandwidth, lo=self.config.probe_bytes)
+            return
         self.counters.probes_ok += 1
-        log.debug("probe %s: %.1f MB/s, rtt %.1f ms, %d bytes", peer[:16], res.bandwidth / 1e6, res.rtt * 1e3, res.nbytes)
-        first = not any(ln.samples for ln in self._links.values())
         a = self.config.ema_alpha
+        if link.samples == 0:
+            self._new_pairs = True
+            # fresh figures need no refresh for a while; our very first one goes out at once (with it, our
+            # capacity estimate: a figure for every pair we are part of), the rest once our share is complete
+            self._next_refresh = max(self._next_refresh, trio.current_time() + self.config.probe_interval)
+            if not any(ln.samples for ln in self._links.values()):
+                self._beat_now.set()
         link.bandwidth = ema(link.bandwidth, res.bandwidth, a)
         link.rtt = ema(link.rtt, res.rtt, a)
         link.samples += 1
-        link.next_bytes = next_probe_size(res.nbytes, res.elapsed)
+        link.next_bytes = probe_size(link.bandwidth, lo=self.config.probe_bytes)   # one transfer of ~0.25 s next time
         self._bw_dirty = True
-        if first:
-            self._beat_now.set()   # publish our first figures (and capacity estimate) now, not a period later
-        return res.elapsed
 
     def _signed_report(self) -> bytes | None:
         """Our latest BandwidthReport, signed; re-signed only when a measurement changed."""
@@ -419,14 +558,16 @@ class SwarmNode:
     def _report(self) -> BandwidthReport | None:
         ms = tuple(Measurement(src=self.peer_id, dst=p, bandwidth=ln.bandwidth or 0.0, rtt=ln.rtt or 0.0, samples=ln.samples)
                    for p, ln in sorted(self._links.items()) if ln.samples)
-        if not ms:
+        inbound = self._probe_server.best_inbound()
+        if not ms and not inbound:
             return None
         self._bw_seq += 1
         # Capacity estimates: uplink = the best rate we sent at; downlink = the best rate a peer's probe
-        # arrived at (our probe server times them), or the uplink while no peer has probed us yet.
-        up = max(m.bandwidth for m in ms)
-        self._reported_down = self._probe_server.best_inbound()
-        down = self._reported_down or up
+        # arrived at (our probe server times them); either one stands in for the other while it is unknown
+        # (each pair is probed from one side, so a node may have only one of them).
+        self._reported_down = inbound
+        up = max((m.bandwidth for m in ms), default=inbound)
+        down = inbound or up
         return BandwidthReport(peer=self.peer_id, seq=self._bw_seq, uplink=up, downlink=down, measurements=ms)
 
     # -- VIEW protocol ----------------------------------------------------------------------------

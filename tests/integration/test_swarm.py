@@ -1,13 +1,15 @@
 """Many swarm nodes in one process: convergence on real libp2p, failure detection on the memory transport."""
 
+from dataclasses import replace
+
 import pytest
 import trio
 import trio.testing
 
-from fusionp2p.net.identity import verify
+from fusionp2p.net.identity import Identity, verify
 from fusionp2p.net.transport import GossipMessage
 from fusionp2p.runtime import swarm as swarm_mod
-from fusionp2p.runtime.membership import Change
+from fusionp2p.runtime.membership import Change, prober_of
 from fusionp2p.runtime.swarm import SwarmConfig, SwarmNode
 from fusionp2p.testing.memory import memory_network
 from fusionp2p.testing.swarm import TEST_PROFILE, converge, local_swarm
@@ -18,7 +20,7 @@ from fusionp2p.wire.records import BandwidthReport, encode_bundle
 def test_eight_libp2p_nodes_converge_on_members_and_bandwidth() -> None:
     async def main() -> None:
         with trio.fail_after(90):
-            async with local_swarm(8, config=SwarmConfig(probe_bytes=128 * 1024)) as (boot, nodes):
+            async with local_swarm(8, config=SwarmConfig(probe_bytes=128 * 1024, probe_takeover=1e6)) as (boot, nodes):
                 await converge(nodes, bandwidth=True, timeout=80)
                 ids = sorted(n.peer_id for n in nodes)
                 # every node holds the same member set and a complete, directly measured matrix
@@ -28,6 +30,10 @@ def test_eight_libp2p_nodes_converge_on_members_and_bandwidth() -> None:
                     assert all(e.measured and e.bandwidth > 0 for e in m.values())
                 assert boot.view.alive(role="node") == ids
                 assert all(n.counters.bad_records == 0 for n in nodes)
+                # each pair was probed from one side only, the one prober_of names
+                for n in nodes:
+                    mine = {p for p in ids if p != n.peer_id and prober_of(n.peer_id, p) == n.peer_id}
+                    assert {p for p, ln in n._links.items() if ln.samples} == mine
 
     trio.run(main)
 
@@ -118,11 +124,11 @@ def test_heartbeat_period_stretches_with_the_swarm_without_false_deaths() -> Non
 
 
 def test_large_swarm_probes_a_bounded_sample_and_publishes_its_first_figure_at_once() -> None:
-    """Beyond probe_sample peers a round probes at most probe_sample of them (never-measured first), every pair
-    still gets measured over the rounds, and a node's first figure goes out before its next regular heartbeat."""
+    """A round probes at most probe_first never-measured peers (then probe_sample in refresh rounds), every pair
+    still gets measured over the rounds, and a node's first figures go out before its next regular heartbeat."""
 
     async def main() -> None:
-        cfg = SwarmConfig(heartbeat=5.0, dead_timeout=30.0, probe_sample=2, probe_bytes=64 * 1024)
+        cfg = SwarmConfig(heartbeat=5.0, dead_timeout=30.0, probe_first=2, probe_sample=2, probe_bytes=64 * 1024)
         async with memory_network() as net:
             hosts = [net.add_host() for _ in range(7)]
             boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=5.0, dead_timeout=30.0), None)
@@ -137,11 +143,10 @@ def test_large_swarm_probes_a_bounded_sample_and_publishes_its_first_figure_at_o
                     rounds.append(len(out))
                     return out
 
-                async def timed(peer: str, n=n, one=one) -> float:  # type: ignore[no-untyped-def]
-                    spent = await one(peer)
+                async def timed(peer: str, *args, n=n, one=one) -> None:  # type: ignore[no-untyped-def]
+                    await one(peer, *args)
                     if n.counters.probes_ok and n.peer_id not in first_probe:
                         first_probe[n.peer_id] = trio.current_time()
-                    return spent
 
                 n._probe_targets = recording  # type: ignore[method-assign]
                 n._probe_one = timed  # type: ignore[method-assign]
@@ -160,11 +165,12 @@ def test_large_swarm_probes_a_bounded_sample_and_publishes_its_first_figure_at_o
                     await nursery.start(n.run, [hosts[0].listen_addrs()[0]])
                 for n in nodes:
                     await boot.wait_until(lambda n=n: n.peer_id in boot.bandwidth.reports, timeout=60)
-                for n in nodes:
+                assert first_probe   # a node none of whose pairs is its own reports only its downlink figure
+                for p, t in first_probe.items():
                     # the bootstrap holds the node's report less than one heartbeat after its first measurement
-                    assert report_at[n.peer_id] - first_probe[n.peer_id] < cfg.heartbeat
+                    assert report_at[p] - t < cfg.heartbeat
                 await converge(nodes, bandwidth=True, timeout=300)
-                assert rounds and max(rounds) <= cfg.probe_sample
+                assert rounds and max(rounds) <= max(cfg.probe_first, cfg.probe_sample)
                 ids = sorted(n.peer_id for n in nodes)
                 assert len(boot.bandwidth.matrix(ids)) == len(ids) * (len(ids) - 1)
                 up = [boot.bandwidth.reports[p] for p in ids]
@@ -196,3 +202,92 @@ def test_a_repeated_report_is_not_verified_again(monkeypatch: pytest.MonkeyPatch
                 assert a.counters.bad_records == b_seen
 
     trio.run(main)
+
+
+def test_a_pair_whose_prober_does_not_probe_is_taken_over_by_the_other_side() -> None:
+    """Each pair is probed from one side (prober_of); a node with probes off leaves its pairs to the other
+    side, which measures them once probe_takeover has passed, so the matrix still completes."""
+
+    async def main() -> None:
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probe_bytes=64 * 1024, probe_takeover=20.0)
+        async with memory_network() as net:
+            hosts = [net.add_host(Identity(bytes([i + 1]) * 32)) for i in range(5)]   # fixed ids: a fixed split
+            boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=5.0), None)
+            nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:4]]
+            lazy = SwarmNode(hosts[4], replace(cfg, probe=False), TEST_PROFILE)
+            ids = sorted(n.peer_id for n in [*nodes, lazy])
+            assert sum(prober_of(n.peer_id, lazy.peer_id) == lazy.peer_id for n in nodes) == 2   # left to take over
+            async with trio.open_nursery() as nursery:
+                await nursery.start(boot.run, [])
+                t0 = trio.current_time()
+                for n in [*nodes, lazy]:
+                    await nursery.start(n.run, [hosts[0].listen_addrs()[0]])
+                await converge([*nodes, lazy], bandwidth=True, timeout=120)
+                assert trio.current_time() - t0 >= cfg.probe_takeover       # not before the takeover
+                assert lazy.counters.probes_ok == 0
+                assert len(boot.bandwidth.matrix(ids)) == len(ids) * (len(ids) - 1)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_refresh_probes_keep_to_the_duty_cycle() -> None:
+    """On a shaped 20 Mbit/s link (mock clock) a probe lasts ~0.25 s; with refreshes due every second,
+    the bulk transfer time over 300 s stays within probe_duty of it plus the bucket's burst."""
+
+    async def main() -> None:
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probe_interval=1.0, probe_duty=0.02, probe_burst=1.0)
+        async with memory_network() as net:
+            hosts = [net.add_host() for _ in range(3)]
+            for h in hosts[1:]:
+                orig = h.open_stream
+
+                async def shaped(peer: str, protocol: str, orig=orig) -> object:  # type: ignore[no-untyped-def]
+                    return _Paced(await orig(peer, protocol), 20e6 / 8)
+
+                h.open_stream = shaped  # type: ignore[method-assign]
+            boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=5.0), None)
+            nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
+            spent: list[float] = []
+            for n in nodes:
+                apply = n._apply_probe
+
+                def counting(peer, res, apply=apply):  # type: ignore[no-untyped-def]
+                    spent.append(res.elapsed)
+                    apply(peer, res)
+
+                n._apply_probe = counting  # type: ignore[method-assign]
+            async with trio.open_nursery() as nursery:
+                await nursery.start(boot.run, [])
+                for n in nodes:
+                    await nursery.start(n.run, [hosts[0].listen_addrs()[0]])
+                await converge(nodes, bandwidth=True, timeout=30)
+                t0, first = trio.current_time(), sum(spent)
+                await trio.sleep(300)
+                refresh = sum(spent) - first
+                assert len(spent) >= 4                                   # refreshes did run
+                assert refresh <= cfg.probe_duty * (trio.current_time() - t0) + cfg.probe_burst + 0.5
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+class _Paced:
+    """A stream whose sends take len/rate seconds (a shaped link on the mock clock)."""
+
+    def __init__(self, s: object, rate: float) -> None:
+        self.s, self.rate = s, rate
+        self.remote_peer = s.remote_peer  # type: ignore[attr-defined]
+
+    async def send_all(self, data: bytes) -> None:
+        await trio.sleep(len(data) / self.rate)
+        await self.s.send_all(data)  # type: ignore[attr-defined]
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        return await self.s.receive_some(max_bytes)  # type: ignore[attr-defined,no-any-return]
+
+    async def send_eof(self) -> None:
+        await self.s.send_eof()  # type: ignore[attr-defined]
+
+    async def aclose(self) -> None:
+        await self.s.aclose()  # type: ignore[attr-defined]

@@ -362,6 +362,7 @@ def test_real_swarm_in_the_testbed(cleanup: list[str]) -> None:
             if complete:
                 break
         assert complete, status
+        checked = []
         for e in status["bandwidth"]:
             src, dst = by_peer.get(e["src"]), by_peer.get(e["dst"])
             if src is None or dst is None or not e["measured"]:
@@ -370,7 +371,11 @@ def test_real_swarm_in_the_testbed(cleanup: list[str]) -> None:
             assert dst.spec.down_bps is not None
             # The probe may be symmetric, so bound by the slower direction of the pair.
             cap = max(min(src.spec.up_bps, dst.spec.down_bps), min(dst.spec.up_bps or 0, src.spec.down_bps or 0))
-            assert 8 * e["bytes_per_s"] <= (1 + TOLERANCE) * cap, (src.name, dst.name, e)
+            checked.append((src.name, dst.name, 8 * e["bytes_per_s"], cap))
+        print("\n".join(f"{s}->{d}: measured {bps / MBIT:.1f} of {cap / MBIT:.0f} Mbit/s shaped ({bps / cap:.2f}x)"
+                        for s, d, bps, cap in sorted(checked)))
+        for s, d, bps, cap in checked:
+            assert bps <= (1 + TOLERANCE) * cap, (s, d, bps, cap)
 
 
 @pytest.mark.timeout(60)

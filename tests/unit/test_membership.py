@@ -3,7 +3,7 @@
 import pytest
 
 from fusionp2p.net.identity import Identity
-from fusionp2p.runtime.membership import BandwidthTable, Change, MembershipView, ema
+from fusionp2p.runtime.membership import BandwidthTable, Change, MembershipView, ema, prober_of
 from fusionp2p.wire.records import BandwidthReport, Measurement, NodeRecord
 
 P = [Identity(bytes([i + 1]) * 32).peer_id for i in range(3)]
@@ -79,3 +79,17 @@ def test_dead_timeout_follows_the_announced_heartbeat_period() -> None:
     assert [e.peer for e in v.tick(6.0)] == [P[2]]
     assert v.tick(14.9) == []
     assert [e.peer for e in v.tick(15.1)] == [P[1]]
+
+
+def test_each_pair_is_probed_from_one_side_and_the_work_is_shared() -> None:
+    ids = [Identity(bytes([i + 1]) * 32).peer_id for i in range(20)]   # fixed identities: a deterministic split
+    counts = dict.fromkeys(ids, 0)
+    for i, a in enumerate(ids):
+        for b in ids[i + 1 :]:
+            p = prober_of(a, b)
+            assert p in (a, b) and prober_of(b, a) == p   # both ends agree
+            counts[p] += 1
+    assert sum(counts.values()) == 20 * 19 // 2        # every pair once: half the probes of probing both ways
+    assert min(counts.values()) >= 5 and max(counts.values()) <= 14   # about half each, not "the smaller id probes"
+    with pytest.raises(ValueError):
+        prober_of(ids[0], ids[0])
