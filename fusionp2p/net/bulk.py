@@ -141,6 +141,12 @@ class BulkChannel:
     def remote_peer(self) -> str:
         return self._peer
 
+    @property
+    def closed_by_peer(self) -> bool:
+        """The peer closed the channel cleanly (CLOSE): sends now fail, but ``receive`` still returns what
+        the peer sent before closing, then ends with EndOfChannel."""
+        return self._peer_closed and self._error is None
+
     # ------------------------------------------------------------------------------------ public API
     async def send(self, msg: TensorMessage) -> None:
         """Send one message; blocks while the window is full, and until the message is sealed: its

@@ -448,6 +448,10 @@ class ResilientChannel:
         no-op unless *link* is the current one)."""
         if isinstance(exc, RemoteProtocolError):
             self._fail(exc)
+        elif isinstance(exc, PeerUnavailable) and getattr(link, "closed_by_peer", False) and self._link is link:
+            # the peer closed this link cleanly, and what it sent before (a goodbye, acks) may still wait in
+            # the link's inbox: the pump reads it and then ends the link, as a goodbye or as a lost link
+            pass
         elif isinstance(exc, PeerUnavailable):
             self._lose(link, exc)
         else:
@@ -479,6 +483,8 @@ class ResilientChannel:
                 await link.send(_control("ack", d=delivered))
             except _LINK_ERRORS as exc:
                 self._link_error(link, exc)
+                if self._link is link:  # closed cleanly by the peer: the pump ends this link once drained
+                    await trio.sleep_forever()
                 return
             self._ack_sent = max(self._ack_sent, delivered)
 
