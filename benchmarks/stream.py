@@ -74,6 +74,16 @@ async def child_raw() -> None:
     await trio.serve_listeners(handle, listeners)
 
 
+def _recv_exactly_blocking(conn: Any, view: memoryview) -> None:
+    """Fill *view* from a blocking socket."""
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("benchmark sender went away")
+        got += n
+
+
 def child_raw_blocking() -> None:
     """The raw ceiling with blocking sockets (what the channel's threads use): no event loop at all."""
     import socket
@@ -85,9 +95,7 @@ def child_raw_blocking() -> None:
         conn, _ = ls.accept()
         with conn:
             hdr = bytearray(8)
-            got = 0
-            while got < 8:
-                got += conn.recv_into(memoryview(hdr)[got:])
+            _recv_exactly_blocking(conn, memoryview(hdr))
             total, = struct.unpack(">Q", hdr)
             cpu0 = time.process_time()
             got = 0
@@ -120,9 +128,7 @@ def child_bare(key_hex: str, cipher: str) -> None:
         conn, _ = ls.accept()
         with conn:
             hdr = bytearray(16)
-            got = 0
-            while got < 16:
-                got += conn.recv_into(memoryview(hdr)[got:])
+            _recv_exactly_blocking(conn, memoryview(hdr))
             total, size = struct.unpack(">QQ", hdr)
             msg = memoryview(bytearray(size))
             cpu0 = time.process_time()
@@ -130,12 +136,7 @@ def child_bare(key_hex: str, cipher: str) -> None:
             for _ in range(total // size):
                 for off in range(0, size, BARE_RECORD):
                     body = scratch[: min(BARE_RECORD, size - off) + 16]
-                    got = 0
-                    while got < len(body):
-                        n = conn.recv_into(body[got:])
-                        if n == 0:
-                            raise ConnectionError("bare sender went away")
-                        got += n
+                    _recv_exactly_blocking(conn, body)
                     aead.decrypt_into(struct.pack(">4xQ", counter), body, b"", msg[off : off + len(body) - 16])
                     counter += 1
             conn.sendall(struct.pack(">d", time.process_time() - cpu0))
