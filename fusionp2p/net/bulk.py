@@ -246,7 +246,8 @@ class BulkChannel:
 
     def _wake_waiters(self) -> None:
         """(trio thread) The channel is ending: receivers see the end of the inbox, and sends waiting for
-        window credit or for the writer return (and re-check the channel's state)."""
+        window credit return (and re-check the channel's state). Sends waiting for the writer are released
+        by the writer itself, once it no longer reads their tensors (``_writer_main``, ``_writer_exit``)."""
         self._inbox_send.close()
         self._credit.set()
 
@@ -285,8 +286,8 @@ class BulkChannel:
             self._token.run_sync_soon(fn, *args)
 
     def _shutdown(self) -> None:
-        """Wake the threads (a blocked recv/send returns, the queues yield their end markers);
-        the last I/O thread out closes the socket."""
+        """Wake both threads (a blocked recv/send returns, the writer's queue yields its end marker);
+        the last thread out closes the socket."""
         self._put(None)
         with suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
