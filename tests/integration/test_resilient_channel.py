@@ -464,3 +464,55 @@ def test_new_session_under_the_same_name_replaces_the_old_one() -> None:
             n.cancel_scope.cancel()
 
     run(body)
+
+
+def test_goodbye_behind_a_clean_link_close_ends_the_session() -> None:
+    """B sends a last message and closes. A's acker acks it after B's link CLOSE arrived but before A's
+    pump has read B's goodbye (forced here by holding the pump): the failed ack must not give the link
+    up (which would drop the unread goodbye and wait reconnect_timeout for a peer that said goodbye);
+    A's receive ends with EndOfChannel once the pump reads on."""
+    cfg = ResilientConfig(window=4, reconnect_timeout=20.0)
+
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        async with open_resilient_acceptor(config=cfg) as acc, open_data_plane(ta, chunk_size=CHUNK) as da, \
+                trio.open_nursery() as n:
+            await n.start(_plane, tb, acc, trio.CancelScope())
+            async with open_resilient_channel(da, tb.peer_id, name="x", config=cfg) as a:
+                b = await acc.incoming.receive()
+                link = a._link
+                assert link is not None
+                gate, closed, ack_failed = trio.Event(), trio.Event(), trio.Event()
+                receive, on_event, send = link.receive, link._on_event, link.send
+
+                async def held_receive() -> TensorMessage:
+                    msg = await receive()
+                    if msg.kind != "act":  # the message after B's last one (its goodbye) waits for the gate
+                        await gate.wait()
+                    return msg
+
+                def watching_on_event(kind: int, message: Any, count: int) -> None:
+                    on_event(kind, message, count)
+                    if kind == tf.CLOSE:
+                        closed.set()
+
+                async def watching_send(msg: TensorMessage) -> None:
+                    try:
+                        await send(msg)
+                    except PeerUnavailable:
+                        ack_failed.set()
+                        raise
+
+                link.receive, link._on_event, link.send = held_receive, watching_on_event, watching_send  # type: ignore[method-assign]
+                await b.send(_msg(1))
+                await b.aclose()
+                await closed.wait()  # B's link CLOSE has reached A; its goodbye sits unread in the link
+                _check(await a.receive(), 1)  # taking it makes A's acker ack on the closed link
+                await ack_failed.wait()
+                gate.set()
+                with trio.fail_after(5):  # without the fix: PeerUnavailable after reconnect_timeout
+                    with pytest.raises(trio.EndOfChannel):
+                        await a.receive()
+            n.cancel_scope.cancel()
+
+    run(body)
