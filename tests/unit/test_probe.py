@@ -18,10 +18,17 @@ from fusionp2p.runtime.probe import (
     probe,
     probe_size,
 )
-from fusionp2p.testing.memory import memory_network
+from fusionp2p.testing.memory import MemoryTransport, memory_network
 from fusionp2p.wire.framing import encode_frame
 from fusionp2p.wire.msg import packb
 from fusionp2p.wire.protocols import PROBE
+
+
+def _serve_probes(host: MemoryTransport) -> ProbeServer:
+    """Make *host* answer probes; its server (to inspect what it recorded)."""
+    server = ProbeServer()
+    host.set_stream_handler(PROBE, server)
+    return server
 
 
 def test_probe_measures_and_a_busy_server_says_so() -> None:
@@ -29,8 +36,7 @@ def test_probe_measures_and_a_busy_server_says_so() -> None:
         with trio.fail_after(10):
             async with memory_network() as net:
                 a, b, c = net.add_host(), net.add_host(), net.add_host()
-                server = ProbeServer()
-                b.set_stream_handler(PROBE, server)
+                server = _serve_probes(b)
                 res = await probe(a, b.peer_id, nbytes=MEASURE_BYTES)
                 assert res.nbytes == MEASURE_BYTES and res.bandwidth > 0 and res.rtt >= 0
                 assert res.measured and res.transfers == 1 and res.sent == MEASURE_BYTES
@@ -91,8 +97,7 @@ def test_a_pilot_is_followed_by_a_sized_transfer_that_the_burst_does_not_inflate
                     return _TokenBucket(await orig_open(peer, protocol), rate, burst)
 
                 a.open_stream = shaped  # type: ignore[assignment]
-                server = ProbeServer()
-                b.set_stream_handler(PROBE, server)
+                server = _serve_probes(b)
                 recorded: list[float] = []
                 orig_record = server.record_inbound
                 server.record_inbound = lambda peer, r: (recorded.append(r), orig_record(peer, r))[1]  # type: ignore[method-assign]
@@ -115,8 +120,7 @@ def test_the_server_is_reserved_for_one_client_between_its_transfers() -> None:
         with trio.fail_after(10):
             async with memory_network() as net:
                 a, b, c = net.add_host(), net.add_host(), net.add_host()
-                server = ProbeServer()
-                b.set_stream_handler(PROBE, server)
+                server = _serve_probes(b)
                 # on the mock clock a transfer takes (almost) no time: every transfer below the byte cap is a
                 # pilot, and the transfers grow to the cap (in one or two steps, depending on the figure)
                 res = await probe(a, b.peer_id, nbytes=1024, max_bytes=16 * 1024)
@@ -145,8 +149,7 @@ def test_stalled_client_frees_the_server_at_its_deadline() -> None:
     async def main() -> None:
         async with memory_network() as net:
             a, b = net.add_host(), net.add_host()
-            server = ProbeServer()
-            b.set_stream_handler(PROBE, server)
+            server = _serve_probes(b)
             s = await a.open_stream(b.peer_id, PROBE)
             await s.send_all(encode_frame(packb({"op": "bulk", "n": 1000}), max_frame=4096))
             await s.receive_some()           # "go"
@@ -183,8 +186,7 @@ def test_server_times_inbound_transfers_for_a_downlink_figure() -> None:
         with trio.fail_after(10):
             async with memory_network() as net:
                 a, b = net.add_host(), net.add_host()
-                server = ProbeServer()
-                b.set_stream_handler(PROBE, server)
+                server = _serve_probes(b)
                 assert server.best_inbound() == 0.0
                 await probe(a, b.peer_id, nbytes=MEASURE_BYTES)
                 assert server.inbound[a.peer_id] > 0 and server.best_inbound() == server.inbound[a.peer_id]
