@@ -489,6 +489,13 @@ class SwarmNode:
         if res is not None:
             self._apply_probe(peer, res)
 
+    def _link(self, peer: str) -> _Link:
+        """Our probe state for *peer*, created on first use."""
+        link = self._links.get(peer)
+        if link is None:
+            link = self._links[peer] = self._new_link(peer)
+        return link
+
     def _new_link(self, peer: str) -> _Link:
         """A never-measured link: its first transfer is sized from the pair's capacity estimate (our uplink,
         its downlink) when there is one, else it is a small pilot. Too long an estimate only costs a longer
@@ -499,7 +506,7 @@ class SwarmNode:
 
     async def _measure(self, session: ProbeSession, bulk: trio.Lock, spent: list[float]) -> ProbeResult | None:
         peer = session.peer
-        link = self._links.get(peer) or self._links.setdefault(peer, self._new_link(peer))
+        link = self._link(peer)
         for attempt in range(self.config.probe_busy_retries + 1):
             if attempt:
                 # it is measuring someone else, which takes a few hundred ms: let our other peers go first
@@ -523,7 +530,7 @@ class SwarmNode:
     def _apply_probe(self, peer: str, res: ProbeResult) -> None:
         if not self.view.is_alive(peer):
             return   # it died or left while we measured it
-        link = self._links.get(peer) or self._links.setdefault(peer, self._new_link(peer))
+        link = self._link(peer)
         log.debug("probe %s: %.1f MB/s, rtt %.1f ms, %d bytes in %d transfers, %.3f s%s", peer[:16], res.bandwidth / 1e6,
                   res.rtt * 1e3, res.sent, res.transfers, res.elapsed, "" if res.measured else " (inconclusive)")
         if not res.measured:   # a pilot's figure: it sizes the next probe, it is never reported
