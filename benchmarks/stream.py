@@ -143,17 +143,22 @@ def child_bare(key_hex: str, cipher: str) -> None:
 
 
 async def child_ours(keys_hex: str, cipher: str) -> None:
-    from fusionp2p.net.bulk import BulkChannel
+    from fusionp2p.net.bulk import BulkChannel, _detach
+    from fusionp2p.net.channel import TensorMessage
 
     k_dial, k_listen = (bytes.fromhex(k) for k in keys_hex.split(":"))
     cfg = _config(cipher)
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     print(listeners[0].socket.getsockname()[1], flush=True)
+    arrived: dict[int, Any] = {}
 
     async def handle(stream: trio.SocketStream) -> None:
-        ch = BulkChannel(stream, "bench", (k_listen, k_dial), cfg)
-        from fusionp2p.net.channel import TensorMessage
-
+        lanes, index = await _recv_exactly_stream(stream, 2)
+        arrived[index] = _detach(stream)  # the channel's lanes (this task may end before the last arrives)
+        if len(arrived) < lanes:
+            return
+        socks = [arrived.pop(i) for i in range(lanes)]
+        ch = BulkChannel(socks, "bench", (k_listen, k_dial), cfg)
         async with trio.open_nursery() as n:
             await n.start(ch.run)
             cpu0 = None
@@ -169,7 +174,18 @@ async def child_ours(keys_hex: str, cipher: str) -> None:
     await trio.serve_listeners(handle, listeners)
 
 
+async def _recv_exactly_stream(stream: trio.SocketStream, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        data = await stream.receive_some(n - len(got))
+        if not data:
+            raise EOFError
+        got += data
+    return got
+
+
 CHUNK_MIB: int | None = None  # --chunk-mib (children get it through argv)
+LANES: int | None = None      # --lanes
 
 
 def _config(cipher: str) -> Any:
@@ -178,6 +194,8 @@ def _config(cipher: str) -> Any:
     extra: dict[str, int] = {}
     if CHUNK_MIB is not None:
         extra["chunk_size"] = CHUNK_MIB * MiB
+    if LANES is not None:
+        extra["lanes"] = LANES
     return DataPlaneConfig(cipher=cipher, insecure_plaintext_for_tests=cipher == "none", **extra)
 
 
@@ -298,8 +316,11 @@ async def send_ours(port: int, size: int, total: int, keys: tuple[bytes, bytes],
     from fusionp2p.net.channel import TensorMessage
 
     cfg = _config(cipher)
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    ch = BulkChannel(stream, "bench", keys, cfg)
+    streams = []
+    for i in range(cfg.lanes):
+        streams.append(await trio.open_tcp_stream("127.0.0.1", port))
+        await streams[-1].send_all(bytes([cfg.lanes, i]))
+    ch = BulkChannel(streams, "bench", keys, cfg)
     x = torch.randn(size // 4)
     async with trio.open_nursery() as n:
         await n.start(ch.run)
@@ -337,6 +358,7 @@ async def send_libp2p(addr: str, size: int, total: int) -> float:
 
 def _spawn(*args: str) -> tuple[subprocess.Popen[str], str]:
     extra = [] if CHUNK_MIB is None else ["--chunk-mib", str(CHUNK_MIB)]
+    extra += [] if LANES is None else ["--lanes", str(LANES)]
     p = subprocess.Popen([sys.executable, "-m", "benchmarks.stream", *extra, "--role", *args], stdout=subprocess.PIPE,
                          text=True)
     assert p.stdout is not None
@@ -436,10 +458,11 @@ def main() -> None:
     p.add_argument("--role", nargs="+", help=argparse_hidden())
     p.add_argument("--cipher", default=None, help="aes-gcm | chacha20-poly1305 (default: the data plane's default)")
     p.add_argument("--chunk-mib", type=int, default=None, help="record size in MiB (DataPlaneConfig.chunk_size)")
+    p.add_argument("--lanes", type=int, default=None, help="TCP connections per channel (DataPlaneConfig.lanes)")
     p.add_argument("--only", choices=["transfers", "compression"], default=None)
     args = p.parse_args()
-    global CHUNK_MIB
-    CHUNK_MIB = args.chunk_mib
+    global CHUNK_MIB, LANES
+    CHUNK_MIB, LANES = args.chunk_mib, args.lanes
     if args.role:
         role = args.role[0]
         if role == "raw":

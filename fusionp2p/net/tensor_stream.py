@@ -13,6 +13,7 @@ straight from their memory (no plaintext copy).
 
 from __future__ import annotations
 
+import collections
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ class Event:
     kind: int
     message: dict[str, Any] | None = None
     count: int = 0
+    stripe: Stripe | None = None
 
 
 class RecordWriter:
@@ -66,12 +68,16 @@ class RecordWriter:
 
     def plan_message(self, msg: tf.MessageLike) -> list[RecordPlan]:
         """The records of *msg*, nonces assigned in order (call under the channel's wire lock)."""
+        return self.plan_parts(tf.encode_message(msg))
+
+    def plan_parts(self, message_parts: list[Buffer]) -> list[RecordPlan]:
+        """The records of an encoded message (``tf.encode_message``) on one lane."""
         chunks: list[list[Buffer]] = []
         pending: list[Buffer] = []
         pending_n = 0
         total = 0
         small = min(64 * 1024, self.chunk_size)
-        for part in tf.encode_message(msg):
+        for part in message_parts:
             total += len(part)
             if len(part) <= small and pending_n + len(part) <= self.chunk_size:
                 pending.append(part)
@@ -93,12 +99,120 @@ class RecordWriter:
         chunks[0] = [tf.encode_start(total), *chunks[0]]
         return [RecordPlan(self.sealer.next_nonce(), k, c) for k, c in zip(kinds, chunks)]
 
+    def can_stripe(self, message_parts: list[Buffer]) -> bool:
+        """Whether an encoded message can be striped: its first part (header) fits a STRIPE_START record
+        and something follows it."""
+        return (self.chunk_size >= tf.MIN_SLOT and len(message_parts) > 1
+                and tf.STRIPE_PREFIX + len(message_parts[0]) <= self.chunk_size)
+
+    def plan_striped(self, message_parts: list[Buffer], lane_sealers: list[Sealer], first: int
+                     ) -> list[list[RecordPlan]]:
+        """The records of an encoded message striped over ``len(lane_sealers)`` lanes (lane 0's sealer is
+        this writer's): per lane, in send order. *first* is the lane of slot 0 (the count of striped
+        messages before this one, modulo the lanes: both ends keep it). See ``tf`` "Lanes"."""
+        lanes = len(lane_sealers)
+        head, rest = message_parts[0], message_parts[1:]
+        body = sum(len(p) for p in rest)
+        slot = tf.stripe_slot(body, lanes, self.chunk_size)
+        out: list[list[RecordPlan]] = [[] for _ in range(lanes)]
+        out[0].append(RecordPlan(self.sealer.next_nonce(), tf.STRIPE_START,
+                                 [tf.encode_stripe_start(len(head) + body, slot), head]))
+        for i, pieces in enumerate(_cut(rest, slot)):
+            lane = (first + i) % lanes
+            out[lane].append(RecordPlan(lane_sealers[lane].next_nonce(), tf.SLOT, pieces))
+        return out
+
     def seal(self, plan: RecordPlan, out: bytearray | None = None) -> memoryview:
         return self.sealer.seal(plan.nonce, plan.kind, plan.parts, out)
 
     def control(self, kind: int, body: bytes = b"") -> memoryview:
         """A sealed control record (ACK, PING, HELLO, CLOSE)."""
         return self.sealer.seal(self.sealer.next_nonce(), kind, [body])
+
+
+def _cut(parts: list[Buffer], size: int) -> list[list[Buffer]]:
+    """The concatenation of *parts* cut into pieces of *size* bytes (the last one shorter), each a list of
+    zero-copy views of the parts it spans."""
+    out: list[list[Buffer]] = []
+    cur: list[Buffer] = []
+    room = size
+    for part in parts:
+        mv = memoryview(part).cast("B") if not isinstance(part, memoryview) or part.format != "B" else part
+        while len(mv):
+            take = mv[:room]
+            cur.append(take)
+            mv = mv[len(take):]
+            room -= len(take)
+            if room == 0:
+                out.append(cur)
+                cur, room = [], size
+    if cur:
+        out.append(cur)
+    return out
+
+
+class Stripe:
+    """A striped message being assembled: where its slots go, and how many are still missing (the
+    channel's lanes decrement :attr:`left` under its lock)."""
+
+    __slots__ = ("body", "buf", "first", "head", "lanes", "left", "n", "slot", "total")
+
+    def __init__(self, buf: memoryview, *, total: int, head: int, slot: int, n: int, first: int, lanes: int) -> None:
+        self.buf = buf
+        self.total = total
+        self.head = head
+        self.body = total - head
+        self.slot = slot
+        self.n = n
+        self.first = first
+        self.lanes = lanes
+        self.left = n
+
+    def slots_of(self, lane: int) -> range:
+        """The slot indices that travel on *lane*, in order."""
+        return range((lane - self.first) % self.lanes, self.n, self.lanes)
+
+    def piece(self, i: int) -> memoryview:
+        start = i * self.slot
+        return self.buf[self.head + start : self.head + min(start + self.slot, self.body)]
+
+
+class SlotCursor:
+    """One lane's receiving side of striping: the slots it owes, in order, as lane 0 announces them."""
+
+    def __init__(self, lane: int, cipher: str) -> None:
+        self.lane = lane
+        self._tag = overhead(cipher)
+        self._queue: collections.deque[tuple[Stripe, range]] = collections.deque()
+        self._pos = 0
+
+    def add(self, stripe: Stripe) -> bool:
+        """Expect *stripe*'s slots on this lane (False when it has none here)."""
+        slots = stripe.slots_of(self.lane)
+        if not len(slots):
+            return False
+        self._queue.append((stripe, slots))
+        return True
+
+    @property
+    def waiting(self) -> bool:
+        """Slots are announced and not yet received."""
+        return bool(self._queue)
+
+    def next(self, body_len: int) -> tuple[Stripe, memoryview]:
+        """Where the next SLOT record of this lane goes; RemoteProtocolError if none is owed or its
+        length is not the slot's."""
+        if not self._queue:
+            raise RemoteProtocolError(f"SLOT record on lane {self.lane} with no striped message announced")
+        stripe, slots = self._queue[0]
+        dest = stripe.piece(slots[self._pos])
+        if body_len != len(dest) + self._tag:
+            raise RemoteProtocolError("SLOT record does not match its slot's length")
+        self._pos += 1
+        if self._pos == len(slots):
+            self._queue.popleft()
+            self._pos = 0
+        return stripe, dest
 
 
 def alloc_buffer(n: int) -> memoryview:
@@ -151,8 +265,11 @@ class RecordReader:
     """
 
     def __init__(self, opener: Opener, *, chunk_size: int, limits: Limits = DEFAULT_LIMITS,
-                 pool: BufferPool | None = None) -> None:
+                 pool: BufferPool | None = None, lanes: int = 1) -> None:
         self.opener = opener
+        self.lanes = lanes
+        self.chunk_size = chunk_size
+        self.stripes = 0  # striped messages announced so far (slot 0's lane rotates with it)
         self.pool = pool
         self.limits = limits
         self.max_body = tf.START_PREFIX + chunk_size + overhead(opener.cipher)
@@ -192,9 +309,10 @@ class RecordReader:
     # --- the record path (the I/O shell reads a header, then exactly the body, then opens it)
     def header(self, hdr: Buffer) -> tuple[int, int]:
         """Validate a record header: (kind, body length). Raises before the body is allocated."""
+        kind, n = tf.parse_record_header(hdr, max_body=self.max_body)
         if self.closed:
-            raise RemoteProtocolError("record after CLOSE")
-        return tf.parse_record_header(hdr, max_body=self.max_body)
+            raise RemoteProtocolError(f"record (kind {kind}) after CLOSE")
+        return kind, n
 
     def _slice(self, body_len: int) -> memoryview:
         assert self._msg is not None
@@ -223,6 +341,21 @@ class RecordReader:
         said (it already is the message's memory), so it is not copied."""
         if self.closed:
             raise RemoteProtocolError("record after CLOSE")
+        if kind == tf.STRIPE_START:
+            if self._msg is not None:
+                raise RemoteProtocolError("STRIPE_START inside a message")
+            if self.lanes < 2:
+                raise RemoteProtocolError("striped message on a channel with one lane")
+            total, slot, n = tf.decode_stripe_start(plain, max_slot=self.chunk_size, limits=self.limits)
+            head = len(plain) - tf.STRIPE_PREFIX
+            buf = self.pool.get(total) if self.pool is not None else alloc_buffer(total)
+            buf[:head] = plain[tf.STRIPE_PREFIX :]
+            stripe = Stripe(buf[:total], total=total, head=head, slot=slot, n=n, first=self.stripes % self.lanes,
+                            lanes=self.lanes)
+            self.stripes += 1
+            return [Event(tf.STRIPE_START, stripe=stripe)]
+        if kind == tf.SLOT:
+            raise RemoteProtocolError("SLOT record outside the channel's lanes")  # the I/O shell routes slots
         if kind == tf.MSG_START:
             if self._msg is not None:
                 raise RemoteProtocolError("MSG_START inside a message")

@@ -24,10 +24,24 @@ decrypt every slice in place);
 ``ACK`` (u32 BE count of messages consumed) returns window credit; ``PING`` keeps an idle link
 alive; ``HELLO`` confirms the keys; ``CLOSE`` is a clean end.
 
+**Lanes.** A channel may use several TCP connections ("lanes", agreed in the ticket exchange); lane 0
+carries everything above, the others only the slots of striped messages. Each lane has its own record
+counter, and lane *j*'s nonce is ``u32 BE j || u64 BE counter``, so no nonce repeats under the
+direction's key. A *striped* message is announced on lane 0 by ``STRIPE_START`` (plaintext
+``u64 BE total | u32 BE slot size | the message's first part``: its length-prefixed header and pad);
+the rest of the message, ``body = total - len(first part)`` bytes, is cut into ``n = ceil(body / slot)``
+slots, and slot *i* travels as one ``SLOT`` record on lane ``(first + i) % lanes``, where ``first`` is
+the number of striped messages sent before it, modulo the lane count. Each lane sends its slots in
+order and a message's records contiguously, so a receiver knows where every ``SLOT`` belongs without
+any offset on the wire; the message is complete when all its slots are in, and messages are delivered
+in the order of their ``MSG_END``/``STRIPE_START`` on lane 0.
+
 **Bulk ticket** (over the authenticated libp2p stream, each a length-prefixed msgpack map): request
 ``{"v": 1, "cipher": str}``; reply ``{"v": 1, "ticket": bin16, "cipher": str, "k_dial": bin32,
 "k_listen": bin32, "host": str, "port": int}``; then on the TCP connection the dialer sends the
-16 raw ticket bytes first.
+16 raw ticket bytes first. With lanes: the request carries ``"lanes": int`` (what the dialer wants), the
+reply ``"lanes": int`` (at most that: what the listener grants), and the dialer opens that many TCP
+connections, each starting with the 16 ticket bytes and one byte, its lane index.
 """
 
 from __future__ import annotations
@@ -58,10 +72,16 @@ PING = 4
 HELLO = 5
 CLOSE = 6
 MSG_START = 7
-KINDS = frozenset({MSG_MORE, MSG_END, ACK, PING, HELLO, CLOSE, MSG_START})
+STRIPE_START = 8
+SLOT = 9
+KINDS = frozenset({MSG_MORE, MSG_END, ACK, PING, HELLO, CLOSE, MSG_START, STRIPE_START, SLOT})
 MSG_KINDS = frozenset({MSG_START, MSG_MORE, MSG_END})
 _U64 = struct.Struct(">Q")
 START_PREFIX = _U64.size
+_STRIPE = struct.Struct(">QI")
+STRIPE_PREFIX = _STRIPE.size  # 12
+MAX_LANES = 8
+MIN_SLOT = 4096
 
 Buffer = bytes | bytearray | memoryview
 
@@ -201,6 +221,33 @@ def decode_start(plain: Buffer, *, limits: Limits = DEFAULT_LIMITS) -> int:
     return int(total)
 
 
+def encode_stripe_start(total: int, slot: int) -> bytes:
+    return _STRIPE.pack(total, slot)
+
+
+def decode_stripe_start(plain: Buffer, *, max_slot: int, limits: Limits = DEFAULT_LIMITS) -> tuple[int, int, int]:
+    """(total, slot size, number of slots) of a STRIPE_START plaintext, every bound checked."""
+    if len(plain) < STRIPE_PREFIX:
+        raise RemoteProtocolError("STRIPE_START record too short")
+    total, slot = _STRIPE.unpack_from(plain, 0)
+    if total > limits.max_frame:
+        raise RemoteProtocolError(f"message of {total} bytes exceeds the limit of {limits.max_frame}")
+    body = total - (len(plain) - STRIPE_PREFIX)
+    if body <= 0:
+        raise RemoteProtocolError("STRIPE_START announces no slots")
+    if not MIN_SLOT <= slot <= max_slot:
+        raise RemoteProtocolError(f"stripe slot of {slot} bytes outside [{MIN_SLOT}, {max_slot}]")
+    return int(total), int(slot), -(-body // slot)
+
+
+def stripe_slot(body: int, lanes: int, chunk: int) -> int:
+    """The slot size a sender uses for *body* bytes over *lanes*: a multiple of *lanes* slots of at most
+    *chunk* bytes, as equal as 4 KiB alignment allows (every lane gets the same share)."""
+    n = lanes * -(-body // (lanes * chunk))
+    per = -(-body // n)
+    return max(MIN_SLOT, min(chunk, -(-per // 4096) * 4096))
+
+
 def encode_ack(count: int) -> bytes:
     return _U32.pack(count)
 
@@ -213,24 +260,33 @@ def decode_ack(body: Buffer) -> int:
 
 
 # -------------------------------------------------------------------------------------------- ticket
-def encode_ticket_request(cipher: str) -> bytes:
-    return packb({"v": VERSION, "cipher": cipher})
+def encode_ticket_request(cipher: str, lanes: int) -> bytes:
+    return packb({"v": VERSION, "cipher": cipher, "lanes": lanes})
 
 
-def decode_ticket_request(data: Buffer, *, limits: Limits = DEFAULT_LIMITS) -> str:
+def _lanes(m: dict[str, Any], what: str) -> int:
+    n = field(m, "lanes", int, what)
+    if not 1 <= n <= MAX_LANES:
+        raise RemoteProtocolError(f"{what}: lanes must be between 1 and {MAX_LANES}")
+    return int(n)
+
+
+def decode_ticket_request(data: Buffer, *, limits: Limits = DEFAULT_LIMITS) -> tuple[str, int]:
+    """(cipher, lanes wanted) of a ticket request."""
     m = expect_map(unpackb(data, limits=limits), "bulk ticket request")
     if m.get("v") != VERSION:
         raise RemoteProtocolError("bulk ticket request: unsupported version")
-    return str(field(m, "cipher", str, "bulk ticket request"))
+    return str(field(m, "cipher", str, "bulk ticket request")), _lanes(m, "bulk ticket request")
 
 
-def encode_ticket_reply(*, ticket: bytes, cipher: str, k_dial: bytes, k_listen: bytes, host: str, port: int) -> bytes:
+def encode_ticket_reply(*, ticket: bytes, cipher: str, k_dial: bytes, k_listen: bytes, host: str, port: int,
+                        lanes: int) -> bytes:
     return packb({"v": VERSION, "ticket": ticket, "cipher": cipher, "k_dial": k_dial, "k_listen": k_listen,
-                  "host": host, "port": port})
+                  "host": host, "port": port, "lanes": lanes})
 
 
 def decode_ticket_reply(data: Buffer, *, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """The validated reply map (ticket, cipher, k_dial, k_listen, host, port)."""
+    """The validated reply map (ticket, cipher, k_dial, k_listen, host, port, lanes)."""
     m = expect_map(unpackb(data, limits=limits), "bulk ticket reply")
     if m.get("v") != VERSION:
         raise RemoteProtocolError("bulk ticket reply: unsupported version")
@@ -244,4 +300,5 @@ def decode_ticket_reply(data: Buffer, *, limits: Limits = DEFAULT_LIMITS) -> dic
     field(m, "host", str, what)
     if not 0 < field(m, "port", int, what) < 65536:
         raise RemoteProtocolError("bulk ticket reply: bad port")
+    _lanes(m, what)
     return m

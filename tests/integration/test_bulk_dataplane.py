@@ -137,23 +137,31 @@ def test_oversized_record_closes_the_channel() -> None:
 def test_tickets_are_one_time_and_bound_to_the_peer() -> None:
     async def body(net: MemoryNetwork) -> None:
         ta, tb = net.add_host(), net.add_host()
-        async with open_data_plane(ta) as da, open_data_plane(tb) as db:
+        async with open_data_plane(ta, lanes=2) as da, open_data_plane(tb, lanes=3) as db:
             reply = await da._request_ticket(tb.peer_id)
+            assert reply["lanes"] == 2  # the dialer asked for 2, the listener would grant 3
             assert len(db._tickets) == 1
-            assert next(iter(db._tickets.values()))[0] == ta.peer_id
-            for attempt in range(2):
+            assert next(iter(db._tickets.values())).peer == ta.peer_id
+
+            async def dial(hello: bytes) -> trio.SocketStream:
                 s = await trio.open_tcp_stream("127.0.0.1", db.port)
-                await s.send_all(reply["ticket"])  # the same ticket twice
-                data = await s.receive_some(1024)
-                if attempt == 0:
-                    assert data  # the HELLO record: the ticket was accepted
-                    chb = await db.incoming.receive()
-                    assert chb.remote_peer == ta.peer_id
-                else:
-                    assert data == b""  # replayed ticket: the listener hangs up
+                await s.send_all(hello)
+                return s
+
+            lane0 = await dial(reply["ticket"] + b"\x00")
+            for bad in (b"\x00", b"\x02"):  # lane 0 again, a lane the ticket does not have: hung up on
+                s = await dial(reply["ticket"] + bad)
+                assert await s.receive_some(1024) == b""
                 await s.aclose()
-            s = await trio.open_tcp_stream("127.0.0.1", db.port)
-            await s.send_all(bytes(16))  # an unknown ticket
+            lane1 = await dial(reply["ticket"] + b"\x01")
+            assert await lane0.receive_some(1024)  # the HELLO record: every lane is in, the channel runs
+            chb = await db.incoming.receive()
+            assert (chb.remote_peer, chb.lanes) == (ta.peer_id, 2)
+            used = await dial(reply["ticket"] + b"\x00")  # the used ticket: hung up on
+            assert await used.receive_some(1024) == b""
+            for s in (used, lane0, lane1):
+                await s.aclose()
+            s = await dial(bytes(17))  # an unknown ticket
             assert await s.receive_some(1024) == b""
             await s.aclose()
 
@@ -192,7 +200,7 @@ def test_rejected_ticket_fails_fast() -> None:
                 # answers like a listener but with a ticket the TCP side never issued
                 await stream.receive_some(1024)
                 reply = tf.encode_ticket_reply(ticket=os.urandom(16), cipher=db.config.cipher, k_dial=os.urandom(32),
-                                               k_listen=os.urandom(32), host="127.0.0.1", port=db.port)
+                                               k_listen=os.urandom(32), host="127.0.0.1", port=db.port, lanes=1)
                 await stream.send_all(encode_frame(reply, max_frame=1 << 20))
 
             tb.set_stream_handler(BULK_TICKET, forged_ticket)
@@ -269,7 +277,7 @@ def test_channel_threads_end_with_the_channel() -> None:
                 await send_until_it_fails()
 
     run(body)
-    assert len(threads) == 8
+    assert len(threads) == 16  # 4 channel ends x 2 lanes x (writer, reader)
     for t in threads:
         t.join(timeout=5)
         assert not t.is_alive(), t.name
@@ -286,6 +294,7 @@ def test_bulk_sockets_drop_trios_notsent_lowat() -> None:
             ch = await da.connect(tb.peer_id)
             chb = await db.incoming.receive()
             for c in (ch, chb):
-                assert c._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == 0
+                for lane in c._lanes:
+                    assert lane.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == 0
 
     run(body)

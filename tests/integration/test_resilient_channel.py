@@ -202,7 +202,7 @@ class _PointAt:
         reply = tf.decode_ticket_reply(FrameDecoder(max_frame=1 << 20).feed(data)[0])
         await self._inner.send_all(encode_frame(tf.encode_ticket_reply(
             ticket=reply["ticket"], cipher=reply["cipher"], k_dial=reply["k_dial"], k_listen=reply["k_listen"],
-            host=reply["host"], port=self._port), max_frame=1 << 20))
+            host=reply["host"], port=self._port, lanes=reply["lanes"]), max_frame=1 << 20))
 
     async def send_eof(self) -> None:
         await self._inner.send_eof()
@@ -349,7 +349,7 @@ def test_link_cut_silently_is_replaced_before_the_acceptor_notices() -> None:
                 await b.send(_msg(100))
                 _check(await a.receive(), 100)
                 assert a.links == b.links == 2
-                assert len(tickets) == proxy.connections == 2
+                assert len(tickets) == 2 and proxy.connections == 2 * da.config.lanes
                 assert trio.current_time() - t0 < 5.0
             n.cancel_scope.cancel()
 

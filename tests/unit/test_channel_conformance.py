@@ -40,7 +40,8 @@ async def memory_pair() -> AsyncIterator[Pair]:
 
 
 @asynccontextmanager
-async def bulk_pair() -> AsyncIterator[Pair]:
+async def bulk_pair(**cfg: Any) -> AsyncIterator[Pair]:
+    cfg = {"window": WINDOW, "chunk_size": 64 * 1024, "lanes": 1, **cfg}
     async with memory_network() as net, trio.open_nursery() as nursery:
         ta, tb = net.add_host(), net.add_host()
         scope_b = trio.CancelScope()
@@ -49,16 +50,17 @@ async def bulk_pair() -> AsyncIterator[Pair]:
 
         async def run_b() -> None:
             with scope_b:
-                async with open_data_plane(tb, window=WINDOW, chunk_size=64 * 1024) as db:
+                async with open_data_plane(tb, **cfg) as db:
                     ready.append(db)
                     got_b.set()
                     await trio.sleep_forever()
 
         nursery.start_soon(run_b)
         await got_b.wait()
-        async with open_data_plane(ta, window=WINDOW, chunk_size=64 * 1024) as da:
+        async with open_data_plane(ta, **cfg) as da:
             a = await da.connect(tb.peer_id)
             b = await ready[0].incoming.receive()
+            assert a.lanes == b.lanes == cfg["lanes"]
             yield Pair(a, b, ta.peer_id, tb.peer_id, scope_b.cancel)
             await a.aclose()
         nursery.cancel_scope.cancel()
@@ -85,7 +87,13 @@ async def resilient_pair() -> AsyncIterator[Pair]:
         nursery.cancel_scope.cancel()
 
 
-FACTORIES = {"memory": memory_pair, "bulk": bulk_pair, "resilient": resilient_pair}
+def striped_pair() -> Any:
+    """The encrypted channel over 3 lanes, every message striped over them (a small one is one slot, on
+    the lane after the last message's first slot)."""
+    return bulk_pair(lanes=3, chunk_size=16 * 1024, stripe_min=0)
+
+
+FACTORIES = {"memory": memory_pair, "bulk": bulk_pair, "striped": striped_pair, "resilient": resilient_pair}
 
 
 def run(factory: str, body: Callable[[Pair], Any], timeout: float = 10.0) -> None:

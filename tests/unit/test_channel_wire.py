@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.net.aead import Opener, Sealer, new_key
 from fusionp2p.net.channel import TensorMessage
-from fusionp2p.net.tensor_stream import RecordReader, RecordWriter
+from fusionp2p.net.tensor_stream import RecordReader, RecordWriter, SlotCursor, Stripe
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.limits import Limits
 
@@ -182,10 +182,16 @@ def test_control_record_bodies_checked() -> None:
 
 
 def test_ticket_messages() -> None:
-    assert tf.decode_ticket_request(tf.encode_ticket_request("aes-gcm")) == "aes-gcm"
-    good = {"ticket": bytes(16), "cipher": "aes-gcm", "k_dial": bytes(32), "k_listen": bytes(32), "host": "127.0.0.1", "port": 4001}
-    assert tf.decode_ticket_reply(tf.encode_ticket_reply(**good))["port"] == 4001  # type: ignore[arg-type]
-    for bad in ({"ticket": bytes(15)}, {"k_dial": bytes(31)}, {"port": 0}, {"port": "x"}, {"host": 5}):
+    assert tf.decode_ticket_request(tf.encode_ticket_request("aes-gcm", 3)) == ("aes-gcm", 3)
+    for lanes in (0, tf.MAX_LANES + 1):
+        with pytest.raises(RemoteProtocolError, match="lanes"):
+            tf.decode_ticket_request(tf.encode_ticket_request("aes-gcm", lanes))
+    good = {"ticket": bytes(16), "cipher": "aes-gcm", "k_dial": bytes(32), "k_listen": bytes(32), "host": "127.0.0.1",
+            "port": 4001, "lanes": 2}
+    reply = tf.decode_ticket_reply(tf.encode_ticket_reply(**good))  # type: ignore[arg-type]
+    assert (reply["port"], reply["lanes"]) == (4001, 2)
+    for bad in ({"ticket": bytes(15)}, {"k_dial": bytes(31)}, {"port": 0}, {"port": "x"}, {"host": 5}, {"lanes": 0},
+                {"lanes": "2"}):
         with pytest.raises(RemoteProtocolError):
             tf.decode_ticket_reply(tf.encode_ticket_reply(**{**good, **bad}))  # type: ignore[arg-type]
     with pytest.raises(RemoteProtocolError):
@@ -223,3 +229,94 @@ def test_multi_record_message_roundtrip() -> None:
     assert plans[-1].kind == tf.MSG_END
     events = r.feed(b"".join(bytes(w.seal(p)) for p in plans))
     _same(msg, TensorMessage(**events[0].message))  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------- lanes
+@given(body=st.integers(1, 10 * 2**20), lanes=st.integers(1, tf.MAX_LANES),
+       chunk=st.sampled_from([tf.MIN_SLOT, 16 * 1024, 2**20]))
+def test_stripe_slot_shares_the_body_evenly(body: int, lanes: int, chunk: int) -> None:
+    slot = tf.stripe_slot(body, lanes, chunk)
+    assert tf.MIN_SLOT <= slot <= chunk
+    assert slot % 4096 == 0 or slot == chunk
+    n = -(-body // slot)
+    assert n * slot >= body > (n - 1) * slot
+    if body >= lanes * chunk:  # enough for every lane: each gets the same number of slots, or one more
+        assert n >= lanes
+
+
+def _striped(lanes: int, msg: TensorMessage, *, first: int = 0, chunk: int = 16 * 1024
+             ) -> tuple[RecordReader, list[Opener], list[list[memoryview]]]:
+    """Seal *msg* striped over *lanes*: the receiving lane-0 reader, the lanes' openers, each lane's records."""
+    w = RecordWriter(Sealer("aes-gcm", KEY), chunk_size=chunk)
+    sealers = [w.sealer] + [Sealer("aes-gcm", KEY, lane=i) for i in range(1, lanes)]
+    parts = tf.encode_message(msg)
+    assert w.can_stripe(parts)
+    plans = w.plan_striped(parts, sealers, first)
+    records = [[sealers[i].seal(p.nonce, p.kind, p.parts) for p in plans[i]] for i in range(lanes)]
+    reader = RecordReader(Opener("aes-gcm", KEY), chunk_size=chunk, lanes=lanes)
+    reader.stripes = first
+    return reader, [reader.opener] + [Opener("aes-gcm", KEY, lane=i) for i in range(1, lanes)], records
+
+
+def _open_slot(cursor: SlotCursor, opener: Opener, rec: memoryview) -> Stripe:
+    kind, n = tf.parse_record_header(rec, max_body=1 << 20)
+    assert kind == tf.SLOT
+    stripe, dest = cursor.next(n)
+    opener.open(opener.next_nonce(), bytes(rec[: tf.RECORD_HEADER]), rec[tf.RECORD_HEADER :], dest)
+    stripe.left -= 1
+    return stripe
+
+
+@pytest.mark.parametrize(("lanes", "first"), [(2, 0), (3, 1), (3, 2)])
+def test_a_striped_message_reassembles_from_its_lanes(lanes: int, first: int) -> None:
+    msg = _msg(3, n=40_000)  # 160 KB over 16 KiB slots, tensors of odd sizes after it
+    reader, openers, records = _striped(lanes, msg, first=first)
+    start, *own = records[0]
+    (ev,) = reader.feed(start)
+    assert ev.kind == tf.STRIPE_START and ev.stripe is not None
+    stripe = ev.stripe
+    assert (stripe.first, stripe.n) == (first, sum(len(r) for r in records) - 1)
+    cursors = [SlotCursor(i, "aes-gcm") for i in range(lanes)]
+    for c in cursors:
+        c.add(stripe)
+    for i in reversed(range(lanes)):  # any lane may finish first
+        for rec in (own if i == 0 else records[i]):
+            _open_slot(cursors[i], openers[i], rec)
+        assert not cursors[i].waiting
+    assert stripe.left == 0
+    _same(TensorMessage(**tf.decode_message(stripe.buf)), msg)
+    assert {len(r) for r in records[1:]} <= {len(own), len(own) + 1, len(own) - 1}  # shares differ by one slot at most
+
+
+def test_striped_records_are_checked() -> None:
+    msg = _msg(4, n=20_000)
+    reader, openers, records = _striped(2, msg)
+    (ev,) = reader.feed(records[0][0])
+    assert ev.stripe is not None
+    cursor = SlotCursor(1, "aes-gcm")
+    cursor.add(ev.stripe)
+    rec = bytearray(records[1][0])
+    rec[-1] ^= 1  # a tampered slot fails authentication
+    with pytest.raises(RemoteProtocolError, match="authentication"):
+        _open_slot(cursor, openers[1], memoryview(rec))
+    with pytest.raises(RemoteProtocolError, match="no striped message"):  # a slot nobody announced
+        SlotCursor(1, "aes-gcm").next(100)
+    c2 = SlotCursor(1, "aes-gcm")
+    c2.add(ev.stripe)
+    with pytest.raises(RemoteProtocolError, match="length"):
+        c2.next(17)
+    # a one-lane channel refuses striping; announcements are bounded before allocating
+    w = RecordWriter(Sealer("aes-gcm", KEY), chunk_size=16 * 1024)
+    one_lane = RecordReader(Opener("aes-gcm", KEY), chunk_size=16 * 1024)
+    with pytest.raises(RemoteProtocolError, match="one lane"):
+        one_lane.feed(w.sealer.seal(w.sealer.next_nonce(), tf.STRIPE_START, [tf.encode_stripe_start(10_000, 4096), b"h"]))
+    limits = Limits(max_frame=1 << 20)
+    for total, slot, match in ((2**40, 4096, "limit"), (10_000, 1024, "slot"), (10_000, 1 << 20, "slot"),
+                               (1, 4096, "no slots")):
+        with pytest.raises(RemoteProtocolError, match=match):
+            tf.decode_stripe_start(tf.encode_stripe_start(total, slot) + b"h", max_slot=16 * 1024, limits=limits)
+
+
+def test_lanes_never_share_a_nonce() -> None:
+    nonces = {Sealer("aes-gcm", KEY, lane=i).next_nonce() for i in range(tf.MAX_LANES)}
+    assert len(nonces) == tf.MAX_LANES
