@@ -3,9 +3,11 @@
 Transfers (two processes on loopback, the receiver is a child process of this one):
   raw     plain TCP, the receiver ``recv_into`` a fixed 4 MiB buffer (the ceiling): the faster of a trio
           socket pair and a blocking socket pair (the channel's own threads use blocking sockets)
-  ours    fusionp2p.net.bulk.BulkChannel: AES-GCM (or ChaCha20) records, window, acks; the receiver
-          gets TensorMessages (keys are handed to the child directly: the ticket exchange costs
-          ~ms once per channel and is not what is measured)
+  ours    fusionp2p.net.bulk.BulkChannel: AES-GCM (or ChaCha20) records, window, acks, its default lanes
+          (TCP connections; --lanes); the receiver gets TensorMessages (keys are handed to the child
+          directly: the ticket exchange costs ~ms once per channel and is not what is measured).
+          window + 2 untimed messages go first (steady state: the receiver's buffer pool is filled; raw
+          and bare allocate their buffers before timing too)
   libp2p  a py-libp2p 0.8.1 Noise + yamux stream (LIBP2P_NOTES.md §2-3), same message sizes
   bare    a reference for what the cipher costs here, not a system: one blocking thread per side, the
           sender ``encrypt_into`` 1 MiB pieces of the message into one buffer and sends it, the receiver
@@ -108,9 +110,10 @@ def child_raw_blocking() -> None:
 
 
 def _bare_aead(cipher: str, key: bytes) -> Any:
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+    """The channel's own AEAD for *cipher* (same key use as ``fusionp2p.net.aead``)."""
+    from fusionp2p.net.aead import _aead
 
-    return AESGCM(key) if cipher == "aes-gcm" else ChaCha20Poly1305(key)
+    return _aead(cipher, key)
 
 
 BARE_RECORD = 1 * MiB
@@ -161,11 +164,13 @@ async def child_ours(keys_hex: str, cipher: str) -> None:
         ch = BulkChannel(socks, "bench", (k_listen, k_dial), cfg)
         async with trio.open_nursery() as n:
             await n.start(ch.run)
-            cpu0 = None
+            cpu0 = time.process_time()
             while True:
                 msg = await ch.receive()
-                cpu0 = time.process_time() if cpu0 is None else cpu0
-                if msg.kind == "end":
+                if msg.kind == "sync":  # the sender's warm-up is over: timing starts
+                    await ch.send(TensorMessage(job="bench", kind="synced"))
+                    cpu0 = time.process_time()
+                elif msg.kind == "end":
                     break
             await ch.send(TensorMessage(job="bench", kind="ok", meta={"cpu": time.process_time() - cpu0}))
             await ch.aclose()
@@ -324,6 +329,14 @@ async def send_ours(port: int, size: int, total: int, keys: tuple[bytes, bytes],
     x = torch.randn(size // 4)
     async with trio.open_nursery() as n:
         await n.start(ch.run)
+        # untimed warm-up: the receiver's buffer pool fills (a first-touched 64 MiB buffer costs page faults,
+        # ~0.7 s/GB here) and both ends reach the steady state of a long transfer; raw and bare AEAD
+        # allocate their buffers before timing too
+        for _ in range(cfg.window + 2):
+            await ch.send(TensorMessage(job="bench", kind="warm", tensors=(x,)))
+        await ch.send(TensorMessage(job="bench", kind="sync"))
+        if (await ch.receive()).kind != "synced":
+            raise RuntimeError("benchmark receiver out of step")
         t0, cpu0 = time.perf_counter(), time.process_time()
         for i in range(total // size):
             await ch.send(TensorMessage(job="bench", kind="act", step=i, tensors=(x,)))

@@ -93,6 +93,7 @@ class DataPlaneConfig:
 # writer-queue items: (tag, payload, trio.Event to set when done or None)
 _RAW, _SEALED, _PLANS, _FLUSH = range(4)  # bytes | [(sealed view, pooled buffer)] | ([plans], _Release) | -
 _EOF = -1  # an ordered delivery: lane 0 ended cleanly after CLOSE
+_POOLED_SEAL = 64 * KiB  # records from this size on are sealed into recycled record-sized buffers
 
 
 class _Release:
@@ -258,8 +259,12 @@ class BulkChannel:
                 if size <= self._cfg.inline_seal:
                     # small: seal here (the AEAD releases the GIL) and return at once; a cross-thread
                     # wake-up per message would cost more than the sealing
-                    sealed = []
+                    sealed: list[tuple[memoryview, bytearray | None]] = []
                     for p in plans:
+                        if p.size < _POOLED_SEAL:  # a header or a small tensor: its own small buffer
+                            sealed.append((self._writer.seal(p), None))
+                            continue
+                        # recycled: a fresh record-sized bytearray is zero-filled first (a memset per MiB)
                         out = self._seal_free.pop() if self._seal_free else bytearray(self._writer.max_record)
                         sealed.append((self._writer.seal(p, out), out))
                     self._put((_SEALED, sealed, None))
@@ -440,7 +445,8 @@ class BulkChannel:
                 elif tag == _SEALED:
                     for view, out in what:
                         self._send_exactly(lane, view)
-                        self._seal_free.append(out)
+                        if out is not None:
+                            self._seal_free.append(out)
                 elif tag == _PLANS:
                     plans, release = what
                     job = release  # released below, or in `finally` if this fails
