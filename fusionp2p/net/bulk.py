@@ -940,6 +940,10 @@ async def open_data_plane(transport: Transport, *, config: DataPlaneConfig | Non
         finally:
             dp._closed = True
             dp._incoming_send.close()
+            for ticket in dp._tickets.values():  # lanes of channels whose other lanes never came
+                for sock in ticket.socks:
+                    if sock is not None:
+                        sock.close()
             nursery.cancel_scope.cancel()
 
 
