@@ -146,7 +146,7 @@ def child_bare(key_hex: str, cipher: str) -> None:
 
 
 async def child_ours(keys_hex: str, cipher: str) -> None:
-    from fusionp2p.net.bulk import BulkChannel, _detach
+    from fusionp2p.net.bulk_channel import BulkChannel, _detach
     from fusionp2p.net.channel import TensorMessage
 
     k_dial, k_listen = (bytes.fromhex(k) for k in keys_hex.split(":"))

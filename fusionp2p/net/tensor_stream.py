@@ -1,6 +1,6 @@
 """Sans-IO core of the tensor channel (h11 style): messages in → sealed records out, bytes in → events out.
 
-The trio shell (``fusionp2p.net.bulk``) only moves bytes and runs the sealing in worker threads; all
+The I/O shell (``fusionp2p.net.bulk_channel``) only moves bytes and runs the sealing in worker threads; all
 protocol decisions live here so they can be tested one byte at a time. Record layout and kinds are
 in ``fusionp2p.wire.tensor_frame``.
 
