@@ -334,7 +334,11 @@ class RecordReader:
         size = body_len - overhead(self.opener.cipher)
         if size < 0:
             raise RemoteProtocolError("record shorter than its authentication tag")
-        return self.pool.get(size) if self.pool is not None else alloc_buffer(size)
+        return self._buffer(size)
+
+    def _buffer(self, n: int) -> memoryview:
+        """A buffer for an incoming message of *n* bytes (pooled when the reader has a pool)."""
+        return self.pool.get(n) if self.pool is not None else alloc_buffer(n)
 
     def on_plaintext(self, kind: int, plain: bytearray | memoryview, *, owned: bool = False) -> list[Event]:
         """Process one authenticated record's plaintext. *owned*: *plain* lies where :meth:`destination`
@@ -348,7 +352,7 @@ class RecordReader:
                 raise RemoteProtocolError("striped message on a channel with one lane")
             total, slot, n = tf.decode_stripe_start(plain, max_slot=self.chunk_size, limits=self.limits)
             head = len(plain) - tf.STRIPE_PREFIX
-            buf = self.pool.get(total) if self.pool is not None else alloc_buffer(total)
+            buf = self._buffer(total)
             buf[:head] = plain[tf.STRIPE_PREFIX :]
             stripe = Stripe(buf[:total], total=total, head=head, slot=slot, n=n, first=self.stripes % self.lanes,
                             lanes=self.lanes)
@@ -360,7 +364,7 @@ class RecordReader:
             if self._msg is not None:
                 raise RemoteProtocolError("MSG_START inside a message")
             total = tf.decode_start(plain, limits=self.limits)
-            self._msg = self.pool.get(total) if self.pool is not None else alloc_buffer(total)
+            self._msg = self._buffer(total)
             self._total = total
             first = len(plain) - tf.START_PREFIX
             self._msg[:first] = plain[tf.START_PREFIX :]
