@@ -261,15 +261,17 @@ class NodeJobService:
         job_id = nj.accepted.spec.job_id
         result: dict[str, Any] = {}
         state, reason = JobState.FAILED, ""
-        with trio.CancelScope() as scope:
-            nj.scope = scope
-            try:
+        try:
+            with trio.CancelScope() as scope:
+                nj.scope = scope
                 result = await self._train(nj, snap)
                 state = JobState.DONE
-            except Exception as exc:   # any failure ends this job, never the node
-                log.warning("job %s failed: %s", job_id, describe(exc),
-                            exc_info=not all(isinstance(e, FusionError | trio.Cancelled) for e in leaf_errors(exc)))
-                reason = describe(exc)
+        except Exception as exc:   # any failure ends this job, never the node
+            # (outside the scope: when the publisher cancels while a task fails, e.g. a send to a peer that
+            # already stopped, the scope takes its Cancelled out of the group and raises the rest here)
+            log.warning("job %s failed: %s", job_id, describe(exc),
+                        exc_info=not all(isinstance(e, FusionError | trio.Cancelled) for e in leaf_errors(exc)))
+            reason = describe(exc)
         if scope.cancelled_caught:
             state, reason = JobState.CANCELLED, "cancelled by the publisher"
         nj.state, nj.reason, nj.scope = state, reason, None
