@@ -598,6 +598,12 @@ class BulkChannel:
             self._finished.set()
             return
         err = _classify(self._peer, exc)
+        if self._peer_closed and not isinstance(err, RemoteProtocolError):
+            # the peer closed cleanly: a send that fails now (an ACK racing our own shutdown, or the peer's
+            # close) loses nothing, and the channel stays "closed by peer" (ResilientChannel relies on it
+            # to read the goodbye still in the inbox instead of reconnecting)
+            self._finished.set()
+            return
         self._fail(err if err is not None else PeerUnavailable(self._peer, f"channel thread failed: {exc!r}"))
 
     def _on_eof(self) -> None:

@@ -298,3 +298,31 @@ def test_bulk_sockets_drop_trios_notsent_lowat() -> None:
                     assert lane.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == 0
 
     run(body)
+
+
+def test_a_send_failing_after_the_peers_clean_close_keeps_the_channel_closed_by_peer() -> None:
+    """B closes cleanly; A's writer then fails a send (an ACK for the last message, queued before B's
+    CLOSE was processed, hits the socket A's own shutdown already closed: EPIPE). The channel must stay
+    "closed by peer", not turn into a lost connection: a ResilientChannel reconnects on the latter,
+    and the peer, which said goodbye, no longer knows the session (seen in 4-5 of 30 runs of
+    test_goodbye_behind_a_clean_link_close_ends_the_session). A protocol error still fails it."""
+
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        async with open_data_plane(ta) as da, open_data_plane(tb) as db:
+            a = await da.connect(tb.peer_id)
+            b = await db.incoming.receive()
+            await b.send(MSG)
+            await b.aclose()
+            assert (await a.receive()).key == MSG.key
+            with pytest.raises(trio.EndOfChannel):
+                await a.receive()
+            assert a.closed_by_peer
+            a._thread_failed(BrokenPipeError(32, "Broken pipe"))  # what the writer reports after EPIPE
+            assert a.closed_by_peer
+            with pytest.raises(PeerUnavailable, match="closed by peer"):
+                await a.send(MSG)
+            a._thread_failed(RemoteProtocolError("record (kind 4) after CLOSE"))
+            assert not a.closed_by_peer
+
+    run(body)
