@@ -354,20 +354,15 @@ class PlanElector:
             if data is None:
                 continue
             try:
-                m = expect_map(unpackb(data, max_size=MAX_RECORD_BYTES), "plan record")
-                raws = wfield(m, "votes", list, "plan record")
-                plan_bytes = wfield(m, "plan", bytes, "plan record")
-                plan = Plan.from_wire(plan_bytes)
+                _, plan_bytes, plan, votes = _read_record(data)
             except RemoteProtocolError as exc:
                 log.debug("ignoring the plan record of %s: %s", core.job, exc)
                 continue
             if plan.job != core.job or plan.epoch != core.epoch:
                 continue  # an older epoch's record
             core.plans.setdefault(plan.plan_hash(), plan_bytes)  # adopted only if a quorum voted for its hash
-            for raw in raws:
-                vote = Vote.decode(raw) if isinstance(raw, bytes) else None
-                if vote is not None:
-                    self._feed(core, vote)
+            for vote in votes:
+                self._feed(core, vote)
         waiting.cancel()
 
     async def _republish(self, data: bytes) -> None:
@@ -402,25 +397,35 @@ def _record_epoch(data: bytes) -> int:
     return epoch
 
 
+def _read_record(data: bytes) -> tuple[list[str], bytes, Plan, list[Vote]]:
+    """The parts of a DHT plan record (members, plan bytes, plan, votes), every field checked; the votes'
+    signatures are checked by the Election they are fed to. RemoteProtocolError if malformed."""
+    w = "plan record"
+    m: dict[str, Any] = expect_map(unpackb(data, max_size=MAX_RECORD_BYTES), w)
+    members = wfield(m, "members", list, w)
+    if not members or not all(isinstance(p, str) for p in members):
+        raise RemoteProtocolError("plan record: bad members")
+    plan_bytes = wfield(m, "plan", bytes, w)
+    votes: list[Vote] = []
+    for raw in wfield(m, "votes", list, w):
+        if not isinstance(raw, bytes):
+            raise RemoteProtocolError("plan record: a vote is not bytes")
+        v = Vote.decode(raw)
+        if v is not None:
+            votes.append(v)
+    return members, plan_bytes, Plan.from_wire(plan_bytes), votes
+
+
 def parse_adopted(data: bytes, *, verifier: Verifier = verify) -> tuple[int, Plan]:
     """Check a DHT plan record by replaying its signed votes: (epoch, plan), or RemoteProtocolError.
 
     Trust note: the record names its own member list; a reader that knows the members of the
     epoch (from its own snapshot) should also compare them.
     """
-    w = "plan record"
-    m: dict[str, Any] = expect_map(unpackb(data, max_size=MAX_RECORD_BYTES), w)
-    members = wfield(m, "members", list, w)
-    if not members or not all(isinstance(p, str) for p in members):
-        raise RemoteProtocolError("plan record: bad members")
-    plan = Plan.from_wire(wfield(m, "plan", bytes, w))
+    members, _, plan, votes = _read_record(data)
     core = Election(job=plan.job, epoch=plan.epoch, members=members, verifier=verifier)
-    for raw in wfield(m, "votes", list, w):
-        if not isinstance(raw, bytes):
-            raise RemoteProtocolError("plan record: a vote is not bytes")
-        v = Vote.decode(raw)
-        if v is not None:
-            core.on_vote(v)
+    for v in votes:
+        core.on_vote(v)
     decision = core.decision
     if not isinstance(decision, Adopted) or decision.plan_hash != plan.plan_hash():
         raise RemoteProtocolError("plan record: its votes do not elect its plan")

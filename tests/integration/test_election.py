@@ -22,8 +22,10 @@ from fusionp2p.runtime.election import (
     PlanElector,
     fetch_adopted,
     open_elector,
+    plan_key,
 )
 from fusionp2p.testing.memory import MemoryNetwork, memory_network
+from fusionp2p.wire.msg import packb
 from tests.unit.test_plan_helpers import chain, profile
 
 WORKLOAD = chain(24, act=2_000_000)
@@ -183,5 +185,26 @@ def test_a_member_that_missed_the_votes_decides_from_the_plan_record_before_the_
                 assert got.decision.plan_hash == h0
                 assert got.plan is not None and got.plan.plan_hash() == h0
                 assert trio.current_time() - t0 <= 2 * cfg.record_poll_s
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_malformed_plan_record_is_ignored_by_the_record_poll() -> None:
+    """A record whose vote does not decode (or is not bytes) is skipped as a whole: the lone member's
+    election ends at its deadline, it does not crash on the record."""
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with memory_network() as net, AsyncExitStack() as stack:
+                hosts = [net.add_host(Identity(bytes([k + 1]) * 32)) for k in range(3)]
+                peers = sorted(h.peer_id for h in hosts)
+                snap = local_snapshot(random.Random(3), 0, peers)
+                plan = make_plan(WORKLOAD, snap, seed=7)
+                for votes in ([b"\xc1"], [packb({"t": "plan-vote", "epoch": -1})], [7]):
+                    await hosts[1].dht_put(plan_key(JOB), packb({"job": JOB, "epoch": 0, "members": peers,
+                                                                 "plan": plan.to_wire(), "votes": votes}))
+                    el = await stack.enter_async_context(open_elector(hosts[0], ElectionConfig(timeout_s=5)))
+                    got = await el.elect(snap, plan)
+                    assert isinstance(got.decision, Failed)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
