@@ -28,7 +28,7 @@ import trio
 from benchmarks._common import headline, parser, write
 from fusionp2p.average.outer import OuterConfig, suggest_tau
 from fusionp2p.net.channel import TensorChannel, TensorMessage
-from fusionp2p.runtime.averager import AveragerConfig, load_flat_, open_replica_averager
+from fusionp2p.train.averager import AveragerConfig, load_flat_, open_replica_averager
 
 NAME = "averaging"
 REPLICAS = 4
@@ -46,7 +46,7 @@ def make_model(width: int, depth: int) -> torch.nn.Module:
 async def tcp_mesh(peers: list[str]) -> AsyncIterator[dict[str, dict[str, TensorChannel]]]:
     """A full mesh of encrypted loopback TCP channels (fusionp2p.net.bulk) among *peers*."""
     from fusionp2p.net.bulk import open_data_plane
-    from fusionp2p.testing.memory import memory_network
+    from fusionp2p.net.memory import memory_network
 
     async with AsyncExitStack() as stack:
         net = await stack.enter_async_context(memory_network())

@@ -16,9 +16,9 @@ import time
 import torch
 
 from benchmarks._common import headline, parser, write
+from fusionp2p.cli.demo import SEQ_LEN, demo_config, demo_model
 from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, corpus_tokens
-from fusionp2p.demo import SEQ_LEN, demo_config, demo_model
-from fusionp2p.runtime.metrics import StepProgress
+from fusionp2p.jobs.events import StepProgress
 from fusionp2p.sdk import Swarm
 
 
@@ -66,8 +66,8 @@ def processes(steps: int, nodes: int) -> dict[str, float]:
     import tempfile
     from pathlib import Path
 
-    from fusionp2p.runtime.job_launch import LocalCluster
-    from fusionp2p.runtime.metrics import JobStateChanged
+    from fusionp2p.cli.cluster import LocalCluster
+    from fusionp2p.jobs.events import JobStateChanged
     from fusionp2p.testing.wait import wait_until
 
     cfg = demo_config(steps, nodes)

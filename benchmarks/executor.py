@@ -31,14 +31,13 @@ from fusionp2p.graph import (
     LocalPipeline,
     StageExecutor,
     coarsen,
-    decode_dag,
-    encode_dag,
     partition,
     single_stage,
     stages_from_fences,
     trace,
 )
 from fusionp2p.models import GPT2, GPT2Config, ResNet, ResNetConfig
+from fusionp2p.wire.dag import decode_dag, encode_dag
 
 
 def _even_fences(n_units: int, stages: int) -> list[int]:

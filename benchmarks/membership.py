@@ -25,8 +25,8 @@ import trio
 from benchmarks._common import headline, parser, write
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
-from fusionp2p.runtime.membership import BandwidthTable
-from fusionp2p.runtime.swarm import fetch_view
+from fusionp2p.swarm.membership import BandwidthTable
+from fusionp2p.swarm.node import fetch_view
 from fusionp2p.wire.records import BandwidthReport, NodeRecord
 
 CLI = [sys.executable, "-m", "fusionp2p.cli"]

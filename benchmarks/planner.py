@@ -36,8 +36,7 @@ from fusionp2p.plan import (
     plan_even_layers,
 )
 from fusionp2p.plan.estimator import CostModel
-from fusionp2p.plan.profile import DeviceProfile
-from fusionp2p.plan.workload import Edge, Unit, WorkloadGraph
+from fusionp2p.types import DeviceProfile, Edge, Unit, WorkloadGraph
 
 NAME = "planner"
 GB = 1 << 30

@@ -1,7 +1,7 @@
 """Pipeline schedules: simulated step time and activation memory of GPipe vs 1F1B, and the cost of
 the pure schedule state machine itself next to the compute it drives.
 
-Part 1 drives the real :class:`fusionp2p.runtime.schedule.StageSchedule` machines in a discrete-event
+Part 1 drives the real :class:`fusionp2p.train.schedule.StageSchedule` machines in a discrete-event
 simulation (forward cost f, backward 2f, a link latency), over a grid of stages x micro-batches,
 and records the step time, the bubble fraction and the peak stash per stage.
 Part 2 times ``handle()`` on this machine: all events of one step divided by the micro-batches,
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from benchmarks._common import headline, parser, write
-from fusionp2p.runtime.schedule import (
+from fusionp2p.train.schedule import (
     Action,
     ActivationArrived,
     BackwardDone,

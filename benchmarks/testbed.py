@@ -1,7 +1,7 @@
 """Emulated-WAN testbed: how exactly ``tc tbf`` shapes a veth link, and what a testbed costs to build.
 
 For each link rate (8 Mbit/s to 10 Gbit/s, FusionLLM's range) one host's uplink is shaped and one
-TCP flow (``fusionp2p.testing.tcpprobe``, run as a script in the namespaces) goes to an unshaped
+TCP flow (``fusionp2p.testbed.tcpprobe``, run as a script in the namespaces) goes to an unshaped
 sink; the receiver's steady rate (after a 0.3 s warm-up) is compared with the configured rate, in
 the same run. An unshaped flow between two namespaces gives the ceiling of the machine. Each flow is
 run ``--repeat`` times; CPU contention can only slow a flow, so the best run estimates the link and
@@ -23,9 +23,9 @@ from typing import Any
 
 from benchmarks._common import headline, parser, write
 from fusionp2p.errors import ConfigError
-from fusionp2p.testing import netns, tcpprobe
-from fusionp2p.testing.netns import format_rate, tbf_params
-from fusionp2p.testing.testbed import HostSpec, Testbed, TestbedHost, TestbedSpec, up
+from fusionp2p.testbed import netns, tcpprobe
+from fusionp2p.testbed.emulator import HostSpec, Testbed, TestbedHost, TestbedSpec, up
+from fusionp2p.testbed.netns import format_rate, tbf_params
 
 NAME = "testbed"
 PROBE = str(Path(tcpprobe.__file__))

@@ -1,7 +1,7 @@
 """Geo-distributed benchmark (issue 8): five systems side by side on the emulated-WAN testbed.
 
 ``python -m benchmarks.wan --scenario mixed [--quick]`` builds the scenario's testbed (network
-namespaces, ``tc tbf`` shaping; ``fusionp2p/testing/specs/wan_<scenario>.json``), plans the five
+namespaces, ``tc tbf`` shaping; ``fusionp2p/testbed/specs/wan_<scenario>.json``), plans the five
 systems from the shaped rates and a measured compute rate (``benchmarks/wan_setup.py``), starts one
 worker process per host inside its namespace (``benchmarks/wan_worker.py``), runs the systems one
 after the other with a barrier in between, collects per-step losses, timings and bytes per link
@@ -35,8 +35,8 @@ from benchmarks._common import RESULTS, headline, parser, write
 from benchmarks.wan_report import collect, links_table, plot, table
 from benchmarks.wan_setup import SCENARIOS, RunConfig, default_cpu_share, load_scenario, prepare
 from fusionp2p.errors import ConfigError
-from fusionp2p.testing import netns
-from fusionp2p.testing.netns import Proc, spawn_process, stop_all
+from fusionp2p.testbed import netns
+from fusionp2p.testbed.netns import Proc, spawn_process, stop_all
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +79,7 @@ def run(scenario: str, cfg: RunConfig, *, loopback: bool, pin: bool, system_time
         stack.callback(lambda: stop_all(procs, grace=3.0))
         tb = None
         if not loopback:
-            from fusionp2p.testing.testbed import up
+            from fusionp2p.testbed.emulator import up
             tb = up(spec, workdir=workdir)   # logs stay in our workdir
             stack.callback(tb.close)
             addrs, ports = [h.address for h in tb.hosts], [4400] * n

@@ -6,7 +6,7 @@ scenario's *shaped* rates and the hosts' slowdown factors, plans the five system
 stage program (weights included, so that every system starts from the same initial weights) and
 writes one job file that each worker process (``benchmarks/wan_worker.py``) reads.
 
-Replicas. The stage worker (``runtime/jobrunner.py``) runs ``R`` pipelines, replica ``r`` of each
+Replicas. The stage worker (``train/worker.py``) runs ``R`` pipelines, replica ``r`` of each
 stage talking to replica ``r`` of its neighbours, so every stage must have the same replica count.
 All five systems therefore use ``R = 2`` pipelines: hosts are grouped into pairs and each pair acts
 as one *replica group* (a virtual device whose speed is the slower member's, and whose link to
@@ -47,9 +47,8 @@ from fusionp2p.plan import (
     plan_even_layers,
     predict,
 )
-from fusionp2p.plan.profile import DeviceProfile
-from fusionp2p.plan.workload import WorkloadGraph
-from fusionp2p.testing.testbed_spec import TestbedSpec, load_spec
+from fusionp2p.testbed.spec import TestbedSpec, load_spec
+from fusionp2p.types import DeviceProfile, WorkloadGraph
 from fusionp2p.wire.dag import encode_stage
 
 SPECS = Path(__file__).resolve().parent.parent / "fusionp2p" / "testing" / "specs"

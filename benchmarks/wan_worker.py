@@ -8,7 +8,7 @@ start-up per host instead of one per system). Per system it:
 2. if the plan gives it a stage replica: opens encrypted data-plane channels to its pipeline
    neighbours and to the other replica of its stage (the lower host index dials; the key agreement
    runs over libp2p, then tensors move over AEAD-sealed TCP between the namespaces);
-3. runs :class:`~fusionp2p.runtime.jobrunner.StageWorker` on the system's stage program and writes
+3. runs :class:`~fusionp2p.train.worker.StageWorker` on the system's stage program and writes
    ``result-<k>-<host>.json``: per-step loss and timings, the final evaluation loss, bytes per channel;
 4. prints ``done <k>``.
 
@@ -42,8 +42,8 @@ from fusionp2p.graph.program import StageProgram
 from fusionp2p.net.bulk import BulkChannel, DataPlane, open_data_plane
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, Libp2pTransport, open_libp2p_transport
-from fusionp2p.runtime.jobrunner import StageContext, StageReport, StageWorker
-from fusionp2p.runtime.trainconfig import CO2, TrainConfig
+from fusionp2p.train.config import CO2, TrainConfig
+from fusionp2p.train.worker import StageContext, StageReport, StageWorker
 from fusionp2p.wire.dag import decode_stage
 
 log = logging.getLogger(__name__)

@@ -12,18 +12,18 @@
         job.download("out/")              # out/model.safetensors, keys of my_module.state_dict()
 
 Theory of operation. ``Swarm.local`` starts one ``trio.run`` in a daemon thread holding an in-memory
-network (``fusionp2p.testing.memory``): a publisher host and ``n_nodes`` node hosts, each with its own
+network (``fusionp2p.net.memory``): a publisher host and ``n_nodes`` node hosts, each with its own
 content store and content service. ``publish`` traces the model in the caller's thread (so that
 tracing errors raise right there, as ``ConfigError``), then hands the signed envelope and the blobs to
 the trio thread. There every node verifies the signature, fetches the DAG, the weights and the data by
 hash from the publisher, checks that it fits, and computes the plan; the plan is adopted when every
-accepting node computed the same hash. Then all stage replicas run (``runtime/jobrunner.py``) and
+accepting node computed the same hash. Then all stage replicas run (``train/worker.py``) and
 progress events flow to the job's queue. A job that no node accepts fails with the nodes' reasons.
 
 ``Swarm.connect(bootstrap=[...])`` runs the same user API against real node processes: a libp2p
-client in the background thread hosts a :class:`~fusionp2p.runtime.job_client.Publisher` (content
+client in the background thread hosts a :class:`~fusionp2p.jobs.publisher.Publisher` (content
 served by hash, JOB reports in, progress from the jobs gossip topic); the nodes run
-``runtime/job_node.py`` (see docs/sdk.md for the whole flow).
+``jobs/node.py`` (see docs/sdk.md for the whole flow).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -44,14 +43,8 @@ import torch
 import trio
 from torch import nn
 
-from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable
-from fusionp2p.net.identity import Identity
-from fusionp2p.net.transport import Transport
-from fusionp2p.plan.profile import DeviceProfile
-from fusionp2p.runtime.checkpoint import assemble, latest_complete_step
-from fusionp2p.runtime.content import ContentService, ContentStore
-from fusionp2p.runtime.job_client import Publisher, discover
-from fusionp2p.runtime.job_local import (
+from fusionp2p.errors import FusionError, JobError, PeerUnavailable
+from fusionp2p.jobs.build import (
     AcceptedJob,
     BuiltJob,
     Dataset,
@@ -63,16 +56,22 @@ from fusionp2p.runtime.job_local import (
     run_local_job,
     save_module_state,
 )
-from fusionp2p.runtime.jobspec import Resources
-from fusionp2p.runtime.lifecycle import JobState
-from fusionp2p.runtime.metrics import (
+from fusionp2p.jobs.checkpoint import assemble, latest_complete_step
+from fusionp2p.jobs.content import ContentService, ContentStore
+from fusionp2p.jobs.events import (
     JobStateChanged,
     MetricsWriter,
     ProgressEvent,
     StepProgress,
 )
-from fusionp2p.runtime.trainconfig import TrainConfig
-from fusionp2p.testing.memory import MemoryTransport, memory_network
+from fusionp2p.jobs.lifecycle import JobState
+from fusionp2p.jobs.publisher import Publisher, discover
+from fusionp2p.jobs.spec import Resources
+from fusionp2p.net.identity import Identity
+from fusionp2p.net.memory import MemoryTransport, memory_network
+from fusionp2p.net.transport import Transport
+from fusionp2p.train.config import TrainConfig
+from fusionp2p.types import DeviceProfile
 
 log = logging.getLogger(__name__)
 
@@ -412,73 +411,7 @@ class Swarm:
         self.close()
 
 
-def _job_from_file(path: str) -> dict[str, Any]:
-    """``make_job()`` of a user's Python file: a dict with model, dataset, config and optionally loss."""
-    import runpy
-
-    ns = runpy.run_path(path)     # the user's own file, run locally (never anything from a peer)
-    make = ns.get("make_job")
-    if not callable(make):
-        raise ConfigError(f"{path} defines no make_job() returning dict(model=..., dataset=..., config=...)")
-    spec = make()
-    if not isinstance(spec, dict) or not {"model", "dataset", "config"} <= set(spec):
-        raise ConfigError(f"make_job() in {path} must return a dict with model, dataset and config")
-    return spec
-
-
-def cli_job(args: Any) -> int:
-    """``fusionp2p job submit [FILE.py | --builtin gpt2-tiny] --bootstrap ADDR [--steps N] [--out DIR]``.
-
-    Connects to the swarm, publishes the job, shows live progress, downloads the trained model to
-    ``--out`` and prints a summary. Ctrl-C cancels the job on every node. Exit 0 when the job is DONE.
-    """
-    from rich.console import Console
-
-    from fusionp2p.data import BuiltinCorpus
-    from fusionp2p.demo import demo_config, demo_model, follow
-
-    if getattr(args, "job_cmd", "submit") != "submit":
-        raise ConfigError(f"job {args.job_cmd} is not available yet; see docs/sdk.md")
-    console = Console()
-    torch.set_num_threads(1)
-    if args.file and args.builtin:
-        raise ConfigError("give either FILE.py or --builtin, not both")
-    if args.file:
-        spec = _job_from_file(args.file)
-    elif args.builtin == "gpt2-tiny":
-        from fusionp2p.demo import SEQ_LEN
-
-        spec = {"model": demo_model(), "dataset": BuiltinCorpus(seq_len=SEQ_LEN),
-                "config": demo_config(int(args.steps), 4)}
-    else:
-        raise ConfigError("job submit needs FILE.py or --builtin gpt2-tiny")
-    home = Path(args.out) / ".fusionp2p"
-    with Swarm.connect(list(args.bootstrap), home=home, listen="/ip4/0.0.0.0/tcp/0") as swarm:
-        job = swarm.publish(model=spec["model"], dataset=spec["dataset"], config=spec["config"],
-                            loss=spec.get("loss"), name=str(spec.get("name", "")))
-        console.print(f"published job {job.id} to {len(swarm.members())} nodes")
-        try:
-            seen = follow(job, console)
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted: cancelling the job[/]")
-            job.cancel()
-            with suppress(JobError, TimeoutError):
-                job.wait(timeout=20)
-            return 130
-        try:
-            job.wait(timeout=10)
-        except JobError as exc:
-            console.print(f"[red]{exc}[/]")
-            return 1
-        path = job.download(args.out)
-        table = seen.summary(job)
-        table.add_row("model", str(path))
-        table.add_row("metrics", str(job.home / "metrics.jsonl"))
-        console.print(table)
-    return 0
-
-
-__all__ = ["Job", "Swarm", "cli_job"]
+__all__ = ["Job", "Swarm"]
 
 
 def _root_error(exc: BaseException) -> BaseException:

@@ -1,7 +1,7 @@
 """CO2 averaging, pure part: the outer optimizer, sharded outer state, and the round state machine.
 
 No trio, no sockets, no clock here (ARCHITECTURE.md); the trio shell is
-:mod:`fusionp2p.runtime.averager`. Design notes: docs/averaging.md.
+:mod:`fusionp2p.train.averager`. Design notes: docs/averaging.md.
 """
 
 from fusionp2p.average.allreduce import AllReduceRound, Finished, Reduced, RoundMsg, RoundResult, Send

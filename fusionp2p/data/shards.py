@@ -7,7 +7,7 @@ encoding) is what a job's dataset reference names. A node fetches the manifest, 
 its samples touch (:meth:`ShardManifest.shards_for`), and checks each against the manifest
 (:func:`decode_shard`): a peer that serves other bytes raises :class:`IntegrityError`.
 
-Pure: no I/O here; fetching goes through :mod:`fusionp2p.runtime.content`.
+Pure: no I/O here; fetching goes through :mod:`fusionp2p.jobs.content`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The planner's view of a DAG: coarse units with costs, and the bytes between them.
 
 ``to_workload(dag, micro_batch)`` turns a (coarsened) OpDAG into a
-:class:`fusionp2p.plan.workload.WorkloadGraph`: one Unit per coarse unit, in topological order, and one
+:class:`fusionp2p.types.WorkloadGraph`: one Unit per coarse unit, in topological order, and one
 Edge per pair of units that exchange tensors. Costs come from the trace: forward FLOPs counted by
 ``torch.utils.flop_counter`` per ATen op, backward taken as twice the forward (the usual estimate;
 ALGORITHMS.md §1.4), activation bytes as the bytes every op of the unit produces, parameter bytes as
@@ -16,7 +16,7 @@ from fusionp2p.errors import ConfigError
 from fusionp2p.graph.coarsen import CoarseDAG, coarsen
 from fusionp2p.graph.dag import OpDAG
 from fusionp2p.graph.partition import replicable_nodes
-from fusionp2p.plan.workload import Edge, Unit, WorkloadGraph
+from fusionp2p.types import Edge, Unit, WorkloadGraph
 
 
 def to_workload(graph: OpDAG | CoarseDAG, micro_batch: int) -> WorkloadGraph:

@@ -2,7 +2,7 @@
 
 Two implementations pass one conformance suite (tests/unit/test_transport_conformance.py):
 :class:`fusionp2p.net.libp2p_host.Libp2pTransport` (real libp2p: Noise, yamux, Kademlia, gossipsub)
-and :class:`fusionp2p.testing.memory.MemoryTransport` (in one process, for fast deterministic tests).
+and :class:`fusionp2p.net.memory.MemoryTransport` (in one process, for fast deterministic tests).
 
 Streams mirror ``trio.abc.Stream`` (``send_all`` / ``receive_some`` / ``aclose``) so that trio's own
 stream helpers apply. ``receive_some`` returns ``b""`` at end of stream; a reset or a dead peer

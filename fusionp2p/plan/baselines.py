@@ -20,7 +20,7 @@ from fusionp2p.plan.opfence import InfeasiblePlanError, _States, min_bottleneck_
 from fusionp2p.plan.plan import Plan
 from fusionp2p.plan.predict import Layout, build_plan, layout_fits
 from fusionp2p.plan.snapshot import Snapshot
-from fusionp2p.plan.workload import WorkloadGraph
+from fusionp2p.types import WorkloadGraph
 
 
 def plan_even_layers(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfig | None = None, seed: int = 0) -> Plan:

@@ -24,10 +24,9 @@ import numpy as np
 import numpy.typing as npt
 
 from fusionp2p.plan.config import PlannerConfig
-from fusionp2p.plan.profile import DeviceProfile
 from fusionp2p.plan.snapshot import Link, Snapshot
 from fusionp2p.plan.wirebytes import bytes_per_element, wire_bytes
-from fusionp2p.plan.workload import Unit, WorkloadGraph
+from fusionp2p.types import DeviceProfile, Unit, WorkloadGraph
 
 F64 = npt.NDArray[np.float64]
 

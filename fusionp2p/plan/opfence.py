@@ -46,7 +46,7 @@ from fusionp2p.plan.estimator import CostModel
 from fusionp2p.plan.plan import Plan
 from fusionp2p.plan.predict import Layout, build_plan, choose_ratios
 from fusionp2p.plan.snapshot import Snapshot
-from fusionp2p.plan.workload import WorkloadGraph
+from fusionp2p.types import WorkloadGraph
 
 log = logging.getLogger(__name__)
 

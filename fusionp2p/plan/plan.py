@@ -1,6 +1,6 @@
 """The planner's output: a frozen :class:`Plan`, its wire form and its hash.
 
-A plan is what every member of a job agrees on by hash (runtime/election.py), so the hash covers
+A plan is what every member of a job agrees on by hash (jobs/election.py), so the hash covers
 exactly the *decisions* — job, epoch, snapshot hash, algorithm, seed, micro-batches, stage ranges,
 replicas, and per-fence kept ratios (quantised to 1e-4) — and not the predicted times, which are
 floating-point forecasts that may differ in the last bit between machines.

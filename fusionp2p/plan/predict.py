@@ -27,7 +27,7 @@ from fusionp2p.plan.estimator import CostModel, compressed_bytes
 from fusionp2p.plan.plan import Fence, Plan, Stage, quantize_rho
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.plan.wirebytes import max_ratio, sends_dense
-from fusionp2p.plan.workload import WorkloadGraph
+from fusionp2p.types import WorkloadGraph
 
 Layout = list[tuple[int, int, tuple[int, ...]]]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusionp2p.errors import ConfigError, RemoteProtocolError
-from fusionp2p.plan.profile import DeviceProfile
+from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.msg import expect_map, packb, unpackb
 from fusionp2p.wire.msg import field as wfield
 

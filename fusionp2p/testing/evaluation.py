@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from fusionp2p.data import BatchSampler, SamplerConfig, corpus_tokens
-from fusionp2p.runtime.trainconfig import TrainConfig
+from fusionp2p.train.config import TrainConfig
 
 
 def final_eval_loss(model: torch.nn.Module, cfg: TrainConfig, *, seq_len: int, corpus: str = "pydoc") -> float:

@@ -9,9 +9,9 @@ import trio
 
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
-from fusionp2p.plan.profile import DeviceProfile
-from fusionp2p.runtime.swarm import SwarmConfig, SwarmNode
-from fusionp2p.testing.memory import memory_network
+from fusionp2p.net.memory import memory_network
+from fusionp2p.swarm.node import SwarmConfig, SwarmNode
+from fusionp2p.types import DeviceProfile
 
 TEST_PROFILE = DeviceProfile(device="cpu", kind="cpu", name="test-cpu", flops_fp32=1e10, flops_bf16=0.0, memory_bytes=4 * 2**30)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.plan.profile import DeviceProfile
+from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.msg import expect_map, field, packb, unpackb
 
 VERSION = 1

@@ -19,7 +19,7 @@ from fusionp2p.average.outer import OuterConfig, OuterOptimizer
 from fusionp2p.average.shard import weighted_mean
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net.channel import TensorMessage
-from fusionp2p.runtime.averager import (
+from fusionp2p.train.averager import (
     AveragerConfig,
     BoundaryResult,
     ReplicaAverager,

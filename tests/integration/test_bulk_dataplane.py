@@ -15,8 +15,8 @@ import trio
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.bulk import DataPlane, DataPlaneConfig, open_data_plane
 from fusionp2p.net.channel import TensorMessage
+from fusionp2p.net.memory import MemoryNetwork, memory_network
 from fusionp2p.net.transport import Stream
-from fusionp2p.testing.memory import MemoryNetwork, memory_network
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.framing import encode_frame
 from fusionp2p.wire.protocols import BULK_TICKET

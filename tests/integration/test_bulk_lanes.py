@@ -16,7 +16,7 @@ import trio
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.bulk import BulkChannel, open_data_plane
 from fusionp2p.net.channel import TensorMessage
-from fusionp2p.testing.memory import memory_network
+from fusionp2p.net.memory import memory_network
 from fusionp2p.wire import tensor_frame as tf
 
 LANES = {"lanes": 3, "chunk_size": 16 * 1024, "stripe_min": 40 * 1024, "window": 4}

@@ -9,9 +9,9 @@ import pytest
 import trio
 
 from fusionp2p.errors import IntegrityError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.jobs.content import ContentConfig, ContentService, ContentStore
+from fusionp2p.net.memory import MemoryNetwork, memory_network
 from fusionp2p.net.transport import Stream
-from fusionp2p.runtime.content import ContentConfig, ContentService, ContentStore
-from fusionp2p.testing.memory import MemoryNetwork, memory_network
 from fusionp2p.wire.framing import encode_frame
 from fusionp2p.wire.msg import packb
 from fusionp2p.wire.protocols import CONTENT

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from fusionp2p.data import BuiltinCorpus
-from fusionp2p.runtime.metrics import PlanChanged, StepProgress
-from fusionp2p.runtime.trainconfig import TrainConfig
+from fusionp2p.jobs.events import PlanChanged, StepProgress
 from fusionp2p.sdk import Swarm
+from fusionp2p.train.config import TrainConfig
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 

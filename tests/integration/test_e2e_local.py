@@ -13,15 +13,15 @@ import torch.nn.functional as F
 
 from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, corpus_tokens
 from fusionp2p.errors import ConfigError, JobError
+from fusionp2p.jobs import build as job_local
+from fusionp2p.jobs.build import build_job
+from fusionp2p.jobs.events import PlanChanged, StepProgress
+from fusionp2p.jobs.spec import Resources
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
 from fusionp2p.net.channel import TensorChannel, TensorMessage
-from fusionp2p.runtime import job_local
-from fusionp2p.runtime.job_local import build_job
-from fusionp2p.runtime.jobspec import Resources
-from fusionp2p.runtime.metrics import PlanChanged, StepProgress
-from fusionp2p.runtime.trainconfig import CO2, TrainConfig
 from fusionp2p.sdk import Swarm
 from fusionp2p.testing.channels import memory_channel_pair
+from fusionp2p.train.config import CO2, TrainConfig
 
 SEQ = 32
 TIMEOUT = 240

@@ -20,20 +20,20 @@ import torch
 import trio
 
 from fusionp2p.data import BuiltinCorpus
+from fusionp2p.jobs.build import build_job, module_state
+from fusionp2p.jobs.checkpoint import assemble
+from fusionp2p.jobs.content import ContentService, ContentStore
+from fusionp2p.jobs.events import JobStateChanged, PlanChanged, ProgressEvent, StepProgress
+from fusionp2p.jobs.node import NodeJobConfig, NodeJobService
+from fusionp2p.jobs.publisher import DriverConfig, Publisher
+from fusionp2p.jobs.spec import Resources
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
+from fusionp2p.net.memory import MemoryTransport, memory_network
 from fusionp2p.net.resilient import ResilientChannel
-from fusionp2p.runtime.checkpoint import assemble
-from fusionp2p.runtime.content import ContentService, ContentStore
-from fusionp2p.runtime.job_client import DriverConfig, Publisher
-from fusionp2p.runtime.job_local import build_job, module_state
-from fusionp2p.runtime.job_node import NodeJobConfig, NodeJobService
-from fusionp2p.runtime.jobspec import Resources
-from fusionp2p.runtime.metrics import JobStateChanged, PlanChanged, ProgressEvent, StepProgress
-from fusionp2p.runtime.swarm import SwarmConfig, SwarmNode
-from fusionp2p.runtime.trainconfig import CO2, TrainConfig
+from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.testing.evaluation import final_eval_loss
-from fusionp2p.testing.memory import MemoryTransport, memory_network
 from fusionp2p.testing.swarm import TEST_PROFILE
+from fusionp2p.train.config import CO2, TrainConfig
 from fusionp2p.wire.framing import encode_frame
 from fusionp2p.wire.protocols import JOB
 
@@ -244,7 +244,7 @@ def test_garbage_on_the_job_protocol_is_answered_not_fatal(tmp_path: Path, paylo
                 while await s.receive_some():
                     pass
                 # the node still answers a well-formed request
-                from fusionp2p.runtime import job_proto
+                from fusionp2p.jobs import proto as job_proto
 
                 reply = await job_proto.request(cl.client, cl.nodes[0].peer_id, {"op": "status", "job": "x"}, timeout=5)
                 assert reply["ok"] is False

@@ -8,13 +8,7 @@ from contextlib import AsyncExitStack
 import trio
 import trio.testing
 
-from fusionp2p.net.identity import Identity
-from fusionp2p.net.transport import Transport
-from fusionp2p.plan.opfence import make_plan
-from fusionp2p.plan.plan import Plan
-from fusionp2p.plan.profile import DeviceProfile
-from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
-from fusionp2p.runtime.election import (
+from fusionp2p.jobs.election import (
     Adopted,
     ElectionConfig,
     Failed,
@@ -24,7 +18,13 @@ from fusionp2p.runtime.election import (
     open_elector,
     plan_key,
 )
-from fusionp2p.testing.memory import MemoryNetwork, memory_network
+from fusionp2p.net.identity import Identity
+from fusionp2p.net.memory import MemoryNetwork, memory_network
+from fusionp2p.net.transport import Transport
+from fusionp2p.plan.opfence import make_plan
+from fusionp2p.plan.plan import Plan
+from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
+from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.msg import packb
 from tests.unit.test_plan_helpers import chain, profile
 

@@ -16,6 +16,7 @@ import trio
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.bulk import DataPlane, open_data_plane
 from fusionp2p.net.channel import TensorMessage
+from fusionp2p.net.memory import MemoryNetwork, MemoryTransport, memory_network
 from fusionp2p.net.resilient import (
     RESERVED,
     Hello,
@@ -27,7 +28,6 @@ from fusionp2p.net.resilient import (
     parse_welcome,
 )
 from fusionp2p.net.transport import Stream
-from fusionp2p.testing.memory import MemoryNetwork, MemoryTransport, memory_network
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.protocols import BULK_TICKET

@@ -7,11 +7,11 @@ import trio
 import trio.testing
 
 from fusionp2p.net.identity import Identity, verify
+from fusionp2p.net.memory import MemoryTransport, memory_network
 from fusionp2p.net.transport import GossipMessage
-from fusionp2p.runtime import swarm as swarm_mod
-from fusionp2p.runtime.membership import Change, prober_of
-from fusionp2p.runtime.swarm import SwarmConfig, SwarmNode
-from fusionp2p.testing.memory import MemoryTransport, memory_network
+from fusionp2p.swarm import node as swarm_mod
+from fusionp2p.swarm.membership import Change, prober_of
+from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.testing.swarm import TEST_PROFILE, converge, local_swarm
 from fusionp2p.wire.protocols import TOPIC_MEMBERS
 from fusionp2p.wire.records import BandwidthReport, encode_bundle

@@ -14,15 +14,15 @@ import pytest
 import safetensors.torch
 import torch
 
+from fusionp2p.cli.cluster import LocalCluster
 from fusionp2p.data import BuiltinCorpus
 from fusionp2p.errors import JobError
+from fusionp2p.jobs.events import JobStateChanged, PlanChanged, StepProgress
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
-from fusionp2p.runtime.job_launch import LocalCluster
-from fusionp2p.runtime.metrics import JobStateChanged, PlanChanged, StepProgress
-from fusionp2p.runtime.trainconfig import TrainConfig
 from fusionp2p.sdk import Swarm
 from fusionp2p.testing.evaluation import final_eval_loss
 from fusionp2p.testing.wait import wait_until
+from fusionp2p.train.config import TrainConfig
 
 pytestmark = pytest.mark.system
 

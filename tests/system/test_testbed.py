@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.testing import netns, tcpprobe
-from fusionp2p.testing.testbed import (
+from fusionp2p.testbed import netns, tcpprobe
+from fusionp2p.testbed.emulator import (
     HostSpec,
     Testbed,
     TestbedHost,
@@ -284,7 +284,7 @@ def test_cli_detach_then_down_removes_everything(cleanup: list[str], capsys: pyt
 _RUN_CLI_UP = textwrap.dedent(
     """
     import sys
-    from fusionp2p.testing.testbed import cli_up
+    from fusionp2p.testbed.emulator import cli_up
     boot = [sys.executable, "-c", sys.argv[2]]
     node = lambda host, addr: [sys.executable, "-c", sys.argv[3], addr]
     sys.exit(cli_up(sys.argv[1], bootstrap_argv=boot, node_argv=node, ready_timeout=20.0, wait_nodes=True))

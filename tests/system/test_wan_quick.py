@@ -18,7 +18,7 @@ import pytest
 from benchmarks.wan import run
 from benchmarks.wan_setup import RunConfig
 from fusionp2p.errors import ConfigError
-from fusionp2p.testing import netns
+from fusionp2p.testbed import netns
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(600)]
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from fusionp2p.average.allreduce import RoundMsg
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.net.channel import TensorMessage
-from fusionp2p.runtime.averager import from_message, to_message
+from fusionp2p.train.averager import from_message, to_message
 
 
 def test_round_trip() -> None:

@@ -17,9 +17,9 @@ import trio.testing
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net.bulk import open_data_plane
 from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.net.memory import memory_network
 from fusionp2p.net.resilient import ResilientConfig, open_resilient_acceptor, open_resilient_channel
 from fusionp2p.testing.channels import memory_channel_pair
-from fusionp2p.testing.memory import memory_network
 
 WINDOW = 4
 

@@ -27,6 +27,6 @@ def test_user_errors_are_value_errors() -> None:
 
 
 def test_cli_control_plane_does_not_import_torch() -> None:
-    code = "import sys, fusionp2p, fusionp2p.cli, fusionp2p.runtime.swarm, fusionp2p.runtime.daemon; print('torch' in sys.modules)"
+    code = "import sys, fusionp2p, fusionp2p.cli, fusionp2p.swarm.node, fusionp2p.swarm.daemon; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"

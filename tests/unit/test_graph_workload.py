@@ -8,7 +8,7 @@ import torch
 from fusionp2p.errors import ConfigError
 from fusionp2p.graph import coarsen, partition, stages_from_fences, to_workload, trace
 from fusionp2p.models import GPT2, MLP, GPT2Config, MLPConfig
-from fusionp2p.plan.workload import WorkloadGraph
+from fusionp2p.types import WorkloadGraph
 
 torch.set_num_threads(1)
 

@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.runtime.job_node import NodeJobConfig, NodeJobService, _Job
+from fusionp2p.jobs.node import NodeJobConfig, NodeJobService, _Job
 
 
 class _Chan:

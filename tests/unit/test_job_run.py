@@ -10,9 +10,9 @@ from typing import Any
 import trio
 
 from fusionp2p.errors import PeerUnavailable
-from fusionp2p.runtime.job_node import NodeJobService, _Job
-from fusionp2p.runtime.lifecycle import JobState
-from fusionp2p.testing.memory import memory_network
+from fusionp2p.jobs.lifecycle import JobState
+from fusionp2p.jobs.node import NodeJobService, _Job
+from fusionp2p.net.memory import memory_network
 
 
 def test_a_cancel_racing_a_failing_send_ends_the_job_not_the_node(tmp_path: Path) -> None:

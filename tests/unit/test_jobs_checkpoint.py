@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fusionp2p.runtime.checkpoint import (
+from fusionp2p.jobs.checkpoint import (
     CheckpointError,
     StageCheckpointMeta,
     assemble,

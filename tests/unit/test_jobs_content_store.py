@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fusionp2p.errors import ConfigError, IntegrityError
-from fusionp2p.runtime.content import ContentConfig, ContentStore
+from fusionp2p.jobs.content import ContentConfig, ContentStore
 
 
 @pytest.mark.parametrize("on_disk", [False, True])

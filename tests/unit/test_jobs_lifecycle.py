@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from fusionp2p.errors import LocalProtocolError
-from fusionp2p.runtime.lifecycle import TRANSITIONS, IllegalTransition, JobLifecycle, JobState
+from fusionp2p.jobs.lifecycle import TRANSITIONS, IllegalTransition, JobLifecycle, JobState
 
 S = JobState
 LEGAL = {

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.runtime.metrics import (
+from fusionp2p.jobs.events import (
     CheckpointSaved,
     JobStateChanged,
     MembersChanged,

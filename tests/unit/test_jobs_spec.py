@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 from fusionp2p.data import BuiltinCorpus, ShardManifest, TokenFile, corpus_hash
 from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
-from fusionp2p.net.identity import Identity
-from fusionp2p.runtime.jobspec import (
+from fusionp2p.jobs.spec import (
     CO2,
     MAX_SPEC_BYTES,
     AdaTopK,
@@ -26,6 +25,7 @@ from fusionp2p.runtime.jobspec import (
     prepare_dataset,
     sign_spec,
 )
+from fusionp2p.net.identity import Identity
 from fusionp2p.wire.msg import packb, unpackb
 
 ALICE = Identity(bytes(range(32)))

@@ -3,7 +3,7 @@
 import pytest
 
 from fusionp2p.net.identity import Identity
-from fusionp2p.runtime.membership import BandwidthTable, Change, MembershipView, ema, prober_of
+from fusionp2p.swarm.membership import BandwidthTable, Change, MembershipView, ema, prober_of
 from fusionp2p.wire.records import BandwidthReport, Measurement, NodeRecord
 
 P = [Identity(bytes([i + 1]) * 32).peer_id for i in range(3)]

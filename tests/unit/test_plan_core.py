@@ -17,7 +17,7 @@ from fusionp2p.plan.estimator import compressed_bytes, link_time, unit_compute_t
 from fusionp2p.plan.opfence import make_plan
 from fusionp2p.plan.plan import Plan
 from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
-from fusionp2p.plan.workload import Unit
+from fusionp2p.types import Unit
 from fusionp2p.wire.msg import packb, unpackb
 from tests.unit.test_plan_helpers import chain, profile, snapshot
 

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.jobs.election import Adopted, Election, Failed, Vote, parse_adopted
 from fusionp2p.net.identity import Identity
 from fusionp2p.plan.opfence import make_plan
-from fusionp2p.runtime.election import Adopted, Election, Failed, Vote, parse_adopted
 from fusionp2p.wire.msg import packb
 from tests.unit.test_plan_helpers import chain, snapshot
 
@@ -110,7 +110,7 @@ def test_attached_plan_must_match_the_signed_hash() -> None:
 def test_disagreement_is_logged_with_snapshot_hashes(caplog: pytest.LogCaptureFixture) -> None:
     e = election()
     e.on_vote(vote(MEMBERS[5], H_B, S_B))
-    with caplog.at_level(logging.WARNING, logger="fusionp2p.runtime.election"):
+    with caplog.at_level(logging.WARNING, logger="fusionp2p.jobs.election"):
         for p in MEMBERS[:4]:
             d = e.on_vote(vote(p))
     assert isinstance(d, Adopted)

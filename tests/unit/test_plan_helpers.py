@@ -12,9 +12,8 @@ import math
 from collections.abc import Callable, Sequence
 
 from fusionp2p.plan.config import PlannerConfig
-from fusionp2p.plan.profile import DeviceProfile
 from fusionp2p.plan.snapshot import Link, Snapshot
-from fusionp2p.plan.workload import Edge, Unit, WorkloadGraph
+from fusionp2p.types import DeviceProfile, Edge, Unit, WorkloadGraph
 
 GiB = 1 << 30
 

@@ -15,7 +15,7 @@ from fusionp2p.plan.config import PlannerConfig
 from fusionp2p.plan.estimator import CostModel
 from fusionp2p.plan.opfence import InfeasiblePlanError, make_plan
 from fusionp2p.plan.predict import predict
-from fusionp2p.plan.workload import Edge, Unit, WorkloadGraph
+from fusionp2p.types import Edge, Unit, WorkloadGraph
 from tests.unit.test_plan_helpers import GiB, brute_force, chain, snapshot
 
 NO_EXTRAS = PlannerConfig(compression=False, replicas=False)

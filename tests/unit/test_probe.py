@@ -5,9 +5,10 @@ import trio
 import trio.testing
 
 from fusionp2p.errors import PeerUnavailable
+from fusionp2p.net.memory import MemoryTransport, memory_network
 from fusionp2p.net.transport import Stream
-from fusionp2p.runtime import probe as probe_mod
-from fusionp2p.runtime.probe import (
+from fusionp2p.swarm import probe as probe_mod
+from fusionp2p.swarm.probe import (
     MEASURE_BYTES,
     MEASURE_SECONDS,
     TARGET_SECONDS,
@@ -18,7 +19,6 @@ from fusionp2p.runtime.probe import (
     probe,
     probe_size,
 )
-from fusionp2p.testing.memory import MemoryTransport, memory_network
 from fusionp2p.wire.framing import encode_frame
 from fusionp2p.wire.msg import packb
 from fusionp2p.wire.protocols import PROBE

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.net.identity import Identity, verify
-from fusionp2p.plan.profile import DeviceProfile
+from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.msg import packb, unpackb
 from fusionp2p.wire.records import (
     MAX_RECORD,

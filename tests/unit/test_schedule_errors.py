@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fusionp2p.errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from fusionp2p.runtime.schedule import (
+from fusionp2p.train.schedule import (
     ActivationArrived,
     BackwardDone,
     ForwardDone,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusionp2p.runtime.schedule import (
+from fusionp2p.train.schedule import (
     Action,
     ActivationArrived,
     BackwardDone,

@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.testing import netns
-from fusionp2p.testing.netns import (
+from fusionp2p.testbed import netns
+from fusionp2p.testbed.emulator import HostSpec, TestbedSpec, load_spec, spec_from_dict
+from fusionp2p.testbed.netns import (
     TestbedError,
     exec_argv,
     format_rate,
@@ -27,8 +28,7 @@ from fusionp2p.testing.netns import (
     spawn_process,
     tbf_params,
 )
-from fusionp2p.testing.tcpprobe import RateMeter
-from fusionp2p.testing.testbed import HostSpec, TestbedSpec, load_spec, spec_from_dict
+from fusionp2p.testbed.tcpprobe import RateMeter
 
 SPECS = Path(netns.__file__).parent / "specs"
 RUN = "fp2p-0a1b2c"

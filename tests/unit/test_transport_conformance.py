@@ -10,8 +10,8 @@ import trio
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import open_libp2p_transport
+from fusionp2p.net.memory import memory_network
 from fusionp2p.net.transport import Stream
-from fusionp2p.testing.memory import memory_network
 
 
 @asynccontextmanager

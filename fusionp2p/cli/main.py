@@ -138,12 +138,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if cmd == "testbed":
         return _testbed(args)
     if cmd == "demo":
-        from fusionp2p.demo import run_demo
+        from fusionp2p.cli.demo import run_demo
 
         setup_logging(args.log_level, None)
         return run_demo(nodes=args.nodes, steps=args.steps, out=Path(args.out))
     if cmd == "job":
-        from fusionp2p.sdk import cli_job
+        from fusionp2p.cli.job import cli_job
 
         setup_logging(args.log_level, None)
         return cli_job(args)
@@ -153,8 +153,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _run_daemon(args: argparse.Namespace) -> int:
     import trio
 
-    from fusionp2p.runtime.daemon import DaemonConfig, check_home, run_daemon
-    from fusionp2p.runtime.swarm import SwarmConfig
+    from fusionp2p.swarm.daemon import DaemonConfig, check_home, run_daemon
+    from fusionp2p.swarm.node import SwarmConfig
 
     role = args.cmd
     home = check_home(args.home, _data_home() / role)
@@ -178,7 +178,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
 
     services = None
     if role == "node":
-        from fusionp2p.runtime.worker import attach_worker
+        from fusionp2p.jobs.service import attach_worker
 
         services = attach_worker(home)
     trio.run(lambda: run_daemon(cfg, on_ready=ready, extra_services=services))
@@ -190,8 +190,8 @@ def _status(args: argparse.Namespace) -> int:
 
     from fusionp2p.net.identity import Identity
     from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport, parse_peer_addr
-    from fusionp2p.runtime.membership import BandwidthTable
-    from fusionp2p.runtime.swarm import fetch_view
+    from fusionp2p.swarm.membership import BandwidthTable
+    from fusionp2p.swarm.node import fetch_view
     from fusionp2p.wire.records import BandwidthReport, NodeRecord
 
     for b in args.bootstrap:
@@ -266,7 +266,7 @@ def _print_status(out: dict[str, Any]) -> None:
 
 
 def _testbed(args: argparse.Namespace) -> int:
-    from fusionp2p.testing import testbed
+    from fusionp2p.testbed import emulator as testbed
 
     setup_logging(args.log_level, None)
     if args.testbed_cmd == "up":

@@ -9,8 +9,8 @@ trips to open its window; both would inflate or deflate a short measurement.
 
 Usage (each prints one JSON object on its last stdout line)::
 
-    python -m fusionp2p.testing.tcpprobe recv --bind 10.77.3.10 [--port 0] [--warmup 0.3]
-    python -m fusionp2p.testing.tcpprobe send --to 10.77.3.11:PORT [--seconds 2]
+    python -m fusionp2p.testbed.tcpprobe recv --bind 10.77.3.10 [--port 0] [--warmup 0.3]
+    python -m fusionp2p.testbed.tcpprobe send --to 10.77.3.11:PORT [--seconds 2]
 
 This is a measuring tool for the emulated WAN only: it never resolves names and only talks to the
 address it is given.
@@ -151,7 +151,7 @@ def _split_hostport(text: str) -> tuple[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fusionp2p.testing.tcpprobe", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fusionp2p.testbed.tcpprobe", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("recv", help="listen, print the port, measure one connection")
     r.add_argument("--bind", required=True)

@@ -3,7 +3,7 @@
 What it does, in order:
 
 1. starts a bootstrap and ``nodes`` ``fusionp2p node`` processes on 127.0.0.1 (tracked by PID,
-   terminated on exit and on Ctrl-C; :class:`~fusionp2p.runtime.job_launch.LocalCluster`);
+   terminated on exit and on Ctrl-C; :class:`~fusionp2p.cli.cluster.LocalCluster`);
 2. connects to it with ``Swarm.connect`` (a libp2p client in a background thread) and waits, with a
    deadline, until the bootstrap's view lists every node;
 3. publishes a small GPT-2 on the built-in byte-level pydoc corpus: 2 stages x ``nodes // 2``
@@ -21,20 +21,17 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
+from fusionp2p.cli.progress import follow
 from fusionp2p.data import BuiltinCorpus
 from fusionp2p.errors import JobError
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
-from fusionp2p.runtime.metrics import CheckpointSaved, JobStateChanged, PlanChanged, StepProgress
-from fusionp2p.runtime.trainconfig import TrainConfig
-from fusionp2p.sdk import Job, Swarm
+from fusionp2p.sdk import Swarm
+from fusionp2p.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,57 +48,6 @@ def demo_config(steps: int, nodes: int) -> TrainConfig:
     return TrainConfig(steps=steps, micro_batch=8, micro_batches=4, lr=2e-3, lr_schedule="cosine",
                        replicas=max(1, nodes // 2), averaging="co2", compression="adatopk",
                        checkpoint_every=max(1, steps // 2), seed=0)
-
-
-@dataclass
-class Followed:
-    """What :func:`follow` saw: per-step losses and throughputs, and the wall time of the run."""
-
-    losses: list[float] = field(default_factory=list)
-    tokens_per_s: list[float] = field(default_factory=list)
-    started: float = 0.0      # perf_counter at the RUNNING state
-    ended: float = 0.0        # perf_counter at the terminal state
-
-    def summary(self, job: Job) -> Table:
-        table = Table(title=f"job {job.id}: {job.state.value}")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        k = min(5, len(self.losses))
-        if k:
-            table.add_row(f"loss, first {k} steps", f"{sum(self.losses[:k]) / k:.3f}")
-            table.add_row(f"loss, last {k} steps", f"{sum(self.losses[-k:]) / k:.3f}")
-        table.add_row("final eval loss", f"{job.final_loss:.3f}" if job.final_loss is not None else "-")
-        if self.tokens_per_s:
-            table.add_row("throughput (median)", f"{sorted(self.tokens_per_s)[len(self.tokens_per_s) // 2]:,.0f} tokens/s")
-        if self.ended > self.started > 0:
-            table.add_row("training wall time", f"{self.ended - self.started:.1f} s")
-        return table
-
-
-def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
-    """Show a job's progress live until it ends (TimeoutError after *timeout* s without an event)."""
-    seen = Followed()
-    steps = job.spec.config.steps
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("training", total=steps, info="")
-        for ev in job.events(timeout=timeout):
-            if isinstance(ev, PlanChanged):
-                bar.console.print(f"plan {ev.plan_hash[:12]}: replicas per stage {ev.stage_sizes} "
-                                  f"on {len(set(ev.members))} nodes")
-            elif isinstance(ev, JobStateChanged):
-                bar.console.print(f"job {ev.state}" + (f": {ev.reason}" if ev.reason and ev.state != "planned" else ""))
-                if ev.state == "running":
-                    seen.started = time.perf_counter()
-                elif ev.state in ("done", "failed", "cancelled"):
-                    seen.ended = time.perf_counter()
-            elif isinstance(ev, CheckpointSaved):
-                bar.update(task, info=f"checkpoint step {ev.step} stage {ev.stage}")
-            elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
-                seen.losses.append(ev.loss)
-                seen.tokens_per_s.append(ev.tokens_per_s)
-                bar.update(task, completed=ev.step + 1, info=f"loss {ev.loss:.3f}  {ev.tokens_per_s:,.0f} tok/s")
-    return seen
 
 
 def _train(swarm: Swarm, steps: int, nodes: int, out: Path, console: Console) -> int:
@@ -128,8 +74,7 @@ def _train(swarm: Swarm, steps: int, nodes: int, out: Path, console: Console) ->
 def run_demo(nodes: int = 4, steps: int = 60, out: Path = Path("out/demo"), *, embedded: bool = False,
              home: Path | None = None) -> int:
     """Run the demo; 0 on success."""
-    from fusionp2p.runtime.job_launch import LocalCluster
-    from fusionp2p.testing.wait import wait_until
+    from fusionp2p.cli.cluster import LocalCluster, wait_until
 
     console = Console()
     torch.set_num_threads(1)
@@ -156,4 +101,4 @@ def run_demo(nodes: int = 4, steps: int = 60, out: Path = Path("out/demo"), *, e
     return rc
 
 
-__all__ = ["Followed", "demo_config", "demo_model", "follow", "run_demo"]
+__all__ = ["SEQ_LEN", "demo_config", "demo_model", "run_demo"]

@@ -38,9 +38,9 @@ import trio
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import GossipMessage, Stream, Transport
-from fusionp2p.plan.profile import DeviceProfile
-from fusionp2p.runtime.membership import BandwidthTable, Change, MemberEvent, MembershipView, ema, prober_of
-from fusionp2p.runtime.probe import ProbeBusy, ProbeResult, ProbeServer, ProbeSession, open_probe, probe_size
+from fusionp2p.swarm.membership import BandwidthTable, Change, MemberEvent, MembershipView, ema, prober_of
+from fusionp2p.swarm.probe import ProbeBusy, ProbeResult, ProbeServer, ProbeSession, open_probe, probe_size
+from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.msg import expect_map, packb, unpackb
 from fusionp2p.wire.msg import field as wfield

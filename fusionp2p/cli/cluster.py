@@ -15,9 +15,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, TypeVar
 
 from fusionp2p.errors import PeerUnavailable
 
@@ -111,4 +112,22 @@ class LocalCluster:
         self.stop()
 
 
-__all__ = ["LocalCluster"]
+
+
+T = TypeVar("T")
+
+
+def wait_until(probe: Callable[[], T | None], *, timeout: float, interval: float = 0.2, what: str = "condition") -> T:
+    """Call *probe* until it returns a truthy value; AssertionError naming *what* after *timeout* seconds."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while True:
+        last = probe()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
+
+
+__all__ = ["LocalCluster", "wait_until"]

@@ -78,7 +78,7 @@ class JobStateChanged:
     KIND: ClassVar[str] = "state"
     SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "state": _STR, "reason": _STR, "at": _FLOAT}
     job: str
-    state: str          # a fusionp2p.runtime.lifecycle.JobState value
+    state: str          # a fusionp2p.jobs.lifecycle.JobState value
     reason: str = ""
     at: float = 0.0
 

@@ -1,4 +1,4 @@
-"""Job worker attached to a node daemon: installs the node's job service (``runtime/job_node.py``)."""
+"""Job worker attached to a node daemon: installs the node's job service (``jobs/node.py``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import trio
 
-from fusionp2p.runtime.job_node import NodeJobConfig, NodeJobService
-from fusionp2p.runtime.swarm import SwarmNode
+from fusionp2p.jobs.node import NodeJobConfig, NodeJobService
+from fusionp2p.swarm.node import SwarmNode
 
 
 def attach_worker(home: Path, config: NodeJobConfig | None = None) -> Callable[[SwarmNode, trio.Nursery], None]:

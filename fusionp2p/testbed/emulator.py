@@ -2,14 +2,14 @@
 
 Use::
 
-    spec = load_spec("fusionp2p/testing/specs/wan6.json")
+    spec = load_spec("fusionp2p/testbed/specs/wan6.json")
     with up(spec) as tb:                       # namespaces, bridge, veths, tbf shaping
         boot, addr = tb.start_bootstrap()      # `fusionp2p bootstrap` in the spec's bootstrap host
         nodes = tb.start_nodes(addr)           # `fusionp2p node` in every host
         tb.run(tb.hosts[0], ["python", "-c", "..."], timeout=10)
     # every process the testbed started is stopped, every namespace deleted
 
-The layout and the shaping are described in :mod:`fusionp2p.testing.netns`. Teardown is idempotent
+The layout and the shaping are described in :mod:`fusionp2p.testbed.netns`. Teardown is idempotent
 and happens on leaving the ``with`` block (also on an exception or Ctrl-C), at interpreter exit
 (atexit) for testbeds still open, and on demand with :func:`down` / :func:`down_all`, which need no
 state from the process that created the testbed: they find our namespaces by name and kill what
@@ -37,8 +37,8 @@ from pathlib import Path
 from types import TracebackType
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.testing import netns
-from fusionp2p.testing.netns import (
+from fusionp2p.testbed import netns
+from fusionp2p.testbed.netns import (
     Layout,
     Proc,
     TestbedError,
@@ -46,7 +46,7 @@ from fusionp2p.testing.netns import (
     spawn_process,
     stop_all,
 )
-from fusionp2p.testing.testbed_spec import HostSpec, TestbedSpec, load_spec, spec_from_dict
+from fusionp2p.testbed.spec import HostSpec, TestbedSpec, load_spec, spec_from_dict
 
 log = logging.getLogger(__name__)
 

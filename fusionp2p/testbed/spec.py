@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.testing.netns import MAX_HOSTS, parse_rate
+from fusionp2p.testbed.netns import MAX_HOSTS, parse_rate
 
 __all__ = ["HostSpec", "TestbedSpec", "load_spec", "spec_from_dict"]
 

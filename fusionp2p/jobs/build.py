@@ -7,7 +7,7 @@
 * :func:`choose_plan`: the deterministic plan of a job for a member set (same on every node, so the
   election is a comparison of hashes); ``TrainConfig.replicas`` pins ``R`` replicas per stage.
 * :func:`run_local_job`: all members in this trio.run, wired with in-memory TensorChannel pairs; each
-  stage replica runs :class:`~fusionp2p.runtime.jobrunner.StageWorker`. Progress is aggregated per step
+  stage replica runs :class:`~fusionp2p.train.worker.StageWorker`. Progress is aggregated per step
   (mean loss of the ``R`` pipelines, summed tokens/s) and handed to ``emit``.
 """
 
@@ -42,13 +42,10 @@ from fusionp2p.data.corpus import corpus_hash
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, PlanError, RemoteProtocolError
 from fusionp2p.graph import OpDAG, StageExecutor, coarsen, partition, stages_from_fences, to_workload, trace
 from fusionp2p.graph.program import StageProgram
-from fusionp2p.net.channel import TensorChannel
-from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, make_plan, plan_even_flops
-from fusionp2p.plan.profile import DeviceProfile
-from fusionp2p.runtime.checkpoint import StageCheckpointMeta, save_stage
-from fusionp2p.runtime.content import ContentService, sha256_hex
-from fusionp2p.runtime.jobrunner import StageContext, StageReport, StageWorker
-from fusionp2p.runtime.jobspec import (
+from fusionp2p.jobs.checkpoint import StageCheckpointMeta, save_stage
+from fusionp2p.jobs.content import ContentService, sha256_hex
+from fusionp2p.jobs.events import CheckpointSaved, PlanChanged, ProgressEvent, StepProgress
+from fusionp2p.jobs.spec import (
     JobSpec,
     Resources,
     decode_signed,
@@ -56,9 +53,12 @@ from fusionp2p.runtime.jobspec import (
     prepare_dataset,
     sign_spec,
 )
-from fusionp2p.runtime.metrics import CheckpointSaved, PlanChanged, ProgressEvent, StepProgress
-from fusionp2p.runtime.trainconfig import TrainConfig
+from fusionp2p.net.channel import TensorChannel
+from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, make_plan, plan_even_flops
 from fusionp2p.testing.channels import memory_channel_pair
+from fusionp2p.train.config import TrainConfig
+from fusionp2p.train.worker import StageContext, StageReport, StageWorker
+from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.dag import decode_dag, encode_dag
 
 log = logging.getLogger(__name__)

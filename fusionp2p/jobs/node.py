@@ -1,7 +1,7 @@
 """A node's job service over a real swarm: accept, elect, train one stage replica, report.
 
 Theory of operation. :class:`NodeJobService` runs inside ``fusionp2p node`` (installed by
-``runtime/worker.py``). It serves the JOB control protocol (``runtime/job_proto.py``):
+``jobs/service.py``). It serves the JOB control protocol (``jobs/proto.py``):
 
 1. ``offer`` (from the publisher): the signed envelope is verified (the stream's authenticated peer
    must be the spec's publisher), the node checks that it fits, and fetches the DAG, weights and
@@ -10,7 +10,7 @@ Theory of operation. :class:`NodeJobService` runs inside ``fusionp2p node`` (ins
 2. ``start``: the publisher proposes a :class:`Snapshot` of the accepting members (their signed
    device profiles and measured links). The node computes the plan from it
    (:func:`plan_for_snapshot`, pure and deterministic) and runs the gossip election of
-   ``runtime/election.py``: the plan is adopted once a quorum of members signed the same hash.
+   ``jobs/election.py``: the plan is adopted once a quorum of members signed the same hash.
 3. Training: the node opens the data-plane channels its role needs, one per (pipeline neighbour |
    fellow replica): a :class:`~fusionp2p.net.resilient.ResilientChannel` named ``"<job>/<link>"``
    over the encrypted data plane (``net/bulk.py``). The lower stage (or replica index) dials; the
@@ -46,6 +46,13 @@ import trio
 
 from fusionp2p.errors import FusionError, PeerUnavailable, PlanError, RemoteProtocolError, leaf_errors
 from fusionp2p.graph import StageExecutor
+from fusionp2p.jobs import proto as job_proto
+from fusionp2p.jobs.build import AcceptedJob, NodeJobs, data_fn, plan_for_snapshot, stage_programs
+from fusionp2p.jobs.checkpoint import StageCheckpointMeta, save_stage
+from fusionp2p.jobs.content import ContentService, ContentStore
+from fusionp2p.jobs.election import Adopted, ElectionConfig, fetch_adopted, open_elector
+from fusionp2p.jobs.events import CheckpointSaved, ProgressEvent, StepProgress, encode_event
+from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.net.bulk import DataPlane, DataPlaneConfig, open_data_plane
 from fusionp2p.net.channel import TensorChannel
 from fusionp2p.net.resilient import (
@@ -57,15 +64,8 @@ from fusionp2p.net.resilient import (
 )
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
-from fusionp2p.runtime import job_proto
-from fusionp2p.runtime.checkpoint import StageCheckpointMeta, save_stage
-from fusionp2p.runtime.content import ContentService, ContentStore
-from fusionp2p.runtime.election import Adopted, ElectionConfig, fetch_adopted, open_elector
-from fusionp2p.runtime.job_local import AcceptedJob, NodeJobs, data_fn, plan_for_snapshot, stage_programs
-from fusionp2p.runtime.jobrunner import StageContext, StageReport, StageWorker
-from fusionp2p.runtime.lifecycle import JobState
-from fusionp2p.runtime.metrics import CheckpointSaved, ProgressEvent, StepProgress, encode_event
-from fusionp2p.runtime.swarm import SwarmNode
+from fusionp2p.swarm.node import SwarmNode
+from fusionp2p.train.worker import StageContext, StageReport, StageWorker
 from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -365,7 +365,7 @@ class NodeJobService:
         return out
 
     async def _elect(self, snap: Snapshot, mine: Plan) -> Plan:
-        """The plan adopted by the members' gossip election (runtime/election.py).
+        """The plan adopted by the members' gossip election (jobs/election.py).
 
         py-libp2p's gossipsub sometimes leaves a member short of votes after the others decided
         (they stop republishing then). Such a member reads the adopted plan, with the quorum of

@@ -3,7 +3,7 @@
 A :class:`JobSpec` names its large parts by content hash (the model's OP-DAG, the initial weights,
 the dataset manifest or built-in corpus), so the spec itself stays small (a few hundred bytes) and
 travels by gossip and DHT; the parts are fetched from any provider and checked against the hash
-(:mod:`fusionp2p.runtime.content`).
+(:mod:`fusionp2p.jobs.content`).
 
 Wire format (one home: ``encode``/``decode`` here, msgpack through :mod:`fusionp2p.wire.msg`)::
 
@@ -29,7 +29,7 @@ from fusionp2p.data.shards import ShardManifest, is_sha256_hex, make_shards
 from fusionp2p.data.tokens import BuiltinCorpus, TokenFile
 from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
 from fusionp2p.net.identity import is_valid_peer_id, verify
-from fusionp2p.runtime.trainconfig import CO2, AdaTopK, LRSchedule, TrainConfig
+from fusionp2p.train.config import CO2, AdaTopK, LRSchedule, TrainConfig
 from fusionp2p.wire.msg import expect_map, packb, unpackb
 from fusionp2p.wire.msg import field as wire_field
 

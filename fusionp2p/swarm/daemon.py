@@ -18,7 +18,7 @@ import trio
 from fusionp2p.errors import ConfigError
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport, parse_peer_addr
-from fusionp2p.runtime.swarm import SwarmConfig, SwarmNode
+from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class DaemonConfig:
         for b in self.bootstrap:
             parse_peer_addr(b)
         if self.role == "node":
-            from fusionp2p.runtime.profile import parse_device
+            from fusionp2p.swarm.device import parse_device
 
             parse_device(self.device)
         Libp2pConfig(listen=self.listen, announce=self.announce)  # validates the addresses
@@ -49,7 +49,7 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
     identity = Identity.load_or_create(cfg.home)
     profile = None
     if cfg.role == "node":  # the bootstrap never imports torch
-        from fusionp2p.runtime.profile import measure_profile
+        from fusionp2p.swarm.device import measure_profile
 
         profile = await trio.to_thread.run_sync(measure_profile, cfg.device)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

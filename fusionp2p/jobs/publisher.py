@@ -30,16 +30,11 @@ from typing import Any
 import trio
 
 from fusionp2p.errors import FusionError, JobError, PeerUnavailable, RemoteProtocolError
-from fusionp2p.net.transport import Transport
-from fusionp2p.plan import Link, Plan
-from fusionp2p.plan.profile import DeviceProfile
-from fusionp2p.plan.snapshot import snapshot_from_records
-from fusionp2p.runtime import job_proto
-from fusionp2p.runtime.checkpoint import stage_path
-from fusionp2p.runtime.content import ContentService
-from fusionp2p.runtime.job_local import BuiltJob, plan_for_snapshot
-from fusionp2p.runtime.lifecycle import JobState
-from fusionp2p.runtime.metrics import (
+from fusionp2p.jobs import proto as job_proto
+from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
+from fusionp2p.jobs.checkpoint import stage_path
+from fusionp2p.jobs.content import ContentService
+from fusionp2p.jobs.events import (
     CheckpointSaved,
     JobStateChanged,
     PlanChanged,
@@ -47,7 +42,12 @@ from fusionp2p.runtime.metrics import (
     StepProgress,
     decode_event,
 )
-from fusionp2p.runtime.swarm import fetch_view
+from fusionp2p.jobs.lifecycle import JobState
+from fusionp2p.net.transport import Transport
+from fusionp2p.plan import Link, Plan
+from fusionp2p.plan.snapshot import snapshot_from_records
+from fusionp2p.swarm.node import fetch_view
+from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
 from fusionp2p.wire.records import BandwidthReport, NodeRecord
 

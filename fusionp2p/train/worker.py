@@ -6,14 +6,14 @@ replica ``r`` of the other stages over :class:`~fusionp2p.net.channel.TensorChan
 its own slice of the data order (global step ``step * R + r`` of the job's
 :class:`~fusionp2p.data.BatchSampler`), so ``R = 1`` reproduces single-process training exactly.
 Replicas of one stage average their parameters with CO2 through a
-:class:`~fusionp2p.runtime.averager.ReplicaAverager`: every ``tau`` steps the parameters are
+:class:`~fusionp2p.train.averager.ReplicaAverager`: every ``tau`` steps the parameters are
 snapshotted and the all-reduce runs in the background while the next ``tau`` steps compute; the
 one-round-stale average enters through the outer step (``CO2(sync=True)`` blocks instead), and a
 final round at the end leaves every replica and the checkpoint with the same consensus weights.
 Replicas of a job without CO2 all-reduce their gradients before every optimizer step (synchronous
 data parallelism).
 
-Per step the worker makes a fresh pure :class:`~fusionp2p.runtime.schedule.StageSchedule` and
+Per step the worker makes a fresh pure :class:`~fusionp2p.train.schedule.StageSchedule` and
 only moves data: it performs the schedule's actions in order (compute in a worker thread so that
 the channels keep flowing), feeds arrivals back as events, and buffers messages of a later step
 by the step number in their key. Sends never deadlock: every channel has a reader task that
@@ -42,8 +42,9 @@ from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
-from fusionp2p.runtime.averager import AveragerConfig, ReplicaAverager, open_replica_averager
-from fusionp2p.runtime.schedule import (
+from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, open_replica_averager
+from fusionp2p.train.config import TrainConfig
+from fusionp2p.train.schedule import (
     ActivationArrived,
     BackwardDone,
     ForwardDone,
@@ -57,7 +58,6 @@ from fusionp2p.runtime.schedule import (
     SendGradient,
     StageSchedule,
 )
-from fusionp2p.runtime.trainconfig import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class StageWorker:
         self._params = [params[n] for n in self._names if n in params]
         self.opt = make_optimizer(self._params, ctx.config)
         co2 = ctx.config.co2
-        # CO2 across the replicas of this stage runs in a ReplicaAverager (runtime/averager.py): every tau
+        # CO2 across the replicas of this stage runs in a ReplicaAverager (train/averager.py): every tau
         # steps the live parameters are snapshotted and averaged in the background (sharded outer state,
         # reduce-scatter + all-gather over the replica channels) while the next tau steps compute; the
         # one-round-stale average is applied through the outer momentum step (sync=True blocks instead).

@@ -9,7 +9,7 @@ import time
 import torch
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.plan.profile import DeviceProfile
+from fusionp2p.types import DeviceProfile
 
 
 def parse_device(spec: str) -> torch.device:

@@ -1,0 +1,67 @@
+"""Live progress of a job in the terminal (rich): plan, states, checkpoints, loss and throughput."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from fusionp2p.jobs.events import CheckpointSaved, JobStateChanged, PlanChanged, StepProgress
+from fusionp2p.sdk import Job
+
+
+@dataclass
+class Followed:
+    """What :func:`follow` saw: per-step losses and throughputs, and the wall time of the run."""
+
+    losses: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    started: float = 0.0      # perf_counter at the RUNNING state
+    ended: float = 0.0        # perf_counter at the terminal state
+
+    def summary(self, job: Job) -> Table:
+        table = Table(title=f"job {job.id}: {job.state.value}")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        k = min(5, len(self.losses))
+        if k:
+            table.add_row(f"loss, first {k} steps", f"{sum(self.losses[:k]) / k:.3f}")
+            table.add_row(f"loss, last {k} steps", f"{sum(self.losses[-k:]) / k:.3f}")
+        table.add_row("final eval loss", f"{job.final_loss:.3f}" if job.final_loss is not None else "-")
+        if self.tokens_per_s:
+            table.add_row("throughput (median)", f"{sorted(self.tokens_per_s)[len(self.tokens_per_s) // 2]:,.0f} tokens/s")
+        if self.ended > self.started > 0:
+            table.add_row("training wall time", f"{self.ended - self.started:.1f} s")
+        return table
+
+
+def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
+    """Show a job's progress live until it ends (TimeoutError after *timeout* s without an event)."""
+    seen = Followed()
+    steps = job.spec.config.steps
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("training", total=steps, info="")
+        for ev in job.events(timeout=timeout):
+            if isinstance(ev, PlanChanged):
+                bar.console.print(f"plan {ev.plan_hash[:12]}: replicas per stage {ev.stage_sizes} "
+                                  f"on {len(set(ev.members))} nodes")
+            elif isinstance(ev, JobStateChanged):
+                bar.console.print(f"job {ev.state}" + (f": {ev.reason}" if ev.reason and ev.state != "planned" else ""))
+                if ev.state == "running":
+                    seen.started = time.perf_counter()
+                elif ev.state in ("done", "failed", "cancelled"):
+                    seen.ended = time.perf_counter()
+            elif isinstance(ev, CheckpointSaved):
+                bar.update(task, info=f"checkpoint step {ev.step} stage {ev.stage}")
+            elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
+                seen.losses.append(ev.loss)
+                seen.tokens_per_s.append(ev.tokens_per_s)
+                bar.update(task, completed=ev.step + 1, info=f"loss {ev.loss:.3f}  {ev.tokens_per_s:,.0f} tok/s")
+    return seen
+
+
+__all__ = ["Followed", "follow"]

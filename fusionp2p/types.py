@@ -1,0 +1,94 @@
+"""Plain data types shared by several layers (a leaf module: imports nothing of fusionp2p).
+
+* :class:`DeviceProfile`: what a node measured about its device; published in its signed NodeRecord.
+* :class:`Unit`, :class:`Edge`, :class:`WorkloadGraph`: the planner's view of a model, coarse units in
+  topological order and the bytes between them. Produced from a coarsened OpDAG by
+  :func:`fusionp2p.graph.workload.to_workload`; consumed by the estimator and OP-Fence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceProfile:
+    device: str                 # "cpu", "cuda:0", ...
+    kind: str                   # "cpu" | "cuda"
+    name: str                   # e.g. "x86_64 (2 threads)" or "NVIDIA H100 80GB HBM3"
+    flops_fp32: float           # measured matmul FLOP/s
+    flops_bf16: float           # measured, 0.0 where unsupported
+    memory_bytes: int           # memory usable for training
+    threads: int = 1
+    versions: tuple[tuple[str, str], ...] = ()   # (("torch", "2.13.0"), ("python", "3.11.7"), ...)
+
+    def __post_init__(self) -> None:
+        if self.flops_fp32 <= 0:
+            raise ValueError("flops_fp32 must be positive")
+        if self.memory_bytes <= 0:
+            raise ValueError("memory_bytes must be positive")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "device": self.device, "kind": self.kind, "name": self.name,
+            "flops_fp32": float(self.flops_fp32), "flops_bf16": float(self.flops_bf16),
+            "memory_bytes": int(self.memory_bytes), "threads": int(self.threads),
+            "versions": [list(v) for v in self.versions],
+        }
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> DeviceProfile:
+        """Build from a decoded map; raises ValueError/TypeError/KeyError on bad input (callers wrap)."""
+        versions = tuple((str(a), str(b)) for a, b in m.get("versions", []))
+        return cls(
+            device=str(m["device"]), kind=str(m["kind"]), name=str(m["name"]),
+            flops_fp32=float(m["flops_fp32"]), flops_bf16=float(m["flops_bf16"]),
+            memory_bytes=int(m["memory_bytes"]), threads=int(m.get("threads", 1)), versions=versions,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unit:
+    """One coarse operator (e.g. a transformer block)."""
+
+    name: str
+    kind: str               # "embedding", "block", "head", "loss", "conv", "linear", ...
+    fwd_flops: float        # per micro-batch
+    bwd_flops: float        # per micro-batch (≈ 2 × forward when unknown)
+    param_bytes: int        # parameters (fp32 unless stated)
+    act_bytes: int          # activation memory kept for backward, per micro-batch
+
+    def __post_init__(self) -> None:
+        if self.fwd_flops < 0 or self.bwd_flops < 0 or self.param_bytes < 0 or self.act_bytes < 0:
+            raise ValueError(f"unit {self.name}: negative cost")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Edge:
+    """A data dependency: *nbytes* of activation per micro-batch forward (the same backward)."""
+
+    src: int    # index into WorkloadGraph.units
+    dst: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if self.src >= self.dst:
+            raise ValueError(f"edge {self.src}->{self.dst} does not go forward in topological order")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkloadGraph:
+    units: tuple[Unit, ...]
+    edges: tuple[Edge, ...]
+    micro_batch: int = 1
+
+    def __post_init__(self) -> None:
+        n = len(self.units)
+        for e in self.edges:
+            if not (0 <= e.src < n and 0 <= e.dst < n):
+                raise ValueError(f"edge {e.src}->{e.dst} refers to a missing unit")
+
+    def cut_bytes(self, fence: int) -> int:
+        """Bytes per micro-batch crossing a fence placed before unit *fence* (skip edges included)."""
+        return sum(e.nbytes for e in self.edges if e.src < fence <= e.dst)
