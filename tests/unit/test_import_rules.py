@@ -50,3 +50,80 @@ def test_no_pickle_on_peer_paths() -> None:
                 if not (isinstance(kws.get("weights_only"), ast.Constant) and kws["weights_only"].value is True):
                     offenders.append(f"{p.relative_to(ROOT)}:{node.lineno}: torch.load without weights_only=True")
     assert offenders == []
+
+
+# Layers, from the bottom (docs/architecture.md "Layers"). A module imports only from its own layer or
+# below; `testing` is the test kit, which the product never imports.
+LAYERS: list[set[str]] = [
+    {"errors", "types"},
+    {"wire", "graph", "plan", "compress", "average", "data", "models"},   # pure cores (+ data, models)
+    {"net", "testbed"},
+    {"swarm"},
+    {"train", "parallel", "jobs"},
+    {"sdk"},
+    {"cli"},
+    {"testing"},
+]
+# Imports allowed to run up the layers (at most one; the embedded swarm's own job path goes with the
+# one-path change, and this entry with it).
+ALLOWED_UP: set[tuple[str, str]] = {("fusionp2p.jobs.build", "fusionp2p.testing.channels")}
+
+
+def _module_edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for p in py_files(PKG):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        mod = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out = edges.setdefault(mod, set())
+        for node in ast.walk(ast.parse(p.read_text(), filename=str(p))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("fusionp2p"):
+                out.add(node.module)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name.startswith("fusionp2p"))
+    return edges
+
+
+def _top(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _layer(pkg: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if pkg in layer:
+            return i
+    return -1
+
+
+def test_every_package_has_a_layer() -> None:
+    pkgs = {_top(m) for m in _module_edges()} - {""}
+    assert sorted(p for p in pkgs if _layer(p) < 0) == []
+
+
+def test_no_import_runs_up_the_layers() -> None:
+    up = sorted((a, b) for a, bs in _module_edges().items() for b in bs
+                if _top(a) and _top(b) and _layer(_top(b)) > _layer(_top(a)) and (a, b) not in ALLOWED_UP)
+    assert up == []
+
+
+def test_no_import_cycle_between_packages() -> None:
+    graph: dict[str, set[str]] = {}
+    for a, bs in _module_edges().items():
+        for b in bs:
+            if _top(a) and _top(b) and _top(a) != _top(b) and (a, b) not in ALLOWED_UP:
+                graph.setdefault(_top(a), set()).add(_top(b))
+    seen: dict[str, int] = {}   # 1 on the stack, 2 done
+
+    def visit(n: str, path: list[str]) -> list[str] | None:
+        seen[n] = 1
+        for m in sorted(graph.get(n, ())):
+            if seen.get(m) == 1:
+                return [*path, n, m]
+            if m not in seen and (cyc := visit(m, [*path, n])):
+                return cyc
+        seen[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in seen:
+            assert visit(n, []) is None
