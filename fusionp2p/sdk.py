@@ -183,7 +183,7 @@ class Swarm:
         self._pub: ContentService | None = None
         self._pub_host: MemoryTransport | None = None
         self._nodes: list[tuple[str, NodeJobs]] = []
-        self._t: Transport | None = None                  # connect mode: the client's libp2p transport
+        self._transport: Transport | None = None                  # connect mode: the client's libp2p transport
         self._boot_peers: list[str] = []
         self._publisher: Publisher | None = None
         self._thread = threading.Thread(target=self._main, name="fusionp2p-swarm", daemon=True)
@@ -262,7 +262,7 @@ class Swarm:
 
         async with open_libp2p_transport(self._identity, Libp2pConfig(listen=(self._listen,))) as t, \
                 trio.open_nursery() as nursery:
-            self._t = t
+            self._transport = t
             self._pub = ContentService(t, ContentStore())
             errors: list[str] = []
             for addr in self._bootstrap:
@@ -301,7 +301,7 @@ class Swarm:
             return [p for p, _ in self._nodes]
         if self._token is None:
             raise JobError("the swarm is closed")
-        t = self._t
+        t = self._transport
         assert t is not None
 
         async def ask() -> list[str]:

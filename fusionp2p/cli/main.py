@@ -155,13 +155,14 @@ def _run_daemon(args: argparse.Namespace) -> int:
 
     from fusionp2p.swarm.daemon import DaemonConfig, check_home, run_daemon
     from fusionp2p.swarm.node import SwarmConfig
+    from fusionp2p.swarm.probe import ProbeConfig
 
     role = args.cmd
     home = check_home(args.home, _data_home() / role)
     listen = tuple(args.listen or (["/ip4/0.0.0.0/tcp/4001"] if role == "bootstrap" else ["/ip4/0.0.0.0/tcp/0"]))
     if role == "node":
-        swarm = SwarmConfig(role="node", heartbeat=args.heartbeat, dead_timeout=args.dead_timeout, gossip_rate=args.gossip_rate,
-                            probe_interval=args.probe_interval)
+        swarm = SwarmConfig(role="node", heartbeat=args.heartbeat, dead_timeout=args.dead_timeout,
+                            gossip_rate=args.gossip_rate, probe=ProbeConfig(interval=args.probe_interval))
         if args.torch_threads:
             import torch
 

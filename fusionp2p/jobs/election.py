@@ -269,7 +269,7 @@ class PlanElector:
     """Runs elections for one node. Create with :func:`open_elector`."""
 
     def __init__(self, transport: Transport, config: ElectionConfig, inbox: trio.MemoryReceiveChannel[GossipMessage]) -> None:
-        self._t = transport
+        self._transport = transport
         self._cfg = config
         self._inbox = inbox
         self._future: list[Vote] = []
@@ -282,20 +282,20 @@ class PlanElector:
         core = Election(job=snapshot.job, epoch=snapshot.epoch, members=snapshot.peers)
         body = plan.to_wire() if self._cfg.attach_plan else b""
         mine = Vote.make(job=snapshot.job, epoch=snapshot.epoch, plan_hash=plan.plan_hash(),
-                         snapshot_hash=plan.snapshot_hash, peer=self._t.peer_id, sign=self._t.sign, plan=body)
+                         snapshot_hash=plan.snapshot_hash, peer=self._transport.peer_id, sign=self._transport.sign, plan=body)
         data = mine.encode()
         if len(data) > MAX_VOTE_BYTES:
             mine = Vote.make(job=mine.job, epoch=mine.epoch, plan_hash=mine.plan_hash,
-                             snapshot_hash=mine.snapshot_hash, peer=mine.peer, sign=self._t.sign)
+                             snapshot_hash=mine.snapshot_hash, peer=mine.peer, sign=self._transport.sign)
             data = mine.encode()
         decision: Decision | None = None
         pending, self._future = self._future, []
         for v in pending:
             decision = self._feed(core, v) or decision
-        voting = self._t.peer_id in core.members
+        voting = self._transport.peer_id in core.members
         async with trio.open_nursery() as nursery:
             if voting:
-                await self._t.publish(self._cfg.topic, data)
+                await self._transport.publish(self._cfg.topic, data)
                 nursery.start_soon(self._republish, data)
             with trio.move_on_after(self._cfg.timeout_s) as waiting:
                 if decision is None:
@@ -347,7 +347,7 @@ class PlanElector:
         while core.decision is None:
             await trio.sleep(self._cfg.record_poll_s)
             try:
-                data = await self._t.dht_get(plan_key(core.job))
+                data = await self._transport.dht_get(plan_key(core.job))
             except (FusionError, OSError, trio.BrokenResourceError) as exc:  # best effort: gossip may still decide
                 log.debug("plan record of %s not read: %s", core.job, exc)
                 continue
@@ -368,11 +368,11 @@ class PlanElector:
     async def _republish(self, data: bytes) -> None:
         while True:
             await trio.sleep(self._cfg.republish_s)
-            await self._t.publish(self._cfg.topic, data)
+            await self._transport.publish(self._cfg.topic, data)
 
     async def _store(self, decision: Adopted, plan: Plan, core: Election) -> None:
         """Publish the adopted plan with its votes for late joiners (keeps the newest epoch)."""
-        old = await self._t.dht_get(plan_key(decision.job))
+        old = await self._transport.dht_get(plan_key(decision.job))
         if old is not None:
             try:
                 if _record_epoch(old) >= decision.epoch:
@@ -383,7 +383,7 @@ class PlanElector:
         record = packb({"job": decision.job, "epoch": decision.epoch, "members": list(core.members),
                         "plan": plan.to_wire(), "votes": [_strip(v).encode() for _, v in sorted(core.votes.items())]})
         if len(record) <= MAX_RECORD_BYTES:
-            await self._t.dht_put(plan_key(decision.job), record)
+            await self._transport.dht_put(plan_key(decision.job), record)
 
 
 def _strip(v: Vote) -> Vote:

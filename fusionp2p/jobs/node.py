@@ -44,7 +44,14 @@ from typing import Any
 import torch
 import trio
 
-from fusionp2p.errors import FusionError, PeerUnavailable, PlanError, RemoteProtocolError, leaf_errors
+from fusionp2p.errors import (
+    ConfigError,
+    FusionError,
+    PeerUnavailable,
+    PlanError,
+    RemoteProtocolError,
+    leaf_errors,
+)
 from fusionp2p.graph import StageExecutor
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import AcceptedJob, NodeJobs, data_fn, plan_for_snapshot, stage_programs
@@ -100,9 +107,9 @@ class NodeJobConfig:
         for name in ("accept_timeout", "election_timeout", "link_timeout", "recv_timeout", "report_timeout",
                      "reconnect_timeout"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"NodeJobConfig.{name} must be positive")
+                raise ConfigError(f"NodeJobConfig.{name} must be positive")
         if self.report_attempts < 1 or self.max_jobs < 1:
-            raise ValueError("NodeJobConfig.report_attempts and max_jobs must be >= 1")
+            raise ConfigError("NodeJobConfig.report_attempts and max_jobs must be >= 1")
 
     def channels(self) -> ResilientConfig:
         """Settings of a job's data-plane channels (both the dialing and the accepting side).
@@ -152,10 +159,10 @@ class NodeJobService:
 
     def __init__(self, swarm: SwarmNode, home: Path, config: NodeJobConfig | None = None) -> None:
         self.swarm = swarm
-        self.t = swarm.t
+        self.transport = swarm.transport
         self.home = home
         self.config = config or NodeJobConfig()
-        self.content = ContentService(self.t, ContentStore(home / "content"))
+        self.content = ContentService(self.transport, ContentStore(home / "content"))
         self.jobs: dict[str, _Job] = {}
         # channels that arrived and wait for their job to claim them, by (job, link name, peer)
         self._arrived: dict[tuple[str, str, str], ResilientChannel] = {}
@@ -167,23 +174,23 @@ class NodeJobService:
         """Install the JOB and CONTENT handlers, open the data plane, serve until cancelled."""
         dp_cfg = dataclasses.replace(self.config.data_plane, listen_host=self._bulk_host())
         self.content.install()
-        gossip = await self.t.subscribe(TOPIC_JOBS)   # keeps us in the jobs topic's mesh
+        gossip = await self.transport.subscribe(TOPIC_JOBS)   # keeps us in the jobs topic's mesh
         # exit order: the jobs' tasks, then the acceptor (goodbye on every accepted channel), then the plane
-        async with (open_data_plane(self.t, config=dp_cfg) as dp,
+        async with (open_data_plane(self.transport, config=dp_cfg) as dp,
                     open_resilient_acceptor(config=self.config.channels(), peer_gone=self._peer_gone) as acc,
                     trio.open_nursery() as nursery):
             self._dp, self._nursery = dp, nursery
             await nursery.start(acc.serve, dp.incoming)
             nursery.start_soon(self._route_incoming, acc)
             nursery.start_soon(self._drain, gossip)
-            self.t.set_stream_handler(JOB, job_proto.serve(self._handle))
+            self.transport.set_stream_handler(JOB, job_proto.serve(self._handle))
             log.info("job service ready (data plane %s:%d)", dp.host, dp.port)
             task_status.started()
             await trio.sleep_forever()
 
     def _bulk_host(self) -> str:
         # Bind the data plane where the transport listens: loopback stays loopback.
-        for a in self.t.listen_addrs():
+        for a in self.transport.listen_addrs():
             parts = a.split("/")
             if len(parts) > 2 and parts[1] == "ip4":
                 return parts[2] if parts[2] == "127.0.0.1" else "0.0.0.0"
@@ -191,7 +198,7 @@ class NodeJobService:
 
     async def _provide(self, hashes: list[str]) -> None:
         for h in hashes:
-            await self.t.provide(h)   # bounded by the transport's DHT timeout
+            await self.transport.provide(h)   # bounded by the transport's DHT timeout
 
     @staticmethod
     async def _drain(ch: trio.MemoryReceiveChannel[Any]) -> None:
@@ -223,7 +230,7 @@ class NodeJobService:
             if not isinstance(snap_bytes, bytes):
                 raise RemoteProtocolError("start: snapshot must be bytes")
             snap = Snapshot.from_wire(snap_bytes)
-            if snap.job != job_id or self.t.peer_id not in snap.members:
+            if snap.job != job_id or self.transport.peer_id not in snap.members:
                 return {"ok": False, "error": "the snapshot is for another job or does not name this node"}
             if nj.state is not JobState.PENDING:
                 return {"ok": False, "error": f"job already {nj.state.value}"}
@@ -286,7 +293,7 @@ class NodeJobService:
         msg = {"op": "report", "job": nj.accepted.spec.job_id, "state": state.value, "reason": reason, **result}
         for attempt in range(self.config.report_attempts):
             try:
-                await job_proto.request(self.t, nj.publisher, msg, timeout=self.config.report_timeout)
+                await job_proto.request(self.transport, nj.publisher, msg, timeout=self.config.report_timeout)
                 return
             except (PeerUnavailable, RemoteProtocolError) as exc:
                 log.info("report of %s to %s failed (attempt %d): %s", nj.accepted.spec.job_id, nj.publisher[:12],
@@ -296,7 +303,7 @@ class NodeJobService:
     async def _train(self, nj: _Job, snap: Snapshot) -> dict[str, Any]:
         acc = nj.accepted
         spec = acc.spec
-        me = self.t.peer_id
+        me = self.transport.peer_id
         plan = await self._elect(snap, plan_for_snapshot(spec, acc.dag, snap))
         roles = [(s, r) for s, st in enumerate(plan.stages) for r, p in enumerate(st.replicas) if p == me]
         if not roles:
@@ -318,7 +325,7 @@ class NodeJobService:
                            links: dict[int, TensorChannel], peers: list[TensorChannel]) -> dict[str, Any]:
         acc = nj.accepted
         spec, cfg = acc.spec, acc.spec.config
-        me = self.t.peer_id
+        me = self.transport.peer_id
         n_st = len(plan.stages)
         rho_out: dict[int, float] = {}
         if cfg.adatopk is not None:
@@ -373,13 +380,13 @@ class NodeJobService:
         """
         deadline = trio.current_time() + self.config.election_timeout
         rounds = 0
-        async with open_elector(self.t, ElectionConfig(timeout_s=min(10.0, self.config.election_timeout))) as el:
+        async with open_elector(self.transport, ElectionConfig(timeout_s=min(10.0, self.config.election_timeout))) as el:
             while True:
                 rounds += 1
                 outcome = await el.elect(snap, mine)
                 if isinstance(outcome.decision, Adopted) and outcome.plan is not None:
                     return outcome.plan
-                rec = await fetch_adopted(self.t, snap.job)
+                rec = await fetch_adopted(self.transport, snap.job)
                 if rec is not None and rec[0] == snap.epoch and rec[1].snapshot_hash == snap.snapshot_hash():
                     log.info("job %s: plan %s adopted from the DHT record", snap.job, rec[1].plan_hash()[:12])
                     return rec[1]
@@ -389,7 +396,7 @@ class NodeJobService:
     async def _gossip(self, ev: ProgressEvent) -> None:
         try:
             with trio.move_on_after(5):
-                await self.t.publish(TOPIC_JOBS, encode_event(ev))
+                await self.transport.publish(TOPIC_JOBS, encode_event(ev))
         except FusionError as exc:
             log.debug("progress not published: %s", exc)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import trio
 
-from fusionp2p.errors import FusionError, JobError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
 from fusionp2p.jobs.checkpoint import stage_path
@@ -70,7 +70,7 @@ class DriverConfig:
     def __post_init__(self) -> None:
         for name in ("view_timeout", "offer_timeout", "start_timeout", "idle_timeout", "fetch_timeout"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"DriverConfig.{name} must be positive")
+                raise ConfigError(f"DriverConfig.{name} must be positive")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,7 +111,7 @@ class JobDriver:
 
     def __init__(self, t: Transport, content: ContentService, bootstraps: list[str], built: BuiltJob, emit: Emit,
                  ckpt_root: Path, config: DriverConfig | None = None) -> None:
-        self.t = t
+        self.transport = t
         self.content = content
         self.bootstraps = bootstraps
         self.built = built
@@ -153,7 +153,7 @@ class JobDriver:
 
     async def _drive(self) -> None:
         cfg = self.config
-        view = await discover(self.t, self.bootstraps, timeout=cfg.view_timeout)
+        view = await discover(self.transport, self.bootstraps, timeout=cfg.view_timeout)
         if not view.members:
             raise JobError("the swarm has no live training nodes")
         for blob in self.built.blobs.values():
@@ -163,14 +163,14 @@ class JobDriver:
 
         async def offer(peer: str) -> None:
             try:
-                if peer not in self.t.connected_peers():
+                if peer not in self.transport.connected_peers():
                     for a in view.addrs.get(peer, ()):
                         try:
-                            await self.t.connect(f"{a}/p2p/{peer}")
+                            await self.transport.connect(f"{a}/p2p/{peer}")
                             break
                         except (PeerUnavailable, FusionError) as exc:
                             log.debug("dial %s at %s: %s", peer[:12], a, exc)
-                reply = await job_proto.request(self.t, peer, {"op": "offer", "envelope": self.built.envelope},
+                reply = await job_proto.request(self.transport, peer, {"op": "offer", "envelope": self.built.envelope},
                                                 timeout=cfg.offer_timeout)
             except (PeerUnavailable, RemoteProtocolError) as exc:
                 refused[peer] = str(exc)
@@ -201,7 +201,7 @@ class JobDriver:
 
         async def start(peer: str) -> None:
             try:
-                reply = await job_proto.request(self.t, peer, {"op": "start", "job": self.job, "snapshot": snap_bytes},
+                reply = await job_proto.request(self.transport, peer, {"op": "start", "job": self.job, "snapshot": snap_bytes},
                                                 timeout=cfg.start_timeout)
                 if not reply["ok"]:
                     failures.append(f"{peer[:12]}: {reply.get('error')}")
@@ -314,7 +314,7 @@ class JobDriver:
     async def _cancel_members(self) -> None:
         async def one(peer: str) -> None:
             try:
-                await job_proto.request(self.t, peer, {"op": "cancel", "job": self.job}, timeout=10)
+                await job_proto.request(self.transport, peer, {"op": "cancel", "job": self.job}, timeout=10)
             except (PeerUnavailable, RemoteProtocolError) as exc:
                 log.info("cancel of %s on %s: %s", self.job, peer[:12], exc)
 
@@ -332,7 +332,7 @@ class Publisher:
 
     def __init__(self, t: Transport, content: ContentService, bootstraps: list[str],
                  config: DriverConfig | None = None) -> None:
-        self.t = t
+        self.transport = t
         self.content = content
         self.bootstraps = bootstraps
         self.config = config or DriverConfig()
@@ -340,8 +340,8 @@ class Publisher:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.content.install()
-        self.t.set_stream_handler(JOB, job_proto.serve(self._on_request))
-        ch = await self.t.subscribe(TOPIC_JOBS)
+        self.transport.set_stream_handler(JOB, job_proto.serve(self._on_request))
+        ch = await self.transport.subscribe(TOPIC_JOBS)
         task_status.started()
         async for msg in ch:
             try:
@@ -362,7 +362,7 @@ class Publisher:
 
     async def run_job(self, built: BuiltJob, emit: Emit, ckpt_root: Path) -> None:
         """Drive *built* to a terminal state; every state change goes to *emit* (never raises but Cancelled)."""
-        driver = JobDriver(self.t, self.content, self.bootstraps, built, emit, ckpt_root, self.config)
+        driver = JobDriver(self.transport, self.content, self.bootstraps, built, emit, ckpt_root, self.config)
         self.drivers[driver.job] = driver
         try:
             await driver.run()

@@ -11,9 +11,9 @@ Tasks, all owned by :meth:`SwarmNode.run`'s nursery:
 * reaper: mark peers dead after ``dead_timeout`` (or ``dead_beats`` of their announced periods, if
   longer) without a heartbeat;
 * prober: measure RTT/throughput to peers, each unordered pair from one side only (``prober_of``):
-  every never-measured peer of ours in one round (at most ``probe_first``), then refresh rounds of a
-  random sample of ``probe_sample``; a busy peer is tried again within the round; EMA-smoothed. A token
-  bucket keeps bulk transfers at ``probe_duty`` of the time (``probe_burst`` seconds at once; refresh
+  every never-measured peer of ours in one round (at most ``probe.first``), then refresh rounds of a
+  random sample of ``probe.sample``; a busy peer is tried again within the round; EMA-smoothed. A token
+  bucket keeps bulk transfers at ``probe.duty`` of the time (``probe.burst`` seconds at once; refresh
   rounds wait for it). Our first figure, and the round that completes our share of the matrix, are
   published at once (early heartbeats, at most one per half period);
 * dialer: connect directly to every member we learn of (again if the connection dropped), so gossip
@@ -39,7 +39,15 @@ from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import GossipMessage, Stream, Transport
 from fusionp2p.swarm.membership import BandwidthTable, Change, MemberEvent, MembershipView, ema, prober_of
-from fusionp2p.swarm.probe import ProbeBusy, ProbeResult, ProbeServer, ProbeSession, open_probe, probe_size
+from fusionp2p.swarm.probe import (
+    ProbeBusy,
+    ProbeConfig,
+    ProbeResult,
+    ProbeServer,
+    ProbeSession,
+    open_probe,
+    probe_size,
+)
 from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.msg import expect_map, packb, unpackb
@@ -69,19 +77,8 @@ class SwarmConfig:
     dead_timeout: float = 5.0          # or dead_beats of the member's announced periods, if longer
     dead_beats: float = 5.0
     gossip_rate: float = 5.0           # swarm-wide heartbeat messages / s: period = max(heartbeat, members / rate)
-    probe_interval: float = 10.0       # at least this long between probe rounds once every peer is measured
-    probe_first: int = 32              # never-measured peers probed in one round, at most
-    probe_sample: int = 8              # peers re-measured in one refresh round, at most
-    probe_duty: float = 0.02           # bulk transfer time / wall time a node spends measuring, at most ...
-    probe_burst: float = 4.0           # ... in the long run: a token bucket of this many seconds of transfer
-    probe_busy_retries: int = 3        # a peer busy measuring another is tried again this often within a round
-    probe_parallel: int = 4            # probe sessions opened (pings) at once; the transfers still go one at a time
-    probe_takeover: float = 30.0       # a pair its prober has not measured after this long is probed from here too
-    probe_bytes: int = 256 * 1024      # pilot of a first probe without an estimate; the others last ~0.25 s
-    probe_timeout: float = 10.0
-    probe_ctrl_timeout: float = 3.0    # open + pings + go/busy: a peer too loaded to answer is tried again later
-    probe: bool = True
-    ema_alpha: float = 0.5
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    probing: bool = True               # measure bandwidth to peers (off on bootstraps)
     join_attempts: int = 5
     join_backoff: float = 0.5
 
@@ -92,12 +89,8 @@ class SwarmConfig:
             raise ConfigError("dead_timeout must be larger than the heartbeat period")
         if self.dead_beats <= 1:
             raise ConfigError("dead_beats must be larger than 1")
-        if self.gossip_rate <= 0 or not 0 < self.probe_duty <= 1 or self.probe_sample < 1 or self.probe_first < 1:
-            raise ConfigError("gossip_rate, probe_sample and probe_first must be positive, probe_duty in (0, 1]")
-        if self.probe_burst < 0 or self.probe_busy_retries < 0 or self.probe_parallel < 1:
-            raise ConfigError("probe_burst and probe_busy_retries must not be negative, probe_parallel positive")
-        if not 0 < self.ema_alpha <= 1:
-            raise ConfigError("ema_alpha must be in (0, 1]")
+        if self.gossip_rate <= 0:
+            raise ConfigError("gossip_rate must be positive")
 
 
 @dataclass
@@ -124,7 +117,7 @@ class SwarmNode:
 
     def __init__(self, transport: Transport, config: SwarmConfig, profile: DeviceProfile | None, *,
                  wall_clock: Callable[[], float] = time.time, rng: random.Random | None = None) -> None:
-        self.t = transport
+        self.transport = transport
         self.config = config
         self.profile = profile
         self.peer_id = transport.peer_id
@@ -145,7 +138,7 @@ class SwarmNode:
         self._last_beat = -float("inf")
         self._known_since: dict[str, float] = {}   # when each live member joined our view (for probe takeover)
         self._next_refresh = 0.0                    # when the next refresh round (re-measuring peers) is due
-        self._credit = config.probe_burst           # duty-cycle bucket: seconds of bulk transfer we may spend
+        self._credit = config.probe.burst           # duty-cycle bucket: seconds of bulk transfer we may spend
         self._credit_t = 0.0
         self._new_pairs = False                     # this round measured a pair for the first time
         self._dialed: set[str] = set()
@@ -161,9 +154,9 @@ class SwarmNode:
     # -- public -----------------------------------------------------------------------------------
     async def run(self, bootstrap: list[str], *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Join through *bootstrap* addresses and serve until cancelled."""
-        self.t.set_stream_handler(PROBE, self._probe_server)
-        self.t.set_stream_handler(VIEW, self._serve_view)
-        members = await self.t.subscribe(TOPIC_MEMBERS)
+        self.transport.set_stream_handler(PROBE, self._probe_server)
+        self.transport.set_stream_handler(VIEW, self._serve_view)
+        members = await self.transport.subscribe(TOPIC_MEMBERS)
         joined = await self._join(bootstrap)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._listen, members)
@@ -171,7 +164,7 @@ class SwarmNode:
             nursery.start_soon(self._pull_views, joined, pulled)
             nursery.start_soon(self._reaper)
             nursery.start_soon(self._dialer)
-            if self.config.probe and self.config.role == "node":
+            if self.config.probing and self.config.role == "node":
                 nursery.start_soon(self._probe_loop)
             # Our first record announces our heartbeat period, which follows the swarm's size: with the view
             # in hand it is the stretched one at once (otherwise the configured one, and an extra beat that
@@ -227,7 +220,7 @@ class SwarmNode:
             ok = []
             for addr in bootstrap:
                 try:
-                    ok.append(await self.t.connect(addr))
+                    ok.append(await self.transport.connect(addr))
                 except PeerUnavailable as exc:
                     last = exc
             if ok:
@@ -250,8 +243,8 @@ class SwarmNode:
         one VIEW round trip gives us every member (and its latest report) at once, so we dial and probe
         them without waiting for a heartbeat period or a gossipsub mesh."""
         try:
-            with trio.fail_after(self.config.probe_timeout):
-                raw = await _fetch_view_raw(self.t, peer)
+            with trio.fail_after(self.config.probe.timeout):
+                raw = await _fetch_view_raw(self.transport, peer)
         except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
             log.debug("view from %s: %s", peer[:16], exc)
             return
@@ -267,15 +260,15 @@ class SwarmNode:
     def _record(self, leaving: bool = False) -> NodeRecord:
         self._seq += 1
         self._announced = self.period()   # peers time us out by this, so it is also our next wait
-        return NodeRecord(peer=self.peer_id, role=self.config.role, addrs=tuple(a.rsplit("/p2p/", 1)[0] for a in self.t.listen_addrs()),
+        return NodeRecord(peer=self.peer_id, role=self.config.role, addrs=tuple(a.rsplit("/p2p/", 1)[0] for a in self.transport.listen_addrs()),
                           profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced)
 
     async def _publish_record(self, leaving: bool = False) -> None:
         self._last_beat = trio.current_time()
-        parts = [encode_signed(self._record(leaving), self.t.sign)]
+        parts = [encode_signed(self._record(leaving), self.transport.sign)]
         if not leaving and (bw := self._signed_report()) is not None:
             parts.append(bw)
-        await self.t.publish(TOPIC_MEMBERS, encode_bundle(parts))
+        await self.transport.publish(TOPIC_MEMBERS, encode_bundle(parts))
 
     async def _heartbeat_loop(self) -> None:
         while not self._leaving:
@@ -334,7 +327,7 @@ class SwarmNode:
             # duplicate connection on which new streams hang (seen with 8 hosts in one process). A member
             # we are not connected to (never yet, or the connection dropped) is dialled at its heartbeat.
             if (rec.peer < self.peer_id and not rec.leaving and rec.peer not in self._dialed and rec.addrs
-                    and rec.peer not in self.t.connected_peers()):
+                    and rec.peer not in self.transport.connected_peers()):
                 self._dialed.add(rec.peer)
                 self._spawn_dial(rec)
         elif isinstance(rec, BandwidthReport) and self.bandwidth.on_report(rec):
@@ -356,11 +349,11 @@ class SwarmNode:
     async def _dialer(self) -> None:
         async for rec in self._dial_recv:
             try:
-                if rec.peer in self.t.connected_peers() or not self.view.is_alive(rec.peer):
+                if rec.peer in self.transport.connected_peers() or not self.view.is_alive(rec.peer):
                     continue
                 for addr in rec.addrs:
                     try:
-                        await self.t.connect(f"{addr}/p2p/{rec.peer}")
+                        await self.transport.connect(f"{addr}/p2p/{rec.peer}")
                         break
                     except (PeerUnavailable, ConfigError) as exc:
                         log.debug("dial %s at %s: %s", rec.peer[:16], addr, exc)
@@ -395,28 +388,28 @@ class SwarmNode:
 
     def _ours(self, peer: str, now: float) -> bool:
         """Whether we probe *peer*: the pair is ours (``prober_of``), or its prober has left it unmeasured
-        for ``probe_takeover`` seconds (a peer that does not probe, or cannot reach us)."""
+        for ``probe.takeover`` seconds (a peer that does not probe, or cannot reach us)."""
         if prober_of(self.peer_id, peer) == self.peer_id:
             return True
         since = self._known_since.get(peer)
-        return (since is not None and now - since > self.config.probe_takeover
+        return (since is not None and now - since > self.config.probe.takeover
                 and self.bandwidth.direct(self.peer_id, peer) is None)
 
     def _probe_targets(self) -> list[str]:
-        """This round's peers: every never-measured one of ours (at most ``probe_first``; their first probe
-        starts with a small pilot), otherwise, once ``probe_interval`` has passed since the last refresh,
-        a random sample of ``probe_sample`` of ours."""
-        connected = set(self.t.connected_peers())
+        """This round's peers: every never-measured one of ours (at most ``probe.first``; their first probe
+        starts with a small pilot), otherwise, once ``probe.interval`` has passed since the last refresh,
+        a random sample of ``probe.sample`` of ours."""
+        connected = set(self.transport.connected_peers())
         now = trio.current_time()
         peers = [p for p in self.members() if p != self.peer_id and p in connected and self._ours(p, now)]
         self._rng.shuffle(peers)   # every node walking the same sorted list would pile onto one target
         never = [p for p in peers if not self._measured(p)]
         if never:
-            return never[: self.config.probe_first]
+            return never[: self.config.probe.first]
         if now < self._next_refresh or self._refill() < 0:
             return []
-        self._next_refresh = now + self.config.probe_interval
-        return peers[: self.config.probe_sample]
+        self._next_refresh = now + self.config.probe.interval
+        return peers[: self.config.probe.sample]
 
     def _pending(self) -> bool:
         """Some peer of ours is not measured yet (not connected yet, busy, or its probe failed)."""
@@ -426,12 +419,12 @@ class SwarmNode:
     async def _probe_round(self) -> float:
         """Probe this round's peers; the seconds of bulk transfer spent.
 
-        Up to ``probe_parallel`` sessions open and ping at once (a peer too loaded to answer then holds up
-        only its own slot, for ``probe_ctrl_timeout``), but the transfers go one at a time, so that they
+        Up to ``probe.parallel`` sessions open and ping at once (a peer too loaded to answer then holds up
+        only its own slot, for ``probe.ctrl_timeout``), but the transfers go one at a time, so that they
         never share our link. A busy peer is tried again within the round, its session kept open."""
         spent = [0.0]
         bulk = trio.Lock()
-        slots = trio.CapacityLimiter(self.config.probe_parallel)
+        slots = trio.CapacityLimiter(self.config.probe.parallel)
         async with trio.open_nursery() as nursery:
             for peer in self._probe_targets():
                 nursery.start_soon(self._probe_one, peer, bulk, slots, spent)
@@ -440,12 +433,12 @@ class SwarmNode:
     def _refill(self) -> float:
         """The duty-cycle bucket (seconds of bulk transfer we may spend), refilled up to now."""
         now = trio.current_time()
-        self._credit = min(self.config.probe_burst, self._credit + self.config.probe_duty * (now - self._credit_t))
+        self._credit = min(self.config.probe.burst, self._credit + self.config.probe.duty * (now - self._credit_t))
         self._credit_t = now
         return self._credit
 
     async def _probe_loop(self) -> None:
-        self._credit, self._credit_t = self.config.probe_burst, trio.current_time()
+        self._credit, self._credit_t = self.config.probe.burst, trio.current_time()
         while True:
             spent = await self._probe_round()
             if self._new_pairs and not self._pending():
@@ -465,7 +458,7 @@ class SwarmNode:
             if self._pending():
                 wait = self.config.heartbeat
             else:
-                wait = max(self.config.heartbeat, self._next_refresh - trio.current_time(), -self._credit / self.config.probe_duty)
+                wait = max(self.config.heartbeat, self._next_refresh - trio.current_time(), -self._credit / self.config.probe.duty)
             with trio.move_on_after(wait):
                 await self._probe_now.wait()
             self._probe_now = trio.Event()
@@ -476,8 +469,8 @@ class SwarmNode:
             if not self.view.is_alive(peer):
                 return
             try:
-                with trio.fail_after(self.config.probe_ctrl_timeout):
-                    session = await open_probe(self.t, peer)
+                with trio.fail_after(self.config.probe.ctrl_timeout):
+                    session = await open_probe(self.transport, peer)
             except (PeerUnavailable, trio.TooSlowError) as exc:
                 self.counters.probes_failed += 1
                 log.debug("probe %s failed: %s", peer[:16], str(exc) or "timed out (open/ping)")
@@ -501,19 +494,19 @@ class SwarmNode:
         its downlink) when there is one, else it is a small pilot. Too long an estimate only costs a longer
         transfer (at most MEASURE_BYTES), too short a one a follow-up transfer."""
         est = self.bandwidth.estimate(self.peer_id, peer)
-        size = probe_size(est.bandwidth, lo=self.config.probe_bytes) if est is not None else self.config.probe_bytes
+        size = probe_size(est.bandwidth, lo=self.config.probe.bytes) if est is not None else self.config.probe.bytes
         return _Link(next_bytes=size)
 
     async def _measure(self, session: ProbeSession, bulk: trio.Lock, spent: list[float]) -> ProbeResult | None:
         peer = session.peer
         link = self._link(peer)
-        for attempt in range(self.config.probe_busy_retries + 1):
+        for attempt in range(self.config.probe.busy_retries + 1):
             if attempt:
                 # it is measuring someone else, which takes a few hundred ms: let our other peers go first
                 await trio.sleep(self._rng.uniform(0.1, 0.3))
             async with bulk:
                 try:
-                    with trio.fail_after(self.config.probe_timeout):
+                    with trio.fail_after(self.config.probe.timeout):
                         res = await session.measure(link.next_bytes)
                 except ProbeBusy:
                     self.counters.probes_busy += 1
@@ -535,21 +528,21 @@ class SwarmNode:
                   res.rtt * 1e3, res.sent, res.transfers, res.elapsed, "" if res.measured else " (inconclusive)")
         if not res.measured:   # a pilot's figure: it sizes the next probe, it is never reported
             self.counters.probes_inconclusive += 1
-            link.next_bytes = probe_size(res.bandwidth, lo=self.config.probe_bytes)
+            link.next_bytes = probe_size(res.bandwidth, lo=self.config.probe.bytes)
             return
         self.counters.probes_ok += 1
-        a = self.config.ema_alpha
+        a = self.config.probe.ema_alpha
         if link.samples == 0:
             self._new_pairs = True
             # fresh figures need no refresh for a while; our very first one goes out at once (with it, our
             # capacity estimate: a figure for every pair we are part of), the rest once our share is complete
-            self._next_refresh = max(self._next_refresh, trio.current_time() + self.config.probe_interval)
+            self._next_refresh = max(self._next_refresh, trio.current_time() + self.config.probe.interval)
             if not any(ln.samples for ln in self._links.values()):
                 self._beat_now.set()
         link.bandwidth = ema(link.bandwidth, res.bandwidth, a)
         link.rtt = ema(link.rtt, res.rtt, a)
         link.samples += 1
-        link.next_bytes = probe_size(link.bandwidth, lo=self.config.probe_bytes)   # one transfer of ~0.25 s next time
+        link.next_bytes = probe_size(link.bandwidth, lo=self.config.probe.bytes)   # one transfer of ~0.25 s next time
         self._bw_dirty = True
 
     def _signed_report(self) -> bytes | None:
@@ -558,7 +551,7 @@ class SwarmNode:
             rep = self._report()
             self._bw_dirty = False
             if rep is not None:
-                self._own_bw = encode_signed(rep, self.t.sign)
+                self._own_bw = encode_signed(rep, self.transport.sign)
                 self._apply_record(rep, self._own_bw)
         return self._own_bw
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import trio
 
-from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
+from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.transport import Stream, Transport
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.msg import expect_map, field, packb, unpackb
@@ -42,6 +42,32 @@ TARGET_SECONDS = 0.25           # a transfer sized from a known rate lasts about
 MAX_TRANSFERS = 3               # per probe: a pilot, its sized follow-up, one more if that fell short
 _CHUNK = 256 * 1024
 _CTRL = 4096
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProbeConfig:
+    """How a node measures its links (owned by this module; ``SwarmConfig.probe``)."""
+
+    interval: float = 10.0       # at least this long between probe rounds once every peer is measured
+    first: int = 32              # never-measured peers probed in one round, at most
+    sample: int = 8              # peers re-measured in one refresh round, at most
+    duty: float = 0.02           # bulk transfer time / wall time a node spends measuring, at most ...
+    burst: float = 4.0           # ... in the long run: a token bucket of this many seconds of transfer
+    busy_retries: int = 3        # a peer busy measuring another is tried again this often within a round
+    parallel: int = 4            # probe sessions opened (pings) at once; the transfers still go one at a time
+    takeover: float = 30.0       # a pair its prober has not measured after this long is probed from here too
+    bytes: int = 256 * 1024      # pilot of a first probe without an estimate; the others last ~0.25 s
+    timeout: float = 10.0
+    ctrl_timeout: float = 3.0    # open + pings + go/busy: a peer too loaded to answer is tried again later
+    ema_alpha: float = 0.5       # weight of a new figure in the smoothed bandwidth
+
+    def __post_init__(self) -> None:
+        if not 0 < self.duty <= 1 or self.sample < 1 or self.first < 1:
+            raise ConfigError("probe sample and first must be positive, duty in (0, 1]")
+        if self.burst < 0 or self.busy_retries < 0 or self.parallel < 1:
+            raise ConfigError("probe burst and busy_retries must not be negative, parallel positive")
+        if not 0 < self.ema_alpha <= 1:
+            raise ConfigError("ema_alpha must be in (0, 1]")
 
 
 @dataclass(frozen=True, slots=True)

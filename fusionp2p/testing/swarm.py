@@ -11,6 +11,7 @@ from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
 from fusionp2p.net.memory import memory_network
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
+from fusionp2p.swarm.probe import ProbeConfig
 from fusionp2p.types import DeviceProfile
 
 TEST_PROFILE = DeviceProfile(device="cpu", kind="cpu", name="test-cpu", flops_fp32=1e10, flops_bf16=0.0, memory_bytes=4 * 2**30)
@@ -20,7 +21,7 @@ TEST_PROFILE = DeviceProfile(device="cpu", kind="cpu", name="test-cpu", flops_fp
 async def local_swarm(n: int, *, config: SwarmConfig | None = None, libp2p: bool = True,
                       profiles: list[DeviceProfile] | None = None) -> AsyncIterator[tuple[SwarmNode, list[SwarmNode]]]:
     """A bootstrap plus *n* nodes, all joined; yields (bootstrap, nodes)."""
-    cfg = config or SwarmConfig(probe_bytes=256 * 1024)
+    cfg = config or SwarmConfig(probe=ProbeConfig(bytes=256 * 1024))
     boot_cfg = SwarmConfig(role="bootstrap", heartbeat=cfg.heartbeat, dead_timeout=cfg.dead_timeout)
     async with AsyncExitStack() as stack:
         if libp2p:

@@ -38,7 +38,7 @@ from fusionp2p.wire.framing import encode_frame
 from fusionp2p.wire.protocols import JOB
 
 SEQ = 32
-CFG = SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probe=False)
+CFG = SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probing=False)
 NODE_CFG = NodeJobConfig(election_timeout=20, link_timeout=20, recv_timeout=20)
 
 
@@ -59,7 +59,7 @@ async def _cluster(n: int, home: Path) -> AsyncIterator[_Cluster]:
     async with memory_network() as net, trio.open_nursery() as nursery:
         boot = SwarmNode(net.add_host(), SwarmConfig(role="bootstrap", heartbeat=0.2, dead_timeout=5.0), None)
         await nursery.start(boot.run, [])
-        addr = boot.t.listen_addrs()[0]
+        addr = boot.transport.listen_addrs()[0]
         nodes: list[SwarmNode] = []
         scopes: list[trio.CancelScope] = []
         services: list[NodeJobService] = []

@@ -12,6 +12,7 @@ from fusionp2p.net.transport import GossipMessage
 from fusionp2p.swarm import node as swarm_mod
 from fusionp2p.swarm.membership import Change, prober_of
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
+from fusionp2p.swarm.probe import ProbeConfig
 from fusionp2p.testing.swarm import TEST_PROFILE, converge, local_swarm
 from fusionp2p.wire.protocols import TOPIC_MEMBERS
 from fusionp2p.wire.records import BandwidthReport, encode_bundle
@@ -27,7 +28,7 @@ async def _start(nursery: trio.Nursery, boot: SwarmNode, nodes: list[SwarmNode],
 def test_eight_libp2p_nodes_converge_on_members_and_bandwidth() -> None:
     async def main() -> None:
         with trio.fail_after(90):
-            async with local_swarm(8, config=SwarmConfig(probe_bytes=128 * 1024, probe_takeover=1e6)) as (boot, nodes):
+            async with local_swarm(8, config=SwarmConfig(probe=ProbeConfig(bytes=128 * 1024, takeover=1e6))) as (boot, nodes):
                 await converge(nodes, bandwidth=True, timeout=80)
                 ids = sorted(n.peer_id for n in nodes)
                 # every node holds the same member set and a complete, directly measured matrix
@@ -47,7 +48,7 @@ def test_eight_libp2p_nodes_converge_on_members_and_bandwidth() -> None:
 
 def test_dead_and_departing_peers_are_detected_with_fake_clock() -> None:
     async def main() -> None:
-        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=4.0, probe=False)
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=4.0, probing=False)
         async with memory_network() as net:
             hosts = [net.add_host() for _ in range(5)]
             boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=4.0), None)
@@ -78,7 +79,7 @@ def test_dead_and_departing_peers_are_detected_with_fake_clock() -> None:
 def test_forged_gossip_is_counted_not_fatal() -> None:
     async def main() -> None:
         with trio.fail_after(10):
-            async with local_swarm(2, libp2p=False, config=SwarmConfig(probe=False)) as (_boot, nodes):
+            async with local_swarm(2, libp2p=False, config=SwarmConfig(probing=False)) as (_boot, nodes):
                 await converge(nodes, bandwidth=False, timeout=5)
                 for junk in (b"", b"\x00", b"\x81\xa1v\x01", b"\xff" * 100):
                     nodes[0].handle_gossip(GossipMessage("fusionp2p/members/1", nodes[1].peer_id, junk))
@@ -93,7 +94,7 @@ def test_heartbeat_period_stretches_with_the_swarm_without_false_deaths() -> Non
     declared dead although dead_timeout (3 s) is far below the period, and a killed node still is."""
 
     async def main() -> None:
-        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=3.0, gossip_rate=1.0, probe=False)
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=3.0, gossip_rate=1.0, probing=False)
         async with memory_network() as net:
             hosts = [net.add_host() for _ in range(7)]
             published = [0]
@@ -131,7 +132,7 @@ def test_large_swarm_probes_a_bounded_sample_and_publishes_its_first_figure_at_o
     still gets measured over the rounds, and a node's first figures go out before its next regular heartbeat."""
 
     async def main() -> None:
-        cfg = SwarmConfig(heartbeat=5.0, dead_timeout=30.0, probe_first=2, probe_sample=2, probe_bytes=64 * 1024)
+        cfg = SwarmConfig(heartbeat=5.0, dead_timeout=30.0, probe=ProbeConfig(first=2, sample=2, bytes=64 * 1024))
         async with memory_network() as net:
             hosts = [net.add_host() for _ in range(7)]
             boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=5.0, dead_timeout=30.0), None)
@@ -171,7 +172,7 @@ def test_large_swarm_probes_a_bounded_sample_and_publishes_its_first_figure_at_o
                     # the bootstrap holds the node's report less than one heartbeat after its first measurement
                     assert report_at[p] - t < cfg.heartbeat
                 await converge(nodes, bandwidth=True, timeout=300)
-                assert rounds and max(rounds) <= max(cfg.probe_first, cfg.probe_sample)
+                assert rounds and max(rounds) <= max(cfg.probe.first, cfg.probe.sample)
                 ids = sorted(n.peer_id for n in nodes)
                 assert len(boot.bandwidth.matrix(ids)) == len(ids) * (len(ids) - 1)
                 up = [boot.bandwidth.reports[p] for p in ids]
@@ -184,7 +185,7 @@ def test_large_swarm_probes_a_bounded_sample_and_publishes_its_first_figure_at_o
 def test_a_repeated_report_is_not_verified_again(monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> None:
         with trio.fail_after(30):
-            async with local_swarm(2, libp2p=False, config=SwarmConfig(probe_bytes=64 * 1024)) as (_boot, nodes):
+            async with local_swarm(2, libp2p=False, config=SwarmConfig(probe=ProbeConfig(bytes=64 * 1024))) as (_boot, nodes):
                 await converge(nodes, bandwidth=True, timeout=20)
                 a, b = nodes
                 await a.wait_until(lambda: b.peer_id in a._raw_bw, timeout=20)
@@ -210,12 +211,12 @@ def test_a_pair_whose_prober_does_not_probe_is_taken_over_by_the_other_side() ->
     side, which measures them once probe_takeover has passed, so the matrix still completes."""
 
     async def main() -> None:
-        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probe_bytes=64 * 1024, probe_takeover=20.0)
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probe=ProbeConfig(bytes=64 * 1024, takeover=20.0))
         async with memory_network() as net:
             hosts = [net.add_host(Identity(bytes([i + 1]) * 32)) for i in range(5)]   # fixed ids: a fixed split
             boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=5.0), None)
             nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:4]]
-            lazy = SwarmNode(hosts[4], replace(cfg, probe=False), TEST_PROFILE)
+            lazy = SwarmNode(hosts[4], replace(cfg, probing=False), TEST_PROFILE)
             ids = sorted(n.peer_id for n in [*nodes, lazy])
             assert sum(prober_of(n.peer_id, lazy.peer_id) == lazy.peer_id for n in nodes) == 2   # left to take over
             async with trio.open_nursery() as nursery:
@@ -224,7 +225,7 @@ def test_a_pair_whose_prober_does_not_probe_is_taken_over_by_the_other_side() ->
                 for n in [*nodes, lazy]:
                     await nursery.start(n.run, [hosts[0].listen_addrs()[0]])
                 await converge([*nodes, lazy], bandwidth=True, timeout=120)
-                assert trio.current_time() - t0 >= cfg.probe_takeover       # not before the takeover
+                assert trio.current_time() - t0 >= cfg.probe.takeover       # not before the takeover
                 assert lazy.counters.probes_ok == 0
                 assert len(boot.bandwidth.matrix(ids)) == len(ids) * (len(ids) - 1)
                 nursery.cancel_scope.cancel()
@@ -237,7 +238,7 @@ def test_refresh_probes_keep_to_the_duty_cycle() -> None:
     the bulk transfer time over 300 s stays within probe_duty of it plus the bucket's burst."""
 
     async def main() -> None:
-        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probe_interval=1.0, probe_duty=0.02, probe_burst=1.0)
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probe=ProbeConfig(interval=1.0, duty=0.02, burst=1.0))
         async with memory_network() as net:
             hosts = [net.add_host() for _ in range(3)]
             for h in hosts[1:]:
@@ -265,7 +266,7 @@ def test_refresh_probes_keep_to_the_duty_cycle() -> None:
                 await trio.sleep(300)
                 refresh = sum(spent) - first
                 assert len(spent) >= 4                                   # refreshes did run
-                assert refresh <= cfg.probe_duty * (trio.current_time() - t0) + cfg.probe_burst + 0.5
+                assert refresh <= cfg.probe.duty * (trio.current_time() - t0) + cfg.probe.burst + 0.5
                 nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

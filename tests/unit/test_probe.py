@@ -55,7 +55,7 @@ class _TokenBucket:
 
     def __init__(self, stream: Stream, rate: float, burst: int) -> None:
         self.s, self.rate, self.burst = stream, rate, burst
-        self.tokens, self.t = float(burst), trio.current_time()
+        self.tokens, self.transport = float(burst), trio.current_time()
         self.remote_peer = stream.remote_peer
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -63,11 +63,11 @@ class _TokenBucket:
         for i in range(0, len(mv), 4096):
             piece = mv[i : i + 4096]
             now = trio.current_time()
-            self.tokens = min(self.burst, self.tokens + self.rate * (now - self.t))
-            self.t = now
+            self.tokens = min(self.burst, self.tokens + self.rate * (now - self.transport))
+            self.transport = now
             if self.tokens < len(piece):
                 await trio.sleep((len(piece) - self.tokens) / self.rate)
-                self.t, self.tokens = trio.current_time(), float(len(piece))
+                self.transport, self.tokens = trio.current_time(), float(len(piece))
             self.tokens -= len(piece)
             await self.s.send_all(piece)
 
