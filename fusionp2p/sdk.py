@@ -11,19 +11,17 @@
         job.wait(timeout=600)             # JobError if the job failed or was cancelled
         job.download("out/")              # out/model.safetensors, keys of my_module.state_dict()
 
-Theory of operation. ``Swarm.local`` starts one ``trio.run`` in a daemon thread holding an in-memory
-network (``fusionp2p.net.memory``): a publisher host and ``n_nodes`` node hosts, each with its own
-content store and content service. ``publish`` traces the model in the caller's thread (so that
-tracing errors raise right there, as ``ConfigError``), then hands the signed envelope and the blobs to
-the trio thread. There every node verifies the signature, fetches the DAG, the weights and the data by
-hash from the publisher, checks that it fits, and computes the plan; the plan is adopted when every
-accepting node computed the same hash. Then all stage replicas run (``train/worker.py``) and
-progress events flow to the job's queue. A job that no node accepts fails with the nodes' reasons.
+Theory of operation. A :class:`Swarm` runs one ``trio.run`` in a daemon thread. It holds a
+transport, a content store that serves the job's blobs by hash, and a
+:class:`~fusionp2p.jobs.publisher.Publisher` (offers the job, proposes the first snapshot, follows
+progress, collects the trained model). ``Swarm.connect(bootstrap=[...])`` makes that transport a libp2p
+client of a running swarm of ``fusionp2p node`` processes. ``Swarm.local`` first starts an embedded
+swarm in the same ``trio.run`` (``jobs/embedded.py``: a bootstrap and ``n_nodes`` nodes, each running
+the real node job service over the in-memory transport, with the encrypted data plane on 127.0.0.1)
+and connects to it the same way: one job path, embedded or real (docs/sdk.md).
 
-``Swarm.connect(bootstrap=[...])`` runs the same user API against real node processes: a libp2p
-client in the background thread hosts a :class:`~fusionp2p.jobs.publisher.Publisher` (content
-served by hash, JOB reports in, progress from the jobs gossip topic); the nodes run
-``jobs/node.py`` (see docs/sdk.md for the whole flow).
+``publish`` traces the model in the caller's thread (so that tracing errors raise right there, as
+``ConfigError``), then hands the signed envelope and the blobs to the trio thread.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -44,31 +43,15 @@ import trio
 from torch import nn
 
 from fusionp2p.errors import FusionError, JobError, PeerUnavailable
-from fusionp2p.jobs.build import (
-    AcceptedJob,
-    BuiltJob,
-    Dataset,
-    LossFn,
-    NodeJobs,
-    build_job,
-    choose_plan,
-    module_state,
-    run_local_job,
-    save_module_state,
-)
+from fusionp2p.jobs.build import BuiltJob, Dataset, LossFn, build_job, module_state, save_module_state
 from fusionp2p.jobs.checkpoint import assemble, latest_complete_step
 from fusionp2p.jobs.content import ContentService, ContentStore
-from fusionp2p.jobs.events import (
-    JobStateChanged,
-    MetricsWriter,
-    ProgressEvent,
-    StepProgress,
-)
+from fusionp2p.jobs.embedded import EmbeddedConfig, EmbeddedSwarm, open_embedded_swarm
+from fusionp2p.jobs.events import JobStateChanged, MetricsWriter, ProgressEvent, StepProgress
 from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.publisher import Publisher, discover
 from fusionp2p.jobs.spec import Resources
 from fusionp2p.net.identity import Identity
-from fusionp2p.net.memory import MemoryTransport, memory_network
 from fusionp2p.net.transport import Transport
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.types import DeviceProfile
@@ -162,28 +145,24 @@ class Job:
 
 
 class Swarm:
-    """A handle on a swarm; use :meth:`local` (embedded, in-process)."""
+    """A handle on a swarm: :meth:`local` (embedded, in this process) or :meth:`connect` (real nodes)."""
 
-    def __init__(self, n_nodes: int, profiles: list[DeviceProfile] | None, home: Path, *,
-                 bootstrap: list[str] | None = None, identity: Identity | None = None,
-                 listen: str = "/ip4/0.0.0.0/tcp/0") -> None:
-        self.n_nodes = n_nodes
-        self.profiles = profiles or [LOCAL_PROFILE] * n_nodes
-        if len(self.profiles) != n_nodes:
-            raise ValueError("give one DeviceProfile per node")
+    def __init__(self, home: Path, *, bootstrap: list[str] | None = None, identity: Identity | None = None,
+                 listen: str = "/ip4/0.0.0.0/tcp/0", local: list[DeviceProfile] | None = None,
+                 embedded: EmbeddedConfig | None = None) -> None:
         self.home = home
         self._identity = identity or Identity.generate()
         self._bootstrap = list(bootstrap or [])
         self._listen = listen
+        self._local = local                               # profiles of the embedded nodes, None to connect
+        self._embedded_cfg = embedded
+        self.embedded: EmbeddedSwarm | None = None        # Swarm.local: the nodes (for tests and tools)
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
         self._stop: trio.Event | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._pub: ContentService | None = None
-        self._pub_host: MemoryTransport | None = None
-        self._nodes: list[tuple[str, NodeJobs]] = []
-        self._transport: Transport | None = None                  # connect mode: the client's libp2p transport
+        self._transport: Transport | None = None
         self._boot_peers: list[str] = []
         self._publisher: Publisher | None = None
         self._thread = threading.Thread(target=self._main, name="fusionp2p-swarm", daemon=True)
@@ -191,7 +170,7 @@ class Swarm:
     @property
     def remote(self) -> bool:
         """True for a swarm reached with :meth:`connect` (real processes over libp2p)."""
-        return bool(self._bootstrap)
+        return self._local is None
 
     @classmethod
     def connect(cls, bootstrap: list[str], *, identity: Identity | None = None,
@@ -210,69 +189,62 @@ class Swarm:
         for b in bootstrap:
             parse_peer_addr(b)   # ConfigError on a malformed address, before any thread starts
         root = Path(home) if home is not None else Path(tempfile.mkdtemp(prefix="fusionp2p-client-"))
-        swarm = cls(0, [], root, bootstrap=list(bootstrap), identity=identity, listen=listen)
-        swarm._thread.start()
-        swarm._ready.wait()
-        if swarm._error is not None:
-            raise swarm._error
-        return swarm
+        return cls(root, bootstrap=list(bootstrap), identity=identity, listen=listen)._start()
 
     @classmethod
     def local(cls, n_nodes: int = 4, *, profiles: list[DeviceProfile] | None = None,
-              home: str | os.PathLike[str] | None = None) -> Swarm:
-        """Start an embedded swarm of *n_nodes* nodes in a background thread."""
+              home: str | os.PathLike[str] | None = None, config: EmbeddedConfig | None = None) -> Swarm:
+        """Start an embedded swarm of *n_nodes* nodes (real node services, in-memory transport) in a
+        background thread, and connect to it."""
         if n_nodes < 1:
             raise ValueError("a swarm needs at least one node")
+        profiles = profiles or [LOCAL_PROFILE] * n_nodes
+        if len(profiles) != n_nodes:
+            raise ValueError("give one DeviceProfile per node")
         root = Path(home) if home is not None else Path(tempfile.mkdtemp(prefix="fusionp2p-"))
-        swarm = cls(n_nodes, profiles, root)
-        swarm._thread.start()
-        swarm._ready.wait()
-        if swarm._error is not None:
-            raise swarm._error
-        return swarm
+        return cls(root, local=list(profiles), embedded=config)._start()
+
+    def _start(self) -> Swarm:
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
 
     # -------------------------------------------------- trio thread
     def _main(self) -> None:
         try:
-            trio.run(self._serve_remote if self.remote else self._serve)
+            trio.run(self._serve)
         except BaseException as exc:  # surfaced to the caller of local()/connect()/close()
             # trio wraps errors raised inside nurseries in groups; the caller wants the error itself
             self._error = _root_error(exc)
             self._ready.set()
 
     async def _serve(self) -> None:
-        async with memory_network() as net, trio.open_nursery() as nursery:
-            self._pub_host = net.add_host(self._identity)
-            self._pub = ContentService(self._pub_host, ContentStore())
-            self._pub.install()
-            for prof in self.profiles:
-                host = net.add_host()
-                svc = ContentService(host, ContentStore())
-                svc.install()
-                self._nodes.append((host.peer_id, NodeJobs(svc, prof)))
-            self._token = trio.lowlevel.current_trio_token()
-            self._nursery = nursery
-            self._stop = trio.Event()
-            self._ready.set()
-            await self._stop.wait()
-            nursery.cancel_scope.cancel()
+        async with AsyncExitStack() as stack:
+            transport: Transport
+            if self._local is not None:
+                emb = await stack.enter_async_context(
+                    open_embedded_swarm(self._local, self.home / "nodes", config=self._embedded_cfg))
+                self.embedded = emb
+                transport = emb.add_host(self._identity)
+                self._bootstrap = [emb.bootstrap_addr]
+            else:
+                from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
 
-    async def _serve_remote(self) -> None:
-        from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
-
-        async with open_libp2p_transport(self._identity, Libp2pConfig(listen=(self._listen,))) as t, \
-                trio.open_nursery() as nursery:
-            self._transport = t
-            self._pub = ContentService(t, ContentStore())
+                transport = await stack.enter_async_context(
+                    open_libp2p_transport(self._identity, Libp2pConfig(listen=(self._listen,))))
+            self._transport = transport
             errors: list[str] = []
             for addr in self._bootstrap:
                 try:
-                    self._boot_peers.append(await t.connect(addr))
+                    self._boot_peers.append(await transport.connect(addr))
                 except PeerUnavailable as exc:
                     errors.append(str(exc))
             if not self._boot_peers:
                 raise PeerUnavailable(self._bootstrap[0].rsplit("/p2p/", 1)[-1], "; ".join(errors))
-            self._publisher = Publisher(t, self._pub, self._boot_peers)
+            self._publisher = Publisher(transport, ContentService(transport, ContentStore()), self._boot_peers)
+            nursery = await stack.enter_async_context(trio.open_nursery())
             await nursery.start(self._publisher.run)
             self._token = trio.lowlevel.current_trio_token()
             self._nursery = nursery
@@ -281,7 +253,7 @@ class Swarm:
             await self._stop.wait()
             nursery.cancel_scope.cancel()
 
-    async def _run_remote_job(self, job: Job, built: BuiltJob) -> None:
+    async def _run_job(self, job: Job, built: BuiltJob) -> None:
         assert self._publisher is not None
         try:
             with trio.CancelScope() as scope:
@@ -296,9 +268,7 @@ class Swarm:
                                       at=time.time()))
 
     def members(self, timeout: float = 15.0) -> list[str]:
-        """Peer ids of the live training nodes (connect mode: the bootstrap's verified view)."""
-        if not self.remote:
-            return [p for p, _ in self._nodes]
+        """Peer ids of the live training nodes (the bootstrap's verified view)."""
         if self._token is None:
             raise JobError("the swarm is closed")
         t = self._transport
@@ -312,58 +282,6 @@ class Swarm:
     def _call_soon(self, fn: Callable[[], Any]) -> None:
         assert self._token is not None
         trio.from_thread.run_sync(fn, trio_token=self._token)
-
-    async def _run_job(self, job: Job, built: BuiltJob) -> None:
-        assert self._pub is not None
-        assert self._pub_host is not None
-        now = time.time
-
-        def state(s: JobState, reason: str = "") -> None:
-            job._emit(JobStateChanged(job=job.id, state=s.value, reason=reason, at=now()))
-
-        with trio.CancelScope() as scope:
-            job._cancel = scope
-            try:
-                for blob in built.blobs.values():
-                    await self._pub.publish(blob)
-                accepted: dict[str, AcceptedJob] = {}
-                refused: dict[str, str] = {}
-                for peer, node in self._nodes:
-                    try:
-                        with trio.fail_after(120):
-                            accepted[peer] = await node.accept(built.envelope, peers=[self._pub_host.peer_id])
-                    except (FusionError, ValueError, trio.TooSlowError) as exc:
-                        refused[peer] = f"{type(exc).__name__}: {exc}"
-                        log.warning("node %s refused job %s: %s", peer[:12], job.id, exc)
-                if not accepted:
-                    why = "; ".join(sorted(set(refused.values())))
-                    state(JobState.FAILED, f"no node accepted the job ({why})")
-                    return
-                members = {p: prof for (p, _), prof in zip(self._nodes, self.profiles, strict=True) if p in accepted}
-                # every node plans on its own; the plan is adopted when all hashes agree
-                plans = {p: choose_plan(a.spec, a.dag, members) for p, a in accepted.items()}
-                hashes = {pl.plan_hash() for pl in plans.values()}
-                if len(hashes) != 1:
-                    state(JobState.FAILED, f"nodes computed {len(hashes)} different plans")
-                    return
-                plan = next(iter(plans.values()))
-                state(JobState.PLANNED, plan.plan_hash())
-                state(JobState.RUNNING)
-
-                async def emit(ev: ProgressEvent) -> None:
-                    job._emit(ev)
-
-                await run_local_job({p: accepted[p] for p in plan.peers}, plan, ckpt_root=job.home / "checkpoints",
-                                    emit=emit)
-                state(JobState.DONE)
-            except FusionError as exc:
-                log.exception("job %s failed", job.id)
-                state(JobState.FAILED, f"{type(exc).__name__}: {exc}")
-            except Exception as exc:
-                log.exception("job %s failed", job.id)
-                state(JobState.FAILED, f"{type(exc).__name__}: {exc}")
-        if scope.cancelled_caught:
-            state(JobState.CANCELLED, "cancelled by the publisher")
 
     # -------------------------------------------------- user API
     def publish(self, *, model: nn.Module, dataset: Dataset, config: TrainConfig, loss: LossFn | None = None,
@@ -386,8 +304,7 @@ class Swarm:
         job = Job(self, built, home)
         nursery = self._nursery
         assert nursery is not None
-        run = self._run_remote_job if self.remote else self._run_job
-        self._call_soon(lambda: nursery.start_soon(run, job, built))
+        self._call_soon(lambda: nursery.start_soon(self._run_job, job, built))
         return job
 
     @property
@@ -419,7 +336,7 @@ def _root_error(exc: BaseException) -> BaseException:
 
     Under load, libp2p teardown errors can join ours in the group, so a one-member unwrap is not enough.
     """
-    from fusionp2p.errors import FusionError, leaf_errors
+    from fusionp2p.errors import leaf_errors
 
     leaves = leaf_errors(exc)
     ours = [e for e in leaves if isinstance(e, FusionError)]

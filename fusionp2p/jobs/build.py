@@ -6,18 +6,13 @@
   through :class:`ContentService` (every blob checked against its hash), decide whether the node fits.
 * :func:`choose_plan`: the deterministic plan of a job for a member set (same on every node, so the
   election is a comparison of hashes); ``TrainConfig.replicas`` pins ``R`` replicas per stage.
-* :func:`run_local_job`: all members in this trio.run, wired with in-memory TensorChannel pairs; each
-  stage replica runs :class:`~fusionp2p.train.worker.StageWorker`. Progress is aggregated per step
-  (mean loss of the ``R`` pipelines, summed tokens/s) and handed to ``emit``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +35,9 @@ from fusionp2p.data import (
 )
 from fusionp2p.data.corpus import corpus_hash
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, PlanError, RemoteProtocolError
-from fusionp2p.graph import OpDAG, StageExecutor, coarsen, partition, stages_from_fences, to_workload, trace
+from fusionp2p.graph import OpDAG, coarsen, partition, stages_from_fences, to_workload, trace
 from fusionp2p.graph.program import StageProgram
-from fusionp2p.jobs.checkpoint import StageCheckpointMeta, save_stage
 from fusionp2p.jobs.content import ContentService, sha256_hex
-from fusionp2p.jobs.events import CheckpointSaved, PlanChanged, ProgressEvent, StepProgress
 from fusionp2p.jobs.spec import (
     JobSpec,
     Resources,
@@ -53,11 +46,8 @@ from fusionp2p.jobs.spec import (
     prepare_dataset,
     sign_spec,
 )
-from fusionp2p.net.channel import TensorChannel
 from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, make_plan, plan_even_flops
-from fusionp2p.testing.channels import memory_channel_pair
 from fusionp2p.train.config import TrainConfig
-from fusionp2p.train.worker import StageContext, StageReport, StageWorker
 from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.dag import decode_dag, encode_dag
 
@@ -236,92 +226,6 @@ def data_fn(job: AcceptedJob) -> Callable[[int, int], dict[str, torch.Tensor]]:
     return fn
 
 
-Emit = Callable[[ProgressEvent], Awaitable[None]]
-
-
-async def run_local_job(jobs: Mapping[str, AcceptedJob], plan: Plan, *, ckpt_root: str | os.PathLike[str],
-                        emit: Emit, epoch: int = 0) -> float | None:
-    """Run *plan* with every member in this trio.run (in-memory channels). Returns the final eval loss."""
-    any_job = next(iter(jobs.values()))
-    spec = any_job.spec
-    cfg = spec.config
-    job_id = spec.job_id
-    n_st = len(plan.stages)
-    r_count = len(plan.stages[0].replicas)
-    programs = stage_programs(any_job.dag, plan)
-    await emit(PlanChanged(job=job_id, epoch=epoch, plan_hash=plan.plan_hash(),
-                           stage_sizes=tuple(len(s.replicas) for s in plan.stages),
-                           members=tuple(p for s in plan.stages for p in s.replicas), at=time.time()))
-    compress = cfg.adatopk is not None
-    # channels: pipeline r, stages a < b that exchange tensors; replicas of a stage: all pairs
-    links: dict[tuple[int, int], dict[int, TensorChannel]] = {(s, r): {} for s in range(n_st) for r in range(r_count)}
-    for r in range(r_count):
-        for p in programs:
-            for src in sorted({x.src for x in p.recv if x.src >= 0}):
-                a, b = memory_channel_pair(plan.stages[src].replicas[r], plan.stages[p.stage].replicas[r], window=16)
-                links[(src, r)][p.stage] = a
-                links[(p.stage, r)][src] = b
-    peers: dict[tuple[int, int], list[TensorChannel]] = {k: [] for k in links}
-    for s in range(n_st):
-        for i in range(r_count):
-            for j in range(i + 1, r_count):
-                a, b = memory_channel_pair(plan.stages[s].replicas[i], plan.stages[s].replicas[j], window=4)
-                peers[(s, i)].append(a)
-                peers[(s, j)].append(b)
-    reports: dict[int, list[StageReport]] = {}
-    final: list[float] = []
-    t_start = time.perf_counter()
-
-    async def report(rep: StageReport) -> None:
-        if rep.loss is None:
-            return
-        if rep.eval:
-            final.append(rep.loss)
-            if len(final) == r_count:
-                await emit(StepProgress(job=job_id, step=rep.step, epoch=epoch, stage=n_st - 1, loss=sum(final) / r_count,
-                                        tokens_per_s=0.0, at=time.time()))
-            return
-        got = reports.setdefault(rep.step, [])
-        got.append(rep)
-        if len(got) == r_count:
-            del reports[rep.step]
-            toks = sum(x.tokens for x in got)
-            wall = max(x.wall_s for x in got)
-            await emit(StepProgress(job=job_id, step=rep.step, epoch=epoch, stage=n_st - 1,
-                                    loss=sum(x.loss for x in got if x.loss is not None) / r_count,
-                                    tokens_per_s=toks / wall if wall > 0 else 0.0,
-                                    compute_util=min(1.0, max(x.compute_s / x.wall_s for x in got if x.wall_s > 0)),
-                                    at=time.time()))
-
-    def ckpt(stage: int) -> Callable[[int, dict[str, torch.Tensor]], Awaitable[None]]:
-        async def save(step: int, state: dict[str, torch.Tensor]) -> None:
-            meta = StageCheckpointMeta(job=job_id, stage=stage, num_stages=n_st, step=step, plan_hash=plan.plan_hash())
-            await trio.to_thread.run_sync(lambda: save_stage(ckpt_root, meta, state))
-            await emit(CheckpointSaved(job=job_id, step=step, stage=stage, peer=plan.stages[stage].replicas[0], at=time.time()))
-        return save
-
-    tokens_per_micro = cfg.micro_batch * spec.dataset.seq_len
-    async with trio.open_nursery() as nursery:
-        for s, prog in enumerate(programs):
-            for r in range(r_count):
-                peer = plan.stages[s].replicas[r]
-                job = jobs[peer]
-                rho_out: dict[int, float] = {}
-                if compress:
-                    if s + 1 < n_st:
-                        rho_out[s + 1] = plan.fences[s].rho
-                    if s > 0:
-                        rho_out[-1 - (s - 1)] = plan.fences[s - 1].rho
-                ctx = StageContext(job=job_id, executor=StageExecutor(prog.__class__(**{
-                    f.name: getattr(prog, f.name) for f in dataclasses.fields(prog)})), config=cfg, replica=r,
-                    replicas=r_count, links=links[(s, r)], peers=peers[(s, r)], data=data_fn(job),
-                    tokens_per_micro=tokens_per_micro, rho_out=rho_out, report=report,
-                    checkpoint=ckpt(s) if r == 0 else None)
-                nursery.start_soon(StageWorker(ctx).run)
-    log.info("job %s finished in %.1fs", job_id, time.perf_counter() - t_start)
-    return sum(final) / len(final) if final else None
-
-
 def module_state(dag: OpDAG, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """DAG-named tensors -> the traced module's state_dict names (tied weights under every alias)."""
     out: dict[str, torch.Tensor] = {}
@@ -338,4 +242,4 @@ def save_module_state(path: Path, state: Mapping[str, torch.Tensor]) -> Path:
 
 
 __all__ = ["AcceptedJob", "BuiltJob", "NodeJobs", "build_job", "choose_plan", "data_fn", "module_state",
-           "plan_for_snapshot", "run_local_job", "save_module_state", "stage_programs", "trace_job"]
+           "plan_for_snapshot", "save_module_state", "stage_programs", "trace_job"]

@@ -194,6 +194,8 @@ class NodeJobService:
             parts = a.split("/")
             if len(parts) > 2 and parts[1] == "ip4":
                 return parts[2] if parts[2] == "127.0.0.1" else "0.0.0.0"
+            if len(parts) > 1 and parts[1] == "memory":
+                return "127.0.0.1"     # the embedded swarm (one process)
         return "0.0.0.0"
 
     async def _provide(self, hashes: list[str]) -> None:
@@ -242,8 +244,9 @@ class NodeJobService:
         return {"ok": False, "error": f"op {op} is not served by nodes"}
 
     async def _offer(self, peer: str, envelope: bytes) -> dict[str, Any]:
-        if len(self.jobs) >= self.config.max_jobs:
+        if sum(not j.state.terminal for j in self.jobs.values()) >= self.config.max_jobs:
             return {"ok": False, "error": "this node is busy"}
+        self._forget_finished()
         profile = self.swarm.profile
         if profile is None:
             return {"ok": False, "error": "this node has no device profile"}
@@ -262,6 +265,12 @@ class NodeJobService:
         self._nursery.start_soon(self._provide, intake.fetched)   # we can serve these blobs to others now
         log.info("accepted job %s from %s", acc.spec.job_id, peer[:12])
         return {"ok": True, "job": acc.spec.job_id}
+
+    def _forget_finished(self, keep: int = 64) -> None:
+        """Bound the job table: the oldest finished jobs beyond *keep* are forgotten."""
+        done = [k for k, j in self.jobs.items() if j.state.terminal]
+        for k in done[: max(0, len(done) - keep)]:
+            del self.jobs[k]
 
     # ------------------------------------------------------------------ running a job
     async def _run(self, nj: _Job, snap: Snapshot) -> None:

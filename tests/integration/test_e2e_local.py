@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,15 +14,15 @@ import torch.nn.functional as F
 
 from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, corpus_tokens
 from fusionp2p.errors import ConfigError, JobError
-from fusionp2p.jobs import build as job_local
 from fusionp2p.jobs.build import build_job
 from fusionp2p.jobs.events import PlanChanged, StepProgress
+from fusionp2p.jobs.node import NodeJobService
 from fusionp2p.jobs.spec import Resources
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
 from fusionp2p.net.channel import TensorChannel, TensorMessage
 from fusionp2p.sdk import Swarm
-from fusionp2p.testing.channels import memory_channel_pair
 from fusionp2p.train.config import CO2, TrainConfig
+from fusionp2p.wire.msg import packb, unpackb
 
 SEQ = 32
 TIMEOUT = 240
@@ -136,11 +137,13 @@ def test_sent_tensors_are_never_modified_after_send(swarm: Swarm, monkeypatch: p
     the end of a job against its value when ``send`` returned."""
     sent: list[tuple[str, torch.Tensor, torch.Tensor]] = []
 
-    def audited_pair(a: str, b: str, *, window: int = 8) -> tuple[_AuditedChannel, _AuditedChannel]:
-        x, y = memory_channel_pair(a, b, window=window)
-        return _AuditedChannel(x, sent), _AuditedChannel(y, sent)
+    open_links = NodeJobService._open_links
 
-    monkeypatch.setattr(job_local, "memory_channel_pair", audited_pair)
+    async def audited(self: NodeJobService, *args: Any, **kwargs: Any) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:
+        links, peers = await open_links(self, *args, **kwargs)
+        return ({s: _AuditedChannel(c, sent) for s, c in links.items()}, [_AuditedChannel(c, sent) for c in peers])
+
+    monkeypatch.setattr(NodeJobService, "_open_links", audited)
     cfg = TrainConfig(steps=5, micro_batch=2, micro_batches=2, lr=3e-3, replicas=2, averaging=averaging,
                       compression="adatopk", seed=5)
     job = swarm.publish(model=_model(), dataset=BuiltinCorpus(seq_len=SEQ), config=cfg)
@@ -155,10 +158,12 @@ def test_tampered_spec_is_refused(swarm: Swarm) -> None:
     cfg = TrainConfig(steps=2, micro_batch=2, micro_batches=1)
     built = build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=swarm.publisher_id, sign=swarm.sign,
                       now=1.0, nonce=b"n" * 16)
-    bad = bytearray(built.envelope)
-    bad[len(bad) // 2] ^= 0x01
-    job = swarm.publish_built(dataclasses.replace(built, envelope=bytes(bad)))
-    with pytest.raises(JobError, match="no node accepted"):
+    # the publisher's signature over a spec whose training config was changed afterwards
+    env = unpackb(built.envelope, max_size=1 << 20)
+    forged = dataclasses.replace(built.spec, config=dataclasses.replace(cfg, steps=3))
+    bad = packb({**env, "spec": forged.encode()})
+    job = swarm.publish_built(dataclasses.replace(built, envelope=bad))
+    with pytest.raises(JobError, match=r"no node accepted the job .*signature does not verify against publisher"):
         job.wait(timeout=TIMEOUT)
 
 

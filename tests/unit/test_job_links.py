@@ -23,7 +23,7 @@ class _Chan:
 
 
 def _service(tmp_path: Path, **cfg: Any) -> tuple[NodeJobService, _Job]:
-    svc = NodeJobService(SimpleNamespace(t=None), tmp_path, NodeJobConfig(**cfg))  # type: ignore[arg-type]
+    svc = NodeJobService(SimpleNamespace(transport=None), tmp_path, NodeJobConfig(**cfg))  # type: ignore[arg-type]
     nj = _Job(accepted=SimpleNamespace(spec=SimpleNamespace(job_id="j1")), publisher="pub")  # type: ignore[arg-type]
     svc.jobs["j1"] = nj
     return svc, nj

@@ -24,7 +24,7 @@ def test_a_cancel_racing_a_failing_send_ends_the_job_not_the_node(tmp_path: Path
     async def main() -> None:
         with trio.fail_after(10):
             async with memory_network() as net:
-                service = NodeJobService(SimpleNamespace(t=net.add_host()), tmp_path)  # type: ignore[arg-type]
+                service = NodeJobService(SimpleNamespace(transport=net.add_host()), tmp_path)  # type: ignore[arg-type]
                 training = trio.Event()
 
                 async def train(nj: _Job, snap: Any) -> dict[str, Any]:
