@@ -109,6 +109,7 @@ class AcceptedJob:
     spec: JobSpec
     dag: OpDAG
     tokens: Any       # np.ndarray or ShardedTokens
+    envelope: bytes = b""   # the publisher-signed spec (offered on to joiners)
 
 
 class NodeJobs:
@@ -142,7 +143,7 @@ class NodeJobs:
             tokens = ShardedTokens(manifest)
             for i, h in enumerate(manifest.shards):
                 tokens.add(i, await self._fetch(h, peers))
-        return AcceptedJob(spec=spec, dag=dag, tokens=tokens)
+        return AcceptedJob(spec=spec, dag=dag, tokens=tokens, envelope=bytes(envelope))
 
     async def _fetch(self, h: str, peers: Sequence[str]) -> bytes:
         """From *peers* first (verified, stored; announcing it on the DHT is left to the caller, see
@@ -197,12 +198,49 @@ def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile],
     return dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, replicas=st.replicas[:r]) for st in plan.stages))
 
 
-def plan_for_snapshot(spec: JobSpec, dag: OpDAG, snap: Snapshot) -> Plan:
-    """:func:`choose_plan` over a swarm snapshot, stamped with that snapshot's hash (for the election)."""
+def plan_for_snapshot(spec: JobSpec, dag: OpDAG, snap: Snapshot, *, previous: Plan | None = None) -> Plan:
+    """:func:`choose_plan` over a swarm snapshot, stamped with that snapshot's hash (for the election).
+
+    With *previous* (the plan of the epoch before a re-plan), members keep the stage they held where
+    the plan's quality allows it (:func:`stabilize`), so that a re-plan moves as little state as it can.
+    """
     if snap.job != spec.job_id:
         raise PlanError(f"snapshot of job {snap.job}, not {spec.job_id}")
     plan = choose_plan(spec, dag, snap.members, links=snap.links, epoch=snap.epoch)
+    if previous is not None:
+        plan = stabilize(plan, previous, snap.members)
     return dataclasses.replace(plan, job=spec.job_id, epoch=snap.epoch, snapshot_hash=snap.snapshot_hash())
+
+
+def stabilize(plan: Plan, previous: Plan, profiles: Mapping[str, DeviceProfile]) -> Plan:
+    """Swap members with identical device profiles so that as many as possible keep their old stage.
+
+    Only equal devices change places, so the plan's cost model (compute, memory, links unless they
+    differ) sees the same plan; the swap is deterministic (sorted ids), so every member computes it.
+    """
+    held = {p: k for k, st in enumerate(previous.stages) for p in st.replicas}
+    slots = [(k, i) for k, st in enumerate(plan.stages) for i in range(len(st.replicas))]
+    who = {(k, i): plan.stages[k].replicas[i] for k, i in slots}
+    groups: dict[DeviceProfile, list[tuple[int, int]]] = {}
+    for slot in slots:
+        groups.setdefault(profiles[who[slot]], []).append(slot)
+    for prof, gslots in groups.items():
+        used = {who[s] for s in gslots}
+        eligible = sorted(used | {p for p in held if p in profiles and profiles[p] == prof})
+        chosen: dict[tuple[int, int], str] = {}
+        for slot in gslots:     # first the members that held this very stage
+            cand = [p for p in eligible if held.get(p) == slot[0] and p not in chosen.values()]
+            if cand:
+                chosen[slot] = cand[0]
+        taken = set(chosen.values())
+        rest = [p for p in eligible if p in held and p not in taken] + [p for p in eligible if p not in held and p not in taken]
+        for slot in gslots:     # then members of the old plan, then newcomers
+            if slot not in chosen:
+                chosen[slot] = rest.pop(0)
+        who.update(chosen)
+    stages = tuple(dataclasses.replace(st, replicas=tuple(who[(k, i)] for i in range(len(st.replicas))))
+                   for k, st in enumerate(plan.stages))
+    return dataclasses.replace(plan, stages=stages)
 
 
 def stage_programs(dag: OpDAG, plan: Plan) -> list[StageProgram]:

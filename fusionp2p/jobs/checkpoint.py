@@ -6,7 +6,8 @@ Layout under a checkpoint root (one per node; the publisher collects stage files
     <root>/<job>/step-00000120/stage-001.safetensors
 
 A stage file holds the stage's parameters under their OP-DAG names, optionally its optimizer state
-under ``__optim__::<param>::<key>``, and string metadata: format, job, stage, num_stages, step,
+under ``__optim__::<param>::<key>`` and its slices of CO2's outer momentum under
+``__momentum__::<param>@<offset>`` (``train/state.py``), and string metadata: format, job, stage, num_stages, step,
 plan_hash (and the optimizer's param groups as JSON). Files are written to a temporary name and
 renamed, so a crash never leaves a half-written file under the final name.
 
@@ -25,18 +26,22 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file, save_file
+from safetensors.torch import save as save_bytes
 
-from fusionp2p.errors import JobError
+from fusionp2p.errors import JobError, RemoteProtocolError
+from fusionp2p.train.state import StageState
 
 log = logging.getLogger(__name__)
 
 FORMAT = "fusionp2p-stage/1"
 OPTIM_PREFIX = "__optim__::"
+MOMENTUM_PREFIX = "__momentum__::"
+MAX_STATE_BYTES = 16 << 30     # a stage state a peer hands over (the content fetch bounds it first)
 _STEP_DIR = re.compile(r"step-(\d{8})")
 _STAGE_FILE = re.compile(r"stage-(\d{3})\.safetensors")
 
@@ -132,6 +137,51 @@ class StageCheckpoint:
     optimizer_groups: str
 
 
+def encode_state(meta: StageCheckpointMeta, state: StageState) -> bytes:
+    """One stage's whole state as the bytes of a stage file (content-addressed when handed over)."""
+    if any(k.startswith(("__optim__", "__momentum__")) for k in state.tensors):
+        raise CheckpointError("parameter names must not start with __optim__ or __momentum__")
+    tensors = dict(state.tensors)
+    tensors.update({OPTIM_PREFIX + k: v for k, v in state.optimizer.items()})
+    for name, slices in state.momentum.items():
+        for off, vals in slices:
+            tensors[f"{MOMENTUM_PREFIX}{name}@{off}"] = vals
+    md = meta.to_metadata()
+    if state.optimizer_groups:
+        md["optim_groups"] = state.optimizer_groups
+    return save_bytes(_cpu_unshared(tensors), metadata=md)
+
+
+def decode_state(blob: bytes, *, job: str | None = None) -> tuple[StageCheckpointMeta, StageState]:
+    """Parse a stage file's bytes from a peer; RemoteProtocolError if it is not one (of *job*)."""
+    if len(blob) > MAX_STATE_BYTES:
+        raise RemoteProtocolError(f"stage state of {len(blob)} bytes exceeds {MAX_STATE_BYTES}")
+    try:
+        tensors = load_bytes(blob)
+        n = int.from_bytes(blob[:8], "little")
+        header = json.loads(blob[8:8 + n])
+        meta = StageCheckpointMeta.from_metadata(header.get("__metadata__"), "a handed-over stage state")
+    except (SafetensorError, ValueError, OverflowError, CheckpointError) as exc:
+        raise RemoteProtocolError(f"bad stage state: {exc}") from None
+    if job is not None and meta.job != job:
+        raise RemoteProtocolError(f"stage state of job {meta.job}, not {job}")
+    params, optim = {}, {}
+    momentum: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for k, v in tensors.items():
+        if k.startswith(OPTIM_PREFIX):
+            optim[k[len(OPTIM_PREFIX):]] = v
+        elif k.startswith(MOMENTUM_PREFIX):
+            name, _, off = k[len(MOMENTUM_PREFIX):].rpartition("@")
+            if not off.isdigit() or v.dim() != 1:
+                raise RemoteProtocolError(f"bad momentum entry {k[:100]!r}")
+            momentum.setdefault(name, []).append((int(off), v))
+        else:
+            params[k] = v
+    groups = str(header["__metadata__"].get("optim_groups", ""))
+    return meta, StageState(step=meta.step, tensors=params, optimizer=optim, optimizer_groups=groups,
+                            momentum={k: tuple(v) for k, v in momentum.items()})
+
+
 def read_meta(path: str | os.PathLike[str]) -> StageCheckpointMeta:
     """Only the metadata (reads the header, not the tensors)."""
     try:
@@ -150,7 +200,7 @@ def load_stage(path: str | os.PathLike[str]) -> StageCheckpoint:
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
     meta = StageCheckpointMeta.from_metadata(md, str(path))
-    params = {k: v for k, v in tensors.items() if not k.startswith(OPTIM_PREFIX)}
+    params = {k: v for k, v in tensors.items() if not k.startswith((OPTIM_PREFIX, MOMENTUM_PREFIX))}
     optim = {k[len(OPTIM_PREFIX):]: v for k, v in tensors.items() if k.startswith(OPTIM_PREFIX)}
     return StageCheckpoint(meta, params, optim, md.get("optim_groups", ""))
 
@@ -230,60 +280,3 @@ def save_model(path: str | os.PathLike[str], state_dict: Mapping[str, torch.Tens
     save_file(_cpu_unshared(state_dict), str(tmp), metadata=dict(metadata or {}))
     os.replace(tmp, p)
     return p
-
-
-# ---- optimizer state, flattened to named tensors ---------------------------------------------------
-
-
-def optimizer_tensors(opt: torch.optim.Optimizer, names: Mapping[torch.nn.Parameter, str]) -> tuple[dict[str, torch.Tensor], str]:
-    """Flatten *opt*'s state to ``{"<param>::<key>": tensor}`` plus its param groups as JSON.
-
-    Keys by parameter *name*, not position, so the state survives a re-plan that changes which
-    parameters a stage holds (a stage loads the entries of the parameters it now owns).
-    """
-    sd = opt.state_dict()
-    order = [p for g in opt.param_groups for p in g["params"]]
-    out: dict[str, torch.Tensor] = {}
-    for idx, st in sd["state"].items():
-        pname = names[order[idx]]
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                out[f"{pname}::{k}"] = v
-            elif isinstance(v, int | float) and not isinstance(v, bool):
-                out[f"{pname}::{k}"] = torch.tensor(float(v), dtype=torch.float64)
-    groups = []
-    pos = 0
-    for g in sd["param_groups"]:
-        hyper = {k: v for k, v in g.items() if k != "params"}
-        groups.append({"hyper": hyper, "params": [names[order[pos + i]] for i in range(len(g["params"]))]})
-        pos += len(g["params"])
-    return out, json.dumps(groups, sort_keys=True)
-
-
-def load_optimizer_tensors(
-    opt: torch.optim.Optimizer, names: Mapping[torch.nn.Parameter, str], tensors: Mapping[str, torch.Tensor], groups: str
-) -> None:
-    """Restore state saved by :func:`optimizer_tensors` into *opt* (whose params are named by *names*).
-
-    Hyper-parameters come from the saved groups; state entries of parameters *opt* does not hold are
-    ignored, and parameters without saved state start fresh.
-    """
-    order = [p for g in opt.param_groups for p in g["params"]]
-    index = {names[p]: i for i, p in enumerate(order)}
-    state: dict[int, dict[str, Any]] = {}
-    for key, t in tensors.items():
-        pname, _, k = key.rpartition("::")
-        if pname in index:
-            state.setdefault(index[pname], {})[k] = t
-    try:
-        saved = json.loads(groups) if groups else []
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"optimizer groups are not valid JSON: {exc}") from None
-    cur = opt.state_dict()["param_groups"]
-    pg: list[dict[str, Any]] = []
-    for i, g in enumerate(cur):
-        hyper = dict(saved[i]["hyper"]) if i < len(saved) else {k: v for k, v in g.items() if k != "params"}
-        if "betas" in hyper and isinstance(hyper["betas"], list):
-            hyper["betas"] = tuple(hyper["betas"])
-        pg.append({**hyper, "params": g["params"]})
-    opt.load_state_dict({"state": state, "param_groups": pg})

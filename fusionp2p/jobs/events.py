@@ -86,12 +86,14 @@ class JobStateChanged:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointSaved:
     KIND: ClassVar[str] = "checkpoint"
-    SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "step": _INT, "stage": _INT, "peer": _STR, "at": _FLOAT}
+    SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "step": _INT, "stage": _INT, "peer": _STR, "at": _FLOAT,
+                                         "hash": _STR}
     job: str
     step: int
     stage: int
-    peer: str = ""
+    peer: str = ""          # a node that holds it (the saver, or a keeper that copied it)
     at: float = 0.0
+    hash: str = ""          # content hash of the stage file (fetch it by hash from any holder)
 
 
 ProgressEvent = StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved

@@ -1,8 +1,10 @@
 """The job control protocol (``wire.protocols.JOB``): one request, one reply, per stream.
 
-Both ends speak it: a node serves ``offer`` / ``start`` / ``cancel`` / ``status`` from the publisher,
-and the publisher serves ``report`` from the nodes (a member's terminal state, its final evaluation
-loss and the content hash of its stage checkpoint). Messages are msgpack maps in one length-prefixed
+Both ends speak it. A node serves ``offer`` / ``start`` / ``cancel`` / ``status`` from the publisher,
+and from the job's other members ``offer`` (to a joiner), ``start`` (a re-plan's next epoch),
+``halt`` (end the epoch and hand over the state), ``keep`` (hold a copy of a stage file) and ``done``
+(a stage finished: to the job's leader). The publisher serves ``report`` (the job's terminal state,
+its final evaluation loss and the content hashes of the final stage files) and ``done``. Messages are msgpack maps in one length-prefixed
 frame each (``fusionp2p.wire``); a request carries ``op``, a reply carries ``ok`` and, when not ok,
 ``error``. Anything a peer sends that does not parse raises :class:`RemoteProtocolError`.
 
@@ -28,7 +30,7 @@ from fusionp2p.wire.protocols import JOB
 log = logging.getLogger(__name__)
 
 MAX_JOB_FRAME = 8 * 1024 * 1024        # a snapshot of a large swarm fits; blobs never travel here
-OPS = ("offer", "start", "cancel", "status", "report")
+OPS = ("offer", "start", "cancel", "status", "report", "halt", "keep", "done")
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]   # (remote peer, request) -> reply
 

@@ -1,28 +1,37 @@
-"""The publisher's side of a job on a real swarm (used by ``Swarm.connect``).
+"""The publisher's side of a job (used by ``Swarm.connect`` and ``Swarm.local``).
 
 Theory of operation. A :class:`JobDriver` takes one built, signed job through its lifecycle:
 
 1. *Discover*: ask a bootstrap for its view (``swarm.fetch_view``: every record verified) and take the
    live training members with their signed device profiles and bandwidth reports.
-2. *Offer*: keep the blobs (DAG, weights, data shards) in our content store, dial every member and
-   send it the signed envelope (``job_proto``); each member verifies, fetches the blobs from us by
-   hash, checks that it fits and answers. None accepting ends the job FAILED with their reasons.
-3. *Start*: propose the snapshot of the accepting members (profiles + measured links). Every member
-   plans from it and the members elect the plan over gossip; we compute the same pure plan to know
-   who serves what (and emit :class:`PlanChanged`).
-4. *Follow*: progress arrives on the jobs gossip topic (the loss stage's replicas each report a step;
-   we emit one aggregated :class:`StepProgress` per step), terminal reports arrive over JOB streams.
-   One member's failure cancels the others. No news for ``idle_timeout`` seconds fails the job.
-5. *Collect*: fetch each stage's final checkpoint by content hash from the replica that saved it and
-   lay it out under ``ckpt_root`` so ``checkpoint.assemble`` builds the whole model.
+2. *Offer*: keep the blobs (DAG, weights, data shards) in our content store, announce the spec in the
+   DHT (so that the job can be followed from elsewhere), dial every member and send it the signed
+   envelope (``job_proto``); each member verifies, fetches the blobs from us by hash, checks that it
+   fits and answers. None accepting ends the job FAILED with their reasons.
+3. *Start*: propose the snapshot of the accepting members (profiles + measured links) as epoch 0.
+   Every member plans from it and the members elect the plan over gossip. From then on the job
+   belongs to its members: they re-plan among themselves when members die, leave or join
+   (``jobs/run.py``), and we only follow.
+4. *Follow*: plans (:class:`PlanChanged`, believed from members we already know), progress (the loss
+   stage's replicas each report a step; one aggregated :class:`StepProgress` per step) and
+   checkpoints arrive on the jobs gossip topic; the leader's final ``report`` (and each stage's
+   ``done``) over JOB streams; the job's signed status record in the DHT is read every
+   ``status_poll`` seconds, so a lost report or a publisher that was away never loses the end.
+   No news for ``idle_timeout`` seconds fails the job.
+5. *Collect*: fetch each stage's final state file by content hash from the nodes that hold it and lay
+   it out under ``ckpt_root`` so ``checkpoint.assemble`` builds the whole model.
+
+:meth:`JobDriver.attach` follows a job submitted earlier (by this key, from any machine): it starts
+at step 4 from the status record.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +41,7 @@ import trio
 from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
-from fusionp2p.jobs.checkpoint import stage_path
+from fusionp2p.jobs.checkpoint import decode_state, save_stage, stage_path
 from fusionp2p.jobs.content import ContentService
 from fusionp2p.jobs.events import (
     CheckpointSaved,
@@ -42,12 +51,16 @@ from fusionp2p.jobs.events import (
     StepProgress,
     decode_event,
 )
-from fusionp2p.jobs.lifecycle import JobState
+from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
+from fusionp2p.jobs.progress import ProgressBook
+from fusionp2p.jobs.replan import Resume
+from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import Transport
-from fusionp2p.plan import Link, Plan
+from fusionp2p.plan import Link
 from fusionp2p.plan.snapshot import snapshot_from_records
 from fusionp2p.swarm.node import fetch_view
 from fusionp2p.types import DeviceProfile
+from fusionp2p.wire.jobrecords import JobStatus, StageFile, decode_record, spec_key, status_key
 from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
 from fusionp2p.wire.records import BandwidthReport, NodeRecord
 
@@ -65,10 +78,13 @@ class DriverConfig:
     start_timeout: float = 30.0
     idle_timeout: float = 600.0      # longest silence (no progress, no report) while running
     fetch_timeout: float = 300.0     # downloading one stage checkpoint
+    status_poll: float = 5.0         # read the job's status record this often while following
+    done_grace: float = 10.0         # every stage said done: wait this long for the leader's report
     max_checkpoint: int = 4 << 30
 
     def __post_init__(self) -> None:
-        for name in ("view_timeout", "offer_timeout", "start_timeout", "idle_timeout", "fetch_timeout"):
+        for name in ("view_timeout", "offer_timeout", "start_timeout", "idle_timeout", "fetch_timeout",
+                     "status_poll", "done_grace"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"DriverConfig.{name} must be positive")
 
@@ -109,23 +125,26 @@ async def discover(t: Transport, bootstraps: list[str], *, timeout: float) -> Sw
 class JobDriver:
     """Drives one job from the publisher (see the module docstring). ``emit`` runs in this trio thread."""
 
-    def __init__(self, t: Transport, content: ContentService, bootstraps: list[str], built: BuiltJob, emit: Emit,
-                 ckpt_root: Path, config: DriverConfig | None = None) -> None:
+    def __init__(self, t: Transport, content: ContentService, bootstraps: list[str], built: BuiltJob | None,
+                 emit: Emit, ckpt_root: Path, config: DriverConfig | None = None, *, job: str = "",
+                 steps: int = 0) -> None:
         self.transport = t
         self.content = content
         self.bootstraps = bootstraps
         self.built = built
-        self.spec = built.spec
-        self.job = built.spec.job_id
+        self.job = built.spec.job_id if built is not None else job
+        self.steps = built.spec.config.steps if built is not None else steps
         self._emit = emit
         self.ckpt_root = ckpt_root
         self.config = config or DriverConfig()
-        self.members: list[str] = []
-        self.plan: Plan | None = None
+        self.members: set[str] = set()        # every peer we know to have been a member (reports accepted)
+        self.current: tuple[str, ...] = ()    # the members of the newest plan we heard of
+        self.epoch = -1
+        self.book = ProgressBook(job=self.job, steps=self.steps)
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[str, Any]](math.inf)
-        self._steps: dict[int, dict[str, StepProgress]] = {}
-        self._emitted_steps: set[int] = set()
         self._ckpts: set[tuple[int, int]] = set()
+        self._done: dict[tuple[int, int], dict[str, Any]] = {}
+        self.life = JobLifecycle(self.job, now=trio.current_time())
 
     # -- fed by the swarm client ----------------------------------------------------------------------
     def on_progress(self, sender: str, ev: ProgressEvent) -> None:
@@ -136,12 +155,22 @@ class JobDriver:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def _state(self, s: JobState, reason: str = "") -> None:
+        if s is self.life.state and s is not JobState.PLANNED:
+            return
+        self.life.to(s, now=trio.current_time(), reason=reason)
         self._emit(JobStateChanged(job=self.job, state=s.value, reason=reason, at=time.time()))
 
     async def run(self) -> None:
         """Run the job to a terminal state (emitted). Cancellation sends ``cancel`` to every member."""
+        await self._guard(self._drive)
+
+    async def attach(self) -> None:
+        """Follow a job started earlier (from its status record) to its end."""
+        await self._guard(self._attach)
+
+    async def _guard(self, body: Callable[[], Awaitable[None]]) -> None:
         try:
-            await self._drive()
+            await body()
         except trio.Cancelled:
             with trio.CancelScope(shield=True, deadline=trio.current_time() + 15):
                 await self._cancel_members()
@@ -149,15 +178,20 @@ class JobDriver:
         except (FusionError, ValueError, trio.TooSlowError) as exc:
             log.warning("job %s failed: %s", self.job, exc)
             await self._cancel_members()
-            self._state(JobState.FAILED, f"{type(exc).__name__}: {exc}")
+            if not self.life.terminal:
+                self._state(JobState.FAILED, f"{type(exc).__name__}: {exc}")
 
     async def _drive(self) -> None:
+        built = self.built
+        assert built is not None
         cfg = self.config
         view = await discover(self.transport, self.bootstraps, timeout=cfg.view_timeout)
         if not view.members:
             raise JobError("the swarm has no live training nodes")
-        for blob in self.built.blobs.values():
+        for blob in built.blobs.values():
             self.content.store.put(blob)
+        with trio.move_on_after(cfg.start_timeout):
+            await self.transport.dht_put(spec_key(self.job), built.envelope)
         accepted: dict[str, DeviceProfile] = {}
         refused: dict[str, str] = {}
 
@@ -170,7 +204,7 @@ class JobDriver:
                             break
                         except (PeerUnavailable, FusionError) as exc:
                             log.debug("dial %s at %s: %s", peer[:12], a, exc)
-                reply = await job_proto.request(self.transport, peer, {"op": "offer", "envelope": self.built.envelope},
+                reply = await job_proto.request(self.transport, peer, {"op": "offer", "envelope": built.envelope},
                                                 timeout=cfg.offer_timeout)
             except (PeerUnavailable, RemoteProtocolError) as exc:
                 refused[peer] = str(exc)
@@ -188,128 +222,201 @@ class JobDriver:
         if not accepted:
             why = "; ".join(sorted(set(refused.values())))
             raise JobError(f"no node accepted the job ({why})")
-        self.members = sorted(accepted)
+        self.members = set(accepted)
         snap = snapshot_from_records(self.job, 0, accepted.items(), view.links)
-        plan = plan_for_snapshot(self.spec, self.built.dag, snap)
-        self.plan = plan
+        plan = plan_for_snapshot(built.spec, built.dag, snap)
         self._state(JobState.PLANNED, plan.plan_hash())
-        self._emit(PlanChanged(job=self.job, epoch=plan.epoch, plan_hash=plan.plan_hash(),
-                               stage_sizes=tuple(len(s.replicas) for s in plan.stages),
-                               members=tuple(p for s in plan.stages for p in s.replicas), at=time.time()))
-        snap_bytes = snap.to_wire()
+        self._on_plan(PlanChanged(job=self.job, epoch=plan.epoch, plan_hash=plan.plan_hash(),
+                                  stage_sizes=tuple(len(s.replicas) for s in plan.stages),
+                                  members=tuple(p for s in plan.stages for p in s.replicas), at=time.time()))
+        start = {"op": "start", "job": self.job, "snapshot": snap.to_wire(),
+                 "resume": Resume(step=0, sources=()).to_wire()}
         failures: list[str] = []
 
-        async def start(peer: str) -> None:
+        async def start_one(peer: str) -> None:
             try:
-                reply = await job_proto.request(self.transport, peer, {"op": "start", "job": self.job, "snapshot": snap_bytes},
-                                                timeout=cfg.start_timeout)
+                reply = await job_proto.request(self.transport, peer, start, timeout=cfg.start_timeout)
                 if not reply["ok"]:
                     failures.append(f"{peer[:12]}: {reply.get('error')}")
             except (PeerUnavailable, RemoteProtocolError) as exc:
                 failures.append(f"{peer[:12]}: {exc}")
 
         async with trio.open_nursery() as nursery:
-            for peer in self.members:
-                nursery.start_soon(start, peer)
-        if failures:
+            for peer in sorted(accepted):
+                nursery.start_soon(start_one, peer)
+        if len(failures) == len(accepted):
             raise JobError(f"members refused to start: {'; '.join(failures)}")
+        if failures:
+            log.warning("job %s: some members did not start: %s", self.job, "; ".join(failures))
         self._state(JobState.RUNNING)
-        await self._follow(plan)
+        await self._follow()
 
-    async def _follow(self, plan: Plan) -> None:
-        roles = {p for st in plan.stages for p in st.replicas}
-        waiting = set(self.members)
-        reports: dict[str, dict[str, Any]] = {}
-        while waiting:
-            with trio.move_on_after(self.config.idle_timeout) as cs:
+    async def _attach(self) -> None:
+        st = await self.read_status()
+        if st is None:
+            raise JobError(f"job {self.job}: no status record in the swarm (unknown job, or never started)")
+        self.members = set(st.members)
+        self.current = st.members
+        self.epoch = st.epoch
+        self.steps = self.steps or st.steps
+        self.book.steps = self.steps
+        for step, loss in st.losses:
+            self._emit(StepProgress(job=self.job, step=step, epoch=st.epoch, loss=loss, at=st.at))
+            self.book.history[step] = loss
+        self._state(JobState.PLANNED, "attached")
+        if st.terminal:
+            await self._end(st)
+            return
+        self._state(JobState.RUNNING)
+        await self._follow()
+
+    async def read_status(self) -> JobStatus | None:
+        """The job's status record, if one that verifies is stored."""
+        data = await self.transport.dht_get(status_key(self.job))
+        if data is None:
+            return None
+        try:
+            rec = decode_record(data, verify)
+        except RemoteProtocolError as exc:
+            log.info("status record of %s ignored: %s", self.job, exc)
+            return None
+        if not isinstance(rec, JobStatus) or rec.job != self.job or rec.peer not in rec.members + tuple(self.members):
+            return None
+        return rec
+
+    async def _follow(self) -> None:
+        cfg = self.config
+        last_news = trio.current_time()
+        next_poll = trio.current_time() + cfg.status_poll
+        done_since: float | None = None
+        while True:
+            now = trio.current_time()
+            wait = max(0.0, min(next_poll, done_since + cfg.done_grace if done_since is not None else math.inf) - now)
+            with trio.move_on_after(wait):
                 kind, item = await self._inbox.receive()
-            if cs.cancelled_caught:
-                raise JobError(f"no progress from the swarm for {self.config.idle_timeout:.0f} s "
-                               f"(waiting for {len(waiting)} members)")
-            if kind == "progress":
-                self._on_progress(plan, *item)
+                last_news = trio.current_time()
+                if kind == "progress":
+                    self._on_progress(*item)
+                else:
+                    st = self._on_report(*item)
+                    if st is not None:
+                        await self._end(st)
+                        return
+                    if done_since is None and self._all_done():
+                        done_since = trio.current_time()
                 continue
-            peer, msg = item
-            if peer not in waiting:
-                continue
-            state = msg.get("state")
-            if state == JobState.DONE.value:
-                waiting.discard(peer)
-                reports[peer] = msg
-            else:
-                raise JobError(f"member {peer[:12]} {state}: {msg.get('reason', '')}")
-        last = len(plan.stages) - 1
-        self._fill_from_reports(plan, [reports[p] for p in plan.stages[last].replicas if p in reports])
-        self._flush_steps(plan, final=True)
-        finals = [job_proto.opt_float(reports[p], "final_loss", "report") for p in plan.stages[last].replicas if p in roles]
-        losses = [f for f in finals if f is not None]
-        for s, st in enumerate(plan.stages):
-            rep = reports[st.replicas[0]]
-            h = rep.get("checkpoint")
-            if not isinstance(h, str):
-                raise JobError(f"stage {s} ended without a checkpoint")
-            await self._fetch_stage(st.replicas[0], h, s, job_proto.int_field(rep, "step", "report"))
-        if losses:
-            self._emit(StepProgress(job=self.job, step=self.spec.config.steps, epoch=plan.epoch, stage=last,
-                                    loss=sum(losses) / len(losses), at=time.time()))
+            now = trio.current_time()
+            if done_since is not None and now >= done_since + cfg.done_grace:
+                await self._end(self._status_from_dones())
+                return
+            next_poll = now + cfg.status_poll
+            st = await self.read_status()
+            if st is not None and st.terminal:
+                await self._end(st)
+                return
+            if st is not None and st.step > self.book.reached:
+                last_news = now
+            if now - last_news > cfg.idle_timeout:
+                raise JobError(f"no progress from the swarm for {cfg.idle_timeout:.0f} s")
+
+    def _on_report(self, peer: str, msg: dict[str, Any]) -> JobStatus | None:
+        if peer not in self.members:
+            return None
+        if msg.get("op") == "done":
+            try:
+                key = (job_proto.int_field(msg, "stage", "done"), job_proto.int_field(msg, "replica", "done"))
+            except RemoteProtocolError:
+                return None
+            self._done[key] = msg
+            vals = msg.get("losses")
+            if isinstance(vals, list) and len(vals) <= self.steps:
+                per_step = {i: [float(v)] for i, v in enumerate(vals) if isinstance(v, int | float) and not isinstance(v, bool)}
+                for ev in self.book.fill(per_step, now=time.time()):
+                    self._emit(ev)
+            return None
+        state = msg.get("state")
+        if state not in ("done", "failed", "cancelled"):
+            return None
+        raw = msg.get("files")
+        files = [StageFile(stage=f[0], hash=f[1], holders=tuple(h for h in f[2] if isinstance(h, str)))
+                 for f in (raw if isinstance(raw, list) else [])
+                 if isinstance(f, list) and len(f) == 3 and isinstance(f[0], int) and isinstance(f[1], str)
+                 and isinstance(f[2], list)]
+        fl = msg.get("final_loss")
+        return JobStatus(job=self.job, peer=peer, publisher="", state=str(state), epoch=self.epoch,
+                         step=self.steps if state == "done" else self.book.reached, steps=self.steps,
+                         members=self.current, final=tuple(files),
+                         final_loss=float(fl) if isinstance(fl, int | float) and not isinstance(fl, bool) else None,
+                         reason=str(msg.get("reason", ""))[:2000])
+
+    def _all_done(self) -> bool:
+        stages = {s for s, _ in self._done}
+        return bool(stages) and all((s, 0) in self._done and isinstance(self._done[(s, 0)].get("checkpoint"), str)
+                                    for s in range(max(stages) + 1)) and len(stages) == max(stages) + 1
+
+    def _status_from_dones(self) -> JobStatus:
+        """Every stage said done but no final report came (its leader died at the end)."""
+        last = max(s for s, _ in self._done)
+        files = tuple(StageFile(stage=s, hash=str(self._done[(s, 0)]["checkpoint"]), holders=(peer,))
+                      for s in range(last + 1) for peer in [self._sender_of(s)])
+        finals = [m["final_loss"] for (s, _), m in self._done.items() if s == last and isinstance(m.get("final_loss"), float)]
+        return JobStatus(job=self.job, peer="", publisher="", state="done", epoch=self.epoch, step=self.steps,
+                         steps=self.steps, final=files, final_loss=sum(finals) / len(finals) if finals else None)
+
+    def _sender_of(self, stage: int) -> str:
+        return str(self._done[(stage, 0)].get("_peer", ""))
+
+    async def _end(self, st: JobStatus) -> None:
+        for ev in self.book.flush(now=time.time()):
+            self._emit(ev)
+        if st.state != "done":
+            raise JobError(f"job {st.state}: {st.reason}")
+        if not st.final:
+            raise JobError("the job ended without its final stage files")
+        for f in st.final:
+            await self._fetch_stage(f.holders, f.hash, f.stage, self.steps)
+        if st.final_loss is not None:
+            self._emit(StepProgress(job=self.job, step=self.steps, epoch=st.epoch, stage=len(st.final) - 1,
+                                    loss=st.final_loss, at=time.time()))
         self._state(JobState.DONE)
 
-    async def _fetch_stage(self, peer: str, h: str, stage: int, step: int) -> None:
+    async def _fetch_stage(self, holders: tuple[str, ...], h: str, stage: int, step: int) -> None:
         with trio.fail_after(self.config.fetch_timeout):
-            blob = await self.content.fetch_from(peer, h, max_size=self.config.max_checkpoint)
+            blob = await self.content.fetch(h, max_size=self.config.max_checkpoint, peers=list(holders) or None)
+        meta, st = decode_state(blob, job=self.job)
+        if meta.stage != stage:
+            raise JobError(f"the final file of stage {stage} holds stage {meta.stage}")
         path = stage_path(self.ckpt_root, self.job, step, stage)
         path.parent.mkdir(parents=True, exist_ok=True)
-        await trio.to_thread.run_sync(path.write_bytes, blob)
+        m = dataclasses.replace(meta, step=step)
+        await trio.to_thread.run_sync(lambda: save_stage(self.ckpt_root, m, dict(st.tensors)))
 
     # -- progress ---------------------------------------------------------------------------------------
-    def _on_progress(self, plan: Plan, sender: str, ev: ProgressEvent) -> None:
+    def _on_progress(self, sender: str, ev: ProgressEvent) -> None:
+        if isinstance(ev, PlanChanged):
+            if sender in self.members and ev.epoch > self.epoch:
+                self._on_plan(ev)
+            return
         if isinstance(ev, CheckpointSaved):
-            if (ev.step, ev.stage) not in self._ckpts and ev.peer == sender:
+            if (ev.step, ev.stage) not in self._ckpts and ev.peer == sender and sender in self.members:
                 self._ckpts.add((ev.step, ev.stage))
                 self._emit(ev)
             return
-        if not isinstance(ev, StepProgress) or ev.loss is None or ev.peer != sender:
-            return
-        last = len(plan.stages) - 1
-        if ev.stage != last or sender not in plan.stages[last].replicas or ev.step in self._emitted_steps:
-            return
-        got = self._steps.setdefault(ev.step, {})
-        got[sender] = ev
-        if len(got) == len(plan.stages[last].replicas):
-            self._flush_steps(plan, upto=ev.step)
+        if isinstance(ev, StepProgress):
+            for out in self.book.add(sender, ev, now=time.time()):
+                self._emit(out)
 
-    def _fill_from_reports(self, plan: Plan, reps: list[dict[str, Any]]) -> None:
-        """Steps whose gossip never arrived, rebuilt from the loss replicas' final reports."""
-        per_step: dict[int, list[float]] = {}
-        for rep in reps:
-            vals = rep.get("losses")
-            if not isinstance(vals, list) or len(vals) > self.spec.config.steps:
-                continue
-            for step, v in enumerate(vals):
-                if isinstance(v, int | float) and not isinstance(v, bool):
-                    per_step.setdefault(step, []).append(float(v))
-        missing = [st for st in sorted(per_step) if st not in self._emitted_steps]   # lost or partial on gossip
-        if missing:
-            log.info("job %s: %d steps recovered from the final reports", self.job, len(missing))
-        last = len(plan.stages) - 1
-        for step in missing:
-            vals = per_step[step]
-            self._steps[step] = {"report": StepProgress(job=self.job, step=step, epoch=plan.epoch, stage=last,
-                                                        loss=sum(vals) / len(vals), at=time.time())}
-
-    def _flush_steps(self, plan: Plan, *, upto: int | None = None, final: bool = False) -> None:
-        """Emit complete steps, and incomplete ones older than *upto* (a lost gossip message)."""
-        for step in sorted(self._steps):
-            if not final and upto is not None and step > upto:
-                break
-            got = self._steps.pop(step)
-            self._emitted_steps.add(step)
-            evs = list(got.values())
-            self._emit(StepProgress(job=self.job, step=step, epoch=plan.epoch, stage=len(plan.stages) - 1,
-                                    loss=sum(e.loss for e in evs if e.loss is not None) / len(evs),
-                                    tokens_per_s=sum(e.tokens_per_s for e in evs),
-                                    compute_util=max((e.compute_util for e in evs if e.compute_util is not None), default=None),
-                                    at=time.time()))
+    def _on_plan(self, ev: PlanChanged) -> None:
+        sizes = ev.stage_sizes
+        if self.epoch >= 0:
+            self._state(JobState.PLANNED, f"re-plan: epoch {ev.epoch}")
+        self.epoch = ev.epoch
+        self.current = ev.members
+        self.members |= set(ev.members)
+        self.book.set_plan(ev.epoch, len(sizes) - 1, ev.members[sum(sizes[:-1]):])
+        self._emit(ev)
+        if self.life.state is JobState.PLANNED and ev.epoch > 0:
+            self._state(JobState.RUNNING)
 
     async def _cancel_members(self) -> None:
         async def one(peer: str) -> None:
@@ -319,7 +426,7 @@ class JobDriver:
                 log.info("cancel of %s on %s: %s", self.job, peer[:12], exc)
 
         async with trio.open_nursery() as nursery:
-            for peer in self.members:
+            for peer in sorted(self.members):
                 nursery.start_soon(one, peer)
 
 
@@ -355,9 +462,9 @@ class Publisher:
     async def _on_request(self, peer: str, req: dict[str, Any]) -> dict[str, Any]:
         job = req.get("job")
         driver = self.drivers.get(job) if isinstance(job, str) else None
-        if req["op"] != "report" or driver is None or peer not in driver.members:
+        if req["op"] not in ("report", "done") or driver is None or peer not in driver.members:
             return {"ok": False, "error": "no such job here"}
-        driver.on_report(peer, req)
+        driver.on_report(peer, {**req, "_peer": peer})
         return {"ok": True}
 
     async def run_job(self, built: BuiltJob, emit: Emit, ckpt_root: Path) -> None:
@@ -368,6 +475,16 @@ class Publisher:
             await driver.run()
         finally:
             del self.drivers[driver.job]
+
+    async def attach_job(self, job: str, emit: Emit, ckpt_root: Path, *, steps: int = 0) -> None:
+        """Follow *job*, submitted earlier by this key, to its end (and collect the model)."""
+        driver = JobDriver(self.transport, self.content, self.bootstraps, None, emit, ckpt_root, self.config,
+                           job=job, steps=steps)
+        self.drivers[job] = driver
+        try:
+            await driver.attach()
+        finally:
+            del self.drivers[job]
 
 
 __all__ = ["DriverConfig", "JobDriver", "Publisher", "SwarmView", "discover"]

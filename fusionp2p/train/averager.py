@@ -156,6 +156,7 @@ class ReplicaAverager:
         channels: Mapping[str, TensorChannel],
         initial: torch.Tensor | Iterable[torch.Tensor],
         on_other: Callable[[str, TensorMessage], Awaitable[None]] | None = None,
+        momentum: torch.Tensor | None = None,
     ) -> None:
         missing = [p for p in peers if p != me and p not in channels]
         if me not in peers or missing:
@@ -170,6 +171,10 @@ class ReplicaAverager:
         self.n_elems = flat.numel()
         self._initial: torch.Tensor | None = flat
         self._opt = self._make_opt(flat)
+        if momentum is not None:   # handed over at a re-plan (jobs/state.py): this replica's shard of it
+            if momentum.shape != flat.shape:
+                raise ConfigError(f"momentum of {momentum.numel()} elements for {flat.numel()} parameters")
+            self._opt.momentum = momentum[self._opt.lo:self._opt.hi].to(torch.float32).clone()
         self._needs_reinit = False
         self._boundary = 0
         self._next_round = 0
@@ -220,6 +225,10 @@ class ReplicaAverager:
             return None
         await prev.done.wait()
         return self._record(self._consume(self._boundary, prev, launched=None))
+
+    def momentum_shard(self) -> tuple[int, torch.Tensor]:
+        """``(lo, momentum)``: this replica's slice ``[lo, lo + len)`` of the outer momentum (for a hand-off)."""
+        return self._opt.lo, self._opt.momentum.detach().clone()
 
     # ------------------------------------------------------------------ internals
     def _record(self, res: BoundaryResult) -> BoundaryResult:
@@ -357,9 +366,13 @@ async def open_replica_averager(
     channels: Mapping[str, TensorChannel],
     initial: torch.Tensor | Iterable[torch.Tensor],
     on_other: Callable[[str, TensorMessage], Awaitable[None]] | None = None,
+    momentum: torch.Tensor | None = None,
 ) -> AsyncIterator[ReplicaAverager]:
-    """Run a :class:`ReplicaAverager` (its receivers, senders and rounds) for the block's duration."""
-    avg = ReplicaAverager(config, peers=peers, me=me, channels=channels, initial=initial, on_other=on_other)
+    """Run a :class:`ReplicaAverager` (its receivers, senders and rounds) for the block's duration.
+
+    *momentum*: the whole outer momentum vector handed over at a re-plan (None: start at zero)."""
+    avg = ReplicaAverager(config, peers=peers, me=me, channels=channels, initial=initial, on_other=on_other,
+                          momentum=momentum)
     async with trio.open_nursery() as senders:
         for peer in peers:
             if peer == me:

@@ -58,6 +58,7 @@ from fusionp2p.train.schedule import (
     SendGradient,
     StageSchedule,
 )
+from fusionp2p.train.state import StageState, load_optimizer_tensors, momentum_slices, optimizer_tensors
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,21 @@ class StageContext:
     report: Callable[[StageReport], Awaitable[None]]
     checkpoint: Callable[[int, dict[str, torch.Tensor]], Awaitable[None]] | None = None
     start_step: int = 0
+    stop_step: int | None = None                   # train steps [start_step, stop_step); None: config.steps
+    restore: StageState | None = None              # state handed over at a re-plan or read from a checkpoint
+    halt: Halt | None = None                       # set by the job while training: stop at a step boundary
     recv_timeout: float | None = None              # seconds to wait for any one message (None: forever)
+
+
+@dataclass(slots=True)
+class Halt:
+    """A planned stop that the job may ask for while the worker runs (a re-plan at a step boundary).
+
+    ``at``: the worker runs no step ``>= at``; the step before it ends the way the last step of the
+    job does (CO2's final round, so that the replicas agree), without the evaluation pass.
+    """
+
+    at: int | None = None
 
 
 def make_optimizer(params: Sequence[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -135,6 +150,10 @@ class StageWorker:
         self._names = list(self.prog.param_names)
         self._params = [params[n] for n in self._names if n in params]
         self.opt = make_optimizer(self._params, ctx.config)
+        self.completed = ctx.start_step      # steps whose optimizer update is applied (the next step to run)
+        self._momentum: tuple[int, torch.Tensor] | None = None   # our CO2 momentum shard, kept at the end
+        if ctx.restore is not None:
+            self._restore(ctx.restore)
         co2 = ctx.config.co2
         # CO2 across the replicas of this stage runs in a ReplicaAverager (train/averager.py): every tau
         # steps the live parameters are snapshotted and averaged in the background (sharded outer state,
@@ -153,6 +172,44 @@ class StageWorker:
         self._fwd_payload: dict[tuple[int, str], torch.Tensor] = {}
         self.src_of = {r.name: r.src for r in self.prog.recv}
         self._closed_links: set[int] = set()
+
+    # ------------------------------------------------------------------ state
+    def _layout(self) -> list[tuple[str, int]]:
+        return [(n, p.numel()) for n, p in zip([n for n in self._names if n in self.ex.parameters()], self._params,
+                                                strict=True)]
+
+    def _restore(self, st: StageState) -> None:
+        """Load a handed-over state: every parameter and buffer of this stage must be in it."""
+        own = self.ex.state_dict()
+        missing = sorted(set(own) - set(st.tensors))
+        if missing:
+            raise RemoteProtocolError(f"stage {self.prog.stage}: the handed-over state lacks {missing[:5]}")
+        with torch.no_grad():
+            for name, t in own.items():
+                src = st.tensors[name]
+                if src.shape != t.shape:
+                    raise RemoteProtocolError(f"stage {self.prog.stage}: {name} has shape {tuple(src.shape)}, "
+                                              f"expected {tuple(t.shape)}")
+                t.copy_(src.to(t.dtype))
+        names = {p: n for n, p in self.ex.parameters().items()}
+        if st.optimizer:
+            load_optimizer_tensors(self.opt, names, st.optimizer, st.optimizer_groups)
+
+    def export_state(self) -> StageState:
+        """This replica's state after its last completed step (parameters, optimizer, momentum shard)."""
+        names = {p: n for n, p in self.ex.parameters().items()}
+        opt, groups = optimizer_tensors(self.opt, names)
+        momentum = momentum_slices(self._layout(), *self._momentum) if self._momentum is not None else {}
+        return StageState(step=self.completed, tensors={k: v.clone() for k, v in self.ex.state_dict().items()},
+                          optimizer={k: v.clone() for k, v in opt.items()}, optimizer_groups=groups,
+                          momentum=momentum)
+
+    def _stop(self) -> int:
+        cfg = self.ctx.config
+        stop = cfg.steps if self.ctx.stop_step is None else min(cfg.steps, self.ctx.stop_step)
+        if self.ctx.halt is not None and self.ctx.halt.at is not None:
+            stop = min(stop, max(self.ctx.halt.at, self.completed))   # a step already under way ends the run
+        return stop
 
     # ------------------------------------------------------------------ params
     def _flat(self) -> torch.Tensor:
@@ -182,17 +239,24 @@ class StageWorker:
                 me = f"r{self.ctx.replica}"
                 acfg = AveragerConfig(outer=self._outer, job=self.ctx.job, stage=self.prog.stage,
                                       round_timeout=self.ctx.recv_timeout or 600.0)
+                restored = self.ctx.restore
+                momentum = restored.momentum_vector(self._layout()) if restored is not None else None
                 async with open_replica_averager(acfg, peers=sorted([me, *names]), me=me, channels=names,
-                                                 initial=self._flat()) as avg:
-                    await self._train(avg)
-            await self._eval_pass(self.ctx.config.steps)
+                                                 initial=self._flat(), momentum=momentum) as avg:
+                    try:
+                        await self._train(avg)
+                    finally:
+                        self._momentum = avg.momentum_shard()
+            if self.completed >= self.ctx.config.steps:
+                await self._eval_pass(self.ctx.config.steps)
             nursery.cancel_scope.cancel()
 
     async def _train(self, avg: ReplicaAverager | None) -> None:
         cfg = self.ctx.config
-        for step in range(self.ctx.start_step, cfg.steps):
+        step = self.ctx.start_step
+        while step < self._stop():
             await self._train_step(step)
-            last = step == cfg.steps - 1
+            last = step + 1 >= self._stop()    # the job's end, or a planned halt asked for meanwhile
             if avg is not None and self._outer is not None and ((step + 1) % self._outer.tau == 0 or last):
                 res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
                 if res.anchor is not None:
@@ -201,8 +265,10 @@ class StageWorker:
                     final = await avg.finalize()   # the round still in flight (async mode)
                     if final is not None and final.anchor is not None:
                         self._unflat(final.anchor)
+            self.completed = step + 1
             if self.ctx.checkpoint is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
                 await self.ctx.checkpoint(step + 1, self.ex.state_dict())
+            step += 1
 
     async def _replica_names(self) -> dict[str, TensorChannel]:
         """Name each replica channel by the replica index its far end announces (a one-message hello)."""

@@ -16,7 +16,7 @@ from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, corpus_to
 from fusionp2p.errors import ConfigError, JobError
 from fusionp2p.jobs.build import build_job
 from fusionp2p.jobs.events import PlanChanged, StepProgress
-from fusionp2p.jobs.node import NodeJobService
+from fusionp2p.jobs.run import JobRun
 from fusionp2p.jobs.spec import Resources
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
 from fusionp2p.net.channel import TensorChannel, TensorMessage
@@ -137,13 +137,13 @@ def test_sent_tensors_are_never_modified_after_send(swarm: Swarm, monkeypatch: p
     the end of a job against its value when ``send`` returned."""
     sent: list[tuple[str, torch.Tensor, torch.Tensor]] = []
 
-    open_links = NodeJobService._open_links
+    open_links = JobRun._open_links
 
-    async def audited(self: NodeJobService, *args: Any, **kwargs: Any) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:
+    async def audited(self: JobRun, *args: Any, **kwargs: Any) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:
         links, peers = await open_links(self, *args, **kwargs)
         return ({s: _AuditedChannel(c, sent) for s, c in links.items()}, [_AuditedChannel(c, sent) for c in peers])
 
-    monkeypatch.setattr(NodeJobService, "_open_links", audited)
+    monkeypatch.setattr(JobRun, "_open_links", audited)
     cfg = TrainConfig(steps=5, micro_batch=2, micro_batches=2, lr=3e-3, replicas=2, averaging=averaging,
                       compression="adatopk", seed=5)
     job = swarm.publish(model=_model(), dataset=BuiltinCorpus(seq_len=SEQ), config=cfg)

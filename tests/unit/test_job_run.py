@@ -1,33 +1,39 @@
-"""A job's failure or cancellation ends the job, never the node: ``NodeJobService._run`` with a stand-in
-for the training (no swarm, no plan)."""
+"""A job's failure or cancellation ends the job, never the node: ``JobRun.run`` with a stand-in for the
+epochs (no swarm, no plan)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import trio
 
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.jobs.lifecycle import JobState
-from fusionp2p.jobs.node import NodeJobService, _Job
+from fusionp2p.jobs.node import NodeJobConfig
+from fusionp2p.jobs.run import JobRun
 from fusionp2p.net.memory import memory_network
+
+
+def _run(transport: object, tmp_path: Path) -> JobRun:
+    svc = SimpleNamespace(transport=transport, config=NodeJobConfig(report_timeout=1.0),
+                          drop_arrived=lambda *a, **k: None)
+    spec = SimpleNamespace(job_id="j1", config=SimpleNamespace(steps=10))
+    return JobRun(svc, SimpleNamespace(spec=spec), "pub")  # type: ignore[arg-type]
 
 
 def test_a_cancel_racing_a_failing_send_ends_the_job_not_the_node(tmp_path: Path) -> None:
     """The publisher cancels while one of the job's tasks fails (a send to a peer that has already
     stopped): the job's nursery raises Cancelled and PeerUnavailable together; the job ends cancelled
-    and ``_run`` returns (it used to re-raise the PeerUnavailable and take the node process down)."""
-    reports: list[tuple[JobState, str]] = []
+    and ``run`` returns (it used to re-raise the PeerUnavailable and take the node process down)."""
 
-    async def main() -> None:
+    async def main() -> JobRun:
         with trio.fail_after(10):
             async with memory_network() as net:
-                service = NodeJobService(SimpleNamespace(transport=net.add_host()), tmp_path)  # type: ignore[arg-type]
+                run = _run(net.add_host(), tmp_path)
                 training = trio.Event()
 
-                async def train(nj: _Job, snap: Any) -> dict[str, Any]:
+                async def epochs() -> None:
                     async def send_to_a_stopped_peer() -> None:
                         try:
                             await trio.sleep_forever()
@@ -38,20 +44,40 @@ def test_a_cancel_racing_a_failing_send_ends_the_job_not_the_node(tmp_path: Path
                         n.start_soon(send_to_a_stopped_peer)
                         n.start_soon(trio.sleep_forever)
                         training.set()
-                    return {}
 
-                async def report(nj: _Job, state: JobState, reason: str, result: Any) -> None:
-                    reports.append((state, reason))
-
-                service._train = train  # type: ignore[method-assign]
-                service._report = report  # type: ignore[method-assign]
-                nj = _Job(accepted=SimpleNamespace(spec=SimpleNamespace(job_id="j1")), publisher="pub")  # type: ignore[arg-type]
+                run._epochs = epochs  # type: ignore[method-assign]
+                run._watch = trio.sleep_forever  # type: ignore[method-assign]
+                run._listen = trio.sleep_forever  # type: ignore[method-assign]
                 async with trio.open_nursery() as n:
-                    n.start_soon(service._run, nj, None)
+                    n.start_soon(run.run)
                     await training.wait()
-                    assert nj.scope is not None
-                    nj.scope.cancel()  # the publisher's cancel
-                assert nj.state == JobState.CANCELLED
+                    assert run.scope is not None
+                    run.scope.cancel()  # the publisher's cancel
+                return run
 
-    trio.run(main)
-    assert reports == [(JobState.CANCELLED, "cancelled by the publisher")]
+    run = trio.run(main)
+    assert run.state is JobState.CANCELLED
+    assert run.reason == "cancelled by the publisher"
+    assert [t.dst for t in run.life.history][-1] is JobState.CANCELLED
+
+
+def test_a_failing_epoch_fails_the_job_with_the_real_reason(tmp_path: Path) -> None:
+    async def main() -> JobRun:
+        with trio.fail_after(10):
+            async with memory_network() as net:
+                run = _run(net.add_host(), tmp_path)
+
+                async def epochs() -> None:
+                    async with trio.open_nursery() as n:
+                        n.start_soon(trio.sleep_forever)
+                        raise ValueError("loss is NaN at step 3 of stage 1")
+
+                run._epochs = epochs  # type: ignore[method-assign]
+                run._watch = trio.sleep_forever  # type: ignore[method-assign]
+                run._listen = trio.sleep_forever  # type: ignore[method-assign]
+                await run.run()
+                return run
+
+    run = trio.run(main)
+    assert run.state is JobState.FAILED
+    assert run.reason == "ValueError: loss is NaN at step 3 of stage 1"

@@ -13,13 +13,12 @@ from fusionp2p.jobs.checkpoint import (
     StageCheckpointMeta,
     assemble,
     latest_complete_step,
-    load_optimizer_tensors,
     load_stage,
-    optimizer_tensors,
     save_model,
     save_stage,
     stage_path,
 )
+from fusionp2p.train.state import load_optimizer_tensors, optimizer_tensors
 
 torch.set_num_threads(1)
 

@@ -1,0 +1,97 @@
+"""Per-step progress of a job, aggregated over the loss stage's replicas (pure; used by the job's leader
+and by the publisher).
+
+Every replica of the last stage gossips one :class:`StepProgress` per step (its pipeline's mean loss).
+:class:`ProgressBook` turns them into one event per step: the mean loss of the replicas that reported,
+their summed tokens/s. A step is emitted once all current loss replicas reported it, or as soon as a
+later step is complete (a lost gossip message never holds the job's curve back). After a re-plan that
+went back to a checkpoint, steps are trained again: a report of a newer epoch replaces the older one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from fusionp2p.jobs.events import StepProgress
+
+
+@dataclass
+class ProgressBook:
+    job: str
+    steps: int
+    history: dict[int, float] = field(default_factory=dict)       # step -> emitted mean loss
+    _pending: dict[int, dict[str, StepProgress]] = field(default_factory=dict)
+    _emitted: dict[int, int] = field(default_factory=dict)         # step -> epoch emitted in
+    _replicas: frozenset[str] = frozenset()
+    _epoch: int = 0
+    _stage: int = 0
+
+    def set_plan(self, epoch: int, last_stage: int, replicas: Iterable[str]) -> None:
+        """The loss stage of the plan now in force and its replicas."""
+        self._epoch, self._stage, self._replicas = epoch, last_stage, frozenset(replicas)
+
+    @property
+    def reached(self) -> int:
+        """Steps completed as far as reports tell (the next step to run)."""
+        return max(self._emitted, default=-1) + 1
+
+    def add(self, sender: str, ev: StepProgress, *, now: float) -> list[StepProgress]:
+        """A gossiped report; returns the aggregated events it completes (maybe none)."""
+        if ev.job != self.job or ev.loss is None or ev.peer != sender or not 0 <= ev.step < self.steps:
+            return []
+        if ev.epoch < self._epoch:
+            return []
+        if ev.epoch > self._epoch:   # its PlanChanged has not arrived (yet): emit reports as they come
+            self._epoch, self._stage, self._replicas = ev.epoch, ev.stage, frozenset()
+        elif self._replicas and (sender not in self._replicas or ev.stage != self._stage):
+            return []
+        if self._emitted.get(ev.step, -1) >= ev.epoch:
+            return []
+        got = self._pending.setdefault(ev.step, {})
+        got[sender] = ev
+        if len(got) < len(self._replicas):
+            return []
+        return self._flush(upto=ev.step, now=now)
+
+    def fill(self, losses: Mapping[int, Iterable[float]], *, now: float) -> list[StepProgress]:
+        """Steps never (or partly) heard on gossip, from the members' final reports."""
+        out = []
+        for step in sorted(losses):
+            vals = list(losses[step])
+            if step in self._emitted or not vals or not 0 <= step < self.steps:
+                continue
+            self._pending[step] = {f"report{i}": StepProgress(job=self.job, step=step, epoch=self._epoch,
+                                                              stage=self._stage, loss=v) for i, v in enumerate(vals)}
+        out += self._flush(upto=None, now=now)
+        return out
+
+    def flush(self, *, now: float) -> list[StepProgress]:
+        """Everything still pending (the job ended)."""
+        return self._flush(upto=None, now=now)
+
+    def _flush(self, *, upto: int | None, now: float) -> list[StepProgress]:
+        out = []
+        for step in sorted(self._pending):
+            if upto is not None and step > upto:
+                break
+            got = self._pending.pop(step)
+            evs = [e for e in got.values() if e.loss is not None]
+            if not evs:
+                continue
+            epoch = max(e.epoch for e in evs)
+            loss = sum(e.loss for e in evs if e.loss is not None) / len(evs)
+            self._emitted[step] = epoch
+            self.history[step] = loss
+            utils = [e.compute_util for e in evs if e.compute_util is not None]
+            out.append(StepProgress(job=self.job, step=step, epoch=epoch, stage=self._stage, loss=loss,
+                                    tokens_per_s=sum(e.tokens_per_s for e in evs),
+                                    compute_util=max(utils) if utils else None, at=now))
+        return out
+
+    def recent(self, n: int) -> tuple[tuple[int, float], ...]:
+        """The newest *n* (step, loss) pairs, oldest first."""
+        return tuple(sorted(self.history.items())[-n:])
+
+
+__all__ = ["ProgressBook"]

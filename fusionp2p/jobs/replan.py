@@ -1,0 +1,187 @@
+"""Re-plans of a running job: who leads them, where each stage's state comes from, and the step to resume.
+
+Pure (no trio, no clock): the job runner (``jobs/run.py``) feeds it what the members answered and acts
+on its results. The protocol around it is in docs/jobs.md "Elastic jobs"; in short:
+
+1. The **leader** of a job is its lowest peer id among the current plan's members that are alive in the
+   node's membership view (:func:`leader_of`). Every member computes it from its own view; views
+   agree within a heartbeat, and two nodes that both believe they lead propose for the same epoch and
+   are told apart by the election (the lower id's proposal is taken first, a second start for an epoch
+   already started is refused).
+2. The leader asks every live member (and every joiner that accepted the job) to **halt**: at once when
+   a member died or left (the pipeline is broken), or at an agreed step boundary when only a joiner is
+   to be taken in. Each answers with a :class:`Halted`: the stage it held, the steps it completed, and
+   the content hash of its handed-over state (parameters, optimizer state, CO2 momentum shard).
+3. :func:`plan_resume` turns the answers into a :class:`Resume`: for every stage of the old plan, the
+   live states of its replicas, the most advanced first. If every old stage kept a live replica, the
+   new epoch starts at the smallest of those steps and loses nothing (a stage whose best replica was a
+   step ahead keeps that step's weights). If some stage lost every replica, the whole job goes back to
+   the newest **checkpoint step** that is complete for every stage, held by live nodes; failing that,
+   to step 0 and the published weights. Losing at most the steps since that checkpoint is the contract.
+4. The leader sends the new snapshot with the resume to every member of the new epoch (``start``), the
+   members elect the plan as for epoch 0, and each new holder builds its stage's state from the sources
+   (``train/state.merge_states``: the names its program holds, wherever the old fences put them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from fusionp2p.errors import PlanError, RemoteProtocolError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Halted:
+    """A member's answer to ``halt``: stage -1 (and no state) when it held no role in the epoch."""
+
+    peer: str
+    epoch: int
+    stage: int
+    replica: int
+    step: int            # steps completed: the first step it would run next
+    state: str = ""      # content hash of its stage state blob
+
+    def to_wire(self) -> dict[str, object]:
+        return {"peer": self.peer, "epoch": self.epoch, "stage": self.stage, "replica": self.replica,
+                "step": self.step, "state": self.state}
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, object]) -> Halted:
+        try:
+            h = cls(peer=_s(m["peer"]), epoch=_i(m["epoch"]), stage=_i(m["stage"]), replica=_i(m["replica"]),
+                    step=_i(m["step"]), state=_s(m.get("state", "")))
+        except (KeyError, TypeError) as exc:
+            raise RemoteProtocolError(f"halt answer: {exc}") from None
+        if h.stage < -1 or h.step < 0 or h.epoch < 0 or (h.stage >= 0) != bool(h.state):
+            raise RemoteProtocolError("halt answer: inconsistent fields")
+        return h
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Source:
+    """A stage state blob to read from: a live replica's hand-off or a replicated checkpoint."""
+
+    stage: int           # its stage in the plan it was saved under
+    step: int
+    state: str           # content hash
+    holders: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resume:
+    """Where the new epoch starts. ``sources`` are listed preferred first within each old stage."""
+
+    step: int
+    sources: tuple[Source, ...]
+    from_checkpoint: bool = False
+    lost_steps: int = 0          # steps whose training is thrown away (a checkpoint restore)
+
+    @property
+    def initial(self) -> bool:
+        """No state survived: start from the published weights."""
+        return not self.sources
+
+    def to_wire(self) -> dict[str, object]:
+        return {"step": self.step, "ckpt": self.from_checkpoint, "lost": self.lost_steps,
+                "sources": [[s.stage, s.step, s.state, list(s.holders)] for s in self.sources]}
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, object]) -> Resume:
+        try:
+            raw = m["sources"]
+            if not isinstance(raw, list) or len(raw) > 4096:
+                raise TypeError("sources must be a short list")
+            sources = []
+            for r in raw:
+                if not isinstance(r, list) or len(r) != 4 or not isinstance(r[3], list) or len(r[3]) > 64:
+                    raise TypeError("bad source")
+                sources.append(Source(stage=_i(r[0]), step=_i(r[1]), state=_s(r[2]),
+                                      holders=tuple(_s(h) for h in r[3])))
+            ckpt = m["ckpt"]
+            if not isinstance(ckpt, bool):
+                raise TypeError("ckpt must be a bool")
+            out = cls(step=_i(m["step"]), sources=tuple(sources), from_checkpoint=ckpt, lost_steps=_i(m["lost"]))
+        except (KeyError, TypeError) as exc:
+            raise RemoteProtocolError(f"resume: {exc}") from None
+        if out.step < 0 or out.lost_steps < 0:
+            raise RemoteProtocolError("resume: negative step")
+        return out
+
+
+def _i(v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not -(2**62) < v < 2**62:
+        raise TypeError(f"expected an int, got {type(v).__name__}")
+    return v
+
+
+def _s(v: object) -> str:
+    if not isinstance(v, str) or len(v) > 256:
+        raise TypeError("expected a short string")
+    return v
+
+
+def leader_of(members: Iterable[str], alive: Callable[[str], bool]) -> str | None:
+    """The lowest peer id of *members* that is alive, or None."""
+    live = sorted(p for p in members if alive(p))
+    return live[0] if live else None
+
+
+# checkpoints known to a node: {step: {stage: (hash, holders)}}
+Checkpoints = Mapping[int, Mapping[int, tuple[str, Sequence[str]]]]
+
+
+def complete_checkpoint(checkpoints: Checkpoints, num_stages: int,
+                        alive: Callable[[str], bool]) -> tuple[int, dict[int, tuple[str, tuple[str, ...]]]] | None:
+    """The newest step with a checkpoint of every stage held by at least one live node."""
+    for step in sorted(checkpoints, reverse=True):
+        stages = checkpoints[step]
+        got: dict[int, tuple[str, tuple[str, ...]]] = {}
+        for s in range(num_stages):
+            if s not in stages:
+                break
+            h, holders = stages[s]
+            live = tuple(sorted(p for p in holders if alive(p)))
+            if not live:
+                break
+            got[s] = (h, live)
+        else:
+            return step, got
+    return None
+
+
+def plan_resume(num_stages: int, halted: Iterable[Halted], checkpoints: Checkpoints,
+                alive: Callable[[str], bool], *, reached: int = 0) -> Resume:
+    """Where the next epoch starts (see the module docstring). *reached* is the most advanced step the
+    job is known to have completed (to count the steps a checkpoint restore throws away)."""
+    by_stage: dict[int, list[Halted]] = {}
+    for h in halted:
+        if 0 <= h.stage < num_stages and h.state:
+            by_stage.setdefault(h.stage, []).append(h)
+    best = max([reached, *(h.step for hs in by_stage.values() for h in hs)])
+    if len(by_stage) == num_stages:
+        sources = [Source(stage=s, step=h.step, state=h.state, holders=(h.peer,))
+                   for s in range(num_stages) for h in sorted(by_stage[s], key=lambda h: (-h.step, h.peer))]
+        step = min(max(h.step for h in by_stage[s]) for s in range(num_stages))
+        return Resume(step=step, sources=tuple(sources))
+    found = complete_checkpoint(checkpoints, num_stages, alive)
+    if found is None:
+        return Resume(step=0, sources=(), from_checkpoint=True, lost_steps=best)
+    step, got = found
+    return Resume(step=step, from_checkpoint=True, lost_steps=max(0, best - step),
+                  sources=tuple(Source(stage=s, step=step, state=h, holders=holders)
+                                for s, (h, holders) in sorted(got.items())))
+
+
+def halt_step(current: Iterable[int], *, tau: int = 1, margin: int = 2, steps: int) -> int:
+    """The step boundary at which a planned re-plan halts every member: past every member's current
+    step by *margin*, on a multiple of *tau* (a CO2 round boundary), at most the job's end."""
+    base = max(current, default=0) + margin
+    at = -(-base // tau) * tau if tau > 1 else base
+    if at > steps:
+        raise PlanError("too close to the end of the job for a planned re-plan")
+    return at
+
+
+__all__ = ["Checkpoints", "Halted", "Resume", "Source", "complete_checkpoint", "halt_step", "leader_of",
+           "plan_resume"]

@@ -1,0 +1,833 @@
+"""One job on one node, across epochs: elect the plan, take its stage's state, train, halt, re-plan.
+
+Theory of operation (docs/jobs.md "Elastic jobs"). A :class:`JobRun` exists from the moment a node
+accepts a job. Its main task takes ``start`` requests one epoch at a time: epoch 0 from the publisher,
+later epochs from the job's leader (``jobs/replan.py``). For each epoch it
+
+1. computes the plan from the snapshot (deterministic; ``stabilize`` keeps members on the stage they
+   held where equal devices allow it) and runs the gossip election (``jobs/election.py``);
+2. builds its stage's state: from the published weights at epoch 0 (or after every state was lost),
+   otherwise from the stage state blobs named by the resume (content-addressed, fetched from the
+   nodes that hold them: a live replica's hand-off, or a replicated checkpoint);
+3. opens its data-plane links (names carry the epoch, so channels of two epochs never mix) and runs a
+   :class:`~fusionp2p.train.worker.StageWorker` from the resume step;
+4. ends the epoch in one of three ways: the last step (the job is done here: the final stage file is
+   saved, announced and reported), a halt (the leader asked: at once, or at a step boundary), or a
+   neighbour's death (the worker raises ``PeerUnavailable``). After a halt or a death it exports its
+   state (parameters, optimizer state, CO2 momentum shard) into its content store, answers the
+   leader's ``halt`` with that state's hash, and waits for the next ``start``.
+
+A second task watches the membership view. The member that leads (lowest live id of the plan) drives
+a re-plan when a member died or left, when its own pipeline broke, or when a node that accepted the
+job would get a role; see :meth:`JobRun._lead`. Every state change goes through the lifecycle table
+(``jobs/lifecycle.py``). A job fails only when no plan can be made or a stage fails for a reason
+other than a lost peer (a NaN, a bug, a malformed tensor), and never takes the node down.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import trio
+
+from fusionp2p.errors import (
+    FusionError,
+    JobError,
+    PeerUnavailable,
+    PlanError,
+    RemoteProtocolError,
+    leaf_errors,
+)
+from fusionp2p.graph import StageExecutor, coarsen, partition, stages_from_fences
+from fusionp2p.jobs import proto as job_proto
+from fusionp2p.jobs.build import AcceptedJob, data_fn, plan_for_snapshot, stage_programs
+from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_state
+from fusionp2p.jobs.election import Adopted, ElectionConfig, fetch_adopted, open_elector
+from fusionp2p.jobs.events import (
+    CheckpointSaved,
+    JobStateChanged,
+    PlanChanged,
+    ProgressEvent,
+    StepProgress,
+    encode_event,
+)
+from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
+from fusionp2p.jobs.progress import ProgressBook
+from fusionp2p.jobs.replan import Halted, Resume, Source, halt_step, leader_of, plan_resume
+from fusionp2p.net.channel import TensorChannel
+from fusionp2p.net.resilient import ResilientChannel, open_resilient_channel
+from fusionp2p.plan import Plan
+from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
+from fusionp2p.train.state import StageState, merge_states
+from fusionp2p.train.worker import Halt, StageContext, StageReport, StageWorker
+from fusionp2p.wire.jobrecords import JobStatus, StageFile, encode_record, status_key
+from fusionp2p.wire.protocols import TOPIC_JOBS
+
+if TYPE_CHECKING:
+    from fusionp2p.jobs.node import NodeJobService
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartRequest:
+    """Start epoch ``snapshot.epoch`` with this snapshot, resuming as ``resume`` says."""
+
+    snapshot: Snapshot
+    resume: Resume
+    previous: Plan | None      # the plan the resume's live sources were trained under (stabilises roles)
+    sender: str
+
+
+@dataclass
+class _Epoch:
+    """What one epoch of this node left behind."""
+
+    outcome: str = ""              # "done" | "halted" | "idle"
+    halted: Halted | None = None
+    ended: trio.Event = field(default_factory=trio.Event)
+
+
+class JobRun:
+    """See the module docstring. Created by the node's job service when it accepts a job."""
+
+    def __init__(self, svc: NodeJobService, accepted: AcceptedJob, publisher: str) -> None:
+        self.svc = svc
+        self.transport = svc.transport
+        self.me = svc.transport.peer_id
+        self.accepted = accepted
+        self.spec = accepted.spec
+        self.job_id = accepted.spec.job_id
+        self.publisher = publisher
+        self.life = JobLifecycle(self.job_id, now=trio.current_time())
+        self.reason = ""
+        self.epoch = -1
+        self.plan: Plan | None = None
+        self.role: tuple[int, int] | None = None
+        self.members: frozenset[str] | None = None     # of the newest started snapshot: who may open links
+        self.scope: trio.CancelScope | None = None
+        self.channels: list[ResilientChannel] = []
+        self.closed = trio.Event()
+        self.checkpoints: dict[int, dict[int, tuple[str, list[str]]]] = {}   # step -> stage -> (hash, holders)
+        self.units: dict[str, tuple[int, int]] = {}    # state hash -> the (start, end) units of its stage
+        self.book = ProgressBook(job=self.job_id, steps=self.spec.config.steps)
+        self.final: dict[int, tuple[str, tuple[str, ...]]] = {}   # stage -> final state file (hash, holders)
+        self.final_losses: dict[int, float] = {}                  # replica -> its final evaluation loss
+        self.losses: dict[int, float] = {}                        # this node's per-step losses (loss stage)
+        self.joiners: set[str] = set()                            # accepted the job, no role yet
+        self._offered: dict[str, float] = {}                      # node -> when the leader offered it the job
+        self._starts_send, self._starts = trio.open_memory_channel[StartRequest](16)
+        self._started: set[int] = set()
+        self._cur = _Epoch()
+        self._worker: StageWorker | None = None
+        self._worker_scope: trio.CancelScope | None = None
+        self._halt = Halt()
+        self._broken = False           # our pipeline broke (a neighbour died): a re-plan is needed
+        self._led = -1                 # the newest epoch we proposed as leader
+        self._wake = trio.Event()
+        self._done_from: dict[tuple[int, int], dict[str, Any]] = {}   # leader: (stage, replica) -> done report
+        self._gossip_ch: trio.MemoryReceiveChannel[Any] | None = None
+
+    # ------------------------------------------------------------------ public (called by the service)
+    @property
+    def state(self) -> JobState:
+        return self.life.state
+
+    def to(self, dst: JobState, reason: str = "") -> None:
+        if self.life.state is not dst or dst is JobState.PLANNED:
+            self.life.to(dst, now=trio.current_time(), reason=reason)
+        if dst.terminal:
+            self.reason = reason
+
+    def offer_start(self, req: StartRequest) -> str:
+        """Queue a start request; '' when taken, else why not (the service answers the sender)."""
+        e = req.snapshot.epoch
+        if self.life.terminal:
+            return f"job already {self.life.state.value}"
+        if e <= self.epoch or e in self._started:
+            return f"epoch {e} already started (this node is in epoch {self.epoch})"
+        if self.me not in req.snapshot.members:
+            return "the snapshot does not name this node"
+        try:
+            self._starts_send.send_nowait(req)
+        except trio.WouldBlock:
+            return "too many start requests queued"
+        self._started.add(e)
+        self.members = frozenset(req.snapshot.members) | (self.members or frozenset())
+        self._poke()
+        return ""
+
+    async def halt(self, epoch: int, at: int | None, *, timeout: float) -> Halted:
+        """Stop the epoch's training (at once, or before step *at*) and say where the state stands."""
+        if self.epoch < 0 or (self.role is None and self._worker is None):
+            return Halted(peer=self.me, epoch=max(self.epoch, 0), stage=-1, replica=-1, step=0)
+        if epoch != self.epoch:
+            raise JobError(f"halt for epoch {epoch}, this node is in epoch {self.epoch}")
+        cur = self._cur
+        if cur.halted is None and not cur.ended.is_set():
+            if at is None:
+                self._broken = True
+                if self._worker_scope is not None:
+                    self._worker_scope.cancel()
+            else:
+                self._halt.at = at
+        with trio.fail_after(timeout):
+            await cur.ended.wait()
+        if cur.halted is None:
+            raise JobError(f"epoch {epoch} ended {cur.outcome or 'without a state'} here")
+        return cur.halted
+
+    def progress(self) -> dict[str, Any]:
+        w = self._worker
+        return {"epoch": self.epoch, "step": w.completed if w is not None else -1,
+                "stage": self.role[0] if self.role else -1}
+
+    def on_event(self, sender: str, ev: ProgressEvent) -> None:
+        """A progress event of this job from the jobs topic."""
+        now = time.time()
+        if isinstance(ev, CheckpointSaved) and ev.hash and ev.peer == sender:
+            h, holders = self.checkpoints.setdefault(ev.step, {}).get(ev.stage, (ev.hash, []))
+            if h == ev.hash and sender not in holders:
+                holders.append(sender)
+            self.checkpoints[ev.step][ev.stage] = (h, holders)
+        elif isinstance(ev, StepProgress):
+            self.book.add(sender, ev, now=now)
+
+    def on_done(self, peer: str, msg: dict[str, Any]) -> None:
+        """A member's ``done`` report (the leader aggregates them into the final status)."""
+        try:
+            stage, replica = job_proto.int_field(msg, "stage", "done"), job_proto.int_field(msg, "replica", "done")
+        except RemoteProtocolError:
+            return
+        self._done_from[(stage, replica)] = msg
+        self._poke()
+
+    # ------------------------------------------------------------------ main task
+    async def run(self) -> None:
+        """Run the job here until it ends; never raises but Cancelled (a failure ends the job, not the node)."""
+        state, reason = JobState.FAILED, ""
+        try:
+            with trio.CancelScope() as scope:
+                self.scope = scope
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._watch)
+                    nursery.start_soon(self._listen)
+                    await self._epochs()
+                    nursery.cancel_scope.cancel()
+                state = JobState.DONE
+        except Exception as exc:   # any failure ends this job, never the node
+            reason = describe(exc)
+            log.warning("job %s failed: %s", self.job_id, reason,
+                        exc_info=not all(isinstance(e, FusionError | trio.Cancelled) for e in leaf_errors(exc)))
+        if scope.cancelled_caught:
+            state, reason = JobState.CANCELLED, self.reason or "cancelled by the publisher"
+        if not self.life.terminal:
+            self.to(state, reason)
+        log.info("job %s %s %s", self.job_id, state.value, reason)
+        with trio.CancelScope(shield=True):
+            await self._close_channels()
+            with trio.move_on_after(self.svc.config.report_timeout):
+                await self._gossip(JobStateChanged(job=self.job_id, state=self.life.state.value, reason=self.reason,
+                                                   at=time.time()))
+            if self.life.state is not JobState.DONE:
+                await self._report_end()
+
+    async def _epochs(self) -> None:
+        first = True
+        while True:
+            timeout = self.svc.config.start_timeout if not first else math.inf
+            with trio.move_on_after(timeout) as waited:
+                req = await self._starts.receive()
+            if waited.cancelled_caught:
+                raise JobError(f"no new plan within {timeout:.0f} s after epoch {self.epoch} ended")
+            first = False
+            while True:   # take the newest start queued (a leader retried with a later epoch)
+                try:
+                    newer = self._starts.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                req = newer if newer.snapshot.epoch > req.snapshot.epoch else req
+            if await self._epoch(req):
+                return
+
+    async def _epoch(self, req: StartRequest) -> bool:
+        """Run one epoch; True when the job is done here."""
+        snap = req.snapshot
+        self._cur = cur = _Epoch()
+        self.epoch = snap.epoch
+        self._halt = Halt()
+        self._broken = False
+        self.to(JobState.PLANNED, f"epoch {snap.epoch}")
+        try:
+            plan = await self._elect(snap, plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=req.previous))
+        except PlanError as exc:
+            log.warning("job %s epoch %d: %s", self.job_id, snap.epoch, exc)
+            cur.outcome = "no plan"
+            cur.ended.set()
+            return False
+        self.plan = plan
+        n_st = len(plan.stages)
+        self.book.set_plan(plan.epoch, n_st - 1, plan.stages[-1].replicas)
+        if min(plan.peers) == self.me:   # one member announces the plan (the publisher follows it)
+            self.svc.nursery.start_soon(self._gossip, PlanChanged(
+                job=self.job_id, epoch=plan.epoch, plan_hash=plan.plan_hash(),
+                stage_sizes=tuple(len(s.replicas) for s in plan.stages),
+                members=tuple(p for s in plan.stages for p in s.replicas), at=time.time()))
+        roles = [(s, r) for s, st in enumerate(plan.stages) for r, p in enumerate(st.replicas) if p == self.me]
+        if not roles:
+            self.role = None
+            self.to(JobState.RUNNING, "standby: no role in this plan")
+            cur.outcome = "idle"
+            cur.halted = Halted(peer=self.me, epoch=plan.epoch, stage=-1, replica=-1, step=0)
+            cur.ended.set()
+            return False
+        if len(roles) > 1:
+            raise PlanError(f"the plan gives this node {len(roles)} roles; one is supported")
+        s, r = self.role = roles[0]
+        programs = stage_programs(self.accepted.dag, plan)
+        restore = await self._gather_state(programs[s], req.resume)
+        self.to(JobState.RUNNING, f"epoch {plan.epoch}: stage {s} replica {r} from step {req.resume.step}")
+        worker: StageWorker | None = None
+        try:
+            async with trio.open_nursery() as holders:   # the tasks that hold this epoch's dialed channels open
+                try:
+                    links, peers = await self._open_links(plan, programs, s, r, holders)
+                    worker = self._worker = StageWorker(self._context(plan, programs, s, r, links, peers, req.resume,
+                                                                      restore))
+                    with trio.CancelScope() as ws:
+                        self._worker_scope = ws
+                        await worker.run()
+                finally:
+                    self._worker_scope = None
+                    await self._close_channels()
+        except Exception as exc:
+            lost = [e for e in leaf_errors(exc) if not isinstance(e, trio.Cancelled)]
+            if not lost or not all(isinstance(e, PeerUnavailable) for e in lost):
+                raise
+            log.info("job %s epoch %d: pipeline broken (%s); waiting for a re-plan", self.job_id, plan.epoch,
+                     describe(exc))
+            self._broken = True
+            self._poke()
+        assert worker is not None or self._broken
+        if worker is not None and worker.completed >= self.spec.config.steps and not self._broken:
+            await self._finish(plan, s, r, worker)
+            cur.outcome = "done"
+            cur.ended.set()
+            return True
+        if worker is None:
+            cur.outcome = "broken before training"
+            cur.ended.set()
+            return False
+        st = worker.export_state()
+        h = await self._store_state(plan, s, st)
+        cur.halted = Halted(peer=self.me, epoch=plan.epoch, stage=s, replica=r, step=st.step, state=h)
+        cur.outcome = "halted"
+        cur.ended.set()
+        log.info("job %s epoch %d halted at step %d (stage %d replica %d, state %s)", self.job_id, plan.epoch,
+                 st.step, s, r, h[:12])
+        return False
+
+    # ------------------------------------------------------------------ state
+    def _names(self, start: int, end: int) -> set[str]:
+        """Parameters and buffers of the stage holding coarse units [start, end)."""
+        c = coarsen(self.accepted.dag)
+        cuts = [u for u in (start, end) if 0 < u < len(c.units)]
+        progs = partition(c, stages_from_fences(len(c.units), cuts))
+        prog = progs[1 if start > 0 else 0]
+        return {spec.name for spec in prog.inputs if spec.kind != "input"}
+
+    async def _gather_state(self, prog: Any, resume: Resume) -> StageState | None:
+        """This stage's state for the resume: None at the published weights (epoch 0, or nothing survived)."""
+        if resume.initial:
+            return None
+        want = {spec.name for spec in prog.inputs if spec.kind != "input"}
+        states: list[StageState] = []
+        got: set[str] = set()
+        for src in resume.sources:
+            units = self.units.get(src.state)
+            if units is not None and not (want & self._names(*units)):
+                continue
+            blob = await self._fetch_state(src)
+            _, st = decode_state(blob, job=self.job_id)
+            if units is None and not (want & set(st.tensors)):
+                continue
+            states.append(st)
+            got |= set(st.tensors) & want
+        missing = sorted(want - got)
+        if missing:
+            raise JobError(f"no handed-over state holds {missing[:5]} (stage of {len(want)} tensors)")
+        return merge_states(resume.step, states, want)
+
+    async def _fetch_state(self, src: Source) -> bytes:
+        store = self.svc.content.store
+        if store.has(src.state):
+            return store.get(src.state)
+        with trio.fail_after(self.svc.config.accept_timeout):
+            return await self.svc.content.fetch(src.state, max_size=self.svc.config.max_state_bytes,
+                                                peers=[p for p in src.holders if p != self.me] or None)
+
+    async def _store_state(self, plan: Plan, s: int, st: StageState) -> str:
+        meta = StageCheckpointMeta(job=self.job_id, stage=s, num_stages=len(plan.stages), step=st.step,
+                                   plan_hash=plan.plan_hash())
+        blob = await trio.to_thread.run_sync(encode_state, meta, st)
+        h = self.svc.content.store.put(blob)
+        stage = plan.stages[s]
+        self.units[h] = (stage.start, stage.end)
+        self.svc.nursery.start_soon(self._provide, h)
+        return h
+
+    async def _provide(self, h: str) -> None:
+        with trio.move_on_after(30):
+            try:
+                await self.transport.provide(h)
+            except FusionError as exc:
+                log.debug("provide %s: %s", h[:12], exc)
+
+    # ------------------------------------------------------------------ training
+    def _context(self, plan: Plan, programs: list[Any], s: int, r: int, links: dict[int, TensorChannel],
+                 peers: list[TensorChannel], resume: Resume, restore: StageState | None) -> StageContext:
+        cfg = self.spec.config
+        n_st = len(plan.stages)
+        rho_out: dict[int, float] = {}
+        if cfg.adatopk is not None:
+            if s + 1 < n_st:
+                rho_out[s + 1] = plan.fences[s].rho
+            if s > 0:
+                rho_out[-1 - (s - 1)] = plan.fences[s - 1].rho
+
+        async def report(rep: StageReport) -> None:
+            if rep.eval:
+                if rep.loss is not None:
+                    self.final_losses[r] = rep.loss
+                return
+            if rep.loss is None:
+                return   # only the loss stage publishes per-step progress (gossip stays small)
+            self.losses[rep.step] = rep.loss
+            await self._gossip(StepProgress(job=self.job_id, step=rep.step, epoch=plan.epoch, stage=s, peer=self.me,
+                                            loss=rep.loss, tokens_per_s=rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0,
+                                            compute_util=min(1.0, rep.compute_s / rep.wall_s) if rep.wall_s > 0 else None,
+                                            at=time.time()))
+
+        async def checkpoint(step: int, _: dict[str, torch.Tensor]) -> None:
+            if step >= cfg.steps or self._worker is None:
+                return   # the final file is saved with the done report
+            h = await self._store_state(plan, s, self._worker.export_state())
+            self.checkpoints.setdefault(step, {})[s] = (h, [self.me])
+            await self._gossip(CheckpointSaved(job=self.job_id, step=step, stage=s, peer=self.me, hash=h,
+                                               at=time.time()))
+            self.svc.nursery.start_soon(self._replicate, plan, s, h, step)
+
+        return StageContext(job=self.job_id, executor=StageExecutor(programs[s]), config=cfg, replica=r,
+                            replicas=len(plan.stages[s].replicas), links=links, peers=peers,
+                            data=data_fn(self.accepted), tokens_per_micro=cfg.micro_batch * self.spec.dataset.seq_len,
+                            rho_out=rho_out, report=report, checkpoint=checkpoint if r == 0 else None,
+                            start_step=resume.step, restore=restore, halt=self._halt,
+                            recv_timeout=self.svc.config.recv_timeout)
+
+    async def _replicate(self, plan: Plan, s: int, h: str, step: int) -> None:
+        """Ask one other member (the keeper) to hold a copy of a stage file, so that it survives our death."""
+        peers = sorted(p for p in plan.peers if p not in plan.stages[s].replicas) or sorted(
+            p for p in plan.peers if p != self.me)
+        if not peers:
+            return
+        keeper = peers[(plan.peers.index(self.me) if self.me in plan.peers else 0) % len(peers)]
+        try:
+            await job_proto.request(self.transport, keeper, {"op": "keep", "job": self.job_id, "hash": h,
+                                                             "step": step, "stage": s, "holder": self.me},
+                                    timeout=self.svc.config.accept_timeout)
+        except (PeerUnavailable, RemoteProtocolError) as exc:
+            log.info("checkpoint %s of stage %d not replicated to %s: %s", h[:12], s, keeper[:12], exc)
+
+    async def keep(self, h: str, step: int, stage: int, holder: str) -> None:
+        """Hold a copy of another member's stage file (we are its keeper) and announce it."""
+        with trio.fail_after(self.svc.config.accept_timeout):
+            await self.svc.content.fetch(h, max_size=self.svc.config.max_state_bytes, peers=[holder])
+        h0, holders = self.checkpoints.setdefault(step, {}).get(stage, (h, [holder]))
+        if h0 == h and self.me not in holders:
+            holders.append(self.me)
+        self.checkpoints[step][stage] = (h0, holders)
+        await self._gossip(CheckpointSaved(job=self.job_id, step=step, stage=stage, peer=self.me, hash=h, at=time.time()))
+
+    async def _finish(self, plan: Plan, s: int, r: int, worker: StageWorker) -> None:
+        """The last step is done here: save the final stage file (replica 0), report to the leader."""
+        steps = self.spec.config.steps
+        msg: dict[str, Any] = {"op": "done", "job": self.job_id, "epoch": plan.epoch, "stage": s, "replica": r,
+                               "step": steps, "final_loss": self.final_losses.get(r),
+                               "losses": [self.losses.get(i) for i in range(steps)] if self.losses else []}
+        if r == 0:
+            h = await self._store_state(plan, s, worker.export_state())
+            msg["checkpoint"] = h
+            self.checkpoints.setdefault(steps, {})[s] = (h, [self.me])
+            await self._replicate(plan, s, h, steps)
+        self.to(JobState.DONE, f"stage {s} replica {r} finished {steps} steps")
+        lead = leader_of(plan.peers, self._alive) or self.me
+        for target in dict.fromkeys([lead, self.publisher]):
+            try:
+                if target == self.me:
+                    self.on_done(self.me, msg)
+                else:
+                    await job_proto.request(self.transport, target, msg, timeout=self.svc.config.report_timeout)
+            except (PeerUnavailable, RemoteProtocolError) as exc:
+                log.info("done report of %s to %s: %s", self.job_id, target[:12], exc)
+        if lead == self.me:
+            await self._conclude(plan)
+
+    async def _conclude(self, plan: Plan) -> None:
+        """Leader: wait (bounded) for every stage's done report, then publish the final status."""
+        want = {(s, r) for s, st in enumerate(plan.stages) for r in range(len(st.replicas))}
+        with trio.move_on_after(self.svc.config.conclude_timeout):
+            while not want <= set(self._done_from):
+                await self._woken()
+        files, finals = [], []
+        for (s, r), msg in sorted(self._done_from.items()):
+            h = msg.get("checkpoint")
+            if r == 0 and isinstance(h, str):
+                holders = self.checkpoints.get(self.spec.config.steps, {}).get(s, (h, [plan.stages[s].replicas[0]]))[1]
+                files.append(StageFile(stage=s, hash=h, holders=tuple(holders)))
+            fl = msg.get("final_loss")
+            if s == len(plan.stages) - 1 and isinstance(fl, float):
+                finals.append(fl)
+        ok = len(files) == len(plan.stages)
+        status = self._status(JobState.DONE if ok else JobState.FAILED, plan,
+                              final=tuple(files), final_loss=sum(finals) / len(finals) if finals else None,
+                              reason="" if ok else "the final stage files were not all reported")
+        await self._put_status(status)
+        report = {"op": "report", "job": self.job_id, "state": status.state, "reason": status.reason,
+                  "final_loss": status.final_loss, "files": [[f.stage, f.hash, list(f.holders)] for f in files],
+                  "step": self.spec.config.steps}
+        try:
+            await job_proto.request(self.transport, self.publisher, report, timeout=self.svc.config.report_timeout)
+        except (PeerUnavailable, RemoteProtocolError) as exc:
+            log.info("final report of %s to its publisher: %s (it can read the status record)", self.job_id, exc)
+
+    # ------------------------------------------------------------------ leading re-plans
+    def _alive(self, peer: str) -> bool:
+        view = self.svc.swarm.view
+        return peer == self.me or (view.is_alive(peer) and peer not in view.left)
+
+    async def _watch(self) -> None:
+        """Lead a re-plan when this node leads the plan and it has to change (see the module docstring)."""
+        cfg = self.svc.config
+        last_status = -math.inf
+        while True:
+            await self._woken(cfg.watch_interval)
+            plan = self.plan
+            if plan is None or self.life.terminal:
+                continue
+            if leader_of(plan.peers, self._alive) != self.me:
+                continue
+            now = trio.current_time()
+            if now - last_status >= cfg.status_interval:
+                last_status = now
+                self.svc.nursery.start_soon(self._put_status, self._status(self.life.state, plan))
+            gone = sorted(p for p in plan.peers if not self._alive(p))
+            if self._led >= self.epoch + 1 or self._cur.outcome == "done":
+                continue   # our proposal for the next epoch is under way, or the job is done
+            if gone or self._broken:
+                await self._lead(plan, at=None, why=f"members gone: {[p[:12] for p in gone]}" if gone else "pipeline broken")
+            elif self.svc.swarm.config.role == "node":
+                await self._take_in_joiners(plan)
+
+    async def _take_in_joiners(self, plan: Plan) -> None:
+        """Offer the job to live nodes outside it; re-plan at a step boundary if one of them gets a role."""
+        view = self.svc.swarm.view
+        now = trio.current_time()
+        for peer in view.alive(role="node"):
+            rec = view.records.get(peer)
+            if (peer in plan.peers or peer in self.joiners or rec is None or rec.profile is None or rec.leaving
+                    or now - self._offered.get(peer, -math.inf) < self.svc.config.offer_retry):
+                continue
+            self._offered[peer] = now
+            self.svc.nursery.start_soon(self._offer_to, peer)
+        usable = [p for p in self.joiners if self._alive(p)]
+        if not usable:
+            return
+        try:
+            snap = self._snapshot(sorted({*plan.peers, *usable}), self.epoch + 1)
+            trial = plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=plan)
+        except (PlanError, FusionError) as exc:
+            log.info("job %s: a plan with joiners %s fails: %s", self.job_id, usable, exc)
+            return
+        if set(trial.peers) <= set(plan.peers):
+            return   # the plan does not need them: they stay standbys until a re-plan
+        w = self._worker
+        if w is None:
+            return
+        states = await self._ask_all(list(plan.peers), {"op": "status", "job": self.job_id})
+        steps = [int(m.get("step", -1)) for m in states.values() if isinstance(m.get("step"), int)]
+        co2 = self.spec.config.co2
+        try:
+            at = halt_step([w.completed, *steps], tau=co2.tau if co2 is not None and len(plan.stages[0].replicas) > 1
+                           else 1, steps=self.spec.config.steps)
+        except PlanError:
+            return
+        await self._lead(plan, at=at, why=f"joiners {[p[:12] for p in usable]} get a role")
+
+    async def _offer_to(self, peer: str) -> None:
+        try:
+            reply = await job_proto.request(self.transport, peer, {"op": "offer", "envelope": self.accepted.envelope,
+                                                                   "via": self.job_id},
+                                            timeout=self.svc.config.accept_timeout)
+        except (PeerUnavailable, RemoteProtocolError) as exc:
+            log.info("offer of %s to joiner %s: %s", self.job_id, peer[:12], exc)
+            return
+        if reply.get("ok"):
+            log.info("job %s: %s accepted as a joiner", self.job_id, peer[:12])
+            self.joiners.add(peer)
+            self._poke()
+
+    async def _lead(self, plan: Plan, *, at: int | None, why: str) -> None:
+        """Halt the members (at once, or before step *at*), gather their states, start the next epoch."""
+        cfg = self.svc.config
+        nxt = self.epoch + 1
+        self._led = nxt
+        log.info("job %s: leading the re-plan to epoch %d (%s)", self.job_id, nxt, why)
+        targets = sorted({p for p in plan.peers if self._alive(p)} | {p for p in self.joiners if self._alive(p)})
+        halt = {"op": "halt", "job": self.job_id, "epoch": plan.epoch, "at": at}
+        answers = await self._ask_all(targets, halt, timeout=cfg.halt_timeout if at is None else cfg.recv_timeout)
+        halted = []
+        for peer, m in answers.items():
+            try:
+                h = Halted.from_wire(m.get("halted", {}))
+            except RemoteProtocolError as exc:
+                log.info("job %s: %s's halt answer: %s", self.job_id, peer[:12], exc)
+                continue
+            if h.peer == peer:
+                halted.append(h)
+        members = sorted(h.peer for h in halted)
+        if not members:
+            log.warning("job %s: no member answered the halt; retrying", self.job_id)
+            self._led = self.epoch
+            return
+        resume = plan_resume(len(plan.stages), halted, self.checkpoints, self._alive, reached=self.book.reached)
+        for h in halted:
+            if h.state and 0 <= h.stage < len(plan.stages):
+                self.units[h.state] = (plan.stages[h.stage].start, plan.stages[h.stage].end)
+        if resume.from_checkpoint:
+            log.warning("job %s: a stage lost every replica; resuming from %s (%d steps lost)", self.job_id,
+                        f"the checkpoint of step {resume.step}" if resume.sources else "the published weights",
+                        resume.lost_steps)
+        snap = self._snapshot(members, nxt)
+        start = {"op": "start", "job": self.job_id, "snapshot": snap.to_wire(), "resume": resume.to_wire(),
+                 "previous": plan.to_wire(), "units": [[h, a, b] for h, (a, b) in self.units.items()
+                                                        if any(s.state == h for s in resume.sources)]}
+        replies = await self._ask_all(members, start, timeout=cfg.report_timeout)
+        refused = {p: m.get("error") for p, m in replies.items() if not m.get("ok")}
+        if refused or len(replies) < len(members):
+            log.warning("job %s: epoch %d start refused or unanswered: %s", self.job_id, nxt, refused)
+        self.joiners -= set(members)
+
+    def _snapshot(self, members: list[str], epoch: int) -> Snapshot:
+        view = self.svc.swarm.view
+        profiles = []
+        for p in members:
+            rec = view.records.get(p)
+            prof = rec.profile if rec is not None else None
+            if p == self.me:
+                prof = self.svc.swarm.profile
+            if prof is None:
+                raise PlanError(f"no device profile for member {p[:12]}")
+            profiles.append((p, prof))
+        bw = self.svc.swarm.bandwidth
+        links = []
+        for i, a in enumerate(members):
+            for b in members[i + 1:]:
+                e = bw.direct(a, b)
+                if e is not None and e.bandwidth > 0 and math.isfinite(e.bandwidth) and math.isfinite(e.rtt):
+                    links.append((a, b, Link(bandwidth_bps=e.bandwidth, latency_s=max(0.0, e.rtt / 2))))
+        return snapshot_from_records(self.job_id, epoch, profiles, links)
+
+    async def _ask_all(self, peers: list[str], msg: dict[str, Any], *,
+                       timeout: float | None = None) -> dict[str, dict[str, Any]]:
+        """Send *msg* to every peer at once (ourselves through the service's handler); the answers that came."""
+        out: dict[str, dict[str, Any]] = {}
+        t = timeout if timeout is not None else self.svc.config.report_timeout
+
+        async def one(peer: str) -> None:
+            try:
+                if peer == self.me:
+                    with trio.fail_after(t):
+                        out[peer] = await self.svc.handle(self.me, msg)
+                else:
+                    out[peer] = await job_proto.request(self.transport, peer, msg, timeout=t)
+            except (PeerUnavailable, RemoteProtocolError, FusionError, trio.TooSlowError) as exc:
+                log.info("job %s: %s to %s: %s", self.job_id, msg.get("op"), peer[:12], exc)
+
+        async with trio.open_nursery() as nursery:
+            for p in peers:
+                nursery.start_soon(one, p)
+        return out
+
+    # ------------------------------------------------------------------ status, gossip, wake-ups
+    def _status(self, state: JobState, plan: Plan, *, final: tuple[StageFile, ...] = (),
+                final_loss: float | None = None, reason: str = "") -> JobStatus:
+        from fusionp2p.jobs.replan import complete_checkpoint
+
+        ck = complete_checkpoint(self.checkpoints, len(plan.stages), self._alive)
+        return JobStatus(job=self.job_id, peer=self.me, publisher=self.publisher, state=state.value,
+                         epoch=plan.epoch, step=self.book.reached, steps=self.spec.config.steps,
+                         members=tuple(p for st in plan.stages for p in st.replicas),
+                         stage_sizes=tuple(len(st.replicas) for st in plan.stages), losses=self.book.recent(512),
+                         checkpoint_step=ck[0] if ck else -1,
+                         checkpoint=tuple(StageFile(stage=s, hash=h, holders=hs) for s, (h, hs) in
+                                          sorted(ck[1].items())) if ck else (),
+                         final=final, final_loss=final_loss, reason=reason or self.reason, at=time.time())
+
+    async def _put_status(self, status: JobStatus) -> None:
+        try:
+            with trio.move_on_after(self.svc.config.report_timeout):
+                await self.transport.dht_put(status_key(self.job_id), encode_record(status, self.transport.sign))
+        except FusionError as exc:
+            log.debug("status of %s not stored: %s", self.job_id, exc)
+
+    async def _report_end(self) -> None:
+        """A failed or cancelled job: the leader (or anyone, when no plan was made) tells the publisher."""
+        plan = self.plan
+        if plan is not None:
+            if leader_of(plan.peers, self._alive) != self.me:
+                return
+            await self._put_status(self._status(self.life.state, plan, reason=self.reason))
+        msg = {"op": "report", "job": self.job_id, "state": self.life.state.value, "reason": self.reason}
+        try:
+            await job_proto.request(self.transport, self.publisher, msg, timeout=self.svc.config.report_timeout)
+        except (PeerUnavailable, RemoteProtocolError) as exc:
+            log.info("report of %s to its publisher: %s", self.job_id, exc)
+
+    async def _listen(self) -> None:
+        ch = self.svc.subscribe_job(self.job_id)
+        async for sender, ev in ch:
+            self.on_event(sender, ev)
+
+    async def _gossip(self, ev: ProgressEvent) -> None:
+        try:
+            with trio.move_on_after(5):
+                await self.transport.publish(TOPIC_JOBS, encode_event(ev))
+        except FusionError as exc:
+            log.debug("progress not published: %s", exc)
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    async def _woken(self, timeout: float = 1.0) -> None:
+        with trio.move_on_after(timeout):
+            await self._wake.wait()
+        self._wake = trio.Event()
+
+    # ------------------------------------------------------------------ election and links
+    async def _elect(self, snap: Snapshot, mine: Plan) -> Plan:
+        """The plan adopted by the members' gossip election (``jobs/election.py``), or PlanError."""
+        deadline = trio.current_time() + self.svc.config.election_timeout
+        rounds = 0
+        async with open_elector(self.transport, ElectionConfig(timeout_s=min(10.0, self.svc.config.election_timeout))) as el:
+            while True:
+                rounds += 1
+                outcome = await el.elect(snap, mine)
+                if isinstance(outcome.decision, Adopted) and outcome.plan is not None:
+                    return outcome.plan
+                rec = await fetch_adopted(self.transport, snap.job)
+                if rec is not None and rec[0] == snap.epoch and rec[1].snapshot_hash == snap.snapshot_hash():
+                    log.info("job %s: plan %s adopted from the DHT record", snap.job, rec[1].plan_hash()[:12])
+                    return rec[1]
+                if trio.current_time() >= deadline:
+                    raise PlanError(f"no plan adopted for job {snap.job} epoch {snap.epoch} after {rounds} rounds: "
+                                    f"{outcome.decision}")
+
+    async def _open_links(self, plan: Plan, programs: list[Any], s: int, r: int,
+                          holders: trio.Nursery) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:
+        """Channels to this pipeline's neighbour stages and to the other replicas of stage *s*."""
+        dial: list[tuple[str, str, int | None]] = []     # (link name, peer, pipeline stage or None)
+        accept: list[tuple[str, str, int | None]] = []
+        e = plan.epoch
+        for p in programs:
+            for src in sorted({x.src for x in p.recv if x.src >= 0}):
+                name = f"e{e}/p{r}:{src}-{p.stage}"
+                if src == s:
+                    dial.append((name, plan.stages[p.stage].replicas[r], p.stage))
+                elif p.stage == s:
+                    accept.append((name, plan.stages[src].replicas[r], src))
+        reps = plan.stages[s].replicas
+        for j, peer in enumerate(reps):
+            if j != r:
+                name = f"e{e}/s{s}:{min(r, j)}-{max(r, j)}"
+                (dial if r < j else accept).append((name, peer, None))
+        got: dict[str, TensorChannel] = {}
+        self.closed = trio.Event()
+        with trio.fail_after(self.svc.config.link_timeout):
+            async with trio.open_nursery() as nursery:
+                for name, peer, _ in dial:
+                    nursery.start_soon(self._dial_link, name, peer, got, holders)
+                for name, peer, _ in accept:
+                    nursery.start_soon(self._claim_link, name, peer, got)
+        links = {st: got[name] for name, _, st in [*dial, *accept] if st is not None}
+        peers = [got[f"e{e}/s{s}:{min(r, j)}-{max(r, j)}"] for j in range(len(reps)) if j != r]
+        return links, peers
+
+    async def _dial_link(self, name: str, peer: str, got: dict[str, TensorChannel], holders: trio.Nursery) -> None:
+        delay = 0.2
+        while True:
+            if not self._alive(peer):
+                raise PeerUnavailable(peer, f"gone before link {name} was set up")
+            try:
+                ch: ResilientChannel = await holders.start(self._hold_channel, name, peer)
+                break
+            except (PeerUnavailable, BaseExceptionGroup) as exc:
+                if not all(isinstance(e, PeerUnavailable) for e in leaf_errors(exc)):
+                    raise
+                log.info("data plane to %s: %s; retrying", peer[:12], describe(exc))
+                await trio.sleep(delay)     # retry backoff, bounded by link_timeout
+                delay = min(2.0, delay * 2)
+        got[name] = ch
+
+    async def _hold_channel(self, name: str, peer: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Dial one channel and keep it open (reconnecting as needed) until the epoch's channels are closed."""
+        closed = self.closed
+        async with open_resilient_channel(self.svc.data_plane, peer, name=f"{self.job_id}/{name}",
+                                          config=self.svc.config.channels(), peer_gone=self.svc.peer_gone) as ch:
+            self.channels.append(ch)
+            task_status.started(ch)
+            await closed.wait()
+
+    async def _claim_link(self, name: str, peer: str, got: dict[str, TensorChannel]) -> None:
+        ch = await self.svc.claim(self.job_id, name, peer, alive=self._alive)
+        self.channels.append(ch)
+        got[name] = ch
+
+    async def _close_channels(self) -> None:
+        """Goodbye on each of the epoch's channels, all at once (each bounded by close_timeout)."""
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as n:
+                for ch in self.channels:
+                    n.start_soon(ch.aclose)
+            self.channels.clear()
+            self.closed.set()
+            self.svc.drop_arrived(self.job_id, older_than=self.epoch + 1)
+
+
+def describe(exc: BaseException) -> str:
+    """One line for the publisher: the first real error inside (possibly nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
+        if not inner:
+            break
+        exc = inner[0]
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def state_from_checkpoint(blob: bytes, job: str) -> tuple[int, int, Mapping[str, torch.Tensor]]:
+    """(stage, step, tensors) of a stage file; for tools that read what a job left in the swarm."""
+    meta, st = decode_state(blob, job=job)
+    return meta.stage, meta.step, st.tensors
+
+
+__all__ = ["JobRun", "StartRequest", "describe", "state_from_checkpoint"]
+
