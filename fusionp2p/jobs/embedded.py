@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 class EmbeddedConfig:
     """Settings of an embedded swarm (fast heartbeats: everything is in one process)."""
 
-    heartbeat: float = 0.2
-    dead_timeout: float = 3.0
+    heartbeat: float = 0.25
+    dead_timeout: float = 5.0          # training shares the process: a busy event loop must not look dead
     probing: bool = False              # links are not measured on the in-memory transport
     jobs: NodeJobConfig = field(default_factory=NodeJobConfig)
     join_timeout: float = 30.0         # every node seen alive by the bootstrap within this

@@ -87,13 +87,15 @@ class JobStateChanged:
 class CheckpointSaved:
     KIND: ClassVar[str] = "checkpoint"
     SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "step": _INT, "stage": _INT, "peer": _STR, "at": _FLOAT,
-                                         "hash": _STR}
+                                         "hash": _STR, "start": _INT, "end": _INT}
     job: str
     step: int
     stage: int
     peer: str = ""          # a node that holds it (the saver, or a keeper that copied it)
     at: float = 0.0
     hash: str = ""          # content hash of the stage file (fetch it by hash from any holder)
+    start: int = -1         # the coarse units the stage file covers: [start, end)
+    end: int = -1
 
 
 ProgressEvent = StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved

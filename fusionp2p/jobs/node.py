@@ -73,6 +73,7 @@ class NodeJobConfig:
     status_interval: float = 10.0      # the leader refreshes the job's status record this often
     offer_retry: float = 60.0          # a node that refused (or did not answer) an offer is asked again after
     offer_ttl: float = 600.0           # an accepted offer that no start follows is forgotten
+    replan_retry: float = 20.0         # a leader whose proposed epoch did not take off proposes again after
     max_jobs: int = 4                  # offered or running at once
     max_pending_links: int = 64
     max_state_bytes: int = 16 << 30    # a stage state fetched from a member
@@ -85,7 +86,7 @@ class NodeJobConfig:
     def __post_init__(self) -> None:
         for name in ("accept_timeout", "election_timeout", "link_timeout", "recv_timeout", "report_timeout",
                      "reconnect_timeout", "start_timeout", "halt_timeout", "conclude_timeout", "watch_interval",
-                     "status_interval", "offer_retry", "offer_ttl"):
+                     "status_interval", "offer_retry", "offer_ttl", "replan_retry"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"NodeJobConfig.{name} must be positive")
         if self.max_jobs < 1 or self.max_pending_links < 1:
@@ -199,7 +200,7 @@ class NodeJobService:
             return {"ok": True, "state": run.state.value, "reason": run.reason, **run.progress()}
         if run is None:
             return {"ok": False, "error": f"no job {job_id} here"}
-        member = run.members is not None and peer in run.members
+        member = (run.members is not None and peer in run.members) or peer == run.offered_by
         if op == "cancel":
             if peer != run.publisher:
                 return {"ok": False, "error": "only the publisher cancels a job"}
@@ -210,18 +211,27 @@ class NodeJobService:
         if not member and peer != self.transport.peer_id:
             return {"ok": False, "error": f"{op} from a peer that is no member of job {job_id}"}
         if op == "halt":
-            epoch = job_proto.int_field(req, "epoch", "halt")
             at = req.get("at")
             if at is not None and (isinstance(at, bool) or not isinstance(at, int) or at < 0):
                 raise RemoteProtocolError("halt: 'at' must be a step or null")
             timeout = self.config.halt_timeout if at is None else self.config.recv_timeout
-            halted = await run.halt(epoch, at, timeout=timeout)
+            halted = await run.halt(at, timeout=timeout)
             return {"ok": True, "halted": halted.to_wire()}
         if op == "keep":
             h = job_proto.str_field(req, "hash", "keep", limit=64)
             holder = job_proto.str_field(req, "holder", "keep", limit=256)
+            units = req.get("units")
+            if not (isinstance(units, list) and len(units) == 2 and all(
+                    isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in units) and units[0] < units[1]):
+                raise RemoteProtocolError("keep: units must be [start, end]")
             await run.keep(h, job_proto.int_field(req, "step", "keep"), job_proto.int_field(req, "stage", "keep"),
-                           holder)
+                           (units[0], units[1]), holder)
+            return {"ok": True}
+        if op == "replan":
+            run.on_replan(peer)
+            return {"ok": True}
+        if op == "end":
+            run.end("done" if req.get("state") == "done" else f"the job ended {str(req.get('state'))[:32]}")
             return {"ok": True}
         if op == "done":
             run.on_done(peer, req)
@@ -237,19 +247,13 @@ class NodeJobService:
         if snap.job != run.job_id:
             return {"ok": False, "error": "the snapshot is for another job"}
         first = run.epoch < 0 and not run.members
-        if first and peer != run.publisher:
-            return {"ok": False, "error": "the first epoch is started by the publisher"}
+        if first and peer != run.publisher and peer != run.offered_by:
+            return {"ok": False, "error": "the first epoch is started by the publisher or the member that offered it"}
         if not first and peer != run.publisher and (run.members is None or peer not in run.members):
             return {"ok": False, "error": "a re-plan is started by a member of the job"}
         resume = Resume.from_wire(resume_raw)
         prev = req.get("previous")
         previous = Plan.from_wire(prev) if isinstance(prev, bytes) else None
-        units = req.get("units", [])
-        if isinstance(units, list):
-            for u in units[:4096]:
-                if (isinstance(u, list) and len(u) == 3 and isinstance(u[0], str) and all(
-                        isinstance(x, int) and not isinstance(x, bool) for x in u[1:])):
-                    run.units[u[0]] = (u[1], u[2])
         why = run.offer_start(StartRequest(snapshot=snap, resume=resume, previous=previous, sender=peer))
         if why:
             return {"ok": False, "error": why}
@@ -295,6 +299,8 @@ class NodeJobService:
         if old is None or old.state.terminal:
             self.jobs[job_id] = JobRun(self, acc, acc.spec.publisher)
             self._offers[job_id] = trio.current_time()
+            if peer != acc.spec.publisher:
+                self.jobs[job_id].offered_by = peer
         self.nursery.start_soon(self._provide, intake.fetched)   # we can serve these blobs to others now
         log.info("accepted job %s from %s", job_id, peer[:12])
         return {"ok": True, "job": job_id}

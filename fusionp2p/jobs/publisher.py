@@ -253,6 +253,10 @@ class JobDriver:
 
     async def _attach(self) -> None:
         st = await self.read_status()
+        with trio.move_on_after(self.config.view_timeout):
+            while st is None:   # a job that just started: its leader writes the record within seconds
+                await trio.sleep(self.config.status_poll)
+                st = await self.read_status()
         if st is None:
             raise JobError(f"job {self.job}: no status record in the swarm (unknown job, or never started)")
         self.members = set(st.members)

@@ -12,12 +12,14 @@ on its results. The protocol around it is in docs/jobs.md "Elastic jobs"; in sho
    a member died or left (the pipeline is broken), or at an agreed step boundary when only a joiner is
    to be taken in. Each answers with a :class:`Halted`: the stage it held, the steps it completed, and
    the content hash of its handed-over state (parameters, optimizer state, CO2 momentum shard).
-3. :func:`plan_resume` turns the answers into a :class:`Resume`: for every stage of the old plan, the
-   live states of its replicas, the most advanced first. If every old stage kept a live replica, the
-   new epoch starts at the smallest of those steps and loses nothing (a stage whose best replica was a
-   step ahead keeps that step's weights). If some stage lost every replica, the whole job goes back to
-   the newest **checkpoint step** that is complete for every stage, held by live nodes; failing that,
-   to step 0 and the published weights. Losing at most the steps since that checkpoint is the contract.
+3. :func:`plan_resume` turns the answers into a :class:`Resume`. A state covers a range of the model's
+   coarse units (its stage's ``[start, end)``; states of different epochs may cut the model at
+   different fences). If the live states cover every unit, the new epoch starts at the smallest of
+   the per-unit best steps and loses nothing (a stage whose best replica was a step ahead keeps that
+   step's weights); the sources are listed most advanced first. If some units lost every live state,
+   the whole job goes back to the newest **checkpoint step** whose stage files, held by live nodes,
+   cover every unit; failing that, to step 0 and the published weights. Losing at most the steps
+   since that checkpoint is the contract.
 4. The leader sends the new snapshot with the resume to every member of the new epoch (``start``), the
    members elect the plan as for epoch 0, and each new holder builds its stage's state from the sources
    (``train/state.merge_states``: the names its program holds, wherever the old fences put them).
@@ -36,24 +38,29 @@ class Halted:
     """A member's answer to ``halt``: stage -1 (and no state) when it held no role in the epoch."""
 
     peer: str
-    epoch: int
+    epoch: int           # the epoch the member was in when it halted
     stage: int
     replica: int
     step: int            # steps completed: the first step it would run next
     state: str = ""      # content hash of its stage state blob
+    start: int = -1      # the coarse units its state covers: [start, end)
+    end: int = -1
 
     def to_wire(self) -> dict[str, object]:
         return {"peer": self.peer, "epoch": self.epoch, "stage": self.stage, "replica": self.replica,
-                "step": self.step, "state": self.state}
+                "step": self.step, "state": self.state, "units": [self.start, self.end]}
 
     @classmethod
     def from_wire(cls, m: Mapping[str, object]) -> Halted:
         try:
+            units = m.get("units", [-1, -1])
+            if not isinstance(units, list) or len(units) != 2:
+                raise TypeError("units must be [start, end]")
             h = cls(peer=_s(m["peer"]), epoch=_i(m["epoch"]), stage=_i(m["stage"]), replica=_i(m["replica"]),
-                    step=_i(m["step"]), state=_s(m.get("state", "")))
+                    step=_i(m["step"]), state=_s(m.get("state", "")), start=_i(units[0]), end=_i(units[1]))
         except (KeyError, TypeError) as exc:
             raise RemoteProtocolError(f"halt answer: {exc}") from None
-        if h.stage < -1 or h.step < 0 or h.epoch < 0 or (h.stage >= 0) != bool(h.state):
+        if h.stage < -1 or h.step < 0 or h.epoch < 0 or bool(h.state) != (0 <= h.start < h.end):
             raise RemoteProtocolError("halt answer: inconsistent fields")
         return h
 
@@ -62,7 +69,8 @@ class Halted:
 class Source:
     """A stage state blob to read from: a live replica's hand-off or a replicated checkpoint."""
 
-    stage: int           # its stage in the plan it was saved under
+    start: int           # the coarse units it covers: [start, end)
+    end: int
     step: int
     state: str           # content hash
     holders: tuple[str, ...]
@@ -84,7 +92,7 @@ class Resume:
 
     def to_wire(self) -> dict[str, object]:
         return {"step": self.step, "ckpt": self.from_checkpoint, "lost": self.lost_steps,
-                "sources": [[s.stage, s.step, s.state, list(s.holders)] for s in self.sources]}
+                "sources": [[s.start, s.end, s.step, s.state, list(s.holders)] for s in self.sources]}
 
     @classmethod
     def from_wire(cls, m: Mapping[str, object]) -> Resume:
@@ -94,10 +102,13 @@ class Resume:
                 raise TypeError("sources must be a short list")
             sources = []
             for r in raw:
-                if not isinstance(r, list) or len(r) != 4 or not isinstance(r[3], list) or len(r[3]) > 64:
+                if not isinstance(r, list) or len(r) != 5 or not isinstance(r[4], list) or len(r[4]) > 64:
                     raise TypeError("bad source")
-                sources.append(Source(stage=_i(r[0]), step=_i(r[1]), state=_s(r[2]),
-                                      holders=tuple(_s(h) for h in r[3])))
+                src = Source(start=_i(r[0]), end=_i(r[1]), step=_i(r[2]), state=_s(r[3]),
+                             holders=tuple(_s(h) for h in r[4]))
+                if not 0 <= src.start < src.end:
+                    raise TypeError("bad source units")
+                sources.append(src)
             ckpt = m["ckpt"]
             if not isinstance(ckpt, bool):
                 raise TypeError("ckpt must be a bool")
@@ -127,50 +138,48 @@ def leader_of(members: Iterable[str], alive: Callable[[str], bool]) -> str | Non
     return live[0] if live else None
 
 
-# checkpoints known to a node: {step: {stage: (hash, holders)}}
-Checkpoints = Mapping[int, Mapping[int, tuple[str, Sequence[str]]]]
+# checkpoints known to a node: {step: {(start, end): (hash, holders)}}
+Checkpoints = Mapping[int, Mapping[tuple[int, int], tuple[str, Sequence[str]]]]
 
 
-def complete_checkpoint(checkpoints: Checkpoints, num_stages: int,
-                        alive: Callable[[str], bool]) -> tuple[int, dict[int, tuple[str, tuple[str, ...]]]] | None:
-    """The newest step with a checkpoint of every stage held by at least one live node."""
+def _covers(ranges: Iterable[tuple[int, int]], n_units: int) -> bool:
+    got = [False] * n_units
+    for a, b in ranges:
+        for u in range(max(0, a), min(n_units, b)):
+            got[u] = True
+    return all(got)
+
+
+def complete_checkpoint(checkpoints: Checkpoints, n_units: int,
+                        alive: Callable[[str], bool]) -> tuple[int, list[Source]] | None:
+    """The newest step whose stage files held by live nodes cover every unit, with those files."""
     for step in sorted(checkpoints, reverse=True):
-        stages = checkpoints[step]
-        got: dict[int, tuple[str, tuple[str, ...]]] = {}
-        for s in range(num_stages):
-            if s not in stages:
-                break
-            h, holders = stages[s]
+        files = []
+        for (a, b), (h, holders) in sorted(checkpoints[step].items()):
             live = tuple(sorted(p for p in holders if alive(p)))
-            if not live:
-                break
-            got[s] = (h, live)
-        else:
-            return step, got
+            if live:
+                files.append(Source(start=a, end=b, step=step, state=h, holders=live))
+        if _covers(((f.start, f.end) for f in files), n_units):
+            return step, files
     return None
 
 
-def plan_resume(num_stages: int, halted: Iterable[Halted], checkpoints: Checkpoints,
+def plan_resume(n_units: int, halted: Iterable[Halted], checkpoints: Checkpoints,
                 alive: Callable[[str], bool], *, reached: int = 0) -> Resume:
     """Where the next epoch starts (see the module docstring). *reached* is the most advanced step the
     job is known to have completed (to count the steps a checkpoint restore throws away)."""
-    by_stage: dict[int, list[Halted]] = {}
-    for h in halted:
-        if 0 <= h.stage < num_stages and h.state:
-            by_stage.setdefault(h.stage, []).append(h)
-    best = max([reached, *(h.step for hs in by_stage.values() for h in hs)])
-    if len(by_stage) == num_stages:
-        sources = [Source(stage=s, step=h.step, state=h.state, holders=(h.peer,))
-                   for s in range(num_stages) for h in sorted(by_stage[s], key=lambda h: (-h.step, h.peer))]
-        step = min(max(h.step for h in by_stage[s]) for s in range(num_stages))
-        return Resume(step=step, sources=tuple(sources))
-    found = complete_checkpoint(checkpoints, num_stages, alive)
+    live = [h for h in halted if h.state and 0 <= h.start < h.end <= n_units]
+    best = max([reached, *(h.step for h in live)])
+    if live and _covers(((h.start, h.end) for h in live), n_units):
+        ordered = sorted(live, key=lambda h: (-h.step, h.peer))
+        step = min(max(h.step for h in live if h.start <= u < h.end) for u in range(n_units))
+        return Resume(step=step, sources=tuple(Source(start=h.start, end=h.end, step=h.step, state=h.state,
+                                                      holders=(h.peer,)) for h in ordered))
+    found = complete_checkpoint(checkpoints, n_units, alive)
     if found is None:
         return Resume(step=0, sources=(), from_checkpoint=True, lost_steps=best)
-    step, got = found
-    return Resume(step=step, from_checkpoint=True, lost_steps=max(0, best - step),
-                  sources=tuple(Source(stage=s, step=step, state=h, holders=holders)
-                                for s, (h, holders) in sorted(got.items())))
+    step, files = found
+    return Resume(step=step, from_checkpoint=True, lost_steps=max(0, best - step), sources=tuple(files))
 
 
 def halt_step(current: Iterable[int], *, tau: int = 1, margin: int = 2, steps: int) -> int:

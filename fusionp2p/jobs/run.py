@@ -60,7 +60,15 @@ from fusionp2p.jobs.events import (
 )
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
-from fusionp2p.jobs.replan import Halted, Resume, Source, halt_step, leader_of, plan_resume
+from fusionp2p.jobs.replan import (
+    Halted,
+    Resume,
+    Source,
+    complete_checkpoint,
+    halt_step,
+    leader_of,
+    plan_resume,
+)
 from fusionp2p.net.channel import TensorChannel
 from fusionp2p.net.resilient import ResilientChannel, open_resilient_channel
 from fusionp2p.plan import Plan
@@ -118,8 +126,9 @@ class JobRun:
         self.scope: trio.CancelScope | None = None
         self.channels: list[ResilientChannel] = []
         self.closed = trio.Event()
-        self.checkpoints: dict[int, dict[int, tuple[str, list[str]]]] = {}   # step -> stage -> (hash, holders)
-        self.units: dict[str, tuple[int, int]] = {}    # state hash -> the (start, end) units of its stage
+        # step -> (start unit, end unit) -> (stage file hash, nodes holding it)
+        self.checkpoints: dict[int, dict[tuple[int, int], tuple[str, list[str]]]] = {}
+        self.offered_by = ""            # the member that offered us the job as a joiner
         self.book = ProgressBook(job=self.job_id, steps=self.spec.config.steps)
         self.final: dict[int, tuple[str, tuple[str, ...]]] = {}   # stage -> final state file (hash, holders)
         self.final_losses: dict[int, float] = {}                  # replica -> its final evaluation loss
@@ -129,14 +138,17 @@ class JobRun:
         self._starts_send, self._starts = trio.open_memory_channel[StartRequest](16)
         self._started: set[int] = set()
         self._cur = _Epoch()
+        self._last: Halted | None = None   # the newest state this node handed over (answers later halts)
         self._worker: StageWorker | None = None
-        self._worker_scope: trio.CancelScope | None = None
+        self._worker_scope: trio.CancelScope | None = None      # the epoch's setup and training
         self._halt = Halt()
         self._broken = False           # our pipeline broke (a neighbour died): a re-plan is needed
         self._led = -1                 # the newest epoch we proposed as leader
+        self._led_at = -math.inf
+        self._told: tuple[int, str] | None = None
         self._wake = trio.Event()
         self._done_from: dict[tuple[int, int], dict[str, Any]] = {}   # leader: (stage, replica) -> done report
-        self._gossip_ch: trio.MemoryReceiveChannel[Any] | None = None
+        self._ended_by_leader = False
 
     # ------------------------------------------------------------------ public (called by the service)
     @property
@@ -167,13 +179,11 @@ class JobRun:
         self._poke()
         return ""
 
-    async def halt(self, epoch: int, at: int | None, *, timeout: float) -> Halted:
-        """Stop the epoch's training (at once, or before step *at*) and say where the state stands."""
-        if self.epoch < 0 or (self.role is None and self._worker is None):
-            return Halted(peer=self.me, epoch=max(self.epoch, 0), stage=-1, replica=-1, step=0)
-        if epoch != self.epoch:
-            raise JobError(f"halt for epoch {epoch}, this node is in epoch {self.epoch}")
+    async def halt(self, at: int | None, *, timeout: float) -> Halted:
+        """Stop the current epoch's training (at once, or before step *at*); say where the state stands."""
         cur = self._cur
+        if self.epoch < 0:
+            return Halted(peer=self.me, epoch=0, stage=-1, replica=-1, step=0)
         if cur.halted is None and not cur.ended.is_set():
             if at is None:
                 self._broken = True
@@ -183,9 +193,21 @@ class JobRun:
                 self._halt.at = at
         with trio.fail_after(timeout):
             await cur.ended.wait()
-        if cur.halted is None:
-            raise JobError(f"epoch {epoch} ended {cur.outcome or 'without a state'} here")
-        return cur.halted
+        if cur.halted is not None:
+            return cur.halted
+        last = self._last
+        if last is not None:   # this epoch never trained here: what we hold is the last epoch's state
+            return Halted(peer=self.me, epoch=self.epoch, stage=last.stage, replica=last.replica, step=last.step,
+                          state=last.state, start=last.start, end=last.end)
+        return Halted(peer=self.me, epoch=self.epoch, stage=-1, replica=-1, step=0)
+
+    def end(self, reason: str) -> None:
+        """The job ended elsewhere while this node stood by (no role): finish here too."""
+        if self.role is None and not self.life.terminal:
+            self.reason = reason
+            self._ended_by_leader = True
+            if self.scope is not None:
+                self.scope.cancel()
 
     def progress(self) -> dict[str, Any]:
         w = self._worker
@@ -195,11 +217,8 @@ class JobRun:
     def on_event(self, sender: str, ev: ProgressEvent) -> None:
         """A progress event of this job from the jobs topic."""
         now = time.time()
-        if isinstance(ev, CheckpointSaved) and ev.hash and ev.peer == sender:
-            h, holders = self.checkpoints.setdefault(ev.step, {}).get(ev.stage, (ev.hash, []))
-            if h == ev.hash and sender not in holders:
-                holders.append(sender)
-            self.checkpoints[ev.step][ev.stage] = (h, holders)
+        if isinstance(ev, CheckpointSaved) and ev.hash and ev.peer == sender and 0 <= ev.start < ev.end:
+            self._holds(ev.step, (ev.start, ev.end), ev.hash, sender)
         elif isinstance(ev, StepProgress):
             self.book.add(sender, ev, now=now)
 
@@ -211,6 +230,12 @@ class JobRun:
             return
         self._done_from[(stage, replica)] = msg
         self._poke()
+
+    def _holds(self, step: int, units: tuple[int, int], h: str, peer: str) -> None:
+        h0, holders = self.checkpoints.setdefault(step, {}).get(units, (h, []))
+        if h0 == h and peer not in holders:
+            holders.append(peer)
+        self.checkpoints[step][units] = (h0, holders)
 
     # ------------------------------------------------------------------ main task
     async def run(self) -> None:
@@ -226,11 +251,20 @@ class JobRun:
                     nursery.cancel_scope.cancel()
                 state = JobState.DONE
         except Exception as exc:   # any failure ends this job, never the node
+            if trio.current_effective_deadline() == -math.inf:
+                # the node itself is stopping (SIGTERM, or its service was cancelled): channels that close
+                # under a worker surface as errors; the job goes on elsewhere, nothing to report
+                log.info("job %s: stopped with the node (%s)", self.job_id, describe(exc))
+                if not self.life.terminal:
+                    self.to(JobState.CANCELLED, "this node stopped")
+                return
             reason = describe(exc)
             log.warning("job %s failed: %s", self.job_id, reason,
                         exc_info=not all(isinstance(e, FusionError | trio.Cancelled) for e in leaf_errors(exc)))
         if scope.cancelled_caught:
             state, reason = JobState.CANCELLED, self.reason or "cancelled by the publisher"
+            if self._ended_by_leader:
+                state = JobState.DONE if self.reason == "done" else JobState.CANCELLED
         if not self.life.terminal:
             self.to(state, reason)
         log.info("job %s %s %s", self.job_id, state.value, reason)
@@ -245,7 +279,8 @@ class JobRun:
     async def _epochs(self) -> None:
         first = True
         while True:
-            timeout = self.svc.config.start_timeout if not first else math.inf
+            # a standby (no role) waits for as long as the job runs; a halted member for its leader
+            timeout = math.inf if first or self._cur.outcome == "idle" else self.svc.config.start_timeout
             with trio.move_on_after(timeout) as waited:
                 req = await self._starts.receive()
             if waited.cancelled_caught:
@@ -279,6 +314,7 @@ class JobRun:
         n_st = len(plan.stages)
         self.book.set_plan(plan.epoch, n_st - 1, plan.stages[-1].replicas)
         if min(plan.peers) == self.me:   # one member announces the plan (the publisher follows it)
+            self.svc.nursery.start_soon(self._put_status, self._status(JobState.RUNNING, plan))
             self.svc.nursery.start_soon(self._gossip, PlanChanged(
                 job=self.job_id, epoch=plan.epoch, plan_hash=plan.plan_hash(),
                 stage_sizes=tuple(len(s.replicas) for s in plan.stages),
@@ -288,49 +324,57 @@ class JobRun:
             self.role = None
             self.to(JobState.RUNNING, "standby: no role in this plan")
             cur.outcome = "idle"
-            cur.halted = Halted(peer=self.me, epoch=plan.epoch, stage=-1, replica=-1, step=0)
             cur.ended.set()
             return False
         if len(roles) > 1:
             raise PlanError(f"the plan gives this node {len(roles)} roles; one is supported")
         s, r = self.role = roles[0]
         programs = stage_programs(self.accepted.dag, plan)
-        restore = await self._gather_state(programs[s], req.resume)
-        self.to(JobState.RUNNING, f"epoch {plan.epoch}: stage {s} replica {r} from step {req.resume.step}")
         worker: StageWorker | None = None
         try:
-            async with trio.open_nursery() as holders:   # the tasks that hold this epoch's dialed channels open
-                try:
-                    links, peers = await self._open_links(plan, programs, s, r, holders)
-                    worker = self._worker = StageWorker(self._context(plan, programs, s, r, links, peers, req.resume,
-                                                                      restore))
-                    with trio.CancelScope() as ws:
-                        self._worker_scope = ws
+            with trio.CancelScope() as scope:   # a halt "now" cancels the setup or the training
+                self._worker_scope = scope
+                if self._broken:
+                    scope.cancel()
+                restore = await self._gather_state(programs[s], req.resume)
+                self.to(JobState.RUNNING, f"epoch {plan.epoch}: stage {s} replica {r} from step {req.resume.step}")
+                async with trio.open_nursery() as holders:   # the tasks that hold this epoch's dialed channels open
+                    try:
+                        links, peers = await self._open_links(plan, programs, s, r, holders)
+                        worker = self._worker = StageWorker(self._context(plan, programs, s, r, links, peers,
+                                                                          req.resume, restore))
                         await worker.run()
-                finally:
-                    self._worker_scope = None
-                    await self._close_channels()
+                    finally:
+                        await self._close_channels()
         except Exception as exc:
             lost = [e for e in leaf_errors(exc) if not isinstance(e, trio.Cancelled)]
-            if not lost or not all(isinstance(e, PeerUnavailable) for e in lost):
+            # a halt cancels the epoch: the channels close under a worker that finishes a compute step
+            # first, so its next send sees a closed channel instead of the cancellation
+            expected: tuple[type[BaseException], ...] = (PeerUnavailable,)
+            if scope.cancel_called:
+                expected += (trio.ClosedResourceError, trio.BrokenResourceError)
+            if not lost or not all(isinstance(e, expected) for e in lost):
                 raise
             log.info("job %s epoch %d: pipeline broken (%s); waiting for a re-plan", self.job_id, plan.epoch,
                      describe(exc))
             self._broken = True
             self._poke()
-        assert worker is not None or self._broken
+        finally:
+            self._worker_scope = None
         if worker is not None and worker.completed >= self.spec.config.steps and not self._broken:
             await self._finish(plan, s, r, worker)
             cur.outcome = "done"
             cur.ended.set()
             return True
         if worker is None:
-            cur.outcome = "broken before training"
+            cur.outcome = "halted before training"
             cur.ended.set()
             return False
         st = worker.export_state()
         h = await self._store_state(plan, s, st)
-        cur.halted = Halted(peer=self.me, epoch=plan.epoch, stage=s, replica=r, step=st.step, state=h)
+        stage = plan.stages[s]
+        cur.halted = self._last = Halted(peer=self.me, epoch=plan.epoch, stage=s, replica=r, step=st.step, state=h,
+                                         start=stage.start, end=stage.end)
         cur.outcome = "halted"
         cur.ended.set()
         log.info("job %s epoch %d halted at step %d (stage %d replica %d, state %s)", self.job_id, plan.epoch,
@@ -354,13 +398,10 @@ class JobRun:
         states: list[StageState] = []
         got: set[str] = set()
         for src in resume.sources:
-            units = self.units.get(src.state)
-            if units is not None and not (want & self._names(*units)):
+            if not (want & self._names(src.start, src.end)):
                 continue
             blob = await self._fetch_state(src)
             _, st = decode_state(blob, job=self.job_id)
-            if units is None and not (want & set(st.tensors)):
-                continue
             states.append(st)
             got |= set(st.tensors) & want
         missing = sorted(want - got)
@@ -381,8 +422,6 @@ class JobRun:
                                    plan_hash=plan.plan_hash())
         blob = await trio.to_thread.run_sync(encode_state, meta, st)
         h = self.svc.content.store.put(blob)
-        stage = plan.stages[s]
-        self.units[h] = (stage.start, stage.end)
         self.svc.nursery.start_soon(self._provide, h)
         return h
 
@@ -422,9 +461,10 @@ class JobRun:
             if step >= cfg.steps or self._worker is None:
                 return   # the final file is saved with the done report
             h = await self._store_state(plan, s, self._worker.export_state())
-            self.checkpoints.setdefault(step, {})[s] = (h, [self.me])
+            units = (plan.stages[s].start, plan.stages[s].end)
+            self._holds(step, units, h, self.me)
             await self._gossip(CheckpointSaved(job=self.job_id, step=step, stage=s, peer=self.me, hash=h,
-                                               at=time.time()))
+                                               start=units[0], end=units[1], at=time.time()))
             self.svc.nursery.start_soon(self._replicate, plan, s, h, step)
 
         return StageContext(job=self.job_id, executor=StageExecutor(programs[s]), config=cfg, replica=r,
@@ -442,21 +482,25 @@ class JobRun:
             return
         keeper = peers[(plan.peers.index(self.me) if self.me in plan.peers else 0) % len(peers)]
         try:
+            st = plan.stages[s]
             await job_proto.request(self.transport, keeper, {"op": "keep", "job": self.job_id, "hash": h,
-                                                             "step": step, "stage": s, "holder": self.me},
+                                                             "step": step, "stage": s, "holder": self.me,
+                                                             "units": [st.start, st.end]},
                                     timeout=self.svc.config.accept_timeout)
         except (PeerUnavailable, RemoteProtocolError) as exc:
             log.info("checkpoint %s of stage %d not replicated to %s: %s", h[:12], s, keeper[:12], exc)
 
-    async def keep(self, h: str, step: int, stage: int, holder: str) -> None:
+    async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str) -> None:
         """Hold a copy of another member's stage file (we are its keeper) and announce it."""
         with trio.fail_after(self.svc.config.accept_timeout):
-            await self.svc.content.fetch(h, max_size=self.svc.config.max_state_bytes, peers=[holder])
-        h0, holders = self.checkpoints.setdefault(step, {}).get(stage, (h, [holder]))
-        if h0 == h and self.me not in holders:
-            holders.append(self.me)
-        self.checkpoints[step][stage] = (h0, holders)
-        await self._gossip(CheckpointSaved(job=self.job_id, step=step, stage=stage, peer=self.me, hash=h, at=time.time()))
+            blob = await self.svc.content.fetch(h, max_size=self.svc.config.max_state_bytes, peers=[holder])
+        meta, _ = decode_state(blob, job=self.job_id)   # a stage file of this job, not any blob
+        if meta.step != step:
+            raise RemoteProtocolError(f"keep: the file is of step {meta.step}, not {step}")
+        self._holds(step, units, h, holder)
+        self._holds(step, units, h, self.me)
+        await self._gossip(CheckpointSaved(job=self.job_id, step=step, stage=stage, peer=self.me, hash=h,
+                                           start=units[0], end=units[1], at=time.time()))
 
     async def _finish(self, plan: Plan, s: int, r: int, worker: StageWorker) -> None:
         """The last step is done here: save the final stage file (replica 0), report to the leader."""
@@ -467,7 +511,7 @@ class JobRun:
         if r == 0:
             h = await self._store_state(plan, s, worker.export_state())
             msg["checkpoint"] = h
-            self.checkpoints.setdefault(steps, {})[s] = (h, [self.me])
+            self._holds(steps, (plan.stages[s].start, plan.stages[s].end), h, self.me)
             await self._replicate(plan, s, h, steps)
         self.to(JobState.DONE, f"stage {s} replica {r} finished {steps} steps")
         lead = leader_of(plan.peers, self._alive) or self.me
@@ -492,7 +536,8 @@ class JobRun:
         for (s, r), msg in sorted(self._done_from.items()):
             h = msg.get("checkpoint")
             if r == 0 and isinstance(h, str):
-                holders = self.checkpoints.get(self.spec.config.steps, {}).get(s, (h, [plan.stages[s].replicas[0]]))[1]
+                units = (plan.stages[s].start, plan.stages[s].end)
+                holders = self.checkpoints.get(self.spec.config.steps, {}).get(units, (h, [plan.stages[s].replicas[0]]))[1]
                 files.append(StageFile(stage=s, hash=h, holders=tuple(holders)))
             fl = msg.get("final_loss")
             if s == len(plan.stages) - 1 and isinstance(fl, float):
@@ -509,6 +554,8 @@ class JobRun:
             await job_proto.request(self.transport, self.publisher, report, timeout=self.svc.config.report_timeout)
         except (PeerUnavailable, RemoteProtocolError) as exc:
             log.info("final report of %s to its publisher: %s (it can read the status record)", self.job_id, exc)
+        standbys = sorted((self.members or frozenset()) - set(plan.peers) - {self.me})
+        await self._ask_all(standbys, {"op": "end", "job": self.job_id, "state": status.state})
 
     # ------------------------------------------------------------------ leading re-plans
     def _alive(self, peer: str) -> bool:
@@ -522,21 +569,35 @@ class JobRun:
         while True:
             await self._woken(cfg.watch_interval)
             plan = self.plan
-            if plan is None or self.life.terminal:
+            if plan is None or self.life.terminal or self._cur.outcome == "done":
                 continue
-            if leader_of(plan.peers, self._alive) != self.me:
+            lead = leader_of(plan.peers, self._alive)
+            if lead != self.me:
+                if self._broken and lead is not None and self._told != (self.epoch, lead):
+                    self._told = (self.epoch, lead)     # tell the leader our pipeline broke
+                    self.svc.nursery.start_soon(self._ask_all, [lead], {"op": "replan", "job": self.job_id,
+                                                                       "epoch": self.epoch})
                 continue
             now = trio.current_time()
             if now - last_status >= cfg.status_interval:
                 last_status = now
                 self.svc.nursery.start_soon(self._put_status, self._status(self.life.state, plan))
             gone = sorted(p for p in plan.peers if not self._alive(p))
-            if self._led >= self.epoch + 1 or self._cur.outcome == "done":
-                continue   # our proposal for the next epoch is under way, or the job is done
-            if gone or self._broken:
-                await self._lead(plan, at=None, why=f"members gone: {[p[:12] for p in gone]}" if gone else "pipeline broken")
+            stalled = self._cur.ended.is_set() and self._cur.outcome in ("no plan", "halted", "halted before training")
+            if self._led > self.epoch or (self._led == self.epoch and now - self._led_at < cfg.replan_retry):
+                continue   # our proposal for the next epoch is under way
+            if gone or self._broken or stalled:
+                why = (f"members gone: {[p[:12] for p in gone]}" if gone else
+                       "pipeline broken" if self._broken else f"epoch {self.epoch} did not take off")
+                await self._lead(plan, at=None, why=why)
             elif self.svc.swarm.config.role == "node":
                 await self._take_in_joiners(plan)
+
+    def on_replan(self, peer: str) -> None:
+        """A member says its pipeline broke (the leader re-plans)."""
+        if self.plan is not None and peer in self.plan.peers:
+            self._broken = True
+            self._poke()
 
     async def _take_in_joiners(self, plan: Plan) -> None:
         """Offer the job to live nodes outside it; re-plan at a step boundary if one of them gets a role."""
@@ -589,11 +650,12 @@ class JobRun:
     async def _lead(self, plan: Plan, *, at: int | None, why: str) -> None:
         """Halt the members (at once, or before step *at*), gather their states, start the next epoch."""
         cfg = self.svc.config
-        nxt = self.epoch + 1
-        self._led = nxt
-        log.info("job %s: leading the re-plan to epoch %d (%s)", self.job_id, nxt, why)
-        targets = sorted({p for p in plan.peers if self._alive(p)} | {p for p in self.joiners if self._alive(p)})
-        halt = {"op": "halt", "job": self.job_id, "epoch": plan.epoch, "at": at}
+        self._led, self._led_at = self.epoch + 1, trio.current_time()
+        targets = sorted({p for p in plan.peers if self._alive(p)} | {p for p in self.joiners if self._alive(p)}
+                         | {p for p in (self.members or ()) if self._alive(p)})
+        log.info("job %s: leading a re-plan from epoch %d (%s) with %d members", self.job_id, self.epoch, why,
+                 len(targets))
+        halt = {"op": "halt", "job": self.job_id, "at": at}
         answers = await self._ask_all(targets, halt, timeout=cfg.halt_timeout if at is None else cfg.recv_timeout)
         halted = []
         for peer, m in answers.items():
@@ -604,25 +666,22 @@ class JobRun:
                 continue
             if h.peer == peer:
                 halted.append(h)
-        members = sorted(h.peer for h in halted)
+        members = sorted(h.peer for h in halted if self._alive(h.peer))
         if not members:
             log.warning("job %s: no member answered the halt; retrying", self.job_id)
-            self._led = self.epoch
             return
-        resume = plan_resume(len(plan.stages), halted, self.checkpoints, self._alive, reached=self.book.reached)
-        for h in halted:
-            if h.state and 0 <= h.stage < len(plan.stages):
-                self.units[h.state] = (plan.stages[h.stage].start, plan.stages[h.stage].end)
+        nxt = max([self.epoch, *(h.epoch for h in halted)]) + 1
+        self._led = nxt
+        resume = plan_resume(plan.n_units, halted, self.checkpoints, self._alive, reached=self.book.reached)
         if resume.from_checkpoint:
-            log.warning("job %s: a stage lost every replica; resuming from %s (%d steps lost)", self.job_id,
+            log.warning("job %s: some units lost every live state; resuming from %s (%d steps lost)", self.job_id,
                         f"the checkpoint of step {resume.step}" if resume.sources else "the published weights",
                         resume.lost_steps)
         snap = self._snapshot(members, nxt)
         start = {"op": "start", "job": self.job_id, "snapshot": snap.to_wire(), "resume": resume.to_wire(),
-                 "previous": plan.to_wire(), "units": [[h, a, b] for h, (a, b) in self.units.items()
-                                                        if any(s.state == h for s in resume.sources)]}
+                 "previous": plan.to_wire()}
         replies = await self._ask_all(members, start, timeout=cfg.report_timeout)
-        refused = {p: m.get("error") for p, m in replies.items() if not m.get("ok")}
+        refused = {p[:12]: m.get("error") for p, m in replies.items() if not m.get("ok")}
         if refused or len(replies) < len(members):
             log.warning("job %s: epoch %d start refused or unanswered: %s", self.job_id, nxt, refused)
         self.joiners -= set(members)
@@ -671,16 +730,14 @@ class JobRun:
     # ------------------------------------------------------------------ status, gossip, wake-ups
     def _status(self, state: JobState, plan: Plan, *, final: tuple[StageFile, ...] = (),
                 final_loss: float | None = None, reason: str = "") -> JobStatus:
-        from fusionp2p.jobs.replan import complete_checkpoint
-
-        ck = complete_checkpoint(self.checkpoints, len(plan.stages), self._alive)
+        ck = complete_checkpoint(self.checkpoints, plan.n_units, self._alive)
         return JobStatus(job=self.job_id, peer=self.me, publisher=self.publisher, state=state.value,
                          epoch=plan.epoch, step=self.book.reached, steps=self.spec.config.steps,
                          members=tuple(p for st in plan.stages for p in st.replicas),
                          stage_sizes=tuple(len(st.replicas) for st in plan.stages), losses=self.book.recent(512),
                          checkpoint_step=ck[0] if ck else -1,
-                         checkpoint=tuple(StageFile(stage=s, hash=h, holders=hs) for s, (h, hs) in
-                                          sorted(ck[1].items())) if ck else (),
+                         checkpoint=tuple(StageFile(stage=i, hash=f.state, holders=f.holders)
+                                          for i, f in enumerate(ck[1])) if ck else (),
                          final=final, final_loss=final_loss, reason=reason or self.reason, at=time.time())
 
     async def _put_status(self, status: JobStatus) -> None:

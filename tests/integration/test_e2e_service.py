@@ -104,8 +104,8 @@ def test_two_by_two_over_the_data_plane(tmp_path: Path) -> None:
     async def main() -> tuple[list[ProgressEvent], object]:
         with trio.fail_after(120):
             async with _cluster(4, tmp_path) as cl:
-                built = build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id,
-                                  sign=cl.client.sign, now=1.0, nonce=b"a" * 16)
+                built = await trio.to_thread.run_sync(lambda: build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id,
+                                  sign=cl.client.sign, now=1.0, nonce=b"a" * 16))
                 return await _run(cl, built, tmp_path / "pub"), built
 
     events, built = trio.run(main)
@@ -145,8 +145,8 @@ def test_a_cut_data_plane_connection_does_not_change_the_training(tmp_path: Path
                       compression="adatopk", seed=4)
 
     async def run(cl: _Cluster, nonce: bytes, cut_at: dict[int, int]) -> tuple[list[ProgressEvent], list[ResilientChannel]]:
-        built = build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id,
-                          sign=cl.client.sign, now=1.0, nonce=nonce)
+        built = await trio.to_thread.run_sync(lambda: build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id,
+                          sign=cl.client.sign, now=1.0, nonce=nonce))
         events: list[ProgressEvent] = []
         cut: list[ResilientChannel] = []
 
@@ -185,9 +185,9 @@ def test_unfittable_job_fails_with_the_nodes_reason(tmp_path: Path) -> None:
     async def main() -> list[ProgressEvent]:
         with trio.fail_after(60):
             async with _cluster(2, tmp_path) as cl:
-                built = build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id,
+                built = await trio.to_thread.run_sync(lambda: build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id,
                                   sign=cl.client.sign, now=1.0, nonce=b"b" * 16,
-                                  resources=Resources(min_memory_bytes=1 << 50))
+                                  resources=Resources(min_memory_bytes=1 << 50)))
                 return await _run(cl, built, tmp_path / "pub")
 
     events = trio.run(main)
@@ -208,8 +208,8 @@ def test_a_dead_member_is_replanned_around_and_the_job_ends_done(tmp_path: Path)
     async def main() -> list[ProgressEvent]:
         with trio.fail_after(120):
             async with _cluster(2, tmp_path) as cl:
-                built = build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id,
-                                  sign=cl.client.sign, now=1.0, nonce=b"c" * 16)
+                built = await trio.to_thread.run_sync(lambda: build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id,
+                                  sign=cl.client.sign, now=1.0, nonce=b"c" * 16))
                 events: list[ProgressEvent] = []
 
                 def emit(ev: ProgressEvent) -> None:

@@ -1,0 +1,295 @@
+"""Elastic jobs on the embedded swarm (the node job service and the publisher, as in ``fusionp2p node``):
+members die, leave and join mid-training, the publisher goes away; the job re-plans and ends DONE.
+
+Real processes: tests/system/test_elastic_processes.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import trio
+
+from fusionp2p.data import BuiltinCorpus
+from fusionp2p.jobs.build import BuiltJob, build_job, module_state
+from fusionp2p.jobs.checkpoint import assemble
+from fusionp2p.jobs.content import ContentService, ContentStore
+from fusionp2p.jobs.embedded import EmbeddedConfig, EmbeddedNode, EmbeddedSwarm, open_embedded_swarm
+from fusionp2p.jobs.events import JobStateChanged, PlanChanged, ProgressEvent, StepProgress
+from fusionp2p.jobs.node import NodeJobConfig
+from fusionp2p.jobs.publisher import DriverConfig, Publisher
+from fusionp2p.jobs.run import JobRun
+from fusionp2p.models.gpt2 import GPT2, GPT2Config
+from fusionp2p.net.identity import Identity
+from fusionp2p.net.memory import MemoryTransport
+from fusionp2p.testing.evaluation import final_eval_loss
+from fusionp2p.testing.swarm import TEST_PROFILE
+from fusionp2p.train.config import CO2, TrainConfig
+
+SEQ = 32
+JOBS = NodeJobConfig(election_timeout=20, link_timeout=20, recv_timeout=30, halt_timeout=10, start_timeout=40,
+                     replan_retry=10, watch_interval=0.5)
+DRIVER = DriverConfig(idle_timeout=60, offer_timeout=30, status_poll=1.0)
+
+
+def _model(seed: int = 0) -> GPT2:
+    torch.manual_seed(seed)
+    return GPT2(GPT2Config.tiny(block_size=SEQ))
+
+
+@asynccontextmanager
+async def _swarm(n: int, home: Path, identity: Identity | None = None) -> AsyncIterator[tuple[EmbeddedSwarm, Publisher, MemoryTransport]]:
+    async with open_embedded_swarm([TEST_PROFILE] * n, home, config=EmbeddedConfig(jobs=JOBS)) as emb, \
+            trio.open_nursery() as nursery:
+        client = emb.add_host(identity)
+        boot = await client.connect(emb.bootstrap_addr)
+        pub = Publisher(client, ContentService(client, ContentStore()), [boot], DRIVER)
+        await nursery.start(pub.run)
+        try:
+            yield emb, pub, client
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def _built(client: MemoryTransport, cfg: TrainConfig, nonce: bytes) -> BuiltJob:
+    """Trace and sign in a worker thread, as the SDK does in the caller's thread: tracing takes seconds,
+    and a blocked event loop would miss the nodes' heartbeats (the bootstrap would declare them dead)."""
+    return await trio.to_thread.run_sync(lambda: build_job(
+        _model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=client.peer_id, sign=client.sign, now=1.0,
+        nonce=nonce * 16))
+
+
+def _node(emb: EmbeddedSwarm, peer: str) -> EmbeddedNode:
+    return next(n for n in emb.nodes if n.peer_id == peer)
+
+
+def _stage_peers(plan: PlanChanged, stage: int) -> tuple[str, ...]:
+    off = sum(plan.stage_sizes[:stage])
+    return plan.members[off:off + plan.stage_sizes[stage]]
+
+
+def _plans(events: list[ProgressEvent]) -> list[PlanChanged]:
+    return [e for e in events if isinstance(e, PlanChanged)]
+
+
+def _losses(events: list[ProgressEvent]) -> dict[int, StepProgress]:
+    out: dict[int, StepProgress] = {}
+    for e in events:
+        if isinstance(e, StepProgress) and e.loss is not None:
+            out[e.step] = e
+    return out
+
+
+def _check_done(events: list[ProgressEvent], cfg: TrainConfig) -> tuple[list[PlanChanged], dict[int, StepProgress]]:
+    states = [e.state for e in events if isinstance(e, JobStateChanged)]
+    assert states[-1] == "done", [e for e in events if isinstance(e, JobStateChanged)]
+    plans = [e for e in events if isinstance(e, PlanChanged)]
+    steps = _losses(events)
+    assert set(range(cfg.steps + 1)) <= set(steps)      # every step and the final evaluation
+    return plans, steps
+
+
+def _check_download(tmp: Path, built: BuiltJob, cfg: TrainConfig, events: list[ProgressEvent], replicas: int) -> None:
+    """The stage files fetched by hash assemble into the user's module, load strictly, reproduce the loss."""
+    state = module_state(built.dag, assemble(tmp / "checkpoints", built.spec.job_id))
+    model = _model(seed=99)
+    model.load_state_dict(state)
+    final = _losses(events)[cfg.steps].loss
+    ref = final_eval_loss(model, cfg, seq_len=SEQ, replicas=replicas)
+    assert final is not None and abs(ref - final) < 1e-4, (ref, final)
+
+
+async def _publish(pub: Publisher, built: BuiltJob, home: Path, on_event: Callable[[ProgressEvent], None]) -> list[ProgressEvent]:
+    events: list[ProgressEvent] = []
+
+    def emit(ev: ProgressEvent) -> None:
+        events.append(ev)
+        on_event(ev)
+
+    await pub.run_job(built, emit, home / "checkpoints")
+    return events
+
+
+def test_a_killed_replica_hands_over_live_and_nothing_is_lost(tmp_path: Path) -> None:
+    """2 stages x 2 replicas, CO2; a stage-1 replica dies without a goodbye (no checkpoints taken): the
+    survivors re-plan and the new holders take the live replicas' state. No step is lost, the loss goes
+    on from where it was, the job ends DONE and its download reproduces the reported loss."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=30, micro_batch=4, micro_batches=2, lr=3e-3, replicas=2, averaging=CO2(tau=2),
+                      compression="adatopk", checkpoint_every=0, seed=1)
+    killed: list[str] = []
+
+    async def main() -> tuple[list[ProgressEvent], BuiltJob]:
+        with trio.fail_after(150):
+            async with _swarm(4, tmp_path) as (emb, pub, client):
+                built = await _built(client, cfg, b"k")
+                plan0: list[PlanChanged] = []
+
+                def on_event(ev: ProgressEvent) -> None:
+                    if isinstance(ev, PlanChanged) and not plan0:
+                        plan0.append(ev)
+                    if isinstance(ev, StepProgress) and ev.step == 12 and not killed:
+                        victim = _stage_peers(plan0[0], 1)[1]
+                        killed.append(victim)
+                        emb.kill(_node(emb, victim))
+
+                return await _publish(pub, built, tmp_path, on_event), built
+
+    events, built = trio.run(main)
+    plans, steps = _check_done(events, cfg)
+    assert plans[0].stage_sizes == (2, 2) and plans[-1].epoch >= 1
+    assert killed[0] not in plans[-1].members   # replicas=2 on 3 survivors: one stage of 2, a standby
+    resumed = min(s for s, e in steps.items() if e.epoch >= 1)
+    assert resumed >= 12                                  # live hand-off: nothing trained is thrown away
+    before = np.mean([steps[s].loss for s in range(resumed - 3, resumed)])   # type: ignore[misc]
+    assert steps[resumed].loss < before + 0.3, (steps[resumed].loss, before)   # no jump back to an untrained model
+    assert steps[cfg.steps - 1].loss < steps[0].loss - 1.0   # type: ignore[operator]
+    _check_download(tmp_path, built, cfg, events, len(_plans(events)[-1].stage_sizes and _stage_peers(_plans(events)[-1], len(_plans(events)[-1].stage_sizes) - 1)))
+
+
+def test_a_member_that_leaves_is_replanned_around(tmp_path: Path) -> None:
+    """A stage-0 node announces its departure (SIGTERM): the others re-plan at once and finish."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=24, micro_batch=2, micro_batches=2, lr=3e-3, replicas=2, averaging="co2",
+                      compression="none", checkpoint_every=0, seed=2)
+
+    async def main() -> list[ProgressEvent]:
+        with trio.fail_after(150):
+            async with _swarm(4, tmp_path) as (emb, pub, client), trio.open_nursery() as nursery:
+                plan0: list[PlanChanged] = []
+
+                def on_event(ev: ProgressEvent) -> None:
+                    if isinstance(ev, PlanChanged) and not plan0:
+                        plan0.append(ev)
+                    if isinstance(ev, StepProgress) and ev.step == 8 and ev.epoch == 0 and not left:
+                        left.append(_stage_peers(plan0[0], 0)[0])
+                        nursery.start_soon(emb.leave, _node(emb, left[0]))
+
+                return await _publish(pub, await _built(client, cfg, b"l"), tmp_path, on_event)
+
+    left: list[str] = []
+    events = trio.run(main)
+    plans, steps = _check_done(events, cfg)
+    assert left[0] not in plans[-1].members and plans[-1].epoch >= 1
+    assert min(s for s, e in steps.items() if e.epoch >= 1) >= 8
+
+
+def test_a_joiner_is_taken_in_at_a_step_boundary(tmp_path: Path) -> None:
+    """One replica per stage on 2 nodes; a third node joins the swarm mid-job. The leader offers it the
+    job; with it the plan has three stages, so the members halt together at an agreed step boundary,
+    hand their state over, and continue with the joiner; no step is lost."""
+    torch.set_num_threads(1)
+    # long enough for the joiner to start, be seen, fetch the job and be planned in (a few seconds)
+    cfg = TrainConfig(steps=150, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
+                      compression="none", checkpoint_every=0, seed=3)
+    joined: list[str] = []
+
+    async def main() -> list[ProgressEvent]:
+        with trio.fail_after(150):
+            async with _swarm(2, tmp_path) as (emb, pub, client), trio.open_nursery() as nursery:
+                async def join() -> None:
+                    joined.append((await emb.add_node(TEST_PROFILE)).peer_id)
+
+                def on_event(ev: ProgressEvent) -> None:
+                    if isinstance(ev, StepProgress) and ev.step == 3 and not joined:
+                        joined.append("")
+                        nursery.start_soon(join)
+
+                return await _publish(pub, await _built(client, cfg, b"j"), tmp_path, on_event)
+
+    events = trio.run(main)
+    plans, steps = _check_done(events, cfg)
+    assert plans[0].stage_sizes == (1, 1)
+    assert joined[-1] in plans[-1].members and plans[-1].stage_sizes == (1, 1, 1)
+    first_new = min(s for s, e in steps.items() if e.epoch >= 1)
+    last_old = max(s for s, e in steps.items() if e.epoch == 0 and s < cfg.steps)
+    assert first_new == last_old + 1                       # a planned halt: no step trained twice or lost
+
+
+def test_two_failures_in_a_row_and_one_during_the_replan(tmp_path: Path) -> None:
+    """Five nodes, one replica per stage (every loss breaks the pipeline). One dies; while the leader
+    halts the others for the re-plan a second one dies; later a third. Each lost stage comes back from
+    its replicated checkpoint (every 4 steps) and the job ends DONE on the two survivors."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=40, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
+                      compression="none", checkpoint_every=4, seed=4)
+    dead: list[str] = []
+    lead = JobRun._lead
+
+    async def main() -> list[ProgressEvent]:
+        with trio.fail_after(200):
+            async with _swarm(5, tmp_path) as (emb, pub, client):
+                plans: list[PlanChanged] = []
+
+                async def lead_and_lose_one(self: JobRun, plan: Any, **kw: Any) -> None:
+                    if len(dead) == 1:   # a failure during the re-plan: another member dies now
+                        victim = next(p for p in plan.peers if p != self.me and p not in dead)
+                        dead.append(victim)
+                        emb.kill(_node(emb, victim))
+                    await lead(self, plan, **kw)
+
+                def on_event(ev: ProgressEvent) -> None:
+                    if isinstance(ev, PlanChanged):
+                        plans.append(ev)
+                    if isinstance(ev, StepProgress) and ev.step == 6 and not dead:
+                        victim = plans[-1].members[-1]
+                        dead.append(victim)
+                        emb.kill(_node(emb, victim))
+                    if isinstance(ev, StepProgress) and ev.step == 22 and len(dead) == 2 and ev.epoch >= 1:
+                        victim = max(p for p in plans[-1].members if p not in dead)
+                        dead.append(victim)
+                        emb.kill(_node(emb, victim))
+
+                JobRun._lead = lead_and_lose_one  # type: ignore[method-assign]
+                try:
+                    return await _publish(pub, await _built(client, cfg, b"t"), tmp_path, on_event)
+                finally:
+                    JobRun._lead = lead  # type: ignore[method-assign]
+
+    events = trio.run(main)
+    plans, _ = _check_done(events, cfg)
+    assert len(dead) == 3
+    assert plans[-1].epoch >= 2 and not set(dead) & set(plans[-1].members)
+
+
+def test_the_job_outlives_its_publisher_and_is_attached_from_elsewhere(tmp_path: Path) -> None:
+    """The publisher's process vanishes mid-job; the job runs to its end; a second client with the same
+    key attaches from another machine, sees it DONE and downloads the trained model."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=20, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
+                      compression="none", checkpoint_every=5, seed=5)
+    key = Identity.generate()
+
+    async def main() -> tuple[list[ProgressEvent], list[ProgressEvent], BuiltJob]:
+        with trio.fail_after(150):
+            async with _swarm(2, tmp_path, identity=key) as (emb, pub, client):
+                built = await _built(client, cfg, b"p")
+                first: list[ProgressEvent] = []
+                with trio.CancelScope() as gone:
+                    def emit(ev: ProgressEvent) -> None:
+                        first.append(ev)
+                        if isinstance(ev, StepProgress) and ev.step == 4:
+                            emb.net.kill(client.peer_id)      # the publisher's process dies
+                            gone.cancel()
+
+                    await pub.run_job(built, emit, tmp_path / "first")
+                # the same key, another machine: follow the job to its end and download it
+                other = emb.add_host(key)
+                boot = await other.connect(emb.bootstrap_addr)
+                pub2 = Publisher(other, ContentService(other, ContentStore()), [boot], DRIVER)
+                later: list[ProgressEvent] = []
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(pub2.run)
+                    await pub2.attach_job(built.spec.job_id, later.append, tmp_path / "checkpoints", steps=cfg.steps)
+                    nursery.cancel_scope.cancel()
+                return first, later, built
+
+    first, later, built = trio.run(main)
+    assert not any(isinstance(e, JobStateChanged) and e.state in ("failed", "cancelled") for e in first)
+    assert [e.state for e in later if isinstance(e, JobStateChanged)][-1] == "done"
+    _check_download(tmp_path, built, cfg, later, 1)
