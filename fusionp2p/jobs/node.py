@@ -42,6 +42,7 @@ from fusionp2p.jobs.events import ProgressEvent, decode_event
 from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.replan import Resume
 from fusionp2p.jobs.run import JobRun, StartRequest, describe
+from fusionp2p.jobs.status import JobView
 from fusionp2p.net.bulk import DataPlane, DataPlaneConfig, open_data_plane
 from fusionp2p.net.resilient import (
     ResilientAcceptor,
@@ -119,6 +120,12 @@ class NodeJobService:
         self._dp: DataPlane | None = None
         self._nursery: trio.Nursery | None = None
         self._subs: dict[str, trio.MemorySendChannel[tuple[str, ProgressEvent]]] = {}
+
+    def status(self) -> list[JobView]:
+        """The jobs this node holds, as plain data (read by the dashboard and the metrics, ``fusionp2p/ops``)."""
+        return [JobView(job=job_id, state=run.state.value, publisher=run.publisher, steps=run.spec.config.steps,
+                        reason=run.reason, role=run.role, plan=run.plan, last=run.last)
+                for job_id, run in self.jobs.items()]
 
     @property
     def nursery(self) -> trio.Nursery:
