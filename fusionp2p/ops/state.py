@@ -57,14 +57,16 @@ class OpsLimits:
     curve_points: int = 1024      # points per loss curve
     plan_poll: float = 10.0       # seconds between DHT reads of the plans of jobs we do not train in
     plan_fetches: int = 4         # plans fetched per poll at most
+    reuse: float = 1.0            # seconds a snapshot is served again: many clients cost one read (measured:
+                                  # the 64 x 64 matrix of a fully probed 256-node swarm takes ~75 ms to read)
 
     def __post_init__(self) -> None:
         for name in ("members", "matrix", "traffic_peers", "jobs", "stages", "replicas", "reasons", "curve_points",
                      "plan_fetches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"OpsLimits.{name} must be at least 1")
-        if not self.plan_poll > 0:
-            raise ConfigError("OpsLimits.plan_poll must be positive")
+        if not self.plan_poll > 0 or self.reuse < 0:
+            raise ConfigError("OpsLimits.plan_poll must be positive and reuse not negative")
 
 
 def plan_json(plan: Plan, limits: OpsLimits) -> dict[str, Any]:
@@ -92,6 +94,7 @@ class OpsState:
     book: ProgressBook = field(init=False)
     _plans: dict[str, Plan] = field(init=False, default_factory=dict)
     _started: float = field(init=False, default=0.0)
+    _last: tuple[float, dict[str, Any]] | None = field(init=False, default=None)   # (when, snapshot)
 
     def __post_init__(self) -> None:
         self.book = ProgressBook(max_jobs=2 * self.limits.jobs, max_points=self.limits.curve_points,
@@ -135,8 +138,11 @@ class OpsState:
 
     # ------------------------------------------------------------------ the snapshot
     def snapshot(self) -> dict[str, Any]:
-        """Everything the dashboard, ``/api`` and ``/metrics`` show, bounded by :attr:`limits`."""
+        """Everything the dashboard, ``/api`` and ``/metrics`` show, bounded by :attr:`limits` (the same
+        object again within ``limits.reuse`` seconds; callers must not modify it)."""
         now = trio.current_time()
+        if self._last is not None and now - self._last[0] < self.limits.reuse:
+            return self._last[1]
         out: dict[str, Any] = {"schema": SCHEMA, "at": self.wall_clock(), "node": self._node()}
         out.update(self._members(now))
         out["bandwidth"] = self._bandwidth()
@@ -147,6 +153,7 @@ class OpsState:
         out["counters"] = {"bad_records": c.bad_records, "probes_ok": c.probes_ok, "probes_failed": c.probes_failed,
                            "probes_busy": c.probes_busy, "gossip_dropped": int(getattr(self.swarm.transport, "dropped_gossip", 0)),
                            "progress_received": self.book.received}
+        self._last = (now, out)
         return out
 
     def _node(self) -> dict[str, Any]:
