@@ -1,8 +1,8 @@
 """A node's job service: the JOB protocol, the data plane, and one :class:`~fusionp2p.jobs.run.JobRun` per job.
 
-Theory of operation. :class:`NodeJobService` runs inside ``fusionp2p node`` (installed by
-``jobs/service.py``) and inside every node of an embedded swarm (``jobs/embedded.py``). It serves the
-JOB control protocol (``jobs/proto.py``):
+Theory of operation. :class:`NodeJobService` runs inside ``fusionp2p node`` (started by the daemon
+hook in ``cli/main.py``) and inside every node of an embedded swarm (``jobs/embedded.py``). It serves
+the JOB control protocol (``jobs/proto.py``):
 
 * ``offer``: the signed envelope is verified (the offering peer must be the spec's publisher, or a
   member of the job's adopted plan taking in a joiner), the node checks that it fits and fetches the
