@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
-from fusionp2p.ops.progress import ProgressBook
+from fusionp2p.ops.curves import LossCurves
 
 SPARK = "▁▂▃▄▅▆▇█"
 MAX_MATRIX = 16   # nodes shown in the terminal's bandwidth grid
@@ -117,7 +117,7 @@ async def _watch(args: argparse.Namespace) -> None:
     from fusionp2p.wire.protocols import TOPIC_JOBS
 
     console = Console()
-    book = ProgressBook(max_jobs=16, max_points=256)
+    book = LossCurves(max_jobs=16, max_points=256)
     async with _client() as t, trio.open_nursery() as nursery:
         gossip = await t.subscribe(TOPIC_JOBS)
 
@@ -230,7 +230,7 @@ def sparkline(values: list[float], width: int = 32) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in vals)
 
 
-def jobs_table(book: ProgressBook, now: float) -> Table:
+def jobs_table(book: LossCurves, now: float) -> Table:
     t = Table(title="jobs (from gossip)", title_justify="left")
     for col in ("job", "step", "loss", "tokens/s", "loss curve", "heard"):
         t.add_column(col)
@@ -240,7 +240,7 @@ def jobs_table(book: ProgressBook, now: float) -> Table:
     return t
 
 
-def watch_view(out: dict[str, Any], book: ProgressBook, *, n: int, error: str, source: str) -> Group:
+def watch_view(out: dict[str, Any], book: LossCurves, *, n: int, error: str, source: str) -> Group:
     alive = sum(1 for m in out["members"] if m["alive"] and m["role"] == "node")
     head = Text.assemble(("fusionp2p swarm ", "bold cyan"), f"via {_short(source.rsplit('/p2p/', 1)[-1])} · ",
                          (f"{alive} nodes alive", "green"), f" · {len(out['dead'])} dead · refresh {n}")

@@ -2,8 +2,8 @@
 
 :class:`OpsState` reads, never writes, what the node's services hold: the swarm's membership and
 bandwidth views (``swarm/node.py``), the transport's traffic meter (``net/traffic.py``), the refused
-input counts (``swarm.refusals`` where the swarm has one), the job service's :class:`JobStatus` list
-(nodes only) and the jobs' progress from gossip (:class:`~fusionp2p.ops.progress.ProgressBook`).
+input counts (``swarm.refusals`` where the swarm has one), the job service's :class:`JobView` list
+(nodes only) and the jobs' progress from gossip (:class:`~fusionp2p.ops.curves.LossCurves`).
 Its :meth:`OpsState.run` task keeps the book fed and, for jobs this node does not train in, fetches
 their adopted plan from the DHT now and then.
 
@@ -25,9 +25,9 @@ import trio
 
 from fusionp2p.errors import ConfigError, FusionError
 from fusionp2p.jobs.election import fetch_adopted
-from fusionp2p.jobs.status import JobStatus
+from fusionp2p.jobs.status import JobView
 from fusionp2p.net.refusals import Refusals
-from fusionp2p.ops.progress import ProgressBook
+from fusionp2p.ops.curves import LossCurves
 from fusionp2p.plan.plan import Plan
 from fusionp2p.swarm.node import SwarmNode
 from fusionp2p.wire.protocols import TOPIC_JOBS
@@ -40,7 +40,7 @@ SCHEMA = 1
 class JobSource(Protocol):
     """What the ops view needs from a node's job service (``NodeJobService.status``)."""
 
-    def status(self) -> list[JobStatus]: ...
+    def status(self) -> list[JobView]: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,13 +91,13 @@ class OpsState:
     jobs: JobSource | None = None
     limits: OpsLimits = field(default_factory=OpsLimits)
     wall_clock: Callable[[], float] = time.time
-    book: ProgressBook = field(init=False)
+    book: LossCurves = field(init=False)
     _plans: dict[str, Plan] = field(init=False, default_factory=dict)
     _started: float = field(init=False, default=0.0)
     _last: tuple[float, dict[str, Any]] | None = field(init=False, default=None)   # (when, snapshot)
 
     def __post_init__(self) -> None:
-        self.book = ProgressBook(max_jobs=2 * self.limits.jobs, max_points=self.limits.curve_points,
+        self.book = LossCurves(max_jobs=2 * self.limits.jobs, max_points=self.limits.curve_points,
                                  refusals=self.refusals)
         self._started = self.wall_clock()
 
@@ -133,7 +133,7 @@ class OpsState:
                 del self._plans[job]
             await trio.sleep(self.limits.plan_poll)
 
-    def _local(self) -> list[JobStatus]:
+    def _local(self) -> list[JobView]:
         return self.jobs.status() if self.jobs is not None else []
 
     # ------------------------------------------------------------------ the snapshot

@@ -15,7 +15,7 @@ import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from fusionp2p.jobs.events import StepProgress, encode_event
-from fusionp2p.jobs.status import JobStatus, StepStats
+from fusionp2p.jobs.status import JobView, StepStats
 from fusionp2p.net.bulk import open_data_plane
 from fusionp2p.net.channel import TensorMessage
 from fusionp2p.ops import HttpConfig, serve_ops
@@ -26,10 +26,10 @@ from fusionp2p.wire.protocols import TOPIC_JOBS
 
 
 class Jobs:
-    def __init__(self, rows: list[JobStatus]) -> None:
+    def __init__(self, rows: list[JobView]) -> None:
         self.rows = rows
 
-    def status(self) -> list[JobStatus]:
+    def status(self) -> list[JobView]:
         return self.rows
 
 
@@ -57,7 +57,7 @@ def test_api_and_metrics_of_a_live_swarm() -> None:
                             fences=(Fence(index=0, unit=2, dense_bytes=1e6, rho=0.25),))
                 last = StepStats(step=6, stage=0, replica=0, wall_s=0.5, compute_s=0.4, tokens=1000,
                                  averaging=AveragingStats(rounds=3, skipped=1, seconds=0.9, last_s=0.2))
-                jobs = Jobs([JobStatus(job="j1", state="running", publisher=b.peer_id, steps=10, role=(0, 0), plan=plan,
+                jobs = Jobs([JobView(job="j1", state="running", publisher=b.peer_id, steps=10, role=(0, 0), plan=plan,
                                        last=last)])
                 async with trio.open_nursery() as n:
                     url = await n.start(partial(serve_ops, a, HttpConfig(port=0), jobs=jobs))

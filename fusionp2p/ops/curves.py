@@ -3,12 +3,15 @@
 The loss stage of every job publishes a :class:`~fusionp2p.jobs.events.StepProgress` per step on the
 jobs topic, and the stages that save checkpoints a :class:`~fusionp2p.jobs.events.CheckpointSaved`.
 Any member (a bootstrap too) that subscribes sees them all, so its dashboard can draw every job's
-loss curve, not only those of the jobs it trains in. :class:`ProgressBook` keeps them:
+loss curve, not only those of the jobs it trains in. :class:`LossCurves` keeps them:
 
 * at most ``max_jobs`` jobs (the least recently updated is forgotten first);
 * at most ``max_points`` points per curve: when a curve is full, every other point is dropped and
   from then on only every second step is kept (then every fourth, ...), so a curve of any length
   stays an even sample of the whole run in bounded memory;
+* each step's point is the first replica's report of it (the loss stage's replicas report the same
+  step with their pipelines' losses); a report of a newer epoch that goes back (a re-plan resumed
+  from a checkpoint) cuts the curve back to that step, and reports of older epochs are dropped;
 * an event whose ``peer`` is not the authenticated gossip sender, or that does not decode, is
   refused (counted in :class:`~fusionp2p.net.refusals.Refusals` when one is given) and dropped.
 
@@ -56,7 +59,7 @@ def _finite(v: float | None) -> float | None:
 
 
 @dataclass(slots=True)
-class ProgressBook:
+class LossCurves:
     """Bounded per-job progress from gossip (see the module docstring)."""
 
     max_jobs: int = 64
@@ -91,8 +94,11 @@ class ProgressBook:
         if isinstance(ev, CheckpointSaved):
             c.checkpoint_step = max(c.checkpoint_step, ev.step)
             return
-        if ev.loss is None:
+        if ev.loss is None or ev.epoch < c.epoch:
             return
+        if ev.epoch > c.epoch:   # a re-plan: steps from ev.step on are trained again
+            c.points = [p for p in c.points if p[0] < ev.step]
+            c.step = -1
         if ev.step >= c.step:
             c.step, c.loss, c.tokens_per_s, c.compute_util, c.epoch = ev.step, ev.loss, ev.tokens_per_s, ev.compute_util, ev.epoch
         if ev.step % c.stride or (c.points and ev.step <= c.points[-1][0]):
@@ -107,4 +113,4 @@ class ProgressBook:
             self.refusals.refuse(peer, reason, now=now, detail=detail)
 
 
-__all__ = ["JobCurve", "ProgressBook"]
+__all__ = ["JobCurve", "LossCurves"]
