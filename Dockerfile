@@ -43,8 +43,9 @@ USER fusion
 WORKDIR /home/fusion
 VOLUME ["/home/fusion"]
 
-# The libp2p listen port used in the docs (`--listen /ip4/0.0.0.0/tcp/4001`).
-EXPOSE 4001
+# The libp2p listen port used in the docs (`--listen /ip4/0.0.0.0/tcp/4001`), and the dashboard and
+# metrics port of docs/operations.md (`--http 0.0.0.0:9100`; off unless asked).
+EXPOSE 4001 9100
 
 ENTRYPOINT ["fusionp2p"]
 CMD ["node"]

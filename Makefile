@@ -9,7 +9,7 @@ TORCH_SPEC  := torch==2.13.0
 PIP_FLAGS   := --disable-pip-version-check --quiet
 STAMP       := $(VENV)/.installed
 
-.PHONY: setup test test-all demo bench lint clean
+.PHONY: setup test test-all demo bench lint clean chromium
 
 setup: $(STAMP)
 
@@ -35,6 +35,11 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check fusionp2p node bootstrap benchmarks tests
 	$(VENV)/bin/mypy
+
+# Headless Chromium (Debian's package) for the dashboard's browser test
+# (tests/system/test_ops_dashboard.py skips, saying so, without it). Needs root.
+chromium:
+	command -v chromium >/dev/null || { apt-get update && apt-get install -y --no-install-recommends chromium fonts-dejavu-core; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,7 @@
 """Plain data types shared by several layers (a leaf module: imports nothing of fusionp2p).
 
 * :class:`DeviceProfile`: what a node measured about its device; published in its signed NodeRecord.
+* :class:`AveragingStats`: a replica averager's rounds so far (for status and metrics).
 * :class:`Unit`, :class:`Edge`, :class:`WorkloadGraph`: the planner's view of a model, coarse units in
   topological order and the bytes between them. Produced from a coarsened OpDAG by
   :func:`fusionp2p.graph.workload.to_workload`; consumed by the estimator and OP-Fence.
@@ -46,6 +47,17 @@ class DeviceProfile:
             flops_fp32=float(m["flops_fp32"]), flops_bf16=float(m["flops_bf16"]),
             memory_bytes=int(m["memory_bytes"]), threads=int(m.get("threads", 1)), versions=versions,
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AveragingStats:
+    """Averaging rounds of one stage replica so far: completed, skipped (lost peers, deadline), and
+    their durations in seconds (launch to result)."""
+
+    rounds: int = 0
+    skipped: int = 0
+    seconds: float = 0.0        # summed over every finished round
+    last_s: float = 0.0         # the latest finished round
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -4,13 +4,15 @@
 reads its multiaddr from its stdout, starts the nodes pointing at it, and on exit sends SIGTERM to
 every process it started (by PID, nodes first), waits for them, and SIGKILLs any that hang. The
 exit codes are kept in ``cluster.exit_codes`` (a clean node leaves with 0). Each process writes its
-stderr to ``<home>/<name>.log``.
+stderr to ``<home>/<name>.log``. With ``http=True`` every process also serves its dashboard on a free
+loopback port (``--http 127.0.0.1:0``); :meth:`LocalCluster.http_urls` reads the URLs they print.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -30,7 +32,7 @@ class LocalCluster:
 
     def __init__(self, nodes: int, home: Path, *, torch_threads: int = 1, heartbeat: float = 1.0,
                  dead_timeout: float = 10.0, probe_interval: float = 30.0, start_timeout: float = 60.0,
-                 log_level: str = "info") -> None:
+                 log_level: str = "info", http: bool = False) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
         self.n = nodes
@@ -40,6 +42,9 @@ class LocalCluster:
                           "--probe-interval", str(probe_interval)]
         self.start_timeout = start_timeout
         self.log_level = log_level
+        self.http = ["--http", "127.0.0.1:0"] if http else []
+        self._urls: dict[str, str] = {}
+        self._out: dict[str, bytes] = {}    # stdout read but not consumed yet, per process
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
         self.bootstrap = ""
@@ -59,22 +64,51 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         """Start the bootstrap (wait for its address) and the nodes. PeerUnavailable if it fails."""
         self.home.mkdir(parents=True, exist_ok=True)
-        boot = self._spawn("bootstrap", ["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0"])
-        assert boot.stdout is not None
-        deadline = time.monotonic() + self.start_timeout
-        line = b""
-        while time.monotonic() < deadline and b"/p2p/" not in line:
-            line = boot.stdout.readline()
-            if not line and boot.poll() is not None:
-                break
-        if b"/p2p/" not in line:
+        self._spawn("bootstrap", ["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", *self.http])
+        addr = self._read_line("bootstrap", b"/", time.monotonic() + self.start_timeout)
+        if addr is None or "/p2p/" not in addr:
             self.stop()
             raise PeerUnavailable("bootstrap", f"did not print its address; see {self.home / 'bootstrap.log'}")
-        self.bootstrap = line.decode().strip()
+        self.bootstrap = addr
         for i in range(self.n):
             self._spawn(f"node{i}", ["node", "--bootstrap", self.bootstrap, "--listen", "/ip4/127.0.0.1/tcp/0",
-                                     "--torch-threads", str(self.torch_threads), *self.node_args])
+                                     "--torch-threads", str(self.torch_threads), *self.node_args, *self.http])
         return self
+
+    def http_urls(self, timeout: float = 90.0) -> dict[str, str]:
+        """The dashboard URL of every process (``http=True``), read from their stdout; PeerUnavailable
+        naming the process when one has not printed it within *timeout* seconds."""
+        deadline = time.monotonic() + timeout
+        for name in self.procs:
+            if name not in self._urls:
+                url = self._read_line(name, b"http://", deadline)
+                if url is None:
+                    raise PeerUnavailable(name, f"printed no dashboard URL; see {self.home / (name + '.log')}")
+                self._urls[name] = url
+        return dict(self._urls)
+
+    def _read_line(self, name: str, prefix: bytes, deadline: float) -> str | None:
+        """The next line of *name*'s stdout that starts with *prefix* (earlier lines are skipped), or
+        None at the deadline or when the process ends. Unbuffered reads: no line is lost in a buffer."""
+        p = self.procs[name]
+        assert p.stdout is not None
+        fd = p.stdout.fileno()
+        while True:
+            buf = self._out.get(name, b"")
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                self._out[name] = buf
+                if line.startswith(prefix):
+                    return line.decode().strip()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    return None   # the process closed its stdout (it ended)
+                self._out[name] = buf + chunk
 
     def alive(self) -> list[str]:
         """Names of the processes still running."""

@@ -8,7 +8,6 @@ stderr, py-libp2p's (noisy at ERROR for routine events) to ``<home>/libp2p.log``
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -48,6 +47,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+_HTTP_HELP = ("serve a live dashboard, /api/... JSON and Prometheus /metrics, read-only, at ADDR: PORT (loopback) "
+              "or HOST:PORT, e.g. 9100 or 0.0.0.0:9100 (port 0: any free port; the URL is printed). Off by default")
+
 _GOSSIP_RATE_HELP = ("swarm-wide heartbeat messages per second: a node's heartbeat period stretches to "
                      "members / rate when that is longer than --heartbeat (default 5)")
 
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--bootstrap", action="append", default=[], help="other bootstrap nodes to peer with")
     b.add_argument("--home", default=None, help="directory for the identity key and logs")
     b.add_argument("--gossip-rate", type=float, default=5.0, help=_GOSSIP_RATE_HELP)
+    b.add_argument("--http", default=None, metavar="ADDR", help=_HTTP_HELP)
     _common(b)
 
     n = sub.add_parser("node", help="run a training node that joins a swarm")
@@ -75,12 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--gossip-rate", type=float, default=5.0, help=_GOSSIP_RATE_HELP)
     n.add_argument("--probe-interval", type=float, default=10.0, help="seconds between bandwidth probe rounds")
     n.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    n.add_argument("--http", default=None, metavar="ADDR", help=_HTTP_HELP)
     _common(n)
 
     s = sub.add_parser("status", help="print the swarm's members and bandwidth matrix")
     s.add_argument("--bootstrap", action="append", required=True, help="full multiaddr of any swarm member")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--timeout", type=float, default=15.0)
+    s.add_argument("--watch", action="store_true", help="a live view (members, bandwidth, jobs), refreshed until Ctrl-C")
+    s.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes of --watch")
+    s.add_argument("--refreshes", type=int, default=0, help="with --watch: stop after this many refreshes (0: never)")
     _common(s)
 
     t = sub.add_parser("testbed", help="emulated-WAN testbed in network namespaces (root)")
@@ -154,7 +161,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
     import trio
 
     from fusionp2p.swarm.daemon import DaemonConfig, check_home, run_daemon
-    from fusionp2p.swarm.node import SwarmConfig
+    from fusionp2p.swarm.node import SwarmConfig, SwarmNode
     from fusionp2p.swarm.probe import ProbeConfig
 
     role = args.cmd
@@ -171,99 +178,60 @@ def _run_daemon(args: argparse.Namespace) -> int:
         swarm = SwarmConfig(role="bootstrap", gossip_rate=args.gossip_rate)
     cfg = DaemonConfig(role=role, home=home, listen=listen, bootstrap=tuple(args.bootstrap), announce=tuple(args.announce_addr),
                        device=getattr(args, "device", "cpu"), swarm=swarm)
+    http = None
+    if args.http is not None:
+        from fusionp2p.ops import parse_http_addr
+
+        http = parse_http_addr(args.http)
+        _check_bindable(http.host, http.port, "--http")
     setup_logging(args.log_level, home / "libp2p.log")
 
     def ready(addrs: Sequence[str]) -> None:
         for a in addrs:
             print(a, flush=True)
 
-    services = None
-    if role == "node":
-        from fusionp2p.jobs.service import attach_worker
+    async def ops(swarm: SwarmNode, jobs: Any) -> None:
+        from fusionp2p.ops import serve_ops
 
-        services = attach_worker(home)
+        assert http is not None
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(lambda task_status: serve_ops(swarm, http, jobs=jobs, task_status=task_status))
+            print(url, flush=True)   # after the multiaddrs: the dashboard's address
+
+    def services(swarm: SwarmNode, nursery: trio.Nursery) -> None:
+        jobs = None
+        if role == "node":
+            from fusionp2p.jobs.node import NodeJobService
+
+            jobs = NodeJobService(swarm, home)
+            nursery.start_soon(jobs.run)
+        if http is not None:
+            nursery.start_soon(ops, swarm, jobs)
+
     trio.run(lambda: run_daemon(cfg, on_ready=ready, extra_services=services))
     return 0
 
 
+def _check_bindable(host: str, port: int, flag: str) -> None:
+    """A user mistake (port in use, address not ours) as one line before the daemon starts."""
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"{flag}: cannot listen on {host}:{port}: {exc.strerror}; choose another address or port") from None
+
+
 def _status(args: argparse.Namespace) -> int:
-    import trio
+    from fusionp2p.cli.status import cli_status
 
-    from fusionp2p.net.identity import Identity
-    from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport, parse_peer_addr
-    from fusionp2p.swarm.membership import BandwidthTable
-    from fusionp2p.swarm.node import fetch_view
-    from fusionp2p.wire.records import BandwidthReport, NodeRecord
-
-    for b in args.bootstrap:
-        parse_peer_addr(b)
     setup_logging(args.log_level if args.log_level != "info" else "warning", None)
-
-    async def go() -> dict[str, Any]:
-        # one deadline over everything, the transport's start and teardown included
-        with trio.fail_after(args.timeout + 10):
-            return await _go()
-
-    async def _go() -> dict[str, Any]:
-        async with open_libp2p_transport(Identity.generate(), Libp2pConfig(listen=("/ip4/127.0.0.1/tcp/0",))) as t:
-            last: Exception | None = None
-            for addr in args.bootstrap:
-                try:
-                    peer = await t.connect(addr)
-                    return await fetch_view(t, peer, timeout=args.timeout)
-                except (PeerUnavailable, trio.TooSlowError) as exc:
-                    last = exc
-            raise PeerUnavailable(args.bootstrap[0], f"no bootstrap answered ({last})")
-
-    try:
-        view = trio.run(go)
-    except trio.TooSlowError:
-        raise PeerUnavailable(args.bootstrap[0].rsplit("/p2p/", 1)[-1], f"no answer within {args.timeout + 10:.0f} s") from None
-    alive = set(view["alive"])
-    recs = {r.peer: r for r in view["records"] if isinstance(r, NodeRecord)}
-    table = BandwidthTable()
-    for r in view["bw"]:
-        if isinstance(r, BandwidthReport):
-            table.on_report(r)
-    nodes = sorted(p for p, r in recs.items() if r.role == "node" and p in alive)
-    out = {
-        "members": [
-            {"peer": p, "role": r.role, "alive": p in alive, "addrs": list(r.addrs),
-             "profile": r.profile.to_wire() if r.profile else None}
-            for p, r in sorted(recs.items()) if not r.leaving
-        ],
-        "dead": view["dead"],
-        "bandwidth": [
-            {"src": a, "dst": b, "bytes_per_s": e.bandwidth, "rtt_s": e.rtt, "measured": e.measured}
-            for (a, b), e in sorted(table.matrix(nodes).items())
-        ],
-    }
-    if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        _print_status(out)
-    return 0
-
-
-def _print_status(out: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    c = Console()
-    t = Table(title="members")
-    for col in ("peer", "role", "alive", "device", "GFLOP/s fp32", "memory GiB"):
-        t.add_column(col)
-    for m in out["members"]:
-        p = m["profile"] or {}
-        t.add_row(m["peer"][-12:], m["role"], "yes" if m["alive"] else "DEAD", p.get("name", "-"),
-                  f"{p['flops_fp32'] / 1e9:.1f}" if p else "-", f"{p['memory_bytes'] / 2**30:.1f}" if p else "-")
-    c.print(t)
-    bw = Table(title="bandwidth (MB/s, rtt ms)")
-    for col in ("src", "dst", "MB/s", "rtt ms", "measured"):
-        bw.add_column(col)
-    for e in out["bandwidth"]:
-        bw.add_row(e["src"][-12:], e["dst"][-12:], f"{e['bytes_per_s'] / 1e6:.1f}", f"{e['rtt_s'] * 1e3:.2f}", "yes" if e["measured"] else "est.")
-    c.print(bw)
+    return cli_status(args)
 
 
 def _testbed(args: argparse.Namespace) -> int:

@@ -1,8 +1,8 @@
 """A node's job service: the JOB protocol, the data plane, and one :class:`~fusionp2p.jobs.run.JobRun` per job.
 
-Theory of operation. :class:`NodeJobService` runs inside ``fusionp2p node`` (installed by
-``jobs/service.py``) and inside every node of an embedded swarm (``jobs/embedded.py``). It serves the
-JOB control protocol (``jobs/proto.py``):
+Theory of operation. :class:`NodeJobService` runs inside ``fusionp2p node`` (started by the daemon
+hook in ``cli/main.py``) and inside every node of an embedded swarm (``jobs/embedded.py``). It serves
+the JOB control protocol (``jobs/proto.py``):
 
 * ``offer``: the signed envelope is verified (the offering peer must be the spec's publisher, or a
   member of the job's adopted plan taking in a joiner), the node checks that it fits and fetches the
@@ -42,6 +42,7 @@ from fusionp2p.jobs.events import ProgressEvent, decode_event
 from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.replan import Resume
 from fusionp2p.jobs.run import JobRun, StartRequest, describe
+from fusionp2p.jobs.status import JobView
 from fusionp2p.net.bulk import DataPlane, DataPlaneConfig, open_data_plane
 from fusionp2p.net.resilient import (
     ResilientAcceptor,
@@ -120,6 +121,12 @@ class NodeJobService:
         self._dp: DataPlane | None = None
         self._nursery: trio.Nursery | None = None
         self._subs: dict[str, trio.MemorySendChannel[tuple[str, ProgressEvent]]] = {}
+
+    def status(self) -> list[JobView]:
+        """The jobs this node holds, as plain data (read by the dashboard and the metrics, ``fusionp2p/ops``)."""
+        return [JobView(job=job_id, state=run.state.value, publisher=run.publisher, steps=run.spec.config.steps,
+                        reason=run.reason, role=run.role, plan=run.plan, last=run.last)
+                for job_id, run in self.jobs.items()]
 
     @property
     def nursery(self) -> trio.Nursery:

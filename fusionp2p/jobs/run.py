@@ -69,6 +69,7 @@ from fusionp2p.jobs.replan import (
     leader_of,
     plan_resume,
 )
+from fusionp2p.jobs.status import StepStats
 from fusionp2p.net.channel import TensorChannel
 from fusionp2p.net.resilient import ResilientChannel, open_resilient_channel
 from fusionp2p.plan import Plan
@@ -133,6 +134,7 @@ class JobRun:
         self.final: dict[int, tuple[str, tuple[str, ...]]] = {}   # stage -> final state file (hash, holders)
         self.final_losses: dict[int, float] = {}                  # replica -> its final evaluation loss
         self.losses: dict[int, float] = {}                        # this node's per-step losses (loss stage)
+        self.last: StepStats | None = None                        # this node's latest step (status, metrics)
         self.joiners: set[str] = set()                            # accepted the job, no role yet
         self._offered: dict[str, float] = {}                      # node -> when the leader offered it the job
         self._starts_send, self._starts = trio.open_memory_channel[StartRequest](16)
@@ -445,6 +447,9 @@ class JobRun:
                 rho_out[-1 - (s - 1)] = plan.fences[s - 1].rho
 
         async def report(rep: StageReport) -> None:
+            if not rep.eval:
+                self.last = StepStats(step=rep.step, stage=rep.stage, replica=rep.replica, wall_s=rep.wall_s,
+                                      compute_s=rep.compute_s, tokens=rep.tokens, loss=rep.loss, averaging=rep.averaging)
             if rep.eval:
                 if rep.loss is not None:
                     self.final_losses[r] = rep.loss

@@ -72,6 +72,10 @@ class DataPlane:
         self._tickets: dict[bytes, _Ticket] = {}
         self._incoming_send, self.incoming = trio.open_memory_channel[BulkChannel](cfg.incoming_buffer)
         self._closed = False
+        # traffic: the open channels' lanes count their own bytes; closed channels are folded into the meter
+        self._open: set[BulkChannel] = set()
+        self._traffic = transport.traffic
+        self._detach = self._traffic.attach(self._live_traffic)
 
     @property
     def config(self) -> DataPlaneConfig:
@@ -98,7 +102,7 @@ class DataPlane:
                     await stream.send_all(reply["ticket"] + bytes([i]))
                 ch = BulkChannel(list(streams), peer, _keys_for_dialer(reply), replace(cfg, cipher=reply["cipher"]))
                 streams.clear()  # the channel owns the sockets now
-                await self._nursery.start(ch.run)
+                await self._nursery.start(self._run_channel, ch)
                 await ch._hello.wait()  # set by HELLO, or by a failure
                 if ch._error is not None:
                     raise ch._error
@@ -205,7 +209,20 @@ class DataPlane:
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             await ch.aclose()
             return
-        await ch.run()
+        await self._run_channel(ch)
+
+    async def _run_channel(self, ch: BulkChannel, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run *ch*, its bytes counted in the transport's traffic meter (plane ``"data"``)."""
+        self._traffic.add("data", ch.remote_peer)   # the peer's row exists before its first snapshot
+        self._open.add(ch)
+        try:
+            await ch.run(task_status=task_status)
+        finally:
+            self._open.discard(ch)
+            self._traffic.add("data", ch.remote_peer, sent=ch.bytes_sent, received=ch.bytes_received)
+
+    def _live_traffic(self) -> list[tuple[str, str, int, int]]:
+        return [("data", ch.remote_peer, ch.bytes_sent, ch.bytes_received) for ch in self._open]
 
 
 @dataclass(slots=True)
@@ -244,6 +261,7 @@ async def open_data_plane(transport: Transport, *, config: DataPlaneConfig | Non
             yield dp
         finally:
             dp._closed = True
+            dp._detach()
             dp._incoming_send.close()
             for ticket in dp._tickets.values():  # lanes of channels whose other lanes never came
                 for sock in ticket.socks:

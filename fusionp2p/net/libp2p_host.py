@@ -13,6 +13,8 @@ Configured as LIBP2P_NOTES.md measured it must be:
 * Per-RPC costs of py-libp2p cut (:func:`_install_fast_paths`): yamux window updates are batched to half
   a window (go-yamux) instead of one per read, a peer's signed peer record is verified once rather than
   on every pubsub RPC it rides on, and our own is not re-serialised for every RPC we send.
+* Bytes are counted per peer at each connection's secure channel (:class:`_CountingNotifee`), into
+  ``transport.traffic`` under the plane ``"control"``.
 * libp2p's logger is left alone here; the CLI routes it (STYLE.md 17).
 """
 
@@ -36,6 +38,7 @@ import libp2p.stream_muxer.yamux.yamux as _yamux_mod
 import multiaddr
 import trio
 from libp2p import new_host
+from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
@@ -53,6 +56,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from fusionp2p.errors import ConfigError, PeerUnavailable
 from fusionp2p.net.identity import Identity
+from fusionp2p.net.traffic import Traffic
 from fusionp2p.net.transport import GossipMessage, StreamHandler
 from fusionp2p.wire.protocols import TOPIC_MEMBERS
 
@@ -145,6 +149,51 @@ class Libp2pStream:
             await self._s.close()
         except Exception as exc:
             log.debug("close: %s", exc)
+
+
+class _CountingNotifee(INotifee):
+    """Counts the bytes of every new connection into a :class:`Traffic` meter (plane ``"control"``).
+
+    The connection's secure channel gets counting ``read``/``write`` on the instance: yamux looks both
+    up on every call, so every frame after the connection is announced is counted (a few bytes of the
+    yamux start-up may precede it). One dict lookup and two additions per frame."""
+
+    def __init__(self, traffic: Traffic) -> None:
+        self._traffic = traffic
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        muxed: Any = conn.muxed_conn
+        sc = getattr(muxed, "secured_conn", None)
+        if sc is None or getattr(sc, "_fp2p_counted", False):
+            return
+        peer = muxed.peer_id.to_base58()
+        read, write, add = sc.read, sc.write, self._traffic.add
+
+        async def counted_read(n: int | None = None) -> bytes:
+            data: bytes = await read(n)
+            add("control", peer, received=len(data))
+            return data
+
+        async def counted_write(data: bytes) -> None:
+            await write(data)
+            add("control", peer, sent=len(data))
+
+        sc.read, sc.write, sc._fp2p_counted = counted_read, counted_write, True
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        pass
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network: INetwork, maddr: multiaddr.Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, maddr: multiaddr.Multiaddr) -> None:
+        pass
 
 
 class _GossipSub(GossipSub):
@@ -277,6 +326,8 @@ class Libp2pTransport:
         # simultaneous cross-dials and stuck streams. Membership decides whom we connect to.
         network: Any = self.host.get_network()  # the concrete Swarm (the interface type lacks these attributes)
         network.auto_connector.maybe_connect = _no_auto_connect
+        self.traffic = Traffic()
+        network.register_notifee(_CountingNotifee(self.traffic))
         self.dht = KadDHT(self.host, DHTMode.SERVER)
         self.router = _GossipSub(
             config.state_topics,

@@ -16,6 +16,7 @@ import trio
 
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net.identity import Identity
+from fusionp2p.net.traffic import Traffic
 from fusionp2p.net.transport import GossipMessage, StreamHandler
 
 _CHUNK = 64 * 1024
@@ -46,6 +47,7 @@ class MemoryStream:
                 await self._send.send(bytes(mv[i : i + _CHUNK]))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise PeerUnavailable(self._remote, "stream closed by peer") from None
+        self._net.traffic_of(self._local).add("control", self._remote, sent=len(mv))
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if not self._pending:
@@ -63,6 +65,7 @@ class MemoryStream:
             self._pending = chunk
         n = len(self._pending) if max_bytes is None else max_bytes
         out, self._pending = self._pending[:n], self._pending[n:]
+        self._net.traffic_of(self._local).add("control", self._remote, received=len(out))
         return out
 
     async def send_eof(self) -> None:
@@ -83,6 +86,7 @@ class MemoryTransport:
         self._subs: dict[str, list[trio.MemorySendChannel[GossipMessage]]] = defaultdict(list)
         self._connected: set[str] = set()
         self.dropped_gossip = 0
+        self.traffic = Traffic()   # stream bytes only (gossip and the DHT are not counted here)
 
     @property
     def peer_id(self) -> str:
@@ -196,6 +200,10 @@ class MemoryNetwork:
 
     def is_dead(self, peer: str) -> bool:
         return peer in self.dead
+
+    def traffic_of(self, peer: str) -> Traffic:
+        host = self.hosts.get(peer)
+        return host.traffic if host is not None else Traffic()
 
     def kill(self, peer: str) -> None:
         """Make *peer* vanish: its handlers are cancelled and its streams break."""

@@ -17,6 +17,8 @@ from typing import Protocol, runtime_checkable
 
 import trio
 
+from fusionp2p.net.traffic import Traffic
+
 
 @runtime_checkable
 class Stream(Protocol):
@@ -55,6 +57,11 @@ class Transport(Protocol):
 
     @property
     def peer_id(self) -> str: ...
+
+    @property
+    def traffic(self) -> Traffic:
+        """Bytes sent and received per peer and plane (``net/traffic.py``)."""
+        ...
 
     def listen_addrs(self) -> list[str]:
         """Full multiaddrs, each ending in ``/p2p/<peer id>``."""

@@ -42,6 +42,7 @@ from fusionp2p.average.outer import OuterConfig, OuterOptimizer
 from fusionp2p.average.shard import shard_bounds
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.types import AveragingStats
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ class ReplicaAverager:
         self._queues: dict[str, trio.MemorySendChannel[TensorMessage]] = {}
         self._nursery: trio.Nursery | None = None
         self.last: BoundaryResult | None = None   # the latest boundary's result (for status/metrics)
+        self.stats = AveragingStats()               # finished rounds and their durations (for metrics)
 
     def _make_opt(self, flat: torch.Tensor) -> OuterOptimizer:
         lo, hi = shard_bounds(flat.numel(), len(self.alive))[self.alive.index(self.me)]
@@ -252,6 +254,7 @@ class ReplicaAverager:
 
     async def _run_round(self, rnd: _Round, snap: torch.Tensor, lr: float | None) -> None:
         reinit = self._needs_reinit
+        started = trio.current_time()
         sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=self.n_elems, round_id=rnd.round_id, epoch=self.epoch)
         result: RoundResult | None = None
 
@@ -300,6 +303,9 @@ class ReplicaAverager:
                     self._dead.add(peer)
                     await act(sm.peer_lost(peer))
         self._after_round(result)
+        took, st = trio.current_time() - started, self.stats
+        self.stats = AveragingStats(rounds=st.rounds + int(result.complete), skipped=st.skipped + int(not result.complete),
+                                    seconds=st.seconds + took, last_s=took)
         rnd.result = result
         rnd.done.set()
 

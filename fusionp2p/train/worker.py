@@ -59,6 +59,7 @@ from fusionp2p.train.schedule import (
     StageSchedule,
 )
 from fusionp2p.train.state import StageState, load_optimizer_tensors, momentum_slices, optimizer_tensors
+from fusionp2p.types import AveragingStats
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class StageReport:
     wall_s: float               # seconds of the whole step
     tokens: int                 # tokens this pipeline processed in the step
     eval: bool = False          # the final evaluation pass (forward only, consensus weights)
+    averaging: AveragingStats | None = None   # CO2 rounds of this replica so far (None without CO2)
 
 
 @dataclass(kw_only=True)
@@ -172,6 +174,7 @@ class StageWorker:
         self._fwd_payload: dict[tuple[int, str], torch.Tensor] = {}
         self.src_of = {r.name: r.src for r in self.prog.recv}
         self._closed_links: set[int] = set()
+        self._avg: ReplicaAverager | None = None
 
     # ------------------------------------------------------------------ state
     def _layout(self) -> list[tuple[str, int]]:
@@ -243,6 +246,7 @@ class StageWorker:
                 momentum = restored.momentum_vector(self._layout()) if restored is not None else None
                 async with open_replica_averager(acfg, peers=sorted([me, *names]), me=me, channels=names,
                                                  initial=self._flat(), momentum=momentum) as avg:
+                    self._avg = avg
                     try:
                         await self._train(avg)
                     finally:
@@ -405,7 +409,8 @@ class StageWorker:
         loss = sum(losses[m] for m in sorted(losses)) / len(losses) if losses else None
         await self.ctx.report(StageReport(step=step, stage=prog.stage, replica=self.ctx.replica, loss=loss,
                                           compute_s=compute, wall_s=time.perf_counter() - t0,
-                                          tokens=self.ctx.tokens_per_micro * m_count))
+                                          tokens=self.ctx.tokens_per_micro * m_count,
+                                          averaging=self._avg.stats if self._avg is not None else None))
 
     async def _send_acts(self, step: int, micro: int, out: Mapping[str, torch.Tensor], *, dense: bool = False) -> None:
         for o in self.prog.send:

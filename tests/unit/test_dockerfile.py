@@ -161,7 +161,7 @@ def test_runs_unprivileged_with_a_home_volume_and_the_p2p_port(docker: list[tupl
     assert re.search(rf"\b{re.escape(users[-1])}\b", useradd)
     volumes = [v for ins, rest in docker if ins == "VOLUME" for v in json.loads(rest)]
     assert home.group(1) in volumes
-    assert [rest for ins, rest in docker if ins == "EXPOSE"] == ["4001"]
+    assert [rest for ins, rest in docker if ins == "EXPOSE"] == ["4001 9100"]   # libp2p; --http (docs/operations.md)
 
 
 def _ignored(path: str, patterns: list[str]) -> bool:

@@ -60,6 +60,7 @@ LAYERS: list[set[str]] = [
     {"net", "testbed"},
     {"swarm"},
     {"train", "parallel", "jobs"},
+    {"ops"},                                                              # dashboard, /api, /metrics
     {"sdk"},
     {"cli"},
     {"testing"},
