@@ -42,19 +42,21 @@ import torch
 import trio
 from torch import nn
 
-from fusionp2p.errors import FusionError, JobError, PeerUnavailable
+from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable
 from fusionp2p.jobs.build import BuiltJob, Dataset, LossFn, build_job, module_state, save_module_state
 from fusionp2p.jobs.checkpoint import assemble, latest_complete_step
 from fusionp2p.jobs.content import ContentService, ContentStore
 from fusionp2p.jobs.embedded import EmbeddedConfig, EmbeddedSwarm, open_embedded_swarm
 from fusionp2p.jobs.events import JobStateChanged, MetricsWriter, ProgressEvent, StepProgress
 from fusionp2p.jobs.lifecycle import JobState
-from fusionp2p.jobs.publisher import Publisher, discover
+from fusionp2p.jobs.publisher import JobDriver, Publisher, discover, read_index, read_spec
 from fusionp2p.jobs.spec import Resources
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.transport import Transport
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.types import DeviceProfile
+from fusionp2p.wire.dag import decode_dag
+from fusionp2p.wire.jobrecords import JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +278,86 @@ class Swarm:
 
         async def ask() -> list[str]:
             return sorted((await discover(t, self._boot_peers, timeout=timeout)).members)
+
+        return trio.from_thread.run(ask, trio_token=self._token)
+
+    def job(self, job_id: str, *, timeout: float = 60.0) -> Job:
+        """A job this key published earlier, from any machine: follow its events, wait, download, cancel.
+
+        Reads the job's signed spec and status from the swarm; ConfigError when the job is unknown here
+        or was published under another key (jobs are controlled only by their publisher's key).
+        """
+        if self._token is None or self._nursery is None:
+            raise JobError("the swarm is closed")
+        t, pub = self._transport, self._publisher
+        assert t is not None and pub is not None
+
+        async def fetch() -> BuiltJob:
+            with trio.fail_after(timeout):
+                found = await read_spec(t, job_id)
+                if found is None:
+                    raise ConfigError(f"no job {job_id} in this swarm: check the id with `fusionp2p job list`")
+                spec, envelope = found
+                if spec.publisher != t.peer_id:
+                    raise ConfigError(f"job {job_id} was published by {spec.publisher}, not by this key "
+                                      f"({t.peer_id}): use the publisher's key (--key)")
+                dag = decode_dag(await pub.content.fetch(spec.model_hash, max_size=1 << 31))
+            return BuiltJob(spec=spec, envelope=envelope, blobs={}, dag=dag)
+
+        built = trio.from_thread.run(fetch, trio_token=self._token)
+        home = self.home / built.spec.job_id
+        home.mkdir(parents=True, exist_ok=True)
+        job = Job(self, built, home)
+        nursery = self._nursery
+        self._call_soon(lambda: nursery.start_soon(self._attach_job, job))
+        return job
+
+    async def _attach_job(self, job: Job) -> None:
+        assert self._publisher is not None
+        try:
+            with trio.CancelScope() as scope:
+                job._cancel = scope
+                await self._publisher.attach_job(job.id, job._emit, job.home / "checkpoints",
+                                                  steps=job.spec.config.steps)
+            if scope.cancelled_caught:
+                job._emit(JobStateChanged(job=job.id, state=JobState.CANCELLED.value, reason="cancelled by the publisher",
+                                          at=time.time()))
+        except Exception as exc:   # never leave the user's wait() hanging
+            log.exception("job %s failed", job.id)
+            job._emit(JobStateChanged(job=job.id, state=JobState.FAILED.value, reason=f"{type(exc).__name__}: {exc}",
+                                      at=time.time()))
+
+    def job_status(self, job_id: str, *, timeout: float = 60.0) -> JobStatus | None:
+        """The job's signed status record in the swarm (any key may read it), or None if there is none."""
+        if self._token is None:
+            raise JobError("the swarm is closed")
+        t, pub = self._transport, self._publisher
+        assert t is not None and pub is not None
+
+        async def read() -> JobStatus | None:
+            with trio.fail_after(timeout):
+                return await JobDriver(t, pub.content, [], None, lambda ev: None, self.home, job=job_id).read_status()
+
+        return trio.from_thread.run(read, trio_token=self._token)
+
+    def jobs(self, *, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """The jobs this key published (oldest first): id, name, created, and state/step/epoch from the swarm."""
+        if self._token is None:
+            raise JobError("the swarm is closed")
+        t, pub = self._transport, self._publisher
+        assert t is not None and pub is not None
+
+        async def ask() -> list[dict[str, Any]]:
+            out = []
+            with trio.fail_after(timeout):
+                for job_id, name, created in await read_index(t, t.peer_id):
+                    st = await JobDriver(t, pub.content, [], None, lambda ev: None, self.home, job=job_id).read_status()
+                    out.append({"job": job_id, "name": name, "created": created,
+                                "state": st.state if st else "unknown", "step": st.step if st else None,
+                                "steps": st.steps if st else None, "epoch": st.epoch if st else None,
+                                "members": len(set(st.members)) if st else 0,
+                                "final_loss": st.final_loss if st else None})
+            return out
 
         return trio.from_thread.run(ask, trio_token=self._token)
 

@@ -49,6 +49,7 @@ class LocalCluster:
         self._logs: list[IO[bytes]] = []
         self.bootstrap = ""
         self.exit_codes: dict[str, int | None] = {}
+        self._peers: dict[str, str] = {}
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         d = self.home / name
@@ -71,9 +72,36 @@ class LocalCluster:
             raise PeerUnavailable("bootstrap", f"did not print its address; see {self.home / 'bootstrap.log'}")
         self.bootstrap = addr
         for i in range(self.n):
-            self._spawn(f"node{i}", ["node", "--bootstrap", self.bootstrap, "--listen", "/ip4/127.0.0.1/tcp/0",
-                                     "--torch-threads", str(self.torch_threads), *self.node_args, *self.http])
+            self.add_node(f"node{i}")
         return self
+
+    def add_node(self, name: str) -> subprocess.Popen[bytes]:
+        """Start one more node process (a joiner), or restart *name* with its home (same identity)."""
+        old = self.procs.get(name)
+        if old is not None and old.poll() is None:
+            raise ValueError(f"{name} is still running")
+        self._out.pop(name, None)
+        self._peers.pop(name, None)
+        return self._spawn(name, ["node", "--bootstrap", self.bootstrap, "--listen", "/ip4/127.0.0.1/tcp/0",
+                                  "--torch-threads", str(self.torch_threads), *self.node_args, *self.http])
+
+    def peer_id(self, name: str, timeout: float = 60.0) -> str:
+        """The peer id a process printed with its multiaddr (PeerUnavailable if it did not)."""
+        if name not in self._peers:
+            addr = self._read_line(name, b"/", time.monotonic() + timeout)
+            if addr is None or "/p2p/" not in addr:
+                raise PeerUnavailable(name, f"printed no address; see {self.home / (name + '.log')}")
+            self._peers[name] = addr.rsplit("/p2p/", 1)[1]
+        return self._peers[name]
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
+        """Send *sig* to one process we started (by its PID) and wait for it; its exit code."""
+        p = self.procs[name]
+        if p.poll() is None:
+            p.send_signal(sig)
+        code = p.wait(timeout=60)
+        self.exit_codes[name] = code
+        return code
 
     def http_urls(self, timeout: float = 90.0) -> dict[str, str]:
         """The dashboard URL of every process (``http=True``), read from their stdout; PeerUnavailable
@@ -144,8 +172,6 @@ class LocalCluster:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
-
-
 
 
 T = TypeVar("T")

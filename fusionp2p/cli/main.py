@@ -107,14 +107,39 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="out/demo", help="where the trained model is saved")
     _common(d)
 
-    j = sub.add_parser("job", help="submit, watch, cancel and download training jobs")
+    j = sub.add_parser("job", help="submit, list, follow, download and cancel training jobs")
     jsub = j.add_subparsers(dest="job_cmd", required=True)
-    js = jsub.add_parser("submit", help="publish a job")
+    key_help = ("the publisher's identity key (default: the client home's identity.key, created on first use); "
+                "jobs are listed, attached, downloaded and cancelled with the key that submitted them")
+
+    def job_common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--bootstrap", action="append", required=True, help="a bootstrap multiaddr (repeatable)")
+        q.add_argument("--key", default=None, help=key_help)
+        q.add_argument("--home", default=None, help="client home (default: ~/.local/share/fusionp2p/client)")
+        q.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"],
+                       help="also accepted before the subcommand")
+
+    js = jsub.add_parser("submit", help="publish a job and follow it (Ctrl-C detaches; the job goes on)")
     js.add_argument("file", nargs="?", help="a Python file defining make_job() (see docs/jobs.md)")
     js.add_argument("--builtin", choices=["gpt2-tiny"], default=None)
-    js.add_argument("--bootstrap", action="append", required=True)
     js.add_argument("--steps", type=int, default=100)
-    js.add_argument("--out", default="out/job")
+    js.add_argument("--out", default="out/job", help="where the trained model is saved")
+    js.add_argument("--detach", action="store_true", help="return once the job runs (follow it later with attach)")
+    job_common(js)
+    jl = jsub.add_parser("list", help="the jobs this key submitted, with their state")
+    jl.add_argument("--json", action="store_true")
+    job_common(jl)
+    for name, help_ in (("status", "a job's state, plan, progress and checkpoints"),
+                        ("attach", "follow a running job to its end and download the model"),
+                        ("download", "download a finished job's trained model"),
+                        ("cancel", "stop a job on every node")):
+        q = jsub.add_parser(name, help=help_)
+        q.add_argument("job", help="the job id")
+        if name == "status":
+            q.add_argument("--json", action="store_true")
+        if name in ("attach", "download"):
+            q.add_argument("--out", default="out/job", help="where the trained model is saved")
+        job_common(q)
     _common(j)
     return ap
 
@@ -153,6 +178,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from fusionp2p.cli.job import cli_job
 
         setup_logging(args.log_level, None)
+        if args.home is None:
+            args.home = str(_data_home() / "client")
         return cli_job(args)
     raise ConfigError(f"unknown command {cmd}")
 
@@ -199,6 +226,9 @@ def _run_daemon(args: argparse.Namespace) -> int:
             print(url, flush=True)   # after the multiaddrs: the dashboard's address
 
     def services(swarm: SwarmNode, nursery: trio.Nursery) -> None:
+        from fusionp2p.jobs.records import register_rankers
+
+        register_rankers(swarm.transport)   # bootstraps hold DHT records too: keep the newest of each
         jobs = None
         if role == "node":
             from fusionp2p.jobs.node import NodeJobService

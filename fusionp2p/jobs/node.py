@@ -40,6 +40,7 @@ from fusionp2p.jobs.content import ContentService, ContentStore
 from fusionp2p.jobs.election import fetch_adopted
 from fusionp2p.jobs.events import ProgressEvent, decode_event
 from fusionp2p.jobs.lifecycle import JobState
+from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
 from fusionp2p.jobs.run import JobRun, StartRequest, describe
 from fusionp2p.jobs.status import JobView
@@ -141,6 +142,7 @@ class NodeJobService:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Install the JOB and CONTENT handlers, open the data plane, serve until cancelled."""
         dp_cfg = dataclasses.replace(self.config.data_plane, listen_host=self._bulk_host())
+        register_rankers(self.transport)
         self.content.install()
         gossip = await self.transport.subscribe(TOPIC_JOBS)   # keeps us in the jobs topic's mesh
         # exit order: the jobs' tasks, then the acceptor (goodbye on every accepted channel), then the plane

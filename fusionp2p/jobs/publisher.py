@@ -43,6 +43,7 @@ from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
 from fusionp2p.jobs.checkpoint import decode_state, save_stage, stage_path
 from fusionp2p.jobs.content import ContentService
+from fusionp2p.jobs.election import fetch_adopted
 from fusionp2p.jobs.events import (
     CheckpointSaved,
     JobStateChanged,
@@ -53,14 +54,26 @@ from fusionp2p.jobs.events import (
 )
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
+from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
+from fusionp2p.jobs.spec import JobSpec, decode_signed
 from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Link
 from fusionp2p.plan.snapshot import snapshot_from_records
 from fusionp2p.swarm.node import fetch_view
 from fusionp2p.types import DeviceProfile
-from fusionp2p.wire.jobrecords import JobStatus, StageFile, decode_record, spec_key, status_key
+from fusionp2p.wire.jobrecords import (
+    MAX_INDEX,
+    JobIndex,
+    JobStatus,
+    StageFile,
+    decode_record,
+    encode_record,
+    index_key,
+    spec_key,
+    status_key,
+)
 from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
 from fusionp2p.wire.records import BandwidthReport, NodeRecord
 
@@ -192,6 +205,7 @@ class JobDriver:
             self.content.store.put(blob)
         with trio.move_on_after(cfg.start_timeout):
             await self.transport.dht_put(spec_key(self.job), built.envelope)
+            await add_to_index(self.transport, self.job, built.spec.name, built.spec.created)
         accepted: dict[str, DeviceProfile] = {}
         refused: dict[str, str] = {}
 
@@ -284,8 +298,16 @@ class JobDriver:
         except RemoteProtocolError as exc:
             log.info("status record of %s ignored: %s", self.job, exc)
             return None
-        if not isinstance(rec, JobStatus) or rec.job != self.job or rec.peer not in rec.members + tuple(self.members):
+        if not isinstance(rec, JobStatus) or rec.job != self.job or rec.peer not in rec.members:
             return None
+        if rec.peer not in self.members:
+            # a signer we have not seen in the job: believe it only if the adopted plan (a quorum of the
+            # members' signed votes, jobs/election.py) names it
+            adopted = await fetch_adopted(self.transport, self.job)
+            if adopted is None or rec.peer not in adopted[1].peers:
+                log.info("status record of %s signed by %s, who is no member of its plan: ignored",
+                         self.job, rec.peer[:12])
+                return None
         return rec
 
     async def _follow(self) -> None:
@@ -434,6 +456,42 @@ class JobDriver:
                 nursery.start_soon(one, peer)
 
 
+async def read_index(t: Transport, publisher: str) -> list[tuple[str, str, float]]:
+    """The jobs *publisher* submitted, from its signed index record (oldest first; [] if none)."""
+    data = await t.dht_get(index_key(publisher))
+    if data is None:
+        return []
+    try:
+        rec = decode_record(data, verify)
+    except RemoteProtocolError as exc:
+        log.info("job index of %s ignored: %s", publisher[:12], exc)
+        return []
+    if not isinstance(rec, JobIndex) or rec.peer != publisher:
+        return []
+    return list(rec.jobs)
+
+
+async def add_to_index(t: Transport, job: str, name: str, created: float) -> None:
+    """Add *job* to our signed job index (keeps the newest ``MAX_INDEX``)."""
+    jobs = [j for j in await read_index(t, t.peer_id) if j[0] != job]
+    jobs.append((job, name[:256], float(created)))
+    rec = JobIndex(peer=t.peer_id, jobs=tuple(jobs[-MAX_INDEX:]))
+    await t.dht_put(index_key(t.peer_id), encode_record(rec, t.sign))
+
+
+async def read_spec(t: Transport, job: str) -> tuple[JobSpec, bytes] | None:
+    """The publisher-signed spec of *job* from the DHT (signature checked), or None."""
+    data = await t.dht_get(spec_key(job))
+    if data is None:
+        return None
+    try:
+        spec = decode_signed(data)
+    except RemoteProtocolError as exc:
+        log.info("spec record of %s ignored: %s", job, exc)
+        return None
+    return (spec, data) if spec.job_id == job else None
+
+
 class Publisher:
     """The publisher's services on its transport: JOB reports in, jobs-topic progress in, drivers out.
 
@@ -450,6 +508,7 @@ class Publisher:
         self.drivers: dict[str, JobDriver] = {}
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        register_rankers(self.transport)
         self.content.install()
         self.transport.set_stream_handler(JOB, job_proto.serve(self._on_request))
         ch = await self.transport.subscribe(TOPIC_JOBS)
@@ -491,4 +550,4 @@ class Publisher:
             del self.drivers[job]
 
 
-__all__ = ["DriverConfig", "JobDriver", "Publisher", "SwarmView", "discover"]
+__all__ = ["DriverConfig", "JobDriver", "Publisher", "SwarmView", "add_to_index", "discover", "read_index", "read_spec"]

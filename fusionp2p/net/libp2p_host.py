@@ -48,6 +48,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.records.validator import Validator
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -57,7 +58,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from fusionp2p.errors import ConfigError, PeerUnavailable
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.traffic import Traffic
-from fusionp2p.net.transport import GossipMessage, StreamHandler
+from fusionp2p.net.transport import GossipMessage, RecordRank, StreamHandler
 from fusionp2p.wire.protocols import TOPIC_MEMBERS
 
 log = logging.getLogger(__name__)
@@ -329,6 +330,9 @@ class Libp2pTransport:
         self.traffic = Traffic()
         network.register_notifee(_CountingNotifee(self.traffic))
         self.dht = KadDHT(self.host, DHTMode.SERVER)
+        self._rankers = _RankingValidator()
+        assert self.dht.validator is not None
+        self.dht.validator.add_validator("fusionp2p", self._rankers)
         self.router = _GossipSub(
             config.state_topics,
             protocols=[PROTOCOL_ID_V11],
@@ -492,7 +496,13 @@ class Libp2pTransport:
     # -- DHT --------------------------------------------------------------------------------------
     async def dht_put(self, key: str, value: bytes) -> None:
         with trio.move_on_after(self._config.dht_timeout):
-            await self.dht.put_value(key, bytes(value))
+            try:
+                await self.dht.put_value(key, bytes(value))
+            except ValueError as exc:   # py-libp2p: a better value (by the key's ranker) is stored already
+                log.debug("dht put of %s not stored: %s", key[:80], exc)
+
+    def rank_records(self, prefix: str, rank: RecordRank) -> None:
+        self._rankers.rankers[prefix] = rank
 
     async def dht_get(self, key: str) -> bytes | None:
         with trio.move_on_after(self._config.dht_timeout):
@@ -514,6 +524,26 @@ class Libp2pTransport:
         """Refresh the DHT routing table (after joining)."""
         with trio.move_on_after(self._config.dht_timeout):
             await self.dht.refresh_routing_table()
+
+
+class _RankingValidator(Validator):
+    """py-libp2p's record validator for our ``/fusionp2p/...`` keys: accepts every value and picks the best of several by the ranker registered for the key's prefix
+    (``Transport.rank_records``); py-libp2p uses ``select`` both when a put meets a stored value and
+    when a get hears different values from different peers."""
+
+    def __init__(self) -> None:
+        self.rankers: dict[str, RecordRank] = {}
+
+    def validate(self, key: str, value: bytes) -> None:
+        """Every value is accepted here (its reader verifies it); ranking decides which one is kept."""
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        rank = next((r for p, r in self.rankers.items() if key.startswith(p)), None)
+        if rank is None:
+            return 0
+        ranks = [rank(bytes(v)) for v in values]
+        best = max(range(len(values)), key=lambda i: (ranks[i] is not None, ranks[i] or ()))
+        return best
 
 
 def _is_teardown_race(exc: BaseException) -> bool:

@@ -17,7 +17,7 @@ import trio
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.traffic import Traffic
-from fusionp2p.net.transport import GossipMessage, StreamHandler
+from fusionp2p.net.transport import GossipMessage, RecordRank, StreamHandler
 
 _CHUNK = 64 * 1024
 
@@ -159,7 +159,13 @@ class MemoryTransport:
 
     async def dht_put(self, key: str, value: bytes) -> None:
         await trio.lowlevel.checkpoint()
+        old = self._net.dht.get(key)
+        if old is not None and not _better(self._net.rankers, key, bytes(value), old):
+            return
         self._net.dht[key] = bytes(value)
+
+    def rank_records(self, prefix: str, rank: RecordRank) -> None:
+        self._net.rankers[prefix] = rank
 
     async def dht_get(self, key: str) -> bytes | None:
         await trio.lowlevel.checkpoint()
@@ -188,6 +194,7 @@ class MemoryNetwork:
         self.hosts: dict[str, MemoryTransport] = {}
         self.dead: set[str] = set()
         self.dht: dict[str, bytes] = {}
+        self.rankers: dict[str, RecordRank] = {}
         self.providers: dict[str, set[str]] = defaultdict(set)
         self._scopes: dict[str, list[trio.CancelScope]] = defaultdict(list)
 
@@ -232,6 +239,15 @@ class MemoryNetwork:
                 self._scopes[peer].remove(scope)
 
         self._nursery.start_soon(run)
+
+
+def _better(rankers: dict[str, RecordRank], key: str, new: bytes, old: bytes) -> bool:
+    """Whether *new* may replace *old* under the ranker of *key*'s prefix (no ranker: the last write wins)."""
+    rank = next((r for p, r in rankers.items() if key.startswith(p)), None)
+    if rank is None:
+        return True
+    a, b = rank(new), rank(old)
+    return a is not None and (b is None or a >= b)
 
 
 @asynccontextmanager

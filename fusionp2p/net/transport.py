@@ -43,6 +43,7 @@ class Stream(Protocol):
 
 
 StreamHandler = Callable[[Stream], Awaitable[None]]
+RecordRank = Callable[[bytes], "tuple[int | float, ...] | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,13 @@ class Transport(Protocol):
         ...
 
     async def dht_put(self, key: str, value: bytes) -> None: ...
+
+    def rank_records(self, prefix: str, rank: RecordRank) -> None:
+        """Values of keys starting with *prefix* are ranked by *rank* (larger wins; None: invalid, never
+        kept over a valid one): a put never replaces a better value, and a get returns the best one found.
+        Without it the DHT keeps the last write and a get returns the first answer, so a stale copy on
+        one peer can hide a newer record."""
+        ...
 
     async def dht_get(self, key: str) -> bytes | None: ...
 

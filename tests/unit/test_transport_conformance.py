@@ -158,3 +158,27 @@ def test_libp2p_context_propagates_body_exceptions() -> None:
                     raise KeyError("boom")
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("kind", sorted(PAIRS))
+def test_ranked_records_keep_the_best_copy(kind: str) -> None:
+    """With a ranker, a stale write never replaces a newer record, and a reader gets the newest copy
+    (without one, the DHT keeps the last write)."""
+    def rank(v: bytes) -> tuple[int, ...] | None:
+        return (int(v),) if v.isdigit() else None
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with PAIRS[kind]() as (a, b, _):
+                for t in (a, b):
+                    t.rank_records("/fusionp2p/ranked/", rank)
+                await a.connect(b.listen_addrs()[0])
+                await a.dht_put("/fusionp2p/ranked/x", b"7")
+                await b.dht_put("/fusionp2p/ranked/x", b"3")        # an older writer comes late
+                await b.dht_put("/fusionp2p/ranked/x", b"forged")   # does not even rank
+                assert await a.dht_get("/fusionp2p/ranked/x") == b"7"
+                assert await b.dht_get("/fusionp2p/ranked/x") == b"7"
+                await b.dht_put("/fusionp2p/ranked/x", b"9")
+                assert await a.dht_get("/fusionp2p/ranked/x") == b"9"
+
+    trio.run(main)

@@ -1,0 +1,84 @@
+"""Elastic jobs with real processes, tried as a user would: a bootstrap and 5 ``fusionp2p node`` processes
+(CLI), ``fusionp2p job submit`` in its own process. Mid-training one member gets SIGKILL and the submitting
+process gets SIGKILL too; ``fusionp2p job attach`` from another process (the same key, another home)
+follows the job to DONE and downloads a model that loads strictly into the published module."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+
+from fusionp2p.cli.cluster import LocalCluster, wait_until
+from fusionp2p.cli.demo import demo_model
+
+pytestmark = pytest.mark.system
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fusionp2p.cli", *args], capture_output=True, text=True, env=ENV,
+                          timeout=timeout)
+
+
+def _status(cluster: LocalCluster, job: str, home: Path) -> dict[str, object] | None:
+    p = _cli("job", "--log-level", "warning", "status", job, "--json", "--bootstrap", cluster.bootstrap,
+             "--home", str(home), timeout=120)
+    return json.loads(p.stdout) if p.returncode == 0 else None
+
+
+def test_member_and_publisher_killed_the_job_ends_done_and_is_attached(tmp_path: Path) -> None:
+    key_home = tmp_path / "key"
+    with LocalCluster(5, tmp_path / "cluster", dead_timeout=6.0, probe_interval=60.0) as cluster:
+        out = tmp_path / "submit"
+        submit = subprocess.Popen(
+            [sys.executable, "-m", "fusionp2p.cli", "job", "--log-level", "warning", "submit", "--builtin", "gpt2-tiny",
+             "--steps", "120", "--bootstrap", cluster.bootstrap, "--home", str(key_home), "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=True)
+        assert submit.stdout is not None
+        line = ""
+        deadline = time.monotonic() + 240
+        while "published job" not in line and time.monotonic() < deadline:
+            line = submit.stdout.readline()
+            assert line or submit.poll() is None, "the submit process ended before publishing"
+        job = line.split("published job ", 1)[1].split()[0]
+
+        status = wait_until(lambda: (s := _status(cluster, job, tmp_path / "c1")) and int(s["step"]) >= 15 and s,
+                            timeout=240, interval=2.0, what="the job at step 15")
+        members = set(status["members"])       # type: ignore[arg-type]
+        names = {cluster.peer_id(f"node{i}"): f"node{i}" for i in range(5)}
+        victim = names[max(members)]            # a member that does not lead the job (the lowest id leads)
+        cluster.kill(victim)                    # SIGKILL: no goodbye
+        os.killpg(submit.pid, signal.SIGKILL)   # the publisher's process dies too
+        submit.wait(timeout=30)
+
+        # the same key, another client home: follow the job to its end, download the model
+        att = _cli("job", "--log-level", "warning", "attach", job, "--bootstrap", cluster.bootstrap,
+                   "--key", str(key_home / "identity.key"), "--home", str(tmp_path / "c2"),
+                   "--out", str(tmp_path / "model"), timeout=600)
+        assert att.returncode == 0, att.stdout[-3000:] + att.stderr[-3000:]
+        final = _status(cluster, job, tmp_path / "c3")
+        assert final is not None and final["state"] == "done" and int(final["epoch"]) >= 1, final   # type: ignore[call-overload]
+        assert cluster.peer_id(victim) not in set(final["members"])   # type: ignore[arg-type]
+        model = demo_model()
+        model.load_state_dict(safetensors.torch.load_file(str(tmp_path / "model" / "model.safetensors")), strict=True)
+
+        listed = _cli("job", "--log-level", "warning", "list", "--json", "--bootstrap", cluster.bootstrap,
+                      "--key", str(key_home / "identity.key"), "--home", str(tmp_path / "c4"), timeout=120)
+        assert listed.returncode == 0, listed.stderr[-2000:]
+        assert [(j["job"], j["state"]) for j in json.loads(listed.stdout)] == [(job, "done")]
+
+        other = _cli("job", "--log-level", "warning", "cancel", job, "--bootstrap", cluster.bootstrap,
+                     "--home", str(tmp_path / "stranger"), timeout=120)
+        assert other.returncode == 2 and "not by this key" in other.stderr, other.stderr[-2000:]
+        unknown = _cli("job", "--log-level", "warning", "status", "0123456789abcdef", "--bootstrap",
+                       cluster.bootstrap, "--home", str(tmp_path / "c5"), timeout=120)
+        assert unknown.returncode == 2 and "no status of job" in unknown.stderr, unknown.stderr[-2000:]
