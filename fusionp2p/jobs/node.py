@@ -272,8 +272,12 @@ class NodeJobService:
         return {"ok": True}
 
     async def _run(self, run: JobRun) -> None:
-        await run.run()
-        self._subs.pop(run.job_id, None)
+        try:
+            await run.run()
+        except Exception:   # JobRun.run ends every failure itself; this is the node's last line of defence
+            log.exception("job %s ended with an error the job did not handle", run.job_id)
+        finally:
+            self._subs.pop(run.job_id, None)
 
     def _cancel(self, run: JobRun) -> None:
         if run.scope is not None:

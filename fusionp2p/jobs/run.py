@@ -252,17 +252,22 @@ class JobRun:
                     await self._epochs()
                     nursery.cancel_scope.cancel()
                 state = JobState.DONE
-        except Exception as exc:   # any failure ends this job, never the node
+        except BaseException as exc:   # any failure ends this job, never the node
+            cancelled, failure = _split_cancelled(exc)
+            if failure is None:
+                raise
             if trio.current_effective_deadline() == -math.inf:
                 # the node itself is stopping (SIGTERM, or its service was cancelled): channels that close
                 # under a worker surface as errors; the job goes on elsewhere, nothing to report
-                log.info("job %s: stopped with the node (%s)", self.job_id, describe(exc))
+                log.info("job %s: stopped with the node (%s)", self.job_id, describe(failure))
                 if not self.life.terminal:
                     self.to(JobState.CANCELLED, "this node stopped")
+                if cancelled is not None:
+                    raise cancelled from None
                 return
-            reason = describe(exc)
+            reason = describe(failure)
             log.warning("job %s failed: %s", self.job_id, reason,
-                        exc_info=not all(isinstance(e, FusionError | trio.Cancelled) for e in leaf_errors(exc)))
+                        exc_info=not all(isinstance(e, FusionError | trio.Cancelled) for e in leaf_errors(failure)))
         if scope.cancelled_caught:
             state, reason = JobState.CANCELLED, self.reason or "cancelled by the publisher"
             if self._ended_by_leader:
@@ -315,7 +320,10 @@ class JobRun:
         self.plan = plan
         n_st = len(plan.stages)
         self.book.set_plan(plan.epoch, n_st - 1, plan.stages[-1].replicas)
-        if min(plan.peers) == self.me:   # one member announces the plan (the publisher follows it)
+        # One member announces the plan: one the publisher already knows (a member of the plan before), since
+        # it believes plans only from members it has seen (a joiner with the lowest id is not one yet).
+        known = sorted(set(plan.peers) & set(req.previous.peers)) if req.previous is not None else []
+        if (known or sorted(plan.peers))[0] == self.me:
             self.svc.nursery.start_soon(self._put_status, self._status(JobState.RUNNING, plan))
             self.svc.nursery.start_soon(self._gossip, PlanChanged(
                 job=self.job_id, epoch=plan.epoch, plan_hash=plan.plan_hash(),
@@ -873,6 +881,15 @@ class JobRun:
             self.channels.clear()
             self.closed.set()
             self.svc.drop_arrived(self.job_id, older_than=self.epoch + 1)
+
+
+def _split_cancelled(exc: BaseException) -> tuple[BaseException | None, BaseException | None]:
+    """(the cancellation, everything else) of *exc*, either part None when empty."""
+    if isinstance(exc, trio.Cancelled):
+        return exc, None
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(trio.Cancelled)
+    return None, exc
 
 
 def describe(exc: BaseException) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import trio
 
@@ -30,6 +31,7 @@ from fusionp2p.net.memory import MemoryTransport
 from fusionp2p.testing.evaluation import final_eval_loss
 from fusionp2p.testing.swarm import TEST_PROFILE
 from fusionp2p.train.config import CO2, TrainConfig
+from fusionp2p.train.worker import StageWorker
 
 SEQ = 32
 JOBS = NodeJobConfig(election_timeout=20, link_timeout=20, recv_timeout=30, halt_timeout=10, start_timeout=40,
@@ -179,15 +181,32 @@ def test_a_member_that_leaves_is_replanned_around(tmp_path: Path) -> None:
     assert min(s for s, e in steps.items() if e.epoch >= 1) >= 8
 
 
-def test_a_joiner_is_taken_in_at_a_step_boundary(tmp_path: Path) -> None:
+def test_a_joiner_is_taken_in_at_a_step_boundary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One replica per stage on 2 nodes; a third node joins the swarm mid-job. The leader offers it the
     job; with it the plan has three stages, so the members halt together at an agreed step boundary,
     hand their state over, and continue with the joiner; no step is lost."""
     torch.set_num_threads(1)
-    # long enough for the joiner to start, be seen, fetch the job and be planned in (a few seconds)
-    cfg = TrainConfig(steps=150, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
+    cfg = TrainConfig(steps=60, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
                       compression="none", checkpoint_every=0, seed=3)
     joined: list[str] = []
+    # This tiny job trains faster than a node starts and joins: the first epoch waits at step 10 until
+    # the joiner has accepted the job (the re-plan itself is not helped along).
+    accepted = trio.Event()
+    offer_to, train_step = JobRun._offer_to, StageWorker._train_step
+
+    async def offer_and_note(self: JobRun, peer: str) -> None:
+        await offer_to(self, peer)
+        if peer in self.joiners:
+            accepted.set()
+
+    async def step_or_wait(self: StageWorker, step: int) -> None:
+        if step == 10:
+            with trio.fail_after(60):
+                await accepted.wait()
+        await train_step(self, step)
+
+    monkeypatch.setattr(JobRun, "_offer_to", offer_and_note)
+    monkeypatch.setattr(StageWorker, "_train_step", step_or_wait)
 
     async def main() -> list[ProgressEvent]:
         with trio.fail_after(150):
