@@ -143,6 +143,7 @@ class NodeJobService:
         """Install the JOB and CONTENT handlers, open the data plane, serve until cancelled."""
         dp_cfg = dataclasses.replace(self.config.data_plane, listen_host=self._bulk_host())
         register_rankers(self.transport)
+        self.swarm.listeners.append(self._on_member_event)   # a death or departure wakes the jobs' leaders
         self.content.install()
         gossip = await self.transport.subscribe(TOPIC_JOBS)   # keeps us in the jobs topic's mesh
         # exit order: the jobs' tasks, then the acceptor (goodbye on every accepted channel), then the plane
@@ -173,6 +174,11 @@ class NodeJobService:
     async def _provide(self, hashes: list[str]) -> None:
         for h in hashes:
             await self.transport.provide(h)   # bounded by the transport's DHT timeout
+
+    def _on_member_event(self, _event: Any) -> None:
+        for run in self.jobs.values():
+            if not run.state.terminal:
+                run.poke()
 
     # ------------------------------------------------------------------ gossip for the jobs
     def subscribe_job(self, job: str) -> trio.MemoryReceiveChannel[tuple[str, ProgressEvent]]:

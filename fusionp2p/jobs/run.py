@@ -788,6 +788,10 @@ class JobRun:
     def _poke(self) -> None:
         self._wake.set()
 
+    def poke(self) -> None:
+        """Something the job's leader watches changed (the membership view)."""
+        self._poke()
+
     async def _woken(self, timeout: float = 1.0) -> None:
         with trio.move_on_after(timeout):
             await self._wake.wait()

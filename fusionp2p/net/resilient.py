@@ -34,6 +34,7 @@ The bookkeeping is the sans-IO :class:`SequenceBook`; the classes below it only 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import re
@@ -368,7 +369,10 @@ class ResilientChannel:
         self._wake()
         with trio.CancelScope(shield=True), trio.move_on_after(self._cfg.close_timeout):
             while self._error is None and not self._book.peer_closed and self._link is None:
-                await self._changed.wait()
+                if self._peer_gone is not None and self._peer_gone(self._peer):
+                    break   # no goodbye to a peer the swarm declared dead or gone: nobody would read it
+                with trio.move_on_after(_GONE_POLL if self._peer_gone is not None else math.inf):
+                    await self._changed.wait()
             async with self._write_lock:
                 await self._flush_locked()
                 link = self._link

@@ -1,0 +1,143 @@
+"""Training under churn: the same job with and without members dying, on real node processes.
+
+A bootstrap and 5 ``fusionp2p node`` processes on loopback (CLI, ``LocalCluster``) train the demo's
+GPT-2 (2 stages x 2 replicas, CO2, AdaTopK; the fifth node stands by). The undisturbed run trains the
+job to the end. The churn run trains the same job while a seeded schedule SIGKILLs one member of the
+current plan every ``--every`` seconds (no goodbye) and starts a fresh node ``--rejoin`` seconds later;
+the members re-plan around each loss and take the newcomer in.
+
+Per event: the recovery time, from the kill to the next completed step (the job's progress events on
+the publisher). Overall: goodput (steps per second of the training phase under churn / without), and
+the held-out loss of the two trained models (evaluation batches no step trained on) at the same number
+of steps. Headline: the goodput ratio; ``recovery_s_median`` among the results.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from benchmarks._common import headline, parser, write
+from fusionp2p.cli.cluster import LocalCluster, wait_until
+from fusionp2p.cli.demo import SEQ_LEN, demo_config, demo_model
+from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, corpus_tokens
+from fusionp2p.jobs.events import JobStateChanged, PlanChanged, StepProgress
+from fusionp2p.sdk import Swarm
+
+HELD_OUT_FROM = 1_000_000     # sampler steps far beyond any job's: batches no step trained on
+
+
+def held_out_loss(path: Path, steps: int, batches: int = 16) -> float:
+    model = demo_model()
+    model.load_state_dict(safetensors.torch.load_file(str(path)), strict=True)
+    cfg = demo_config(steps, 4)
+    tokens = corpus_tokens("pydoc")
+    s = BatchSampler(SamplerConfig(num_tokens=len(tokens), seq_len=SEQ_LEN, micro_batch=cfg.micro_batch,
+                                   micro_batches=cfg.micro_batches, seed=cfg.seed))
+    with torch.no_grad():
+        return float(np.mean([float(model(torch.from_numpy(s.inputs(tokens, HELD_OUT_FROM + b, 0)),
+                                          torch.from_numpy(s.targets(tokens, HELD_OUT_FROM + b, 0)))[1])
+                              for b in range(batches)]))
+
+
+def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn: bool) -> dict[str, Any]:
+    rng = random.Random(seed)
+    cfg = demo_config(steps, 4)
+    events: list[dict[str, Any]] = []
+    with LocalCluster(5, home, dead_timeout=3.0, probe_interval=60.0) as cluster, \
+            Swarm.connect([cluster.bootstrap], home=home / "client", listen="/ip4/127.0.0.1/tcp/0") as sw:
+        wait_until(lambda: len(sw.members()) >= 5, timeout=120, interval=0.5, what="5 members")
+        names = {cluster.peer_id(f"node{i}"): f"node{i}" for i in range(5)}
+        job = sw.publish(model=demo_model(), dataset=BuiltinCorpus(seq_len=SEQ_LEN), config=cfg, name="churn")
+        plan: list[str] = []
+        last_step = -1
+        t_run = t_end = 0.0
+        next_kill = np.inf
+        pending: list[dict[str, Any]] = []
+        stop = threading.Event()
+        fresh = [5]
+
+        def rejoin_later(at: float) -> None:
+            while time.monotonic() < at and not stop.is_set():
+                time.sleep(0.1)
+            if not stop.is_set():
+                name = f"node{fresh[0]}"
+                fresh[0] += 1
+                cluster.add_node(name)
+                names[cluster.peer_id(name)] = name
+
+        for ev in job.events(timeout=900):
+            now = time.monotonic()
+            if isinstance(ev, JobStateChanged) and ev.state == "running" and not t_run:
+                t_run = now
+                next_kill = now + every if churn else np.inf
+            elif isinstance(ev, PlanChanged):
+                plan = list(ev.members)
+            elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
+                for p in pending:
+                    p["recovery_s"] = now - p["t"]
+                    p["resumed_at_step"] = ev.step
+                    events.append(p)
+                pending.clear()
+                last_step = max(last_step, ev.step)
+                t_end = now
+                if now >= next_kill and plan and steps - last_step > 10:
+                    victim = rng.choice(sorted(set(plan)))
+                    cluster.kill(names[victim])
+                    pending.append({"t": now, "killed": names[victim], "at_step": last_step})
+                    threading.Thread(target=rejoin_later, args=(now + rejoin,), daemon=True).start()
+                    next_kill = now + every
+        stop.set()
+        job.wait(timeout=30)
+        out = home / "model"
+        path = job.download(out)
+        epochs = max((e.epoch for e in job.history if isinstance(e, PlanChanged)), default=0)
+    return {"steps": steps, "train_s": t_end - t_run, "steps_per_s": steps / (t_end - t_run), "events": events,
+            "epochs": epochs, "held_out_loss": held_out_loss(path, steps), "final_eval_loss": job.final_loss}
+
+
+def main() -> None:
+    ap = parser("churn", __doc__)
+    ap.add_argument("--every", type=float, default=60.0, help="seconds between kills (default: one a minute)")
+    ap.add_argument("--rejoin", type=float, default=5.0, help="seconds from a kill to a fresh node's start")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    torch.set_num_threads(1)
+    steps = 300 if args.quick else 900
+    every = min(args.every, 25.0) if args.quick else args.every
+    root = Path(tempfile.mkdtemp(prefix="fusionp2p-bench-churn-"))
+    base = run(steps, root / "calm", every=every, rejoin=args.rejoin, seed=args.seed, churn=False)
+    churn = run(steps, root / "churn", every=every, rejoin=args.rejoin, seed=args.seed, churn=True)
+    rec = [e["recovery_s"] for e in churn["events"]]
+    goodput = churn["steps_per_s"] / base["steps_per_s"]
+    loss_ratio = churn["held_out_loss"] / base["held_out_loss"]
+    print(f"{'run':<10}{'train s':>9}{'steps/s':>9}{'epochs':>8}{'held-out loss':>15}")
+    for label, r in (("calm", base), ("churn", churn)):
+        print(f"{label:<10}{r['train_s']:>9.1f}{r['steps_per_s']:>9.2f}{r['epochs']:>8}{r['held_out_loss']:>15.3f}")
+    for e in churn["events"]:
+        print(f"killed {e['killed']} after step {e['at_step']}: next step after {e['recovery_s']:.1f} s "
+              f"(step {e['resumed_at_step']})")
+    med = statistics.median(rec) if rec else float("nan")
+    print(f"goodput {goodput:.2f}, recovery median {med:.1f} s over {len(rec)} events, "
+          f"held-out loss ratio {loss_ratio:.3f}")
+    write("churn", args.out, {"calm": base, "churn": churn, "goodput": goodput, "recovery_s_median": med,
+                              "recovery_s": rec, "held_out_loss_ratio": loss_ratio, "every_s": every,
+                              "rejoin_s": args.rejoin, "seed": args.seed},
+          headline("goodput under churn (one member SIGKILLed per interval, a fresh node 5 s later) / undisturbed",
+                   goodput, "x", 0.8, "higher", "the same job without churn"),
+          quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()
