@@ -127,7 +127,8 @@ class NodeJobs:
             raise JobError(f"job {spec.job_id}: needs {spec.resources}, this node has {self.profile.kind} "
                            f"with {self.profile.memory_bytes} bytes")
         dag_blob = await self._fetch(spec.model_hash, peers)
-        dag = decode_dag(dag_blob)        # RemoteProtocolError on a non-whitelisted operator
+        # RemoteProtocolError on a non-whitelisted operator, or a DAG whose tensors exceed this node's memory
+        dag = decode_dag(dag_blob, memory_bytes=self.profile.memory_bytes)
         weights = load_safetensors_bytes(await self._fetch(spec.weights_hash, peers))
         if set(weights) != set(dag.tensors):
             raise JobError(f"job {spec.job_id}: the weights do not match the model's tensors")
