@@ -56,6 +56,7 @@ from fusionp2p.jobs.events import (
     PlanChanged,
     ProgressEvent,
     StepProgress,
+    StepSkipped,
     encode_event,
 )
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
@@ -455,6 +456,9 @@ class JobRun:
                 rho_out[-1 - (s - 1)] = plan.fences[s - 1].rho
 
         async def report(rep: StageReport) -> None:
+            if rep.skipped:   # the worker skipped a step with non-finite gradients (train/guard.py): say so
+                await self._gossip(StepSkipped(job=self.job_id, step=rep.step, stage=s, peer=self.me,
+                                               reason=rep.skipped, at=time.time()))
             if not rep.eval:
                 self.last = StepStats(step=rep.step, stage=rep.stage, replica=rep.replica, wall_s=rep.wall_s,
                                       compute_s=rep.compute_s, tokens=rep.tokens, loss=rep.loss, averaging=rep.averaging)
