@@ -37,7 +37,7 @@ from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemotePr
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import NodeJobs
 from fusionp2p.jobs.content import ContentService, ContentStore
-from fusionp2p.jobs.election import fetch_adopted
+from fusionp2p.jobs.election import fetch_latest
 from fusionp2p.jobs.events import ProgressEvent, decode_event
 from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.records import register_rankers
@@ -300,7 +300,7 @@ class NodeJobService:
                 acc = await intake.accept(envelope, peers=[peer])
                 if acc.spec.publisher != peer:
                     # a joiner is offered the job by a member: check it is one (the adopted plan's votes)
-                    rec = await fetch_adopted(self.transport, acc.spec.job_id) if via == acc.spec.job_id else None
+                    rec = await fetch_latest(self.transport, acc.spec.job_id) if via == acc.spec.job_id else None
                     if rec is None or peer not in rec[1].peers:
                         return {"ok": False, "error": "the spec is offered by neither its publisher nor a member"}
         except trio.TooSlowError:

@@ -808,7 +808,7 @@ class JobRun:
                 outcome = await el.elect(snap, mine)
                 if isinstance(outcome.decision, Adopted) and outcome.plan is not None:
                     return outcome.plan
-                rec = await fetch_adopted(self.transport, snap.job)
+                rec = await fetch_adopted(self.transport, snap)   # checked against our snapshot and its members
                 if rec is not None and rec[0] == snap.epoch and rec[1].snapshot_hash == snap.snapshot_hash():
                     log.info("job %s: plan %s adopted from the DHT record", snap.job, rec[1].plan_hash()[:12])
                     return rec[1]
