@@ -146,7 +146,7 @@ class NodeJobService:
         self.content.install()
         gossip = await self.transport.subscribe(TOPIC_JOBS)   # keeps us in the jobs topic's mesh
         # exit order: the jobs' tasks, then the acceptor (goodbye on every accepted channel), then the plane
-        async with (open_data_plane(self.transport, config=dp_cfg) as dp,
+        async with (open_data_plane(self.transport, config=dp_cfg, admit=self._admits) as dp,
                     open_resilient_acceptor(config=self.config.channels(), peer_gone=self.peer_gone) as acc,
                     trio.open_nursery() as nursery):
             self._dp, self._nursery = dp, nursery
@@ -159,6 +159,11 @@ class NodeJobService:
             log.info("job service ready (data plane %s:%d)", dp.host, dp.port)
             task_status.started()
             await trio.sleep_forever()
+
+    def _admits(self, peer: str) -> bool:
+        """The data plane issues tickets only to members of a job this node has started (strangers cost
+        nothing there: no key, ticket, socket or thread; net/admission.py)."""
+        return any(nj.members is not None and peer in nj.members for nj in self.jobs.values())
 
     def _bulk_host(self) -> str:
         # Bind the data plane where the transport listens: loopback stays loopback.
