@@ -36,10 +36,18 @@ names other members (e.g. only its author, with one self-signed vote and a plan 
 stage), another epoch or another snapshot is refused. A writer keeps an existing record only if it
 passes the same check; anything else under the epoch's key (a forged record, e.g. one claiming a
 huge epoch to keep honest nodes from storing theirs) is overwritten.
+
+The DHT itself keeps the better of two records (:func:`rank_plan_record`, registered on every
+node, client and bootstrap by ``jobs/records.py``): a record must elect its plan among the members it
+lists, and one with two or more voters outranks any single-voter record, whatever epoch that claims.
+Without a ranking the DHT kept the first (py-libp2p) or the newest-claimed value, and a forger who
+watches the first vote on gossip always writes first: a member that had missed the winners' votes
+then found only the forgery and failed its election.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -66,14 +74,17 @@ MAX_RECORD_BYTES = DEFAULT_LIMITS.max_control_frame
 Verifier = Callable[[str, bytes, bytes], bool]
 
 
+PLAN_PREFIX = "/fusionp2p/plan/"
+
+
 def plan_key(job: str, epoch: int) -> str:
     """DHT key of a job's adopted plan record for one epoch."""
-    return f"/fusionp2p/plan/{job}/{epoch}"
+    return f"{PLAN_PREFIX}{job}/{epoch}"
 
 
 def latest_key(job: str) -> str:
     """DHT key of the job's latest adopted plan, for a reader without a snapshot (:func:`fetch_latest`)."""
-    return f"/fusionp2p/plan/{job}"
+    return f"{PLAN_PREFIX}{job}"
 
 
 # -- votes --------------------------------------------------------------------------------------------
@@ -465,6 +476,38 @@ def _verified(data: bytes, *, job: str, epoch: int, members: Iterable[str], snap
     return plan
 
 
+MAX_RECORD_MEMBERS = 1024   # a DHT node replays at most this many signed votes to judge a record
+
+
+def rank_plan_record(value: bytes) -> tuple[int, ...] | None:
+    """The DHT ranking of plan records (``Transport.rank_records``, jobs/records.py): None unless the
+    record's votes elect its plan among the members it lists; then (at least two voters, epoch, voters).
+
+    A record with one voter is what a single identity can forge (itself as the only member): any
+    record with two or more voters outranks it, whatever epoch it claims (a forged epoch 2**62 used
+    to keep honest records out). Among those, the newer epoch, then more voters. Readers still check
+    a record against what they know (:func:`fetch_adopted`, :func:`fetch_latest`)."""
+    h = hashlib.sha256(value).digest()
+    if h in _RANKED:
+        return _RANKED[h]
+    rank: tuple[int, ...] | None
+    try:
+        members, _, plan, votes = _read_record(value)
+        if len(members) > MAX_RECORD_MEMBERS:
+            raise RemoteProtocolError("plan record: too many members")
+        voters = _self_elected(members, plan, votes[: len(set(members))], verify)
+        rank = (int(len(voters) >= 2), plan.epoch, len(voters))
+    except (RemoteProtocolError, ConfigError):
+        rank = None
+    _RANKED[h] = rank   # the DHT ranks the same few values again and again: their signatures are checked once
+    while len(_RANKED) > 256:
+        del _RANKED[next(iter(_RANKED))]
+    return rank
+
+
+_RANKED: dict[bytes, tuple[int, ...] | None] = {}
+
+
 def parse_adopted(data: bytes, snapshot: Snapshot, *, verifier: Verifier = verify) -> tuple[int, Plan]:
     """Check a DHT plan record against the reader's own *snapshot* of the epoch by replaying its
     signed votes among the snapshot's members: (epoch, plan), or RemoteProtocolError."""
@@ -484,19 +527,24 @@ def _self_elected(members: list[str], plan: Plan, votes: list[Vote], verifier: V
     return decision.voters
 
 
-async def fetch_latest(transport: Transport, job: str) -> tuple[int, Plan] | None:
-    """The job's latest adopted plan for a reader that has no snapshot of it (a node asked to join): the
-    record's votes must elect its plan among the members *it lists*, which a forger can list as it likes,
-    so this answers "a plan the record's own voters elected", no more (docs/security.md). A node that
-    has a snapshot uses :func:`fetch_adopted`."""
+async def fetch_latest(transport: Transport, job: str, *, known: Iterable[str] = ()) -> tuple[int, Plan] | None:
+    """The job's latest adopted plan for a reader that has no snapshot of its epoch: the record's votes
+    must elect its plan among the members *it lists*, which a forger lists as it likes; with *known*
+    (peers the reader already trusts as members, e.g. a publisher's), at least one of the electing
+    voters must be one of them, which a stranger cannot forge. Without *known* (a node asked to join,
+    the ops dashboard) this is "a plan its own voters elected", no more (docs/security.md). A node that
+    has the epoch's snapshot uses :func:`fetch_adopted`."""
     data = await transport.dht_get(latest_key(job))
     if data is None:
         return None
+    trusted = set(known)
     try:
         members, _, plan, votes = _read_record(data)
         if plan.job != job:
             raise RemoteProtocolError(f"plan record of job {plan.job}, not {job}")
-        _self_elected(members, plan, votes, verify)
+        voters = _self_elected(members, plan, votes, verify)
+        if trusted and not trusted & set(voters):
+            raise RemoteProtocolError("plan record: none of its voters is a known member")
     except RemoteProtocolError as exc:
         log.warning("ignoring the latest plan record of %s: %s", job, exc)
         return None

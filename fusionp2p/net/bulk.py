@@ -163,6 +163,8 @@ class DataPlane:
     async def handle_ticket(self, stream: Stream) -> None:
         """BULK_TICKET handler: issue a one-time ticket and fresh keys to the authenticated peer."""
         peer = stream.remote_peer
+        if self.refusals.banned(peer, now=trio.current_time()):
+            return   # a flooder: refused unread, not even counted (its ban decays on its own)
         if self._admit is not None and not self._admit(peer):
             self._refuse(peer, "bulk/not-admitted", "no job of this node has it as a member")
             return   # the transport closes the stream when its handler returns

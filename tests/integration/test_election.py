@@ -17,9 +17,12 @@ from fusionp2p.jobs.election import (
     PlanElector,
     Vote,
     fetch_adopted,
+    fetch_latest,
+    latest_key,
     open_elector,
     plan_key,
 )
+from fusionp2p.jobs.records import register_rankers
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.memory import MemoryNetwork, memory_network
 from fusionp2p.net.transport import Transport
@@ -235,6 +238,8 @@ def test_a_forged_plan_record_is_not_adopted_and_does_not_block_the_honest_one()
                 attacker = Identity(bytes([77]) * 32)
                 evil = net.add_host(attacker)
                 hosts = [net.add_host(Identity(bytes([k + 1]) * 32)) for k in range(3)]
+                for h in hosts:
+                    register_rankers(h)   # as every node, client and bootstrap does
                 peers = sorted(h.peer_id for h in hosts)
                 snap = local_snapshot(random.Random(4), 0, peers)
                 await evil.dht_put(plan_key(JOB, 0), _forged_record(attacker, snap, epoch=0))
@@ -251,5 +256,16 @@ def test_a_forged_plan_record_is_not_adopted_and_does_not_block_the_honest_one()
                 stored = await fetch_adopted(hosts[2], snap)
                 assert stored is not None and stored[1].plan_hash() == h0
                 assert attacker.peer_id not in stored[1].peers
+                # written again after the winners: the DHT keeps the record with more voters (jobs/records.py)
+                await evil.dht_put(plan_key(JOB, 0), _forged_record(attacker, snap, epoch=0))
+                again = await fetch_adopted(hosts[0], snap)
+                assert again is not None and again[1].plan_hash() == h0
+                # the job-level record (readers without a snapshot): a forgery with one voter ranks below
+                # the winners' record whatever epoch it claims, and a reader that knows a member refuses it
+                await evil.dht_put(latest_key(JOB), _forged_record(attacker, snap, epoch=2**62))
+                latest = await fetch_latest(hosts[1], JOB)
+                assert latest is not None and latest[1].plan_hash() == h0
+                net.dht[latest_key(JOB)] = _forged_record(attacker, snap, epoch=2**62)   # as on a DHT node that kept it
+                assert await fetch_latest(hosts[1], JOB, known=peers[:1]) is None
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -12,7 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.jobs.election import Adopted, Election, Failed, Vote, parse_adopted
+from fusionp2p.jobs.election import (
+    Adopted,
+    Election,
+    Failed,
+    Vote,
+    parse_adopted,
+    rank_plan_record,
+)
 from fusionp2p.net.identity import Identity
 from fusionp2p.plan.opfence import make_plan
 from fusionp2p.plan.snapshot import Snapshot
@@ -159,13 +166,13 @@ def test_parse_adopted_replays_the_votes() -> None:
         parse_adopted(packb(rec), _members_snapshot(MEMBERS[:5]))
 
 
-def _forged(members: list[str], plan_snapshot: str) -> bytes:
+def _forged(members: list[str], plan_snapshot: str, epoch: int = 3) -> bytes:
     """The attacker's record: a plan giving it every stage, its own signed vote, and the member list it likes."""
-    own = make_plan(chain(6), Snapshot(job="job", epoch=3, members={OUTSIDER.peer_id: profile()}, links={}))
+    own = make_plan(chain(6), Snapshot(job="job", epoch=epoch, members={OUTSIDER.peer_id: profile()}, links={}))
     own = dataclasses.replace(own, snapshot_hash=plan_snapshot)
-    v = Vote.make(job="job", epoch=3, plan_hash=own.plan_hash(), snapshot_hash=plan_snapshot, peer=OUTSIDER.peer_id,
+    v = Vote.make(job="job", epoch=epoch, plan_hash=own.plan_hash(), snapshot_hash=plan_snapshot, peer=OUTSIDER.peer_id,
                   sign=OUTSIDER.sign)
-    return packb({"job": "job", "epoch": 3, "members": members, "plan": own.to_wire(), "votes": [v.encode()]})
+    return packb({"job": "job", "epoch": epoch, "members": members, "plan": own.to_wire(), "votes": [v.encode()]})
 
 
 def test_a_forged_record_naming_only_its_author_is_refused() -> None:
@@ -179,3 +186,20 @@ def test_a_forged_record_naming_only_its_author_is_refused() -> None:
         parse_adopted(_forged([OUTSIDER.peer_id], "0" * 64), snap)
     with pytest.raises(RemoteProtocolError, match="do not elect"):   # the real members listed, but only its vote
         parse_adopted(_forged(MEMBERS, honest), snap)
+
+
+def test_the_dht_ranks_plan_records_by_voters_before_epochs() -> None:
+    snap = _members_snapshot(MEMBERS)
+    plan = make_plan(chain(6), snap)
+    votes = [Vote.make(job="job", epoch=3, plan_hash=plan.plan_hash(), snapshot_hash=S_A, peer=p, sign=BY_PEER[p].sign).encode()
+             for p in MEMBERS[:4]]
+    honest = packb({"job": "job", "epoch": 3, "members": MEMBERS, "plan": plan.to_wire(), "votes": votes})
+    forged = _forged([OUTSIDER.peer_id], snap.snapshot_hash())   # self-consistent: one member, its own vote
+    huge = _forged([OUTSIDER.peer_id], snap.snapshot_hash(), epoch=2**62)
+    assert rank_plan_record(honest) == (1, 3, 4)
+    assert rank_plan_record(forged) == (0, 3, 1)
+    # the "newest" record a single identity can forge still ranks below any record with two voters
+    assert rank_plan_record(honest) > rank_plan_record(huge) == (0, 2**62, 1)  # type: ignore[operator]
+    assert rank_plan_record(packb({"job": "job", "epoch": 3, "members": MEMBERS, "plan": plan.to_wire(),
+                                   "votes": votes[:3]})) is None   # 3 of 6: no quorum
+    assert rank_plan_record(b"\xc1") is None
