@@ -9,7 +9,8 @@ finished, a probe server that lies about its measurements.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import torch
 import trio
@@ -18,6 +19,7 @@ from fusionp2p.graph.dag import InputSpec, OpDAG, OpNode, Ref, TensorMeta
 from fusionp2p.net.bulk import DataPlane
 from fusionp2p.net.bulk_channel import BulkChannel
 from fusionp2p.net.channel import TensorMessage
+from fusionp2p.net.identity import Identity
 from fusionp2p.net.transport import Stream
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.dag import encode_dag
@@ -38,9 +40,13 @@ def bomb_dags() -> dict[str, bytes]:
     def meta(*shape: int) -> TensorMeta:
         return TensorMeta(shape=shape, dtype=F32)
 
+    def zeros(k: int, size: int = n) -> OpDAG:   # k tensors of *size* floats, allocated while "validated" before
+        return OpDAG(inputs=(x1,), nodes=tuple(OpNode(name=f"z{i}", op="aten.zeros.default", args=([size],),
+                                                      out=(meta(size),)) for i in range(k)), outputs=(f"z{k - 1}",))
+
     dags = {
-        "zeros": OpDAG(inputs=(x1,), nodes=tuple(OpNode(name=f"z{i}", op="aten.zeros.default", args=([n],), out=(meta(n),))
-                                                 for i in range(8)), outputs=("z7",)),
+        "zeros8": zeros(8),                # 8 GiB: within a big node's memory, shape inference only, then accepted
+        "zeros1T": zeros(256, 2**30),      # 1 TiB: over any node's budget, refused before anything runs
         "mm": OpDAG(inputs=(x1,), nodes=(OpNode(name="o", op="aten.ones.default", args=([m, m],), out=(meta(m, m),)),
                                          OpNode(name="p", op="aten.mm.default", args=(Ref("o"), Ref("o")), out=(meta(m, m),))),
                     outputs=("p",)),
@@ -48,6 +54,22 @@ def bomb_dags() -> dict[str, bytes]:
                                                     out=tuple(meta(1) for _ in range(100))),), outputs=()),
     }
     return {k: encode_dag(v) for k, v in dags.items()}
+
+
+# ---------------------------------------------------------------------------------------- records
+def signed_record(identity: Identity, t: str, body: dict[str, Any]) -> bytes:
+    """A swarm record (wire/records.py envelope) with any body, correctly signed by *identity*."""
+    b = packb(body)
+    return packb({"v": 1, "t": t, "b": b, "s": identity.sign(t.encode() + b"\x00" + b)})
+
+
+def inf_profile_record(identity: Identity) -> bytes:
+    """The record that took down a node and then the bootstrap relaying it (issue 15): a self-signed
+    heartbeat whose device profile claims infinite memory and FLOP/s."""
+    profile = {"device": "cpu", "kind": "cpu", "name": "x", "flops_fp32": math.inf, "flops_bf16": 0.0,
+               "memory_bytes": math.inf, "threads": 1, "versions": []}
+    return signed_record(identity, "node", {"peer": identity.peer_id, "role": "node", "addrs": [], "profile": profile,
+                                            "started": 0.0, "seq": 2**62, "leaving": False, "hb": 1.0})
 
 
 # ------------------------------------------------------------------------------------- data plane
@@ -68,7 +90,7 @@ async def half_sent(dp: DataPlane, peer: str, *, announce: int, send: int) -> Bu
 
 
 # ------------------------------------------------------------------------------------------ probes
-def lying_probe_server(rate: object = math.inf) -> Callable[[Stream], object]:
+def lying_probe_server(rate: object = math.inf) -> Callable[[Stream], Awaitable[None]]:
     """A PROBE handler that answers every transfer with *rate* as its measurement (and never says busy)."""
 
     async def serve(stream: Stream) -> None:
@@ -98,4 +120,4 @@ def lying_probe_server(rate: object = math.inf) -> Callable[[Stream], object]:
     return serve
 
 
-__all__ = ["bomb_dags", "half_sent", "lying_probe_server"]
+__all__ = ["bomb_dags", "half_sent", "inf_profile_record", "lying_probe_server", "signed_record"]
