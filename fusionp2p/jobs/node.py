@@ -149,7 +149,9 @@ class NodeJobService:
         self.content.install()
         gossip = await self.transport.subscribe(TOPIC_JOBS)   # keeps us in the jobs topic's mesh
         # exit order: the jobs' tasks, then the acceptor (goodbye on every accepted channel), then the plane
-        async with (open_data_plane(self.transport, config=dp_cfg, admit=self._admits) as dp,
+        # refusals: the swarm's table where it has one (the hostile-input work adds SwarmNode.refusals)
+        async with (open_data_plane(self.transport, config=dp_cfg, admit=self._admits,
+                                    refusals=getattr(self.swarm, "refusals", None)) as dp,
                     open_resilient_acceptor(config=self.config.channels(), peer_gone=self.peer_gone) as acc,
                     trio.open_nursery() as nursery):
             self._dp, self._nursery = dp, nursery

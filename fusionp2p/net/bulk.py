@@ -71,7 +71,7 @@ class DataPlane:
     """A node's data plane: dials and accepts :class:`BulkChannel` s (create with :func:`open_data_plane`)."""
 
     def __init__(self, transport: Transport, cfg: DataPlaneConfig, nursery: trio.Nursery, host: str, port: int,
-                 admit: Callable[[str], bool] | None = None) -> None:
+                 admit: Callable[[str], bool] | None = None, refusals: Refusals | None = None) -> None:
         self._transport = transport
         self._cfg = cfg
         self._nursery = nursery
@@ -81,7 +81,7 @@ class DataPlane:
         self.admission = Admission(max_handshakes=cfg.max_handshakes, max_peer_tickets=cfg.max_peer_tickets,
                                    max_channels=cfg.max_channels, max_peer_channels=cfg.max_peer_channels)
         self.budget = BufferBudget(max_total=cfg.max_buffered, max_peer=cfg.max_peer_buffered)
-        self.refusals = Refusals()
+        self.refusals = refusals if refusals is not None else Refusals()   # the node's, when it has one
         self._tickets: dict[bytes, _Ticket] = {}
         self._incoming_send, self.incoming = trio.open_memory_channel[BulkChannel](cfg.incoming_buffer)
         self._closed = False
@@ -295,16 +295,19 @@ def _tune(stream: trio.SocketStream, cfg: DataPlaneConfig) -> None:
 
 @asynccontextmanager
 async def open_data_plane(transport: Transport, *, config: DataPlaneConfig | None = None,
-                          admit: Callable[[str], bool] | None = None, **overrides: Any) -> AsyncIterator[DataPlane]:
+                          admit: Callable[[str], bool] | None = None, refusals: Refusals | None = None,
+                          **overrides: Any) -> AsyncIterator[DataPlane]:
     """``async with open_data_plane(transport, listen_host="127.0.0.1") as dp:`` — registers the
     BULK_TICKET handler on *transport*, listens on TCP, and closes every channel on exit.
     *admit* decides which authenticated peers may open channels to us (None: every one; a node's job
-    service passes its own). Keyword overrides are :class:`DataPlaneConfig` fields."""
+    service passes its own); refused tickets are counted in *refusals* (the node's table, so that a
+    flooder is banned across its services; a table of its own when None). Keyword overrides are
+    :class:`DataPlaneConfig` fields."""
     cfg = replace(config or DataPlaneConfig(), **overrides) if overrides else (config or DataPlaneConfig())
     async with trio.open_nursery() as nursery:
         listeners = await trio.open_tcp_listeners(cfg.listen_port, host=cfg.listen_host)
         sockname = listeners[0].socket.getsockname()
-        dp = DataPlane(transport, cfg, nursery, sockname[0], int(sockname[1]), admit=admit)
+        dp = DataPlane(transport, cfg, nursery, sockname[0], int(sockname[1]), admit=admit, refusals=refusals)
         await nursery.start(trio.serve_listeners, dp.handle_tcp, listeners)
         transport.set_stream_handler(BULK_TICKET, dp.handle_ticket)
         try:
