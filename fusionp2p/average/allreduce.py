@@ -22,6 +22,12 @@ owner died before publishing cannot be known: the round then finishes ``complete
 with the reason) and the caller must not load anything from it. A message tagged with another
 epoch comes from a live peer that sees a different replica set: it contributes nothing, and the
 round is skipped, but the peer is NOT marked lost (no cascade of false deaths).
+
+Hostile parts. A part is a peer's tensor on its way into every replica's parameters, so
+:meth:`AllReduceRound.receive` refuses (RemoteProtocolError; the shell then drops that peer from
+the round and counts it) a part holding a NaN or an infinity, and a scatter part whose weight is
+not within a factor ``max_weight_ratio`` of this replica's own (a weight of 1e30 let one replica
+dictate the mean; 1e39, finite as a double but not as fp32, made the mean raise).
 """
 
 from __future__ import annotations
@@ -97,7 +103,12 @@ class _Phase:
 class AllReduceRound:
     """Reduce-scatter + all-gather of one flat fp32 vector among ``peers`` (this replica is ``me``)."""
 
-    def __init__(self, *, peers: Sequence[str], me: str, n_elems: int, round_id: int, epoch: str) -> None:
+    def __init__(self, *, peers: Sequence[str], me: str, n_elems: int, round_id: int, epoch: str,
+                 weight: float = 1.0, max_weight_ratio: float = 4.0) -> None:
+        if not (weight > 0 and math.isfinite(weight)) or not max_weight_ratio >= 1:
+            raise LocalProtocolError("weight must be positive and finite, max_weight_ratio >= 1")
+        self.weight = weight
+        self.max_weight_ratio = max_weight_ratio
         if len(set(peers)) != len(peers):
             raise LocalProtocolError("replica list has duplicates")
         if me not in peers:
@@ -137,14 +148,17 @@ class AllReduceRound:
         return frozenset(self._gather.pending)
 
     # ------------------------------------------------------------------ inputs
-    def start(self, snap: torch.Tensor, weight: float = 1.0) -> list[Action]:
-        """Send the slices of the snapshot *snap* (flat, fp32) to their owners."""
+    def start(self, snap: torch.Tensor, weight: float | None = None) -> list[Action]:
+        """Send the slices of the snapshot *snap* (flat, fp32) to their owners, with *weight* (default: the
+        round's ``weight``; the peers' weights are judged against it)."""
         if self._own_part is not None:
             raise LocalProtocolError("round already started")
         if snap.dim() != 1 or snap.numel() != self.n_elems or snap.dtype != torch.float32:
             raise LocalProtocolError(f"snapshot must be a flat fp32 vector of {self.n_elems} elements")
+        weight = self.weight if weight is None else weight
         if not (weight > 0 and math.isfinite(weight)):
             raise LocalProtocolError("weight must be positive and finite")
+        self.weight = weight
         actions: list[Action] = []
         for k, peer in enumerate(self.peers):
             lo, hi = self.bounds[k]
@@ -179,6 +193,12 @@ class AllReduceRound:
             raise RemoteProtocolError(f"{msg.phase} part from {peer} has the wrong dtype or shape")
         if not (msg.weight > 0 and math.isfinite(msg.weight)) or not math.isfinite(msg.scalar):
             raise RemoteProtocolError(f"{msg.phase} part from {peer} has a bad weight or scalar")
+        r = self.max_weight_ratio
+        if msg.phase == "scatter" and not self.weight / r <= msg.weight <= self.weight * r:
+            raise RemoteProtocolError(f"scatter part from {peer} has weight {msg.weight:g}, not within a factor "
+                                      f"{r:g} of this replica's {self.weight:g}")
+        if not bool(torch.isfinite(msg.data).all()):
+            raise RemoteProtocolError(f"{msg.phase} part from {peer} holds NaN or infinite values")
         phase.got[peer] = msg
         phase.pending.discard(peer)
         return self._advance()

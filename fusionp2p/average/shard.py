@@ -13,6 +13,7 @@ replicas in one process; it is the reference the networked averager must match a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -44,12 +45,16 @@ def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> to
     """
     if not parts or len(parts) != len(weights):
         raise ValueError("weighted_mean needs one weight per part and at least one part")
-    total = float(sum(weights))
-    if not total > 0:
-        raise ValueError("weights must sum to a positive number")
+    if not all(w > 0 and math.isfinite(w) for w in weights):
+        raise ValueError("weights must be positive and finite")
+    # relative to the largest weight, so that no factor overflows fp32 (a weight of 1e39 is a finite
+    # double but not a float: add_(alpha=1e39) raised); the mean is the same
+    top = max(weights)
+    rel = [w / top for w in weights]
+    total = math.fsum(rel)
     acc = torch.zeros_like(parts[0], dtype=torch.float32)
     uniform = all(w == weights[0] for w in weights)
-    for x, w in zip(parts, weights):
+    for x, w in zip(parts, rel):
         if uniform:
             acc.add_(x.to(torch.float32))
         else:

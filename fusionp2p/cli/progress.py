@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fusionp2p.jobs.events import CheckpointSaved, JobStateChanged, PlanChanged, StepProgress
+from fusionp2p.jobs.events import CheckpointSaved, JobStateChanged, PlanChanged, StepProgress, StepSkipped
 from fusionp2p.sdk import Job
 
 
@@ -57,6 +57,8 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
                     seen.ended = time.perf_counter()
             elif isinstance(ev, CheckpointSaved):
                 bar.update(task, info=f"checkpoint step {ev.step} stage {ev.stage}")
+            elif isinstance(ev, StepSkipped):
+                bar.console.print(f"warning: {ev.reason}")
             elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
                 seen.losses.append(ev.loss)
                 seen.tokens_per_s.append(ev.tokens_per_s)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusionp2p.graph.ops import GETITEM, WHITELIST
 
@@ -223,38 +224,144 @@ def _check_getitem(n: OpNode, seen: Mapping[str, OpNode | None], err: type[Excep
         raise err(f"{what}: getitem node {n.name!r} index {n.args[1]} out of range")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DagBudget:
+    """What a DAG from a peer may cost, checked from its declarations alone (:func:`check_budget`).
+
+    ``max_bytes`` is the whole DAG: every input (data, parameters, buffers, constants) plus every
+    value its nodes declare, as if none were ever freed (an upper bound of one micro-batch's forward).
+    The job intake sets it to the node's memory; ``max_tensor_bytes`` bounds any one tensor and
+    ``max_values`` the number of values all nodes declare together (a ``split`` into a million pieces
+    is a million tensor objects even on the meta device).
+    """
+
+    max_bytes: int
+    max_tensor_bytes: int
+    max_values: int
+
+    def __post_init__(self) -> None:
+        if min(self.max_bytes, self.max_tensor_bytes, self.max_values) < 1:
+            raise ValueError("DagBudget bounds must be positive")
+
+
+def check_budget(inputs: tuple[InputSpec, ...], nodes: tuple[OpNode, ...], budget: DagBudget,
+                 err: type[Exception], *, what: str = "DAG") -> int:
+    """Refuse a DAG whose declared tensors exceed *budget*; return its declared bytes.
+
+    Pure arithmetic on the declared shapes: nothing is allocated and nothing runs, so this is the
+    first check a peer's DAG meets. :func:`check_shapes` later proves the declarations true, so a DAG
+    that passes both cannot compute anything larger than it declared.
+    """
+    total = 0
+    for spec in inputs:
+        nb = spec.meta.nbytes
+        if nb > budget.max_tensor_bytes:
+            raise err(f"{what}: input {spec.name!r} of {nb} bytes exceeds the {budget.max_tensor_bytes}-byte tensor limit")
+        total += nb
+    values = 0
+    for n in nodes:
+        values += len(n.out)
+        for m in n.out:
+            if m is not None and m.nbytes > budget.max_tensor_bytes:
+                raise err(f"{what}: node {n.name!r} declares an output over {budget.max_tensor_bytes} bytes")
+        total += n.out_bytes
+    if values > budget.max_values:
+        raise err(f"{what}: its nodes declare {values} values; the limit is {budget.max_values}")
+    if total > budget.max_bytes:
+        raise err(f"{what}: its tensors need {total} bytes, more than this node's budget of {budget.max_bytes}")
+    return total
+
+
+_META = torch.device("meta")
+
+
+class _MetaOnly(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Every operator call inside this mode runs on the ``meta`` device: a factory without a device
+    argument (``zeros``, ``full``, ``arange``...) gets ``device=meta`` before it runs, and a result on
+    any other device is refused. Shape inference then allocates no tensor memory and computes nothing.
+    (Composite operators reach this mode again for each operator they decompose into.)"""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if any(a.name == "device" and a.kwarg_only for a in func._schema.arguments):
+            kwargs["device"] = _META
+        out = func(*args, **kwargs)
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device != _META:
+                raise RuntimeError(f"{func} produced a tensor on {t.device} during shape inference")
+        return out
+
+
+def _dim_size(x: Any, dim: Any) -> int | None:
+    if not isinstance(x, torch.Tensor) or type(dim) is not int or not -x.dim() <= dim < max(x.dim(), 1):
+        return None
+    return int(x.shape[dim]) if x.dim() else 1
+
+
+def _count_bound(op: str, args: list[Any], kwargs: dict[str, Any]) -> int | None:
+    """An upper bound of the number of tensors a list-returning operator will produce, computed from
+    its arguments before it runs (None: not a list-returning operator with a data-sized count)."""
+    def arg(i: int, name: str, default: Any) -> Any:
+        return args[i] if len(args) > i else kwargs.get(name, default)
+
+    x = arg(0, "self", None)
+    if op == "aten.unbind.int":
+        return _dim_size(x, arg(1, "dim", 0))
+    if op == "aten.split.Tensor":
+        size, n = arg(1, "split_size", None), _dim_size(x, arg(2, "dim", 0))
+        if type(size) is not int or size < 1 or n is None:
+            return None   # the operator rejects it itself
+        return max(1, -(-n // size))
+    if op == "aten.chunk.default":
+        chunks, n = arg(1, "chunks", None), _dim_size(x, arg(2, "dim", 0))
+        return min(chunks, max(n, 1)) if type(chunks) is int and n is not None else None
+    if op == "aten.split_with_sizes.default":
+        sizes = arg(1, "split_sizes", None)
+        return len(sizes) if isinstance(sizes, list) else None
+    return None
+
+
 def check_shapes(inputs: tuple[InputSpec, ...], nodes: tuple[OpNode, ...], err: type[Exception], *,
                  what: str = "DAG") -> None:
-    """Run the nodes on ``meta`` tensors (no data, no memory) and check every declared output meta.
+    """Infer every node's output on ``meta`` tensors and check it against the node's declared meta.
 
-    Call after :func:`validate` (which guarantees whitelisted operators and resolvable references).
-    Any failure, including an operator rejecting its arguments, is reported as *err*.
+    Shape inference only: the inputs are meta tensors, every operator runs under :class:`_MetaOnly`
+    (no real allocation, no arithmetic, whatever device its arguments name), and a list-returning
+    operator whose output count would exceed its declared outputs is refused before it runs. Call
+    after :func:`check_budget` and :func:`validate` (which guarantees whitelisted operators and
+    resolvable references). Any failure, including an operator rejecting its arguments, is *err*.
     """
     from fusionp2p.graph.ops import resolve  # local: ops is tiny, but keep the import graph flat
 
-    meta = torch.device("meta")
-    env: dict[str, Any] = {s.name: torch.empty(s.meta.shape, dtype=s.meta.dtype, device=meta) for s in inputs}
+    env: dict[str, Any] = {}
 
     def conv(a: Any) -> Any:
         if isinstance(a, Ref):
             return env[a.name]
         if isinstance(a, (list, tuple)):
             return [conv(x) for x in a]
-        return meta if isinstance(a, torch.device) else a
+        return _META if isinstance(a, torch.device) else a
 
-    for n in nodes:
-        try:
-            val = resolve(n.op)(*[conv(a) for a in n.args], **{k: conv(v) for k, v in n.kwargs})
-        except Exception as exc:
-            raise err(f"{what}: node {n.name!r} ({n.op}) rejects its inputs: {type(exc).__name__}: "
-                      f"{str(exc)[:200]}") from exc
-        got = tuple(val) if n.multi and isinstance(val, (list, tuple)) else (val,)
-        if n.multi != isinstance(val, (list, tuple)) or len(got) != len(n.out):
-            raise err(f"{what}: node {n.name!r} declares {len(n.out)} outputs, the operator gives another structure")
-        for m, v in zip(n.out, got):
-            if m is None:
-                continue
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != m.shape or v.dtype != m.dtype:
-                shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                raise err(f"{what}: node {n.name!r} declares {m.shape} {m.dtype}, computes {shape}")
-        env[n.name] = val
+    with _MetaOnly():  # type: ignore[no-untyped-call]
+        for s in inputs:
+            env[s.name] = torch.empty(s.meta.shape, dtype=s.meta.dtype, device=_META)
+        for n in nodes:
+            args, kwargs = [conv(a) for a in n.args], {k: conv(v) for k, v in n.kwargs}
+            bound = _count_bound(n.op, args, kwargs)
+            if bound is not None and bound > len(n.out):
+                raise err(f"{what}: node {n.name!r} ({n.op}) would produce {bound} outputs, it declares {len(n.out)}")
+            try:
+                val = resolve(n.op)(*args, **kwargs)
+            except Exception as exc:
+                raise err(f"{what}: node {n.name!r} ({n.op}) rejects its inputs: {type(exc).__name__}: "
+                          f"{str(exc)[:200]}") from exc
+            got = tuple(val) if n.multi and isinstance(val, (list, tuple)) else (val,)
+            if n.multi != isinstance(val, (list, tuple)) or len(got) != len(n.out):
+                raise err(f"{what}: node {n.name!r} declares {len(n.out)} outputs, the operator gives another structure")
+            for m, v in zip(n.out, got):
+                if m is None:
+                    continue
+                if not isinstance(v, torch.Tensor) or tuple(v.shape) != m.shape or v.dtype != m.dtype:
+                    shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                    raise err(f"{what}: node {n.name!r} declares {m.shape} {m.dtype}, computes {shape}")
+            env[n.name] = val

@@ -34,6 +34,7 @@ from fusionp2p.data import (
     corpus_tokens,
 )
 from fusionp2p.data.corpus import corpus_hash
+from fusionp2p.data.shards import STORAGE_DTYPES
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, PlanError, RemoteProtocolError
 from fusionp2p.graph import OpDAG, coarsen, partition, stages_from_fences, to_workload, trace
 from fusionp2p.graph.program import StageProgram
@@ -112,8 +113,22 @@ class AcceptedJob:
     envelope: bytes = b""   # the publisher-signed spec (offered on to joiners)
 
 
+MAX_MANIFEST_BYTES = 16 << 20   # a ShardManifest of MAX_SHARDS (1e5) hashes is about 7 MB
+
+
+def _weights_cap(dag: OpDAG) -> int:
+    """The largest safetensors blob that can hold exactly the DAG's tensors (data + a JSON header)."""
+    data = sum(t.numel() * t.element_size() for t in dag.tensors.values())
+    return data + 8 + (64 << 10) + 1024 * len(dag.tensors)
+
+
 class NodeJobs:
-    """A node's job intake: verify, fetch by hash, check fit. Raises on anything wrong (never hangs)."""
+    """A node's job intake: verify, fetch by hash, check fit. Raises on anything wrong (never hangs).
+
+    Every fetch is bounded by what is known before it (issue 15, item 8: each blob could be up to
+    2 GiB): the DAG by the node's memory, the weights by the DAG's own tensors, the manifest by its
+    format, each shard by its exact size in the manifest, and the dataset by the node's memory.
+    """
 
     def __init__(self, content: ContentService, profile: DeviceProfile) -> None:
         self.content = content
@@ -126,9 +141,11 @@ class NodeJobs:
         if not spec.resources.fits(memory_bytes=self.profile.memory_bytes, device_kind=self.profile.kind):
             raise JobError(f"job {spec.job_id}: needs {spec.resources}, this node has {self.profile.kind} "
                            f"with {self.profile.memory_bytes} bytes")
-        dag_blob = await self._fetch(spec.model_hash, peers)
-        dag = decode_dag(dag_blob)        # RemoteProtocolError on a non-whitelisted operator
-        weights = load_safetensors_bytes(await self._fetch(spec.weights_hash, peers))
+        memory = self.profile.memory_bytes
+        dag_blob = await self._fetch(spec.model_hash, peers, max_size=min(self.max_blob, memory))
+        # RemoteProtocolError on a non-whitelisted operator, or a DAG whose tensors exceed this node's memory
+        dag = decode_dag(dag_blob, memory_bytes=memory)
+        weights = load_safetensors_bytes(await self._fetch(spec.weights_hash, peers, max_size=_weights_cap(dag)))
         if set(weights) != set(dag.tensors):
             raise JobError(f"job {spec.job_id}: the weights do not match the model's tensors")
         dag = dataclasses.replace(dag, tensors={**dag.tensors, **weights})
@@ -139,28 +156,36 @@ class NodeJobs:
                 raise JobError(f"job {spec.job_id}: this node's built-in corpus {ref.name!r} differs from the publisher's")
             tokens = corpus_tokens(ref.name)
         else:
-            manifest = ShardManifest.decode(await self._fetch(ref.content_hash, peers), expected_hash=ref.content_hash)
+            manifest = ShardManifest.decode(await self._fetch(ref.content_hash, peers, max_size=MAX_MANIFEST_BYTES),
+                                            expected_hash=ref.content_hash)
+            itemsize = STORAGE_DTYPES[manifest.dtype].itemsize
+            if manifest.num_tokens != ref.num_tokens or manifest.num_tokens * itemsize > memory:
+                raise JobError(f"job {spec.job_id}: the dataset's {manifest.num_tokens} tokens do not match its "
+                               f"reference ({ref.num_tokens}) or do not fit this node's memory")
             tokens = ShardedTokens(manifest)
             for i, h in enumerate(manifest.shards):
-                tokens.add(i, await self._fetch(h, peers))
+                lo, hi = manifest.shard_range(i)
+                tokens.add(i, await self._fetch(h, peers, max_size=(hi - lo) * itemsize))
         return AcceptedJob(spec=spec, dag=dag, tokens=tokens, envelope=bytes(envelope))
 
-    async def _fetch(self, h: str, peers: Sequence[str]) -> bytes:
-        """From *peers* first (verified, stored; announcing it on the DHT is left to the caller, see
-        ``fetched``, because a DHT provide can take seconds), then from the DHT's providers."""
+    async def _fetch(self, h: str, peers: Sequence[str], *, max_size: int) -> bytes:
+        """At most *max_size* bytes: from *peers* first (verified, stored; announcing it on the DHT is left
+        to the caller, see ``fetched``, because a DHT provide can take seconds), then from the DHT's
+        providers."""
+        max_size = min(max_size, self.max_blob)
         store = self.content.store
         if store.has(h):
             return store.get(h)
         for peer in peers:
             try:
-                blob = await self.content.fetch_from(peer, h, max_size=self.max_blob)
+                blob = await self.content.fetch_from(peer, h, max_size=max_size)
             except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
                 log.info("fetch of %s from %s failed: %s", h[:16], peer[:12], exc)
                 continue
             store.put(blob)
             self.fetched.append(h)
             return blob
-        return await self.content.fetch(h, max_size=self.max_blob)
+        return await self.content.fetch(h, max_size=max_size)
 
 
 def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile], *,

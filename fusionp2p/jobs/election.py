@@ -26,12 +26,28 @@ Disagreement is logged with the differing snapshot hashes, which is how divergin
 outcome = await el.elect(snapshot, plan)``. It subscribes on entry (so votes published while this
 node is still planning are queued), buffers votes for future epochs, republishes its own vote
 until decided, and bounds every wait with ``move_on_after``. The adopted plan and its quorum of
-votes are stored in the DHT under :func:`plan_key`, so a node that joins late adopts the current
-plan with :func:`fetch_adopted` (it checks the signatures and the quorum).
+votes are stored in the DHT under :func:`plan_key` (one key per epoch), so a node that joins late
+adopts the epoch's plan with :func:`fetch_adopted`.
+
+A DHT record is anyone's to write. A reader therefore trusts nothing in it but the signed votes,
+and replays them against what it knows itself: its own snapshot of the epoch (job, epoch, snapshot
+hash, and the member list, whose peer ids are the keys the votes must verify under). A record that
+names other members (e.g. only its author, with one self-signed vote and a plan giving it every
+stage), another epoch or another snapshot is refused. A writer keeps an existing record only if it
+passes the same check; anything else under the epoch's key (a forged record, e.g. one claiming a
+huge epoch to keep honest nodes from storing theirs) is overwritten.
+
+The DHT itself keeps the better of two records (:func:`rank_plan_record`, registered on every
+node, client and bootstrap by ``jobs/records.py``): a record must elect its plan among the members it
+lists, and one with two or more voters outranks any single-voter record, whatever epoch that claims.
+Without a ranking the DHT kept the first (py-libp2p) or the newest-claimed value, and a forger who
+watches the first vote on gossip always writes first: a member that had missed the winners' votes
+then found only the forgery and failed its election.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -58,9 +74,17 @@ MAX_RECORD_BYTES = DEFAULT_LIMITS.max_control_frame
 Verifier = Callable[[str, bytes, bytes], bool]
 
 
-def plan_key(job: str) -> str:
-    """DHT key of a job's adopted plan record."""
-    return f"/fusionp2p/plan/{job}"
+PLAN_PREFIX = "/fusionp2p/plan/"
+
+
+def plan_key(job: str, epoch: int) -> str:
+    """DHT key of a job's adopted plan record for one epoch."""
+    return f"{PLAN_PREFIX}{job}/{epoch}"
+
+
+def latest_key(job: str) -> str:
+    """DHT key of the job's latest adopted plan, for a reader without a snapshot (:func:`fetch_latest`)."""
+    return f"{PLAN_PREFIX}{job}"
 
 
 # -- votes --------------------------------------------------------------------------------------------
@@ -347,7 +371,7 @@ class PlanElector:
         while core.decision is None:
             await trio.sleep(self._cfg.record_poll_s)
             try:
-                data = await self._transport.dht_get(plan_key(core.job))
+                data = await self._transport.dht_get(plan_key(core.job, core.epoch))
             except (FusionError, OSError, trio.BrokenResourceError) as exc:  # best effort: gossip may still decide
                 log.debug("plan record of %s not read: %s", core.job, exc)
                 continue
@@ -371,30 +395,44 @@ class PlanElector:
             await self._transport.publish(self._cfg.topic, data)
 
     async def _store(self, decision: Adopted, plan: Plan, core: Election) -> None:
-        """Publish the adopted plan with its votes for late joiners (keeps the newest epoch)."""
-        old = await self._transport.dht_get(plan_key(decision.job))
+        """Publish the adopted plan with its votes for late joiners, unless the epoch's key already holds
+        a record that verifies against this election (a forged or malformed one is overwritten)."""
+        key = plan_key(decision.job, decision.epoch)
+        old = await self._transport.dht_get(key)
         if old is not None:
             try:
-                if _record_epoch(old) >= decision.epoch:
-                    return
-            except RemoteProtocolError:
-                pass
+                _verified(old, job=core.job, epoch=core.epoch, members=core.members,
+                          snapshot_hash=plan.snapshot_hash, verifier=core._verify)
+                return
+            except RemoteProtocolError as exc:
+                log.info("plan record of %s/%d replaced: %s", decision.job, decision.epoch, exc)
         # Every vote goes in, so that a reader can replay the election (quorum or tie-break).
         record = packb({"job": decision.job, "epoch": decision.epoch, "members": list(core.members),
                         "plan": plan.to_wire(), "votes": [_strip(v).encode() for _, v in sorted(core.votes.items())]})
-        if len(record) <= MAX_RECORD_BYTES:
-            await self._transport.dht_put(plan_key(decision.job), record)
+        if len(record) > MAX_RECORD_BYTES:
+            return
+        await self._transport.dht_put(key, record)
+        if not await self._newer_latest(core):
+            await self._transport.dht_put(latest_key(decision.job), record)
+
+    async def _newer_latest(self, core: Election) -> bool:
+        """Whether the job's latest-plan record is of this epoch or a later one, elected (among the members
+        it lists) by voters at least one of whom is a member of ours; a record no member of ours voted for
+        (e.g. one claiming epoch 2**62, to keep honest nodes from storing theirs) is replaced."""
+        old = await self._transport.dht_get(latest_key(core.job))
+        if old is None:
+            return False
+        try:
+            members, _, plan, votes = _read_record(old)
+            elected = _self_elected(members, plan, votes, core._verify)
+        except RemoteProtocolError:
+            return False
+        return plan.job == core.job and plan.epoch >= core.epoch and bool(set(elected) & set(core.members))
 
 
 def _strip(v: Vote) -> Vote:
     return Vote(job=v.job, epoch=v.epoch, plan_hash=v.plan_hash, snapshot_hash=v.snapshot_hash, peer=v.peer,
                 signature=v.signature)
-
-
-def _record_epoch(data: bytes) -> int:
-    m = expect_map(unpackb(data, max_size=MAX_RECORD_BYTES), "plan record")
-    epoch: int = wfield(m, "epoch", int, "plan record")
-    return epoch
 
 
 def _read_record(data: bytes) -> tuple[list[str], bytes, Plan, list[Vote]]:
@@ -416,31 +454,113 @@ def _read_record(data: bytes) -> tuple[list[str], bytes, Plan, list[Vote]]:
     return members, plan_bytes, Plan.from_wire(plan_bytes), votes
 
 
-def parse_adopted(data: bytes, *, verifier: Verifier = verify) -> tuple[int, Plan]:
-    """Check a DHT plan record by replaying its signed votes: (epoch, plan), or RemoteProtocolError.
+def _verified(data: bytes, *, job: str, epoch: int, members: Iterable[str], snapshot_hash: str,
+              verifier: Verifier) -> Plan:
+    """The plan of a DHT record, checked against what the reader knows (see the module docstring):
+    RemoteProtocolError unless it is this job's epoch, computed from this snapshot, names exactly
+    these members, and a replay of its signed votes among *these* members elects it."""
+    rec_members, _, plan, votes = _read_record(data)
+    known = sorted(set(members))
+    if plan.job != job or plan.epoch != epoch:
+        raise RemoteProtocolError(f"plan record: for {plan.job}/{plan.epoch}, not {job}/{epoch}")
+    if plan.snapshot_hash != snapshot_hash:
+        raise RemoteProtocolError("plan record: its plan was computed from another snapshot")
+    if sorted(set(rec_members)) != known:
+        raise RemoteProtocolError("plan record: its member list is not the epoch's")
+    core = Election(job=job, epoch=epoch, members=known, verifier=verifier)
+    for v in votes:
+        core.on_vote(v)
+    decision = core.decision
+    if not isinstance(decision, Adopted) or decision.plan_hash != plan.plan_hash():
+        raise RemoteProtocolError("plan record: its votes do not elect its plan")
+    return plan
 
-    Trust note: the record names its own member list; a reader that knows the members of the
-    epoch (from its own snapshot) should also compare them.
-    """
-    members, _, plan, votes = _read_record(data)
+
+MAX_RECORD_MEMBERS = 1024   # a DHT node replays at most this many signed votes to judge a record
+
+
+def rank_plan_record(value: bytes) -> tuple[int, ...] | None:
+    """The DHT ranking of plan records (``Transport.rank_records``, jobs/records.py): None unless the
+    record's votes elect its plan among the members it lists; then (at least two voters, epoch, voters).
+
+    A record with one voter is what a single identity can forge (itself as the only member): any
+    record with two or more voters outranks it, whatever epoch it claims (a forged epoch 2**62 used
+    to keep honest records out). Among those, the newer epoch, then more voters. Readers still check
+    a record against what they know (:func:`fetch_adopted`, :func:`fetch_latest`)."""
+    h = hashlib.sha256(value).digest()
+    if h in _RANKED:
+        return _RANKED[h]
+    rank: tuple[int, ...] | None
+    try:
+        members, _, plan, votes = _read_record(value)
+        if len(members) > MAX_RECORD_MEMBERS:
+            raise RemoteProtocolError("plan record: too many members")
+        voters = _self_elected(members, plan, votes[: len(set(members))], verify)
+        rank = (int(len(voters) >= 2), plan.epoch, len(voters))
+    except (RemoteProtocolError, ConfigError):
+        rank = None
+    _RANKED[h] = rank   # the DHT ranks the same few values again and again: their signatures are checked once
+    while len(_RANKED) > 256:
+        del _RANKED[next(iter(_RANKED))]
+    return rank
+
+
+_RANKED: dict[bytes, tuple[int, ...] | None] = {}
+
+
+def parse_adopted(data: bytes, snapshot: Snapshot, *, verifier: Verifier = verify) -> tuple[int, Plan]:
+    """Check a DHT plan record against the reader's own *snapshot* of the epoch by replaying its
+    signed votes among the snapshot's members: (epoch, plan), or RemoteProtocolError."""
+    plan = _verified(data, job=snapshot.job, epoch=snapshot.epoch, members=snapshot.peers,
+                     snapshot_hash=snapshot.snapshot_hash(), verifier=verifier)
+    return plan.epoch, plan
+
+
+def _self_elected(members: list[str], plan: Plan, votes: list[Vote], verifier: Verifier) -> tuple[str, ...]:
+    """The voters that elect *plan* among the *members* a record lists; RemoteProtocolError if none do."""
     core = Election(job=plan.job, epoch=plan.epoch, members=members, verifier=verifier)
     for v in votes:
         core.on_vote(v)
     decision = core.decision
     if not isinstance(decision, Adopted) or decision.plan_hash != plan.plan_hash():
         raise RemoteProtocolError("plan record: its votes do not elect its plan")
+    return decision.voters
+
+
+async def fetch_latest(transport: Transport, job: str, *, known: Iterable[str] = ()) -> tuple[int, Plan] | None:
+    """The job's latest adopted plan for a reader that has no snapshot of its epoch: the record's votes
+    must elect its plan among the members *it lists*, which a forger lists as it likes; with *known*
+    (peers the reader already trusts as members, e.g. a publisher's), at least one of the electing
+    voters must be one of them, which a stranger cannot forge. Without *known* (a node asked to join,
+    the ops dashboard) this is "a plan its own voters elected", no more (docs/security.md). A node that
+    has the epoch's snapshot uses :func:`fetch_adopted`."""
+    data = await transport.dht_get(latest_key(job))
+    if data is None:
+        return None
+    trusted = set(known)
+    try:
+        members, _, plan, votes = _read_record(data)
+        if plan.job != job:
+            raise RemoteProtocolError(f"plan record of job {plan.job}, not {job}")
+        voters = _self_elected(members, plan, votes, verify)
+        if trusted and not trusted & set(voters):
+            raise RemoteProtocolError("plan record: none of its voters is a known member")
+    except RemoteProtocolError as exc:
+        log.warning("ignoring the latest plan record of %s: %s", job, exc)
+        return None
     return plan.epoch, plan
 
 
-async def fetch_adopted(transport: Transport, job: str) -> tuple[int, Plan] | None:
-    """The current adopted plan of *job* for a node that joins late, or None (or a bad record)."""
-    data = await transport.dht_get(plan_key(job))
+async def fetch_adopted(transport: Transport, snapshot: Snapshot) -> tuple[int, Plan] | None:
+    """The adopted plan of *snapshot*'s epoch for a node that joins late (or whose election missed
+    votes), or None when there is none (or only a record that does not verify)."""
+    data = await transport.dht_get(plan_key(snapshot.job, snapshot.epoch))
     if data is None:
         return None
     try:
-        return parse_adopted(data)
+        return parse_adopted(data, snapshot)
     except RemoteProtocolError as exc:
-        log.warning("ignoring the plan record of %s: %s", job, exc)
+        log.warning("ignoring the plan record of %s/%d: %s", snapshot.job, snapshot.epoch, exc)
         return None
 
 

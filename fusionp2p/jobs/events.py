@@ -98,8 +98,24 @@ class CheckpointSaved:
     end: int = -1
 
 
-ProgressEvent = StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved
-EVENT_TYPES: dict[str, type[ProgressEvent]] = {c.KIND: c for c in (StepProgress, PlanChanged, MembersChanged, JobStateChanged, CheckpointSaved)}
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepSkipped:
+    """A stage skipped its optimizer step (non-finite gradients: a diverging job, or a peer's NaN)."""
+
+    KIND: ClassVar[str] = "skipped"
+    SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "step": _INT, "stage": _INT, "peer": _STR, "reason": _STR,
+                                        "at": _FLOAT}
+    job: str
+    step: int
+    stage: int
+    peer: str = ""
+    reason: str = ""
+    at: float = 0.0
+
+
+ProgressEvent = StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved | StepSkipped
+EVENT_TYPES: dict[str, type[ProgressEvent]] = {
+    c.KIND: c for c in (StepProgress, PlanChanged, MembersChanged, JobStateChanged, CheckpointSaved, StepSkipped)}
 _MAX_LIST = 4096
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemotePr
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import NodeJobs
 from fusionp2p.jobs.content import ContentService, ContentStore
-from fusionp2p.jobs.election import fetch_adopted
+from fusionp2p.jobs.election import fetch_latest
 from fusionp2p.jobs.events import ProgressEvent, decode_event
 from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.records import register_rankers
@@ -75,6 +76,7 @@ class NodeJobConfig:
     status_interval: float = 10.0      # the leader refreshes the job's status record this often
     offer_retry: float = 60.0          # a node that refused (or did not answer) an offer is asked again after
     offer_ttl: float = 600.0           # an accepted offer that no start follows is forgotten
+    max_offers_per_publisher: int = 2  # offers one peer has pending here (fetching or not started) at once
     replan_retry: float = 20.0         # a leader whose proposed epoch did not take off proposes again after
     max_jobs: int = 4                  # offered or running at once
     max_pending_links: int = 64
@@ -91,8 +93,8 @@ class NodeJobConfig:
                      "status_interval", "offer_retry", "offer_ttl", "replan_retry"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"NodeJobConfig.{name} must be positive")
-        if self.max_jobs < 1 or self.max_pending_links < 1:
-            raise ConfigError("NodeJobConfig.max_jobs and max_pending_links must be >= 1")
+        if self.max_jobs < 1 or self.max_pending_links < 1 or self.max_offers_per_publisher < 1:
+            raise ConfigError("NodeJobConfig.max_jobs, max_pending_links and max_offers_per_publisher must be >= 1")
 
     def channels(self) -> ResilientConfig:
         """Settings of a job's data-plane channels (both the dialing and the accepting side).
@@ -122,6 +124,7 @@ class NodeJobService:
         self._dp: DataPlane | None = None
         self._nursery: trio.Nursery | None = None
         self._subs: dict[str, trio.MemorySendChannel[tuple[str, ProgressEvent]]] = {}
+        self._intakes: Counter[str] = Counter()   # offers being verified and fetched now, by offering peer (hold a slot)
 
     def status(self) -> list[JobView]:
         """The jobs this node holds, as plain data (read by the dashboard and the metrics, ``fusionp2p/ops``)."""
@@ -147,7 +150,9 @@ class NodeJobService:
         self.content.install()
         gossip = await self.transport.subscribe(TOPIC_JOBS)   # keeps us in the jobs topic's mesh
         # exit order: the jobs' tasks, then the acceptor (goodbye on every accepted channel), then the plane
-        async with (open_data_plane(self.transport, config=dp_cfg) as dp,
+        # refusals: the swarm's table where it has one (the hostile-input work adds SwarmNode.refusals)
+        async with (open_data_plane(self.transport, config=dp_cfg, admit=self._admits,
+                                    refusals=getattr(self.swarm, "refusals", None)) as dp,
                     open_resilient_acceptor(config=self.config.channels(), peer_gone=self.peer_gone) as acc,
                     trio.open_nursery() as nursery):
             self._dp, self._nursery = dp, nursery
@@ -160,6 +165,11 @@ class NodeJobService:
             log.info("job service ready (data plane %s:%d)", dp.host, dp.port)
             task_status.started()
             await trio.sleep_forever()
+
+    def _admits(self, peer: str) -> bool:
+        """The data plane issues tickets only to members of a job this node has started (strangers cost
+        nothing there: no key, ticket, socket or thread; net/admission.py)."""
+        return any(nj.members is not None and peer in nj.members for nj in self.jobs.values())
 
     def _bulk_host(self) -> str:
         # Bind the data plane where the transport listens: loopback stays loopback.
@@ -293,10 +303,32 @@ class NodeJobService:
             self.jobs.pop(run.job_id, None)
             self._offers.pop(run.job_id, None)
 
-    async def _offer(self, peer: str, envelope: bytes, via: str | None) -> dict[str, Any]:
-        if sum(not j.state.terminal for j in self.jobs.values()) >= self.config.max_jobs:
-            return {"ok": False, "error": "this node is busy"}
+    def _slots_used(self) -> int:
+        """Jobs holding one of the node's ``max_jobs`` slots: offers still being fetched, offers accepted and
+        not started (until ``offer_ttl``) and running jobs; ended jobs hold none."""
         self._forget_finished()
+        return self._intakes.total() + sum(not j.state.terminal for j in self.jobs.values())
+
+    def _pending_of(self, peer: str) -> int:
+        """Offers from *peer* (the publisher, or a member offering to a joiner) not started yet."""
+        return self._intakes[peer] + sum((j.offered_by or j.publisher) == peer and j.state is JobState.PENDING
+                                         for j in self.jobs.values())
+
+    async def _offer(self, peer: str, envelope: bytes, via: str | None) -> dict[str, Any]:
+        if self._slots_used() >= self.config.max_jobs:
+            return {"ok": False, "error": "this node is busy"}
+        if self._pending_of(peer) >= self.config.max_offers_per_publisher:
+            # one publisher (a hostile one that never starts what it offers) cannot take every slot
+            return {"ok": False, "error": f"this publisher has {self.config.max_offers_per_publisher} offers pending here"}
+        self._intakes[peer] += 1   # concurrent offers each hold a slot while their content is fetched
+        try:
+            return await self._intake(peer, envelope, via)
+        finally:
+            self._intakes[peer] -= 1
+            if self._intakes[peer] <= 0:
+                del self._intakes[peer]
+
+    async def _intake(self, peer: str, envelope: bytes, via: str | None) -> dict[str, Any]:
         profile = self.swarm.profile
         if profile is None:
             return {"ok": False, "error": "this node has no device profile"}
@@ -306,7 +338,7 @@ class NodeJobService:
                 acc = await intake.accept(envelope, peers=[peer])
                 if acc.spec.publisher != peer:
                     # a joiner is offered the job by a member: check it is one (the adopted plan's votes)
-                    rec = await fetch_adopted(self.transport, acc.spec.job_id) if via == acc.spec.job_id else None
+                    rec = await fetch_latest(self.transport, acc.spec.job_id) if via == acc.spec.job_id else None
                     if rec is None or peer not in rec[1].peers:
                         return {"ok": False, "error": "the spec is offered by neither its publisher nor a member"}
         except trio.TooSlowError:

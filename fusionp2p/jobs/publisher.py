@@ -43,7 +43,7 @@ from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
 from fusionp2p.jobs.checkpoint import decode_state, save_stage, stage_path
 from fusionp2p.jobs.content import ContentService
-from fusionp2p.jobs.election import fetch_adopted
+from fusionp2p.jobs.election import fetch_latest
 from fusionp2p.jobs.events import (
     CheckpointSaved,
     JobStateChanged,
@@ -303,7 +303,7 @@ class JobDriver:
         if rec.peer not in self.members:
             # a signer we have not seen in the job: believe it only if the adopted plan (a quorum of the
             # members' signed votes, jobs/election.py) names it
-            adopted = await fetch_adopted(self.transport, self.job)
+            adopted = await fetch_latest(self.transport, self.job, known=self.members)   # voted by one we know
             if adopted is None or rec.peer not in adopted[1].peers:
                 log.info("status record of %s signed by %s, who is no member of its plan: ignored",
                          self.job, rec.peer[:12])

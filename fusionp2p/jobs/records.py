@@ -9,7 +9,7 @@ the best of the answers. A value that does not verify ranks below every valid on
 from __future__ import annotations
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.jobs.election import parse_adopted, plan_key
+from fusionp2p.jobs.election import PLAN_PREFIX, rank_plan_record
 from fusionp2p.jobs.spec import decode_signed
 from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import Transport
@@ -42,18 +42,15 @@ def rank_index(value: bytes) -> tuple[int | float, ...] | None:
 
 
 def rank_plan(value: bytes) -> tuple[int | float, ...] | None:
-    try:
-        epoch, _ = parse_adopted(value)
-    except RemoteProtocolError:
-        return None
-    return (epoch,)
+    """Plan records (per epoch and the job's latest): ``jobs/election.py:rank_plan_record``."""
+    return rank_plan_record(value)
 
 
 def register_rankers(transport: Transport) -> None:
     """Rank the job records on *transport* (call once per transport; later calls replace the rankers)."""
     transport.rank_records("/fusionp2p/job/", rank_job_record)
     transport.rank_records("/fusionp2p/publisher/", rank_index)
-    transport.rank_records(plan_key(""), rank_plan)
+    transport.rank_records(PLAN_PREFIX, rank_plan)
 
 
 __all__ = ["rank_index", "rank_job_record", "rank_plan", "register_rankers"]

@@ -56,6 +56,7 @@ from fusionp2p.jobs.events import (
     PlanChanged,
     ProgressEvent,
     StepProgress,
+    StepSkipped,
     encode_event,
 )
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
@@ -455,6 +456,9 @@ class JobRun:
                 rho_out[-1 - (s - 1)] = plan.fences[s - 1].rho
 
         async def report(rep: StageReport) -> None:
+            if rep.skipped:   # the worker skipped a step with non-finite gradients (train/guard.py): say so
+                await self._gossip(StepSkipped(job=self.job_id, step=rep.step, stage=s, peer=self.me,
+                                               reason=rep.skipped, at=time.time()))
             if not rep.eval:
                 self.last = StepStats(step=rep.step, stage=rep.stage, replica=rep.replica, wall_s=rep.wall_s,
                                       compute_s=rep.compute_s, tokens=rep.tokens, loss=rep.loss, averaging=rep.averaging)
@@ -808,7 +812,7 @@ class JobRun:
                 outcome = await el.elect(snap, mine)
                 if isinstance(outcome.decision, Adopted) and outcome.plan is not None:
                     return outcome.plan
-                rec = await fetch_adopted(self.transport, snap.job)
+                rec = await fetch_adopted(self.transport, snap)   # checked against our snapshot and its members
                 if rec is not None and rec[0] == snap.epoch and rec[1].snapshot_hash == snap.snapshot_hash():
                     log.info("job %s: plan %s adopted from the DHT record", snap.job, rec[1].plan_hash()[:12])
                     return rec[1]

@@ -22,6 +22,11 @@ Theory of operation (ARCHITECTURE.md "Planes", LIBP2P_NOTES.md §9):
    raise :class:`~fusionp2p.errors.PeerUnavailable`; a record failing authentication raises
    :class:`~fusionp2p.errors.RemoteProtocolError` and closes the channel. Reconnect by calling
    ``DataPlane.connect`` again once the peer is back (a fresh ticket, fresh keys).
+5. **Admission** (``fusionp2p.net.admission``). A ticket goes only to a peer that ``admit`` accepts
+   (the job service: members of this node's started jobs), within caps on handshakes in progress,
+   tickets per peer and channels per peer and in total; every incoming message's announced size is
+   claimed from a per-peer and a total byte budget before its buffer exists. A refusal is counted
+   in ``refusals`` and costs the peer nothing else: no key, ticket, socket or thread.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,8 +42,10 @@ from typing import Any
 import trio
 
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
+from fusionp2p.net.admission import Admission, BufferBudget
 from fusionp2p.net.aead import new_key
 from fusionp2p.net.bulk_channel import BulkChannel, DataPlaneConfig, _detach
+from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import Stream, Transport
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
@@ -63,12 +70,18 @@ def _ip_from_multiaddrs(addrs: list[str]) -> str | None:
 class DataPlane:
     """A node's data plane: dials and accepts :class:`BulkChannel` s (create with :func:`open_data_plane`)."""
 
-    def __init__(self, transport: Transport, cfg: DataPlaneConfig, nursery: trio.Nursery, host: str, port: int) -> None:
+    def __init__(self, transport: Transport, cfg: DataPlaneConfig, nursery: trio.Nursery, host: str, port: int,
+                 admit: Callable[[str], bool] | None = None, refusals: Refusals | None = None) -> None:
         self._transport = transport
         self._cfg = cfg
         self._nursery = nursery
         self.host = host
         self.port = port
+        self._admit = admit
+        self.admission = Admission(max_handshakes=cfg.max_handshakes, max_peer_tickets=cfg.max_peer_tickets,
+                                   max_channels=cfg.max_channels, max_peer_channels=cfg.max_peer_channels)
+        self.budget = BufferBudget(max_total=cfg.max_buffered, max_peer=cfg.max_peer_buffered)
+        self.refusals = refusals if refusals is not None else Refusals()   # the node's, when it has one
         self._tickets: dict[bytes, _Ticket] = {}
         self._incoming_send, self.incoming = trio.open_memory_channel[BulkChannel](cfg.incoming_buffer)
         self._closed = False
@@ -100,7 +113,8 @@ class DataPlane:
                     streams.append(stream)
                     _tune(stream, cfg)
                     await stream.send_all(reply["ticket"] + bytes([i]))
-                ch = BulkChannel(list(streams), peer, _keys_for_dialer(reply), replace(cfg, cipher=reply["cipher"]))
+                ch = BulkChannel(list(streams), peer, _keys_for_dialer(reply), replace(cfg, cipher=reply["cipher"]),
+                                 budget=self.budget)
                 streams.clear()  # the channel owns the sockets now
                 await self._nursery.start(self._run_channel, ch)
                 await ch._hello.wait()  # set by HELLO, or by a failure
@@ -143,9 +157,26 @@ class DataPlane:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
+    def _refuse(self, peer: str, reason: str, detail: str = "") -> None:
+        self.refusals.refuse(peer, reason, now=trio.current_time(), detail=detail)
+
     async def handle_ticket(self, stream: Stream) -> None:
         """BULK_TICKET handler: issue a one-time ticket and fresh keys to the authenticated peer."""
         peer = stream.remote_peer
+        if self.refusals.banned(peer, now=trio.current_time()):
+            return   # a flooder: refused unread, not even counted (its ban decays on its own)
+        if self._admit is not None and not self._admit(peer):
+            self._refuse(peer, "bulk/not-admitted", "no job of this node has it as a member")
+            return   # the transport closes the stream when its handler returns
+        if not self.admission.start_handshake():
+            self._refuse(peer, "bulk/handshakes", "too many handshakes in progress")
+            return   # the transport closes the stream when its handler returns
+        try:
+            await self._ticket_exchange(stream, peer)
+        finally:
+            self.admission.end_handshake()
+
+    async def _ticket_exchange(self, stream: Stream, peer: str) -> None:
         limits = self._cfg.limits
         try:
             with trio.fail_after(self._cfg.connect_timeout):
@@ -161,10 +192,15 @@ class DataPlane:
                     log.info("refusing bulk ticket for %s: cipher %r, ours is %r", peer, cipher, self._cfg.cipher)
                     return
                 self._expire()
+                why = self.admission.may_issue(peer)
+                if why:
+                    self._refuse(peer, "bulk/caps", why)
+                    return
                 ticket, k_dial, k_listen = os.urandom(tf.TICKET_SIZE), new_key(), new_key()
                 lanes = min(lanes, self._cfg.lanes)
                 self._tickets[ticket] = _Ticket(peer, k_dial, k_listen, trio.current_time() + self._cfg.ticket_ttl,
                                                 [None] * lanes)
+                self.admission.issued(peer)
                 await stream.send_all(encode_frame(
                     tf.encode_ticket_reply(ticket=ticket, cipher=cipher, k_dial=k_dial, k_listen=k_listen,
                                            host=self._cfg.advertise_host or self.host, port=self.port,
@@ -176,21 +212,29 @@ class DataPlane:
     def _expire(self) -> None:
         now = trio.current_time()
         for t in [t for t, v in self._tickets.items() if v.expires < now]:
-            for sock in self._tickets.pop(t).socks:
+            entry = self._tickets.pop(t)
+            self.admission.ticket_done(entry.peer)
+            for sock in entry.socks:
                 if sock is not None:
                     sock.close()
 
     async def handle_tcp(self, stream: trio.SocketStream) -> None:
         """A dialer arrived on the bulk port with a ticket and a lane index: once every lane of the ticket
         is in, serve the channel (in the task of the last lane to arrive)."""
-        _tune(stream, self._cfg)
-        hello = bytearray()
-        with trio.move_on_after(self._cfg.connect_timeout):
-            while len(hello) < tf.TICKET_SIZE + 1:
-                data = await stream.receive_some(tf.TICKET_SIZE + 1 - len(hello))
-                if not data:
-                    break
-                hello += data
+        if not self.admission.start_handshake():   # unauthenticated yet: only the total is capped
+            await trio.aclose_forcefully(stream)
+            return
+        try:
+            _tune(stream, self._cfg)
+            hello = bytearray()
+            with trio.move_on_after(self._cfg.connect_timeout):
+                while len(hello) < tf.TICKET_SIZE + 1:
+                    data = await stream.receive_some(tf.TICKET_SIZE + 1 - len(hello))
+                    if not data:
+                        break
+                    hello += data
+        finally:
+            self.admission.end_handshake()
         self._expire()
         entry = self._tickets.get(bytes(hello[: tf.TICKET_SIZE])) if len(hello) == tf.TICKET_SIZE + 1 else None
         lane = hello[-1] if entry is not None else 0
@@ -201,15 +245,20 @@ class DataPlane:
         if any(sock is None for sock in entry.socks):
             return
         del self._tickets[bytes(hello[: tf.TICKET_SIZE])]
+        self.admission.ticket_done(entry.peer)
         socks: list[trio.SocketStream | socket.socket] = [sock for sock in entry.socks if sock is not None]
-        ch = BulkChannel(socks, entry.peer, (entry.k_listen, entry.k_dial), self._cfg)
+        ch = BulkChannel(socks, entry.peer, (entry.k_listen, entry.k_dial), self._cfg, budget=self.budget)
         ch._control(tf.HELLO)  # the writer sends it as soon as the channel runs
+        self.admission.channel_opened(entry.peer)
         try:
-            self._incoming_send.send_nowait(ch)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            await ch.aclose()
-            return
-        await self._run_channel(ch)
+            try:
+                self._incoming_send.send_nowait(ch)
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                await ch.aclose()
+                return
+            await self._run_channel(ch)
+        finally:
+            self.admission.channel_closed(entry.peer)
 
     async def _run_channel(self, ch: BulkChannel, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run *ch*, its bytes counted in the transport's traffic meter (plane ``"data"``)."""
@@ -246,15 +295,19 @@ def _tune(stream: trio.SocketStream, cfg: DataPlaneConfig) -> None:
 
 @asynccontextmanager
 async def open_data_plane(transport: Transport, *, config: DataPlaneConfig | None = None,
+                          admit: Callable[[str], bool] | None = None, refusals: Refusals | None = None,
                           **overrides: Any) -> AsyncIterator[DataPlane]:
     """``async with open_data_plane(transport, listen_host="127.0.0.1") as dp:`` — registers the
     BULK_TICKET handler on *transport*, listens on TCP, and closes every channel on exit.
-    Keyword overrides are :class:`DataPlaneConfig` fields."""
+    *admit* decides which authenticated peers may open channels to us (None: every one; a node's job
+    service passes its own); refused tickets are counted in *refusals* (the node's table, so that a
+    flooder is banned across its services; a table of its own when None). Keyword overrides are
+    :class:`DataPlaneConfig` fields."""
     cfg = replace(config or DataPlaneConfig(), **overrides) if overrides else (config or DataPlaneConfig())
     async with trio.open_nursery() as nursery:
         listeners = await trio.open_tcp_listeners(cfg.listen_port, host=cfg.listen_host)
         sockname = listeners[0].socket.getsockname()
-        dp = DataPlane(transport, cfg, nursery, sockname[0], int(sockname[1]))
+        dp = DataPlane(transport, cfg, nursery, sockname[0], int(sockname[1]), admit=admit, refusals=refusals)
         await nursery.start(trio.serve_listeners, dp.handle_tcp, listeners)
         transport.set_stream_handler(BULK_TICKET, dp.handle_ticket)
         try:

@@ -23,11 +23,12 @@ from typing import Any
 import trio
 
 from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemoteProtocolError, leaf_errors
+from fusionp2p.net.admission import BufferBudget
 from fusionp2p.net.aead import CIPHERS, Opener, Sealer, default_cipher
 from fusionp2p.net.channel import TensorMessage
 from fusionp2p.net.tensor_stream import BufferPool, RecordReader, RecordWriter, SlotCursor, Stripe
 from fusionp2p.wire import tensor_frame as tf
-from fusionp2p.wire.limits import DEFAULT_LIMITS, KiB, Limits, MiB
+from fusionp2p.wire.limits import DEFAULT_LIMITS, GiB, KiB, Limits, MiB
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,13 @@ class DataPlaneConfig:
     stripe_min: int = 8 * MiB           # messages from this size on are striped over the lanes
     insecure_plaintext_for_tests: bool = False
     limits: Limits = DEFAULT_LIMITS
+    # what one peer, and all peers together, may cost this node (net/admission.py)
+    max_handshakes: int = 64            # ticket exchanges and TCP lanes waiting for their ticket, at once
+    max_peer_tickets: int = 4           # tickets issued to one peer and not used yet
+    max_channels: int = 256             # accepted channels open at once (each: 2 threads per lane)
+    max_peer_channels: int = 16
+    max_buffered: int = 4 * GiB         # incoming message bytes held (announced, not yet taken by the application)
+    max_peer_buffered: int = 1 * GiB
 
     def __post_init__(self) -> None:
         if self.cipher not in CIPHERS:
@@ -69,6 +77,9 @@ class DataPlaneConfig:
             raise ConfigError("DataPlaneConfig needs 0 < keepalive < dead_after")
         if self.connect_timeout <= 0 or self.ticket_ttl <= 0:
             raise ConfigError("DataPlaneConfig timeouts must be positive")
+        if min(self.max_handshakes, self.max_peer_tickets, self.max_channels, self.max_peer_channels,
+               self.max_buffered, self.max_peer_buffered) < 1:
+            raise ConfigError("DataPlaneConfig caps (max_handshakes ... max_peer_buffered) must be positive")
 
 
 # writer-queue items: (tag, payload, trio.Event to set when done or None)
@@ -142,7 +153,7 @@ class BulkChannel:
     """
 
     def __init__(self, stream: trio.SocketStream | socket.socket | list[trio.SocketStream | socket.socket],
-                 peer: str, keys: tuple[bytes, bytes], cfg: DataPlaneConfig) -> None:
+                 peer: str, keys: tuple[bytes, bytes], cfg: DataPlaneConfig, budget: BufferBudget | None = None) -> None:
         _keep_freed_heap()
         streams = stream if isinstance(stream, list) else [stream]
         if not 1 <= len(streams) <= tf.MAX_LANES:
@@ -154,8 +165,14 @@ class BulkChannel:
         self._peer = peer
         self._cfg = cfg
         self._writer = RecordWriter(Sealer(cfg.cipher, keys[0]), chunk_size=cfg.chunk_size)
+        # every incoming message's announced size is claimed from the budget when its buffer is allocated
+        # (reader thread) and returned when the application takes it (receive) or the channel ends
+        self._budget = budget or BufferBudget(max_total=cfg.max_buffered, max_peer=cfg.max_peer_buffered)
+        self._claims: collections.deque[int] = collections.deque()   # in delivery order (lane 0's)
+        self._claims_lock = threading.Lock()
+        self._claims_open = True
         self._reader = RecordReader(Opener(cfg.cipher, keys[1]), chunk_size=cfg.chunk_size, limits=cfg.limits,
-                                    pool=BufferPool(max_buffers=cfg.window + 2), lanes=len(socks))
+                                    pool=BufferPool(max_buffers=cfg.window + 2), lanes=len(socks), claim=self._claim)
         self._lanes = [_Lane(0, socks[0], self._writer.sealer, self._reader.opener)]
         self._lanes += [_Lane(i, s, Sealer(cfg.cipher, keys[0], lane=i), Opener(cfg.cipher, keys[1], lane=i))
                         for i, s in enumerate(socks[1:], 1)]
@@ -272,6 +289,7 @@ class BulkChannel:
             raise
         except trio.ClosedResourceError:
             raise trio.ClosedResourceError("channel closed") from None
+        self._unclaim_one()
         if self._error is None and not self._peer_closed:
             self._control(tf.ACK, tf.encode_ack(1))
         return TensorMessage(**fields)
@@ -293,6 +311,7 @@ class BulkChannel:
                     await ev.wait()
             graceful = all(ev.is_set() for ev in flushed) and self._error is None
         self._inbox.close()
+        self._unclaim_all()
         self._wake_waiters()
         if graceful:
             # FIN after the CLOSE record, and keep reading until the peer closes too: closing a socket
@@ -306,6 +325,27 @@ class BulkChannel:
             self._shutdown()
 
     # ------------------------------------------------------------------------------------- internals
+    def _claim(self, n: int) -> None:
+        """(a reader thread) A message of *n* bytes is announced: count it against the peer's budget."""
+        with self._claims_lock:
+            if not self._claims_open:
+                raise PeerUnavailable(self._peer, "channel ended")
+            self._budget.claim(self._peer, n)   # RemoteProtocolError over a bound: the channel fails
+            self._claims.append(n)
+
+    def _unclaim_one(self) -> None:
+        """The application took the oldest delivered message."""
+        with self._claims_lock:
+            if self._claims:
+                self._budget.release(self._peer, self._claims.popleft())
+
+    def _unclaim_all(self) -> None:
+        """The channel is over: whatever it still holds is returned, and nothing more is claimed."""
+        with self._claims_lock:
+            self._claims_open = False
+            while self._claims:
+                self._budget.release(self._peer, self._claims.popleft())
+
     def _check_send(self) -> None:
         if self._closed:
             raise trio.ClosedResourceError("channel closed")
@@ -658,6 +698,7 @@ class BulkChannel:
         finally:
             if not self._finished.is_set() or self._error is not None or self._closed:
                 self._shutdown()
+            self._unclaim_all()
 
 
 def _release_item(item: tuple[int, Any, trio.Event | None] | None, to_trio: Any) -> None:

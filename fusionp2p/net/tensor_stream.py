@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,8 +266,9 @@ class RecordReader:
     """
 
     def __init__(self, opener: Opener, *, chunk_size: int, limits: Limits = DEFAULT_LIMITS,
-                 pool: BufferPool | None = None, lanes: int = 1) -> None:
+                 pool: BufferPool | None = None, lanes: int = 1, claim: Callable[[int], None] | None = None) -> None:
         self.opener = opener
+        self.claim = claim   # called with each message's size before its buffer exists; may raise
         self.lanes = lanes
         self.chunk_size = chunk_size
         self.stripes = 0  # striped messages announced so far (slot 0's lane rotates with it)
@@ -337,7 +339,9 @@ class RecordReader:
         return self._buffer(size)
 
     def _buffer(self, n: int) -> memoryview:
-        """A buffer for an incoming message of *n* bytes (pooled when the reader has a pool)."""
+        """A buffer for an incoming message of *n* bytes (pooled when the reader has a pool), claimed first."""
+        if self.claim is not None:
+            self.claim(n)
         return self.pool.get(n) if self.pool is not None else alloc_buffer(n)
 
     def on_plaintext(self, kind: int, plain: bytearray | memoryview, *, owned: bool = False) -> list[Event]:

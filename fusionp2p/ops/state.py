@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import trio
 
 from fusionp2p.errors import ConfigError, FusionError
-from fusionp2p.jobs.election import fetch_adopted
+from fusionp2p.jobs.election import fetch_latest
 from fusionp2p.jobs.status import JobView
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.ops.curves import LossCurves
@@ -124,7 +124,7 @@ class OpsState:
             for job in wanted[: self.limits.plan_fetches]:
                 try:
                     with trio.move_on_after(self.limits.plan_poll):
-                        got = await fetch_adopted(self.swarm.transport, job)
+                        got = await fetch_latest(self.swarm.transport, job)   # display only: the record's own voters
                         if got is not None:
                             self._plans[job] = got[1]
                 except FusionError as exc:

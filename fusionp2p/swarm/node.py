@@ -27,6 +27,7 @@ after one round trip and verify every record itself.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -54,6 +55,8 @@ from fusionp2p.wire.msg import expect_map, packb, unpackb
 from fusionp2p.wire.msg import field as wfield
 from fusionp2p.wire.protocols import PROBE, TOPIC_MEMBERS
 from fusionp2p.wire.records import (
+    MAX_BANDWIDTH,
+    MAX_RTT,
     BandwidthReport,
     Measurement,
     NodeRecord,
@@ -556,9 +559,12 @@ class SwarmNode:
         return self._own_bw
 
     def _report(self) -> BandwidthReport | None:
-        ms = tuple(Measurement(src=self.peer_id, dst=p, bandwidth=ln.bandwidth or 0.0, rtt=ln.rtt or 0.0, samples=ln.samples)
+        # every figure within what peers accept (wire/records.py): one bad figure, whatever its source,
+        # must not make the whole signed report unacceptable (a peer's 1e300 once did)
+        ms = tuple(Measurement(src=self.peer_id, dst=p, bandwidth=_in_range(ln.bandwidth, MAX_BANDWIDTH),
+                               rtt=_in_range(ln.rtt, MAX_RTT), samples=ln.samples)
                    for p, ln in sorted(self._links.items()) if ln.samples)
-        inbound = self._probe_server.best_inbound()
+        inbound = _in_range(self._probe_server.best_inbound(), MAX_BANDWIDTH)
         if not ms and not inbound:
             return None
         self._bw_seq += 1
@@ -576,6 +582,13 @@ class SwarmNode:
                       "alive": self.view.alive(role=None), "dead": sorted(self.view.dead)})
         await stream.send_all(encode_frame(body, max_frame=MAX_VIEW))
         await stream.send_eof()
+
+
+def _in_range(x: float | None, hi: float) -> float:
+    """*x* clamped into ``[0, hi)`` (NaN and None: 0)."""
+    if x is None or not x > 0:
+        return 0.0
+    return x if x < hi else math.nextafter(hi, 0.0)
 
 
 async def fetch_view(transport: Transport, peer: str, *, timeout: float = 10.0) -> dict[str, Any]:

@@ -16,13 +16,24 @@ moved ``MEASURE_BYTES`` (on links that fast a burst is a small part of it, and a
 A shorter one is a *pilot*: the client follows it at once with a transfer sized from the pilot's rate
 to last about ``TARGET_SECONDS`` (at most ``MAX_TRANSFERS`` in all). A pilot's figure is never reported
 as measured; the server applies the same rule before it takes an inbound rate as its downlink figure.
-The server stays reserved for the client from its first transfer to the end of the stream.
+The server is reserved for the client from its first transfer to the end of the stream, for at most
+``SERVER_HOLD`` seconds (the client's own probe deadline) and ``MAX_TRANSFERS`` transfers; after that
+the stream is closed. Each peer's reservations draw on its own token bucket (``SERVER_HOLD`` seconds,
+refilled at ``SERVER_SHARE`` seconds per second), so no peer holds the server more than that share of
+the time in the long run: one stream that pinged every 9 s used to keep the server reserved for as
+long as it liked (20 of 20 honest probes refused as busy over 10 simulated minutes).
+
+The figure the server reports is a peer's claim: the client accepts a rate only when it is finite,
+positive and below ``MAX_BANDWIDTH`` (the bound every node applies to gossiped reports), otherwise the
+probe of that pair fails. A liar can so spoil its own pair's figure, never the prober's whole report
+(a rate of 1e300 or inf used to go into it, and every peer then refused the report).
 All frames use the project's framing (wire/framing.py); control frames are small msgpack maps.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import trio
@@ -32,6 +43,7 @@ from fusionp2p.net.transport import Stream, Transport
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.msg import expect_map, field, packb, unpackb
 from fusionp2p.wire.protocols import PROBE
+from fusionp2p.wire.records import MAX_BANDWIDTH
 
 log = logging.getLogger(__name__)
 
@@ -151,18 +163,76 @@ class ProbeBusy(Exception):
     """The peer is measuring someone else right now; try again later (not a failure)."""
 
 
+SERVER_IDLE = 10.0      # seconds a probe stream may sit without its next control frame
+SERVER_BULK = 30.0      # seconds a bulk transfer may take before the server gives up on it
+SERVER_HOLD = 10.0      # seconds one reservation lasts at most (= ProbeConfig.timeout, the client's deadline)
+SERVER_SHARE = 0.1      # of the time one peer's reservations may take, in the long run
+
+
 class ProbeServer:
     """Server side of PROBE: one bulk transfer at a time, so that measurements do not share the link.
 
-    It also remembers the rate at which the second half of each peer's probe arrived (EMA): our downlink.
+    The reservation is a small state machine with injected time (``now``): :meth:`reserve` grants the
+    server to one peer until ``now + hold``; it ends at :meth:`release`, or by itself at that deadline
+    (whatever the holder's stream does). The time held is drawn from the peer's bucket (``hold`` seconds,
+    refilled at ``share`` per second); a peer with an empty bucket is refused like a busy server. The
+    server also remembers the rate at which the second half of each peer's probe arrived (EMA): our
+    downlink.
     """
 
     MAX_PEERS = 1024
 
-    def __init__(self, *, alpha: float = 0.5) -> None:
-        self._busy = False
+    def __init__(self, *, alpha: float = 0.5, hold: float = SERVER_HOLD, share: float = SERVER_SHARE) -> None:
+        if not (hold > 0 and 0 < share <= 1):
+            raise ConfigError("probe server: hold must be positive, share in (0, 1]")
         self._alpha = alpha
+        self.hold = hold
+        self.share = share
+        self._holder: str | None = None
+        self._since = 0.0
+        self.until = 0.0                          # the current reservation's deadline
+        self._bucket: dict[str, tuple[float, float]] = {}   # peer -> (seconds of holding left, as of when)
         self.inbound: dict[str, float] = {}
+
+    def busy(self, now: float) -> bool:
+        """Whether some peer holds the server at *now*."""
+        self._expire(now)
+        return self._holder is not None
+
+    def holds(self, peer: str, now: float) -> bool:
+        self._expire(now)
+        return self._holder == peer
+
+    def reserve(self, peer: str, now: float) -> bool:
+        """Reserve the server for *peer* until ``now + hold``; False while another peer holds it, or while
+        *peer*'s own reservations exceed its share of the time."""
+        self._expire(now)
+        if self._holder is not None or self._credit(peer, now) <= 0:
+            return False
+        self._holder, self._since, self.until = peer, now, now + self.hold
+        return True
+
+    def release(self, peer: str, now: float) -> None:
+        if self._holder == peer:
+            self._end(now)
+
+    def _expire(self, now: float) -> None:
+        if self._holder is not None and now >= self.until:
+            self._end(self.until)
+
+    def _credit(self, peer: str, now: float) -> float:
+        credit, at = self._bucket.get(peer, (self.hold, now))
+        return min(self.hold, credit + self.share * max(0.0, now - at))
+
+    def _end(self, now: float) -> None:
+        peer = self._holder
+        assert peer is not None
+        left = self._credit(peer, now) - (now - self._since)
+        self._bucket.pop(peer, None)
+        self._bucket[peer] = (left, now)
+        self._holder = None
+        while len(self._bucket) > self.MAX_PEERS:
+            del self._bucket[next(iter(self._bucket))]
 
     async def __call__(self, stream: Stream) -> None:
         await serve_probe(stream, self)
@@ -178,10 +248,6 @@ class ProbeServer:
         return max(self.inbound.values(), default=0.0)
 
 
-SERVER_IDLE = 10.0      # seconds a probe stream may sit without its next control frame
-SERVER_BULK = 30.0      # seconds a bulk transfer may take before the server gives up on it
-
-
 async def serve_probe(stream: Stream, server: ProbeServer | None = None) -> None:
     """Serve one PROBE stream; a protocol violation or a deadline closes it (and frees the server)."""
     try:
@@ -192,7 +258,9 @@ async def serve_probe(stream: Stream, server: ProbeServer | None = None) -> None
 
 async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
     f = _Framed(stream, _CHUNK)
+    peer = stream.remote_peer
     holding = False   # we reserved the server for this client (its first transfer), until the stream ends
+    transfers = 0
     try:
         while True:
             try:
@@ -208,15 +276,21 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
                 n = field(m, "n", int, "probe")
                 if not 0 < n <= MAX_PROBE_BYTES:
                     raise RemoteProtocolError(f"probe of {n} bytes refused")
-                if server is not None and server._busy and not holding:
-                    with trio.fail_after(SERVER_IDLE):
-                        await f.send_ctrl({"op": "busy"})
-                    continue
-                if server is not None and not holding:
-                    server._busy = holding = True
+                now = trio.current_time()
+                limit = SERVER_BULK
+                if server is not None:
+                    if holding and (not server.holds(peer, now) or transfers >= MAX_TRANSFERS):
+                        raise RemoteProtocolError("probe reservation used up")   # closes the stream
+                    if not holding and not server.reserve(peer, now):
+                        with trio.fail_after(SERVER_IDLE):
+                            await f.send_ctrl({"op": "busy"})
+                        continue
+                    holding = True
+                    limit = min(limit, server.until - now)
+                transfers += 1
                 mark = m.get("mark", n)
                 mark = mark if isinstance(mark, int) and 0 < mark < n else n
-                with trio.fail_after(SERVER_BULK):
+                with trio.fail_after(limit):
                     await f.send_ctrl({"op": "go"})
                     got, timed, rate = await f.recv_payload(n, mark)
                     if got != n:
@@ -231,7 +305,7 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
         return
     finally:
         if server is not None and holding:
-            server._busy = False
+            server.release(peer, trio.current_time())
 
 
 class ProbeSession:
@@ -274,10 +348,11 @@ class ProbeSession:
                 if ack.get("n") != size:
                     raise RemoteProtocolError("probe ack does not match")
                 timed, got_rate = ack.get("timed"), ack.get("rate")
-                timed = float(timed) if isinstance(timed, (int, float)) and timed > 0 else 0.0
+                timed = float(timed) if isinstance(timed, (int, float)) and 0 < timed < math.inf else 0.0
+                if isinstance(got_rate, bool) or not isinstance(got_rate, (int, float)) or not 0 <= got_rate < MAX_BANDWIDTH:
+                    raise RemoteProtocolError(f"probe ack claims a rate of {got_rate!r} bytes/s")
                 # the receiver's figure; the sender's whole transfer only where it has none (no time passed)
-                rate = (float(got_rate) if isinstance(got_rate, (int, float)) and got_rate > 0
-                        else size / max(elapsed - self.rtt, 1e-6))
+                rate = float(got_rate) if got_rate > 0 else min(size / max(elapsed - self.rtt, 1e-6), MAX_BANDWIDTH / 2)
                 sent += size
                 transfers += 1
                 bulk_time += elapsed

@@ -59,6 +59,7 @@ class AveragerConfig:
     round_timeout: float = 60.0   # seconds a round may take from its launch, all phases included
     weight: float = 1.0           # this replica's weight in the mean (e.g. its samples per round)
     send_window: int = 8          # queued messages per peer before round tasks block
+    max_weight_ratio: float = 4.0  # a peer's weight outside [w / ratio, w * ratio] is refused (w: ours)
 
     def __post_init__(self) -> None:
         if not (self.round_timeout > 0 and math.isfinite(self.round_timeout)):
@@ -67,6 +68,8 @@ class AveragerConfig:
             raise ConfigError("weight must be positive")
         if self.send_window < 1:
             raise ConfigError("send_window must be >= 1")
+        if not self.max_weight_ratio >= 1:
+            raise ConfigError("max_weight_ratio must be >= 1")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,6 +190,7 @@ class ReplicaAverager:
         self._nursery: trio.Nursery | None = None
         self.last: BoundaryResult | None = None   # the latest boundary's result (for status/metrics)
         self.stats = AveragingStats()               # finished rounds and their durations (for metrics)
+        self.refused: dict[str, int] = {}         # parts refused per peer (NaN, weight out of range...)
 
     def _make_opt(self, flat: torch.Tensor) -> OuterOptimizer:
         lo, hi = shard_bounds(flat.numel(), len(self.alive))[self.alive.index(self.me)]
@@ -255,7 +259,8 @@ class ReplicaAverager:
     async def _run_round(self, rnd: _Round, snap: torch.Tensor, lr: float | None) -> None:
         reinit = self._needs_reinit
         started = trio.current_time()
-        sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=self.n_elems, round_id=rnd.round_id, epoch=self.epoch)
+        sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=self.n_elems, round_id=rnd.round_id, epoch=self.epoch,
+                            weight=self.config.weight, max_weight_ratio=self.config.max_weight_ratio)
         result: RoundResult | None = None
 
         # NOT recursive on purpose: a closure that calls itself is a reference cycle, and the cycle
@@ -314,6 +319,7 @@ class ReplicaAverager:
             return sm.receive(peer, msg)
         except RemoteProtocolError as exc:  # a peer's bad bytes are never our crash: treat it as lost
             log.warning("averaging: bad message from %s: %s", peer, exc)
+            self.refused[peer] = self.refused.get(peer, 0) + 1
             self._dead.add(peer)
             return sm.peer_lost(peer)
 

@@ -17,7 +17,9 @@ Per step the worker makes a fresh pure :class:`~fusionp2p.train.schedule.StageSc
 only moves data: it performs the schedule's actions in order (compute in a worker thread so that
 the channels keep flowing), feeds arrivals back as events, and buffers messages of a later step
 by the step number in their key. Sends never deadlock: every channel has a reader task that
-drains it into an unbounded local queue.
+drains it into a local queue, bounded by two steps' worth of messages (``train/guard.py``: a peer that
+sends more is a protocol error for the job). A step whose gradients are not finite is skipped, and
+too many in a row fail the job (``StepGuard``): a peer's NaN never reaches the parameters.
 
 Links that the plan marks (fence ``rho < 1``) carry AdaTopK-compressed activations forward and
 gradients backward; everything else is sent dense with the identity codec.
@@ -44,6 +46,7 @@ from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
 from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, open_replica_averager
 from fusionp2p.train.config import TrainConfig
+from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
 from fusionp2p.train.schedule import (
     ActivationArrived,
     BackwardDone,
@@ -83,6 +86,7 @@ class StageReport:
     tokens: int                 # tokens this pipeline processed in the step
     eval: bool = False          # the final evaluation pass (forward only, consensus weights)
     averaging: AveragingStats | None = None   # CO2 rounds of this replica so far (None without CO2)
+    skipped: str = ""           # why this step's optimizer step was skipped ("" when it ran)
 
 
 @dataclass(kw_only=True)
@@ -175,6 +179,11 @@ class StageWorker:
         self.src_of = {r.name: r.src for r in self.prog.recv}
         self._closed_links: set[int] = set()
         self._avg: ReplicaAverager | None = None
+        # hostile peers (train/guard.py): bounded queues, and no non-finite value reaches the parameters
+        self._guard = StepGuard(stage=self.prog.stage)
+        self._skipped = ""
+        self._pipe_budget = pipeline_budget(self.prog, ctx.config.micro_batches)
+        self._avg_budget = replica_budget(self.prog, len(ctx.peers), sum(p.numel() for p in self._params))
 
     # ------------------------------------------------------------------ state
     def _layout(self) -> list[tuple[str, int]]:
@@ -263,16 +272,23 @@ class StageWorker:
             last = step + 1 >= self._stop()    # the job's end, or a planned halt asked for meanwhile
             if avg is not None and self._outer is not None and ((step + 1) % self._outer.tau == 0 or last):
                 res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
-                if res.anchor is not None:
-                    self._unflat(res.anchor)
+                self._load_anchor(res.anchor, step)
                 if last:
                     final = await avg.finalize()   # the round still in flight (async mode)
-                    if final is not None and final.anchor is not None:
-                        self._unflat(final.anchor)
+                    if final is not None:
+                        self._load_anchor(final.anchor, step)
             self.completed = step + 1
             if self.ctx.checkpoint is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
                 await self.ctx.checkpoint(step + 1, self.ex.state_dict())
             step += 1
+
+    def _load_anchor(self, anchor: torch.Tensor | None, step: int) -> None:
+        if anchor is None:
+            return
+        if not all_finite([anchor]):   # the round refuses non-finite parts; this is the last line
+            log.warning("stage %d, step %d: averaged anchor is not finite; not loaded", self.prog.stage, step)
+            return
+        self._unflat(anchor)
 
     async def _replica_names(self) -> dict[str, TensorChannel]:
         """Name each replica channel by the replica index its far end announces (a one-message hello)."""
@@ -301,14 +317,18 @@ class StageWorker:
             if msg.job != self.ctx.job:
                 raise RemoteProtocolError(f"message of job {msg.job!r} on a channel of job {self.ctx.job!r}")
             if avg:
+                self._avg_budget.admit(msg)
                 self._avg_send.send_nowait(msg)
             else:
+                self._pipe_budget.admit(msg)
                 self._queue_send.send_nowait((src, msg))
 
     async def _next_message(self, step: int) -> tuple[int, TensorMessage]:
         early = self._early.get(step)
         if early:
-            return early.pop(0)
+            got = early.pop(0)
+            self._pipe_budget.release(got[1])
+            return got
         while True:
             src, msg = await self._receive(self._queue_recv, f"stage {self.prog.stage}, step {step}")
             if msg is _CLOSED:
@@ -317,6 +337,7 @@ class StageWorker:
                     raise PeerUnavailable(f"stage {src}", f"every link of stage {self.prog.stage} closed before step {step} ended")
                 continue
             if msg.step == step:
+                self._pipe_budget.release(msg)
                 return src, msg
             if msg.step < step:
                 raise RemoteProtocolError(f"stage {self.prog.stage}: message of past step {msg.step}")
@@ -410,7 +431,8 @@ class StageWorker:
         await self.ctx.report(StageReport(step=step, stage=prog.stage, replica=self.ctx.replica, loss=loss,
                                           compute_s=compute, wall_s=time.perf_counter() - t0,
                                           tokens=self.ctx.tokens_per_micro * m_count,
-                                          averaging=self._avg.stats if self._avg is not None else None))
+                                          averaging=self._avg.stats if self._avg is not None else None,
+                                          skipped=self._skipped))
 
     async def _send_acts(self, step: int, micro: int, out: Mapping[str, torch.Tensor], *, dense: bool = False) -> None:
         for o in self.prog.send:
@@ -442,6 +464,7 @@ class StageWorker:
         got = {me: mine}
         while len(got) <= len(self.ctx.peers):
             msg = await self._receive(self._avg_recv, f"stage {self.prog.stage}, gradient all-reduce at step {step}")
+            self._avg_budget.release(msg)
             if msg.kind != "grad-avg" or msg.step != step or len(msg.tensors) != 1 or msg.tensors[0].shape != mine.shape:
                 raise RemoteProtocolError(f"stage {self.prog.stage}: bad gradient message {msg.key}")
             got.setdefault(msg.name, msg.tensors[0].to(torch.float32))
@@ -455,6 +478,10 @@ class StageWorker:
 
     def _optimizer_step(self, step: int) -> None:
         cfg = self.ctx.config
+        self._skipped = self._guard.check(step, [p.grad for p in self._params])
+        if self._skipped:
+            self.ex.zero_grad()
+            return
         if cfg.grad_clip is not None and self._params:
             torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip)
         lr = cfg.lr_at(step)

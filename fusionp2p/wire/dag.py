@@ -12,7 +12,10 @@ from the input specs, so a tensor's byte count is fixed by the header and checke
 
 Decoding is bounded (``Limits``) and validates everything before anything is built to run: every
 operator whitelisted, every reference to an input or an earlier node (so no cycle), declared shapes
-re-derived by running the nodes on ``meta`` tensors, exact tensor byte counts. Any violation raises
+re-derived by shape inference on the ``meta`` device (``graph.dag.check_shapes``: no allocation, no
+compute), exact tensor byte counts. Before any of that, the declared tensors of the whole graph are
+checked against a budget (``graph.dag.check_budget``: every tensor, the count of values, and the total
+against the node's memory). Any violation raises
 :class:`~fusionp2p.errors.RemoteProtocolError` naming it.
 """
 
@@ -26,7 +29,18 @@ from typing import Any
 import torch
 
 from fusionp2p.errors import LocalProtocolError, RemoteProtocolError
-from fusionp2p.graph.dag import Arg, InputSpec, OpDAG, OpNode, Ref, TensorMeta, check_shapes, validate
+from fusionp2p.graph.dag import (
+    Arg,
+    DagBudget,
+    InputSpec,
+    OpDAG,
+    OpNode,
+    Ref,
+    TensorMeta,
+    check_budget,
+    check_shapes,
+    validate,
+)
 from fusionp2p.graph.program import BoundaryIn, BoundaryOut, StageProgram
 from fusionp2p.wire.limits import DEFAULT_LIMITS, Limits
 from fusionp2p.wire.msg import expect_map, field, packb, unpackb
@@ -182,11 +196,13 @@ def _unpack(data: bytes | bytearray | memoryview, kind: int, limits: Limits, max
     view = memoryview(data)
     if _HEAD.size + hlen > len(data):
         raise RemoteProtocolError("serialized graph truncated inside its header")
-    head = expect_map(unpackb(view[_HEAD.size:_HEAD.size + hlen], limits=limits, max_size=limits.max_frame), "graph")
+    if hlen > limits.max_dag_header:
+        raise RemoteProtocolError(f"graph header of {hlen} bytes exceeds the limit of {limits.max_dag_header}")
+    head = expect_map(unpackb(view[_HEAD.size:_HEAD.size + hlen], limits=limits, max_size=limits.max_dag_header), "graph")
     return head, view[_HEAD.size + hlen:]
 
 
-def _dec_common(head: dict[str, Any], payload: memoryview, limits: Limits
+def _dec_common(head: dict[str, Any], payload: memoryview, limits: Limits, budget: DagBudget
                 ) -> tuple[tuple[InputSpec, ...], tuple[OpNode, ...], tuple[str, ...], str | None, dict[str, torch.Tensor]]:
     raw_inputs = field(head, "inputs", list, "graph")
     inputs: list[InputSpec] = []
@@ -203,11 +219,10 @@ def _dec_common(head: dict[str, Any], payload: memoryview, limits: Limits
         raise RemoteProtocolError(f"graph has {len(raw_nodes)} nodes; limit is {limits.max_dag_nodes}")
     nodes = tuple(_dec_node(n) for n in raw_nodes)
     for n in nodes:
-        # bound what running the program may allocate, before anything runs
-        if any(m is not None and m.nbytes > limits.max_tensor_bytes for m in n.out):
-            raise RemoteProtocolError(f"graph: node {n.name!r} declares an output over {limits.max_tensor_bytes} bytes")
         if not 0.0 <= n.flops < float("inf"):
             raise RemoteProtocolError(f"graph: node {n.name!r} has flops {n.flops}")
+    # the whole DAG's declared memory against the budget, before any tensor is built or any node runs
+    check_budget(tuple(inputs), nodes, budget, RemoteProtocolError, what="graph")
     outputs = tuple(_str(o, "output") for o in field(head, "outputs", list, "graph"))
     loss = head.get("loss")
     if loss is not None and not isinstance(loss, str):
@@ -237,11 +252,22 @@ def _dec_common(head: dict[str, Any], payload: memoryview, limits: Limits
     return tin, nodes, outputs, loss, tensors
 
 
+def dag_budget(limits: Limits, memory_bytes: int | None = None) -> DagBudget:
+    """The budget of a DAG from a peer: *limits*, and the whole DAG within *memory_bytes* (the node's
+    memory) when given."""
+    total = limits.max_dag_bytes if memory_bytes is None else min(limits.max_dag_bytes, max(memory_bytes, 1))
+    return DagBudget(max_bytes=total, max_tensor_bytes=limits.max_tensor_bytes, max_values=limits.max_dag_values)
+
+
 def decode_dag(data: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_LIMITS,
-               max_bytes: int | None = None) -> OpDAG:
-    """Decode and fully validate an OpDAG; RemoteProtocolError on anything wrong."""
+               max_bytes: int | None = None, memory_bytes: int | None = None) -> OpDAG:
+    """Decode and fully validate an OpDAG; RemoteProtocolError on anything wrong.
+
+    Validation is bounded and allocates no tensor memory beyond the blob's own parameters: the
+    declared tensors of the whole DAG are checked against :func:`dag_budget` (the node's
+    *memory_bytes*) first, then the shapes are proven by inference on the meta device."""
     head, payload = _unpack(data, KIND_DAG, limits, max_bytes)
-    inputs, nodes, outputs, loss, tensors = _dec_common(head, payload, limits)
+    inputs, nodes, outputs, loss, tensors = _dec_common(head, payload, limits, dag_budget(limits, memory_bytes))
     mn = expect_map(head.get("module_names", {}), "module_names")
     st = expect_map(head.get("scope_types", {}), "scope_types")
     if not all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in mn.values()):
@@ -256,10 +282,11 @@ def decode_dag(data: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT
 
 
 def decode_stage(data: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_LIMITS,
-                 max_bytes: int | None = None) -> StageProgram:
-    """Decode and fully validate a StageProgram; RemoteProtocolError on anything wrong."""
+                 max_bytes: int | None = None, memory_bytes: int | None = None) -> StageProgram:
+    """Decode and fully validate a StageProgram; RemoteProtocolError on anything wrong (bounded as
+    :func:`decode_dag`)."""
     head, payload = _unpack(data, KIND_STAGE, limits, max_bytes)
-    inputs, nodes, outputs, loss, tensors = _dec_common(head, payload, limits)
+    inputs, nodes, outputs, loss, tensors = _dec_common(head, payload, limits, dag_budget(limits, memory_bytes))
     stage = field(head, "stage", int, "stage program")
     num = field(head, "num_stages", int, "stage program")
     metas = {s.name: s.meta for s in inputs}

@@ -21,6 +21,9 @@ class Limits:
     max_tensor_bytes: int = 4 * GiB
     max_tensor_dims: int = 8
     max_dag_nodes: int = 200_000
+    max_dag_values: int = 400_000       # tensors all nodes of a DAG declare together (split/unbind outputs)
+    max_dag_header: int = 4 * MiB       # a DAG's msgpack header (GPT-2 124M: 54 KB)
+    max_dag_bytes: int = 1024 * GiB     # a DAG's declared tensors together; the job intake lowers it to the node's memory
 
     def __post_init__(self) -> None:
         for name in ("max_frame", "max_control_frame", "max_gossip", "max_msgpack_items", "max_str"):

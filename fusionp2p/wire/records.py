@@ -26,6 +26,8 @@ MAX_RECORD = 16 * 1024
 MAX_ADDRS = 16
 MAX_MEASUREMENTS = 512
 MAX_BUNDLE_PARTS = 4
+MAX_BANDWIDTH = 1e13    # bytes/s: a measurement or capacity at or above it is refused (80 Tbit/s)
+MAX_RTT = 3600.0        # seconds
 
 Signer = Callable[[bytes], bytes]
 Verifier = Callable[[str, bytes, bytes], bool]
@@ -164,10 +166,10 @@ def _bw(b: dict[str, Any]) -> BandwidthReport:
         if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str)):
             raise RemoteProtocolError("bandwidth report: bad measurement")
         bw, rtt, n = float(item[1]), float(item[2]), int(item[3])
-        if not (0 <= bw < 1e13 and 0 <= rtt < 3600 and n >= 0):
+        if not (0 <= bw < MAX_BANDWIDTH and 0 <= rtt < MAX_RTT and n >= 0):
             raise RemoteProtocolError("bandwidth report: measurement out of range")
         ms.append(Measurement(src=b["peer"], dst=item[0], bandwidth=bw, rtt=rtt, samples=n))
     up, down = field(b, "up", float, "bandwidth report"), field(b, "down", float, "bandwidth report")
-    if not (0 <= up < 1e13 and 0 <= down < 1e13):
+    if not (0 <= up < MAX_BANDWIDTH and 0 <= down < MAX_BANDWIDTH):
         raise RemoteProtocolError("bandwidth report: capacity out of range")
     return BandwidthReport(peer=b["peer"], seq=field(b, "seq", int, "bandwidth report"), uplink=up, downlink=down, measurements=tuple(ms))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from contextlib import AsyncExitStack
 
@@ -14,10 +15,14 @@ from fusionp2p.jobs.election import (
     Failed,
     Outcome,
     PlanElector,
+    Vote,
     fetch_adopted,
+    fetch_latest,
+    latest_key,
     open_elector,
     plan_key,
 )
+from fusionp2p.jobs.records import register_rankers
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.memory import MemoryNetwork, memory_network
 from fusionp2p.net.transport import Transport
@@ -106,7 +111,7 @@ def test_six_nodes_shuffled_records_adopt_the_same_plan_then_one_dies() -> None:
 
                 # A node that joins late adopts the current plan from the DHT.
                 late = net.add_host(Identity(bytes([99]) * 32))
-                got = await fetch_adopted(late, JOB)
+                got = await fetch_adopted(late, snaps[alive[0]])
                 assert got is not None
                 assert got[0] == 1
                 assert got[1].plan_hash() == h1
@@ -201,10 +206,66 @@ def test_a_malformed_plan_record_is_ignored_by_the_record_poll() -> None:
                 snap = local_snapshot(random.Random(3), 0, peers)
                 plan = make_plan(WORKLOAD, snap, seed=7)
                 for votes in ([b"\xc1"], [packb({"t": "plan-vote", "epoch": -1})], [7]):
-                    await hosts[1].dht_put(plan_key(JOB), packb({"job": JOB, "epoch": 0, "members": peers,
+                    await hosts[1].dht_put(plan_key(JOB, 0), packb({"job": JOB, "epoch": 0, "members": peers,
                                                                  "plan": plan.to_wire(), "votes": votes}))
                     el = await stack.enter_async_context(open_elector(hosts[0], ElectionConfig(timeout_s=5)))
                     got = await el.elect(snap, plan)
                     assert isinstance(got.decision, Failed)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def _forged_record(attacker: Identity, snap: Snapshot, *, epoch: int) -> bytes:
+    """A record naming only its author: one self-signed vote, a plan that gives it every stage."""
+    own = make_plan(WORKLOAD, Snapshot(job=JOB, epoch=epoch, members={attacker.peer_id: profile()}, links={}), seed=7)
+    own = dataclasses.replace(own, snapshot_hash=snap.snapshot_hash())
+    vote = Vote.make(job=JOB, epoch=epoch, plan_hash=own.plan_hash(), snapshot_hash=snap.snapshot_hash(),
+                     peer=attacker.peer_id, sign=attacker.sign)
+    return packb({"job": JOB, "epoch": epoch, "members": [attacker.peer_id], "plan": own.to_wire(),
+                  "votes": [vote.encode()]})
+
+
+def test_a_forged_plan_record_is_not_adopted_and_does_not_block_the_honest_one() -> None:
+    """Issue 15, item 6. A member whose election fails reads the epoch's DHT record: the attacker's
+    (only itself as member) must not be adopted. And a record claiming a huge epoch used to stop the
+    honest winners from storing theirs (they kept the "newest"); now they replace anything that does
+    not verify against their own election."""
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with memory_network() as net, AsyncExitStack() as stack:
+                cfg = ElectionConfig(timeout_s=5, record_poll_s=1.0)
+                attacker = Identity(bytes([77]) * 32)
+                evil = net.add_host(attacker)
+                hosts = [net.add_host(Identity(bytes([k + 1]) * 32)) for k in range(3)]
+                for h in hosts:
+                    register_rankers(h)   # as every node, client and bootstrap does
+                peers = sorted(h.peer_id for h in hosts)
+                snap = local_snapshot(random.Random(4), 0, peers)
+                await evil.dht_put(plan_key(JOB, 0), _forged_record(attacker, snap, epoch=0))
+                # alone, the first member cannot reach a quorum (2 of 3); the forged record must not help it
+                lone = await stack.enter_async_context(open_elector(hosts[0], cfg))
+                got = await lone.elect(snap, make_plan(WORKLOAD, snap, seed=7))
+                assert isinstance(got.decision, Failed)
+                assert await fetch_adopted(hosts[0], snap) is None
+                # a record with a huge epoch under the key: the honest winners still store theirs
+                await evil.dht_put(plan_key(JOB, 0), _forged_record(attacker, snap, epoch=2**62))
+                electors = {h.peer_id: await stack.enter_async_context(open_elector(h, cfg)) for h in hosts}
+                out = await run_round(electors, dict.fromkeys(electors, snap))
+                (h0,) = {o.decision.plan_hash for o in out.values() if isinstance(o.decision, Adopted)}
+                stored = await fetch_adopted(hosts[2], snap)
+                assert stored is not None and stored[1].plan_hash() == h0
+                assert attacker.peer_id not in stored[1].peers
+                # written again after the winners: the DHT keeps the record with more voters (jobs/records.py)
+                await evil.dht_put(plan_key(JOB, 0), _forged_record(attacker, snap, epoch=0))
+                again = await fetch_adopted(hosts[0], snap)
+                assert again is not None and again[1].plan_hash() == h0
+                # the job-level record (readers without a snapshot): a forgery with one voter ranks below
+                # the winners' record whatever epoch it claims, and a reader that knows a member refuses it
+                await evil.dht_put(latest_key(JOB), _forged_record(attacker, snap, epoch=2**62))
+                latest = await fetch_latest(hosts[1], JOB)
+                assert latest is not None and latest[1].plan_hash() == h0
+                net.dht[latest_key(JOB)] = _forged_record(attacker, snap, epoch=2**62)   # as on a DHT node that kept it
+                assert await fetch_latest(hosts[1], JOB, known=peers[:1]) is None
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 
@@ -11,11 +12,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.jobs.election import Adopted, Election, Failed, Vote, parse_adopted
+from fusionp2p.jobs.election import (
+    Adopted,
+    Election,
+    Failed,
+    Vote,
+    parse_adopted,
+    rank_plan_record,
+)
 from fusionp2p.net.identity import Identity
 from fusionp2p.plan.opfence import make_plan
+from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.wire.msg import packb
-from tests.unit.test_plan_helpers import chain, snapshot
+from tests.unit.test_plan_helpers import chain, profile, snapshot
 
 IDS = [Identity(bytes([i + 1]) * 32) for i in range(7)]
 MEMBERS = sorted(i.peer_id for i in IDS[:6])
@@ -136,17 +145,61 @@ def test_vote_decode_never_crashes(data: bytes) -> None:
         Vote.decode(data)
 
 
+def _members_snapshot(peers: list[str], *, epoch: int = 3) -> Snapshot:
+    return Snapshot(job="job", epoch=epoch, members={p: profile() for p in peers}, links={})
+
+
 def test_parse_adopted_replays_the_votes() -> None:
-    snap = snapshot(6, job="job", epoch=3)
+    snap = _members_snapshot(MEMBERS)
     plan = make_plan(chain(6), snap)
-    ids = sorted(IDS[:6], key=lambda i: i.peer_id)
-    votes = [Vote.make(job="job", epoch=3, plan_hash=plan.plan_hash(), snapshot_hash=S_A, peer=i.peer_id, sign=i.sign).encode()
-             for i in ids[:4]]
+    votes = [Vote.make(job="job", epoch=3, plan_hash=plan.plan_hash(), snapshot_hash=S_A, peer=p, sign=BY_PEER[p].sign).encode()
+             for p in MEMBERS[:4]]
     rec = {"job": "job", "epoch": 3, "members": MEMBERS, "plan": plan.to_wire(), "votes": votes}
-    assert parse_adopted(packb(rec)) == (3, plan)
+    assert parse_adopted(packb(rec), snap) == (3, plan)
     with pytest.raises(RemoteProtocolError, match="do not elect"):
-        parse_adopted(packb({**rec, "votes": votes[:3]}))
+        parse_adopted(packb({**rec, "votes": votes[:3]}), snap)
     with pytest.raises(RemoteProtocolError):
-        parse_adopted(packb({**rec, "plan": make_plan(chain(6), snap, seed=5).to_wire()}))
+        parse_adopted(packb({**rec, "plan": make_plan(chain(6), snap, seed=5).to_wire()}), snap)
     with pytest.raises(RemoteProtocolError):
-        parse_adopted(packb({**rec, "members": []}))
+        parse_adopted(packb({**rec, "members": []}), snap)
+    with pytest.raises(RemoteProtocolError, match="another snapshot"):   # the same record, read in another epoch's view
+        parse_adopted(packb(rec), _members_snapshot(MEMBERS[:5]))
+
+
+def _forged(members: list[str], plan_snapshot: str, epoch: int = 3) -> bytes:
+    """The attacker's record: a plan giving it every stage, its own signed vote, and the member list it likes."""
+    own = make_plan(chain(6), Snapshot(job="job", epoch=epoch, members={OUTSIDER.peer_id: profile()}, links={}))
+    own = dataclasses.replace(own, snapshot_hash=plan_snapshot)
+    v = Vote.make(job="job", epoch=epoch, plan_hash=own.plan_hash(), snapshot_hash=plan_snapshot, peer=OUTSIDER.peer_id,
+                  sign=OUTSIDER.sign)
+    return packb({"job": "job", "epoch": epoch, "members": members, "plan": own.to_wire(), "votes": [v.encode()]})
+
+
+def test_a_forged_record_naming_only_its_author_is_refused() -> None:
+    """Before: parse_adopted trusted the record's member list, so a record naming only the attacker, with
+    one self-signed vote and a plan giving it every stage, was adopted by a node whose election failed."""
+    snap = _members_snapshot(MEMBERS)
+    honest = snap.snapshot_hash()
+    with pytest.raises(RemoteProtocolError, match="member list"):
+        parse_adopted(_forged([OUTSIDER.peer_id], honest), snap)
+    with pytest.raises(RemoteProtocolError, match="another snapshot"):
+        parse_adopted(_forged([OUTSIDER.peer_id], "0" * 64), snap)
+    with pytest.raises(RemoteProtocolError, match="do not elect"):   # the real members listed, but only its vote
+        parse_adopted(_forged(MEMBERS, honest), snap)
+
+
+def test_the_dht_ranks_plan_records_by_voters_before_epochs() -> None:
+    snap = _members_snapshot(MEMBERS)
+    plan = make_plan(chain(6), snap)
+    votes = [Vote.make(job="job", epoch=3, plan_hash=plan.plan_hash(), snapshot_hash=S_A, peer=p, sign=BY_PEER[p].sign).encode()
+             for p in MEMBERS[:4]]
+    honest = packb({"job": "job", "epoch": 3, "members": MEMBERS, "plan": plan.to_wire(), "votes": votes})
+    forged = _forged([OUTSIDER.peer_id], snap.snapshot_hash())   # self-consistent: one member, its own vote
+    huge = _forged([OUTSIDER.peer_id], snap.snapshot_hash(), epoch=2**62)
+    assert rank_plan_record(honest) == (1, 3, 4)
+    assert rank_plan_record(forged) == (0, 3, 1)
+    # the "newest" record a single identity can forge still ranks below any record with two voters
+    assert rank_plan_record(honest) > rank_plan_record(huge) == (0, 2**62, 1)  # type: ignore[operator]
+    assert rank_plan_record(packb({"job": "job", "epoch": 3, "members": MEMBERS, "plan": plan.to_wire(),
+                                   "votes": votes[:3]})) is None   # 3 of 6: no quorum
+    assert rank_plan_record(b"\xc1") is None

@@ -40,12 +40,12 @@ def test_probe_measures_and_a_busy_server_says_so() -> None:
                 res = await probe(a, b.peer_id, nbytes=MEASURE_BYTES)
                 assert res.nbytes == MEASURE_BYTES and res.bandwidth > 0 and res.rtt >= 0
                 assert res.measured and res.transfers == 1 and res.sent == MEASURE_BYTES
-                server._busy = True          # as while another peer's transfer runs
+                assert server.reserve("other", trio.current_time())   # as while another peer's transfer runs
                 with pytest.raises(ProbeBusy):
                     await probe(c, b.peer_id, nbytes=1024)
-                server._busy = False
+                server.release("other", trio.current_time())
                 assert (await probe(c, b.peer_id, nbytes=1024, max_bytes=1024)).nbytes == 1024
-                assert not server._busy      # released when the client's stream ended
+                assert not server.busy(trio.current_time())      # released when the client's stream ended
 
     trio.run(main)
 
@@ -127,18 +127,18 @@ def test_the_server_is_reserved_for_one_client_between_its_transfers() -> None:
                 assert not res.measured and res.nbytes == 16 * 1024 and res.transfers in (2, 3)
                 res = await probe(a, b.peer_id, nbytes=64 * 1024)
                 assert res.measured and res.transfers in (2, 3) and res.nbytes == MEASURE_BYTES
-                assert not server._busy
+                assert not server.busy(trio.current_time())
                 s = await a.open_stream(b.peer_id, PROBE)
                 await s.send_all(encode_frame(packb({"op": "bulk", "n": 10, "mark": 2}), max_frame=4096))
                 await s.receive_some()                        # "go"
                 await s.send_all(encode_frame(b"x" * 10, max_frame=4096))
                 await s.receive_some()                        # "ack": the server stays ours
-                assert server._busy
+                assert server.busy(trio.current_time())
                 with pytest.raises(ProbeBusy):
                     await probe(c, b.peer_id, nbytes=1024)
                 await s.aclose()
                 await trio.testing.wait_all_tasks_blocked()
-                assert not server._busy
+                assert not server.busy(trio.current_time())
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
@@ -153,9 +153,9 @@ def test_stalled_client_frees_the_server_at_its_deadline() -> None:
             s = await a.open_stream(b.peer_id, PROBE)
             await s.send_all(encode_frame(packb({"op": "bulk", "n": 1000}), max_frame=4096))
             await s.receive_some()           # "go"
-            assert server._busy
+            assert server.busy(trio.current_time())
             await trio.sleep(probe_mod.SERVER_BULK + 1)   # the stalled sender (mock clock)
-            assert not server._busy
+            assert not server.busy(trio.current_time())
             with pytest.raises(PeerUnavailable):
                 await probe(a, "12D3KooWNoSuchPeer", nbytes=1024, timeout=1)
 
