@@ -58,6 +58,7 @@ class EmbeddedNode:
     """One node of the embedded swarm and the scope that stops it."""
 
     index: int
+    identity: Identity
     swarm: SwarmNode
     jobs: NodeJobService
     scope: trio.CancelScope
@@ -99,6 +100,7 @@ class EmbeddedSwarm:
 
     async def _run_node(self, index: int, profile: DeviceProfile, identity: Identity | None, *,
                         task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        identity = identity or Identity.generate()
         transport = self.net.add_host(identity)
         swarm = SwarmNode(transport, self.config.swarm(), profile)
         stopped = trio.Event()
@@ -108,8 +110,8 @@ class EmbeddedSwarm:
                     await nursery.start(swarm.run, [self.bootstrap_addr])
                     service = NodeJobService(swarm, self.home / f"node{index}-{swarm.peer_id[-8:]}", self.config.jobs)
                     await nursery.start(service.run)
-                    task_status.started(EmbeddedNode(index=index, swarm=swarm, jobs=service, scope=scope,
-                                                     stopped=stopped))
+                    task_status.started(EmbeddedNode(index=index, identity=identity, swarm=swarm, jobs=service,
+                                                     scope=scope, stopped=stopped))
         finally:
             stopped.set()
 

@@ -601,8 +601,10 @@ class JobRun:
                 self.svc.nursery.start_soon(self._put_status, self._status(self.life.state, plan))
             gone = sorted(p for p in plan.peers if not self._alive(p))
             stalled = self._cur.ended.is_set() and self._cur.outcome in ("no plan", "halted", "halted before training")
-            if self._led > self.epoch or (self._led == self.epoch and now - self._led_at < cfg.replan_retry):
+            if self._led > self.epoch:
                 continue   # our proposal for the next epoch is under way
+            if self._led == self.epoch and now - self._led_at < cfg.replan_retry and (stalled or self._broken):
+                continue   # the epoch we proposed is still taking off
             if gone or self._broken or stalled:
                 why = (f"members gone: {[p[:12] for p in gone]}" if gone else
                        "pipeline broken" if self._broken else f"epoch {self.epoch} did not take off")

@@ -312,3 +312,48 @@ def test_the_job_outlives_its_publisher_and_is_attached_from_elsewhere(tmp_path:
     assert not any(isinstance(e, JobStateChanged) and e.state in ("failed", "cancelled") for e in first)
     assert [e.state for e in later if isinstance(e, JobStateChanged)][-1] == "done"
     _check_download(tmp_path, built, cfg, later, 1)
+
+
+def test_a_node_restarted_with_its_identity_rejoins_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One replica per stage on 2 nodes: one dies (the survivor goes on alone from the replicated
+    checkpoint), then comes back with the same identity; it is taken in again and the job ends DONE on both."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=60, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
+                      compression="none", checkpoint_every=4, seed=6)
+    back = trio.Event()
+    offer_to, train_step = JobRun._offer_to, StageWorker._train_step
+
+    async def offer_and_note(self: JobRun, peer: str) -> None:
+        await offer_to(self, peer)
+        if peer in self.joiners:
+            back.set()
+
+    async def step_or_wait(self: StageWorker, step: int) -> None:
+        if step == 30:   # this tiny job trains faster than a node restarts: wait until it accepted again
+            with trio.fail_after(60):
+                await back.wait()
+        await train_step(self, step)
+
+    monkeypatch.setattr(JobRun, "_offer_to", offer_and_note)
+    monkeypatch.setattr(StageWorker, "_train_step", step_or_wait)
+    victim: list[EmbeddedNode] = []
+
+    async def main() -> list[ProgressEvent]:
+        with trio.fail_after(150):
+            async with _swarm(2, tmp_path) as (emb, pub, client), trio.open_nursery() as nursery:
+                async def restart() -> None:
+                    await emb.wait_members(1)                  # the bootstrap saw it die
+                    await emb.add_node(TEST_PROFILE, identity=victim[0].identity)
+
+                def on_event(ev: ProgressEvent) -> None:
+                    if isinstance(ev, StepProgress) and ev.step == 9 and not victim:
+                        victim.append(max(emb.nodes, key=lambda n: n.peer_id))
+                        emb.kill(victim[0])
+                        nursery.start_soon(restart)
+
+                return await _publish(pub, await _built(client, cfg, b"r"), tmp_path, on_event)
+
+    events = trio.run(main)
+    plans, _ = _check_done(events, cfg)
+    assert victim[0].peer_id not in plans[1].members     # the first re-plan went on without it
+    assert victim[0].peer_id in plans[-1].members        # and it is back in the last plan
