@@ -88,6 +88,8 @@ if sys.version_info < (3, 11):  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
+HALT_CLOSE_TIMEOUT = 0.3    # seconds a halted epoch's channel waits for a link to say goodbye on
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StartRequest:
@@ -588,6 +590,9 @@ class JobRun:
             plan = self.plan
             if plan is None or self.life.terminal or self._cur.outcome == "done":
                 continue
+            stalled = self._cur.ended.is_set() and self._cur.outcome in ("no plan", "halted", "halted before training")
+            if plan.epoch < self.epoch and not stalled:
+                continue   # the new epoch's plan is being elected: judge it, not the old one
             lead = leader_of(plan.peers, self._alive)
             if lead != self.me:
                 if self._broken and lead is not None and self._told != (self.epoch, lead):
@@ -600,7 +605,6 @@ class JobRun:
                 last_status = now
                 self.svc.nursery.start_soon(self._put_status, self._status(self.life.state, plan))
             gone = sorted(p for p in plan.peers if not self._alive(p))
-            stalled = self._cur.ended.is_set() and self._cur.outcome in ("no plan", "halted", "halted before training")
             if self._led > self.epoch:
                 continue   # our proposal for the next epoch is under way
             if self._led == self.epoch and now - self._led_at < cfg.replan_retry and (stalled or self._broken):
@@ -883,11 +887,13 @@ class JobRun:
         got[name] = ch
 
     async def _close_channels(self) -> None:
-        """Goodbye on each of the epoch's channels, all at once (each bounded by close_timeout)."""
+        """Goodbye on each of the epoch's channels, all at once (each bounded by close_timeout; briefly
+        after a halt "now", when every member is tearing its channels down and nobody waits for goodbyes)."""
+        timeout = HALT_CLOSE_TIMEOUT if self._broken else None
         with trio.CancelScope(shield=True):
             async with trio.open_nursery() as n:
                 for ch in self.channels:
-                    n.start_soon(ch.aclose)
+                    n.start_soon(lambda ch=ch: ch.aclose(timeout=timeout))
             self.channels.clear()
             self.closed.set()
             self.svc.drop_arrived(self.job_id, older_than=self.epoch + 1)

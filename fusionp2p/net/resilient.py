@@ -360,14 +360,14 @@ class ResilientChannel:
                 raise trio.EndOfChannel
             await self._changed.wait()
 
-    async def aclose(self) -> None:
-        """Say goodbye after every message already sent (waiting up to ``close_timeout`` for a link),
-        then close. Messages the peer has not received by then are lost, as with any channel."""
+    async def aclose(self, *, timeout: float | None = None) -> None:
+        """Say goodbye after every message already sent (waiting up to ``close_timeout``, or *timeout*,
+        for a link), then close. Messages the peer has not received by then are lost, as with any channel."""
         if self._closed:
             return
         self._closed = True
         self._wake()
-        with trio.CancelScope(shield=True), trio.move_on_after(self._cfg.close_timeout):
+        with trio.CancelScope(shield=True), trio.move_on_after(self._cfg.close_timeout if timeout is None else timeout):
             while self._error is None and not self._book.peer_closed and self._link is None:
                 if self._peer_gone is not None and self._peer_gone(self._peer):
                     break   # no goodbye to a peer the swarm declared dead or gone: nobody would read it
