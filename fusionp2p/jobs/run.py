@@ -89,6 +89,7 @@ if sys.version_info < (3, 11):  # pragma: no cover
 log = logging.getLogger(__name__)
 
 HALT_CLOSE_TIMEOUT = 0.3    # seconds a halted epoch's channel waits for a link to say goodbye on
+OFFER_AGAIN = 2.0           # seconds before a joiner that could not be reached is offered the job again
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -663,7 +664,9 @@ class JobRun:
                                                                    "via": self.job_id},
                                             timeout=self.svc.config.accept_timeout)
         except (PeerUnavailable, RemoteProtocolError) as exc:
+            # not a refusal: a node that just joined may not serve jobs yet; ask again soon
             log.info("offer of %s to joiner %s: %s", self.job_id, peer[:12], exc)
+            self._offered[peer] = trio.current_time() - self.svc.config.offer_retry + OFFER_AGAIN
             return
         if reply.get("ok"):
             log.info("job %s: %s accepted as a joiner", self.job_id, peer[:12])
