@@ -32,7 +32,7 @@ import queue
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
@@ -257,10 +257,16 @@ class Swarm:
 
     async def _run_job(self, job: Job, built: BuiltJob) -> None:
         assert self._publisher is not None
+        pub = self._publisher
+        await self._drive(job, lambda: pub.run_job(built, job._emit, job.home / "checkpoints"))
+
+    async def _drive(self, job: Job, body: Callable[[], Awaitable[None]]) -> None:
+        """Run the publisher's side of *job* (submit or attach) with the job's cancel scope; every way it
+        ends becomes the job's terminal event."""
         try:
             with trio.CancelScope() as scope:
                 job._cancel = scope
-                await self._publisher.run_job(built, job._emit, job.home / "checkpoints")
+                await body()
             if scope.cancelled_caught:
                 job._emit(JobStateChanged(job=job.id, state=JobState.CANCELLED.value, reason="cancelled by the publisher",
                                           at=time.time()))
@@ -314,18 +320,9 @@ class Swarm:
 
     async def _attach_job(self, job: Job) -> None:
         assert self._publisher is not None
-        try:
-            with trio.CancelScope() as scope:
-                job._cancel = scope
-                await self._publisher.attach_job(job.id, job._emit, job.home / "checkpoints",
-                                                  steps=job.spec.config.steps)
-            if scope.cancelled_caught:
-                job._emit(JobStateChanged(job=job.id, state=JobState.CANCELLED.value, reason="cancelled by the publisher",
-                                          at=time.time()))
-        except Exception as exc:   # never leave the user's wait() hanging
-            log.exception("job %s failed", job.id)
-            job._emit(JobStateChanged(job=job.id, state=JobState.FAILED.value, reason=f"{type(exc).__name__}: {exc}",
-                                      at=time.time()))
+        pub = self._publisher
+        await self._drive(job, lambda: pub.attach_job(job.id, job._emit, job.home / "checkpoints",
+                                                       steps=job.spec.config.steps))
 
     def job_status(self, job_id: str, *, timeout: float = 60.0) -> JobStatus | None:
         """The job's signed status record in the swarm (any key may read it), or None if there is none."""

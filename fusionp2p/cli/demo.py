@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from fusionp2p.cli.progress import follow
+from fusionp2p.cli.progress import follow_and_download
 from fusionp2p.data import BuiltinCorpus
-from fusionp2p.errors import JobError
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
 from fusionp2p.sdk import Swarm
 from fusionp2p.train.config import TrainConfig
@@ -53,22 +52,12 @@ def demo_config(steps: int, nodes: int) -> TrainConfig:
 def _train(swarm: Swarm, steps: int, nodes: int, out: Path, console: Console) -> int:
     job = swarm.publish(model=demo_model(), dataset=BuiltinCorpus(seq_len=SEQ_LEN), config=demo_config(steps, nodes),
                         name="demo")
-    try:
-        seen = follow(job, console)
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: cancelling the job[/]")
+    def interrupted() -> int:
+        console.print("[yellow]interrupted: cancelling the job[/]")   # the demo's swarm stops with it
         job.cancel()
-        raise
-    try:
-        job.wait(timeout=5)
-    except JobError as exc:
-        console.print(f"[red]job failed[/]: {exc}")
-        return 1
-    path = job.download(out)
-    table = seen.summary(job)
-    table.add_row("model", str(path))
-    console.print(table)
-    return 0
+        raise KeyboardInterrupt
+
+    return follow_and_download(job, console, out, on_interrupt=interrupted)
 
 
 def run_demo(nodes: int = 4, steps: int = 60, out: Path = Path("out/demo"), *, embedded: bool = False,

@@ -100,25 +100,14 @@ def _wait_running(job: Job, timeout: float = 600.0) -> None:
 
 
 def _follow_and_download(job: Job, console: Any, out: Path) -> int:
-    from fusionp2p.cli.progress import follow
+    from fusionp2p.cli.progress import follow_and_download
 
-    try:
-        seen = follow(job, console)
-    except KeyboardInterrupt:
+    def detached() -> int:
         console.print(f"[yellow]detached[/]: job {job.id} goes on in the swarm; `fusionp2p job attach {job.id}` "
                       f"follows it again, `fusionp2p job cancel {job.id}` stops it")
         return 130
-    try:
-        job.wait(timeout=10)
-    except JobError as exc:
-        console.print(f"[red]{exc}[/]")
-        return 1
-    path = job.download(out)
-    table = seen.summary(job)
-    table.add_row("model", str(path))
-    table.add_row("metrics", str(job.home / "metrics.jsonl"))
-    console.print(table)
-    return 0
+
+    return follow_and_download(job, console, out, on_interrupt=detached, metrics=True)
 
 
 def _list(args: Any, console: Any) -> int:

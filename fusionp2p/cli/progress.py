@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fusionp2p.errors import JobError
 from fusionp2p.jobs.events import CheckpointSaved, JobStateChanged, PlanChanged, StepProgress, StepSkipped
 from fusionp2p.sdk import Job
 
@@ -66,4 +69,26 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
     return seen
 
 
-__all__ = ["Followed", "follow"]
+def follow_and_download(job: Job, console: Console, out: Path, *, on_interrupt: Callable[[], int],
+                        metrics: bool = False) -> int:
+    """Show *job* live to its end, download the model to *out* and print the summary: 0 when DONE, 1 when
+    it failed, ``on_interrupt()`` after Ctrl-C."""
+    try:
+        seen = follow(job, console)
+    except KeyboardInterrupt:
+        return on_interrupt()
+    try:
+        job.wait(timeout=10)
+    except JobError as exc:
+        console.print(f"[red]job failed[/]: {exc}")
+        return 1
+    path = job.download(out)
+    table = seen.summary(job)
+    table.add_row("model", str(path))
+    if metrics:
+        table.add_row("metrics", str(job.home / "metrics.jsonl"))
+    console.print(table)
+    return 0
+
+
+__all__ = ["Followed", "follow", "follow_and_download"]

@@ -89,5 +89,5 @@ class JobLifecycle:
             self.epoch += 1
         self.state = dst
         self.history.append(t)
-        log.info("job %s: %s -> %s%s", self.job_id, t.src.value, dst.value, f" ({reason})" if reason else "")
+        log.debug("job %s: %s -> %s%s", self.job_id, t.src.value, dst.value, f" ({reason})" if reason else "")
         return t

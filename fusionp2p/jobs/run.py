@@ -163,7 +163,9 @@ class JobRun:
 
     def to(self, dst: JobState, reason: str = "") -> None:
         if self.life.state is not dst or dst is JobState.PLANNED:
+            src = self.life.state
             self.life.to(dst, now=trio.current_time(), reason=reason)
+            log.info("job %s: %s -> %s%s", self.job_id, src.value, dst.value, f" ({reason})" if reason else "")
         if dst.terminal:
             self.reason = reason
 
