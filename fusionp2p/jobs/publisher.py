@@ -424,7 +424,7 @@ class JobDriver:
                 self._on_plan(ev)
             return
         if isinstance(ev, CheckpointSaved):
-            if (ev.step, ev.stage) not in self._ckpts and ev.peer == sender and sender in self.members:
+            if ev.stage >= 0 and (ev.step, ev.stage) not in self._ckpts and ev.peer == sender and sender in self.members:
                 self._ckpts.add((ev.step, ev.stage))
                 self._emit(ev)
             return

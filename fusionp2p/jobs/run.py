@@ -420,6 +420,13 @@ class JobRun:
             _, st = decode_state(blob, job=self.job_id)
             states.append(st)
             got |= set(st.tensors) & want
+            if src.step == resume.step:
+                # a re-plan's hand-off is a checkpoint of its step too: its holder and every node that
+                # fetched it hold a copy, so it survives the loss of the node that handed it over
+                self._holds(src.step, (src.start, src.end), src.state, self.me)
+                self.svc.nursery.start_soon(self._gossip, CheckpointSaved(
+                    job=self.job_id, step=src.step, stage=-1, peer=self.me, hash=src.state, start=src.start,
+                    end=src.end, at=time.time()))
         missing = sorted(want - got)
         if missing:
             raise JobError(f"no handed-over state holds {missing[:5]} (stage of {len(want)} tensors)")
