@@ -317,7 +317,10 @@ class JobRun:
         self._broken = False
         self.to(JobState.PLANNED, f"epoch {snap.epoch}")
         try:
+            t0 = trio.current_time()
             plan = await self._elect(snap, plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=req.previous))
+            log.info("job %s epoch %d: plan %s adopted in %.1f s", self.job_id, snap.epoch, plan.plan_hash()[:12],
+                     trio.current_time() - t0)
         except PlanError as exc:
             log.warning("job %s epoch %d: %s", self.job_id, snap.epoch, exc)
             cur.outcome = "no plan"
@@ -352,11 +355,17 @@ class JobRun:
                 self._worker_scope = scope
                 if self._broken:
                     scope.cancel()
+                t0 = trio.current_time()
                 restore = await self._gather_state(programs[s], req.resume)
+                log.info("job %s epoch %d: state of stage %d from %d files in %.1f s", self.job_id, plan.epoch, s,
+                         len(req.resume.sources), trio.current_time() - t0)
                 self.to(JobState.RUNNING, f"epoch {plan.epoch}: stage {s} replica {r} from step {req.resume.step}")
                 async with trio.open_nursery() as holders:   # the tasks that hold this epoch's dialed channels open
                     try:
+                        t0 = trio.current_time()
                         links, peers = await self._open_links(plan, programs, s, r, holders)
+                        log.info("job %s epoch %d: %d links up in %.1f s", self.job_id, plan.epoch,
+                                 len(links) + len(peers), trio.current_time() - t0)
                         worker = self._worker = StageWorker(self._context(plan, programs, s, r, links, peers,
                                                                           req.resume, restore))
                         await worker.run()
