@@ -6,8 +6,8 @@ job to the end. The churn run trains the same job while a seeded schedule SIGKIL
 current plan every ``--every`` seconds (no goodbye) and starts a fresh node ``--rejoin`` seconds later;
 the members re-plan around each loss and take the newcomer in.
 
-Per event: the recovery time, from the kill to the next completed step (the job's progress events on
-the publisher). Overall: goodput (steps per second of the training phase under churn / without), and
+Per event: the recovery time, from the kill to the first completed step of a newer epoch (the job's
+progress events on the publisher; steps still finishing in the broken epoch's other pipeline do not count). Overall: goodput (steps per second of the training phase under churn / without), and
 the held-out loss of the two trained models (evaluation batches no step trained on) at the same number
 of steps. Headline: the goodput ratio; ``recovery_s_median`` among the results.
 """
@@ -60,6 +60,7 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
         names = {cluster.peer_id(f"node{i}"): f"node{i}" for i in range(5)}
         job = sw.publish(model=demo_model(), dataset=BuiltinCorpus(seq_len=SEQ_LEN), config=cfg, name="churn")
         plan: list[str] = []
+        epoch = 0
         last_step = -1
         t_run = t_end = 0.0
         next_kill = np.inf
@@ -83,21 +84,24 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
                 next_kill = now + every if churn else np.inf
             elif isinstance(ev, PlanChanged):
                 plan = list(ev.members)
+                epoch = max(epoch, ev.epoch)
             elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
-                for p in pending:
+                for p in [p for p in pending if ev.epoch > p["epoch"]]:
                     p["recovery_s"] = now - p["t"]
                     p["resumed_at_step"] = ev.step
+                    p["resumed_in_epoch"] = ev.epoch
                     events.append(p)
-                pending.clear()
+                    pending.remove(p)
                 last_step = max(last_step, ev.step)
                 t_end = now
                 if now >= next_kill and plan and steps - last_step > 10:
                     victim = rng.choice(sorted(set(plan)))
                     cluster.kill(names[victim])
-                    pending.append({"t": now, "killed": names[victim], "at_step": last_step})
+                    pending.append({"t": now, "killed": names[victim], "at_step": last_step, "epoch": epoch})
                     threading.Thread(target=rejoin_later, args=(now + rejoin,), daemon=True).start()
                     next_kill = now + every
         stop.set()
+        events += [{**p, "recovery_s": None} for p in pending]   # killed too close to the end to re-plan
         job.wait(timeout=30)
         out = home / "model"
         path = job.download(out)
@@ -119,15 +123,18 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="fusionp2p-bench-churn-"))
     base = run(steps, root / "calm", every=every, rejoin=args.rejoin, seed=args.seed, churn=False)
     churn = run(steps, root / "churn", every=every, rejoin=args.rejoin, seed=args.seed, churn=True)
-    rec = [e["recovery_s"] for e in churn["events"]]
+    rec = [e["recovery_s"] for e in churn["events"] if e["recovery_s"] is not None]
     goodput = churn["steps_per_s"] / base["steps_per_s"]
     loss_ratio = churn["held_out_loss"] / base["held_out_loss"]
     print(f"{'run':<10}{'train s':>9}{'steps/s':>9}{'epochs':>8}{'held-out loss':>15}")
     for label, r in (("calm", base), ("churn", churn)):
         print(f"{label:<10}{r['train_s']:>9.1f}{r['steps_per_s']:>9.2f}{r['epochs']:>8}{r['held_out_loss']:>15.3f}")
     for e in churn["events"]:
-        print(f"killed {e['killed']} after step {e['at_step']}: next step after {e['recovery_s']:.1f} s "
-              f"(step {e['resumed_at_step']})")
+        if e["recovery_s"] is None:
+            print(f"killed {e['killed']} after step {e['at_step']}: the job ended before a new epoch stepped")
+        else:
+            print(f"killed {e['killed']} after step {e['at_step']}: a new epoch stepped after "
+                  f"{e['recovery_s']:.1f} s (step {e['resumed_at_step']}, epoch {e['resumed_in_epoch']})")
     med = statistics.median(rec) if rec else float("nan")
     print(f"goodput {goodput:.2f}, recovery median {med:.1f} s over {len(rec)} events, "
           f"held-out loss ratio {loss_ratio:.3f}")

@@ -107,6 +107,9 @@ class NodeJobConfig:
         return ResilientConfig(reconnect_timeout=self.reconnect_timeout, copy_on_send=False)
 
 
+MAX_OFFERERS = 64   # members remembered as having offered one pending job to this node
+
+
 class NodeJobService:
     """Serves JOB requests and runs accepted jobs on one node (see the module docstring)."""
 
@@ -225,7 +228,7 @@ class NodeJobService:
             return {"ok": True, "state": run.state.value, "reason": run.reason, **run.progress()}
         if run is None:
             return {"ok": False, "error": f"no job {job_id} here"}
-        member = (run.members is not None and peer in run.members) or peer == run.offered_by
+        member = (run.members is not None and peer in run.members) or peer in run.offerers
         if op == "cancel":
             if peer != run.publisher:
                 return {"ok": False, "error": "only the publisher cancels a job"}
@@ -272,7 +275,7 @@ class NodeJobService:
         if snap.job != run.job_id:
             return {"ok": False, "error": "the snapshot is for another job"}
         first = run.epoch < 0 and not run.members
-        if first and peer != run.publisher and peer != run.offered_by:
+        if first and peer != run.publisher and peer not in run.offerers:
             return {"ok": False, "error": "the first epoch is started by the publisher or the member that offered it"}
         if not first and peer != run.publisher and (run.members is None or peer not in run.members):
             return {"ok": False, "error": "a re-plan is started by a member of the job"}
@@ -352,6 +355,11 @@ class NodeJobService:
             self._offers[job_id] = trio.current_time()
             if peer != acc.spec.publisher:
                 self.jobs[job_id].offered_by = peer
+        run = self.jobs[job_id]
+        if peer != acc.spec.publisher and run.epoch < 0 and len(run.offerers) < MAX_OFFERERS:
+            # a joiner not started yet takes halts and its first start from any member that offered it the
+            # job (checked above against the adopted plan): the member that leads may have changed since
+            run.offerers.add(peer)
         self.nursery.start_soon(self._provide, intake.fetched)   # we can serve these blobs to others now
         log.info("accepted job %s from %s", job_id, peer[:12])
         return {"ok": True, "job": job_id}

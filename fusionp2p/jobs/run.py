@@ -133,7 +133,8 @@ class JobRun:
         self.closed = trio.Event()
         # step -> (start unit, end unit) -> (stage file hash, nodes holding it)
         self.checkpoints: dict[int, dict[tuple[int, int], tuple[str, list[str]]]] = {}
-        self.offered_by = ""            # the member that offered us the job as a joiner
+        self.offered_by = ""            # the member that first offered us the job as a joiner
+        self.offerers: set[str] = set()  # every member that offered it (a later leader offers it again)
         self.book = ProgressBook(job=self.job_id, steps=self.spec.config.steps)
         self.final: dict[int, tuple[str, tuple[str, ...]]] = {}   # stage -> final state file (hash, holders)
         self.final_losses: dict[int, float] = {}                  # replica -> its final evaluation loss

@@ -51,3 +51,23 @@ def test_one_publisher_cannot_take_every_slot(tmp_path: Path) -> None:
         assert (await svc._offer("member", b"x", None))["error"] == "this publisher has 2 offers pending here"
 
     trio.run(main)
+
+
+def test_a_pending_joiner_takes_a_halt_from_any_member_that_offered_it(tmp_path: Path) -> None:
+    """A joiner offered the job by one leader, then (that leader lost) by the next, answers the new
+    leader's halt; it refused it before, so the leader left it out and re-planned for it again and again."""
+    async def main() -> None:
+        svc = _service(tmp_path)
+        svc.transport = SimpleNamespace(peer_id="me")  # type: ignore[assignment]
+
+        async def halt(at: int | None, *, timeout: float) -> SimpleNamespace:
+            return SimpleNamespace(to_wire=lambda: {"peer": "me", "epoch": 0, "stage": -1})
+
+        run = SimpleNamespace(state=JobState.PENDING, publisher="pub", offered_by="m1", offerers={"m1", "m2"},
+                              members=None, epoch=-1, halt=halt)
+        svc.jobs["j"] = run  # type: ignore[assignment]
+        for peer in ("m1", "m2"):
+            assert (await svc.handle(peer, {"op": "halt", "job": "j", "at": None}))["ok"]
+        assert "no member" in (await svc.handle("m3", {"op": "halt", "job": "j", "at": None}))["error"]
+
+    trio.run(main)
