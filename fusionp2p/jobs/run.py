@@ -152,6 +152,7 @@ class JobRun:
         self._broken = False           # our pipeline broke (a neighbour died): a re-plan is needed
         self._led = -1                 # the newest epoch we proposed as leader
         self._led_at = -math.inf
+        self._led_with: set[str] = set()   # the peers asked to halt for that proposal
         self._told: tuple[int, str] | None = None
         self._wake = trio.Event()
         self._done_from: dict[tuple[int, int], dict[str, Any]] = {}   # leader: (stage, replica) -> done report
@@ -627,9 +628,14 @@ class JobRun:
             gone = sorted(p for p in plan.peers if not self._alive(p))
             if self._led > self.epoch:
                 continue   # our proposal for the next epoch is under way
-            if self._led == self.epoch and now - self._led_at < cfg.replan_retry and (stalled or self._broken):
-                continue   # the epoch we proposed is still taking off
             if gone or self._broken or stalled:
+                # a plan that lost members may need newcomers (too few nodes may be left for it): offer the job
+                # to live nodes outside it; one that accepts is in the next proposal
+                self._offer_joiners(plan)
+                fresh = {p for p in self.joiners if self._alive(p)} - self._led_with
+                if (self._led == self.epoch and now - self._led_at < cfg.replan_retry and (stalled or self._broken)
+                        and not (stalled and fresh)):
+                    continue   # the epoch we proposed is still taking off
                 why = (f"members gone: {[p[:12] for p in gone]}" if gone else
                        "pipeline broken" if self._broken else f"epoch {self.epoch} did not take off")
                 await self._lead(plan, at=None, why=why)
@@ -642,8 +648,8 @@ class JobRun:
             self._broken = True
             self._poke()
 
-    async def _take_in_joiners(self, plan: Plan) -> None:
-        """Offer the job to live nodes outside it; re-plan at a step boundary if one of them gets a role."""
+    def _offer_joiners(self, plan: Plan) -> None:
+        """Offer the job to live nodes outside it (at most once per ``offer_retry`` each)."""
         view = self.svc.swarm.view
         now = trio.current_time()
         for peer in view.alive(role="node"):
@@ -653,6 +659,10 @@ class JobRun:
                 continue
             self._offered[peer] = now
             self.svc.nursery.start_soon(self._offer_to, peer)
+
+    async def _take_in_joiners(self, plan: Plan) -> None:
+        """Offer the job to live nodes outside it; re-plan at a step boundary if one of them gets a role."""
+        self._offer_joiners(plan)
         usable = [p for p in self.joiners if self._alive(p)]
         if not usable:
             return
@@ -698,6 +708,7 @@ class JobRun:
         self._led, self._led_at = self.epoch + 1, trio.current_time()
         targets = sorted({p for p in plan.peers if self._alive(p)} | {p for p in self.joiners if self._alive(p)}
                          | {p for p in (self.members or ()) if self._alive(p)})
+        self._led_with = set(targets)
         log.info("job %s: leading a re-plan from epoch %d (%s) with %d members", self.job_id, self.epoch, why,
                  len(targets))
         halt = {"op": "halt", "job": self.job_id, "at": at}

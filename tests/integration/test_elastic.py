@@ -230,6 +230,49 @@ def test_a_joiner_is_taken_in_at_a_step_boundary(tmp_path: Path, monkeypatch: py
     assert first_new == last_old + 1                       # a planned halt: no step trained twice or lost
 
 
+def test_a_job_left_with_too_few_members_takes_in_a_newcomer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """replicas=2 on 2 nodes; one dies. The survivor cannot plan 2 replicas alone, so it waits, offering
+    the job to every live node outside it; a fresh node that joins later is taken in and the job ends DONE
+    on the two. (Before, the lone leader re-planned alone every replan_retry until the job timed out.)"""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=30, micro_batch=2, micro_batches=2, lr=3e-3, replicas=2, averaging=CO2(tau=2),
+                      compression="none", checkpoint_every=0, seed=5)
+    killed: list[str] = []
+    joined: list[str] = []
+    alone = trio.Event()
+    run_epoch = JobRun._epoch
+
+    async def epoch_and_note(self: JobRun, req: Any) -> bool:
+        done = await run_epoch(self, req)
+        if self._cur.outcome == "no plan":
+            alone.set()   # the survivor found no plan for 2 replicas on its own
+        return done
+
+    monkeypatch.setattr(JobRun, "_epoch", epoch_and_note)
+
+    async def main() -> list[ProgressEvent]:
+        with trio.fail_after(150):
+            async with _swarm(2, tmp_path) as (emb, pub, client), trio.open_nursery() as nursery:
+                async def join_when_alone() -> None:
+                    await alone.wait()
+                    joined.append((await emb.add_node(TEST_PROFILE)).peer_id)
+
+                def on_event(ev: ProgressEvent) -> None:
+                    if isinstance(ev, PlanChanged) and ev.epoch == 0 and not killed:
+                        killed.append(ev.members[-1])
+                    if isinstance(ev, StepProgress) and ev.step == 6 and len(killed) == 1:
+                        killed.append("")
+                        emb.kill(_node(emb, killed[0]))
+                        nursery.start_soon(join_when_alone)
+
+                return await _publish(pub, await _built(client, cfg, b"n"), tmp_path, on_event)
+
+    events = trio.run(main)
+    plans, _ = _check_done(events, cfg)
+    assert plans[0].stage_sizes == (2,) or sum(plans[0].stage_sizes) == 2
+    assert joined and joined[0] in plans[-1].members and killed[0] not in plans[-1].members
+
+
 def test_two_failures_in_a_row_and_one_during_the_replan(tmp_path: Path) -> None:
     """Five nodes, one replica per stage (every loss breaks the pipeline). One dies; while the leader
     halts the others for the re-plan a second one dies; later a third. Each lost stage comes back from
