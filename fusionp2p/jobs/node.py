@@ -256,7 +256,7 @@ class NodeJobService:
                            (units[0], units[1]), holder)
             return {"ok": True}
         if op == "replan":
-            run.on_replan(peer)
+            run.on_replan(peer, job_proto.int_field(req, "epoch", "replan"))
             return {"ok": True}
         if op == "end":
             run.end("done" if req.get("state") == "done" else f"the job ended {str(req.get('state'))[:32]}")

@@ -394,6 +394,7 @@ class JobRun:
             cur.ended.set()
             return True
         if worker is None:
+            log.info("job %s epoch %d: halted before training", self.job_id, plan.epoch)
             cur.outcome = "halted before training"
             cur.ended.set()
             return False
@@ -642,8 +643,14 @@ class JobRun:
             elif self.svc.swarm.config.role == "node":
                 await self._take_in_joiners(plan)
 
-    def on_replan(self, peer: str) -> None:
-        """A member says its pipeline broke (the leader re-plans)."""
+    def on_replan(self, peer: str, epoch: int) -> None:
+        """A member says its pipeline broke in *epoch* (the leader re-plans)."""
+        if epoch < self.epoch:
+            # stale: that epoch was re-planned already (a member's word arriving after the new epoch began
+            # broke the new epoch before it trained, and the next one, every replan_retry)
+            log.debug("job %s: replan for epoch %d from %s ignored in epoch %d", self.job_id, epoch, peer[:12],
+                      self.epoch)
+            return
         if self.plan is not None and peer in self.plan.peers:
             self._broken = True
             self._poke()

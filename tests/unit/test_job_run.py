@@ -81,3 +81,20 @@ def test_a_failing_epoch_fails_the_job_with_the_real_reason(tmp_path: Path) -> N
     run = trio.run(main)
     assert run.state is JobState.FAILED
     assert run.reason == "ValueError: loss is NaN at step 3 of stage 1"
+
+
+def test_a_replan_request_for_an_earlier_epoch_is_stale(tmp_path: Path) -> None:
+    """A member's "my pipeline broke" for epoch 5 that reaches the leader after epoch 6 began must not break
+    epoch 6 (it cancelled the new epoch before it trained, and the next, one re-plan every replan_retry)."""
+    async def main() -> None:
+        run = _run(SimpleNamespace(peer_id="b"), tmp_path)
+        run.plan = SimpleNamespace(peers=("a", "b"))  # type: ignore[assignment]
+        run.epoch = 6
+        run.on_replan("a", 5)
+        assert not run._broken
+        run.on_replan("zz", 6)     # not a member of the plan
+        assert not run._broken
+        run.on_replan("a", 6)
+        assert run._broken
+
+    trio.run(main)
