@@ -31,22 +31,13 @@ class DeviceProfile:
             raise ValueError("memory_bytes must be positive")
 
     def to_wire(self) -> dict[str, Any]:
+        """The map in signed node records and snapshots (decoded by ``wire.records.decode_profile``)."""
         return {
             "device": self.device, "kind": self.kind, "name": self.name,
             "flops_fp32": float(self.flops_fp32), "flops_bf16": float(self.flops_bf16),
             "memory_bytes": int(self.memory_bytes), "threads": int(self.threads),
             "versions": [list(v) for v in self.versions],
         }
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> DeviceProfile:
-        """Build from a decoded map; raises ValueError/TypeError/KeyError on bad input (callers wrap)."""
-        versions = tuple((str(a), str(b)) for a, b in m.get("versions", []))
-        return cls(
-            device=str(m["device"]), kind=str(m["kind"]), name=str(m["name"]),
-            flops_fp32=float(m["flops_fp32"]), flops_bf16=float(m["flops_bf16"]),
-            memory_bytes=int(m["memory_bytes"]), threads=int(m.get("threads", 1)), versions=versions,
-        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

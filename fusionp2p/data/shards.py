@@ -20,7 +20,7 @@ import numpy as np
 
 from fusionp2p.data.tokens import TokenArray
 from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
-from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 
 STORAGE_DTYPES: dict[str, np.dtype[np.integer]] = {"u8": np.dtype("<u1"), "u16": np.dtype("<u2"), "i32": np.dtype("<i4")}
 DEFAULT_SHARD_TOKENS = 1 << 20
@@ -99,13 +99,13 @@ class ShardManifest:
     def from_wire(cls, obj: Any) -> ShardManifest:
         what = "shard manifest"
         m = expect_map(obj, what)
-        shards = field(m, "shards", list, what)
+        shards = typed_field(m, "shards", list, what)
         try:
             return cls(
-                dtype=field(m, "dtype", str, what),
-                num_tokens=field(m, "num_tokens", int, what),
-                shard_tokens=field(m, "shard_tokens", int, what),
-                vocab_size=field(m, "vocab_size", int, what),
+                dtype=typed_field(m, "dtype", str, what),
+                num_tokens=typed_field(m, "num_tokens", int, what),
+                shard_tokens=typed_field(m, "shard_tokens", int, what),
+                vocab_size=typed_field(m, "vocab_size", int, what),
                 shards=tuple(shards),
             )
         except ConfigError as exc:

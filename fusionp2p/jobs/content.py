@@ -30,7 +30,7 @@ from fusionp2p.errors import ConfigError, IntegrityError, PeerUnavailable, Remot
 from fusionp2p.net.transport import Stream, Transport
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.limits import DEFAULT_LIMITS, GiB, MiB
-from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 from fusionp2p.wire.protocols import CONTENT
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class ContentService:
         if req is None:
             raise RemoteProtocolError("no request before the timeout or end of stream")
         m = expect_map(unpackb(req), "content request")
-        op, h, cap = field(m, "op", str, "content request"), field(m, "hash", str, "content request"), field(m, "max", int, "content request")
+        op, h, cap = typed_field(m, "op", str, "content request"), typed_field(m, "hash", str, "content request"), typed_field(m, "max", int, "content request")
         if op != "get" or not is_sha256_hex(h):
             raise RemoteProtocolError(f"content request: bad op {op!r} or hash")
         if not self.store.has(h):
@@ -210,7 +210,7 @@ class ContentService:
         if m.get("ok") is not True:
             err = m.get("error")
             raise PeerUnavailable(peer, f"cannot serve {h[:16]}…: {err if isinstance(err, str) else 'refused'}"[:200])
-        size = field(m, "size", int, "content response")
+        size = typed_field(m, "size", int, "content response")
         if not 0 <= size <= max_size:
             raise RemoteProtocolError(f"{peer} announced {size} bytes for {h[:16]}…; the cap is {max_size}")
         buf = bytearray()

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from fusionp2p.errors import ConfigError, RemoteProtocolError
+from fusionp2p.wire.check import as_float, as_map, as_str, malformed
 from fusionp2p.wire.limits import DEFAULT_LIMITS
-from fusionp2p.wire.msg import expect_map, packb, unpackb
+from fusionp2p.wire.msg import packb, unpackb
 
 # Field kinds understood by the decoder: validated before a dataclass is built from peer data.
 _STR, _INT, _FLOAT, _OPT_FLOAT, _STRS, _INTS = "str", "int", "float", "float?", "strs", "ints"
@@ -137,10 +137,8 @@ def _check(kind: str, name: str, v: Any) -> Any:
     elif kind in (_FLOAT, _OPT_FLOAT):
         if v is None and kind == _OPT_FLOAT:
             return None
-        ok = isinstance(v, int | float) and not isinstance(v, bool)
-        if ok:
-            v = float(v)
-            ok = not math.isnan(v) or name == "loss"  # a diverged loss is news, not an attack
+        # a diverged loss (nan, inf) is news, not an attack; any other figure is finite
+        return as_float(v, f"progress event: field {name!r}", finite=name != "loss")
     elif kind == _STRS:
         ok = isinstance(v, list) and len(v) <= _MAX_LIST and all(isinstance(s, str) and len(s) <= 256 for s in v)
         v = tuple(v) if ok else v
@@ -154,18 +152,17 @@ def _check(kind: str, name: str, v: Any) -> Any:
 
 def event_from_dict(m: Any) -> ProgressEvent:
     """Rebuild an event from a peer's map; RemoteProtocolError for anything unexpected."""
-    m = expect_map(m, "progress event")
-    cls = EVENT_TYPES.get(m.get("type"))  # type: ignore[arg-type]
+    m = as_map(m, "progress event", required=("type",))
+    kind = as_str(m["type"], "progress event type", max_len=32)   # a list here once ended the publisher's loop
+    cls = EVENT_TYPES.get(kind)
     if cls is None:
-        raise RemoteProtocolError(f"progress event: unknown type {m.get('type')!r}")
+        raise RemoteProtocolError(f"progress event: unknown type {kind!r}")
     extra = set(m) - set(cls.SCHEMA) - {"type"}
     if extra:
         raise RemoteProtocolError(f"progress event: unknown fields {sorted(extra)}")
     kwargs = {name: _check(kind, name, m[name]) for name, kind in cls.SCHEMA.items() if name in m}
-    try:
+    with malformed("progress event"):   # a required field is missing
         return cls(**kwargs)
-    except TypeError as exc:  # a required field is missing
-        raise RemoteProtocolError(f"progress event: {exc}") from None
 
 
 def encode_event(ev: ProgressEvent) -> bytes:

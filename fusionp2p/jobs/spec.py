@@ -30,8 +30,7 @@ from fusionp2p.data.tokens import BuiltinCorpus, TokenFile
 from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
 from fusionp2p.net.identity import is_valid_peer_id, verify
 from fusionp2p.train.config import CO2, AdaTopK, LRSchedule, TrainConfig
-from fusionp2p.wire.msg import expect_map, packb, unpackb
-from fusionp2p.wire.msg import field as wire_field
+from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 
 __all__ = [
     "CO2", "AdaTopK", "DatasetRef", "JobSpec", "LRSchedule", "Resources", "TrainConfig",
@@ -96,9 +95,9 @@ class DatasetRef:
         m = expect_map(obj, w)
         _no_extra(m, w, cls)
         return _build(cls, w, {
-            "kind": wire_field(m, "kind", str, w), "content_hash": wire_field(m, "content_hash", str, w),
-            "seq_len": wire_field(m, "seq_len", int, w), "vocab_size": wire_field(m, "vocab_size", int, w),
-            "num_tokens": wire_field(m, "num_tokens", int, w), "name": wire_field(m, "name", str, w),
+            "kind": typed_field(m, "kind", str, w), "content_hash": typed_field(m, "content_hash", str, w),
+            "seq_len": typed_field(m, "seq_len", int, w), "vocab_size": typed_field(m, "vocab_size", int, w),
+            "num_tokens": typed_field(m, "num_tokens", int, w), "name": typed_field(m, "name", str, w),
         })
 
 
@@ -149,10 +148,10 @@ class Resources:
         w = "resources"
         m = expect_map(obj, w)
         _no_extra(m, w, cls)
-        kinds = wire_field(m, "device_kinds", list, w)
+        kinds = typed_field(m, "device_kinds", list, w)
         if not all(isinstance(k, str) for k in kinds) or len(kinds) > len(DEVICE_KINDS):
             raise RemoteProtocolError(f"{w}: device_kinds must be a short list of strings")
-        return _build(cls, w, {"min_memory_bytes": wire_field(m, "min_memory_bytes", int, w), "device_kinds": tuple(kinds)})
+        return _build(cls, w, {"min_memory_bytes": typed_field(m, "min_memory_bytes", int, w), "device_kinds": tuple(kinds)})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -208,11 +207,11 @@ class JobSpec:
         m = expect_map(obj, w)
         _no_extra(m, w, cls)
         return _build(cls, w, {
-            "job_id": wire_field(m, "job_id", str, w), "publisher": wire_field(m, "publisher", str, w),
-            "created": wire_field(m, "created", float, w), "model_hash": wire_field(m, "model_hash", str, w),
-            "weights_hash": wire_field(m, "weights_hash", str, w),
+            "job_id": typed_field(m, "job_id", str, w), "publisher": typed_field(m, "publisher", str, w),
+            "created": typed_field(m, "created", float, w), "model_hash": typed_field(m, "model_hash", str, w),
+            "weights_hash": typed_field(m, "weights_hash", str, w),
             "dataset": DatasetRef.from_wire(m.get("dataset")), "config": TrainConfig.from_wire(m.get("config")),
-            "resources": Resources.from_wire(m.get("resources")), "name": wire_field(m, "name", str, w),
+            "resources": Resources.from_wire(m.get("resources")), "name": typed_field(m, "name", str, w),
         })
 
 
@@ -239,7 +238,7 @@ def decode_signed(data: bytes | bytearray | memoryview, *, max_size: int = MAX_S
     env = expect_map(unpackb(bytes(data), max_size=max_size), "job envelope")
     if env.get("v") != SPEC_VERSION:
         raise RemoteProtocolError(f"job envelope version {env.get('v')!r} is not supported (want {SPEC_VERSION})")
-    body = wire_field(env, "spec", bytes, "job envelope")
+    body = typed_field(env, "spec", bytes, "job envelope")
     sig = env.get("sig")
     if sig is None or sig == b"":
         raise IntegrityError("job spec is unsigned")

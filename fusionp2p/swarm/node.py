@@ -51,8 +51,7 @@ from fusionp2p.swarm.probe import (
 )
 from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
-from fusionp2p.wire.msg import expect_map, packb, unpackb
-from fusionp2p.wire.msg import field as wfield
+from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 from fusionp2p.wire.protocols import PROBE, TOPIC_MEMBERS
 from fusionp2p.wire.records import (
     MAX_BANDWIDTH,
@@ -615,7 +614,7 @@ async def _fetch_view_raw(transport: Transport, peer: str) -> dict[str, list[Any
     finally:
         await s.aclose()
     m = expect_map(unpackb(frames[0], max_size=MAX_VIEW), "view")
-    return {"records": [r for r in wfield(m, "records", list, "view") if isinstance(r, bytes)],
-            "bw": [r for r in wfield(m, "bw", list, "view") if isinstance(r, bytes)],
-            "alive": [p for p in wfield(m, "alive", list, "view") if isinstance(p, str)],
-            "dead": wfield(m, "dead", list, "view")}
+    return {"records": [r for r in typed_field(m, "records", list, "view") if isinstance(r, bytes)],
+            "bw": [r for r in typed_field(m, "bw", list, "view") if isinstance(r, bytes)],
+            "alive": [p for p in typed_field(m, "alive", list, "view") if isinstance(p, str)],
+            "dead": typed_field(m, "dead", list, "view")}

@@ -41,7 +41,7 @@ import trio
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.transport import Stream, Transport
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
-from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 from fusionp2p.wire.protocols import PROBE
 from fusionp2p.wire.records import MAX_BANDWIDTH
 
@@ -268,12 +268,12 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
                     m = await f.recv_ctrl()
             except PeerUnavailable:
                 return
-            op = field(m, "op", str, "probe")
+            op = typed_field(m, "op", str, "probe")
             if op == "ping":
                 with trio.fail_after(SERVER_IDLE):
                     await f.send_ctrl({"op": "pong", "i": m.get("i", 0)})
             elif op == "bulk":
-                n = field(m, "n", int, "probe")
+                n = typed_field(m, "n", int, "probe")
                 if not 0 < n <= MAX_PROBE_BYTES:
                     raise RemoteProtocolError(f"probe of {n} bytes refused")
                 now = trio.current_time()

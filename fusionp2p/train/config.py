@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fusionp2p.errors import ConfigError, RemoteProtocolError
-from fusionp2p.wire.msg import expect_map, field
+from fusionp2p.wire.msg import expect_map, typed_field
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("1f1b", "gpipe")
@@ -62,14 +62,14 @@ def _from_wire(cls: type[_T], obj: Any, what: str, conv: dict[str, Any]) -> _T:
 
 
 def _typed(typ: type | tuple[type, ...], what: str) -> Any:
-    return lambda m, k: field(m, k, typ, what)
+    return lambda m, k: typed_field(m, k, typ, what)
 
 
 def _opt_float(what: str) -> Any:
     def get(m: dict[str, Any], k: str) -> float | None:
         if m.get(k, 0.0) is None:
             return None
-        return float(field(m, k, float, what))
+        return float(typed_field(m, k, float, what))
 
     return get
 
@@ -278,13 +278,13 @@ class TrainConfig:
             return lambda m, k: None if m.get(k, 0) is None else sub.from_wire(m.get(k))
 
         def betas(m: dict[str, Any], k: str) -> tuple[float, float]:
-            v = field(m, k, list, w)
+            v = typed_field(m, k, list, w)
             if len(v) != 2 or not all(isinstance(x, float) for x in v):
                 raise RemoteProtocolError(f"{w}: betas must be two floats")
             return (v[0], v[1])
 
         def opt_int(m: dict[str, Any], k: str) -> int | None:
-            return None if m.get(k, 0) is None else int(field(m, k, int, w))
+            return None if m.get(k, 0) is None else int(typed_field(m, k, int, w))
 
         return _from_wire(cls, obj, w, {
             "steps": _typed(int, w), "micro_batch": _typed(int, w), "micro_batches": _typed(int, w),

@@ -13,13 +13,15 @@ node per period instead of one per record.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.types import DeviceProfile
-from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.check import U63, as_float, as_int, as_list, as_map, as_pair_list, as_str, malformed
+from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 
 VERSION = 1
 MAX_RECORD = 16 * 1024
@@ -95,23 +97,19 @@ def decode_signed(data: bytes, verify: Verifier) -> Record:
     env = expect_map(unpackb(data, max_size=MAX_RECORD), "record")
     if env.get("v") != VERSION:
         raise RemoteProtocolError(f"record version {env.get('v')!r} not supported")
-    t = field(env, "t", str, "record")
-    body_bytes = field(env, "b", bytes, "record")
-    sig = field(env, "s", bytes, "record")
+    t = typed_field(env, "t", str, "record")
+    body_bytes = typed_field(env, "b", bytes, "record")
+    sig = typed_field(env, "s", bytes, "record")
     body = expect_map(unpackb(body_bytes, max_size=MAX_RECORD), "record body")
-    peer = field(body, "peer", str, "record body")
+    peer = typed_field(body, "peer", str, "record body")
     if not verify(peer, _tag(t, body_bytes), sig):
         raise RemoteProtocolError(f"bad signature on {t} record claiming to be from {peer[:16]}")
-    try:
+    with malformed(f"{t[:16]} record"):
         if t == "node":
             return _node(body)
         if t == "bw":
             return _bw(body)
-    except RemoteProtocolError:
-        raise
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RemoteProtocolError(f"malformed {t} record: {exc}") from None
-    raise RemoteProtocolError(f"unknown record type {t!r}")
+    raise RemoteProtocolError(f"unknown record type {t[:32]!r}")
 
 
 def encode_bundle(parts: list[bytes]) -> bytes:
@@ -135,41 +133,62 @@ def split_bundle(data: bytes) -> list[bytes]:
     return obj
 
 
+MAX_FLOPS = 1e20        # FLOP/s a device may claim (an H100 does ~1e15)
+MAX_MEMORY = 1 << 60    # bytes a device may claim
+MAX_THREADS = 1 << 16
+MAX_VERSIONS = 16
+
+
+def decode_profile(obj: Any, what: str = "profile") -> DeviceProfile:
+    """A DeviceProfile from a peer's map (in a node record or a snapshot), every field bounded."""
+    m = as_map(obj, what, required=("device", "kind", "name", "flops_fp32", "flops_bf16", "memory_bytes"),
+               optional=("threads", "versions"))
+    versions = tuple((as_str(a, f"{what} version"), as_str(b, f"{what} version"))
+                     for a, b in as_pair_list(m.get("versions", []), f"{what} versions", max_len=MAX_VERSIONS, arity=2))
+    with malformed(what):
+        return DeviceProfile(
+            device=as_str(m["device"], f"{what} device", max_len=64), kind=as_str(m["kind"], f"{what} kind", max_len=16),
+            name=as_str(m["name"], f"{what} name"),
+            flops_fp32=as_float(m["flops_fp32"], f"{what} flops_fp32", lo=math.ulp(0.0), hi=MAX_FLOPS),
+            flops_bf16=as_float(m["flops_bf16"], f"{what} flops_bf16", lo=0.0, hi=MAX_FLOPS),
+            memory_bytes=as_int(m["memory_bytes"], f"{what} memory_bytes", lo=1, hi=MAX_MEMORY),
+            threads=as_int(m.get("threads", 1), f"{what} threads", lo=1, hi=MAX_THREADS), versions=versions,
+        )
+
+
 def _node(b: dict[str, Any]) -> NodeRecord:
-    addrs = field(b, "addrs", list, "node record")
-    if len(addrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
+    w = "node record"
+    addrs = as_list(typed_field(b, "addrs", list, w), f"{w} addrs", max_len=MAX_ADDRS)
+    if not all(isinstance(a, str) and len(a) < 256 for a in addrs):
         raise RemoteProtocolError("node record: bad addrs")
-    role = field(b, "role", str, "node record")
+    role = typed_field(b, "role", str, w)
     if role not in ("node", "bootstrap", "client"):
-        raise RemoteProtocolError(f"node record: unknown role {role!r}")
+        raise RemoteProtocolError(f"node record: unknown role {role[:32]!r}")
     prof = b.get("profile")
-    profile = DeviceProfile.from_wire(expect_map(prof, "profile")) if prof is not None else None
-    seq = field(b, "seq", int, "node record")
-    if seq < 0:
-        raise RemoteProtocolError("node record: negative seq")
-    period = b.get("hb", 0.0)   # absent in records of older nodes
-    if isinstance(period, bool) or not isinstance(period, (int, float)) or not 0 <= period <= 3600:
-        raise RemoteProtocolError("node record: heartbeat period out of range")
+    profile = decode_profile(prof) if prof is not None else None
+    period = as_float(b.get("hb", 0.0), f"{w} heartbeat period", lo=0.0, hi=3600.0)   # absent in records of older nodes
     return NodeRecord(
-        peer=b["peer"], role=role, addrs=tuple(addrs), profile=profile,
-        started=field(b, "started", float, "node record"), seq=seq,
-        leaving=bool(field(b, "leaving", bool, "node record")), period=float(period),
+        peer=as_str(b["peer"], f"{w} peer"), role=role, addrs=tuple(addrs), profile=profile,
+        started=typed_field(b, "started", float, w), seq=as_int(typed_field(b, "seq", int, w), f"{w} seq", lo=0, hi=U63),
+        leaving=typed_field(b, "leaving", bool, w), period=period,
     )
 
 
 def _bw(b: dict[str, Any]) -> BandwidthReport:
-    raw = field(b, "m", list, "bandwidth report")
+    w = "bandwidth report"
+    peer = as_str(b["peer"], f"{w} peer")
+    raw = typed_field(b, "m", list, w)
     if len(raw) > MAX_MEASUREMENTS:
         raise RemoteProtocolError("bandwidth report: too many measurements")
     ms = []
-    for item in raw:
-        if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str)):
-            raise RemoteProtocolError("bandwidth report: bad measurement")
-        bw, rtt, n = float(item[1]), float(item[2]), int(item[3])
-        if not (0 <= bw < MAX_BANDWIDTH and 0 <= rtt < MAX_RTT and n >= 0):
-            raise RemoteProtocolError("bandwidth report: measurement out of range")
-        ms.append(Measurement(src=b["peer"], dst=item[0], bandwidth=bw, rtt=rtt, samples=n))
-    up, down = field(b, "up", float, "bandwidth report"), field(b, "down", float, "bandwidth report")
-    if not (0 <= up < MAX_BANDWIDTH and 0 <= down < MAX_BANDWIDTH):
-        raise RemoteProtocolError("bandwidth report: capacity out of range")
-    return BandwidthReport(peer=b["peer"], seq=field(b, "seq", int, "bandwidth report"), uplink=up, downlink=down, measurements=tuple(ms))
+    for item in as_pair_list(raw, f"{w} measurement", max_len=MAX_MEASUREMENTS, arity=4):
+        # bandwidth and rtt in [0, MAX) (the bound excluded), samples a count
+        bw = as_float(item[1], f"{w} bandwidth", lo=0.0, hi=math.nextafter(MAX_BANDWIDTH, 0.0))
+        rtt = as_float(item[2], f"{w} rtt", lo=0.0, hi=math.nextafter(MAX_RTT, 0.0))
+        n = as_int(item[3], f"{w} samples", lo=0, hi=U63)
+        ms.append(Measurement(src=peer, dst=as_str(item[0], f"{w} peer"), bandwidth=bw, rtt=rtt, samples=n))
+    hi = math.nextafter(MAX_BANDWIDTH, 0.0)
+    up = as_float(typed_field(b, "up", float, w), f"{w} uplink", lo=0.0, hi=hi)
+    down = as_float(typed_field(b, "down", float, w), f"{w} downlink", lo=0.0, hi=hi)
+    return BandwidthReport(peer=peer, seq=as_int(typed_field(b, "seq", int, w), f"{w} seq", lo=0, hi=U63), uplink=up,
+                           downlink=down, measurements=tuple(ms))
