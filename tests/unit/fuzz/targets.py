@@ -386,10 +386,58 @@ def _checkpoint_state() -> Target:
     return Target("jobs.checkpoint.state", lambda b: decode_state(b, job="job1"), (encode_state(meta, st),))
 
 
+def _spec_body() -> Target:
+    """The spec map itself (TrainConfig, DatasetRef, Resources), without the envelope's canonical and
+    signature checks in front of it."""
+    from fusionp2p.jobs.spec import JobSpec
+
+    env = unpackb(_spec().seeds[0])
+    return Target("jobs.spec.body", lambda b: JobSpec.from_wire(unpackb(b)), (env["spec"],))
+
+
+def _probe_ctrl() -> Target:
+    from fusionp2p.swarm.probe import decode_ctrl
+
+    seeds = (packb({"op": "ping", "i": 1}), packb({"op": "bulk", "n": 65536, "mark": 16384}),
+             packb({"op": "ack", "n": 65536, "timed": 0.12, "rate": 1.2e8}))
+    return Target("swarm.probe.ctrl", decode_ctrl, seeds)
+
+
+def _content() -> Target:
+    from fusionp2p.jobs.content import decode_request, decode_response_head
+
+    def dec(b: bytes) -> object:
+        m = unpackb(b)
+        return decode_request(b) if isinstance(m, dict) and "op" in m else decode_response_head(b)
+
+    seeds = (packb({"op": "get", "hash": "a" * 64, "max": 1 << 20}), packb({"ok": True, "size": 1234}),
+             packb({"ok": False, "error": "not found"}))
+    return Target("jobs.content", dec, seeds)
+
+
+def _view() -> Target:
+    from fusionp2p.swarm.node import decode_view
+
+    rec = _records().seeds
+    return Target("swarm.view", decode_view,
+                  (packb({"records": [rec[0]], "bw": [rec[1]], "alive": ["peerA", "peerB"], "dead": ["peerC"]}),))
+
+
+def _job_message() -> Target:
+    from fusionp2p.jobs.proto import decode_message
+
+    seeds = (packb({"op": "start", "job": "job1", "snapshot": _snapshot().to_wire(), "resume": {"step": 0, "sources": [],
+                                                                                              "ckpt": False, "lost": 0}}),
+             packb({"op": "keep", "job": "job1", "hash": "a" * 64, "holder": "peerA", "units": [0, 2], "step": 3, "stage": 0}),
+             packb({"ok": True, "halted": {"peer": "p", "epoch": 1, "stage": 0, "replica": 0, "step": 3, "state": "",
+                                           "units": [-1, -1]}}))
+    return Target("jobs.proto.message", decode_message, seeds)
+
+
 TARGETS: dict[str, Callable[[], Target]] = {
     f.__name__.lstrip("_"): f for f in (
         _msgpack, _framing, _records, _jobrecords, _dag, _stage, _tensor_message, _tensor, _dataplane_small, _tickets,
         _record_reader, _spec, _events, _votes, _plan_record, _plan_wire, _snapshot_wire, _replan, _resilient, _shards,
-        _codec, _averaging, _checkpoint_state,
+        _codec, _averaging, _checkpoint_state, _spec_body, _probe_ctrl, _content, _view, _job_message,
     )
 }
