@@ -109,17 +109,17 @@ def as_map(v: Any, what: str, *, required: Collection[str] = (), optional: Colle
     required nor optional is refused; a required key that is missing always is."""
     if not isinstance(v, dict):
         raise RemoteProtocolError(f"{what}: expected a map, got {_show(v)}")
-    if len(v) > max_len:
-        raise RemoteProtocolError(f"{what}: map of {len(v)} entries, limit {max_len}")
     if not all(isinstance(k, str) for k in v):
         raise RemoteProtocolError(f"{what}: map keys must be strings")
-    missing = [k for k in required if k not in v]
-    if missing:
-        raise RemoteProtocolError(f"{what}: missing field(s) {sorted(missing)}")
     if optional is not None:
         unknown = set(v) - set(required) - set(optional)
         if unknown:
             raise RemoteProtocolError(f"{what}: unknown field(s) {sorted(k[:32] for k in unknown)[:8]}")
+    missing = [k for k in required if k not in v]
+    if missing:
+        raise RemoteProtocolError(f"{what}: missing field(s) {sorted(missing)}")
+    if len(v) > max_len:
+        raise RemoteProtocolError(f"{what}: map of {len(v)} entries, limit {max_len}")
     return v
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.types import DeviceProfile
-from fusionp2p.wire.check import U63, as_float, as_int, as_list, as_map, as_pair_list, as_str, malformed
+from fusionp2p.wire.check import U63, as_float, as_int, as_pair_list, as_str, malformed
+from fusionp2p.wire.codec import from_wire, to_wire
 from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 
 VERSION = 1
@@ -30,6 +31,7 @@ MAX_MEASUREMENTS = 512
 MAX_BUNDLE_PARTS = 4
 MAX_BANDWIDTH = 1e13    # bytes/s: a measurement or capacity at or above it is refused (80 Tbit/s)
 MAX_RTT = 3600.0        # seconds
+MAX_PERIOD = 3600.0     # a heartbeat period, seconds
 
 Signer = Callable[[bytes], bytes]
 Verifier = Callable[[str, bytes, bytes], bool]
@@ -37,22 +39,20 @@ Verifier = Callable[[str, bytes, bytes], bool]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NodeRecord:
-    peer: str
-    role: str                     # "node" | "bootstrap"
-    addrs: tuple[str, ...]
+    """A node's signed heartbeat (its body is encoded by wire/codec.py, within these limits)."""
+
+    peer: str = field(metadata={"wire": {"max_len": 128}})
+    role: str = field(metadata={"wire": {"choices": ("node", "bootstrap", "client")}})
+    addrs: tuple[str, ...] = field(metadata={"wire": {"max_len": MAX_ADDRS, "item": {"max_len": 255}}})
     profile: DeviceProfile | None
     started: float               # the node's own wall-clock start time (informational)
-    seq: int                      # increases with every heartbeat; newer wins
+    seq: int = field(metadata={"wire": {"lo": 0, "hi": U63}})   # increases with every heartbeat; newer wins
     leaving: bool = False
-    period: float = 0.0           # the sender's heartbeat period, seconds (0: not announced)
+    # the sender's heartbeat period, seconds (0: not announced; absent in records of older nodes)
+    period: float = field(default=0.0, metadata={"wire": {"name": "hb", "lo": 0.0, "hi": MAX_PERIOD, "optional": True}})
 
     def body(self) -> dict[str, Any]:
-        return {
-            "peer": self.peer, "role": self.role, "addrs": list(self.addrs),
-            "profile": self.profile.to_wire() if self.profile else None,
-            "started": float(self.started), "seq": int(self.seq), "leaving": bool(self.leaving),
-            "hb": float(self.period),
-        }
+        return to_wire(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,45 +133,14 @@ def split_bundle(data: bytes) -> list[bytes]:
     return obj
 
 
-MAX_FLOPS = 1e20        # FLOP/s a device may claim (an H100 does ~1e15)
-MAX_MEMORY = 1 << 60    # bytes a device may claim
-MAX_THREADS = 1 << 16
-MAX_VERSIONS = 16
-
-
 def decode_profile(obj: Any, what: str = "profile") -> DeviceProfile:
-    """A DeviceProfile from a peer's map (in a node record or a snapshot), every field bounded."""
-    m = as_map(obj, what, required=("device", "kind", "name", "flops_fp32", "flops_bf16", "memory_bytes"),
-               optional=("threads", "versions"))
-    versions = tuple((as_str(a, f"{what} version"), as_str(b, f"{what} version"))
-                     for a, b in as_pair_list(m.get("versions", []), f"{what} versions", max_len=MAX_VERSIONS, arity=2))
-    with malformed(what):
-        return DeviceProfile(
-            device=as_str(m["device"], f"{what} device", max_len=64), kind=as_str(m["kind"], f"{what} kind", max_len=16),
-            name=as_str(m["name"], f"{what} name"),
-            flops_fp32=as_float(m["flops_fp32"], f"{what} flops_fp32", lo=math.ulp(0.0), hi=MAX_FLOPS),
-            flops_bf16=as_float(m["flops_bf16"], f"{what} flops_bf16", lo=0.0, hi=MAX_FLOPS),
-            memory_bytes=as_int(m["memory_bytes"], f"{what} memory_bytes", lo=1, hi=MAX_MEMORY),
-            threads=as_int(m.get("threads", 1), f"{what} threads", lo=1, hi=MAX_THREADS), versions=versions,
-        )
+    """A DeviceProfile from a peer's map (in a node record or a snapshot), every field bounded by its
+    ``wire`` metadata (fusionp2p/types.py)."""
+    return from_wire(DeviceProfile, obj, what)
 
 
 def _node(b: dict[str, Any]) -> NodeRecord:
-    w = "node record"
-    addrs = as_list(typed_field(b, "addrs", list, w), f"{w} addrs", max_len=MAX_ADDRS)
-    if not all(isinstance(a, str) and len(a) < 256 for a in addrs):
-        raise RemoteProtocolError("node record: bad addrs")
-    role = typed_field(b, "role", str, w)
-    if role not in ("node", "bootstrap", "client"):
-        raise RemoteProtocolError(f"node record: unknown role {role[:32]!r}")
-    prof = b.get("profile")
-    profile = decode_profile(prof) if prof is not None else None
-    period = as_float(b.get("hb", 0.0), f"{w} heartbeat period", lo=0.0, hi=3600.0)   # absent in records of older nodes
-    return NodeRecord(
-        peer=as_str(b["peer"], f"{w} peer"), role=role, addrs=tuple(addrs), profile=profile,
-        started=typed_field(b, "started", float, w), seq=as_int(typed_field(b, "seq", int, w), f"{w} seq", lo=0, hi=U63),
-        leaving=typed_field(b, "leaving", bool, w), period=period,
-    )
+    return from_wire(NodeRecord, b, "node record")
 
 
 def _bw(b: dict[str, Any]) -> BandwidthReport:
