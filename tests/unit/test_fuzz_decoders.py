@@ -30,7 +30,8 @@ def _run(name: str, cases: int) -> FuzzReport:
     print(f"{t.name}: {rep.cases} cases in {rep.seconds:.1f} s, decoded {rep.decoded}, refused {rep.refused}, "
           f"slowest {rep.slowest * 1e3:.0f} ms, peak {rep.peak_bytes >> 10} KiB")
     assert not rep.failures, f"{len(rep.failures)} contract violations, first: {rep.failures[:3]}"
-    assert rep.refused > 0 and rep.decoded + rep.refused == cases
+    assert rep.decoded + rep.refused == cases
+    assert rep.refused > 0 or name == "dht_rankers"   # the rankers never raise: a bad value ranks None
     return rep
 
 

@@ -434,10 +434,21 @@ def _job_message() -> Target:
     return Target("jobs.proto.message", decode_message, seeds)
 
 
+def _dht_rankers() -> Target:
+    """The DHT's record rankers run on every value a peer stores: they return a rank or None, never raise."""
+    from fusionp2p.jobs.records import rank_index, rank_job_record, rank_plan
+
+    def dec(b: bytes) -> object:
+        return rank_job_record(b), rank_index(b), rank_plan(b)
+
+    return Target("jobs.records.rankers", dec, (*_jobrecords().seeds, *_plan_record().seeds, *_spec().seeds))
+
+
 TARGETS: dict[str, Callable[[], Target]] = {
     f.__name__.lstrip("_"): f for f in (
         _msgpack, _framing, _records, _jobrecords, _dag, _stage, _tensor_message, _tensor, _dataplane_small, _tickets,
         _record_reader, _spec, _events, _votes, _plan_record, _plan_wire, _snapshot_wire, _replan, _resilient, _shards,
         _codec, _averaging, _checkpoint_state, _spec_body, _probe_ctrl, _content, _view, _job_message,
+        _dht_rankers,
     )
 }
