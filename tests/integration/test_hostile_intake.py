@@ -11,6 +11,7 @@ from typing import Any
 
 import trio
 
+from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.content import ContentService, ContentStore
 from fusionp2p.jobs.events import StepProgress, encode_event
@@ -202,5 +203,32 @@ def test_a_joiner_survives_a_bootstrap_that_answers_view_with_garbage(tmp_path: 
                     await nursery.start(node.run, [evil.listen_addrs()[0], boot_host.listen_addrs()[0]])
                     await converge([first, node], bandwidth=False, timeout=10)
                     nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_handler_ending_on_a_peers_fault_does_not_end_the_memory_network() -> None:
+    """Like the libp2p adapter: PeerUnavailable or RemoteProtocolError from a stream handler ends that
+    stream only (before, it ended the in-memory network, and with it an embedded swarm)."""
+    async def main() -> None:
+        with trio.fail_after(10):
+            async with memory_network() as net:
+                a, b = net.add_host(), net.add_host()
+                served = []
+
+                async def handler(stream: Any) -> None:
+                    data = await stream.receive_some()
+                    if data == b"bad":
+                        raise RemoteProtocolError("a bad request")
+                    if data == b"gone":
+                        raise PeerUnavailable(stream.remote_peer, "went away")
+                    served.append(data)
+                    await stream.send_all(b"ok")
+
+                b.set_stream_handler("/t/1", handler)
+                for msg in (b"bad", b"gone"):
+                    assert await _send_raw(a, b.peer_id, "/t/1", msg) == b""
+                assert await _send_raw(a, b.peer_id, "/t/1", b"good") == b"ok"
+                assert served == [b"good"]
 
     trio.run(main)
