@@ -3,7 +3,7 @@
 Pure (no trio, sockets or clock). See docs/dataplane.md.
 """
 
-from fusionp2p.compress.adatopk import AdaTopK, ErrorFeedback, boundary
+from fusionp2p.compress.adatopk import ErrorFeedback, TopKLink, boundary
 from fusionp2p.compress.codec import (
     CastCodec,
     Codec,
@@ -19,7 +19,6 @@ from fusionp2p.compress.policy import LinkCost, RatioEstimator, choose_ratio, pl
 from fusionp2p.compress.select import approx_topk_indices, exact_topk_indices, k_for, select_topk
 
 __all__ = [
-    "AdaTopK",
     "CastCodec",
     "Codec",
     "ErrorFeedback",
@@ -27,6 +26,7 @@ __all__ = [
     "LinkCost",
     "RatioEstimator",
     "TopKCodec",
+    "TopKLink",
     "approx_topk_indices",
     "boundary",
     "choose_ratio",

@@ -1,13 +1,13 @@
 """AdaTopK at a pipeline boundary: autograd semantics and error feedback (ALGORITHMS.md §1.6).
 
-* :class:`AdaTopK` — the per-link settings: keep ratio (from the plan or :class:`~fusionp2p.compress.policy.RatioEstimator`),
+* :class:`TopKLink` — the per-link settings: keep ratio (from the plan or :class:`~fusionp2p.compress.policy.RatioEstimator`),
   per-row or global, fast selection, value dtype, and the backward variant:
   ``"straight_through"`` (the receiver's gradient is top-k'd with the same ratio; the forward mask is
   ignored) or ``"masked"`` (the gradient is also multiplied by the forward keep-mask, the exact
   gradient of the masking function).
 * :func:`boundary` — a ``torch.autograd.Function`` that applies both directions in one process (for
   tests, the convergence check and single-host pipelines). Over the network the same maths is done by
-  :meth:`AdaTopK.encode_act` on the sender, :meth:`AdaTopK.encode_grad` on the receiver.
+  :meth:`TopKLink.encode_act` on the sender, :meth:`TopKLink.encode_grad` on the receiver.
 * :class:`ErrorFeedback` — ``e ← e + g; send TopK(e); e ← e − TopK(e)`` for parameter-sized tensors
   (data-parallel gradients), not for activations (residuals of different samples mean nothing).
 """
@@ -27,8 +27,9 @@ Backward = Literal["straight_through", "masked"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AdaTopK:
-    """AdaTopK settings of one link. ``ratio == 1.0`` is bit-exact identity in both directions."""
+class TopKLink:
+    """AdaTopK settings of one link (not the user's ``fusionp2p.AdaTopK`` config, which names the
+    smallest ratio; the plan picks each link's ratio from it). ``ratio == 1.0`` is bit-exact identity in both directions."""
 
     ratio: float = 1.0
     per_row: bool = False
@@ -42,7 +43,7 @@ class AdaTopK:
 
     def __post_init__(self) -> None:
         if self.backward not in ("straight_through", "masked"):
-            raise ConfigError("AdaTopK.backward must be 'straight_through' or 'masked'")
+            raise ConfigError("TopKLink.backward must be 'straight_through' or 'masked'")
         self.codec()  # validates ratio, tolerance and value dtype
 
     def codec(self) -> TopKCodec:
@@ -66,7 +67,7 @@ class AdaTopK:
 
 class _Boundary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cfg: AdaTopK) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, cfg: TopKLink) -> torch.Tensor:
         payload, meta = cfg.encode_act(x)
         ctx.cfg = cfg
         ctx.fwd = (payload, meta) if cfg.backward == "masked" else ((), None)
@@ -74,12 +75,12 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        cfg: AdaTopK = ctx.cfg
+        cfg: TopKLink = ctx.cfg
         payload, meta = cfg.encode_grad(grad, *ctx.fwd)
         return decode(payload, meta), None
 
 
-def boundary(x: torch.Tensor, cfg: AdaTopK) -> torch.Tensor:
+def boundary(x: torch.Tensor, cfg: TopKLink) -> torch.Tensor:
     """``x̂ = decode(encode(x))`` forward; the backward gradient is compressed the same way (see module doc)."""
     if cfg.ratio >= 1.0:
         return x  # bit-exact identity, and no autograd node at all

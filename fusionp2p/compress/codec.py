@@ -29,6 +29,7 @@ import torch
 
 from fusionp2p.compress.select import CHUNK, RAW_NP, from_raw, k_for, raw_numpy, select_topk
 from fusionp2p.errors import ConfigError, RemoteProtocolError
+from fusionp2p.wire.check import as_shape
 from fusionp2p.wire.limits import DEFAULT_LIMITS, Limits
 from fusionp2p.wire.tensor import DTYPES, dtype_name
 
@@ -75,20 +76,15 @@ def sparse_bytes(k: int, *, n: int, value_itemsize: int) -> int:
 
 # ----------------------------------------------------------------------------------------- validation
 def _meta_shape(meta: Mapping[str, Any], limits: Limits) -> tuple[tuple[int, ...], torch.dtype]:
-    shape = meta.get("shape")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > limits.max_tensor_dims
-        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)
-    ):
-        raise RemoteProtocolError(f"codec meta: invalid shape {shape!r}")
     name = meta.get("dtype")
     if not isinstance(name, str) or name not in DTYPES or DTYPES[name] not in FLOAT_DTYPES:
         raise RemoteProtocolError(f"codec meta: dtype {name!r} is not a float dtype")
     dtype = DTYPES[name]
-    if math.prod(shape) * torch.empty((), dtype=dtype).element_size() > limits.max_tensor_bytes:
-        raise RemoteProtocolError("codec meta: dense tensor exceeds the size limit")
-    return tuple(shape), dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # zero dimensions counted as ones: a zero-size shape with huge other dimensions cannot be built either
+    shape = as_shape(meta.get("shape"), "codec meta shape", max_dims=limits.max_tensor_dims,
+                     max_extent=max(1, limits.max_tensor_bytes // itemsize))
+    return shape, dtype
 
 
 def _one(payload: Sequence[torch.Tensor], count: int, what: str) -> None:

@@ -13,14 +13,15 @@ Pure: no I/O here; fetching goes through :mod:`fusionp2p.jobs.content`.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from fusionp2p.data.tokens import TokenArray
 from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
-from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire import codec
+from fusionp2p.wire.msg import packb, unpackb
 
 STORAGE_DTYPES: dict[str, np.dtype[np.integer]] = {"u8": np.dtype("<u1"), "u16": np.dtype("<u2"), "i32": np.dtype("<i4")}
 DEFAULT_SHARD_TOKENS = 1 << 20
@@ -46,11 +47,11 @@ def storage_dtype(vocab_size: int) -> str:
 class ShardManifest:
     """Ordered shard hashes of one token stream, plus how to read them."""
 
-    dtype: str
-    num_tokens: int
-    shard_tokens: int
-    vocab_size: int
-    shards: tuple[str, ...]
+    dtype: str = field(metadata={"wire": {"max_len": 8}})
+    num_tokens: int = field(metadata={"wire": {"lo": 2, "hi": 1 << 48}})
+    shard_tokens: int = field(metadata={"wire": {"lo": 1, "hi": 1 << 48}})
+    vocab_size: int = field(metadata={"wire": {"lo": 2, "hi": 1 << 31}})
+    shards: tuple[str, ...] = field(metadata={"wire": {"max_len": MAX_SHARDS, "item": {"max_len": 64}}})
 
     def __post_init__(self) -> None:
         if self.dtype not in STORAGE_DTYPES:
@@ -79,13 +80,7 @@ class ShardManifest:
         return range(start // self.shard_tokens, (start + length - 1) // self.shard_tokens + 1)
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "dtype": self.dtype,
-            "num_tokens": self.num_tokens,
-            "shard_tokens": self.shard_tokens,
-            "vocab_size": self.vocab_size,
-            "shards": list(self.shards),
-        }
+        return codec.to_wire(self)
 
     def encode(self) -> bytes:
         """Canonical bytes; their sha256 is :attr:`content_hash`."""
@@ -97,19 +92,7 @@ class ShardManifest:
 
     @classmethod
     def from_wire(cls, obj: Any) -> ShardManifest:
-        what = "shard manifest"
-        m = expect_map(obj, what)
-        shards = field(m, "shards", list, what)
-        try:
-            return cls(
-                dtype=field(m, "dtype", str, what),
-                num_tokens=field(m, "num_tokens", int, what),
-                shard_tokens=field(m, "shard_tokens", int, what),
-                vocab_size=field(m, "vocab_size", int, what),
-                shards=tuple(shards),
-            )
-        except ConfigError as exc:
-            raise RemoteProtocolError(f"{what}: {exc}") from None
+        return codec.from_wire(cls, obj, "shard manifest")
 
     @classmethod
     def decode(cls, data: bytes, *, expected_hash: str | None = None) -> ShardManifest:

@@ -27,10 +27,12 @@ import trio
 
 from fusionp2p.data.shards import is_sha256_hex
 from fusionp2p.errors import ConfigError, IntegrityError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import Stream, Transport
+from fusionp2p.wire.check import U63, as_bool, as_int, as_map, as_str
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.limits import DEFAULT_LIMITS, GiB, MiB
-from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.msg import packb, unpackb
 from fusionp2p.wire.protocols import CONTENT
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,27 @@ class ContentStore:
         raise KeyError(h)
 
 
+def decode_request(frame: bytes) -> tuple[str, int]:
+    """A CONTENT request: ``{"op": "get", "hash": sha256 hex, "max": the asker's cap}`` -> (hash, cap)."""
+    w = "content request"
+    m = as_map(unpackb(frame, max_size=DEFAULT_LIMITS.max_control_frame), w, required=("op", "hash", "max"), optional=())
+    as_str(m["op"], f"{w} op", choices=("get",))
+    h = as_str(m["hash"], f"{w} hash", max_len=64)
+    if not is_sha256_hex(h):
+        raise RemoteProtocolError(f"{w}: not a sha256 hash")
+    return h, as_int(m["max"], f"{w} max", lo=0, hi=U63)
+
+
+def decode_response_head(frame: bytes) -> tuple[int, str | None]:
+    """The first frame of a CONTENT answer: (size, None) when the blob follows, else (0, the reason)."""
+    w = "content response"
+    m = as_map(unpackb(frame, max_size=DEFAULT_LIMITS.max_control_frame), w, required=("ok",), optional=("size", "error"))
+    if not as_bool(m["ok"], f"{w} ok"):
+        err = m.get("error")
+        return 0, err[:200] if isinstance(err, str) else "refused"
+    return as_int(m.get("size"), f"{w} size", lo=0, hi=U63), None
+
+
 async def _read_frame(stream: Stream, dec: FrameDecoder, pending: list[bytes]) -> bytes | None:
     """Next frame, or None at a clean end of stream; RemoteProtocolError if cut inside a frame."""
     while not pending:
@@ -123,12 +146,14 @@ async def _read_frame(stream: Stream, dec: FrameDecoder, pending: list[bytes]) -
 class ContentService:
     """Serve the blobs of a :class:`ContentStore` and fetch missing ones from providers."""
 
-    def __init__(self, transport: Transport, store: ContentStore, config: ContentConfig | None = None) -> None:
+    def __init__(self, transport: Transport, store: ContentStore, config: ContentConfig | None = None, *,
+                 refusals: Refusals | None = None) -> None:
         self.transport = transport
         self.store = store
         self.config = config or ContentConfig()
         self.served = 0
         self.rejected = 0
+        self.refusals = refusals if refusals is not None else Refusals()   # the node's table (SwarmNode.refusals)
 
     def install(self) -> None:
         """Register the CONTENT stream handler on the transport."""
@@ -143,11 +168,18 @@ class ContentService:
     # -- server ------------------------------------------------------------------------------------
 
     async def _handle(self, stream: Stream) -> None:
+        peer = stream.remote_peer
         try:
+            if self.refusals.banned(peer, now=trio.current_time()):
+                self.rejected += 1
+                return   # closed unread
             await self._serve_one(stream)
-        except (RemoteProtocolError, PeerUnavailable) as exc:
+        except RemoteProtocolError as exc:
             self.rejected += 1
-            log.info("content request from %s dropped: %s", stream.remote_peer, exc)
+            self.refusals.refuse(peer, "content/request", now=trio.current_time(), detail=str(exc))
+        except PeerUnavailable as exc:
+            self.rejected += 1
+            log.info("content request from %s dropped: %s", peer, exc)
         finally:
             await stream.aclose()
 
@@ -158,10 +190,7 @@ class ContentService:
             req = await _read_frame(stream, dec, [])
         if req is None:
             raise RemoteProtocolError("no request before the timeout or end of stream")
-        m = expect_map(unpackb(req), "content request")
-        op, h, cap = field(m, "op", str, "content request"), field(m, "hash", str, "content request"), field(m, "max", int, "content request")
-        if op != "get" or not is_sha256_hex(h):
-            raise RemoteProtocolError(f"content request: bad op {op!r} or hash")
+        h, cap = decode_request(req)
         if not self.store.has(h):
             await stream.send_all(encode_frame(packb({"ok": False, "error": "not found"}), max_frame=DEFAULT_LIMITS.max_control_frame))
             return
@@ -206,12 +235,10 @@ class ContentService:
         head = await _read_frame(stream, dec, pending)
         if head is None:
             raise RemoteProtocolError(f"{peer} closed the content stream without answering")
-        m = expect_map(unpackb(head), "content response")
-        if m.get("ok") is not True:
-            err = m.get("error")
-            raise PeerUnavailable(peer, f"cannot serve {h[:16]}…: {err if isinstance(err, str) else 'refused'}"[:200])
-        size = field(m, "size", int, "content response")
-        if not 0 <= size <= max_size:
+        size, err = decode_response_head(head)
+        if err is not None:
+            raise PeerUnavailable(peer, f"cannot serve {h[:16]}…: {err}"[:200])
+        if size > max_size:
             raise RemoteProtocolError(f"{peer} announced {size} bytes for {h[:16]}…; the cap is {max_size}")
         buf = bytearray()
         while len(buf) < size:

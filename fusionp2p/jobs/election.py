@@ -61,9 +61,9 @@ from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import GossipMessage, Transport
 from fusionp2p.plan.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
+from fusionp2p.wire.check import U63, as_int
 from fusionp2p.wire.limits import DEFAULT_LIMITS
-from fusionp2p.wire.msg import expect_map, packb, unpackb
-from fusionp2p.wire.msg import field as wfield
+from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 from fusionp2p.wire.protocols import TOPIC_JOBS
 
 log = logging.getLogger(__name__)
@@ -122,12 +122,10 @@ class Vote:
         if m.get("t") != VOTE_KIND:
             return None
         w = "plan vote"
-        epoch = wfield(m, "epoch", int, w)
-        if epoch < 0:
-            raise RemoteProtocolError("plan vote: negative epoch")
-        return cls(job=wfield(m, "job", str, w), epoch=epoch, plan_hash=wfield(m, "plan", str, w),
-                   snapshot_hash=wfield(m, "snapshot", str, w), peer=wfield(m, "peer", str, w),
-                   signature=wfield(m, "sig", bytes, w), plan=wfield(m, "body", bytes, w))
+        epoch = as_int(typed_field(m, "epoch", int, w), "plan vote epoch", lo=0, hi=U63)
+        return cls(job=typed_field(m, "job", str, w), epoch=epoch, plan_hash=typed_field(m, "plan", str, w),
+                   snapshot_hash=typed_field(m, "snapshot", str, w), peer=typed_field(m, "peer", str, w),
+                   signature=typed_field(m, "sig", bytes, w), plan=typed_field(m, "body", bytes, w))
 
 
 # -- decisions ----------------------------------------------------------------------------------------
@@ -440,12 +438,12 @@ def _read_record(data: bytes) -> tuple[list[str], bytes, Plan, list[Vote]]:
     signatures are checked by the Election they are fed to. RemoteProtocolError if malformed."""
     w = "plan record"
     m: dict[str, Any] = expect_map(unpackb(data, max_size=MAX_RECORD_BYTES), w)
-    members = wfield(m, "members", list, w)
+    members = typed_field(m, "members", list, w)
     if not members or not all(isinstance(p, str) for p in members):
         raise RemoteProtocolError("plan record: bad members")
-    plan_bytes = wfield(m, "plan", bytes, w)
+    plan_bytes = typed_field(m, "plan", bytes, w)
     votes: list[Vote] = []
-    for raw in wfield(m, "votes", list, w):
+    for raw in typed_field(m, "votes", list, w):
         if not isinstance(raw, bytes):
             raise RemoteProtocolError("plan record: a vote is not bytes")
         v = Vote.decode(raw)

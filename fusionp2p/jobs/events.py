@@ -11,20 +11,23 @@ Times (``at``) are injected by the caller (wall clock in seconds), never read he
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from fusionp2p.errors import ConfigError, RemoteProtocolError
+from fusionp2p.wire import codec
+from fusionp2p.wire.check import as_map, as_str
 from fusionp2p.wire.limits import DEFAULT_LIMITS
-from fusionp2p.wire.msg import expect_map, packb, unpackb
+from fusionp2p.wire.msg import packb, unpackb
 
-# Field kinds understood by the decoder: validated before a dataclass is built from peer data.
-_STR, _INT, _FLOAT, _OPT_FLOAT, _STRS, _INTS = "str", "int", "float", "float?", "strs", "ints"
+# Limits of the fields a peer sends (wire/codec.py): a diverged loss (nan, inf) is news, not an attack;
+# every other float is finite; reasons are longer than ids; lists of peers or stage sizes are bounded.
+_LOSS: Any = {"wire": {"finite": False}}
+_REASON: Any = {"wire": {"max_len": 1024}}
+_PEERS: Any = {"wire": {"max_len": 4096}}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,16 +35,12 @@ class StepProgress:
     """One stage's report for one step. ``loss`` only from the last stage; utilisations in [0, 1]."""
 
     KIND: ClassVar[str] = "step"
-    SCHEMA: ClassVar[dict[str, str]] = {
-        "job": _STR, "step": _INT, "epoch": _INT, "stage": _INT, "peer": _STR, "loss": _OPT_FLOAT,
-        "tokens_per_s": _FLOAT, "compute_util": _OPT_FLOAT, "link_util": _OPT_FLOAT, "at": _FLOAT,
-    }
     job: str
     step: int
     epoch: int = 0
     stage: int = 0
     peer: str = ""
-    loss: float | None = None
+    loss: float | None = field(default=None, metadata=_LOSS)
     tokens_per_s: float = 0.0
     compute_util: float | None = None
     link_util: float | None = None
@@ -53,41 +52,36 @@ class PlanChanged:
     """A new plan was adopted: ``stages[i]`` lists the peers serving stage i (its replicas)."""
 
     KIND: ClassVar[str] = "plan"
-    SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "epoch": _INT, "plan_hash": _STR, "stage_sizes": _INTS, "members": _STRS, "at": _FLOAT}
     job: str
     epoch: int
     plan_hash: str
-    stage_sizes: tuple[int, ...] = ()   # replicas per stage
-    members: tuple[str, ...] = ()       # peers in stage order, replicas adjacent
+    stage_sizes: tuple[int, ...] = field(default=(), metadata=_PEERS)   # replicas per stage
+    members: tuple[str, ...] = field(default=(), metadata=_PEERS)       # peers in stage order, replicas adjacent
     at: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MembersChanged:
     KIND: ClassVar[str] = "members"
-    SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "epoch": _INT, "joined": _STRS, "left": _STRS, "at": _FLOAT}
     job: str
     epoch: int
-    joined: tuple[str, ...] = ()
-    left: tuple[str, ...] = ()
+    joined: tuple[str, ...] = field(default=(), metadata=_PEERS)
+    left: tuple[str, ...] = field(default=(), metadata=_PEERS)
     at: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobStateChanged:
     KIND: ClassVar[str] = "state"
-    SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "state": _STR, "reason": _STR, "at": _FLOAT}
     job: str
     state: str          # a fusionp2p.jobs.lifecycle.JobState value
-    reason: str = ""
+    reason: str = field(default="", metadata=_REASON)
     at: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointSaved:
     KIND: ClassVar[str] = "checkpoint"
-    SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "step": _INT, "stage": _INT, "peer": _STR, "at": _FLOAT,
-                                         "hash": _STR, "start": _INT, "end": _INT}
     job: str
     step: int
     stage: int
@@ -103,69 +97,34 @@ class StepSkipped:
     """A stage skipped its optimizer step (non-finite gradients: a diverging job, or a peer's NaN)."""
 
     KIND: ClassVar[str] = "skipped"
-    SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "step": _INT, "stage": _INT, "peer": _STR, "reason": _STR,
-                                        "at": _FLOAT}
     job: str
     step: int
     stage: int
     peer: str = ""
-    reason: str = ""
+    reason: str = field(default="", metadata=_REASON)
     at: float = 0.0
 
 
 ProgressEvent = StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved | StepSkipped
 EVENT_TYPES: dict[str, type[ProgressEvent]] = {
     c.KIND: c for c in (StepProgress, PlanChanged, MembersChanged, JobStateChanged, CheckpointSaved, StepSkipped)}
-_MAX_LIST = 4096
 
 
 def event_to_dict(ev: ProgressEvent) -> dict[str, Any]:
     """``{"type": kind, **fields}`` with tuples as lists (msgpack- and JSON-ready)."""
-    out: dict[str, Any] = {"type": ev.KIND}
-    for f in dataclasses.fields(ev):
-        v = getattr(ev, f.name)
-        out[f.name] = list(v) if isinstance(v, tuple) else v
-    return out
-
-
-def _check(kind: str, name: str, v: Any) -> Any:
-    ok: bool
-    if kind == _STR:
-        ok = isinstance(v, str) and len(v) <= 1024
-    elif kind == _INT:
-        ok = isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
-    elif kind in (_FLOAT, _OPT_FLOAT):
-        if v is None and kind == _OPT_FLOAT:
-            return None
-        ok = isinstance(v, int | float) and not isinstance(v, bool)
-        if ok:
-            v = float(v)
-            ok = not math.isnan(v) or name == "loss"  # a diverged loss is news, not an attack
-    elif kind == _STRS:
-        ok = isinstance(v, list) and len(v) <= _MAX_LIST and all(isinstance(s, str) and len(s) <= 256 for s in v)
-        v = tuple(v) if ok else v
-    else:  # _INTS
-        ok = isinstance(v, list) and len(v) <= _MAX_LIST and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
-        v = tuple(v) if ok else v
-    if not ok:
-        raise RemoteProtocolError(f"progress event: field {name!r} is not a valid {kind}")
-    return v
+    return {"type": ev.KIND, **codec.to_wire(ev)}
 
 
 def event_from_dict(m: Any) -> ProgressEvent:
-    """Rebuild an event from a peer's map; RemoteProtocolError for anything unexpected."""
-    m = expect_map(m, "progress event")
-    cls = EVENT_TYPES.get(m.get("type"))  # type: ignore[arg-type]
+    """Rebuild an event from a peer's map; RemoteProtocolError for anything unexpected (wire/codec.py:
+    unknown fields, wrong types, out-of-range values; fields the sender left out take their defaults)."""
+    m = as_map(m, "progress event", required=("type",))
+    kind = as_str(m["type"], "progress event type", max_len=32)   # a list here once ended the publisher's loop
+    cls = EVENT_TYPES.get(kind)
     if cls is None:
-        raise RemoteProtocolError(f"progress event: unknown type {m.get('type')!r}")
-    extra = set(m) - set(cls.SCHEMA) - {"type"}
-    if extra:
-        raise RemoteProtocolError(f"progress event: unknown fields {sorted(extra)}")
-    kwargs = {name: _check(kind, name, m[name]) for name, kind in cls.SCHEMA.items() if name in m}
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # a required field is missing
-        raise RemoteProtocolError(f"progress event: {exc}") from None
+        raise RemoteProtocolError(f"progress event: unknown type {kind!r}")
+    fields = {k: v for k, v in m.items() if k != "type"}
+    return codec.from_wire(cls, fields, f"{kind} event", defaults_optional=True)  # type: ignore[return-value]
 
 
 def encode_event(ev: ProgressEvent) -> bytes:

@@ -118,7 +118,9 @@ class NodeJobService:
         self.transport = swarm.transport
         self.home = home
         self.config = config or NodeJobConfig()
-        self.content = ContentService(self.transport, ContentStore(home / "content"))
+        # refused input of JOB, content and the data plane is counted in the swarm's table (SwarmNode.refusals)
+        self.refusals = getattr(swarm, "refusals", None)
+        self.content = ContentService(self.transport, ContentStore(home / "content"), refusals=self.refusals)
         self.jobs: dict[str, JobRun] = {}
         self._offers: dict[str, float] = {}          # job -> when accepted (until its first start)
         # channels that arrived and wait for their job to claim them, by (job, link name, peer)
@@ -153,9 +155,8 @@ class NodeJobService:
         self.content.install()
         gossip = await self.transport.subscribe(TOPIC_JOBS)   # keeps us in the jobs topic's mesh
         # exit order: the jobs' tasks, then the acceptor (goodbye on every accepted channel), then the plane
-        # refusals: the swarm's table where it has one (the hostile-input work adds SwarmNode.refusals)
         async with (open_data_plane(self.transport, config=dp_cfg, admit=self._admits,
-                                    refusals=getattr(self.swarm, "refusals", None)) as dp,
+                                    refusals=self.refusals) as dp,
                     open_resilient_acceptor(config=self.config.channels(), peer_gone=self.peer_gone) as acc,
                     trio.open_nursery() as nursery):
             self._dp, self._nursery = dp, nursery
@@ -164,7 +165,7 @@ class NodeJobService:
             nursery.start_soon(self._dispatch_gossip, gossip)
             nursery.start_soon(self._expire_offers)
             limit = max(self.config.recv_timeout, self.config.accept_timeout) + 60
-            self.transport.set_stream_handler(JOB, job_proto.serve(self.handle, timeout=limit))
+            self.transport.set_stream_handler(JOB, job_proto.serve(self.handle, timeout=limit, refusals=self.refusals))
             log.info("job service ready (data plane %s:%d)", dp.host, dp.port)
             task_status.started()
             await trio.sleep_forever()

@@ -21,10 +21,12 @@ from typing import Any
 import trio
 
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
+from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import Stream, Transport
+from fusionp2p.wire.check import as_map
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.limits import DEFAULT_LIMITS
-from fusionp2p.wire.msg import expect_map, packb, unpackb
+from fusionp2p.wire.msg import packb, unpackb
 from fusionp2p.wire.protocols import JOB
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,12 @@ async def _read_one(stream: Stream, what: str) -> dict[str, Any]:
             raise RemoteProtocolError(f"{what}: stream ended before a message")
         frames = dec.feed(data)
         if frames:
-            return expect_map(unpackb(frames[0], max_size=MAX_JOB_FRAME, limits=DEFAULT_LIMITS), what)
+            return decode_message(frames[0], what)
+
+
+def decode_message(frame: bytes, what: str = "job message") -> dict[str, Any]:
+    """One JOB message: a map with string keys (a request's ``op`` and the fields are checked by its handler)."""
+    return as_map(unpackb(frame, max_size=MAX_JOB_FRAME, limits=DEFAULT_LIMITS), what, max_len=64)
 
 
 async def request(transport: Transport, peer: str, msg: dict[str, Any], *, timeout: float) -> dict[str, Any]:
@@ -72,31 +79,42 @@ async def request(transport: Transport, peer: str, msg: dict[str, Any], *, timeo
     return reply
 
 
-def serve(handler: Handler, *, timeout: float = 30.0) -> Callable[[Stream], Awaitable[None]]:
+def serve(handler: Handler, *, timeout: float = 30.0, refusals: Refusals | None = None
+          ) -> Callable[[Stream], Awaitable[None]]:
     """A stream handler for JOB: read one request, answer with ``handler``'s reply.
 
     A malformed request, or an exception in the handler, is answered ``ok: False`` with the reason
-    (a node never crashes on a publisher's bytes, and the publisher learns why).
+    (a node never crashes on a publisher's bytes, and the publisher learns why). Requests that do not
+    parse, and handlers refusing a request as malformed (RemoteProtocolError), are counted in
+    *refusals* (the node's table); a peer banned there is not read.
     """
+    table = refusals if refusals is not None else Refusals()
 
     async def handle(stream: Stream) -> None:
         peer = stream.remote_peer
+        if table.banned(peer, now=trio.current_time()):
+            return
         try:
             with trio.fail_after(timeout):
                 req = await _read_one(stream, f"job request from {peer[:12]}")
                 op = req.get("op")
                 if op not in OPS:
-                    raise RemoteProtocolError(f"unknown job op {op!r}")
+                    raise RemoteProtocolError(f"unknown job op {str(op)[:32]!r}")
                 try:
                     reply = await handler(peer, req)
-                except (RemoteProtocolError, ValueError) as exc:
+                except RemoteProtocolError as exc:
+                    table.refuse(peer, f"job/{op}", now=trio.current_time(), detail=str(exc))
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+                except ValueError as exc:
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
                 except Exception as exc:   # the node keeps running; the publisher gets the reason
                     log.exception("job %s request from %s failed", op, peer[:12])
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
                 await stream.send_all(encode_frame(packb(reply), max_frame=MAX_JOB_FRAME))
                 await stream.send_eof()
-        except (RemoteProtocolError, PeerUnavailable, trio.TooSlowError) as exc:
+        except RemoteProtocolError as exc:
+            table.refuse(peer, "job/request", now=trio.current_time(), detail=str(exc))
+        except (PeerUnavailable, trio.TooSlowError) as exc:
             log.info("job request from %s dropped: %s", peer[:12], exc)
 
     return handle
@@ -125,4 +143,4 @@ def int_field(m: dict[str, Any], name: str, what: str) -> int:
     return v
 
 
-__all__ = ["MAX_JOB_FRAME", "int_field", "opt_float", "request", "serve", "str_field"]
+__all__ = ["MAX_JOB_FRAME", "decode_message", "int_field", "opt_float", "request", "serve", "str_field"]

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fusionp2p.errors import PlanError, RemoteProtocolError
+from fusionp2p.wire.check import as_map
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,7 +52,8 @@ class Halted:
                 "step": self.step, "state": self.state, "units": [self.start, self.end]}
 
     @classmethod
-    def from_wire(cls, m: Mapping[str, object]) -> Halted:
+    def from_wire(cls, obj: object) -> Halted:
+        m = as_map(obj, "halt answer")
         try:
             units = m.get("units", [-1, -1])
             if not isinstance(units, list) or len(units) != 2:
@@ -95,7 +97,8 @@ class Resume:
                 "sources": [[s.start, s.end, s.step, s.state, list(s.holders)] for s in self.sources]}
 
     @classmethod
-    def from_wire(cls, m: Mapping[str, object]) -> Resume:
+    def from_wire(cls, obj: object) -> Resume:
+        m = as_map(obj, "resume")
         try:
             raw = m["sources"]
             if not isinstance(raw, list) or len(raw) > 4096:

@@ -30,8 +30,8 @@ from fusionp2p.data.tokens import BuiltinCorpus, TokenFile
 from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
 from fusionp2p.net.identity import is_valid_peer_id, verify
 from fusionp2p.train.config import CO2, AdaTopK, LRSchedule, TrainConfig
-from fusionp2p.wire.msg import expect_map, packb, unpackb
-from fusionp2p.wire.msg import field as wire_field
+from fusionp2p.wire import codec
+from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 
 __all__ = [
     "CO2", "AdaTopK", "DatasetRef", "JobSpec", "LRSchedule", "Resources", "TrainConfig",
@@ -62,11 +62,11 @@ def _check_hash(name: str, h: object) -> None:
 class DatasetRef:
     """Which tokens to train on: a built-in corpus (``name``) or a shard manifest, pinned by hash."""
 
-    kind: str               # builtin | text | npy | bin
-    content_hash: str       # builtin: sha256 of the corpus bytes; files: sha256 of the ShardManifest
-    seq_len: int
-    vocab_size: int
-    num_tokens: int
+    kind: str = field(metadata={"wire": {"choices": DATASET_KINDS}})   # builtin | text | npy | bin
+    content_hash: str = field(metadata={"wire": {"max_len": 64}})      # builtin: sha256 of the corpus bytes; files: of the ShardManifest
+    seq_len: int = field(metadata={"wire": {"lo": 1, "hi": 1 << 31}})
+    vocab_size: int = field(metadata={"wire": {"lo": 2, "hi": 1 << 31}})
+    num_tokens: int = field(metadata={"wire": {"lo": 2, "hi": 1 << 48}})
     name: str = ""          # the built-in corpus name; a label for files
 
     def __post_init__(self) -> None:
@@ -85,21 +85,11 @@ class DatasetRef:
             raise ConfigError("dataset name must be a string of at most 256 characters")
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind, "content_hash": self.content_hash, "seq_len": self.seq_len,
-            "vocab_size": self.vocab_size, "num_tokens": self.num_tokens, "name": self.name,
-        }
+        return codec.to_wire(self)
 
     @classmethod
     def from_wire(cls, obj: Any) -> DatasetRef:
-        w = "dataset reference"
-        m = expect_map(obj, w)
-        _no_extra(m, w, cls)
-        return _build(cls, w, {
-            "kind": wire_field(m, "kind", str, w), "content_hash": wire_field(m, "content_hash", str, w),
-            "seq_len": wire_field(m, "seq_len", int, w), "vocab_size": wire_field(m, "vocab_size", int, w),
-            "num_tokens": wire_field(m, "num_tokens", int, w), "name": wire_field(m, "name", str, w),
-        })
+        return codec.from_wire(cls, obj, "dataset reference")
 
 
 def prepare_dataset(
@@ -125,8 +115,8 @@ def prepare_dataset(
 class Resources:
     """What a node needs to accept the job. ``device_kinds=()`` accepts any device."""
 
-    min_memory_bytes: int = 0
-    device_kinds: tuple[str, ...] = ()
+    min_memory_bytes: int = field(default=0, metadata={"wire": {"lo": 0, "hi": 1 << 60}})
+    device_kinds: tuple[str, ...] = field(default=(), metadata={"wire": {"max_len": len(DEVICE_KINDS), "item": {"max_len": 8}}})
 
     def __post_init__(self) -> None:
         if isinstance(self.min_memory_bytes, bool) or not isinstance(self.min_memory_bytes, int) or self.min_memory_bytes < 0:
@@ -142,28 +132,22 @@ class Resources:
         return memory_bytes >= self.min_memory_bytes and (not self.device_kinds or device_kind in self.device_kinds)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"min_memory_bytes": self.min_memory_bytes, "device_kinds": list(self.device_kinds)}
+        return codec.to_wire(self)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Resources:
-        w = "resources"
-        m = expect_map(obj, w)
-        _no_extra(m, w, cls)
-        kinds = wire_field(m, "device_kinds", list, w)
-        if not all(isinstance(k, str) for k in kinds) or len(kinds) > len(DEVICE_KINDS):
-            raise RemoteProtocolError(f"{w}: device_kinds must be a short list of strings")
-        return _build(cls, w, {"min_memory_bytes": wire_field(m, "min_memory_bytes", int, w), "device_kinds": tuple(kinds)})
+        return codec.from_wire(cls, obj, "resources")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobSpec:
     """Everything nodes need to decide on, plan and run a job. Large parts are named by hash."""
 
-    job_id: str
-    publisher: str          # peer id of the publisher; the signature must verify against it
-    created: float          # publisher's wall clock (unix seconds), injected by the caller
-    model_hash: str         # sha256 of the encoded OP-DAG
-    weights_hash: str       # sha256 of the initial weights (safetensors bytes)
+    job_id: str = field(metadata={"wire": {"max_len": 64}})
+    publisher: str = field(metadata={"wire": {"max_len": 64}})     # peer id of the publisher; the signature must verify against it
+    created: float = field(metadata={"wire": {"lo": 0.0}})         # publisher's wall clock (unix seconds), injected by the caller
+    model_hash: str = field(metadata={"wire": {"max_len": 64}})    # sha256 of the encoded OP-DAG
+    weights_hash: str = field(metadata={"wire": {"max_len": 64}})  # sha256 of the initial weights (safetensors bytes)
     dataset: DatasetRef
     config: TrainConfig
     resources: Resources = field(default_factory=Resources)
@@ -186,12 +170,7 @@ class JobSpec:
             raise ConfigError("name must be a string of at most 256 characters")
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "job_id": self.job_id, "publisher": self.publisher, "created": self.created,
-            "model_hash": self.model_hash, "weights_hash": self.weights_hash,
-            "dataset": self.dataset.to_wire(), "config": self.config.to_wire(),
-            "resources": self.resources.to_wire(), "name": self.name,
-        }
+        return codec.to_wire(self)
 
     def encode(self) -> bytes:
         """Canonical bytes (what is signed and hashed)."""
@@ -204,16 +183,7 @@ class JobSpec:
 
     @classmethod
     def from_wire(cls, obj: Any) -> JobSpec:
-        w = "job spec"
-        m = expect_map(obj, w)
-        _no_extra(m, w, cls)
-        return _build(cls, w, {
-            "job_id": wire_field(m, "job_id", str, w), "publisher": wire_field(m, "publisher", str, w),
-            "created": wire_field(m, "created", float, w), "model_hash": wire_field(m, "model_hash", str, w),
-            "weights_hash": wire_field(m, "weights_hash", str, w),
-            "dataset": DatasetRef.from_wire(m.get("dataset")), "config": TrainConfig.from_wire(m.get("config")),
-            "resources": Resources.from_wire(m.get("resources")), "name": wire_field(m, "name", str, w),
-        })
+        return codec.from_wire(cls, obj, "job spec")
 
 
 def sign_spec(spec: JobSpec, sign: Callable[[bytes], bytes]) -> bytes:
@@ -239,7 +209,7 @@ def decode_signed(data: bytes | bytearray | memoryview, *, max_size: int = MAX_S
     env = expect_map(unpackb(bytes(data), max_size=max_size), "job envelope")
     if env.get("v") != SPEC_VERSION:
         raise RemoteProtocolError(f"job envelope version {env.get('v')!r} is not supported (want {SPEC_VERSION})")
-    body = wire_field(env, "spec", bytes, "job envelope")
+    body = typed_field(env, "spec", bytes, "job envelope")
     sig = env.get("sig")
     if sig is None or sig == b"":
         raise IntegrityError("job spec is unsigned")
@@ -251,16 +221,3 @@ def decode_signed(data: bytes | bytearray | memoryview, *, max_size: int = MAX_S
     if not verify(spec.publisher, SIGN_DOMAIN + body, sig):
         raise IntegrityError(f"job spec {spec.job_id} signature does not verify against publisher {spec.publisher}")
     return spec
-
-
-def _no_extra(m: dict[str, Any], what: str, cls: type) -> None:
-    unknown = set(m) - set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
-    if unknown:
-        raise RemoteProtocolError(f"{what}: unknown fields {sorted(unknown)}")
-
-
-def _build(cls: type[_T], what: str, kwargs: dict[str, Any]) -> _T:
-    try:
-        return cls(**kwargs)
-    except ConfigError as exc:
-        raise RemoteProtocolError(f"{what}: {exc}") from None

@@ -86,8 +86,14 @@ class Identity:
         return sig
 
 
+MAX_PEER_ID = 64   # an Ed25519 peer id is 52 base58 characters ("12D3KooW..."); longer is not ours
+
+
 @functools.lru_cache(maxsize=4096)
 def _public_key(peer_id: str) -> object | None:
+    # base58 decoding is quadratic in the length: a peer's 70 000-character "peer id" cost 2.5 s of CPU
+    if len(peer_id) > MAX_PEER_ID:
+        return None
     try:
         return ID.from_base58(peer_id).extract_public_key()
     except Exception:

@@ -8,16 +8,19 @@ Identities and signatures are the real Ed25519 ones, so signed records verify ex
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import trio
 
-from fusionp2p.errors import PeerUnavailable
+from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.traffic import Traffic
 from fusionp2p.net.transport import GossipMessage, RecordRank, StreamHandler
+
+log = logging.getLogger(__name__)
 
 _CHUNK = 64 * 1024
 
@@ -232,6 +235,10 @@ class MemoryNetwork:
             with scope:
                 try:
                     await handler(stream)
+                except (PeerUnavailable, RemoteProtocolError) as exc:
+                    # as the libp2p adapter does: a peer that went away or broke the protocol ends its own
+                    # stream, never the network (any other exception is a bug of ours and propagates)
+                    log.debug("stream handler (from %s): %s", stream.remote_peer[:16], exc)
                 finally:
                     with trio.CancelScope(shield=True):
                         await stream.aclose()

@@ -55,7 +55,7 @@ from fusionp2p.errors import (
 )
 from fusionp2p.net.bulk import BulkChannel
 from fusionp2p.net.channel import TensorMessage
-from fusionp2p.wire.msg import expect_map, field
+from fusionp2p.wire.msg import expect_map, typed_field
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +127,14 @@ def welcome_message(received: int, delivered: int, window: int) -> TensorMessage
 
 
 def _count(m: dict[str, Any], name: str, what: str) -> int:
-    v = int(field(m, name, int, what))
+    v = int(typed_field(m, name, int, what))
     if not 0 <= v < 2**63:
         raise RemoteProtocolError(f"{what}: field {name!r} out of range")
     return v
 
 
 def _window(m: dict[str, Any], what: str) -> int:
-    w = int(field(m, "w", int, what))
+    w = int(typed_field(m, "w", int, what))
     if not 1 <= w <= MAX_WINDOW:
         raise RemoteProtocolError(f"{what}: window {w} out of range")
     return w
@@ -148,7 +148,7 @@ def _rc(msg: TensorMessage, what: str) -> dict[str, Any]:
 
 def _op(msg: TensorMessage, expected: tuple[str, ...], what: str) -> dict[str, Any]:
     rc = _rc(msg, what)
-    op = field(rc, "op", str, what)
+    op = typed_field(rc, "op", str, what)
     if op not in expected:
         raise RemoteProtocolError(f"{what}: unexpected {op!r}")
     if op in ("hello", "welcome") and rc.get("v") != PROTOCOL_VERSION:
@@ -160,10 +160,10 @@ def parse_hello(msg: TensorMessage) -> Hello:
     """The validated hello from a link's first message (RemoteProtocolError otherwise)."""
     what = "resilient hello"
     rc = _op(msg, ("hello",), what)
-    name, session = field(rc, "name", str, what), field(rc, "session", str, what)
+    name, session = typed_field(rc, "name", str, what), typed_field(rc, "session", str, what)
     if not 0 < len(name) <= MAX_NAME or not _SESSION.fullmatch(session):
         raise RemoteProtocolError(f"{what}: bad channel name or session id")
-    return Hello(name=name, session=session, fresh=bool(field(rc, "fresh", bool, what)),
+    return Hello(name=name, session=session, fresh=bool(typed_field(rc, "fresh", bool, what)),
                  received=_count(rc, "r", what), delivered=_count(rc, "d", what), window=_window(rc, what))
 
 
@@ -172,7 +172,7 @@ def parse_welcome(msg: TensorMessage) -> Resume | str:
     what = "resilient welcome"
     rc = _op(msg, ("welcome", "reject"), what)
     if rc["op"] == "reject":
-        return str(field(rc, "why", str, what))[:MAX_NAME]
+        return str(typed_field(rc, "why", str, what))[:MAX_NAME]
     return Resume(received=_count(rc, "r", what), delivered=_count(rc, "d", what), window=_window(rc, what))
 
 

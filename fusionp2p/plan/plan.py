@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.wire.check import U63, as_int, as_str
 from fusionp2p.wire.limits import DEFAULT_LIMITS
-from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 
 PLAN_VERSION = 1
 MAX_PLAN_BYTES = DEFAULT_LIMITS.max_control_frame
@@ -151,13 +152,13 @@ class Plan:
         """Decode and validate; anything malformed raises RemoteProtocolError."""
         what = "plan"
         m = expect_map(unpackb(data, max_size=max_size), what)
-        if field(m, "v", int, what) != PLAN_VERSION:
+        if typed_field(m, "v", int, what) != PLAN_VERSION:
             raise RemoteProtocolError("plan: unsupported version")
-        raw_stages = field(m, "stages", list, what)
-        rhos = field(m, "rho", list, what)
-        pred = expect_map(field(m, "pred", dict, what), "plan.pred")
-        pst = field(pred, "stage", list, what)
-        pfe = field(pred, "fence", list, what)
+        raw_stages = typed_field(m, "stages", list, what)
+        rhos = typed_field(m, "rho", list, what)
+        pred = expect_map(typed_field(m, "pred", dict, what), "plan.pred")
+        pst = typed_field(pred, "stage", list, what)
+        pfe = typed_field(pred, "fence", list, what)
         if not (0 < len(raw_stages) <= MAX_STAGES) or len(rhos) != len(raw_stages) - 1:
             raise RemoteProtocolError("plan: bad number of stages or ratios")
         if len(pst) != len(raw_stages) or len(pfe) != len(rhos):
@@ -177,13 +178,14 @@ class Plan:
                 fences.append(Fence(index=k, unit=stages[k].end, dense_bytes=_flt(nb), rho=qi / RHO_GRID,
                                     time_s=_flt(t), dense_time_s=_flt(dt)))
             return cls(
-                job=field(m, "job", str, what), epoch=field(m, "epoch", int, what),
-                snapshot_hash=field(m, "snapshot", str, what), algorithm=field(m, "algorithm", str, what),
-                seed=field(m, "seed", int, what), n_units=field(m, "n_units", int, what),
-                micro_batches=field(m, "micro_batches", int, what), stages=tuple(stages), fences=tuple(fences),
-                bottleneck_s=_flt(field(pred, "bottleneck", float, what)), step_time_s=_flt(field(pred, "step", float, what)),
+                job=as_str(m.get("job"), "plan job"), epoch=as_int(m.get("epoch"), "plan epoch", lo=0, hi=U63),
+                snapshot_hash=as_str(m.get("snapshot"), "plan snapshot"), algorithm=as_str(m.get("algorithm"), "plan algorithm"),
+                seed=as_int(m.get("seed"), "plan seed"), n_units=as_int(m.get("n_units"), "plan n_units", lo=1, hi=1 << 24),
+                micro_batches=as_int(m.get("micro_batches"), "plan micro_batches", lo=1, hi=1 << 24), stages=tuple(stages),
+                fences=tuple(fences),
+                bottleneck_s=_flt(typed_field(pred, "bottleneck", float, what)), step_time_s=_flt(typed_field(pred, "step", float, what)),
             )
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError, AttributeError) as exc:
             raise RemoteProtocolError(f"plan: invalid content: {exc}") from exc
 
 

@@ -19,8 +19,9 @@ from typing import Any
 
 from fusionp2p.errors import ConfigError, RemoteProtocolError
 from fusionp2p.types import DeviceProfile
-from fusionp2p.wire.msg import expect_map, packb, unpackb
-from fusionp2p.wire.msg import field as wfield
+from fusionp2p.wire.check import U63, as_float, as_int, as_map, as_pair_list, as_str, malformed
+from fusionp2p.wire.msg import packb, typed_field, unpackb
+from fusionp2p.wire.records import decode_profile
 
 SNAPSHOT_VERSION = 1
 MAX_MEMBERS = 4096
@@ -115,24 +116,20 @@ class Snapshot:
     @classmethod
     def from_wire(cls, data: bytes, *, max_size: int = MAX_SNAPSHOT_BYTES) -> Snapshot:
         """Decode; any malformed or out-of-range input raises RemoteProtocolError."""
-        m = expect_map(unpackb(data, max_size=max_size), "snapshot")
         what = "snapshot"
-        if wfield(m, "v", int, what) != SNAPSHOT_VERSION:
+        m = as_map(unpackb(data, max_size=max_size), what, required=("v", "job", "epoch", "members", "links"), optional=())
+        if typed_field(m, "v", int, what) != SNAPSHOT_VERSION:
             raise RemoteProtocolError("snapshot: unsupported version")
-        try:
-            members: dict[str, DeviceProfile] = {}
-            for item in wfield(m, "members", list, what):
-                peer, prof = item
-                members[str(peer)] = DeviceProfile.from_wire(expect_map(prof, "profile"))
-            links: dict[tuple[str, str], Link] = {}
-            for item in wfield(m, "links", list, what):
-                a, b, bw, lat = item
-                links[(str(a), str(b))] = Link(bandwidth_bps=float(bw), latency_s=float(lat))
-            return cls(job=wfield(m, "job", str, what), epoch=wfield(m, "epoch", int, what), members=members, links=links)
-        except RemoteProtocolError:
-            raise
-        except (ValueError, TypeError, KeyError) as exc:
-            raise RemoteProtocolError(f"snapshot: invalid content: {exc}") from exc
+        members: dict[str, DeviceProfile] = {}
+        for peer, prof in as_pair_list(m["members"], "snapshot members", max_len=MAX_MEMBERS, arity=2):
+            members[as_str(peer, "snapshot member")] = decode_profile(prof, "snapshot profile")
+        links: dict[tuple[str, str], Link] = {}
+        with malformed(what):   # Link and Snapshot check the rest (ConfigError: the peer's fault here)
+            for a, b, bw, lat in as_pair_list(m["links"], "snapshot links", max_len=MAX_MEMBERS * MAX_MEMBERS // 2, arity=4):
+                links[(as_str(a, "snapshot link"), as_str(b, "snapshot link"))] = Link(
+                    bandwidth_bps=as_float(bw, "snapshot link bandwidth"), latency_s=as_float(lat, "snapshot link latency"))
+            return cls(job=as_str(m["job"], "snapshot job", min_len=1), epoch=as_int(m["epoch"], "snapshot epoch", lo=0, hi=U63),
+                       members=members, links=links)
 
 
 def snapshot_from_records(

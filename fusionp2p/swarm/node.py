@@ -38,6 +38,7 @@ import trio
 
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.identity import verify
+from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage, Stream, Transport
 from fusionp2p.swarm.membership import BandwidthTable, Change, MemberEvent, MembershipView, ema, prober_of
 from fusionp2p.swarm.probe import (
@@ -50,12 +51,14 @@ from fusionp2p.swarm.probe import (
     probe_size,
 )
 from fusionp2p.types import DeviceProfile
+from fusionp2p.wire.check import as_bytes, as_list, as_map, as_str
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
-from fusionp2p.wire.msg import expect_map, packb, unpackb
-from fusionp2p.wire.msg import field as wfield
+from fusionp2p.wire.limits import DEFAULT_LIMITS
+from fusionp2p.wire.msg import packb, unpackb
 from fusionp2p.wire.protocols import PROBE, TOPIC_MEMBERS
 from fusionp2p.wire.records import (
     MAX_BANDWIDTH,
+    MAX_RECORD,
     MAX_RTT,
     BandwidthReport,
     Measurement,
@@ -119,8 +122,12 @@ class SwarmNode:
     """One participant's membership and bandwidth view, kept current over a Transport."""
 
     def __init__(self, transport: Transport, config: SwarmConfig, profile: DeviceProfile | None, *,
-                 wall_clock: Callable[[], float] = time.time, rng: random.Random | None = None) -> None:
+                 wall_clock: Callable[[], float] = time.time, rng: random.Random | None = None,
+                 refusals: Refusals | None = None) -> None:
         self.transport = transport
+        # refused input of every intake loop of this node (gossip, probes, and the job service's JOB,
+        # content and data plane, which take this table), counted per peer and reason, with a penalty
+        self.refusals = refusals if refusals is not None else Refusals()
         self.config = config
         self.profile = profile
         self.peer_id = transport.peer_id
@@ -148,7 +155,7 @@ class SwarmNode:
         self._changed = trio.Event()
         self._probe_now = trio.Event()
         self._beat_now = trio.Event()
-        self._probe_server = ProbeServer()
+        self._probe_server = ProbeServer(refusals=self.refusals)
         self._rng = rng or random.Random()
         self._leaving = False
         self.listeners: list[Callable[[MemberEvent], None]] = []
@@ -296,15 +303,25 @@ class SwarmNode:
             self.handle_gossip(msg)
 
     def handle_gossip(self, msg: GossipMessage) -> None:
-        """Verify and apply one gossip message (a record or a bundle); anything bad is counted and dropped."""
+        """Verify and apply one gossip message (a record or a bundle); anything bad is counted and dropped.
+
+        Never raises: one message must not end the listener. A peer banned by :attr:`refusals` (a flood of
+        bad records) is not read at all until its penalty decays."""
+        now = trio.current_time()
+        if self.refusals.banned(msg.sender, now=now):
+            self.counters.bad_records += 1
+            return
         try:
             parts = split_bundle(msg.data)
         except RemoteProtocolError as exc:
-            self.counters.bad_records += 1
-            log.debug("dropped gossip from %s: %s", msg.sender[:16], exc)
+            self._refuse(msg.sender, "gossip/malformed", exc)
             return
         for raw in parts:
             self._ingest(raw, msg.sender)
+
+    def _refuse(self, peer: str, reason: str, exc: BaseException) -> None:
+        self.counters.bad_records += 1
+        self.refusals.refuse(peer, reason, now=trio.current_time(), detail=str(exc))
 
     def _ingest(self, raw: bytes, sender: str, *, only: set[str] | None = None) -> None:
         if raw in self._known_bw:
@@ -312,11 +329,14 @@ class SwarmNode:
         try:
             rec = decode_signed(raw, verify)
         except RemoteProtocolError as exc:
-            self.counters.bad_records += 1
-            log.debug("dropped record from %s: %s", sender[:16], exc)
+            self._refuse(sender, "gossip/record", exc)
             return
         if only is None or rec.peer in only:
-            self._apply_record(rec, raw)
+            try:
+                self._apply_record(rec, raw)
+            except Exception as exc:   # a bug of ours that a peer's valid record reached: log it, keep listening
+                log.exception("applying a %s record of %s failed", type(rec).__name__, rec.peer[:16])
+                self._refuse(sender, "gossip/apply", exc)
 
     def _apply_record(self, rec: Record, raw: bytes) -> None:
         if isinstance(rec, NodeRecord):
@@ -578,6 +598,8 @@ class SwarmNode:
 
     # -- VIEW protocol ----------------------------------------------------------------------------
     async def _serve_view(self, stream: Stream) -> None:
+        if self.refusals.banned(stream.remote_peer, now=trio.current_time()):
+            return   # closed unanswered
         body = packb({"records": list(self._raw.values()), "bw": list(self._raw_bw.values()),
                       "alive": self.view.alive(role=None), "dead": sorted(self.view.dead)})
         await stream.send_all(encode_frame(body, max_frame=MAX_VIEW))
@@ -614,8 +636,14 @@ async def _fetch_view_raw(transport: Transport, peer: str) -> dict[str, list[Any
             frames = dec.feed(data)
     finally:
         await s.aclose()
-    m = expect_map(unpackb(frames[0], max_size=MAX_VIEW), "view")
-    return {"records": [r for r in wfield(m, "records", list, "view") if isinstance(r, bytes)],
-            "bw": [r for r in wfield(m, "bw", list, "view") if isinstance(r, bytes)],
-            "alive": [p for p in wfield(m, "alive", list, "view") if isinstance(p, str)],
-            "dead": wfield(m, "dead", list, "view")}
+    return decode_view(frames[0])
+
+
+def decode_view(frame: bytes) -> dict[str, list[Any]]:
+    """A VIEW answer: the signed records (bytes, not verified yet), and the alive and dead peer ids."""
+    m = as_map(unpackb(frame, max_size=MAX_VIEW), "view", required=("records", "bw", "alive", "dead"), optional=())
+    n = DEFAULT_LIMITS.max_msgpack_items
+    return {"records": [as_bytes(r, "view record", max_len=MAX_RECORD) for r in as_list(m["records"], "view records", max_len=n)],
+            "bw": [as_bytes(r, "view report", max_len=MAX_RECORD) for r in as_list(m["bw"], "view reports", max_len=n)],
+            "alive": [as_str(p, "view peer") for p in as_list(m["alive"], "view alive", max_len=n)],
+            "dead": [as_str(p, "view peer") for p in as_list(m["dead"], "view dead", max_len=n)]}

@@ -39,9 +39,11 @@ from dataclasses import dataclass
 import trio
 
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import Stream, Transport
+from fusionp2p.wire.check import as_map, as_str
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
-from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.msg import packb, typed_field, unpackb
 from fusionp2p.wire.protocols import PROBE
 from fusionp2p.wire.records import MAX_BANDWIDTH
 
@@ -111,6 +113,13 @@ def probe_size(rate: float | None, *, lo: int, hi: int = MEASURE_BYTES, target: 
     return max(min(lo, hi), min(hi, int(rate * target)))
 
 
+def decode_ctrl(frame: bytes) -> dict[str, object]:
+    """A control frame of PROBE: a small map with a string ``op`` (its other fields are read where used)."""
+    m = as_map(unpackb(frame, max_size=_CTRL), "probe", required=("op",), max_len=8)
+    as_str(m["op"], "probe op", max_len=16)
+    return m
+
+
 class _Framed:
     def __init__(self, stream: Stream, max_frame: int) -> None:
         self.s = stream
@@ -153,7 +162,7 @@ class _Framed:
         return got, (t_end - t_mark if raw_mark >= 0 else 0.0), min(rates, default=None)
 
     async def recv_ctrl(self) -> dict[str, object]:
-        return expect_map(unpackb(await self.recv(), max_size=_CTRL), "probe")
+        return decode_ctrl(await self.recv())
 
     async def send_ctrl(self, m: dict[str, object]) -> None:
         await self.s.send_all(encode_frame(packb(m), max_frame=_CTRL))
@@ -182,9 +191,11 @@ class ProbeServer:
 
     MAX_PEERS = 1024
 
-    def __init__(self, *, alpha: float = 0.5, hold: float = SERVER_HOLD, share: float = SERVER_SHARE) -> None:
+    def __init__(self, *, alpha: float = 0.5, hold: float = SERVER_HOLD, share: float = SERVER_SHARE,
+                 refusals: Refusals | None = None) -> None:
         if not (hold > 0 and 0 < share <= 1):
             raise ConfigError("probe server: hold must be positive, share in (0, 1]")
+        self.refusals = refusals if refusals is not None else Refusals()   # the node's table (SwarmNode.refusals)
         self._alpha = alpha
         self.hold = hold
         self.share = share
@@ -235,6 +246,8 @@ class ProbeServer:
             del self._bucket[next(iter(self._bucket))]
 
     async def __call__(self, stream: Stream) -> None:
+        if self.refusals.banned(stream.remote_peer, now=trio.current_time()):
+            return   # a banned peer's stream is closed unread
         await serve_probe(stream, self)
 
     def record_inbound(self, peer: str, rate: float) -> None:
@@ -268,12 +281,13 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
                     m = await f.recv_ctrl()
             except PeerUnavailable:
                 return
-            op = field(m, "op", str, "probe")
+            op = typed_field(m, "op", str, "probe")
             if op == "ping":
                 with trio.fail_after(SERVER_IDLE):
-                    await f.send_ctrl({"op": "pong", "i": m.get("i", 0)})
+                    i = m.get("i", 0)
+                    await f.send_ctrl({"op": "pong", "i": i if type(i) is int else 0})
             elif op == "bulk":
-                n = field(m, "n", int, "probe")
+                n = typed_field(m, "n", int, "probe")
                 if not 0 < n <= MAX_PROBE_BYTES:
                     raise RemoteProtocolError(f"probe of {n} bytes refused")
                 now = trio.current_time()
@@ -300,8 +314,10 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
                 if server is not None and rate is not None and conclusive(n, timed):
                     server.record_inbound(stream.remote_peer, rate)
             else:
-                raise RemoteProtocolError(f"unknown probe op {op!r}")
-    except RemoteProtocolError:
+                raise RemoteProtocolError(f"unknown probe op {str(op)[:32]!r}")
+    except RemoteProtocolError as exc:
+        if server is not None:
+            server.refusals.refuse(peer, "probe/protocol", now=trio.current_time(), detail=str(exc))
         return
     finally:
         if server is not None and holding:

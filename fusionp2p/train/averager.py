@@ -43,6 +43,7 @@ from fusionp2p.average.shard import shard_bounds
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.channel import TensorChannel, TensorMessage
 from fusionp2p.types import AveragingStats
+from fusionp2p.wire.check import U63, as_float, as_int, as_map, as_str
 
 log = logging.getLogger(__name__)
 
@@ -117,18 +118,14 @@ def to_message(job: str, stage: int, msg: RoundMsg) -> TensorMessage:
 
 def from_message(tm: TensorMessage) -> RoundMsg:
     """Decode a peer's averaging message; anything malformed raises RemoteProtocolError."""
-    m = tm.meta
-    try:
-        epoch, lo, hi, w, s = m["epoch"], m["lo"], m["hi"], m["w"], m["s"]
-    except (KeyError, TypeError):
-        raise RemoteProtocolError("averaging message lacks epoch/lo/hi/w/s") from None
-    if not isinstance(epoch, str) or not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)):
-        raise RemoteProtocolError("averaging message has mistyped fields")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (w, s)):
-        raise RemoteProtocolError("averaging message has a mistyped weight")
-    if len(tm.tensors) != 1 or not 0 <= lo <= hi:
+    w = "averaging message"
+    m = as_map(tm.meta, w, required=("epoch", "lo", "hi", "w", "s"))
+    lo, hi = as_int(m["lo"], f"{w} lo", lo=0, hi=U63), as_int(m["hi"], f"{w} hi", lo=0, hi=U63)
+    if len(tm.tensors) != 1 or not lo <= hi:
         raise RemoteProtocolError("averaging message must carry exactly one slice")
-    return RoundMsg(round_id=tm.step, epoch=epoch, phase=tm.name, lo=lo, hi=hi, data=tm.tensors[0], weight=float(w), scalar=float(s))
+    # weight and scalar finite here; the round refuses a weight out of proportion to ours
+    return RoundMsg(round_id=tm.step, epoch=as_str(m["epoch"], f"{w} epoch", max_len=64), phase=tm.name, lo=lo, hi=hi,
+                    data=tm.tensors[0], weight=as_float(m["w"], f"{w} weight"), scalar=as_float(m["s"], f"{w} scalar"))
 
 
 _Event = tuple[str, str, "RoundMsg | None"]  # ("msg" | "lost", peer, message)

@@ -13,18 +13,17 @@ The SDK accepts shorthands, normalised here: ``averaging="co2"`` → ``CO2()``, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any
 
-from fusionp2p.errors import ConfigError, RemoteProtocolError
-from fusionp2p.wire.msg import expect_map, field
+from fusionp2p.errors import ConfigError
+from fusionp2p.wire import codec
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("1f1b", "gpipe")
 LR_KINDS = ("constant", "cosine", "linear")
 PENALTIES = ("none", "constant", "elementwise", "lr_ratio")
 
-_T = TypeVar("_T")
 
 
 def _pos_int(name: str, v: object, *, minimum: int = 1) -> None:
@@ -48,32 +47,6 @@ def _float(obj: object, name: str, v: object, *, lo: float = -math.inf, hi: floa
     object.__setattr__(obj, name, _num(name, v, lo=lo, hi=hi, lo_open=lo_open))
 
 
-def _from_wire(cls: type[_T], obj: Any, what: str, conv: dict[str, Any]) -> _T:
-    """Build *cls* from a peer's map; any validation failure becomes RemoteProtocolError."""
-    m = expect_map(obj, what)
-    unknown = set(m) - set(conv)
-    if unknown:
-        raise RemoteProtocolError(f"{what}: unknown fields {sorted(unknown)}")
-    kwargs = {k: f(m, k) for k, f in conv.items()}
-    try:
-        return cls(**kwargs)
-    except (ConfigError, TypeError) as exc:
-        raise RemoteProtocolError(f"{what}: {exc}") from None
-
-
-def _typed(typ: type | tuple[type, ...], what: str) -> Any:
-    return lambda m, k: field(m, k, typ, what)
-
-
-def _opt_float(what: str) -> Any:
-    def get(m: dict[str, Any], k: str) -> float | None:
-        if m.get(k, 0.0) is None:
-            return None
-        return float(field(m, k, float, what))
-
-    return get
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CO2:
     """CO2 averaging of the replicas of each stage (ALGORITHMS.md §2): every ``tau`` local steps, an
@@ -89,7 +62,7 @@ class CO2:
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     clip: float | None = None           # element-wise clip of the outer momentum; None = no clip
-    penalty: str = "none"               # staleness gap penalty Λ: none | constant | elementwise | lr_ratio
+    penalty: str = field(default="none", metadata={"wire": {"choices": PENALTIES}})   # staleness gap penalty Λ: none | constant | elementwise | lr_ratio
     penalty_scale: float = 1.0
     sync: bool = False                  # True: block on the average (SlowMo); for tests and equivalence
 
@@ -106,18 +79,11 @@ class CO2:
             raise ConfigError("CO2.sync must be True or False")
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "tau": self.tau, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "clip": self.clip,
-            "penalty": self.penalty, "penalty_scale": self.penalty_scale, "sync": self.sync,
-        }
+        return codec.to_wire(self)
 
     @classmethod
     def from_wire(cls, obj: Any) -> CO2:
-        w = "CO2 config"
-        return _from_wire(cls, obj, w, {
-            "tau": _typed(int, w), "outer_lr": _typed(float, w), "outer_momentum": _typed(float, w),
-            "clip": _opt_float(w), "penalty": _typed(str, w), "penalty_scale": _typed(float, w), "sync": _typed(bool, w),
-        })
+        return codec.from_wire(cls, obj, "CO2 config")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,11 +96,11 @@ class AdaTopK:
         _float(self, "rho_min", self.rho_min, lo=0.0, hi=1.0, lo_open=True)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"rho_min": self.rho_min}
+        return codec.to_wire(self)
 
     @classmethod
     def from_wire(cls, obj: Any) -> AdaTopK:
-        return _from_wire(cls, obj, "AdaTopK config", {"rho_min": _typed(float, "AdaTopK config")})
+        return codec.from_wire(cls, obj, "AdaTopK config")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,12 +119,12 @@ class LRSchedule:
         _float(self, "min_lr_ratio", self.min_lr_ratio, lo=0.0, hi=1.0)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"kind": self.kind, "warmup_steps": self.warmup_steps, "min_lr_ratio": self.min_lr_ratio}
+        return codec.to_wire(self)
 
     @classmethod
     def from_wire(cls, obj: Any) -> LRSchedule:
-        w = "lr schedule"
-        return _from_wire(cls, obj, w, {"kind": _typed(str, w), "warmup_steps": _typed(int, w), "min_lr_ratio": _typed(float, w)})
+        return codec.from_wire(cls, obj, "lr schedule")
+
 
     def factor(self, step: int, steps: int) -> float:
         """Multiplier of the base lr at 0-based *step* of *steps*."""
@@ -192,9 +158,10 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.999)   # adamw only
     eps: float = 1e-8
     grad_clip: float | None = None              # global-norm clip per stage; None = off
-    lr_schedule: LRSchedule | str | None = None
-    averaging: CO2 | str | None = None
-    compression: AdaTopK | str | None = None
+    # users may name these by a shorthand string; on the wire they are always the normalised object or nil
+    lr_schedule: LRSchedule | str | None = field(default=None, metadata={"wire": {"type": LRSchedule | None}})
+    averaging: CO2 | str | None = field(default=None, metadata={"wire": {"type": CO2 | None}})
+    compression: AdaTopK | str | None = field(default=None, metadata={"wire": {"type": AdaTopK | None}})
     schedule: str = "1f1b"
     checkpoint_every: int = 0
     seed: int = 0
@@ -258,42 +225,11 @@ class TrainConfig:
     # -- wire ----------------------------------------------------------------------------------------
 
     def to_wire(self) -> dict[str, Any]:
-        sched, co2, comp = self.lr_sched, self.co2, self.adatopk
-        return {
-            "steps": self.steps, "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
-            "optimizer": self.optimizer, "lr": self.lr, "weight_decay": self.weight_decay, "momentum": self.momentum,
-            "betas": list(self.betas), "eps": self.eps, "grad_clip": self.grad_clip,
-            "lr_schedule": None if sched is None else sched.to_wire(),
-            "averaging": None if co2 is None else co2.to_wire(),
-            "compression": None if comp is None else comp.to_wire(),
-            "schedule": self.schedule, "checkpoint_every": self.checkpoint_every, "seed": self.seed,
-            "replicas": self.replicas,
-        }
+        return codec.to_wire(self)
 
     @classmethod
     def from_wire(cls, obj: Any) -> TrainConfig:
-        w = "train config"
-
-        def nested(sub: Any) -> Any:
-            return lambda m, k: None if m.get(k, 0) is None else sub.from_wire(m.get(k))
-
-        def betas(m: dict[str, Any], k: str) -> tuple[float, float]:
-            v = field(m, k, list, w)
-            if len(v) != 2 or not all(isinstance(x, float) for x in v):
-                raise RemoteProtocolError(f"{w}: betas must be two floats")
-            return (v[0], v[1])
-
-        def opt_int(m: dict[str, Any], k: str) -> int | None:
-            return None if m.get(k, 0) is None else int(field(m, k, int, w))
-
-        return _from_wire(cls, obj, w, {
-            "steps": _typed(int, w), "micro_batch": _typed(int, w), "micro_batches": _typed(int, w),
-            "optimizer": _typed(str, w), "lr": _typed(float, w), "weight_decay": _typed(float, w),
-            "momentum": _typed(float, w), "betas": betas, "eps": _typed(float, w), "grad_clip": _opt_float(w),
-            "lr_schedule": nested(LRSchedule), "averaging": nested(CO2), "compression": nested(AdaTopK),
-            "schedule": _typed(str, w), "checkpoint_every": _typed(int, w), "seed": _typed(int, w),
-            "replicas": opt_int,
-        })
+        return codec.from_wire(cls, obj, "train config")
 
 
 def _shorthand(value: object, name: str, table: dict[str, Any], cls: type) -> Any:

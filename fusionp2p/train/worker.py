@@ -38,7 +38,7 @@ import torch
 import trio
 
 from fusionp2p.average.outer import OuterConfig
-from fusionp2p.compress.adatopk import AdaTopK as TopKLink
+from fusionp2p.compress.adatopk import TopKLink
 from fusionp2p.compress.codec import decode
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor

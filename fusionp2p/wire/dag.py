@@ -42,8 +42,9 @@ from fusionp2p.graph.dag import (
     validate,
 )
 from fusionp2p.graph.program import BoundaryIn, BoundaryOut, StageProgram
+from fusionp2p.wire.check import as_shape
 from fusionp2p.wire.limits import DEFAULT_LIMITS, Limits
-from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 from fusionp2p.wire.tensor import DTYPES, decode_tensor, dtype_name
 
 MAGIC = b"FPDG"
@@ -154,11 +155,9 @@ def _dec_arg(a: Any, depth: int = 0) -> Arg:
 
 
 def _dec_meta(m: Any, what: str) -> TensorMeta:
-    if (not isinstance(m, list) or len(m) != 2 or not isinstance(m[0], str) or m[0] not in DTYPES
-            or not isinstance(m[1], list) or len(m[1]) > 8
-            or not all(type(d) is int and 0 <= d < 2**40 for d in m[1])):
+    if not isinstance(m, list) or len(m) != 2 or not isinstance(m[0], str) or m[0] not in DTYPES:
         raise RemoteProtocolError(f"{what}: bad tensor meta {str(m)[:80]}")
-    return TensorMeta(shape=tuple(m[1]), dtype=DTYPES[m[0]])
+    return TensorMeta(shape=as_shape(m[1], f"{what}: tensor shape"), dtype=DTYPES[m[0]])
 
 
 def _str(v: Any, what: str) -> str:
@@ -169,14 +168,14 @@ def _str(v: Any, what: str) -> str:
 
 def _dec_node(raw: Any) -> OpNode:
     m = expect_map(raw, "node")
-    name = field(m, "n", str, "node")
+    name = typed_field(m, "n", str, "node")
     what = f"node {name!r}"
-    kw = expect_map(field(m, "k", dict, what), what)
-    outs = field(m, "o", list, what)
-    return OpNode(name=name, op=field(m, "op", str, what), args=tuple(_dec_arg(a) for a in field(m, "a", list, what)),
+    kw = expect_map(typed_field(m, "k", dict, what), what)
+    outs = typed_field(m, "o", list, what)
+    return OpNode(name=name, op=typed_field(m, "op", str, what), args=tuple(_dec_arg(a) for a in typed_field(m, "a", list, what)),
                   kwargs=tuple((k, _dec_arg(v)) for k, v in kw.items()),
                   out=tuple(None if o is None else _dec_meta(o, what) for o in outs),
-                  multi=field(m, "m", bool, what), scope=field(m, "s", str, what), flops=field(m, "f", float, what))
+                  multi=typed_field(m, "m", bool, what), scope=typed_field(m, "s", str, what), flops=typed_field(m, "f", float, what))
 
 
 def _unpack(data: bytes | bytearray | memoryview, kind: int, limits: Limits, max_bytes: int | None
@@ -204,7 +203,7 @@ def _unpack(data: bytes | bytearray | memoryview, kind: int, limits: Limits, max
 
 def _dec_common(head: dict[str, Any], payload: memoryview, limits: Limits, budget: DagBudget
                 ) -> tuple[tuple[InputSpec, ...], tuple[OpNode, ...], tuple[str, ...], str | None, dict[str, torch.Tensor]]:
-    raw_inputs = field(head, "inputs", list, "graph")
+    raw_inputs = typed_field(head, "inputs", list, "graph")
     inputs: list[InputSpec] = []
     for r in raw_inputs:
         if not isinstance(r, list) or len(r) != 4:
@@ -214,7 +213,7 @@ def _dec_common(head: dict[str, Any], payload: memoryview, limits: Limits, budge
             inputs.append(InputSpec(name=name, kind=kind, meta=_dec_meta([r[2], r[3]], f"input {name!r}")))
         except ValueError as exc:
             raise RemoteProtocolError(f"graph: {exc}") from exc
-    raw_nodes = field(head, "nodes", list, "graph")
+    raw_nodes = typed_field(head, "nodes", list, "graph")
     if len(raw_nodes) > limits.max_dag_nodes:
         raise RemoteProtocolError(f"graph has {len(raw_nodes)} nodes; limit is {limits.max_dag_nodes}")
     nodes = tuple(_dec_node(n) for n in raw_nodes)
@@ -223,14 +222,14 @@ def _dec_common(head: dict[str, Any], payload: memoryview, limits: Limits, budge
             raise RemoteProtocolError(f"graph: node {n.name!r} has flops {n.flops}")
     # the whole DAG's declared memory against the budget, before any tensor is built or any node runs
     check_budget(tuple(inputs), nodes, budget, RemoteProtocolError, what="graph")
-    outputs = tuple(_str(o, "output") for o in field(head, "outputs", list, "graph"))
+    outputs = tuple(_str(o, "output") for o in typed_field(head, "outputs", list, "graph"))
     loss = head.get("loss")
     if loss is not None and not isinstance(loss, str):
         raise RemoteProtocolError("graph: loss must be a string or nil")
     specs = {s.name: s for s in inputs}
     tensors: dict[str, torch.Tensor] = {}
     off = 0
-    for t in field(head, "tensors", list, "graph"):
+    for t in typed_field(head, "tensors", list, "graph"):
         if not isinstance(t, list) or len(t) != 2 or not isinstance(t[0], str) or type(t[1]) is not int:
             raise RemoteProtocolError("graph: bad tensor entry")
         name, n = t
@@ -274,7 +273,7 @@ def decode_dag(data: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT
         raise RemoteProtocolError("graph: module_names must map names to lists of strings")
     if not all(isinstance(v, str) for v in st.values()):
         raise RemoteProtocolError("graph: scope_types must map to strings")
-    batch = field(head, "batch_size", int, "graph")
+    batch = typed_field(head, "batch_size", int, "graph")
     if batch <= 0:
         raise RemoteProtocolError("graph: batch_size must be positive")
     return OpDAG(inputs=inputs, nodes=nodes, outputs=outputs, loss=loss, tensors=tensors,
@@ -287,16 +286,16 @@ def decode_stage(data: bytes | bytearray | memoryview, *, limits: Limits = DEFAU
     :func:`decode_dag`)."""
     head, payload = _unpack(data, KIND_STAGE, limits, max_bytes)
     inputs, nodes, outputs, loss, tensors = _dec_common(head, payload, limits, dag_budget(limits, memory_bytes))
-    stage = field(head, "stage", int, "stage program")
-    num = field(head, "num_stages", int, "stage program")
+    stage = typed_field(head, "stage", int, "stage program")
+    num = typed_field(head, "num_stages", int, "stage program")
     metas = {s.name: s.meta for s in inputs}
     metas |= {n.name: n.out[0] for n in nodes if not n.multi and n.out and n.out[0] is not None}
     recv, send = [], []
-    for r in field(head, "recv", list, "stage program"):
+    for r in typed_field(head, "recv", list, "stage program"):
         if not (isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and type(r[1]) is int) or r[0] not in metas:
             raise RemoteProtocolError("stage program: bad recv entry")
         recv.append(BoundaryIn(name=r[0], meta=metas[r[0]], src=r[1]))
-    for o in field(head, "send", list, "stage program"):
+    for o in typed_field(head, "send", list, "stage program"):
         if not (isinstance(o, list) and len(o) == 2 and isinstance(o[0], str) and isinstance(o[1], list)
                 and all(type(d) is int for d in o[1])) or o[0] not in metas:
             raise RemoteProtocolError("stage program: bad send entry")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.wire.check import malformed
 from fusionp2p.wire.msg import expect_map, packb, unpackb
 from fusionp2p.wire.records import Signer, Verifier
 
@@ -127,10 +128,11 @@ def decode_record(data: bytes, verify: Verifier) -> JobStatus | JobIndex:
     peer = _str(b, "peer")
     if not verify(peer, _tag(t, body_bytes), sig):
         raise RemoteProtocolError(f"bad signature on {t} record claiming to be from {peer[:16]}")
-    if t == "job-status":
-        return _status(b)
-    if t == "job-index":
-        return _index(b)
+    with malformed(f"{t[:16]} record"):
+        if t == "job-status":
+            return _status(b)
+        if t == "job-index":
+            return _index(b)
     raise RemoteProtocolError(f"unknown job record type {t[:32]!r}")
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import msgpack
 
 from fusionp2p.errors import LocalProtocolError, RemoteProtocolError
+from fusionp2p.wire.check import as_float
 from fusionp2p.wire.limits import DEFAULT_LIMITS, Limits
 
 
@@ -53,13 +54,17 @@ def expect_map(obj: Any, what: str) -> dict[str, Any]:
     return obj
 
 
-def field(m: dict[str, Any], name: str, typ: type | tuple[type, ...], what: str) -> Any:
-    """Fetch a required field of a given type, or raise RemoteProtocolError naming it."""
+def typed_field(m: dict[str, Any], name: str, typ: type | tuple[type, ...], what: str) -> Any:
+    """Fetch a required field of a given type, or raise RemoteProtocolError naming it.
+
+    ``float`` accepts ints (as floats) and refuses NaN and infinities; ``int`` and ``float`` refuse
+    bools. Ranges and lengths are the caller's: see :mod:`fusionp2p.wire.check` for bounded reads.
+    (Not called ``field``: that would shadow ``dataclasses.field`` in every module that has both.)"""
     if name not in m:
         raise RemoteProtocolError(f"{what}: missing field {name!r}")
     v = m[name]
-    if typ is float and isinstance(v, int) and not isinstance(v, bool):
-        return float(v)
+    if typ is float:
+        return as_float(v, f"{what}: field {name!r}")
     if not isinstance(v, typ) or (isinstance(v, bool) and typ in (int, float)):
         raise RemoteProtocolError(f"{what}: field {name!r} has type {type(v).__name__}")
     return v

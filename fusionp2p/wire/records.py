@@ -13,13 +13,16 @@ node per period instead of one per record.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.types import DeviceProfile
-from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.check import U63, as_float, as_int, as_pair_list, as_str, malformed
+from fusionp2p.wire.codec import from_wire, to_wire
+from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 
 VERSION = 1
 MAX_RECORD = 16 * 1024
@@ -28,6 +31,7 @@ MAX_MEASUREMENTS = 512
 MAX_BUNDLE_PARTS = 4
 MAX_BANDWIDTH = 1e13    # bytes/s: a measurement or capacity at or above it is refused (80 Tbit/s)
 MAX_RTT = 3600.0        # seconds
+MAX_PERIOD = 3600.0     # a heartbeat period, seconds
 
 Signer = Callable[[bytes], bytes]
 Verifier = Callable[[str, bytes, bytes], bool]
@@ -35,22 +39,20 @@ Verifier = Callable[[str, bytes, bytes], bool]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NodeRecord:
-    peer: str
-    role: str                     # "node" | "bootstrap"
-    addrs: tuple[str, ...]
+    """A node's signed heartbeat (its body is encoded by wire/codec.py, within these limits)."""
+
+    peer: str = field(metadata={"wire": {"max_len": 128}})
+    role: str = field(metadata={"wire": {"choices": ("node", "bootstrap", "client")}})
+    addrs: tuple[str, ...] = field(metadata={"wire": {"max_len": MAX_ADDRS, "item": {"max_len": 255}}})
     profile: DeviceProfile | None
     started: float               # the node's own wall-clock start time (informational)
-    seq: int                      # increases with every heartbeat; newer wins
+    seq: int = field(metadata={"wire": {"lo": 0, "hi": U63}})   # increases with every heartbeat; newer wins
     leaving: bool = False
-    period: float = 0.0           # the sender's heartbeat period, seconds (0: not announced)
+    # the sender's heartbeat period, seconds (0: not announced; absent in records of older nodes)
+    period: float = field(default=0.0, metadata={"wire": {"name": "hb", "lo": 0.0, "hi": MAX_PERIOD, "optional": True}})
 
     def body(self) -> dict[str, Any]:
-        return {
-            "peer": self.peer, "role": self.role, "addrs": list(self.addrs),
-            "profile": self.profile.to_wire() if self.profile else None,
-            "started": float(self.started), "seq": int(self.seq), "leaving": bool(self.leaving),
-            "hb": float(self.period),
-        }
+        return to_wire(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,23 +97,19 @@ def decode_signed(data: bytes, verify: Verifier) -> Record:
     env = expect_map(unpackb(data, max_size=MAX_RECORD), "record")
     if env.get("v") != VERSION:
         raise RemoteProtocolError(f"record version {env.get('v')!r} not supported")
-    t = field(env, "t", str, "record")
-    body_bytes = field(env, "b", bytes, "record")
-    sig = field(env, "s", bytes, "record")
+    t = typed_field(env, "t", str, "record")
+    body_bytes = typed_field(env, "b", bytes, "record")
+    sig = typed_field(env, "s", bytes, "record")
     body = expect_map(unpackb(body_bytes, max_size=MAX_RECORD), "record body")
-    peer = field(body, "peer", str, "record body")
+    peer = typed_field(body, "peer", str, "record body")
     if not verify(peer, _tag(t, body_bytes), sig):
         raise RemoteProtocolError(f"bad signature on {t} record claiming to be from {peer[:16]}")
-    try:
+    with malformed(f"{t[:16]} record"):
         if t == "node":
             return _node(body)
         if t == "bw":
             return _bw(body)
-    except RemoteProtocolError:
-        raise
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RemoteProtocolError(f"malformed {t} record: {exc}") from None
-    raise RemoteProtocolError(f"unknown record type {t!r}")
+    raise RemoteProtocolError(f"unknown record type {t[:32]!r}")
 
 
 def encode_bundle(parts: list[bytes]) -> bytes:
@@ -135,41 +133,31 @@ def split_bundle(data: bytes) -> list[bytes]:
     return obj
 
 
+def decode_profile(obj: Any, what: str = "profile") -> DeviceProfile:
+    """A DeviceProfile from a peer's map (in a node record or a snapshot), every field bounded by its
+    ``wire`` metadata (fusionp2p/types.py)."""
+    return from_wire(DeviceProfile, obj, what)
+
+
 def _node(b: dict[str, Any]) -> NodeRecord:
-    addrs = field(b, "addrs", list, "node record")
-    if len(addrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
-        raise RemoteProtocolError("node record: bad addrs")
-    role = field(b, "role", str, "node record")
-    if role not in ("node", "bootstrap", "client"):
-        raise RemoteProtocolError(f"node record: unknown role {role!r}")
-    prof = b.get("profile")
-    profile = DeviceProfile.from_wire(expect_map(prof, "profile")) if prof is not None else None
-    seq = field(b, "seq", int, "node record")
-    if seq < 0:
-        raise RemoteProtocolError("node record: negative seq")
-    period = b.get("hb", 0.0)   # absent in records of older nodes
-    if isinstance(period, bool) or not isinstance(period, (int, float)) or not 0 <= period <= 3600:
-        raise RemoteProtocolError("node record: heartbeat period out of range")
-    return NodeRecord(
-        peer=b["peer"], role=role, addrs=tuple(addrs), profile=profile,
-        started=field(b, "started", float, "node record"), seq=seq,
-        leaving=bool(field(b, "leaving", bool, "node record")), period=float(period),
-    )
+    return from_wire(NodeRecord, b, "node record")
 
 
 def _bw(b: dict[str, Any]) -> BandwidthReport:
-    raw = field(b, "m", list, "bandwidth report")
+    w = "bandwidth report"
+    peer = as_str(b["peer"], f"{w} peer")
+    raw = typed_field(b, "m", list, w)
     if len(raw) > MAX_MEASUREMENTS:
         raise RemoteProtocolError("bandwidth report: too many measurements")
     ms = []
-    for item in raw:
-        if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str)):
-            raise RemoteProtocolError("bandwidth report: bad measurement")
-        bw, rtt, n = float(item[1]), float(item[2]), int(item[3])
-        if not (0 <= bw < MAX_BANDWIDTH and 0 <= rtt < MAX_RTT and n >= 0):
-            raise RemoteProtocolError("bandwidth report: measurement out of range")
-        ms.append(Measurement(src=b["peer"], dst=item[0], bandwidth=bw, rtt=rtt, samples=n))
-    up, down = field(b, "up", float, "bandwidth report"), field(b, "down", float, "bandwidth report")
-    if not (0 <= up < MAX_BANDWIDTH and 0 <= down < MAX_BANDWIDTH):
-        raise RemoteProtocolError("bandwidth report: capacity out of range")
-    return BandwidthReport(peer=b["peer"], seq=field(b, "seq", int, "bandwidth report"), uplink=up, downlink=down, measurements=tuple(ms))
+    for item in as_pair_list(raw, f"{w} measurement", max_len=MAX_MEASUREMENTS, arity=4):
+        # bandwidth and rtt in [0, MAX) (the bound excluded), samples a count
+        bw = as_float(item[1], f"{w} bandwidth", lo=0.0, hi=math.nextafter(MAX_BANDWIDTH, 0.0))
+        rtt = as_float(item[2], f"{w} rtt", lo=0.0, hi=math.nextafter(MAX_RTT, 0.0))
+        n = as_int(item[3], f"{w} samples", lo=0, hi=U63)
+        ms.append(Measurement(src=peer, dst=as_str(item[0], f"{w} peer"), bandwidth=bw, rtt=rtt, samples=n))
+    hi = math.nextafter(MAX_BANDWIDTH, 0.0)
+    up = as_float(typed_field(b, "up", float, w), f"{w} uplink", lo=0.0, hi=hi)
+    down = as_float(typed_field(b, "down", float, w), f"{w} downlink", lo=0.0, hi=hi)
+    return BandwidthReport(peer=peer, seq=as_int(typed_field(b, "seq", int, w), f"{w} seq", lo=0, hi=U63), uplink=up,
+                           downlink=down, measurements=tuple(ms))

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from fusionp2p.errors import LocalProtocolError, RemoteProtocolError
+from fusionp2p.wire.check import as_shape
 from fusionp2p.wire.limits import DEFAULT_LIMITS, Limits
 
 DTYPES: dict[str, torch.dtype] = {
@@ -62,19 +63,15 @@ def check_header(header: Any, *, limits: Limits = DEFAULT_LIMITS) -> tuple[torch
     name = header.get("dtype")
     if not isinstance(name, str) or name not in DTYPES:
         raise RemoteProtocolError(f"tensor dtype {name!r} is not allowed")
-    shape = header.get("shape")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > limits.max_tensor_dims
-        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)
-    ):
-        raise RemoteProtocolError(f"tensor shape {shape!r} is invalid")
     dtype = DTYPES[name]
     itemsize = torch.empty((), dtype=dtype).element_size()
+    # the extent bound also covers zero-size shapes, which hold no bytes but which torch cannot build
+    shape = as_shape(header.get("shape"), "tensor shape", max_dims=limits.max_tensor_dims,
+                     max_extent=max(1, limits.max_tensor_bytes // itemsize))
     nbytes = math.prod(shape) * itemsize
     if nbytes > limits.max_tensor_bytes:
         raise RemoteProtocolError(f"tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
-    return dtype, tuple(shape), nbytes
+    return dtype, shape, nbytes
 
 
 def decode_tensor(header: Any, data: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:

@@ -53,7 +53,7 @@ import torch
 
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.wire.limits import DEFAULT_LIMITS, Limits
-from fusionp2p.wire.msg import expect_map, field, packb, unpackb
+from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 from fusionp2p.wire.tensor import check_header, encode_tensor
 
 VERSION = 1
@@ -138,7 +138,7 @@ def message_bytes(msg: MessageLike) -> bytes:
 
 
 def _int(m: dict[str, Any], name: str) -> int:
-    v = field(m, name, int, "tensor message")
+    v = typed_field(m, name, int, "tensor message")
     if not 0 <= v < 2**63:
         raise RemoteProtocolError(f"tensor message: field {name!r} out of range")
     return int(v)
@@ -159,8 +159,8 @@ def decode_message(data: bytes | bytearray | memoryview, *, limits: Limits = DEF
     h = expect_map(unpackb(memoryview(data)[4 : 4 + hlen], limits=limits), "tensor message")
     if h.get("v") != VERSION:
         raise RemoteProtocolError(f"tensor message: unsupported version {h.get('v')!r}")
-    specs = field(h, "t", list, "tensor message")
-    meta = expect_map(field(h, "meta", dict, "tensor message"), "tensor message meta")
+    specs = typed_field(h, "t", list, "tensor message")
+    meta = expect_map(typed_field(h, "meta", dict, "tensor message"), "tensor message meta")
     off = 4 + hlen + _pad(4 + hlen)
     layout: list[tuple[torch.dtype, tuple[int, ...], int, int]] = []
     total = 0
@@ -183,9 +183,9 @@ def decode_message(data: bytes | bytearray | memoryview, *, limits: Limits = DEF
             continue
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start)
         tensors.append(raw.to(torch.bool).reshape(shape) if dtype == torch.bool else raw.view(dtype).reshape(shape))
-    return {"job": field(h, "job", str, "tensor message"), "kind": field(h, "kind", str, "tensor message"),
+    return {"job": typed_field(h, "job", str, "tensor message"), "kind": typed_field(h, "kind", str, "tensor message"),
             "stage": _int(h, "stage"), "step": _int(h, "step"), "micro": _int(h, "micro"),
-            "name": field(h, "name", str, "tensor message"), "meta": meta, "tensors": tuple(tensors)}
+            "name": typed_field(h, "name", str, "tensor message"), "meta": meta, "tensors": tuple(tensors)}
 
 
 # ------------------------------------------------------------------------------------------- records
@@ -265,7 +265,7 @@ def encode_ticket_request(cipher: str, lanes: int) -> bytes:
 
 
 def _lanes(m: dict[str, Any], what: str) -> int:
-    n = field(m, "lanes", int, what)
+    n = typed_field(m, "lanes", int, what)
     if not 1 <= n <= MAX_LANES:
         raise RemoteProtocolError(f"{what}: lanes must be between 1 and {MAX_LANES}")
     return int(n)
@@ -276,7 +276,7 @@ def decode_ticket_request(data: Buffer, *, limits: Limits = DEFAULT_LIMITS) -> t
     m = expect_map(unpackb(data, limits=limits), "bulk ticket request")
     if m.get("v") != VERSION:
         raise RemoteProtocolError("bulk ticket request: unsupported version")
-    return str(field(m, "cipher", str, "bulk ticket request")), _lanes(m, "bulk ticket request")
+    return str(typed_field(m, "cipher", str, "bulk ticket request")), _lanes(m, "bulk ticket request")
 
 
 def encode_ticket_reply(*, ticket: bytes, cipher: str, k_dial: bytes, k_listen: bytes, host: str, port: int,
@@ -291,14 +291,14 @@ def decode_ticket_reply(data: Buffer, *, limits: Limits = DEFAULT_LIMITS) -> dic
     if m.get("v") != VERSION:
         raise RemoteProtocolError("bulk ticket reply: unsupported version")
     what = "bulk ticket reply"
-    if len(field(m, "ticket", bytes, what)) != TICKET_SIZE:
+    if len(typed_field(m, "ticket", bytes, what)) != TICKET_SIZE:
         raise RemoteProtocolError("bulk ticket reply: ticket must be 16 bytes")
     for k in ("k_dial", "k_listen"):
-        if len(field(m, k, bytes, what)) != KEY_SIZE:
+        if len(typed_field(m, k, bytes, what)) != KEY_SIZE:
             raise RemoteProtocolError(f"bulk ticket reply: {k} must be 32 bytes")
-    field(m, "cipher", str, what)
-    field(m, "host", str, what)
-    if not 0 < field(m, "port", int, what) < 65536:
+    typed_field(m, "cipher", str, what)
+    typed_field(m, "host", str, what)
+    if not 0 < typed_field(m, "port", int, what) < 65536:
         raise RemoteProtocolError("bulk ticket reply: bad port")
     _lanes(m, what)
     return m

@@ -10,7 +10,7 @@ within 5%.
 Measured (2 layers, width 64, batch 16 x 64 tokens, AdamW 3e-3; mean loss of the last 30 steps):
 uncompressed 2.360; AdaTopK 0.1 masked per-row 2.391 (+1.3%), masked global 2.394 (+1.4%);
 straight-through per-row 3.151 (+33%), straight-through global 3.229 (+37%). So the default
-backward of ``AdaTopK`` is ``masked``; straight-through stays selectable.
+backward of ``TopKLink`` is ``masked``; straight-through stays selectable.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusionp2p.compress import AdaTopK, boundary
+from fusionp2p.compress import TopKLink, boundary
 from fusionp2p.data.corpus import corpus_tokens
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
 
@@ -29,7 +29,7 @@ STEPS = 300
 BATCH, SEQ = 16, 64
 
 
-def _train(model: GPT2, link: AdaTopK | None, tokens: np.ndarray) -> list[float]:
+def _train(model: GPT2, link: TopKLink | None, tokens: np.ndarray) -> list[float]:
     torch.manual_seed(1)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = np.random.default_rng(0)
@@ -63,7 +63,7 @@ def test_adatopk_ratio_0_1_converges_within_5_percent() -> None:
     base = GPT2(GPT2Config.tiny(n_layer=2, n_embd=64, block_size=SEQ))
     comp = copy.deepcopy(base)
     dense = _train(base, None, tokens)
-    sparse = _train(comp, AdaTopK(ratio=0.1, per_row=True, backward="masked"), tokens)
+    sparse = _train(comp, TopKLink(ratio=0.1, per_row=True, backward="masked"), tokens)
     final_dense = float(np.mean(dense[-30:]))
     final_sparse = float(np.mean(sparse[-30:]))
     print(f"\nstart loss {dense[0]:.3f}; final (mean of last 30 of {STEPS} steps): "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusionp2p.compress import AdaTopK, ErrorFeedback, TopKCodec, boundary, decode, kept_mask
+from fusionp2p.compress import ErrorFeedback, TopKCodec, TopKLink, boundary, decode, kept_mask
 from fusionp2p.errors import ConfigError
 
 torch.set_num_threads(1)
@@ -16,7 +16,7 @@ def _net(seed: int) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
     return torch.nn.Linear(16, 32), torch.nn.Linear(32, 4), torch.randn(8, 16)
 
 
-def _grads(cfg: AdaTopK | None, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _grads(cfg: TopKLink | None, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     a, b, x = _net(seed)
     h = a(x)
     if cfg is not None:
@@ -28,14 +28,14 @@ def _grads(cfg: AdaTopK | None, seed: int = 0) -> tuple[torch.Tensor, list[torch
 
 def test_ratio_one_bitwise_identical_forward_and_backward() -> None:
     loss0, g0 = _grads(None)
-    loss1, g1 = _grads(AdaTopK(ratio=1.0))
+    loss1, g1 = _grads(TopKLink(ratio=1.0))
     assert torch.equal(loss0, loss1)
     assert all(torch.equal(u, v) for u, v in zip(g0, g1))
 
 
 @pytest.mark.parametrize("per_row", [False, True])
 def test_straight_through_gradient_is_topk_of_grad(per_row: bool) -> None:
-    cfg = AdaTopK(ratio=0.25, per_row=per_row, approx=False, backward="straight_through")
+    cfg = TopKLink(ratio=0.25, per_row=per_row, approx=False, backward="straight_through")
     x = torch.randn(8, 32, requires_grad=True, generator=torch.Generator().manual_seed(1))
     y = boundary(x, cfg)
     assert torch.equal(y, decode(*TopKCodec(ratio=0.25, per_row=per_row).encode(x)))
@@ -45,7 +45,7 @@ def test_straight_through_gradient_is_topk_of_grad(per_row: bool) -> None:
 
 
 def test_masked_gradient_stays_inside_forward_mask() -> None:
-    cfg = AdaTopK(ratio=0.25, backward="masked", approx=False)
+    cfg = TopKLink(ratio=0.25, backward="masked", approx=False)
     x = torch.randn(64, requires_grad=True, generator=torch.Generator().manual_seed(3))
     y = boundary(x, cfg)
     y.backward(torch.ones(64))
@@ -55,12 +55,12 @@ def test_masked_gradient_stays_inside_forward_mask() -> None:
     assert torch.all(x.grad[mask] == 1)
     payload, meta = cfg.encode_act(x.detach())
     assert torch.equal(kept_mask(payload, meta), mask)  # type: ignore[arg-type]
-    assert kept_mask(*AdaTopK(ratio=1.0).encode_act(x.detach())) is None
+    assert kept_mask(*TopKLink(ratio=1.0).encode_act(x.detach())) is None
 
 
 def test_bad_backward_rejected() -> None:
     with pytest.raises(ConfigError):
-        AdaTopK(ratio=0.1, backward="exact")  # type: ignore[arg-type]
+        TopKLink(ratio=0.1, backward="exact")  # type: ignore[arg-type]
 
 
 def test_error_feedback_residuals_sum_correctly() -> None:

@@ -122,8 +122,12 @@ def test_the_whole_dag_is_checked_against_the_node_memory_first() -> None:
 def test_every_input_and_output_shape_is_bounded() -> None:
     # 2**39 elements per dim were accepted before, and a product that overflows int64 raised RuntimeError
     huge = InputSpec(name="x", kind="input", meta=TensorMeta(shape=(2**39, 2**39), dtype=F32))
-    with pytest.raises(RemoteProtocolError, match="tensor limit"):
+    with pytest.raises(RemoteProtocolError, match="too large"):
         decode_dag(encode_dag(OpDAG(inputs=(huge,), nodes=(), outputs=())))
+    # no bytes at all, but torch cannot build it either ("Stride calculation overflowed", a RuntimeError before)
+    empty = InputSpec(name="x", kind="input", meta=TensorMeta(shape=(0, 2**39, 2**39, 2**39, 2**39), dtype=F32))
+    with pytest.raises(RemoteProtocolError, match="too large"):
+        decode_dag(encode_dag(OpDAG(inputs=(empty,), nodes=(), outputs=())))
     lim = Limits(max_tensor_bytes=1 * MiB)
     x = InputSpec(name="x", kind="input", meta=TensorMeta(shape=(2**18 + 1,), dtype=F32))
     with pytest.raises(RemoteProtocolError, match="tensor limit"):

@@ -32,3 +32,12 @@ def test_sign_verify() -> None:
     assert not verify(a.peer_id, b"datb", sig)
     assert not verify("not-a-peer", b"data", sig)
     assert not verify(a.peer_id, b"data", b"short")
+
+
+def test_an_overlong_peer_id_is_refused_before_base58_decoding() -> None:
+    """base58 decoding is quadratic: a 70 000-character "peer id" in a job spec cost 2.5 s of CPU to refuse."""
+    from fusionp2p.net.identity import MAX_PEER_ID, is_valid_peer_id, verify
+
+    assert len(Identity.generate().peer_id) <= MAX_PEER_ID
+    assert not is_valid_peer_id("1" + "z" * 70_000)
+    assert not verify("1" + "z" * 70_000, b"data", bytes(64))

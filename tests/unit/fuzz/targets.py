@@ -1,0 +1,454 @@
+"""Every decoder that takes bytes from a peer, as ``name -> (decode(bytes), seeds)``, for the fuzz suite.
+
+Each target wraps one decoder so that it takes one ``bytes`` argument, and builds its seeds from
+valid encodings (so that mutations reach deep into the format). Signature checks are injected as
+"always valid" where the decoder takes a verifier, so that a mutated body reaches the field checks
+(a real verifier would refuse it at the signature, which is tested elsewhere); decoders that verify
+with the real key (job specs) are reached through their parsing step before the signature.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.wire.msg import packb, unpackb
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    decode: Callable[[bytes], object]
+    seeds: tuple[bytes, ...]
+    memory_bound: int = 64 << 20    # peak bytes tracemalloc may see for one case
+
+
+def _verify_all(peer: str, data: bytes, sig: bytes) -> bool:
+    return True
+
+
+def _sign(data: bytes) -> bytes:
+    return b"\x01" * 64
+
+
+# ------------------------------------------------------------------------------------------ builders
+def _profile():  # type: ignore[no-untyped-def]
+    from fusionp2p.types import DeviceProfile
+
+    return DeviceProfile(device="cpu", kind="cpu", name="x86_64 (2 threads)", flops_fp32=1e10, flops_bf16=0.0,
+                         memory_bytes=16 << 30, threads=2, versions=(("python", "3.11"), ("torch", "2.13.0")))
+
+
+def _snapshot():  # type: ignore[no-untyped-def]
+    from fusionp2p.plan.snapshot import Link, Snapshot
+
+    peers = ["peerA", "peerB", "peerC"]
+    return Snapshot(job="job1", epoch=2, members={p: _profile() for p in peers},
+                    links={("peerA", "peerB"): Link(bandwidth_bps=1.25e8, latency_s=0.01),
+                           ("peerB", "peerC"): Link(bandwidth_bps=1e9, latency_s=0.0)})
+
+
+def _plan():  # type: ignore[no-untyped-def]
+    from fusionp2p.plan.opfence import make_plan
+    from fusionp2p.types import Edge, Unit, WorkloadGraph
+
+    units = tuple(Unit(name=f"u{i}", kind="block", fwd_flops=1e9, bwd_flops=2e9, param_bytes=1 << 20, act_bytes=1 << 20)
+                  for i in range(4))
+    edges = tuple(Edge(src=i, dst=i + 1, nbytes=1 << 20) for i in range(3))
+    return make_plan(WorkloadGraph(units=units, edges=edges), _snapshot())
+
+
+def _identity(i: int):  # type: ignore[no-untyped-def]
+    from fusionp2p.net.identity import Identity
+
+    return Identity(bytes(range(i, i + 32)))
+
+
+# ------------------------------------------------------------------------------------------ targets
+def _msgpack() -> Target:
+    seeds = (packb({"a": 1, "b": [1.5, "x", b"y", None, True], "c": {"d": -1}}), packb([1, 2, 3]), packb("s"))
+    return Target("wire.unpackb", lambda b: unpackb(b, max_size=1 << 20), seeds)
+
+
+def _framing() -> Target:
+    from fusionp2p.wire.framing import FrameDecoder, encode_frame
+
+    def dec(b: bytes) -> object:
+        d = FrameDecoder(max_frame=4096)
+        out = d.feed(b)
+        d.check_eof()
+        return out
+
+    return Target("wire.framing", dec, (encode_frame(b"hello", max_frame=4096) + encode_frame(b"", max_frame=4096),))
+
+
+def _records() -> Target:
+    from fusionp2p.wire.records import (
+        BandwidthReport,
+        Measurement,
+        NodeRecord,
+        decode_signed,
+        encode_bundle,
+        encode_signed,
+        split_bundle,
+    )
+
+    node = NodeRecord(peer="peerA", role="node", addrs=("/ip4/127.0.0.1/tcp/4001",), profile=_profile(), started=1.7e9,
+                      seq=3, period=1.0)
+    bw = BandwidthReport(peer="peerA", seq=2, uplink=1e8, downlink=2e8,
+                         measurements=(Measurement(src="peerA", dst="peerB", bandwidth=1e8, rtt=0.01, samples=3),))
+    a, b = encode_signed(node, _sign), encode_signed(bw, _sign)
+
+    def dec(data: bytes) -> object:
+        return [decode_signed(p, _verify_all) for p in split_bundle(data)]
+
+    return Target("wire.records", dec, (a, b, encode_bundle([a, b])))
+
+
+def _jobrecords() -> Target:
+    from fusionp2p.wire.jobrecords import JobIndex, JobStatus, StageFile, decode_record, encode_record
+
+    st = JobStatus(job="job1", peer="peerA", publisher="pub", state="running", epoch=1, step=10, steps=100,
+                   members=("peerA", "peerB"), stage_sizes=(1, 1), losses=((1, 3.5), (2, 3.25)), checkpoint_step=5,
+                   checkpoint=(StageFile(stage=0, hash="a" * 64, holders=("peerA",)),), final=(), final_loss=2.5,
+                   reason="", at=1.7e9)
+    ix = JobIndex(peer="pub", jobs=(("job1", "demo", 1.7e9),))
+    return Target("wire.jobrecords", lambda b: decode_record(b, _verify_all),
+                  (encode_record(st, _sign), encode_record(ix, _sign)))
+
+
+@cache
+def _small_dag():  # type: ignore[no-untyped-def]
+    from fusionp2p.graph import trace
+    from fusionp2p.models import MLP, MLPConfig
+
+    torch.manual_seed(0)
+    return trace(MLP(MLPConfig(in_features=4, hidden=(3,), out_features=2)), (torch.randn(2, 4),))
+
+
+def _dag() -> Target:
+    from fusionp2p.wire.dag import decode_dag, encode_dag
+
+    return Target("wire.dag", lambda b: decode_dag(b, memory_bytes=1 << 30), (encode_dag(_small_dag()),), 256 << 20)
+
+
+def _stage() -> Target:
+    from fusionp2p.graph import single_stage
+    from fusionp2p.wire.dag import decode_stage, encode_stage
+
+    return Target("wire.stage", lambda b: decode_stage(b, memory_bytes=1 << 30), (encode_stage(single_stage(_small_dag())),),
+                  256 << 20)
+
+
+def _tensor_message_seed() -> bytes:
+    from fusionp2p.net.channel import TensorMessage
+    from fusionp2p.wire import tensor_frame as tf
+
+    msg = TensorMessage(job="job1", kind="act", stage=1, step=7, micro=2, name="e0", meta={"codec": "id", "k": [1, 2]},
+                        tensors=(torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([True, False]),
+                                 torch.empty(0, 3)))
+    return tf.message_bytes(msg)
+
+
+def _tensor_message() -> Target:
+    from fusionp2p.wire import tensor_frame as tf
+
+    return Target("wire.tensor_frame.message", lambda b: tf.decode_message(b), (_tensor_message_seed(),))
+
+
+def _tensor() -> Target:
+    from fusionp2p.wire.tensor import decode_tensor
+
+    # header and data in one msgpack array, so that both are mutated
+    def dec(b: bytes) -> object:
+        m = unpackb(b)
+        if not isinstance(m, list) or len(m) != 2 or not isinstance(m[1], bytes):
+            raise RemoteProtocolError("fuzz harness: not [header, data]")
+        return decode_tensor(m[0], m[1])
+
+    seeds = (packb([{"dtype": "f32", "shape": [2, 2]}, struct.pack("<4f", 1, 2, 3, 4)]),
+             packb([{"dtype": "bool", "shape": [3]}, b"\x01\x00\x01"]), packb([{"dtype": "i64", "shape": []}, bytes(8)]))
+    return Target("wire.tensor", dec, seeds)
+
+
+def _dataplane_small() -> Target:
+    from fusionp2p.wire import tensor_frame as tf
+
+    def dec(b: bytes) -> object:
+        # the small fixed layouts of the data plane: record header, MSG_START, STRIPE_START, ACK
+        tag, body = b[:1], b[1:]
+        if tag == b"h":
+            return tf.parse_record_header(body[: tf.RECORD_HEADER].ljust(tf.RECORD_HEADER, b"\0"), max_body=1 << 20)
+        if tag == b"s":
+            return tf.decode_start(body)
+        if tag == b"t":
+            return tf.decode_stripe_start(body, max_slot=1 << 20)
+        return tf.decode_ack(body)
+
+    seeds = (b"h" + tf.record_header(tf.MSG_END, 100), b"s" + tf.encode_start(4096) + b"xyz",
+             b"t" + tf.encode_stripe_start(1 << 20, 1 << 18), b"a" + tf.encode_ack(7))
+    return Target("wire.tensor_frame.records", dec, seeds)
+
+
+def _tickets() -> Target:
+    from fusionp2p.wire import tensor_frame as tf
+
+    def dec(b: bytes) -> object:
+        m = unpackb(b)
+        if isinstance(m, dict) and "ticket" in m:
+            return tf.decode_ticket_reply(b)
+        return tf.decode_ticket_request(b)
+
+    seeds = (tf.encode_ticket_request("aes-128-gcm", 2),
+             tf.encode_ticket_reply(ticket=bytes(16), cipher="aes-128-gcm", k_dial=bytes(32), k_listen=bytes(range(32)),
+                                    host="127.0.0.1", port=40000, lanes=2))
+    return Target("wire.tensor_frame.tickets", dec, seeds)
+
+
+def _record_reader() -> Target:
+    """The data plane's record reader, with the "none" cipher so that mutations reach the plaintext."""
+    from fusionp2p.net.aead import Opener, Sealer
+    from fusionp2p.net.channel import TensorMessage
+    from fusionp2p.net.tensor_stream import RecordReader, RecordWriter
+    from fusionp2p.wire import tensor_frame as tf
+
+    key = bytes(32)
+    w = RecordWriter(Sealer("none", key), chunk_size=1024)
+    big = TensorMessage(job="j", kind="act", tensors=(torch.arange(600, dtype=torch.float32),))
+    small = TensorMessage(job="j", kind="grad", meta={"codec": "id"}, tensors=(torch.ones(3),))
+    stream = b"".join(bytes(w.seal(p)) for m in (small, big) for p in w.plan_message(m))
+    stream += bytes(w.sealer.seal(w.sealer.next_nonce(), tf.ACK, [tf.encode_ack(2)]))
+    stream += bytes(w.sealer.seal(w.sealer.next_nonce(), tf.CLOSE, []))
+
+    def dec(b: bytes) -> object:
+        r = RecordReader(Opener("none", key), chunk_size=1024, lanes=2)
+        out = r.feed(b)
+        r.check_eof()
+        return out
+
+    return Target("net.record_reader", dec, (stream,))
+
+
+def _spec() -> Target:
+    from fusionp2p.data.corpus import corpus_hash
+    from fusionp2p.jobs.spec import CO2, DatasetRef, JobSpec, Resources, TrainConfig, decode_signed, sign_spec
+
+    alice = _identity(0)
+    spec = JobSpec(job_id="0123456789abcdef", publisher=alice.peer_id, created=1.7e9, model_hash="a" * 64,
+                   weights_hash="b" * 64,
+                   dataset=DatasetRef(kind="builtin", name="pydoc", content_hash=corpus_hash("pydoc"), seq_len=64,
+                                      vocab_size=256, num_tokens=400_000),
+                   config=TrainConfig(steps=100, optimizer="adamw", lr=3e-4, averaging=CO2(tau=4), compression="adatopk",
+                                      lr_schedule="cosine"),
+                   resources=Resources(min_memory_bytes=1 << 30, device_kinds=("cpu",)), name="demo")
+    return Target("jobs.spec", decode_signed, (sign_spec(spec, alice.sign),))
+
+
+def _events() -> Target:
+    from fusionp2p.jobs.events import (
+        CheckpointSaved,
+        JobStateChanged,
+        MembersChanged,
+        PlanChanged,
+        StepProgress,
+        StepSkipped,
+        decode_event,
+        encode_event,
+    )
+
+    evs = (StepProgress(job="j", step=3, epoch=1, stage=1, peer="p", loss=2.5, tokens_per_s=1e3, compute_util=0.5, at=1.0),
+           PlanChanged(job="j", epoch=1, plan_hash="h", stage_sizes=(1, 2), members=("a", "b", "c"), at=2.0),
+           MembersChanged(job="j", epoch=2, joined=("a",), left=("b",)), JobStateChanged(job="j", state="running"),
+           CheckpointSaved(job="j", step=5, stage=0, peer="p", hash="a" * 64, start=0, end=3),
+           StepSkipped(job="j", step=4, stage=1, reason="nan"))
+    return Target("jobs.events", decode_event, tuple(encode_event(e) for e in evs))
+
+
+def _votes() -> Target:
+    from fusionp2p.jobs.election import Vote
+
+    plan = _plan()
+    v = Vote.make(job="job1", epoch=2, plan_hash=plan.plan_hash(), snapshot_hash="c" * 64, peer="peerA", sign=_sign,
+                  plan=plan.to_wire())
+    return Target("jobs.election.vote", lambda b: Vote.decode(b), (v.encode(), packb({"t": "other"})))
+
+
+def _plan_record() -> Target:
+    from fusionp2p.jobs.election import Vote, _read_record
+
+    plan = _plan()
+    votes = [Vote.make(job="job1", epoch=2, plan_hash=plan.plan_hash(), snapshot_hash="c" * 64, peer=p, sign=_sign).encode()
+             for p in ("peerA", "peerB")]
+    rec = packb({"job": "job1", "epoch": 2, "members": ["peerA", "peerB", "peerC"], "plan": plan.to_wire(), "votes": votes})
+    return Target("jobs.election.record", _read_record, (rec,))
+
+
+def _plan_wire() -> Target:
+    from fusionp2p.plan.plan import Plan
+
+    return Target("plan.plan", lambda b: Plan.from_wire(b), (_plan().to_wire(),))
+
+
+def _snapshot_wire() -> Target:
+    from fusionp2p.plan.snapshot import Snapshot
+
+    return Target("plan.snapshot", lambda b: Snapshot.from_wire(b), (_snapshot().to_wire(),))
+
+
+def _replan() -> Target:
+    from fusionp2p.jobs.replan import Halted, Resume, Source
+
+    def dec(b: bytes) -> object:
+        m = unpackb(b)
+        if not isinstance(m, dict):
+            raise RemoteProtocolError("fuzz harness: not a map")
+        return Resume.from_wire(m) if "sources" in m else Halted.from_wire(m)
+
+    h = Halted(peer="peerA", epoch=1, stage=0, replica=0, step=10, state="a" * 64, start=0, end=2)
+    r = Resume(step=10, sources=(Source(start=0, end=2, step=10, state="a" * 64, holders=("peerA",)),), lost_steps=0)
+    return Target("jobs.replan", dec, (packb(h.to_wire()), packb(r.to_wire())))
+
+
+def _resilient() -> Target:
+    from fusionp2p.net.channel import TensorMessage
+    from fusionp2p.net.resilient import (
+        RESERVED,
+        Hello,
+        hello_message,
+        parse_hello,
+        parse_welcome,
+        welcome_message,
+    )
+    from fusionp2p.wire import tensor_frame as tf
+
+    def dec(b: bytes) -> object:
+        msg = TensorMessage(**tf.decode_message(b))
+        rc = msg.meta.get(RESERVED)
+        if isinstance(rc, dict) and rc.get("op") == "hello":
+            return parse_hello(msg)
+        return parse_welcome(msg)
+
+    h = Hello(name="act:0>1", session="0123456789abcdef0123456789abcdef", fresh=True, received=3, delivered=2, window=64)
+    return Target("net.resilient", dec, (tf.message_bytes(hello_message(h)), tf.message_bytes(welcome_message(3, 2, 64))))
+
+
+def _shards() -> Target:
+    import numpy as np
+
+    from fusionp2p.data.shards import ShardManifest, make_shards
+
+    man, _ = make_shards(np.arange(1000, dtype=np.int64) % 256, vocab_size=256, shard_tokens=300)
+    return Target("data.shards", lambda b: ShardManifest.decode(b), (man.encode(),))
+
+
+def _codec() -> Target:
+    from fusionp2p.compress.codec import CastCodec, TopKCodec, decode
+    from fusionp2p.net.channel import TensorMessage
+    from fusionp2p.wire import tensor_frame as tf
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    seeds = []
+    for codec in (TopKCodec(ratio=0.1), TopKCodec(ratio=0.6), TopKCodec(ratio=0.2, per_row=True), CastCodec(wire_dtype="bf16")):
+        payload, meta = codec.encode(x)
+        seeds.append(tf.message_bytes(TensorMessage(job="j", kind="act", meta=dict(meta), tensors=tuple(payload))))
+
+    def dec(b: bytes) -> object:
+        m = tf.decode_message(b)
+        return decode(m["tensors"], m["meta"])
+
+    return Target("compress.codec", dec, tuple(seeds))
+
+
+def _averaging() -> Target:
+    from fusionp2p.average.allreduce import RoundMsg
+    from fusionp2p.net.channel import TensorMessage
+    from fusionp2p.train.averager import from_message, to_message
+    from fusionp2p.wire import tensor_frame as tf
+
+    rm = RoundMsg(round_id=3, epoch="e1", phase="scatter", lo=0, hi=4, data=torch.ones(4), weight=1.0, scalar=0.5)
+    return Target("train.averager.part", lambda b: from_message(TensorMessage(**tf.decode_message(b))),
+                  (tf.message_bytes(to_message("job1", 0, rm)),))
+
+
+def _checkpoint_state() -> Target:
+    from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_state
+    from fusionp2p.train.state import StageState
+
+    meta = StageCheckpointMeta(job="job1", stage=0, num_stages=2, step=5, plan_hash="p" * 16)
+    st = StageState(step=5, tensors={"w": torch.ones(2, 2)}, optimizer={"w.exp_avg": torch.zeros(2, 2)},
+                    momentum={"w": ((0, torch.zeros(2)),)})
+    return Target("jobs.checkpoint.state", lambda b: decode_state(b, job="job1"), (encode_state(meta, st),))
+
+
+def _spec_body() -> Target:
+    """The spec map itself (TrainConfig, DatasetRef, Resources), without the envelope's canonical and
+    signature checks in front of it."""
+    from fusionp2p.jobs.spec import JobSpec
+
+    env = unpackb(_spec().seeds[0])
+    return Target("jobs.spec.body", lambda b: JobSpec.from_wire(unpackb(b)), (env["spec"],))
+
+
+def _probe_ctrl() -> Target:
+    from fusionp2p.swarm.probe import decode_ctrl
+
+    seeds = (packb({"op": "ping", "i": 1}), packb({"op": "bulk", "n": 65536, "mark": 16384}),
+             packb({"op": "ack", "n": 65536, "timed": 0.12, "rate": 1.2e8}))
+    return Target("swarm.probe.ctrl", decode_ctrl, seeds)
+
+
+def _content() -> Target:
+    from fusionp2p.jobs.content import decode_request, decode_response_head
+
+    def dec(b: bytes) -> object:
+        m = unpackb(b)
+        return decode_request(b) if isinstance(m, dict) and "op" in m else decode_response_head(b)
+
+    seeds = (packb({"op": "get", "hash": "a" * 64, "max": 1 << 20}), packb({"ok": True, "size": 1234}),
+             packb({"ok": False, "error": "not found"}))
+    return Target("jobs.content", dec, seeds)
+
+
+def _view() -> Target:
+    from fusionp2p.swarm.node import decode_view
+
+    rec = _records().seeds
+    return Target("swarm.view", decode_view,
+                  (packb({"records": [rec[0]], "bw": [rec[1]], "alive": ["peerA", "peerB"], "dead": ["peerC"]}),))
+
+
+def _job_message() -> Target:
+    from fusionp2p.jobs.proto import decode_message
+
+    seeds = (packb({"op": "start", "job": "job1", "snapshot": _snapshot().to_wire(), "resume": {"step": 0, "sources": [],
+                                                                                              "ckpt": False, "lost": 0}}),
+             packb({"op": "keep", "job": "job1", "hash": "a" * 64, "holder": "peerA", "units": [0, 2], "step": 3, "stage": 0}),
+             packb({"ok": True, "halted": {"peer": "p", "epoch": 1, "stage": 0, "replica": 0, "step": 3, "state": "",
+                                           "units": [-1, -1]}}))
+    return Target("jobs.proto.message", decode_message, seeds)
+
+
+def _dht_rankers() -> Target:
+    """The DHT's record rankers run on every value a peer stores: they return a rank or None, never raise."""
+    from fusionp2p.jobs.records import rank_index, rank_job_record, rank_plan
+
+    def dec(b: bytes) -> object:
+        return rank_job_record(b), rank_index(b), rank_plan(b)
+
+    return Target("jobs.records.rankers", dec, (*_jobrecords().seeds, *_plan_record().seeds, *_spec().seeds))
+
+
+TARGETS: dict[str, Callable[[], Target]] = {
+    f.__name__.lstrip("_"): f for f in (
+        _msgpack, _framing, _records, _jobrecords, _dag, _stage, _tensor_message, _tensor, _dataplane_small, _tickets,
+        _record_reader, _spec, _events, _votes, _plan_record, _plan_wire, _snapshot_wire, _replan, _resilient, _shards,
+        _codec, _averaging, _checkpoint_state, _spec_body, _probe_ctrl, _content, _view, _job_message,
+        _dht_rankers,
+    )
+}
