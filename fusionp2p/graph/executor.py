@@ -22,7 +22,7 @@ equal to within rounding whatever the order).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -180,6 +180,19 @@ class StageExecutor:
     def drop(self, micro: int) -> None:
         """Forget a micro-batch's forward state (e.g. the step was abandoned)."""
         self._stash.pop(micro, None)
+
+
+def tied_sum(grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The gradient of a tied parameter from its holders' partial gradients (in ascending stage order;
+    a holder whose copy got no gradient gives None). Every holder computes this same sum in the same
+    order, so every copy takes the very same step."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return None
+    total = present[0].clone()
+    for g in present[1:]:
+        total += g
+    return total
 
 
 class Inbox:
