@@ -73,7 +73,7 @@ def _no_kv_cache(model: nn.Module) -> Iterator[None]:
     """Training never reads a key/value cache: trace Hugging Face models (whose configs often ship
     ``use_cache=True``) with it off, and give the user's config back as it was."""
     found = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())}   # configs may be unhashable
-    cfgs = [c for c in found.values() if getattr(c, "use_cache", None) is True]
+    cfgs: list[Any] = [c for c in found.values() if getattr(c, "use_cache", None) is True]
     for c in cfgs:
         c.use_cache = False
     try:
