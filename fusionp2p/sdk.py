@@ -135,8 +135,9 @@ class Job:
         return save_module_state(Path(directory) / "model.safetensors", self.state_dict())
 
     def load_into(self, module: nn.Module) -> nn.Module:
-        """Copy the trained weights into *module* (the module that was published, or one like it)."""
-        module.load_state_dict(self.state_dict(), strict=False)
+        """Copy the trained weights into *module* (the module that was published, or one like it);
+        strict: every key of ``module.state_dict()`` and no other (RuntimeError otherwise)."""
+        module.load_state_dict(self.state_dict(), strict=True)
         return module
 
     def cancel(self) -> None:
@@ -363,15 +364,19 @@ class Swarm:
         trio.from_thread.run_sync(fn, trio_token=self._token)
 
     # -------------------------------------------------- user API
-    def publish(self, *, model: nn.Module, dataset: Dataset, config: TrainConfig, loss: LossFn | None = None,
+    def publish(self, *, model: nn.Module, dataset: Dataset | str | os.PathLike[str], config: TrainConfig,
+                loss: LossFn | None = None,
                 resources: Resources | None = None, name: str = "") -> Job:
         """Trace *model* (with *loss*, or returning ``(output, loss)``), sign and announce the job.
 
-        Raises ConfigError right away when the model cannot be traced; everything later (no node
+        *dataset*: ``BuiltinCorpus``/``TokenFile`` (token windows: ``model(x, y)`` or ``loss(model(x), y)``),
+        ``Examples`` or a path to a ``.npz``/``.safetensors`` file of named arrays (``model(**batch)``, or
+        the fields the loss function names go to it). Raises ConfigError right away when the model
+        cannot be traced or the data does not fit it; everything later (no node
         fits, a refused spec, a failed node) ends the job FAILED with the reason.
         """
         if self._token is None or self._nursery is None:
-            raise JobError("the swarm is closed")
+            raise JobError("the swarm is closed: publish on an open Swarm (Swarm.local(...) or Swarm.connect(...))")
         built = build_job(model, loss, dataset, config, publisher=self._identity.peer_id, sign=self._identity.sign,
                           now=time.time(), nonce=os.urandom(16), resources=resources, name=name)
         return self.publish_built(built)
@@ -399,6 +404,8 @@ class Swarm:
             stop = self._stop
             self._call_soon(stop.set)
         self._thread.join(timeout=30)
+        self._token = None       # every later call says "the swarm is closed" (JobError)
+        self._nursery = None
 
     def __enter__(self) -> Swarm:
         return self

@@ -13,8 +13,8 @@ Rules (each violation is a ConfigError saying what to change):
   and listed in their ``tied`` entries: one logical parameter whose gradients the holders sum every
   step (see :class:`~fusionp2p.graph.program.TiedParam`); buffers and constants are copied, read-only,
   to every stage that reads them;
-* a parameter that no operator reads (a pooler a head does not use) is kept on the last stage, so
-  that checkpoints and the download hold every parameter of the model.
+* a parameter or buffer that no operator reads (a pooler a head does not use) is kept on the last
+  stage, so that checkpoints and the download hold every tensor of the model's ``state_dict``.
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def partition(graph: OpDAG | CoarseDAG, assignment: Mapping[str, int] | Sequence
         for r in dict.fromkeys(r for n in stage_nodes[s] for r in n.refs()):
             if kinds.get(r) == "param":
                 param_users.setdefault(r, []).append(s)
-    unused = [i.name for i in dag.inputs if i.kind == "param" and i.name not in param_users]
+    read = {r for n in dag.nodes for r in n.refs()}
+    unused = [i.name for i in dag.inputs if i.kind in ("param", "buffer") and i.name not in read]
 
     for s in range(num_stages):
         nodes = stage_nodes[s]

@@ -45,13 +45,14 @@ class _Wrapped(nn.Module):
     """
 
     def __init__(self, model: nn.Module, names: Sequence[str], as_kwargs: bool, n_loss: int,
-                 loss_fn: Callable[..., torch.Tensor] | None) -> None:
+                 loss_fn: Callable[..., torch.Tensor] | None, loss_by_name: bool = False) -> None:
         super().__init__()
         self.model = model
         self._names = tuple(names)
         self._as_kwargs = as_kwargs
         self._n_loss = n_loss
         self._loss_fn = loss_fn
+        self._loss_by_name = loss_by_name
 
     def forward(self, *args: torch.Tensor) -> Any:
         n_model = len(args) - self._n_loss
@@ -61,6 +62,8 @@ class _Wrapped(nn.Module):
         else:
             out = self.model(*model_args)
         if self._loss_fn is not None:
+            if self._loss_by_name:
+                return self._loss_fn(out, **dict(zip(self._names[n_model:], loss_args)))
             return self._loss_fn(out, *loss_args)
         loss = _pick_loss(out)
         if loss is not None:
@@ -123,14 +126,15 @@ def _input_names(model: nn.Module, n: int) -> list[str]:
 
 def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,
           loss_fn: Callable[..., torch.Tensor] | None = None, *,
-          loss_inputs: Sequence[torch.Tensor] = (), count_flops: bool = True) -> OpDAG:
+          loss_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] = (), count_flops: bool = True) -> OpDAG:
     """Trace ``model`` on ``example_inputs`` into an :class:`OpDAG` ending at the loss.
 
     * ``example_inputs``: a tensor, a tuple (positional arguments) or a dict (keyword arguments, e.g.
       ``{"input_ids": ids, "labels": labels}`` for a Hugging Face model). Its names become the DAG's
       data inputs (``dag.data_inputs``), in order, followed by ``target``/``target_<i>`` for
       ``loss_inputs``.
-    * ``loss_fn``: if given, the loss is ``loss_fn(model_output, *loss_inputs)``. Otherwise the loss is
+    * ``loss_fn``: if given, the loss is ``loss_fn(model_output, *loss_inputs)`` (or, when
+      ``loss_inputs`` is a dict, ``loss_fn(model_output, **loss_inputs)``, its keys naming the inputs). Otherwise the loss is
       found in the output (``out["loss"]``, ``out.loss``, or a trailing scalar as in ``(logits, loss)``);
       if there is none the DAG returns every output tensor and ``dag.loss`` is None.
 
@@ -147,12 +151,17 @@ def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str
     else:
         model_args = tuple(example_inputs)  # type: ignore[arg-type]
         names = _input_names(model, len(model_args))
-    loss_inputs = tuple(loss_inputs)
+    loss_by_name = isinstance(loss_inputs, Mapping)
+    if isinstance(loss_inputs, Mapping):
+        names += [str(k) for k in loss_inputs]
+        loss_inputs = tuple(loss_inputs.values())
+    else:
+        loss_inputs = tuple(loss_inputs)
+        names += ["target"] if len(loss_inputs) == 1 else [f"target_{i}" for i in range(len(loss_inputs))]
     if loss_inputs and loss_fn is None:
         raise ConfigError("loss_inputs were given without a loss_fn")
-    names += ["target"] if len(loss_inputs) == 1 else [f"target_{i}" for i in range(len(loss_inputs))]
-    wrapped = _Wrapped(model, names, as_kwargs, len(loss_inputs), loss_fn)
-    all_args = model_args + loss_inputs
+    wrapped = _Wrapped(model, names, as_kwargs, len(loss_inputs), loss_fn, loss_by_name)
+    all_args = model_args + tuple(loss_inputs)
     try:
         with _no_kv_cache(model):
             ep = torch.export.export(wrapped, all_args, strict=False)
@@ -403,14 +412,18 @@ def _count_flops(inputs: tuple[InputSpec, ...], nodes: list[OpNode], tensors: Ma
 
 
 def _module_names(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
+    """DAG tensor name -> every key of ``model.state_dict()`` that holds it (several for a tied weight;
+    none for a non-persistent buffer, which ``state_dict`` leaves out and a download must too)."""
+    keys = set(model.state_dict(keep_vars=True))
     by_id: dict[int, list[str]] = {}
     for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        by_id.setdefault(id(t), []).append(n)
+        if n in keys:
+            by_id.setdefault(id(t), []).append(n)
     own = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     out: dict[str, tuple[str, ...]] = {}
     for name in tensors:
         src = own.get(name)
-        out[name] = tuple(by_id[id(src)]) if src is not None else ()
+        out[name] = tuple(by_id.get(id(src), ())) if src is not None else ()
     return out
 
 
@@ -428,7 +441,7 @@ def load_into(module: nn.Module, dag: OpDAG, values: Mapping[str, torch.Tensor],
         for name, value in values.items():
             targets = dag.module_names.get(name, ())
             if not targets:
-                if strict:
+                if strict and name in dag.param_names:
                     raise ConfigError(f"load_into: {name!r} has no counterpart in the module")
                 continue
             for t in targets:

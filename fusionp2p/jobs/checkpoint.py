@@ -262,9 +262,9 @@ def assemble(root: str | os.PathLike[str], job: str, step: int | None = None) ->
     merged: dict[str, torch.Tensor] = {}
     for path in files:
         for name, t in load_stage(path).params.items():
-            if name in merged:
-                raise CheckpointError(f"parameter {name} appears in two stages of step {step}")
-            merged[name] = t
+            # a buffer read by several stages is copied to each (read-only), and a tied parameter's
+            # copies are identical: the first stage's copy stands for all
+            merged.setdefault(name, t)
     return merged
 
 

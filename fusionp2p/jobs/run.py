@@ -854,7 +854,7 @@ class JobRun:
         accept: list[tuple[str, str, int | None]] = []
         e = plan.epoch
         for p in programs:
-            for src in sorted({x.src for x in p.recv if x.src >= 0}):
+            for src in sorted(t for t in p.peer_stages if t < p.stage):   # boundary and tied-weight peers
                 name = f"e{e}/p{r}:{src}-{p.stage}"
                 if src == s:
                     dial.append((name, plan.stages[p.stage].replicas[r], p.stage))

@@ -41,7 +41,7 @@ from fusionp2p.average.outer import OuterConfig
 from fusionp2p.compress.adatopk import AdaTopK as TopKLink
 from fusionp2p.compress.codec import decode
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
-from fusionp2p.graph.executor import Inbox, StageExecutor
+from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
 from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, open_replica_averager
@@ -175,6 +175,7 @@ class StageWorker:
         self._queue_send, self._queue_recv = trio.open_memory_channel[tuple[int, TensorMessage]](math.inf)
         self._avg_send, self._avg_recv = trio.open_memory_channel[TensorMessage](math.inf)
         self._early: dict[int, list[tuple[int, TensorMessage]]] = {}
+        self._tied_box: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}   # (param, stage) -> (grad, ok)
         self._fwd_payload: dict[tuple[int, str], torch.Tensor] = {}
         self.src_of = {r.name: r.src for r in self.prog.recv}
         self._closed_links: set[int] = set()
@@ -403,6 +404,8 @@ class StageWorker:
                     await self._send_grads(step, act.micro, backs.pop(act.micro))
                 elif isinstance(act, OptimizerStep):
                     t = time.perf_counter()
+                    if prog.tied:
+                        await self._sum_tied(step)          # tied weights: one logical parameter (TiedParam)
                     if self._outer is None and self.ctx.peers:
                         await self._allreduce_grads(step)   # replicas without CO2: synchronous data parallelism
                     await trio.to_thread.run_sync(self._optimizer_step, step)
@@ -425,6 +428,8 @@ class StageWorker:
                 if got is not None:
                     ready_grad[msg.micro] = got
                     actions += sched.handle(GradientArrived(micro=msg.micro))
+            elif msg.kind == "tied":
+                self._keep_tied(src, msg)   # a holder that finished its backward first
             else:
                 raise RemoteProtocolError(f"unexpected message kind {msg.kind!r} on a pipeline link")
         loss = sum(losses[m] for m in sorted(losses)) / len(losses) if losses else None
@@ -452,6 +457,53 @@ class StageWorker:
 
     def _rho_in(self, src: int) -> float:
         return self.ctx.rho_out.get(-1 - src, 1.0)   # incoming fences are stored under -1 - src
+
+    def _keep_tied(self, src: int, msg: TensorMessage) -> None:
+        holders = {tp.name: tp.stages for tp in self.prog.tied}
+        if msg.name not in holders or src not in holders[msg.name] or len(msg.tensors) != 2 or msg.meta:
+            raise RemoteProtocolError(f"stage {self.prog.stage}: unexpected tied gradient {msg.name!r} from stage {src}")
+        self._tied_box.setdefault((msg.name, src), (msg.tensors[0], msg.tensors[1]))
+
+    async def _sum_tied(self, step: int) -> None:
+        """Sum the gradients of every tied parameter with its other holders (ascending stage order, the
+        same sum on every holder, see graph/program.py TiedParam). Each message carries the holder's
+        partial gradient and whether all its gradients are finite; a holder that will skip this step
+        makes every holder skip it (the tied gradient turns NaN), so the copies never diverge."""
+        prog, params = self.prog, self.ex.parameters()
+        ok = torch.tensor([1.0 if all_finite([p.grad for p in self._params]) else 0.0])
+        mine: dict[str, torch.Tensor] = {}
+        for tp in prog.tied:
+            p = params[tp.name]
+            mine[tp.name] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for other in tp.stages:
+                if other != prog.stage:
+                    await self.ctx.links[other].send(TensorMessage(job=self.ctx.job, kind="tied", stage=other, step=step,
+                                                                   name=tp.name, tensors=(mine[tp.name], ok)))
+        need = {(tp.name, o) for tp in prog.tied for o in tp.stages if o != prog.stage}
+        while not need <= set(self._tied_box):
+            src, msg = await self._next_message(step)
+            if msg.kind != "tied":
+                raise RemoteProtocolError(f"stage {prog.stage}: {msg.kind!r} message while summing tied gradients")
+            self._keep_tied(src, msg)
+        with torch.no_grad():
+            for tp in prog.tied:
+                p = params[tp.name]
+                parts: list[torch.Tensor | None] = []
+                healthy = True
+                for o in tp.stages:
+                    if o == prog.stage:
+                        parts.append(mine[tp.name])
+                        healthy = healthy and bool(ok.item() == 1.0)
+                        continue
+                    g, flag = self._tied_box.pop((tp.name, o))
+                    if g.shape != p.shape or g.dtype != p.dtype:
+                        raise RemoteProtocolError(f"stage {prog.stage}: tied gradient {tp.name!r} from stage {o} "
+                                                  f"has {tuple(g.shape)} {g.dtype}")
+                    parts.append(g)
+                    healthy = healthy and flag.numel() == 1 and bool(flag.item() == 1.0)
+                total = tied_sum(parts)
+                assert total is not None
+                p.grad = total if healthy else torch.full_like(total, math.nan)
 
     async def _allreduce_grads(self, step: int) -> None:
         """Average parameter gradients with the other replicas of this stage (every step, blocking)."""
@@ -483,7 +535,11 @@ class StageWorker:
             self.ex.zero_grad()
             return
         if cfg.grad_clip is not None and self._params:
-            torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip)
+            # the norm is this stage's; tied copies are clipped by their own norm, the same on every holder
+            tied = {self.ex.parameters()[tp.name] for tp in self.prog.tied}
+            for group in ([p for p in self._params if p not in tied], [p for p in self._params if p in tied]):
+                if group:
+                    torch.nn.utils.clip_grad_norm_(group, cfg.grad_clip)
         lr = cfg.lr_at(step)
         for g in self.opt.param_groups:
             g["lr"] = lr
