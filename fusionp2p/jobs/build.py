@@ -370,6 +370,13 @@ def data_fn(job: AcceptedJob, *, held_out: bool = False) -> Callable[[int, int],
     return fn
 
 
+def eval_data_fn(job: AcceptedJob) -> Callable[[int, int], dict[str, torch.Tensor]] | None:
+    """The held-out micro-batches of the job's dataset, or None when it holds out nothing."""
+    if isinstance(job.tokens, ShardedExamples) and job.tokens.manifest.num_holdout > 0:
+        return data_fn(job, held_out=True)
+    return None
+
+
 def module_state(dag: OpDAG, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """DAG-named tensors -> the traced module's ``state_dict`` keys: tied weights under every alias,
     non-persistent buffers left out, and a tensor *values* lacks taken from the DAG's own (published)
@@ -391,5 +398,5 @@ def save_module_state(path: Path, state: Mapping[str, torch.Tensor]) -> Path:
     return path
 
 
-__all__ = ["AcceptedJob", "BuiltJob", "NodeJobs", "as_dataset", "build_job", "choose_plan", "data_fn", "module_state",
+__all__ = ["AcceptedJob", "BuiltJob", "NodeJobs", "as_dataset", "build_job", "choose_plan", "data_fn", "eval_data_fn", "module_state",
            "plan_for_snapshot", "save_module_state", "stage_programs", "trace_job"]

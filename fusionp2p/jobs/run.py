@@ -47,7 +47,7 @@ from fusionp2p.errors import (
 )
 from fusionp2p.graph import StageExecutor, coarsen, partition, stages_from_fences
 from fusionp2p.jobs import proto as job_proto
-from fusionp2p.jobs.build import AcceptedJob, data_fn, plan_for_snapshot, stage_programs
+from fusionp2p.jobs.build import AcceptedJob, data_fn, eval_data_fn, plan_for_snapshot, stage_programs
 from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_state
 from fusionp2p.jobs.election import Adopted, ElectionConfig, fetch_adopted, open_elector
 from fusionp2p.jobs.events import (
@@ -510,7 +510,7 @@ class JobRun:
                             data=data_fn(self.accepted), tokens_per_micro=cfg.micro_batch * self.spec.dataset.seq_len,
                             rho_out=rho_out, report=report, checkpoint=checkpoint if r == 0 else None,
                             start_step=resume.step, restore=restore, halt=self._halt,
-                            recv_timeout=self.svc.config.recv_timeout)
+                            recv_timeout=self.svc.config.recv_timeout, eval_data=eval_data_fn(self.accepted))
 
     async def _replicate(self, plan: Plan, s: int, h: str, step: int) -> None:
         """Ask one other member (the keeper) to hold a copy of a stage file, so that it survives our death."""

@@ -110,6 +110,7 @@ class StageContext:
     restore: StageState | None = None              # state handed over at a re-plan or read from a checkpoint
     halt: Halt | None = None                       # set by the job while training: stop at a step boundary
     recv_timeout: float | None = None              # seconds to wait for any one message (None: forever)
+    eval_data: DataFn | None = None                # the held-out examples (for the final evaluation)
 
 
 @dataclass(slots=True)
@@ -547,12 +548,14 @@ class StageWorker:
         self.ex.zero_grad()
 
     async def _eval_pass(self, step: int) -> None:
-        """Forward only, on the batch after the last one, with the final (consensus) weights."""
+        """Forward only (dropout off), with the final (consensus) weights, on one step's worth of the
+        held-out examples when the dataset has them, else on the batch after the last one."""
         prog, ex = self.prog, self.ex
         losses: list[float] = []
         inbox = Inbox(prog)
         for mu in range(self.ctx.config.micro_batches):
-            data = self.ctx.data(self._gstep(step), mu)
+            held = self.ctx.eval_data
+            data = held(0, mu) if held is not None else self.ctx.data(self._gstep(step), mu)
             ready = None
             for r in prog.recv:
                 if r.src == DATA:
@@ -562,8 +565,7 @@ class StageWorker:
                 if msg.kind != "act":
                     raise RemoteProtocolError("only activations flow in the evaluation pass")
                 ready = inbox.put_activation(msg.micro, msg.name, _decode(msg))
-            out = await trio.to_thread.run_sync(ex.forward, mu, ready)
-            ex.drop(mu)
+            out = await trio.to_thread.run_sync(ex.evaluate, ready)
             if prog.loss is not None:
                 losses.append(float(out[prog.loss]))
             await self._send_acts(step, mu, out, dense=True)   # evaluate the weights, not the codec
