@@ -273,7 +273,8 @@ class Swarm:
                                           at=time.time()))
         except Exception as exc:   # never leave the user's wait() hanging
             log.exception("job %s failed", job.id)
-            job._emit(JobStateChanged(job=job.id, state=JobState.FAILED.value, reason=f"{type(exc).__name__}: {exc}",
+            root = _root_error(exc)    # the real error, not "ExceptionGroup: ... (1 sub-exception)"
+            job._emit(JobStateChanged(job=job.id, state=JobState.FAILED.value, reason=f"{type(root).__name__}: {root}",
                                       at=time.time()))
 
     def members(self, timeout: float = 15.0) -> list[str]:

@@ -18,6 +18,8 @@ import dataclasses
 import inspect
 import logging
 import operator
+import os
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -84,6 +86,29 @@ def _no_kv_cache(model: nn.Module) -> Iterator[None]:
     finally:
         for c in cfgs:
             c.use_cache = True
+
+
+_LIBS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _export_cause(exc: BaseException) -> str:
+    """A torch.export failure cut down to its cause: the innermost exception's first lines, and the
+    last frame of the model's own code (outside torch and fusionp2p) where it was raised."""
+    chain: list[BaseException] = [exc]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 8:
+        chain.append(nxt)
+    where = ""
+    for e in reversed(chain):      # innermost first: where the model's code actually failed
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if not f.filename.startswith(_LIBS) and not f.filename.startswith("<")]
+        if frames:
+            f = frames[-1]
+            where = f" (at {f.filename}:{f.lineno}: {(f.line or '').strip()[:120]})"
+            break
+    root = chain[-1] if len(chain) > 1 and not str(exc).strip() else exc
+    lines = [ln for ln in str(root).splitlines() if ln.strip()]
+    text = " ".join(lines[:2])[:300] if lines else ""
+    return f"{type(root).__name__}: {text}{where}"
 
 
 def _pick_loss(out: Any) -> torch.Tensor | None:
@@ -167,9 +192,8 @@ def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str
             ep = torch.export.export(wrapped, all_args, strict=False)
     except Exception as exc:
         raise ConfigError(
-            f"torch.export could not trace the model ({type(exc).__name__}: {str(exc)[:800]}). Hints: avoid "
-            "data-dependent Python control flow in forward; for Hugging Face models set use_cache=False and "
-            "attn_implementation='eager'; return the loss or pass loss_fn") from exc
+            f"torch.export could not trace the model: {_export_cause(exc)}. Hints: avoid data-dependent Python "
+            "control flow in forward (an `if` on a tensor's values); return the loss or pass loss_fn") from exc
     return _from_exported(ep, model, names, all_args, ep.call_spec.out_spec.is_leaf(), count_flops)
 
 
@@ -385,6 +409,17 @@ def materialize(a: Arg, env: Mapping[str, Any]) -> Any:
     if isinstance(a, (list, tuple)):
         return [materialize(x, env) for x in a]
     return a
+
+
+def with_flops(dag: OpDAG, args: Sequence[torch.Tensor]) -> OpDAG:
+    """*dag* (traced with ``count_flops=False``) with every node's forward FLOPs, from one run on the
+    data inputs *args* (in ``dag.data_inputs`` order). ConfigError if the graph fails on them."""
+    try:
+        nodes = _count_flops(dag.inputs, list(dag.nodes), dag.tensors, tuple(args))
+    except Exception as exc:
+        raise ConfigError(f"the traced model fails on the example batch: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from exc
+    return dataclasses.replace(dag, nodes=tuple(nodes))
 
 
 def _count_flops(inputs: tuple[InputSpec, ...], nodes: list[OpNode], tensors: Mapping[str, torch.Tensor],

@@ -42,8 +42,9 @@ from fusionp2p.data import (
 from fusionp2p.data.corpus import corpus_hash
 from fusionp2p.data.shards import STORAGE_DTYPES
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, PlanError, RemoteProtocolError
-from fusionp2p.graph import OpDAG, coarsen, partition, stages_from_fences, to_workload, trace
+from fusionp2p.graph import OpDAG, Ref, coarsen, partition, stages_from_fences, to_workload, trace
 from fusionp2p.graph.program import StageProgram
+from fusionp2p.graph.trace import with_flops
 from fusionp2p.jobs.content import ContentService, sha256_hex
 from fusionp2p.jobs.spec import (
     JobSpec,
@@ -120,7 +121,8 @@ def _example(dataset: BuiltinCorpus | TokenFile, cfg: TrainConfig) -> tuple[torc
 def trace_job(model: nn.Module, loss: LossFn | None, dataset: Dataset, cfg: TrainConfig) -> OpDAG:
     """Trace *model* for the job: ``model(x, y)`` returning the loss, or ``loss(model(x), y)``; for
     :class:`Examples`, ``model(**batch)`` returning the loss, or ``loss(model(**rest), **named)`` where
-    *named* are the fields the loss function's signature names."""
+    *named* are the fields the loss function's signature names. The data's token ids are checked
+    against the model's embeddings (:func:`check_vocab`) before the traced graph first runs."""
     if isinstance(dataset, Examples):
         if dataset.num_examples - dataset.num_holdout < cfg.micro_batch:
             raise ConfigError(f"the dataset has {dataset.num_examples - dataset.num_holdout} training examples, "
@@ -128,14 +130,58 @@ def trace_job(model: nn.Module, loss: LossFn | None, dataset: Dataset, cfg: Trai
         batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in dataset.batch(range(cfg.micro_batch)).items()}
         to_model, to_loss = split_fields(list(batch), loss)
         if loss is None:
-            return trace(model, batch)
-        if not to_model:
+            dag = trace(model, batch, count_flops=False)
+        elif not to_model:
             raise ConfigError(f"every field {sorted(batch)} goes to the loss function; the model gets none")
-        return trace(model, {k: batch[k] for k in to_model}, loss, loss_inputs={k: batch[k] for k in to_loss})
-    x, y = _example(dataset, cfg)
-    if loss is None:
-        return trace(model, (x, y))
-    return trace(model, (x,), loss, loss_inputs=(y,))
+        else:
+            dag = trace(model, {k: batch[k] for k in to_model}, loss, loss_inputs={k: batch[k] for k in to_loss},
+                        count_flops=False)
+        args = tuple(batch[k] for k in dag.data_inputs)
+    else:
+        x, y = _example(dataset, cfg)
+        dag = trace(model, (x, y), count_flops=False) if loss is None else trace(
+            model, (x,), loss, loss_inputs=(y,), count_flops=False)
+        args = (x, y)
+    check_vocab(dag, dataset)
+    return with_flops(dag, args)
+
+
+_PASS_THROUGH = frozenset({"aten.reshape.default", "aten.view.default", "aten.clone.default", "aten.contiguous.default",
+                           "aten.alias.default", "aten.detach.default", "aten.unsqueeze.default", "aten.squeeze.dim",
+                           "aten.flatten.using_ints", "aten.slice.Tensor", "aten.select.int", "aten.to.dtype"})
+
+
+def check_vocab(dag: OpDAG, dataset: Dataset) -> None:
+    """Refuse, before training, data whose token ids an embedding of the model cannot look up (an id
+    outside ``[0, rows)`` of the embedding table it feeds): the data and the model disagree."""
+    by_name = {n.name: n for n in dag.nodes}
+    data = set(dag.data_inputs)
+    for n in dag.nodes:
+        if n.op != "aten.embedding.default" or len(n.args) < 2:
+            continue
+        weight, src = n.args[0], n.args[1]
+        while isinstance(src, Ref) and src.name in by_name and by_name[src.name].op in _PASS_THROUGH:
+            src = by_name[src.name].args[0]
+        if not isinstance(weight, Ref) or not isinstance(src, Ref) or src.name not in data:
+            continue
+        meta = dag.meta_of(weight.name)
+        if meta is None or not meta.shape:
+            continue
+        if isinstance(dataset, Examples):
+            if src.name not in dataset.arrays:
+                continue
+            ids = dataset.arrays[src.name]
+        elif src.name == dag.data_inputs[0]:
+            ids = dataset.tokens()
+        else:
+            continue
+        if not ids.size or not np.issubdtype(ids.dtype, np.integer):
+            continue
+        lo, hi, rows = int(ids.min()), int(ids.max()), meta.shape[0]
+        if lo < 0 or hi >= rows:
+            raise ConfigError(f"the dataset's {src.name} holds token ids in [{lo}, {hi}], but the model's embedding "
+                              f"{weight.name} has {rows} rows: the data and the model disagree (tokenize with the "
+                              f"model's tokenizer, or give the model a vocabulary of at least {hi + 1})")
 
 
 def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset | str | os.PathLike[str], cfg: TrainConfig, *, publisher: str,

@@ -21,6 +21,7 @@ from fusionp2p.wire.msg import expect_map, field
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("1f1b", "gpipe")
+NONFINITE = ("fail", "skip")
 LR_KINDS = ("constant", "cosine", "linear")
 PENALTIES = ("none", "constant", "elementwise", "lr_ratio")
 
@@ -199,9 +200,12 @@ class TrainConfig:
     checkpoint_every: int = 0
     seed: int = 0
     replicas: int | None = None
+    on_nonfinite: str = "fail"                  # a NaN/inf loss: "fail" the job, or "skip" the step
 
     def __post_init__(self) -> None:
         _pos_int("steps", self.steps)
+        if self.on_nonfinite not in NONFINITE:
+            raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")
         _pos_int("micro_batch", self.micro_batch)
         _pos_int("micro_batches", self.micro_batches)
         if self.optimizer not in OPTIMIZERS:
@@ -267,7 +271,7 @@ class TrainConfig:
             "averaging": None if co2 is None else co2.to_wire(),
             "compression": None if comp is None else comp.to_wire(),
             "schedule": self.schedule, "checkpoint_every": self.checkpoint_every, "seed": self.seed,
-            "replicas": self.replicas,
+            "replicas": self.replicas, "on_nonfinite": self.on_nonfinite,
         }
 
     @classmethod
@@ -292,7 +296,7 @@ class TrainConfig:
             "momentum": _typed(float, w), "betas": betas, "eps": _typed(float, w), "grad_clip": _opt_float(w),
             "lr_schedule": nested(LRSchedule), "averaging": nested(CO2), "compression": nested(AdaTopK),
             "schedule": _typed(str, w), "checkpoint_every": _typed(int, w), "seed": _typed(int, w),
-            "replicas": opt_int,
+            "replicas": opt_int, "on_nonfinite": _typed(str, w),
         })
 
 

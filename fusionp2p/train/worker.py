@@ -40,7 +40,7 @@ import trio
 from fusionp2p.average.outer import OuterConfig
 from fusionp2p.compress.adatopk import AdaTopK as TopKLink
 from fusionp2p.compress.codec import decode
-from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
+from fusionp2p.errors import JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
@@ -392,6 +392,10 @@ class StageWorker:
                     compute += time.perf_counter() - t
                     if prog.loss is not None:
                         losses[act.micro] = float(outs[act.micro][prog.loss])
+                        if not math.isfinite(losses[act.micro]) and cfg.on_nonfinite == "fail":
+                            raise JobError(f"stage {prog.stage}, step {step}, micro-batch {act.micro}: the loss is "
+                                           f"{losses[act.micro]}; training diverged (lower lr, set grad_clip) or the "
+                                           "data holds values the model cannot take; on_nonfinite='skip' skips such steps")
                     actions += sched.handle(ForwardDone(micro=act.micro))
                 elif isinstance(act, SendActivation):
                     await self._send_acts(step, act.micro, outs.pop(act.micro))
