@@ -47,7 +47,7 @@ from fusionp2p.jobs.build import BuiltJob, Dataset, LossFn, build_job, module_st
 from fusionp2p.jobs.checkpoint import assemble, latest_complete_step
 from fusionp2p.jobs.content import ContentService, ContentStore
 from fusionp2p.jobs.embedded import EmbeddedConfig, EmbeddedSwarm, open_embedded_swarm
-from fusionp2p.jobs.events import JobStateChanged, MetricsWriter, ProgressEvent, StepProgress
+from fusionp2p.jobs.events import EvalProgress, JobStateChanged, MetricsWriter, ProgressEvent, StepProgress
 from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.publisher import JobDriver, Publisher, discover, read_index, read_spec
 from fusionp2p.jobs.spec import Resources
@@ -80,7 +80,8 @@ class Job:
         self.state = JobState.PENDING
         self.error: str = ""
         self.losses: dict[int, float] = {}       # step -> mean loss over the pipelines
-        self.final_loss: float | None = None     # evaluation of the final weights on the batch after the last
+        self.final_loss: float | None = None     # the final weights' held-out loss (docs/models.md)
+        self.eval_losses: dict[int, float] = {}  # step -> held-out loss (TrainConfig.eval_every, and the end)
         self.history: list[ProgressEvent] = []
         self._metrics = MetricsWriter(home / "metrics.jsonl")
 
@@ -91,6 +92,8 @@ class Job:
                 self.final_loss = ev.loss
             else:
                 self.losses[ev.step] = ev.loss
+        if isinstance(ev, EvalProgress):
+            self.eval_losses[ev.step] = ev.loss
         if isinstance(ev, JobStateChanged):
             self.state = JobState(ev.state)
             if self.state in (JobState.FAILED, JobState.CANCELLED):

@@ -52,6 +52,7 @@ from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_
 from fusionp2p.jobs.election import Adopted, ElectionConfig, fetch_adopted, open_elector
 from fusionp2p.jobs.events import (
     CheckpointSaved,
+    EvalProgress,
     JobStateChanged,
     PlanChanged,
     ProgressEvent,
@@ -485,7 +486,10 @@ class JobRun:
                                       compute_s=rep.compute_s, tokens=rep.tokens, loss=rep.loss, averaging=rep.averaging)
             if rep.eval:
                 if rep.loss is not None:
-                    self.final_losses[r] = rep.loss
+                    if rep.step >= cfg.steps:
+                        self.final_losses[r] = rep.loss
+                    await self._gossip(EvalProgress(job=self.job_id, step=rep.step, epoch=plan.epoch, peer=self.me,
+                                                    loss=rep.loss, at=time.time()))
                 return
             if rep.loss is None:
                 return   # only the loss stage publishes per-step progress (gossip stays small)

@@ -201,9 +201,11 @@ class TrainConfig:
     seed: int = 0
     replicas: int | None = None
     on_nonfinite: str = "fail"                  # a NaN/inf loss: "fail" the job, or "skip" the step
+    eval_every: int = 0                         # held-out loss every K steps (0: only at the end)
 
     def __post_init__(self) -> None:
         _pos_int("steps", self.steps)
+        _pos_int("eval_every", self.eval_every, minimum=0)
         if self.on_nonfinite not in NONFINITE:
             raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")
         _pos_int("micro_batch", self.micro_batch)
@@ -271,7 +273,7 @@ class TrainConfig:
             "averaging": None if co2 is None else co2.to_wire(),
             "compression": None if comp is None else comp.to_wire(),
             "schedule": self.schedule, "checkpoint_every": self.checkpoint_every, "seed": self.seed,
-            "replicas": self.replicas, "on_nonfinite": self.on_nonfinite,
+            "replicas": self.replicas, "on_nonfinite": self.on_nonfinite, "eval_every": self.eval_every,
         }
 
     @classmethod
@@ -296,7 +298,7 @@ class TrainConfig:
             "momentum": _typed(float, w), "betas": betas, "eps": _typed(float, w), "grad_clip": _opt_float(w),
             "lr_schedule": nested(LRSchedule), "averaging": nested(CO2), "compression": nested(AdaTopK),
             "schedule": _typed(str, w), "checkpoint_every": _typed(int, w), "seed": _typed(int, w),
-            "replicas": opt_int, "on_nonfinite": _typed(str, w),
+            "replicas": opt_int, "on_nonfinite": _typed(str, w), "eval_every": _typed(int, w),
         })
 
 

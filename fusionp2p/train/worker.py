@@ -176,6 +176,7 @@ class StageWorker:
         self._queue_send, self._queue_recv = trio.open_memory_channel[tuple[int, TensorMessage]](math.inf)
         self._avg_send, self._avg_recv = trio.open_memory_channel[TensorMessage](math.inf)
         self._early: dict[int, list[tuple[int, TensorMessage]]] = {}
+        self._deferred: list[tuple[int, TensorMessage]] = []   # training messages an evaluation pass set aside
         self._tied_box: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}   # (param, stage) -> (grad, ok)
         self._fwd_payload: dict[tuple[int, str], torch.Tensor] = {}
         self.src_of = {r.name: r.src for r in self.prog.recv}
@@ -282,6 +283,8 @@ class StageWorker:
             self.completed = step + 1
             if self.ctx.checkpoint is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
                 await self.ctx.checkpoint(step + 1, self.ex.state_dict())
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not last:
+                await self._eval_pass(step + 1)    # the held-out loss every eval_every steps
             step += 1
 
     def _load_anchor(self, anchor: torch.Tensor | None, step: int) -> None:
@@ -326,6 +329,10 @@ class StageWorker:
                 self._queue_send.send_nowait((src, msg))
 
     async def _next_message(self, step: int) -> tuple[int, TensorMessage]:
+        for i, (src, msg) in enumerate(self._deferred):   # set aside by an evaluation pass (already counted)
+            if msg.step == step:
+                del self._deferred[i]
+                return src, msg
         early = self._early.get(step)
         if early:
             got = early.pop(0)
@@ -444,11 +451,12 @@ class StageWorker:
                                           averaging=self._avg.stats if self._avg is not None else None,
                                           skipped=self._skipped))
 
-    async def _send_acts(self, step: int, micro: int, out: Mapping[str, torch.Tensor], *, dense: bool = False) -> None:
+    async def _send_acts(self, step: int, micro: int, out: Mapping[str, torch.Tensor], *, dense: bool = False,
+                         kind: str = "act") -> None:
         for o in self.prog.send:
             for d in o.dsts:
                 meta, tensors = _encode(out[o.name], 1.0 if dense else self.ctx.rho_out.get(d, 1.0))
-                await self.ctx.links[d].send(TensorMessage(job=self.ctx.job, kind="act", stage=d, step=step,
+                await self.ctx.links[d].send(TensorMessage(job=self.ctx.job, kind=kind, stage=d, step=step,
                                                            micro=micro, name=o.name, meta=meta, tensors=tensors))
 
     async def _send_grads(self, step: int, micro: int, grads: Mapping[str, torch.Tensor]) -> None:
@@ -552,8 +560,10 @@ class StageWorker:
         self.ex.zero_grad()
 
     async def _eval_pass(self, step: int) -> None:
-        """Forward only (dropout off), with the final (consensus) weights, on one step's worth of the
-        held-out examples when the dataset has them, else on the batch after the last one."""
+        """Forward only (dropout off) with the weights after *step* steps (at the end: the final,
+        consensus weights), on one step's worth of the held-out examples when the dataset has them,
+        else on the next training batch. Its messages are of kind ``eval``, apart from the training
+        step *step*'s ``act`` messages, which carry the same step tag."""
         prog, ex = self.prog, self.ex
         losses: list[float] = []
         inbox = Inbox(prog)
@@ -565,14 +575,19 @@ class StageWorker:
                 if r.src == DATA:
                     ready = inbox.put_activation(mu, r.name, data[r.name])
             while ready is None:
-                _, msg = await self._next_message(step)
-                if msg.kind != "act":
-                    raise RemoteProtocolError("only activations flow in the evaluation pass")
+                src, msg = await self._next_message(step)
+                if msg.kind in ("act", "tied"):
+                    # the next step's messages (its tag is this pass's): a neighbour that finished its
+                    # evaluation first and went on; kept for the training step that reads them
+                    self._deferred.append((src, msg))
+                    continue
+                if msg.kind != "eval":
+                    raise RemoteProtocolError(f"unexpected {msg.kind!r} message in the evaluation pass")
                 ready = inbox.put_activation(msg.micro, msg.name, _decode(msg))
             out = await trio.to_thread.run_sync(ex.evaluate, ready)
             if prog.loss is not None:
                 losses.append(float(out[prog.loss]))
-            await self._send_acts(step, mu, out, dense=True)   # evaluate the weights, not the codec
+            await self._send_acts(step, mu, out, dense=True, kind="eval")   # evaluate the weights, not the codec
         loss = sum(losses) / len(losses) if losses else None
         await self.ctx.report(StageReport(step=step, stage=prog.stage, replica=self.ctx.replica, loss=loss,
                                           compute_s=0.0, wall_s=0.0, tokens=0, eval=True))

@@ -141,14 +141,15 @@ def test_architecture_trains_in_two_stages(name: str, tmp_path: Path) -> None:
 
 def test_tied_embeddings_two_stages_equal_single_process(tmp_path: Path) -> None:
     """GPT-2 as shipped ties lm_head to wte; the plan puts them on two stages. Every step's loss and
-    the downloaded weights equal single-process training with the same data order (SGD, momentum)."""
+    the downloaded weights equal single-process training with the same data order (SGD, momentum), and
+    so do the held-out losses reported every 2 steps and at the end."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = _gpt2()
     assert model.lm_head.weight is model.transformer.wte.weight
     data = _causal()
     cfg = TrainConfig(steps=4, micro_batch=4, micro_batches=2, optimizer="sgd", lr=0.3, momentum=0.9, replicas=1,
-                      averaging="none", seed=0)
+                      averaging="none", seed=0, eval_every=2)
     ref = _gpt2()
     ref.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(ref.parameters(), lr=cfg.lr, momentum=cfg.momentum)
@@ -165,6 +166,10 @@ def test_tied_embeddings_two_stages_equal_single_process(tmp_path: Path) -> None
             total += loss.item()
         ref_losses.append(total / cfg.micro_batches)
         opt.step()
+        if step + 1 == 2:
+            ref_eval = _held_out_loss(ref, data, cfg)     # what eval_every=2 reports after step 2
+            ref.train()
+    ref_final = _held_out_loss(ref, data, cfg)
     with Swarm.local(n_nodes=2, home=tmp_path / "swarm") as swarm:
         job = swarm.publish(model=model, dataset=data, config=cfg, name="tied")
         events = list(job.events(timeout=300))
@@ -174,5 +179,8 @@ def test_tied_embeddings_two_stages_equal_single_process(tmp_path: Path) -> None
     got = [job.losses[s] for s in range(cfg.steps)]
     assert got == pytest.approx(ref_losses, rel=1e-5)
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+    assert sorted(job.eval_losses) == [2, 4]
+    assert job.eval_losses[2] == pytest.approx(ref_eval, rel=1e-5)
+    assert job.eval_losses[4] == pytest.approx(ref_final, rel=1e-4) and job.final_loss == job.eval_losses[4]
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=k)
