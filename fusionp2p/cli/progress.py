@@ -12,7 +12,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fusionp2p.errors import JobError
-from fusionp2p.jobs.events import CheckpointSaved, JobStateChanged, PlanChanged, StepProgress, StepSkipped
+from fusionp2p.jobs.events import (
+    CheckpointSaved,
+    EvalProgress,
+    JobStateChanged,
+    PlanChanged,
+    StepProgress,
+    StepSkipped,
+)
 from fusionp2p.sdk import Job
 
 
@@ -62,6 +69,8 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
                 bar.update(task, info=f"checkpoint step {ev.step} stage {ev.stage}")
             elif isinstance(ev, StepSkipped):
                 bar.console.print(f"warning: {ev.reason}")
+            elif isinstance(ev, EvalProgress):
+                bar.console.print(f"held-out loss after step {ev.step}: {ev.loss:.4f}")
             elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
                 seen.losses.append(ev.loss)
                 seen.tokens_per_s.append(ev.tokens_per_s)
