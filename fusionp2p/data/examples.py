@@ -217,6 +217,37 @@ class Examples:
         ids = np.ascontiguousarray(arr[: w * seq_len].reshape(w, seq_len), dtype=np.int64)
         return cls({"input_ids": ids, "labels": ids.copy()}, holdout=holdout, seed=seed, name="causal-lm")
 
+    @classmethod
+    def from_hf(cls, dataset: Any, *, tokenizer: Any = None, text: str = "text", max_length: int = 128,
+                labels: str | None = "label", columns: Mapping[str, str] | None = None,
+                holdout: float | int = 0, seed: int = 0) -> Examples:
+        """Examples from a Hugging Face ``datasets.Dataset`` (or any mapping of column name -> values).
+
+        With a *tokenizer* (yours, e.g. ``AutoTokenizer.from_pretrained(...)``), column *text* becomes
+        ``input_ids`` and ``attention_mask`` padded/truncated to *max_length*. *labels* names the
+        column that becomes ``labels`` (``"input_ids"``: the ids themselves with padding as -100, for
+        causal or masked LM; None: no labels). *columns* maps further dataset columns to field names.
+        """
+        fields: dict[str, Any] = {}
+        if tokenizer is not None:
+            if getattr(tokenizer, "pad_token", None) is None:
+                raise ConfigError("the tokenizer has no pad token: set tokenizer.pad_token (e.g. to its eos token)")
+            enc = tokenizer(list(dataset[text]), padding="max_length", truncation=True, max_length=max_length,
+                            return_tensors="np")
+            fields["input_ids"] = np.asarray(enc["input_ids"], dtype=np.int64)
+            fields["attention_mask"] = np.asarray(enc["attention_mask"], dtype=np.int64)
+        if labels == "input_ids":
+            if "input_ids" not in fields:
+                raise ConfigError("labels='input_ids' needs a tokenizer")
+            fields["labels"] = np.where(fields["attention_mask"] == 1, fields["input_ids"], -100)
+        elif labels is not None:
+            fields["labels"] = np.asarray(dataset[labels])
+        for col, name in (columns or {}).items():
+            fields[name] = np.asarray(dataset[col])
+        if not fields:
+            raise ConfigError("from_hf: give a tokenizer, a labels column or columns to take")
+        return cls(fields, holdout=holdout, seed=seed, name="hf-dataset")
+
     @property
     def field_specs(self) -> tuple[FieldSpec, ...]:
         return tuple(FieldSpec(name=k, dtype=_DTYPE_NAMES[a.dtype], shape=tuple(int(d) for d in a.shape[1:]))

@@ -184,3 +184,28 @@ def test_tied_embeddings_two_stages_equal_single_process(tmp_path: Path) -> None
     assert job.eval_losses[4] == pytest.approx(ref_final, rel=1e-4) and job.final_loss == job.eval_losses[4]
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_hf_dataset_and_tokenizer_of_the_users_own(tmp_path: Path) -> None:
+    """A ``datasets.Dataset`` of text and labels, tokenized by the user's tokenizer (built in code here:
+    nothing is downloaded), trains a BERT classifier in two stages."""
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed (extra: hf)")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = "the a cat dog sat ran on under mat log big small red blue".split()
+    tok = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(words, size=int(rng.integers(3, 9)))) for _ in range(64)]
+    ds = datasets.Dataset.from_dict({"text": texts, "label": [int("cat" in t) for t in texts]})
+    data = Examples.from_hf(ds, tokenizer=tokenizer, max_length=12, holdout=8)
+    assert set(data.arrays) == {"input_ids", "attention_mask", "labels"} and data.arrays["input_ids"].shape == (64, 12)
+    model = _encoder("BertForSequenceClassification", "BertConfig", num_labels=2)()
+    cfg = TrainConfig(steps=3, micro_batch=4, micro_batches=2, lr=1e-3, replicas=1, averaging="none")
+    with Swarm.local(n_nodes=2, home=tmp_path / "swarm") as swarm:
+        job = swarm.publish(model=model, dataset=data, config=cfg)
+        job.wait(timeout=300)
+        job.load_into(model)
+    assert job.final_loss == pytest.approx(_held_out_loss(model, data, cfg), rel=1e-5)
