@@ -192,7 +192,7 @@ def test_hf_dataset_and_tokenizer_of_the_users_own(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets", reason="datasets is not installed (extra: hf)")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = "the a cat dog sat ran on under mat log big small red blue".split()
+    words = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "big", "small", "red", "blue"]
     tok = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}},
                                      unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
