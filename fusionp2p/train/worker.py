@@ -427,6 +427,9 @@ class StageWorker:
             if finished:
                 break
             src, msg = await self._next_message(step)
+            if msg.kind == "tied":
+                self._keep_tied(src, msg)   # a holder that finished its backward first (not a coded tensor)
+                continue
             t_in = _decode(msg)
             if msg.kind == "act":
                 if not has_remote_in:
@@ -440,8 +443,6 @@ class StageWorker:
                 if got is not None:
                     ready_grad[msg.micro] = got
                     actions += sched.handle(GradientArrived(micro=msg.micro))
-            elif msg.kind == "tied":
-                self._keep_tied(src, msg)   # a holder that finished its backward first
             else:
                 raise RemoteProtocolError(f"unexpected message kind {msg.kind!r} on a pipeline link")
         loss = sum(losses[m] for m in sorted(losses)) / len(losses) if losses else None
