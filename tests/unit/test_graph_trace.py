@@ -192,3 +192,38 @@ def test_coarsen_groups_layers() -> None:
     r = ResNet(ResNetConfig(widths=(8, 16), depths=(2, 1)))
     rc = coarsen(trace(r, (torch.randn(2, 3, 8, 8),), count_flops=False))
     assert [u.name for u in rc.units][:4] == ["stem", "blocks.0", "blocks.1", "blocks.2"]
+
+
+class _Rotary(nn.Module):
+    """A ``@torch.no_grad()`` helper called from forward, as Llama's rotary embedding is: export
+    records it as a grad-mode region (``wrap_with_set_grad_enabled``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("inv_freq", torch.linspace(0.1, 1.0, 8), persistent=False)
+
+    @torch.no_grad()
+    def _angles(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cos(x * self.inv_freq)    # no gradient may flow back through here into x
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return ((h * self._angles(h) - y) ** 2).mean()
+
+
+def test_no_grad_region_is_inlined_and_stops_gradients() -> None:
+    torch.manual_seed(0)
+    m = _Rotary()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    ref_loss = m(x, y)
+    ref = eager_grads(m, ref_loss)
+    dag = trace(m, (x, y))
+    assert not any("wrap_with_set_grad_enabled" in n.op for n in dag.nodes)
+    assert any(n.op == "aten.detach.default" for n in dag.nodes)
+    ex = StageExecutor(single_stage(dag))
+    out = ex.forward(0, {"x": x, "y": y})
+    ex.backward(0, {})
+    assert dag.loss is not None and abs(out[dag.loss].item() - ref_loss.item()) <= 1e-6 * ref_loss.item()
+    assert max_rel_err({n: p.grad for n, p in ex.parameters().items()}, ref) <= 1e-6  # type: ignore[misc]
+    assert dag.module_names["inv_freq"] == ()    # non-persistent: not in state_dict, not downloaded
