@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from fusionp2p.data import ExampleManifest, Examples, ExampleSampler, ShardedExamples
@@ -130,3 +133,23 @@ def test_on_nonfinite_travels_in_the_config() -> None:
     assert TrainConfig.from_wire(cfg.to_wire()) == cfg
     with pytest.raises(ConfigError, match="on_nonfinite"):
         TrainConfig(steps=2, on_nonfinite="ignore")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300))
+def test_manifest_decoder_raises_only_remote_protocol_error(data: bytes) -> None:
+    with contextlib.suppress(RemoteProtocolError):
+        ExampleManifest.decode(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_mutated_manifest_decodes_or_raises_remote_protocol_error(data: st.DataObject) -> None:
+    blob = bytearray(_data(n=9).shards(shard_bytes=100)[0].encode())
+    for _ in range(data.draw(st.integers(1, 4))):
+        blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        man = ExampleManifest.decode(bytes(blob))
+    except RemoteProtocolError:
+        return
+    assert man.encode() == bytes(blob)
