@@ -40,7 +40,8 @@ class Followed:
         if k:
             table.add_row(f"loss, first {k} steps", f"{sum(self.losses[:k]) / k:.3f}")
             table.add_row(f"loss, last {k} steps", f"{sum(self.losses[-k:]) / k:.3f}")
-        table.add_row("final eval loss", f"{job.final_loss:.3f}" if job.final_loss is not None else "-")
+        # the downloaded weights' loss: on the held-out examples when the dataset has them (docs/models.md)
+        table.add_row("final eval loss (the download)", f"{job.final_loss:.3f}" if job.final_loss is not None else "-")
         if self.tokens_per_s:
             table.add_row("throughput (median)", f"{sorted(self.tokens_per_s)[len(self.tokens_per_s) // 2]:,.0f} tokens/s")
         if self.ended > self.started > 0:
