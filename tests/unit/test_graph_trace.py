@@ -227,3 +227,31 @@ def test_no_grad_region_is_inlined_and_stops_gradients() -> None:
     assert dag.loss is not None and abs(out[dag.loss].item() - ref_loss.item()) <= 1e-6 * ref_loss.item()
     assert max_rel_err({n: p.grad for n, p in ex.parameters().items()}, ref) <= 1e-6  # type: ignore[misc]
     assert dag.module_names["inv_freq"] == ()    # non-persistent: not in state_dict, not downloaded
+
+
+class _FreshConstant(nn.Module):
+    """``torch.tensor(...)`` made in forward (traced as ``lift_fresh_copy``), detached in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor([0.5, 1.0, 1.5, 2.0]).detach_()
+        return (((self.lin(x) * scale) - y) ** 2).mean()
+
+
+def test_fresh_constants_in_forward_trace_and_run() -> None:
+    torch.manual_seed(0)
+    m = _FreshConstant()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    ref_loss = m(x, y)
+    ref = eager_grads(m, ref_loss)
+    dag = trace(m, (x, y))
+    ops = {n.op for n in dag.nodes}
+    assert "aten.lift_fresh_copy.default" in ops and "aten.detach_.default" not in ops
+    ex = StageExecutor(single_stage(dag))
+    out = ex.forward(0, {"x": x, "y": y})
+    ex.backward(0, {})
+    assert dag.loss is not None and abs(out[dag.loss].item() - ref_loss.item()) <= 1e-6 * ref_loss.item()
+    assert max_rel_err({n: p.grad for n, p in ex.parameters().items()}, ref) <= 1e-6  # type: ignore[misc]
