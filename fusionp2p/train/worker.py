@@ -577,7 +577,7 @@ class StageWorker:
                     ready = inbox.put_activation(mu, r.name, data[r.name])
             while ready is None:
                 src, msg = await self._next_message(step)
-                if msg.kind in ("act", "tied"):
+                if msg.kind in ("act", "grad", "tied"):
                     # the next step's messages (its tag is this pass's): a neighbour that finished its
                     # evaluation first and went on; kept for the training step that reads them
                     self._deferred.append((src, msg))
