@@ -47,7 +47,7 @@ from fusionp2p.jobs.build import BuiltJob, Dataset, LossFn, build_job, module_st
 from fusionp2p.jobs.checkpoint import assemble, latest_complete_step
 from fusionp2p.jobs.content import ContentService, ContentStore
 from fusionp2p.jobs.embedded import EmbeddedConfig, EmbeddedSwarm, open_embedded_swarm
-from fusionp2p.jobs.events import JobStateChanged, MetricsWriter, ProgressEvent, StepProgress
+from fusionp2p.jobs.events import EvalProgress, JobStateChanged, MetricsWriter, ProgressEvent, StepProgress
 from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.publisher import JobDriver, Publisher, discover, read_index, read_spec
 from fusionp2p.jobs.spec import Resources
@@ -80,7 +80,8 @@ class Job:
         self.state = JobState.PENDING
         self.error: str = ""
         self.losses: dict[int, float] = {}       # step -> mean loss over the pipelines
-        self.final_loss: float | None = None     # evaluation of the final weights on the batch after the last
+        self.final_loss: float | None = None     # the final weights' held-out loss (docs/models.md)
+        self.eval_losses: dict[int, float] = {}  # step -> held-out loss (TrainConfig.eval_every, and the end)
         self.history: list[ProgressEvent] = []
         self._metrics = MetricsWriter(home / "metrics.jsonl")
 
@@ -91,6 +92,8 @@ class Job:
                 self.final_loss = ev.loss
             else:
                 self.losses[ev.step] = ev.loss
+        if isinstance(ev, EvalProgress):
+            self.eval_losses[ev.step] = ev.loss
         if isinstance(ev, JobStateChanged):
             self.state = JobState(ev.state)
             if self.state in (JobState.FAILED, JobState.CANCELLED):
@@ -135,8 +138,9 @@ class Job:
         return save_module_state(Path(directory) / "model.safetensors", self.state_dict())
 
     def load_into(self, module: nn.Module) -> nn.Module:
-        """Copy the trained weights into *module* (the module that was published, or one like it)."""
-        module.load_state_dict(self.state_dict(), strict=False)
+        """Copy the trained weights into *module* (the module that was published, or one like it);
+        strict: every key of ``module.state_dict()`` and no other (RuntimeError otherwise)."""
+        module.load_state_dict(self.state_dict(), strict=True)
         return module
 
     def cancel(self) -> None:
@@ -272,7 +276,8 @@ class Swarm:
                                           at=time.time()))
         except Exception as exc:   # never leave the user's wait() hanging
             log.exception("job %s failed", job.id)
-            job._emit(JobStateChanged(job=job.id, state=JobState.FAILED.value, reason=f"{type(exc).__name__}: {exc}",
+            root = _root_error(exc)    # the real error, not "ExceptionGroup: ... (1 sub-exception)"
+            job._emit(JobStateChanged(job=job.id, state=JobState.FAILED.value, reason=f"{type(root).__name__}: {root}",
                                       at=time.time()))
 
     def members(self, timeout: float = 15.0) -> list[str]:
@@ -363,15 +368,19 @@ class Swarm:
         trio.from_thread.run_sync(fn, trio_token=self._token)
 
     # -------------------------------------------------- user API
-    def publish(self, *, model: nn.Module, dataset: Dataset, config: TrainConfig, loss: LossFn | None = None,
+    def publish(self, *, model: nn.Module, dataset: Dataset | str | os.PathLike[str], config: TrainConfig,
+                loss: LossFn | None = None,
                 resources: Resources | None = None, name: str = "") -> Job:
         """Trace *model* (with *loss*, or returning ``(output, loss)``), sign and announce the job.
 
-        Raises ConfigError right away when the model cannot be traced; everything later (no node
+        *dataset*: ``BuiltinCorpus``/``TokenFile`` (token windows: ``model(x, y)`` or ``loss(model(x), y)``),
+        ``Examples`` or a path to a ``.npz``/``.safetensors`` file of named arrays (``model(**batch)``, or
+        the fields the loss function names go to it). Raises ConfigError right away when the model
+        cannot be traced or the data does not fit it; everything later (no node
         fits, a refused spec, a failed node) ends the job FAILED with the reason.
         """
         if self._token is None or self._nursery is None:
-            raise JobError("the swarm is closed")
+            raise JobError("the swarm is closed: publish on an open Swarm (Swarm.local(...) or Swarm.connect(...))")
         built = build_job(model, loss, dataset, config, publisher=self._identity.peer_id, sign=self._identity.sign,
                           now=time.time(), nonce=os.urandom(16), resources=resources, name=name)
         return self.publish_built(built)
@@ -399,6 +408,8 @@ class Swarm:
             stop = self._stop
             self._call_soon(stop.set)
         self._thread.join(timeout=30)
+        self._token = None       # every later call says "the swarm is closed" (JobError)
+        self._nursery = None
 
     def __enter__(self) -> Swarm:
         return self

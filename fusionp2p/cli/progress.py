@@ -12,7 +12,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fusionp2p.errors import JobError
-from fusionp2p.jobs.events import CheckpointSaved, JobStateChanged, PlanChanged, StepProgress, StepSkipped
+from fusionp2p.jobs.events import (
+    CheckpointSaved,
+    EvalProgress,
+    JobStateChanged,
+    PlanChanged,
+    StepProgress,
+    StepSkipped,
+)
 from fusionp2p.sdk import Job
 
 
@@ -33,7 +40,8 @@ class Followed:
         if k:
             table.add_row(f"loss, first {k} steps", f"{sum(self.losses[:k]) / k:.3f}")
             table.add_row(f"loss, last {k} steps", f"{sum(self.losses[-k:]) / k:.3f}")
-        table.add_row("final eval loss", f"{job.final_loss:.3f}" if job.final_loss is not None else "-")
+        # the downloaded weights' loss: on the held-out examples when the dataset has them (docs/models.md)
+        table.add_row("final eval loss (the download)", f"{job.final_loss:.3f}" if job.final_loss is not None else "-")
         if self.tokens_per_s:
             table.add_row("throughput (median)", f"{sorted(self.tokens_per_s)[len(self.tokens_per_s) // 2]:,.0f} tokens/s")
         if self.ended > self.started > 0:
@@ -62,6 +70,8 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
                 bar.update(task, info=f"checkpoint step {ev.step} stage {ev.stage}")
             elif isinstance(ev, StepSkipped):
                 bar.console.print(f"warning: {ev.reason}")
+            elif isinstance(ev, EvalProgress):
+                bar.console.print(f"held-out loss after step {ev.step}: {ev.loss:.4f}")
             elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
                 seen.losses.append(ev.loss)
                 seen.tokens_per_s.append(ev.tokens_per_s)

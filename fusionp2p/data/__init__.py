@@ -5,6 +5,7 @@ are what the SDK takes; the rest is used by the job runtime.
 """
 
 from fusionp2p.data.corpus import VOCAB_SIZE, corpus_bytes, corpus_hash, corpus_tokens, decode_bytes
+from fusionp2p.data.examples import ExampleManifest, Examples, ExampleSampler, ShardedExamples
 from fusionp2p.data.sampler import BatchSampler, SamplerConfig
 from fusionp2p.data.shards import ShardedTokens, ShardManifest, decode_shard, make_shards
 from fusionp2p.data.tokens import BuiltinCorpus, TokenFile, TokenSource
@@ -13,8 +14,12 @@ __all__ = [
     "VOCAB_SIZE",
     "BatchSampler",
     "BuiltinCorpus",
+    "ExampleManifest",
+    "ExampleSampler",
+    "Examples",
     "SamplerConfig",
     "ShardManifest",
+    "ShardedExamples",
     "ShardedTokens",
     "TokenFile",
     "TokenSource",

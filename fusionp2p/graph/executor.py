@@ -22,7 +22,7 @@ equal to within rounding whatever the order).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,16 +36,20 @@ from fusionp2p.graph.program import DATA, StageProgram
 log = logging.getLogger(__name__)
 
 
-def build_module(program: StageProgram, device: torch.device) -> torch.fx.GraphModule:
+def build_module(program: StageProgram, device: torch.device, *, evaluate: bool = False) -> torch.fx.GraphModule:
     """Compile *program* into a GraphModule taking ``program.inputs`` positionally, returning a tuple
     of ``program.outputs``. Device constants in arguments are replaced by *device*. Only whitelisted
-    operator names are resolved (``resolve`` raises KeyError otherwise)."""
+    operator names are resolved (``resolve`` raises KeyError otherwise). With *evaluate*, dropout is
+    the identity (its ``train`` argument false), as in ``model.eval()``."""
     g = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
     for i, spec in enumerate(program.inputs):
         env[spec.name] = g.placeholder(f"in_{i}")
     for n in program.nodes:
         fn = resolve(n.op)
+        if evaluate and n.op == "aten.dropout.default" and len(n.args) == 3:
+            env[n.name] = g.call_function(fn, (_fx_arg(n.args[0], env, device), _fx_arg(n.args[1], env, device), False), {})
+            continue
         args = tuple(_fx_arg(a, env, device) for a in n.args)
         kwargs = {k: _fx_arg(v, env, device) for k, v in n.kwargs}
         env[n.name] = g.call_function(fn, args, kwargs)
@@ -71,6 +75,7 @@ class StageExecutor:
         self.program = program
         self.device = torch.device(device)
         self._module = build_module(program, self.device)
+        self._eval_module: torch.fx.GraphModule | None = None
         self._params: dict[str, nn.Parameter] = {}
         self._state: list[torch.Tensor] = []
         for spec in program.inputs:
@@ -103,6 +108,20 @@ class StageExecutor:
     def zero_grad(self) -> None:
         for p in self._params.values():
             p.grad = None
+
+    def evaluate(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Forward only, without autograd and with dropout off: the outputs (and the loss) by name."""
+        if self._eval_module is None:
+            self._eval_module = build_module(self.program, self.device, evaluate=True)
+        args = []
+        for r in self.program.recv:
+            t = inputs.get(r.name)
+            if t is None or tuple(t.shape) != r.meta.shape or t.dtype != r.meta.dtype:
+                raise RemoteProtocolError(f"stage {self.program.stage}: boundary tensor {r.name!r} missing or misshapen")
+            args.append(t.detach().to(self.device))
+        with torch.no_grad():
+            outs: tuple[torch.Tensor, ...] = self._eval_module(*args, *self._state)
+        return dict(zip(self.program.outputs, outs))
 
     @property
     def in_flight(self) -> tuple[int, ...]:
@@ -180,6 +199,19 @@ class StageExecutor:
     def drop(self, micro: int) -> None:
         """Forget a micro-batch's forward state (e.g. the step was abandoned)."""
         self._stash.pop(micro, None)
+
+
+def tied_sum(grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The gradient of a tied parameter from its holders' partial gradients (in ascending stage order;
+    a holder whose copy got no gradient gives None). Every holder computes this same sum in the same
+    order, so every copy takes the very same step."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return None
+    total = present[0].clone()
+    for g in present[1:]:
+        total += g
+    return total
 
 
 class Inbox:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusionp2p.graph.executor import Inbox, StageExecutor
+from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA, StageProgram
 
 
@@ -37,10 +37,26 @@ class LocalPipeline:
         self.bytes_moved = 0   # boundary bytes (activations + gradients), data inputs excluded
 
     def parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Every parameter by name (a tied parameter: its first holder's copy)."""
         out: dict[str, torch.nn.Parameter] = {}
-        for ex in self.executors:
+        for ex in reversed(self.executors):
             out.update(ex.parameters())
         return out
+
+    def all_parameters(self) -> list[torch.nn.Parameter]:
+        """Every stage's parameters, tied copies included (what an optimizer of the pipeline steps)."""
+        return [p for ex in self.executors for p in ex.parameters().values()]
+
+    def sum_tied(self) -> None:
+        """Give every copy of a tied parameter the sum of the copies' gradients, in stage order."""
+        for prog in self.programs:
+            for tp in prog.tied:
+                if tp.stages[0] != prog.stage:
+                    continue
+                grads = [self.executors[s].parameters()[tp.name].grad for s in tp.stages]
+                total = tied_sum(grads)
+                for s in tp.stages:
+                    self.executors[s].parameters()[tp.name].grad = None if total is None else total.clone()
 
     def zero_grad(self) -> None:
         for ex in self.executors:
@@ -51,7 +67,8 @@ class LocalPipeline:
         """Forward and backward every micro-batch; return the losses (in micro-batch order).
 
         Gradients accumulate into the executors' parameters; ``loss_scale`` defaults to
-        ``1/len(micro_batches)`` so that the accumulated gradient is that of the mean loss.
+        ``1/len(micro_batches)`` so that the accumulated gradient is that of the mean loss. At the end
+        the copies of a tied parameter hold the sum of their gradients (:meth:`sum_tied`).
         """
         scale = 1.0 / len(micro_batches) if loss_scale is None else loss_scale
         inboxes = [Inbox(p) for p in self.programs]
@@ -85,4 +102,5 @@ class LocalPipeline:
             back = ex.backward(msg.micro, grads_in, loss_scale=scale)
             src_of = {r.name: r.src for r in prog.recv}
             queue.extend(_Msg(True, src_of[n], msg.micro, n, prog.stage, g) for n, g in back.items())
+        self.sum_tied()
         return [losses[m] for m in sorted(losses)]

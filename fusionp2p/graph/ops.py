@@ -31,9 +31,9 @@ _ATEN = """
     contiguous.default conv1d.default conv2d.default cos.default cross_entropy_loss.default
     cumsum.default detach.default diff.default div.Scalar div.Tensor div.Tensor_mode dropout.default
     einsum.default elu.default embedding.default eq.Scalar eq.Tensor erf.default exp.default
-    expand.default flatten.using_ints full.default full_like.default ge.Scalar ge.Tensor gelu.default
+    expand.default flatten.using_ints full.default full_like.default gather.default ge.Scalar ge.Tensor gelu.default
     group_norm.default gt.Scalar gt.Tensor hardtanh.default index.Tensor index_select.default
-    layer_norm.default le.Scalar le.Tensor leaky_relu.default linear.default log.default
+    layer_norm.default le.Scalar le.Tensor leaky_relu.default lift_fresh_copy.default linear.default log.default
     log_softmax.int logical_and.default logical_not.default lt.Scalar lt.Tensor masked_fill.Scalar
     masked_fill.Tensor matmul.default max.dim max_pool2d.default maximum.default mean.default
     mean.dim minimum.default mm.default mse_loss.default mul.Scalar mul.Tensor native_layer_norm.default

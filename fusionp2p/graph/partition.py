@@ -9,8 +9,12 @@ Rules (each violation is a ConfigError saying what to change):
 * nodes that depend on no data input and no parameter (index ranges, masks built from constants) are
   *replicated* into every stage that reads them instead of being sent: they are cheap and carry no
   gradient;
-* a parameter is read by one stage only (tied weights across stages are refused: untie them or keep
-  their users together); buffers and constants are copied to every stage that reads them.
+* a parameter read by several stages (tied input and output embeddings) is copied to each of them
+  and listed in their ``tied`` entries: one logical parameter whose gradients the holders sum every
+  step (see :class:`~fusionp2p.graph.program.TiedParam`); buffers and constants are copied, read-only,
+  to every stage that reads them;
+* a parameter or buffer that no operator reads (a pooler a head does not use) is kept on the last
+  stage, so that checkpoints and the download hold every tensor of the model's ``state_dict``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from fusionp2p.errors import ConfigError
 from fusionp2p.graph.coarsen import CoarseDAG, coarsen
 from fusionp2p.graph.dag import InputSpec, OpDAG, OpNode, Ref, TensorMeta
 from fusionp2p.graph.ops import GETITEM
-from fusionp2p.graph.program import DATA, BoundaryIn, BoundaryOut, StageProgram
+from fusionp2p.graph.program import DATA, BoundaryIn, BoundaryOut, StageProgram, TiedParam
 
 
 def single_stage(dag: OpDAG) -> StageProgram:
@@ -106,7 +110,14 @@ def partition(graph: OpDAG | CoarseDAG, assignment: Mapping[str, int] | Sequence
         recv_by_stage.append(recv)
         stage_nodes.append(nodes)
 
-    param_stage: dict[str, int] = {}
+    param_users: dict[str, list[int]] = {}
+    for s in range(num_stages):
+        for r in dict.fromkeys(r for n in stage_nodes[s] for r in n.refs()):
+            if kinds.get(r) == "param":
+                param_users.setdefault(r, []).append(s)
+    read = {r for n in dag.nodes for r in n.refs()}
+    unused = [i.name for i in dag.inputs if i.kind in ("param", "buffer") and i.name not in read]
+
     for s in range(num_stages):
         nodes = stage_nodes[s]
         recv = recv_by_stage[s]
@@ -119,17 +130,17 @@ def partition(graph: OpDAG | CoarseDAG, assignment: Mapping[str, int] | Sequence
                 dsts[n.name] = d
         state: list[InputSpec] = []
         used = dict.fromkeys(r for n in nodes for r in n.refs() if r in kinds and kinds[r] != "input")
-        for name in used:
-            if kinds[name] == "param" and param_stage.setdefault(name, s) != s:
-                raise ConfigError(f"parameter {name!r} is used by stages {param_stage[name]} and {s} (tied "
-                                  "weights?); untie it or assign its users to one stage")
-            state.append(specs[name])
+        if s == num_stages - 1:
+            used.update(dict.fromkeys(unused))
+        state.extend(specs[name] for name in used)
+        tied = tuple(TiedParam(name=name, stages=tuple(param_users[name])) for name in used
+                     if kinds[name] == "param" and len(param_users.get(name, ())) > 1)
         recv_list = tuple(BoundaryIn(name=r, meta=_meta(specs, by_name, r), src=src) for r, src in recv.items())
         inputs = tuple(InputSpec(name=b.name, kind="input", meta=b.meta) for b in recv_list) + tuple(state)
         send = tuple(BoundaryOut(name=k, meta=_meta(specs, by_name, k), dsts=v) for k, v in dsts.items())
         loss = dag.loss if dag.loss is not None and dag.loss in {n.name for n in nodes} else None
         prog = StageProgram(stage=s, num_stages=num_stages, inputs=inputs, recv=recv_list, nodes=tuple(nodes),
-                            send=send, loss=loss, tensors={i.name: dag.tensors[i.name] for i in state})
+                            send=send, loss=loss, tensors={i.name: dag.tensors[i.name] for i in state}, tied=tied)
         prog.check(ConfigError)
         programs.append(prog)
     if dag.loss is not None and programs[-1].loss is None:

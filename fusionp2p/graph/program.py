@@ -52,6 +52,20 @@ class BoundaryOut:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TiedParam:
+    """A parameter that several stages read (tied input/output embeddings): one logical parameter.
+
+    Each stage in ``stages`` (ascending, this one included) holds a copy; after the backward pass of
+    a step the copies' gradients are summed in ascending stage order on every holder, so every copy
+    takes the same optimizer step from the same value and the copies stay identical (Megatron does
+    this for the embeddings of the first and last pipeline stages).
+    """
+
+    name: str
+    stages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StageProgram:
     """Everything a node needs to run one stage; built only from data (see wire/dag.py)."""
 
@@ -63,6 +77,14 @@ class StageProgram:
     send: tuple[BoundaryOut, ...]
     loss: str | None = None
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    tied: tuple[TiedParam, ...] = ()
+
+    @property
+    def peer_stages(self) -> tuple[int, ...]:
+        """Every other stage this stage exchanges tensors with: its boundary peers and tied holders."""
+        peers = {r.src for r in self.recv if r.src != DATA} | {d for o in self.send for d in o.dsts}
+        peers |= {t for tp in self.tied for t in tp.stages}
+        return tuple(sorted(peers - {self.stage}))
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -98,6 +120,14 @@ class StageProgram:
                 raise err(f"{what}: sends {o.name!r}, which is not a tensor node of this stage with that meta")
             if any(not (self.stage < d < self.num_stages) for d in o.dsts) or list(o.dsts) != sorted(set(o.dsts)):
                 raise err(f"{what}: send {o.name!r} has bad destinations {o.dsts}")
+        params = set(self.param_names)
+        for tp in self.tied:
+            if (tp.name not in params or self.stage not in tp.stages or len(tp.stages) < 2
+                    or list(tp.stages) != sorted(set(tp.stages)) or not all(0 <= t < self.num_stages for t in tp.stages)):
+                raise err(f"{what}: tied parameter {tp.name!r} on stages {tp.stages} is not one of its parameters "
+                          "shared with other stages")
+        if len({tp.name for tp in self.tied}) != len(self.tied):
+            raise err(f"{what}: a tied parameter is listed twice")
         if self.loss is not None:
             n = produced.get(self.loss)
             if n is None or n.multi or n.out[0] is None or n.out[0].shape != ():

@@ -13,10 +13,14 @@ The DAG is traced for the shapes of the example inputs: the micro-batch shape is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import operator
+import os
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +35,8 @@ from fusionp2p.graph.ops import DROPPED, GETITEM, WHITELIST, op_name, resolve
 log = logging.getLogger(__name__)
 
 _PREFIX = "model."
-_PORTABLE = {"aten.view.default": "aten.reshape.default"}
+# detach_ appears on fresh tensors (``torch.tensor(...).detach_()``): the out-of-place detach is the same value
+_PORTABLE = {"aten.view.default": "aten.reshape.default", "aten.detach_.default": "aten.detach.default"}
 
 
 class _Wrapped(nn.Module):
@@ -42,13 +47,14 @@ class _Wrapped(nn.Module):
     """
 
     def __init__(self, model: nn.Module, names: Sequence[str], as_kwargs: bool, n_loss: int,
-                 loss_fn: Callable[..., torch.Tensor] | None) -> None:
+                 loss_fn: Callable[..., torch.Tensor] | None, loss_by_name: bool = False) -> None:
         super().__init__()
         self.model = model
         self._names = tuple(names)
         self._as_kwargs = as_kwargs
         self._n_loss = n_loss
         self._loss_fn = loss_fn
+        self._loss_by_name = loss_by_name
 
     def forward(self, *args: torch.Tensor) -> Any:
         n_model = len(args) - self._n_loss
@@ -58,11 +64,51 @@ class _Wrapped(nn.Module):
         else:
             out = self.model(*model_args)
         if self._loss_fn is not None:
+            if self._loss_by_name:
+                return self._loss_fn(out, **dict(zip(self._names[n_model:], loss_args)))
             return self._loss_fn(out, *loss_args)
         loss = _pick_loss(out)
         if loss is not None:
             return loss
         return tuple(_tensor_leaves(out))
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: nn.Module) -> Iterator[None]:
+    """Training never reads a key/value cache: trace Hugging Face models (whose configs often ship
+    ``use_cache=True``) with it off, and give the user's config back as it was."""
+    found = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())}   # configs may be unhashable
+    cfgs: list[Any] = [c for c in found.values() if getattr(c, "use_cache", None) is True]
+    for c in cfgs:
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in cfgs:
+            c.use_cache = True
+
+
+_LIBS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _export_cause(exc: BaseException) -> str:
+    """A torch.export failure cut down to its cause: the innermost exception's first lines, and the
+    last frame of the model's own code (outside torch and fusionp2p) where it was raised."""
+    chain: list[BaseException] = [exc]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 8:
+        chain.append(nxt)
+    where = ""
+    for e in reversed(chain):      # innermost first: where the model's code actually failed
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if not f.filename.startswith(_LIBS) and not f.filename.startswith("<")]
+        if frames:
+            f = frames[-1]
+            where = f" (at {f.filename}:{f.lineno}: {(f.line or '').strip()[:120]})"
+            break
+    root = chain[-1] if len(chain) > 1 and not str(exc).strip() else exc
+    lines = [ln for ln in str(root).splitlines() if ln.strip()]
+    text = " ".join(lines[:2])[:300] if lines else ""
+    return f"{type(root).__name__}: {text}{where}"
 
 
 def _pick_loss(out: Any) -> torch.Tensor | None:
@@ -105,14 +151,15 @@ def _input_names(model: nn.Module, n: int) -> list[str]:
 
 def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,
           loss_fn: Callable[..., torch.Tensor] | None = None, *,
-          loss_inputs: Sequence[torch.Tensor] = (), count_flops: bool = True) -> OpDAG:
+          loss_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] = (), count_flops: bool = True) -> OpDAG:
     """Trace ``model`` on ``example_inputs`` into an :class:`OpDAG` ending at the loss.
 
     * ``example_inputs``: a tensor, a tuple (positional arguments) or a dict (keyword arguments, e.g.
       ``{"input_ids": ids, "labels": labels}`` for a Hugging Face model). Its names become the DAG's
       data inputs (``dag.data_inputs``), in order, followed by ``target``/``target_<i>`` for
       ``loss_inputs``.
-    * ``loss_fn``: if given, the loss is ``loss_fn(model_output, *loss_inputs)``. Otherwise the loss is
+    * ``loss_fn``: if given, the loss is ``loss_fn(model_output, *loss_inputs)`` (or, when
+      ``loss_inputs`` is a dict, ``loss_fn(model_output, **loss_inputs)``, its keys naming the inputs). Otherwise the loss is
       found in the output (``out["loss"]``, ``out.loss``, or a trailing scalar as in ``(logits, loss)``);
       if there is none the DAG returns every output tensor and ``dag.loss`` is None.
 
@@ -129,23 +176,24 @@ def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str
     else:
         model_args = tuple(example_inputs)  # type: ignore[arg-type]
         names = _input_names(model, len(model_args))
-    loss_inputs = tuple(loss_inputs)
+    loss_by_name = isinstance(loss_inputs, Mapping)
+    if isinstance(loss_inputs, Mapping):
+        names += [str(k) for k in loss_inputs]
+        loss_inputs = tuple(loss_inputs.values())
+    else:
+        loss_inputs = tuple(loss_inputs)
+        names += ["target"] if len(loss_inputs) == 1 else [f"target_{i}" for i in range(len(loss_inputs))]
     if loss_inputs and loss_fn is None:
         raise ConfigError("loss_inputs were given without a loss_fn")
-    names += ["target"] if len(loss_inputs) == 1 else [f"target_{i}" for i in range(len(loss_inputs))]
-    cfg = getattr(model, "config", None)
-    if getattr(cfg, "use_cache", False) is True:
-        raise ConfigError("the model's config has use_cache=True: a key/value cache cannot be traced for "
-                          "training; set model.config.use_cache = False (or pass use_cache=False)")
-    wrapped = _Wrapped(model, names, as_kwargs, len(loss_inputs), loss_fn)
-    all_args = model_args + loss_inputs
+    wrapped = _Wrapped(model, names, as_kwargs, len(loss_inputs), loss_fn, loss_by_name)
+    all_args = model_args + tuple(loss_inputs)
     try:
-        ep = torch.export.export(wrapped, all_args, strict=False)
+        with _no_kv_cache(model):
+            ep = torch.export.export(wrapped, all_args, strict=False)
     except Exception as exc:
         raise ConfigError(
-            f"torch.export could not trace the model ({type(exc).__name__}: {str(exc)[:800]}). Hints: avoid "
-            "data-dependent Python control flow in forward; for Hugging Face models set use_cache=False and "
-            "attn_implementation='eager'; return the loss or pass loss_fn") from exc
+            f"torch.export could not trace the model: {_export_cause(exc)}. Hints: avoid data-dependent Python "
+            "control flow in forward (an `if` on a tensor's values); return the loss or pass loss_fn") from exc
     return _from_exported(ep, model, names, all_args, ep.call_spec.out_spec.is_leaf(), count_flops)
 
 
@@ -156,6 +204,7 @@ def _from_exported(ep: torch.export.ExportedProgram, model: nn.Module, names: li
     inputs: list[InputSpec] = []
     tensors: dict[str, torch.Tensor] = {}
     user_i = 0
+    first_of: dict[int, str] = {}     # id of a lifted parameter -> its DAG name
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(sig.input_specs):
         raise ConfigError("unexpected exported program: placeholders and input specs differ")
@@ -170,6 +219,12 @@ def _from_exported(ep: torch.export.ExportedProgram, model: nn.Module, names: li
             value = ep.state_dict[target] if target in ep.state_dict else ep.constants[target]
             if not isinstance(value, torch.Tensor):
                 raise ConfigError(f"input {target!r} of kind {spec.kind.name} is not a tensor; not supported")
+            if kind == "param" and id(value) in first_of:
+                # a tied weight lifted once per name (``lm_head.weight = wte.weight``): one DAG parameter
+                rename[ph.name] = first_of[id(value)]
+                continue
+            if kind == "param":
+                first_of[id(value)] = name
             tensors[name] = value.detach()
         rename[ph.name] = name
         inputs.append(InputSpec(name=name, kind=kind, meta=TensorMeta.of(value)))
@@ -177,36 +232,7 @@ def _from_exported(ep: torch.export.ExportedProgram, model: nn.Module, names: li
     nodes: list[OpNode] = []
     unsupported: set[str] = set()
     scope_types: dict[str, str] = {}
-    for fx_node in ep.graph.nodes:
-        if fx_node.op != "call_function":
-            continue
-        name = op_name(fx_node.target)
-        # the trace records view() where the traced kernels happened to produce viewable strides; another
-        # device or kernel (and the meta check of the decoder) may not, and reshape is view when it can be
-        name = _PORTABLE.get(name, name)
-        if name in DROPPED:
-            continue
-        if name not in WHITELIST:
-            unsupported.add(name)
-            rename[fx_node.name] = fx_node.name  # keep collecting: report every unsupported op at once
-            continue
-        if fx_node.name in rename.values():
-            raise ConfigError(f"node name {fx_node.name!r} collides with an input name; rename that input")
-        rename[fx_node.name] = fx_node.name
-        out, multi = _out_meta(fx_node.meta.get("val"))
-        scope = ""
-        stack = fx_node.meta.get("nn_module_stack") or {}
-        if stack:
-            path, _ = list(stack.values())[-1]
-            scope = _strip(str(path))
-            for p, t in stack.values():
-                scope_types[_strip(str(p))] = (t if isinstance(t, str) else getattr(t, "__qualname__", str(t))
-                                               ).rsplit(".", 1)[-1]
-        nodes.append(OpNode(
-            name=fx_node.name, op=name,
-            args=tuple(_arg(a, rename) for a in fx_node.args),
-            kwargs=tuple((k, _arg(v, rename)) for k, v in fx_node.kwargs.items()),
-            out=out, multi=multi, scope=scope))
+    _Emitter(nodes, unsupported, scope_types, rename).graph(ep.graph, ep.graph_module, no_grad=False)
     if unsupported:
         raise ConfigError(f"the model uses operators outside the whitelist: {sorted(unsupported)}; rewrite "
                           "those parts with supported operations or ask for the whitelist to be extended")
@@ -230,6 +256,121 @@ def _from_exported(ep: torch.export.ExportedProgram, model: nn.Module, names: li
                 module_names=_module_names(model, tensors), scope_types=scope_types, batch_size=batch)
     log.debug("traced %d nodes, %d params, %.3g GFLOP", len(nodes), len(dag.param_names), dag.total_flops / 1e9)
     return dag
+
+
+class _Emitter:
+    """Turns an exported FX graph into OpNodes (appended to *nodes*), inlining higher-order regions.
+
+    ``wrap_with_set_grad_enabled(False, submodule, *args)`` is what export makes of a
+    ``@torch.no_grad()`` function called from forward (the rotary embedding of Llama, Mistral, Qwen2):
+    its operators are inlined under the region's name, and each of its outputs passes through
+    ``aten.detach``, so that no gradient flows back through the region, exactly as under ``no_grad``
+    (inside a stage, where grad mode is on, this is the only effect the region's mode has on the
+    values and gradients). A region that enables grad is inlined as it is.
+    """
+
+    def __init__(self, nodes: list[OpNode], unsupported: set[str], scope_types: dict[str, str],
+                 rename: dict[str, str]) -> None:
+        self.nodes = nodes
+        self.unsupported = unsupported
+        self.scope_types = scope_types
+        self.top = rename
+        self.taken = set(rename.values())
+        self.regions: dict[str, list[str]] = {}     # region node (emitted name) -> its outputs' names
+
+    def graph(self, graph: torch.fx.Graph, gm: torch.nn.Module, *, no_grad: bool, prefix: str = "",
+              rename: dict[str, str] | None = None, scope: str = "") -> list[str]:
+        """Emit *graph*'s operators; returns the names of its outputs (for an inlined region)."""
+        rename = self.top if rename is None else rename
+        outs: list[str] = []
+        for fx_node in graph.nodes:
+            if fx_node.op == "output":
+                flat = fx_node.args[0] if isinstance(fx_node.args[0], (tuple, list)) else (fx_node.args[0],)
+                outs = [rename[a.name] for a in flat if isinstance(a, torch.fx.Node)]
+                continue
+            if fx_node.op != "call_function":
+                continue   # placeholders (mapped by the caller) and get_attr of region submodules
+            if fx_node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+                self._region(fx_node, gm, rename, prefix, scope)
+                continue
+            if fx_node.target is operator.getitem and isinstance(fx_node.args[0], torch.fx.Node) \
+                    and rename.get(fx_node.args[0].name) in self.regions:
+                rename[fx_node.name] = self.regions[rename[fx_node.args[0].name]][int(fx_node.args[1])]
+                continue
+            self._op(fx_node, rename, prefix, scope)
+        return outs
+
+    def _fresh(self, name: str) -> str:
+        out, i = name, 0
+        while out in self.taken:
+            i += 1
+            out = f"{name}_{i}"
+        self.taken.add(out)
+        return out
+
+    def _region(self, fx_node: torch.fx.Node, gm: torch.nn.Module, rename: dict[str, str], prefix: str,
+                scope: str) -> None:
+        enabled, sub_ref, *args = fx_node.args
+        sub = getattr(gm, str(sub_ref.target)) if isinstance(sub_ref, torch.fx.Node) else None
+        if not isinstance(sub, torch.fx.GraphModule) or not isinstance(enabled, bool):
+            raise ConfigError(f"unexpected grad-mode region {fx_node.name!r} in the exported program")
+        name = self._fresh(prefix + fx_node.name)
+        local: dict[str, str] = {}
+        phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        if len(phs) != len(args):
+            raise ConfigError(f"grad-mode region {fx_node.name!r}: {len(args)} arguments for {len(phs)} inputs")
+        for ph, a in zip(phs, args):
+            if not isinstance(a, torch.fx.Node) or a.name not in rename:
+                raise ConfigError(f"grad-mode region {fx_node.name!r} reads a value the DAG cannot carry")
+            local[ph.name] = rename[a.name]
+        inner_scope = _scope_of(fx_node) or scope
+        outs = self.graph(sub.graph, sub, no_grad=not enabled, prefix=name + "__", rename=local, scope=inner_scope)
+        if not enabled:   # no gradient flows back out of a no_grad region
+            outs = [self._detach(o, inner_scope) for o in outs]
+        self.regions[name] = outs
+        rename[fx_node.name] = name
+
+    def _detach(self, src: str, scope: str) -> str:
+        meta = next((n.out for n in reversed(self.nodes) if n.name == src), None)
+        if meta is None or len(meta) != 1:
+            return src   # an input passed through: it carries no gradient of the region's making
+        name = self._fresh(src + "_nograd")
+        self.nodes.append(OpNode(name=name, op="aten.detach.default", args=(Ref(src),), out=meta, scope=scope))
+        return name
+
+    def _op(self, fx_node: torch.fx.Node, rename: dict[str, str], prefix: str, scope: str) -> None:
+        name = op_name(fx_node.target)
+        # the trace records view() where the traced kernels happened to produce viewable strides; another
+        # device or kernel (and the meta check of the decoder) may not, and reshape is view when it can be
+        name = _PORTABLE.get(name, name)
+        if name in DROPPED:
+            return
+        if name not in WHITELIST:
+            self.unsupported.add(name)
+            rename[fx_node.name] = fx_node.name  # keep collecting: report every unsupported op at once
+            return
+        if not prefix and fx_node.name in self.taken:
+            raise ConfigError(f"node name {fx_node.name!r} collides with an input name; rename that input")
+        new = self._fresh(prefix + fx_node.name)
+        rename[fx_node.name] = new
+        out, multi = _out_meta(fx_node.meta.get("val"))
+        stack = fx_node.meta.get("nn_module_stack") or {}
+        for p, t in stack.values():
+            self.scope_types[_strip(str(p))] = (t if isinstance(t, str) else getattr(t, "__qualname__", str(t))
+                                                ).rsplit(".", 1)[-1]
+        self.nodes.append(OpNode(
+            name=new, op=name,
+            args=tuple(_arg(a, rename) for a in fx_node.args),
+            kwargs=tuple((k, _arg(v, rename)) for k, v in fx_node.kwargs.items()),
+            out=out, multi=multi, scope=_scope_of(fx_node) or scope))
+
+
+def _scope_of(fx_node: torch.fx.Node) -> str:
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return _strip(str(path))
 
 
 def _strip(path: str) -> str:
@@ -270,6 +411,17 @@ def materialize(a: Arg, env: Mapping[str, Any]) -> Any:
     return a
 
 
+def with_flops(dag: OpDAG, args: Sequence[torch.Tensor]) -> OpDAG:
+    """*dag* (traced with ``count_flops=False``) with every node's forward FLOPs, from one run on the
+    data inputs *args* (in ``dag.data_inputs`` order). ConfigError if the graph fails on them."""
+    try:
+        nodes = _count_flops(dag.inputs, list(dag.nodes), dag.tensors, tuple(args))
+    except Exception as exc:
+        raise ConfigError(f"the traced model fails on the example batch: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from exc
+    return dataclasses.replace(dag, nodes=tuple(nodes))
+
+
 def _count_flops(inputs: tuple[InputSpec, ...], nodes: list[OpNode], tensors: Mapping[str, torch.Tensor],
                  args: tuple[torch.Tensor, ...]) -> list[OpNode]:
     # one run on copies (in-place buffer updates such as batch-norm statistics must not leak back)
@@ -295,14 +447,18 @@ def _count_flops(inputs: tuple[InputSpec, ...], nodes: list[OpNode], tensors: Ma
 
 
 def _module_names(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
+    """DAG tensor name -> every key of ``model.state_dict()`` that holds it (several for a tied weight;
+    none for a non-persistent buffer, which ``state_dict`` leaves out and a download must too)."""
+    keys = set(model.state_dict(keep_vars=True))
     by_id: dict[int, list[str]] = {}
     for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        by_id.setdefault(id(t), []).append(n)
+        if n in keys:
+            by_id.setdefault(id(t), []).append(n)
     own = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     out: dict[str, tuple[str, ...]] = {}
     for name in tensors:
         src = own.get(name)
-        out[name] = tuple(by_id[id(src)]) if src is not None else ()
+        out[name] = tuple(by_id.get(id(src), ())) if src is not None else ()
     return out
 
 
@@ -320,7 +476,7 @@ def load_into(module: nn.Module, dag: OpDAG, values: Mapping[str, torch.Tensor],
         for name, value in values.items():
             targets = dag.module_names.get(name, ())
             if not targets:
-                if strict:
+                if strict and name in dag.param_names:
                     raise ConfigError(f"load_into: {name!r} has no counterpart in the module")
                 continue
             for t in targets:

@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,11 @@ from torch import nn
 from fusionp2p.data import (
     BatchSampler,
     BuiltinCorpus,
+    ExampleManifest,
+    Examples,
+    ExampleSampler,
     SamplerConfig,
+    ShardedExamples,
     ShardedTokens,
     ShardManifest,
     TokenFile,
@@ -36,8 +42,9 @@ from fusionp2p.data import (
 from fusionp2p.data.corpus import corpus_hash
 from fusionp2p.data.shards import STORAGE_DTYPES
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, PlanError, RemoteProtocolError
-from fusionp2p.graph import OpDAG, coarsen, partition, stages_from_fences, to_workload, trace
+from fusionp2p.graph import OpDAG, Ref, coarsen, partition, stages_from_fences, to_workload, trace
 from fusionp2p.graph.program import StageProgram
+from fusionp2p.graph.trace import with_flops
 from fusionp2p.jobs.content import ContentService, sha256_hex
 from fusionp2p.jobs.spec import (
     JobSpec,
@@ -54,8 +61,41 @@ from fusionp2p.wire.dag import decode_dag, encode_dag
 
 log = logging.getLogger(__name__)
 
-Dataset = BuiltinCorpus | TokenFile
+Dataset = BuiltinCorpus | TokenFile | Examples
 LossFn = Callable[..., torch.Tensor]
+
+
+def as_dataset(dataset: Any) -> Dataset:
+    """The dataset a user gave ``publish``: a dataset object, or a path to a ``.npz``/``.safetensors``
+    file of named arrays (one row per example). ConfigError saying what to give otherwise."""
+    if isinstance(dataset, BuiltinCorpus | TokenFile | Examples):
+        return dataset
+    if isinstance(dataset, str | os.PathLike):
+        p = Path(dataset)
+        if p.suffix in (".npz", ".safetensors"):
+            return Examples.load(p)
+        raise ConfigError(f"dataset {str(dataset)!r}: a path must name a .npz or .safetensors file of named arrays; "
+                          "for tokens give fusionp2p.data.TokenFile(path, seq_len=...), for text "
+                          "TokenFile(path, seq_len=..., kind='text')")
+    raise ConfigError(f"dataset must be BuiltinCorpus, TokenFile, Examples or a .npz/.safetensors path, "
+                      f"not {type(dataset).__name__}")
+
+
+def _loss_params(loss: LossFn) -> set[str]:
+    """Names a loss function takes after the model output (what it receives by name from a batch)."""
+    try:
+        params = list(inspect.signature(loss).parameters.values())
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def split_fields(names: Sequence[str], loss: LossFn | None) -> tuple[list[str], list[str]]:
+    """(fields for the model, fields for the loss function): the loss gets those its signature names."""
+    if loss is None:
+        return list(names), []
+    wanted = _loss_params(loss)
+    return [n for n in names if n not in wanted], [n for n in names if n in wanted]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,7 +108,7 @@ class BuiltJob:
     dag: OpDAG
 
 
-def _example(dataset: Dataset, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _example(dataset: BuiltinCorpus | TokenFile, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch of the real data (the DAG is traced for the micro-batch shape)."""
     tokens = dataset.tokens()
     sampler = BatchSampler(SamplerConfig(num_tokens=len(tokens), seq_len=dataset.seq_len, micro_batch=cfg.micro_batch,
@@ -79,17 +119,76 @@ def _example(dataset: Dataset, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Te
 
 
 def trace_job(model: nn.Module, loss: LossFn | None, dataset: Dataset, cfg: TrainConfig) -> OpDAG:
-    """Trace *model* for the job: ``model(x, y)`` returning the loss, or ``loss(model(x), y)``."""
-    x, y = _example(dataset, cfg)
-    if loss is None:
-        return trace(model, (x, y))
-    return trace(model, (x,), loss, loss_inputs=(y,))
+    """Trace *model* for the job: ``model(x, y)`` returning the loss, or ``loss(model(x), y)``; for
+    :class:`Examples`, ``model(**batch)`` returning the loss, or ``loss(model(**rest), **named)`` where
+    *named* are the fields the loss function's signature names. The data's token ids are checked
+    against the model's embeddings (:func:`check_vocab`) before the traced graph first runs."""
+    if isinstance(dataset, Examples):
+        if dataset.num_examples - dataset.num_holdout < cfg.micro_batch:
+            raise ConfigError(f"the dataset has {dataset.num_examples - dataset.num_holdout} training examples, "
+                              f"fewer than micro_batch={cfg.micro_batch}")
+        batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in dataset.batch(range(cfg.micro_batch)).items()}
+        to_model, to_loss = split_fields(list(batch), loss)
+        if loss is None:
+            dag = trace(model, batch, count_flops=False)
+        elif not to_model:
+            raise ConfigError(f"every field {sorted(batch)} goes to the loss function; the model gets none")
+        else:
+            dag = trace(model, {k: batch[k] for k in to_model}, loss, loss_inputs={k: batch[k] for k in to_loss},
+                        count_flops=False)
+        args = tuple(batch[k] for k in dag.data_inputs)
+    else:
+        x, y = _example(dataset, cfg)
+        dag = trace(model, (x, y), count_flops=False) if loss is None else trace(
+            model, (x,), loss, loss_inputs=(y,), count_flops=False)
+        args = (x, y)
+    check_vocab(dag, dataset)
+    return with_flops(dag, args)
 
 
-def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset, cfg: TrainConfig, *, publisher: str,
+_PASS_THROUGH = frozenset({"aten.reshape.default", "aten.view.default", "aten.clone.default", "aten.contiguous.default",
+                           "aten.alias.default", "aten.detach.default", "aten.unsqueeze.default", "aten.squeeze.dim",
+                           "aten.flatten.using_ints", "aten.slice.Tensor", "aten.select.int", "aten.to.dtype"})
+
+
+def check_vocab(dag: OpDAG, dataset: Dataset) -> None:
+    """Refuse, before training, data whose token ids an embedding of the model cannot look up (an id
+    outside ``[0, rows)`` of the embedding table it feeds): the data and the model disagree."""
+    by_name = {n.name: n for n in dag.nodes}
+    data = set(dag.data_inputs)
+    for n in dag.nodes:
+        if n.op != "aten.embedding.default" or len(n.args) < 2:
+            continue
+        weight, src = n.args[0], n.args[1]
+        while isinstance(src, Ref) and src.name in by_name and by_name[src.name].op in _PASS_THROUGH:
+            src = by_name[src.name].args[0]
+        if not isinstance(weight, Ref) or not isinstance(src, Ref) or src.name not in data:
+            continue
+        meta = dag.meta_of(weight.name)
+        if meta is None or not meta.shape:
+            continue
+        if isinstance(dataset, Examples):
+            if src.name not in dataset.arrays:
+                continue
+            ids = dataset.arrays[src.name]
+        elif src.name == dag.data_inputs[0]:
+            ids = dataset.tokens()
+        else:
+            continue
+        if not ids.size or not np.issubdtype(ids.dtype, np.integer):
+            continue
+        lo, hi, rows = int(ids.min()), int(ids.max()), meta.shape[0]
+        if lo < 0 or hi >= rows:
+            raise ConfigError(f"the dataset's {src.name} holds token ids in [{lo}, {hi}], but the model's embedding "
+                              f"{weight.name} has {rows} rows: the data and the model disagree (tokenize with the "
+                              f"model's tokenizer, or give the model a vocabulary of at least {hi + 1})")
+
+
+def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset | str | os.PathLike[str], cfg: TrainConfig, *, publisher: str,
               sign: Callable[[bytes], bytes], now: float, nonce: bytes, resources: Resources | None = None,
               name: str = "") -> BuiltJob:
     """Trace, encode and sign a job (the publisher's side). ConfigError on a model that cannot be traced."""
+    dataset = as_dataset(dataset)
     dag = trace_job(model, loss, dataset, cfg)
     if dag.loss is None:
         raise ConfigError("the model returns no loss: return (output, loss) or pass loss=fn(output, target)")
@@ -109,11 +208,12 @@ class AcceptedJob:
 
     spec: JobSpec
     dag: OpDAG
-    tokens: Any       # np.ndarray or ShardedTokens
+    tokens: Any       # np.ndarray, ShardedTokens or ShardedExamples
     envelope: bytes = b""   # the publisher-signed spec (offered on to joiners)
 
 
 MAX_MANIFEST_BYTES = 16 << 20   # a ShardManifest of MAX_SHARDS (1e5) hashes is about 7 MB
+EXAMPLE_MANIFEST_BYTES = 8 << 20
 
 
 def _weights_cap(dag: OpDAG) -> int:
@@ -155,6 +255,18 @@ class NodeJobs:
             if corpus_hash(ref.name) != ref.content_hash:
                 raise JobError(f"job {spec.job_id}: this node's built-in corpus {ref.name!r} differs from the publisher's")
             tokens = corpus_tokens(ref.name)
+        elif ref.kind == "examples":
+            eman = ExampleManifest.decode(await self._fetch(ref.content_hash, peers, max_size=EXAMPLE_MANIFEST_BYTES),
+                                          expected_hash=ref.content_hash)
+            if eman.num_examples != ref.num_tokens or eman.total_bytes > memory:
+                raise JobError(f"job {spec.job_id}: the dataset's {eman.num_examples} examples do not match its "
+                               f"reference ({ref.num_tokens}) or do not fit this node's memory")
+            missing = sorted(set(dag.data_inputs) - {f.name for f in eman.fields})
+            if missing:
+                raise JobError(f"job {spec.job_id}: the model reads {missing}, which the dataset does not hold")
+            tokens = ShardedExamples(eman)
+            for i, h in enumerate(eman.shards):
+                tokens.add(i, await self._fetch(h, peers, max_size=eman.shard_bytes(i)))
         else:
             manifest = ShardManifest.decode(await self._fetch(ref.content_hash, peers, max_size=MAX_MANIFEST_BYTES),
                                             expected_hash=ref.content_hash)
@@ -274,9 +386,24 @@ def stage_programs(dag: OpDAG, plan: Plan) -> list[StageProgram]:
     return partition(c, stages_from_fences(len(c.units), [f.unit for f in plan.fences]))
 
 
-def data_fn(job: AcceptedJob) -> Callable[[int, int], dict[str, torch.Tensor]]:
-    """(global step, micro) -> the DAG's data inputs: the first is the token ids, the last the targets."""
+def data_fn(job: AcceptedJob, *, held_out: bool = False) -> Callable[[int, int], dict[str, torch.Tensor]]:
+    """(global step, micro) -> the DAG's data inputs: for token data the first is the token ids, the
+    last the targets; for examples every input by its field name. With *held_out*, micro-batches of
+    the held-out examples (step 0, 1, ... walk through them)."""
     cfg, ref = job.spec.config, job.spec.dataset
+    if isinstance(job.tokens, ShardedExamples):
+        man = job.tokens.manifest
+        num, offset = (man.num_holdout, man.num_train) if held_out else (man.num_train, 0)
+        if num < 1:
+            raise ConfigError("the dataset has no held-out examples")
+        ex_sampler = ExampleSampler(num=num, micro_batch=cfg.micro_batch, micro_batches=cfg.micro_batches,
+                                    seed=cfg.seed, offset=offset)
+        store, wanted = job.tokens, job.dag.data_inputs
+
+        def fields(step: int, micro: int) -> dict[str, torch.Tensor]:
+            rows = store.rows(ex_sampler.indices(step, micro))
+            return {k: torch.from_numpy(rows[k]) for k in wanted}
+        return fields
     sampler = BatchSampler(SamplerConfig(num_tokens=ref.num_tokens, seq_len=ref.seq_len, micro_batch=cfg.micro_batch,
                                          micro_batches=cfg.micro_batches, seed=cfg.seed))
     names = job.dag.data_inputs
@@ -289,12 +416,25 @@ def data_fn(job: AcceptedJob) -> Callable[[int, int], dict[str, torch.Tensor]]:
     return fn
 
 
+def eval_data_fn(job: AcceptedJob) -> Callable[[int, int], dict[str, torch.Tensor]] | None:
+    """The held-out micro-batches of the job's dataset, or None when it holds out nothing."""
+    if isinstance(job.tokens, ShardedExamples) and job.tokens.manifest.num_holdout > 0:
+        return data_fn(job, held_out=True)
+    return None
+
+
 def module_state(dag: OpDAG, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """DAG-named tensors -> the traced module's state_dict names (tied weights under every alias)."""
+    """DAG-named tensors -> the traced module's ``state_dict`` keys: tied weights under every alias,
+    non-persistent buffers left out, and a tensor *values* lacks taken from the DAG's own (published)
+    value, so that the result holds exactly the keys of the module's ``state_dict()`` and loads with
+    ``load_state_dict(strict=True)``."""
     out: dict[str, torch.Tensor] = {}
-    for name, v in values.items():
-        for target in dag.module_names.get(name, ()):
-            out[target.removeprefix("model.")] = v.detach().contiguous().clone()
+    for name in dag.module_names:
+        v = values.get(name, dag.tensors.get(name))
+        if v is None:
+            continue
+        for target in dag.module_names[name]:
+            out[target] = v.detach().contiguous().clone()
     return out
 
 
@@ -304,5 +444,5 @@ def save_module_state(path: Path, state: Mapping[str, torch.Tensor]) -> Path:
     return path
 
 
-__all__ = ["AcceptedJob", "BuiltJob", "NodeJobs", "build_job", "choose_plan", "data_fn", "module_state",
+__all__ = ["AcceptedJob", "BuiltJob", "NodeJobs", "as_dataset", "build_job", "choose_plan", "data_fn", "eval_data_fn", "module_state",
            "plan_for_snapshot", "save_module_state", "stage_programs", "trace_job"]

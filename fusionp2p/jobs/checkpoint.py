@@ -262,9 +262,11 @@ def assemble(root: str | os.PathLike[str], job: str, step: int | None = None) ->
     merged: dict[str, torch.Tensor] = {}
     for path in files:
         for name, t in load_stage(path).params.items():
-            if name in merged:
-                raise CheckpointError(f"parameter {name} appears in two stages of step {step}")
-            merged[name] = t
+            # a buffer read by several stages is copied to each (read-only), and a tied parameter's
+            # copies take the same steps: copies must be equal, and the first stands for all
+            have = merged.setdefault(name, t)
+            if have is not t and not torch.equal(have, t):
+                raise CheckpointError(f"{name} appears in two stages of step {step} with different values")
     return merged
 
 

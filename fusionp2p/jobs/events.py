@@ -105,9 +105,25 @@ class StepSkipped:
     at: float = 0.0
 
 
-ProgressEvent = StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved | StepSkipped
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalProgress:
+    """The held-out loss of the weights after ``step`` steps (``TrainConfig.eval_every``; at the last
+    step, of the final weights: the model that downloads), from the loss stage of one pipeline."""
+
+    KIND: ClassVar[str] = "eval"
+    job: str
+    step: int
+    epoch: int = 0
+    peer: str = ""
+    loss: float = 0.0
+    at: float = 0.0
+
+
+ProgressEvent = (StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved | StepSkipped
+                 | EvalProgress)
 EVENT_TYPES: dict[str, type[ProgressEvent]] = {
-    c.KIND: c for c in (StepProgress, PlanChanged, MembersChanged, JobStateChanged, CheckpointSaved, StepSkipped)}
+    c.KIND: c for c in (StepProgress, PlanChanged, MembersChanged, JobStateChanged, CheckpointSaved, StepSkipped,
+                        EvalProgress)}
 
 
 def event_to_dict(ev: ProgressEvent) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from fusionp2p.jobs.content import ContentService
 from fusionp2p.jobs.election import fetch_latest
 from fusionp2p.jobs.events import (
     CheckpointSaved,
+    EvalProgress,
     JobStateChanged,
     PlanChanged,
     ProgressEvent,
@@ -156,6 +157,7 @@ class JobDriver:
         self.book = ProgressBook(job=self.job, steps=self.steps)
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[str, Any]](math.inf)
         self._ckpts: set[tuple[int, int]] = set()
+        self._evals: set[int] = set()         # steps whose held-out loss was shown
         self._done: dict[tuple[int, int], dict[str, Any]] = {}
         self.life = JobLifecycle(self.job, now=trio.current_time())
 
@@ -431,6 +433,9 @@ class JobDriver:
         if isinstance(ev, StepProgress):
             for out in self.book.add(sender, ev, now=time.time()):
                 self._emit(out)
+        if isinstance(ev, EvalProgress) and ev.peer == sender and sender in self.members and ev.step not in self._evals:
+            self._evals.add(ev.step)     # every pipeline evaluates the same held-out batch: the first says it
+            self._emit(ev)
 
     def _on_plan(self, ev: PlanChanged) -> None:
         sizes = ev.stage_sizes

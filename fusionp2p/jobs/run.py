@@ -47,11 +47,12 @@ from fusionp2p.errors import (
 )
 from fusionp2p.graph import StageExecutor, coarsen, partition, stages_from_fences
 from fusionp2p.jobs import proto as job_proto
-from fusionp2p.jobs.build import AcceptedJob, data_fn, plan_for_snapshot, stage_programs
+from fusionp2p.jobs.build import AcceptedJob, data_fn, eval_data_fn, plan_for_snapshot, stage_programs
 from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_state
 from fusionp2p.jobs.election import Adopted, ElectionConfig, fetch_adopted, open_elector
 from fusionp2p.jobs.events import (
     CheckpointSaved,
+    EvalProgress,
     JobStateChanged,
     PlanChanged,
     ProgressEvent,
@@ -488,7 +489,10 @@ class JobRun:
                                       compute_s=rep.compute_s, tokens=rep.tokens, loss=rep.loss, averaging=rep.averaging)
             if rep.eval:
                 if rep.loss is not None:
-                    self.final_losses[r] = rep.loss
+                    if rep.step >= cfg.steps:
+                        self.final_losses[r] = rep.loss
+                    await self._gossip(EvalProgress(job=self.job_id, step=rep.step, epoch=plan.epoch, peer=self.me,
+                                                    loss=rep.loss, at=time.time()))
                 return
             if rep.loss is None:
                 return   # only the loss stage publishes per-step progress (gossip stays small)
@@ -513,7 +517,7 @@ class JobRun:
                             data=data_fn(self.accepted), tokens_per_micro=cfg.micro_batch * self.spec.dataset.seq_len,
                             rho_out=rho_out, report=report, checkpoint=checkpoint if r == 0 else None,
                             start_step=resume.step, restore=restore, halt=self._halt,
-                            recv_timeout=self.svc.config.recv_timeout)
+                            recv_timeout=self.svc.config.recv_timeout, eval_data=eval_data_fn(self.accepted))
 
     async def _replicate(self, plan: Plan, s: int, h: str, step: int) -> None:
         """Ask one other member (the keeper) to hold a copy of a stage file, so that it survives our death."""
@@ -873,7 +877,7 @@ class JobRun:
         accept: list[tuple[str, str, int | None]] = []
         e = plan.epoch
         for p in programs:
-            for src in sorted({x.src for x in p.recv if x.src >= 0}):
+            for src in sorted(t for t in p.peer_stages if t < p.stage):   # boundary and tied-weight peers
                 name = f"e{e}/p{r}:{src}-{p.stage}"
                 if src == s:
                     dial.append((name, plan.stages[p.stage].replicas[r], p.stage))

@@ -25,6 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
+
+from fusionp2p.data.examples import ExampleManifest, Examples
 from fusionp2p.data.shards import ShardManifest, is_sha256_hex, make_shards
 from fusionp2p.data.tokens import BuiltinCorpus, TokenFile
 from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
@@ -41,7 +44,7 @@ __all__ = [
 SPEC_VERSION = 1
 SIGN_DOMAIN = b"fusionp2p/jobspec/1\0"
 MAX_SPEC_BYTES = 64 * 1024          # fits one gossip message (LIBP2P_NOTES §5)
-DATASET_KINDS = ("builtin", "text", "npy", "bin")
+DATASET_KINDS = ("builtin", "text", "npy", "bin", "examples")
 DEVICE_KINDS = ("cpu", "cuda", "mps", "xpu")
 _T = TypeVar("_T")
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -60,7 +63,13 @@ def _check_hash(name: str, h: object) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DatasetRef:
-    """Which tokens to train on: a built-in corpus (``name``) or a shard manifest, pinned by hash."""
+    """What to train on: a built-in corpus (``name``), a token shard manifest, or (kind ``examples``) an
+    :class:`~fusionp2p.data.examples.ExampleManifest` of named tensors per example, pinned by hash.
+
+    For ``examples``, ``num_tokens`` counts the examples (held-out ones included), ``seq_len`` is the
+    tokens (or items) one example counts for in throughput figures, and ``vocab_size`` the largest
+    integer id of the data plus one (2 when the data holds no ids).
+    """
 
     kind: str = field(metadata={"wire": {"choices": DATASET_KINDS}})   # builtin | text | npy | bin
     content_hash: str = field(metadata={"wire": {"max_len": 64}})      # builtin: sha256 of the corpus bytes; files: of the ShardManifest
@@ -77,7 +86,7 @@ class DatasetRef:
             v = getattr(self, n)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"dataset {n} must be a positive integer, got {v!r}")
-        if self.vocab_size < 2 or self.num_tokens < self.seq_len + 1:
+        if self.vocab_size < 2 or (self.kind != "examples" and self.num_tokens < self.seq_len + 1):
             raise ConfigError("dataset needs vocab_size >= 2 and at least seq_len + 1 tokens")
         if self.kind == "builtin" and not self.name:
             raise ConfigError("a built-in dataset reference needs the corpus name")
@@ -93,13 +102,21 @@ class DatasetRef:
 
 
 def prepare_dataset(
-    src: BuiltinCorpus | TokenFile, *, shard_tokens: int = 1 << 20
-) -> tuple[DatasetRef, ShardManifest | None, dict[str, bytes]]:
+    src: BuiltinCorpus | TokenFile | Examples, *, shard_tokens: int = 1 << 20
+) -> tuple[DatasetRef, ShardManifest | ExampleManifest | None, dict[str, bytes]]:
     """The publisher's side: a dataset reference for *src*, plus (for files) the manifest and the
     blobs to publish — the manifest's encoding under its hash and every shard under its own.
 
     A built-in corpus needs no blobs: every node rebuilds it and checks the pinned hash.
     """
+    if isinstance(src, Examples):
+        eman, eblobs = src.shards()
+        ids = [a for a in src.arrays.values() if np.issubdtype(a.dtype, np.integer) and a.size]
+        top = max([int(a.max()) for a in ids], default=0)
+        per = max((int(np.prod(f.shape)) for f in eman.fields if f.name in ("input_ids", "pixel_values")), default=1)
+        ref = DatasetRef(kind="examples", name=src.name, content_hash=eman.content_hash, seq_len=max(1, per),
+                         vocab_size=max(2, top + 1), num_tokens=eman.num_examples)
+        return ref, eman, {eman.content_hash: eman.encode(), **eblobs}
     if isinstance(src, BuiltinCorpus):
         ref = DatasetRef(kind="builtin", name=src.name, content_hash=src.content_hash, seq_len=src.seq_len,
                          vocab_size=src.vocab_size, num_tokens=len(src.tokens()))

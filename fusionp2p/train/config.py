@@ -21,6 +21,7 @@ from fusionp2p.wire import codec
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("1f1b", "gpipe")
+NONFINITE = ("fail", "skip")
 LR_KINDS = ("constant", "cosine", "linear")
 PENALTIES = ("none", "constant", "elementwise", "lr_ratio")
 
@@ -166,9 +167,14 @@ class TrainConfig:
     checkpoint_every: int = 0
     seed: int = 0
     replicas: int | None = None
+    on_nonfinite: str = field(default="fail", metadata={"wire": {"choices": NONFINITE}})  # a NaN/inf loss: "fail" the job, or "skip" the step
+    eval_every: int = 0                         # held-out loss every K steps (0: only at the end)
 
     def __post_init__(self) -> None:
         _pos_int("steps", self.steps)
+        _pos_int("eval_every", self.eval_every, minimum=0)
+        if self.on_nonfinite not in NONFINITE:
+            raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")
         _pos_int("micro_batch", self.micro_batch)
         _pos_int("micro_batches", self.micro_batches)
         if self.optimizer not in OPTIMIZERS:

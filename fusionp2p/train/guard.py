@@ -102,11 +102,14 @@ def pipeline_budget(prog: StageProgram, micro_batches: int) -> MessageBudget:
     carries values and indices)."""
     acts = [r.meta.nbytes for r in prog.recv if r.src != DATA]
     grads = [o.meta.nbytes for o in prog.send for _ in o.dsts]
-    per_step = micro_batches * (len(acts) + len(grads))
-    largest = max([*acts, *grads, 0])
+    metas = {s.name: s.meta for s in prog.inputs}
+    tied = [metas[tp.name].nbytes + 4 for tp in prog.tied for o in tp.stages if o != prog.stage]  # one per step
+    per_step = micro_batches * (len(acts) + len(grads)) + len(tied)
+    largest = max([*acts, *grads, *tied, 0])
     count = 2 * per_step + 8   # + the end-of-channel markers and slack
     return MessageBudget(f"stage {prog.stage} pipeline links", max_messages=count,
-                         max_bytes=max(1, 2 * micro_batches * 3 * (sum(acts) + sum(grads)) + 8 * 3 * largest + (1 << 16)))
+                         max_bytes=max(1, 2 * micro_batches * 3 * (sum(acts) + sum(grads)) + 2 * sum(tied)
+                                       + 8 * 3 * largest + (1 << 16)))
 
 
 def replica_budget(prog: StageProgram, peers: int, n_params: int) -> MessageBudget:

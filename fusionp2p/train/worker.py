@@ -40,8 +40,8 @@ import trio
 from fusionp2p.average.outer import OuterConfig
 from fusionp2p.compress.adatopk import TopKLink
 from fusionp2p.compress.codec import decode
-from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
-from fusionp2p.graph.executor import Inbox, StageExecutor
+from fusionp2p.errors import JobError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
 from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, open_replica_averager
@@ -110,6 +110,7 @@ class StageContext:
     restore: StageState | None = None              # state handed over at a re-plan or read from a checkpoint
     halt: Halt | None = None                       # set by the job while training: stop at a step boundary
     recv_timeout: float | None = None              # seconds to wait for any one message (None: forever)
+    eval_data: DataFn | None = None                # the held-out examples (for the final evaluation)
 
 
 @dataclass(slots=True)
@@ -175,6 +176,8 @@ class StageWorker:
         self._queue_send, self._queue_recv = trio.open_memory_channel[tuple[int, TensorMessage]](math.inf)
         self._avg_send, self._avg_recv = trio.open_memory_channel[TensorMessage](math.inf)
         self._early: dict[int, list[tuple[int, TensorMessage]]] = {}
+        self._deferred: list[tuple[int, TensorMessage]] = []   # training messages an evaluation pass set aside
+        self._tied_box: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}   # (param, stage) -> (grad, ok)
         self._fwd_payload: dict[tuple[int, str], torch.Tensor] = {}
         self.src_of = {r.name: r.src for r in self.prog.recv}
         self._closed_links: set[int] = set()
@@ -280,6 +283,8 @@ class StageWorker:
             self.completed = step + 1
             if self.ctx.checkpoint is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
                 await self.ctx.checkpoint(step + 1, self.ex.state_dict())
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not last:
+                await self._eval_pass(step + 1)    # the held-out loss every eval_every steps
             step += 1
 
     def _load_anchor(self, anchor: torch.Tensor | None, step: int) -> None:
@@ -324,6 +329,10 @@ class StageWorker:
                 self._queue_send.send_nowait((src, msg))
 
     async def _next_message(self, step: int) -> tuple[int, TensorMessage]:
+        for i, (src, msg) in enumerate(self._deferred):   # set aside by an evaluation pass (already counted)
+            if msg.step == step:
+                del self._deferred[i]
+                return src, msg
         early = self._early.get(step)
         if early:
             got = early.pop(0)
@@ -390,6 +399,10 @@ class StageWorker:
                     compute += time.perf_counter() - t
                     if prog.loss is not None:
                         losses[act.micro] = float(outs[act.micro][prog.loss])
+                        if not math.isfinite(losses[act.micro]) and cfg.on_nonfinite == "fail":
+                            raise JobError(f"stage {prog.stage}, step {step}, micro-batch {act.micro}: the loss is "
+                                           f"{losses[act.micro]}; training diverged (lower lr, set grad_clip) or the "
+                                           "data holds values the model cannot take; on_nonfinite='skip' skips such steps")
                     actions += sched.handle(ForwardDone(micro=act.micro))
                 elif isinstance(act, SendActivation):
                     await self._send_acts(step, act.micro, outs.pop(act.micro))
@@ -403,6 +416,8 @@ class StageWorker:
                     await self._send_grads(step, act.micro, backs.pop(act.micro))
                 elif isinstance(act, OptimizerStep):
                     t = time.perf_counter()
+                    if prog.tied:
+                        await self._sum_tied(step)          # tied weights: one logical parameter (TiedParam)
                     if self._outer is None and self.ctx.peers:
                         await self._allreduce_grads(step)   # replicas without CO2: synchronous data parallelism
                     await trio.to_thread.run_sync(self._optimizer_step, step)
@@ -412,6 +427,9 @@ class StageWorker:
             if finished:
                 break
             src, msg = await self._next_message(step)
+            if msg.kind == "tied":
+                self._keep_tied(src, msg)   # a holder that finished its backward first (not a coded tensor)
+                continue
             t_in = _decode(msg)
             if msg.kind == "act":
                 if not has_remote_in:
@@ -434,11 +452,12 @@ class StageWorker:
                                           averaging=self._avg.stats if self._avg is not None else None,
                                           skipped=self._skipped))
 
-    async def _send_acts(self, step: int, micro: int, out: Mapping[str, torch.Tensor], *, dense: bool = False) -> None:
+    async def _send_acts(self, step: int, micro: int, out: Mapping[str, torch.Tensor], *, dense: bool = False,
+                         kind: str = "act") -> None:
         for o in self.prog.send:
             for d in o.dsts:
                 meta, tensors = _encode(out[o.name], 1.0 if dense else self.ctx.rho_out.get(d, 1.0))
-                await self.ctx.links[d].send(TensorMessage(job=self.ctx.job, kind="act", stage=d, step=step,
+                await self.ctx.links[d].send(TensorMessage(job=self.ctx.job, kind=kind, stage=d, step=step,
                                                            micro=micro, name=o.name, meta=meta, tensors=tensors))
 
     async def _send_grads(self, step: int, micro: int, grads: Mapping[str, torch.Tensor]) -> None:
@@ -452,6 +471,53 @@ class StageWorker:
 
     def _rho_in(self, src: int) -> float:
         return self.ctx.rho_out.get(-1 - src, 1.0)   # incoming fences are stored under -1 - src
+
+    def _keep_tied(self, src: int, msg: TensorMessage) -> None:
+        holders = {tp.name: tp.stages for tp in self.prog.tied}
+        if msg.name not in holders or src not in holders[msg.name] or len(msg.tensors) != 2 or msg.meta:
+            raise RemoteProtocolError(f"stage {self.prog.stage}: unexpected tied gradient {msg.name!r} from stage {src}")
+        self._tied_box.setdefault((msg.name, src), (msg.tensors[0], msg.tensors[1]))
+
+    async def _sum_tied(self, step: int) -> None:
+        """Sum the gradients of every tied parameter with its other holders (ascending stage order, the
+        same sum on every holder, see graph/program.py TiedParam). Each message carries the holder's
+        partial gradient and whether all its gradients are finite; a holder that will skip this step
+        makes every holder skip it (the tied gradient turns NaN), so the copies never diverge."""
+        prog, params = self.prog, self.ex.parameters()
+        ok = torch.tensor([1.0 if all_finite([p.grad for p in self._params]) else 0.0])
+        mine: dict[str, torch.Tensor] = {}
+        for tp in prog.tied:
+            p = params[tp.name]
+            mine[tp.name] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for other in tp.stages:
+                if other != prog.stage:
+                    await self.ctx.links[other].send(TensorMessage(job=self.ctx.job, kind="tied", stage=other, step=step,
+                                                                   name=tp.name, tensors=(mine[tp.name], ok)))
+        need = {(tp.name, o) for tp in prog.tied for o in tp.stages if o != prog.stage}
+        while not need <= set(self._tied_box):
+            src, msg = await self._next_message(step)
+            if msg.kind != "tied":
+                raise RemoteProtocolError(f"stage {prog.stage}: {msg.kind!r} message while summing tied gradients")
+            self._keep_tied(src, msg)
+        with torch.no_grad():
+            for tp in prog.tied:
+                p = params[tp.name]
+                parts: list[torch.Tensor | None] = []
+                healthy = True
+                for o in tp.stages:
+                    if o == prog.stage:
+                        parts.append(mine[tp.name])
+                        healthy = healthy and bool(ok.item() == 1.0)
+                        continue
+                    g, flag = self._tied_box.pop((tp.name, o))
+                    if g.shape != p.shape or g.dtype != p.dtype:
+                        raise RemoteProtocolError(f"stage {prog.stage}: tied gradient {tp.name!r} from stage {o} "
+                                                  f"has {tuple(g.shape)} {g.dtype}")
+                    parts.append(g)
+                    healthy = healthy and flag.numel() == 1 and bool(flag.item() == 1.0)
+                total = tied_sum(parts)
+                assert total is not None
+                p.grad = total if healthy else torch.full_like(total, math.nan)
 
     async def _allreduce_grads(self, step: int) -> None:
         """Average parameter gradients with the other replicas of this stage (every step, blocking)."""
@@ -483,7 +549,11 @@ class StageWorker:
             self.ex.zero_grad()
             return
         if cfg.grad_clip is not None and self._params:
-            torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip)
+            # the norm is this stage's; tied copies are clipped by their own norm, the same on every holder
+            tied = {self.ex.parameters()[tp.name] for tp in self.prog.tied}
+            for group in ([p for p in self._params if p not in tied], [p for p in self._params if p in tied]):
+                if group:
+                    torch.nn.utils.clip_grad_norm_(group, cfg.grad_clip)
         lr = cfg.lr_at(step)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -491,26 +561,34 @@ class StageWorker:
         self.ex.zero_grad()
 
     async def _eval_pass(self, step: int) -> None:
-        """Forward only, on the batch after the last one, with the final (consensus) weights."""
+        """Forward only (dropout off) with the weights after *step* steps (at the end: the final,
+        consensus weights), on one step's worth of the held-out examples when the dataset has them,
+        else on the next training batch. Its messages are of kind ``eval``, apart from the training
+        step *step*'s ``act`` messages, which carry the same step tag."""
         prog, ex = self.prog, self.ex
         losses: list[float] = []
         inbox = Inbox(prog)
         for mu in range(self.ctx.config.micro_batches):
-            data = self.ctx.data(self._gstep(step), mu)
+            held = self.ctx.eval_data
+            data = held(0, mu) if held is not None else self.ctx.data(self._gstep(step), mu)
             ready = None
             for r in prog.recv:
                 if r.src == DATA:
                     ready = inbox.put_activation(mu, r.name, data[r.name])
             while ready is None:
-                _, msg = await self._next_message(step)
-                if msg.kind != "act":
-                    raise RemoteProtocolError("only activations flow in the evaluation pass")
+                src, msg = await self._next_message(step)
+                if msg.kind in ("act", "grad", "tied"):
+                    # the next step's messages (its tag is this pass's): a neighbour that finished its
+                    # evaluation first and went on; kept for the training step that reads them
+                    self._deferred.append((src, msg))
+                    continue
+                if msg.kind != "eval":
+                    raise RemoteProtocolError(f"unexpected {msg.kind!r} message in the evaluation pass")
                 ready = inbox.put_activation(msg.micro, msg.name, _decode(msg))
-            out = await trio.to_thread.run_sync(ex.forward, mu, ready)
-            ex.drop(mu)
+            out = await trio.to_thread.run_sync(ex.evaluate, ready)
             if prog.loss is not None:
                 losses.append(float(out[prog.loss]))
-            await self._send_acts(step, mu, out, dense=True)   # evaluate the weights, not the codec
+            await self._send_acts(step, mu, out, dense=True, kind="eval")   # evaluate the weights, not the codec
         loss = sum(losses) / len(losses) if losses else None
         await self.ctx.report(StageReport(step=step, stage=prog.stage, replica=self.ctx.replica, loss=loss,
                                           compute_s=0.0, wall_s=0.0, tokens=0, eval=True))

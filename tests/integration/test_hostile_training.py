@@ -218,3 +218,92 @@ def test_a_skipped_step_is_a_progress_event() -> None:
 
     ev = StepSkipped(job="j", step=3, stage=1, peer="p", reason="stage 1, step 3: non-finite gradients", at=1.0)
     assert decode_event(encode_event(ev)) == ev
+
+
+# ------------------------------------------------------------------------------ tied weights
+class _TiedNet(nn.Module):
+    """l1's weight is read again by the head: after the cut, stage 0 and stage 1 both hold it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 8)
+        self.l2 = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l2(torch.tanh(self.l1(x))))
+        return ((nn.functional.linear(h, self.l1.weight.t()) - x) ** 2).mean() + 0.0 * y.sum()
+
+
+async def _run_tied_stage0(answer: Callable[[TensorMessage, StageProgram], TensorMessage | None]
+                           ) -> tuple[list[StageReport], dict[str, torch.Tensor], BaseException | None]:
+    """Stage 0 of ``_TiedNet`` against a stage 1 that answers gradients and sends ``answer``'s tied message."""
+    torch.manual_seed(0)
+    dag = trace(_TiedNet(), (torch.randn(2, 4), torch.zeros(2)))
+    c = coarsen(dag)
+    p0, p1 = partition(c, stages_from_fences(len(c.units), [1]))
+    assert p0.tied and p0.tied[0].stages == (0, 1)
+    a, b = memory_channel_pair("s0", "s1", window=64)
+    reports: list[StageReport] = []
+
+    def data(step: int, micro: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(step * 10 + micro)
+        return {r.name: torch.randn(2, 4, generator=g) if r.meta.shape == (2, 4) else torch.zeros(2)
+                for r in p0.recv}
+
+    async def report(rep: StageReport) -> None:
+        reports.append(rep)
+
+    async def stage1() -> None:
+        sent: set[int] = set()
+        while True:
+            msg = await b.receive()
+            if msg.kind == "act":
+                await b.send(TensorMessage(job="j", kind="grad", stage=0, step=msg.step, micro=msg.micro,
+                                           name=msg.name, tensors=(torch.full_like(msg.tensors[0], 0.01),)))
+            if msg.kind in ("act", "tied") and msg.step not in sent and msg.step < 3:
+                sent.add(msg.step)
+                tied = answer(msg, p1)
+                if tied is not None:
+                    await b.send(tied)
+
+    ex = StageExecutor(p0)
+    ctx = StageContext(job="j", executor=ex, config=TrainConfig(steps=3, micro_batch=2, micro_batches=2, lr=0.1),
+                       replica=0, replicas=1, links={1: a}, data=data, tokens_per_micro=2, report=report,
+                       recv_timeout=10.0)
+    err: BaseException | None = None
+    try:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(stage1)
+                await StageWorker(ctx).run()
+                n.cancel_scope.cancel()
+    except Exception as exc:
+        err = exc
+    return reports, {k: v.detach().clone() for k, v in ex.parameters().items()}, err
+
+
+def _tied(msg: TensorMessage, p1: StageProgram, grad: torch.Tensor | None = None, ok: float = 1.0) -> TensorMessage:
+    name = p1.tied[0].name
+    shape = next(s.meta.shape for s in p1.inputs if s.name == name)
+    g = torch.full(shape, 0.01) if grad is None else grad
+    return TensorMessage(job="j", kind="tied", stage=0, step=msg.step, name=name, tensors=(g, torch.tensor([ok])))
+
+
+def test_tied_gradient_of_the_wrong_shape_is_a_protocol_error() -> None:
+    _, _, err = trio.run(_run_tied_stage0, lambda m, p1: _tied(m, p1, grad=torch.zeros(3)))
+    assert err is not None
+    msgs = [str(e) for e in leaf_errors(err) if isinstance(e, RemoteProtocolError)]
+    assert msgs and "tied gradient" in msgs[0], [str(e) for e in leaf_errors(err)]
+
+
+def test_a_non_finite_tied_gradient_or_a_skipping_holder_skips_the_step_everywhere() -> None:
+    def answer(m: TensorMessage, p1: StageProgram) -> TensorMessage:
+        if m.step == 0:
+            return _tied(m, p1, grad=torch.full((8, 4), NAN))
+        return _tied(m, p1, ok=0.0 if m.step == 1 else 1.0)    # step 1: the holder itself will skip
+
+    reports, params, err = trio.run(_run_tied_stage0, answer)
+    assert err is None
+    skipped = {r.step: r.skipped for r in reports if not r.eval}
+    assert skipped[0] and skipped[1] and not skipped[2]
+    assert all(bool(torch.isfinite(p).all()) for p in params.values())

@@ -155,15 +155,43 @@ def test_backward_assignment_is_rejected(skipnet: tuple[SkipNet, OpDAG, list[dic
         stages_from_fences(n, [0])
 
 
-def test_tied_weights_across_stages_are_refused() -> None:
+@pytest.mark.parametrize("fences", [[2], [1, 3]])
+def test_tied_weights_across_stages_train_as_one_parameter(fences: list[int]) -> None:
+    """GPT-2's tied wte/lm_head on the first and last stage: each holds a copy, the copies' gradients
+    are summed, and five SGD steps of the pipeline equal five of the single-process model."""
+    torch.manual_seed(3)
     m = GPT2(GPT2Config.tiny(n_layer=2, n_embd=32))
     m.head.lm_head.weight = m.embed.wte.weight
-    idx = torch.randint(0, 256, (1, 8))
-    dag = trace(m, (idx, idx.clone()), count_flops=False)
+    micro = [{"idx": torch.randint(0, 256, (2, 8)), "tgt": torch.randint(0, 256, (2, 8))} for _ in range(3)]
+    dag = trace(m, tuple(micro[0].values()), count_flops=False)
+    micro = [dict(zip(dag.data_inputs, mb.values())) for mb in micro]
     coarse = coarsen(dag)
-    with pytest.raises(ConfigError, match="tied"):
-        partition(coarse, stages_from_fences(len(coarse.units), [2]))
-    assert len(partition(coarse, [0] * len(coarse.units))) == 1
+    programs = partition(coarse, stages_from_fences(len(coarse.units), fences))
+    (tied,) = {t for p in programs for t in p.tied}
+    assert tied.stages == (0, len(programs) - 1)
+    assert all(tied.name in programs[s].param_names for s in tied.stages)
+    assert programs[-1].peer_stages[0] == 0 or 0 in programs[-1].peer_stages
+    own = dict(m.named_parameters())
+
+    def by_model_name(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {next(a for a in dag.module_names[k] if a in own): v for k, v in values.items()}
+
+    pipe = LocalPipeline(programs)
+    opt = torch.optim.SGD(pipe.all_parameters(), lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+    for _ in range(5):
+        ref_losses, ref = reference(m, micro)
+        pipe.zero_grad()
+        losses = pipe.step(micro)
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert max_rel_err(by_model_name({n: p.grad for n, p in pipe.parameters().items() if p.grad is not None}), ref) <= 1e-5  # type: ignore[misc]
+        opt.step()
+        ref_opt.step()
+    copies = [pipe.executors[s].parameters()[tied.name] for s in tied.stages]
+    assert torch.equal(copies[0], copies[1])     # the copies never drift apart
+    final = by_model_name({n: p.detach() for n, p in pipe.parameters().items()})
+    assert max_rel_err(final, {n: p.detach() for n, p in own.items()}) <= 1e-5
+    assert torch.allclose(copies[0], m.embed.wte.weight, rtol=1e-5, atol=1e-6)
 
 
 def test_inbox_and_executor_guard_boundary_messages(

@@ -83,12 +83,16 @@ def test_resume_picks_latest_complete_step(tmp_path: Path) -> None:
     assert set(assemble(tmp_path, "job1", 5)) == set(model.state_dict())
 
 
-def test_duplicate_parameter_across_stages_is_an_error(tmp_path: Path) -> None:
-    t = {"w": torch.ones(2)}
-    save_stage(tmp_path, meta(0, 1), t)
-    save_stage(tmp_path, meta(1, 1), t)
+def test_tensor_in_two_stages_must_be_equal(tmp_path: Path) -> None:
+    """A tied parameter's copies (and a buffer copied to two stages) are one tensor in the download;
+    copies that differ are an error."""
+    save_stage(tmp_path, meta(0, 1), {"w": torch.ones(2)})
+    save_stage(tmp_path, meta(1, 1), {"w": torch.ones(2), "b": torch.zeros(1)})
+    assert set(assemble(tmp_path, "job1", 1)) == {"w", "b"}
+    save_stage(tmp_path, meta(1, 2), {"w": torch.ones(2)})
+    save_stage(tmp_path, meta(0, 2), {"w": torch.zeros(2)})
     with pytest.raises(CheckpointError, match="two stages"):
-        assemble(tmp_path, "job1", 1)
+        assemble(tmp_path, "job1", 2)
 
 
 def test_metadata_and_validation(tmp_path: Path) -> None:
