@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from fusionp2p.errors import ConfigError, RemoteProtocolError
+from fusionp2p.plan import Plan
 from fusionp2p.wire.limits import DEFAULT_LIMITS
 from fusionp2p.wire.msg import expect_map, packb, unpackb
 
 # Field kinds understood by the decoder: validated before a dataclass is built from peer data.
-_STR, _INT, _FLOAT, _OPT_FLOAT, _STRS, _INTS = "str", "int", "float", "float?", "strs", "ints"
+_STR, _INT, _FLOAT, _OPT_FLOAT, _STRS, _INTS, _FLOATS = "str", "int", "float", "float?", "strs", "ints", "floats"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,16 +51,52 @@ class StepProgress:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanChanged:
-    """A new plan was adopted: ``stages[i]`` lists the peers serving stage i (its replicas)."""
+    """A new plan was adopted: ``stages[i]`` lists the peers serving stage i (its replicas).
+
+    Per fence (between stage i and i+1) what the planner chose and why: ``rho`` the AdaTopK kept ratio
+    (1.0 = dense), ``link_bps`` the bandwidth of the link it was chosen for (bytes/s, the replica pairs
+    together), ``fence_s`` / ``dense_s`` the predicted seconds per micro-batch with / without that ratio;
+    ``step_s`` the predicted step time and ``how`` the layout that won (``fusionp2p.plan.joint``).
+    """
 
     KIND: ClassVar[str] = "plan"
-    SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "epoch": _INT, "plan_hash": _STR, "stage_sizes": _INTS, "members": _STRS, "at": _FLOAT}
+    SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "epoch": _INT, "plan_hash": _STR, "stage_sizes": _INTS, "members": _STRS,
+                                        "at": _FLOAT, "rho": _FLOATS, "link_bps": _FLOATS, "fence_s": _FLOATS,
+                                        "dense_s": _FLOATS, "step_s": _FLOAT, "how": _STR}
     job: str
     epoch: int
     plan_hash: str
     stage_sizes: tuple[int, ...] = ()   # replicas per stage
     members: tuple[str, ...] = ()       # peers in stage order, replicas adjacent
     at: float = 0.0
+    rho: tuple[float, ...] = ()         # per fence
+    link_bps: tuple[float, ...] = ()
+    fence_s: tuple[float, ...] = ()
+    dense_s: tuple[float, ...] = ()
+    step_s: float = 0.0
+    how: str = ""
+
+    @classmethod
+    def of(cls, plan: Plan, *, at: float) -> PlanChanged:
+        """The event of an adopted *plan*."""
+        fs = plan.fences
+        return cls(job=plan.job, epoch=plan.epoch, plan_hash=plan.plan_hash(),
+                   stage_sizes=tuple(len(s.replicas) for s in plan.stages),
+                   members=tuple(p for s in plan.stages for p in s.replicas), at=at,
+                   rho=tuple(f.rho for f in fs), link_bps=tuple(f.bandwidth_bps for f in fs),
+                   fence_s=tuple(f.time_s for f in fs), dense_s=tuple(f.dense_time_s for f in fs),
+                   step_s=plan.step_time_s, how=plan.how)
+
+    def describe(self) -> str:
+        """One line per fence: ``fence 0: kept 0.027 on 4.0 MB/s (0.282 s -> 0.034 s per micro-batch)``."""
+        lines = []
+        for k, rho in enumerate(self.rho):
+            bw = f" on {self.link_bps[k] / 1e6:,.1f} MB/s" if k < len(self.link_bps) and self.link_bps[k] > 0 else ""
+            t = (f" ({self.dense_s[k]:.3g} s -> {self.fence_s[k]:.3g} s per micro-batch)"
+                 if k < min(len(self.dense_s), len(self.fence_s)) else "")
+            what = "dense" if rho >= 1.0 else f"AdaTopK keeps {rho:.4g}"
+            lines.append(f"fence {k}: {what}{bw}{t}")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,6 +178,10 @@ def _check(kind: str, name: str, v: Any) -> Any:
         if ok:
             v = float(v)
             ok = not math.isnan(v) or name == "loss"  # a diverged loss is news, not an attack
+    elif kind == _FLOATS:
+        ok = isinstance(v, list) and len(v) <= _MAX_LIST and all(
+            isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in v)
+        v = tuple(float(x) for x in v) if ok else v
     elif kind == _STRS:
         ok = isinstance(v, list) and len(v) <= _MAX_LIST and all(isinstance(s, str) and len(s) <= 256 for s in v)
         v = tuple(v) if ok else v
