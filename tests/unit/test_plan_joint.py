@@ -39,8 +39,8 @@ def test_sites_hold_pipelines_when_averaging_is_cheap() -> None:
     dense) and the replicas average across the slow link."""
     plan = plan_joint(chain(8, act=4_000_000, params=200_000), two_sites(), PlannerConfig(micro_batches=4), replicas=2)
     assert plan.how == "pipeline-major"
-    for st in plan.stages:
-        assert {int(p[-3:]) < 2 for p in st.replicas} == {True, False}, "one replica per site"
+    for stage in plan.stages:
+        assert {int(p[-3:]) < 2 for p in stage.replicas} == {True, False}, "one replica per site"
     assert all(f.rho == 1.0 and f.bandwidth_bps > FAST for f in plan.fences)
 
 
