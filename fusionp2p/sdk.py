@@ -26,13 +26,14 @@ and connects to it the same way: one job path, embedded or real (docs/sdk.md).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
@@ -46,7 +47,7 @@ from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable
 from fusionp2p.jobs.build import BuiltJob, Dataset, LossFn, build_job, module_state, save_module_state
 from fusionp2p.jobs.checkpoint import assemble, latest_complete_step
 from fusionp2p.jobs.content import ContentService, ContentStore
-from fusionp2p.jobs.embedded import EmbeddedConfig, EmbeddedSwarm, open_embedded_swarm
+from fusionp2p.jobs.embedded import EmbeddedConfig, EmbeddedSwarm, LinkRate, open_embedded_swarm, sites
 from fusionp2p.jobs.events import EvalProgress, JobStateChanged, MetricsWriter, ProgressEvent, StepProgress
 from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.publisher import JobDriver, Publisher, discover, read_index, read_spec
@@ -199,11 +200,20 @@ class Swarm:
 
     @classmethod
     def local(cls, n_nodes: int = 4, *, profiles: list[DeviceProfile] | None = None,
-              home: str | os.PathLike[str] | None = None, config: EmbeddedConfig | None = None) -> Swarm:
+              home: str | os.PathLike[str] | None = None, config: EmbeddedConfig | None = None,
+              links: Mapping[tuple[int, int], LinkRate] | None = None) -> Swarm:
         """Start an embedded swarm of *n_nodes* nodes (real node services, in-memory transport) in a
-        background thread, and connect to it."""
+        background thread, and connect to it.
+
+        *links* emulates link rates between nodes on this machine, ``{(i, j): rate}`` by node index in
+        bytes/s or as ``"20mbit"`` (``sites([2, 2], between="20mbit")`` builds two sites): the nodes
+        measure them with their probes, the planner plans with them, and the data plane moves at them."""
         if n_nodes < 1:
             raise ValueError("a swarm needs at least one node")
+        if links:
+            if any(i >= n_nodes or j >= n_nodes for i, j in links):
+                raise ValueError(f"links name a node index outside 0..{n_nodes - 1}")
+            config = dataclasses.replace(config or EmbeddedConfig(), links=dict(links))
         profiles = profiles or [LOCAL_PROFILE] * n_nodes
         if len(profiles) != n_nodes:
             raise ValueError("give one DeviceProfile per node")
@@ -418,7 +428,7 @@ class Swarm:
         self.close()
 
 
-__all__ = ["Job", "Swarm"]
+__all__ = ["Job", "Swarm", "sites"]
 
 
 def _root_error(exc: BaseException) -> BaseException:

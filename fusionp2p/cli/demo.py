@@ -6,14 +6,18 @@ What it does, in order:
    terminated on exit and on Ctrl-C; :class:`~fusionp2p.cli.cluster.LocalCluster`);
 2. connects to it with ``Swarm.connect`` (a libp2p client in a background thread) and waits, with a
    deadline, until the bootstrap's view lists every node;
-3. publishes a small GPT-2 on the built-in byte-level pydoc corpus: 2 stages x ``nodes // 2``
-   replicas, CO2 averaging between replicas, AdaTopK on the stage link; the nodes verify the signed
+3. publishes a small GPT-2 on the built-in byte-level pydoc corpus: at most ``nodes // 2`` replicas
+   per stage, CO2 averaging between replicas, AdaTopK on links the plan finds slow (prints the plan:
+   stages, replicas, and per fence the link and the kept ratio); the nodes verify the signed
    job, fetch the model and weights by hash from this process, elect the plan over gossip, and train
    over the encrypted data plane;
 4. shows live progress (rich), then the loss at the start and the end and the throughput, downloads
    the stage checkpoints by hash, saves ``<out>/model.safetensors``, and shuts the swarm down.
 
-``embedded=True`` runs the same job on ``Swarm.local`` (one process, in-memory transport) instead.
+``embedded=True`` runs the same job on ``Swarm.local`` (one process, in-memory transport) instead;
+``wan="16mbit"`` (``fusionp2p demo --wan 16mbit``) runs it there on two emulated sites joined by links
+of that rate (``Swarm.local(links=sites(...))``): the nodes measure them, and the plan printed at the
+start shows its fences, the link each crosses, and the AdaTopK ratio chosen for it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from rich.console import Console
 from fusionp2p.cli.progress import follow_and_download
 from fusionp2p.data import BuiltinCorpus
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
-from fusionp2p.sdk import Swarm
+from fusionp2p.sdk import Swarm, sites
 from fusionp2p.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -61,8 +65,8 @@ def _train(swarm: Swarm, steps: int, nodes: int, out: Path, console: Console) ->
 
 
 def run_demo(nodes: int = 4, steps: int = 60, out: Path = Path("out/demo"), *, embedded: bool = False,
-             home: Path | None = None) -> int:
-    """Run the demo; 0 on success."""
+             home: Path | None = None, wan: str | None = None) -> int:
+    """Run the demo; 0 on success. *wan*: emulate two sites joined by links of that rate (embedded)."""
     from fusionp2p.cli.cluster import LocalCluster, wait_until
 
     console = Console()
@@ -70,7 +74,13 @@ def run_demo(nodes: int = 4, steps: int = 60, out: Path = Path("out/demo"), *, e
     console.print(f"[bold]fusionp2p demo[/]: {nodes} nodes, GPT-2 ({demo_model().num_params():,} params), "
                   f"{steps} steps on the built-in pydoc corpus")
     t0 = time.perf_counter()
-    if embedded:
+    if wan is not None:
+        half = nodes // 2
+        console.print(f"two emulated sites of {half} and {nodes - half} nodes joined by {wan} links; "
+                      "the nodes measure them before the job is planned")
+        with Swarm.local(n_nodes=nodes, links=sites([half, nodes - half], between=wan)) as swarm:
+            rc = _train(swarm, steps, nodes, out, console)
+    elif embedded:
         with Swarm.local(n_nodes=nodes) as swarm:
             rc = _train(swarm, steps, nodes, out, console)
     else:

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--nodes", type=int, default=4)
     d.add_argument("--steps", type=int, default=60)
     d.add_argument("--out", default="out/demo", help="where the trained model is saved")
+    d.add_argument("--wan", default=None, metavar="RATE",
+                   help="emulate two sites joined by links of RATE (e.g. 16mbit) on an embedded swarm: the plan "
+                        "shows AdaTopK compressing the fence that crosses them")
     _common(d)
 
     j = sub.add_parser("job", help="submit, list, follow, download and cancel training jobs")
@@ -173,7 +176,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from fusionp2p.cli.demo import run_demo
 
         setup_logging(args.log_level, None)
-        return run_demo(nodes=args.nodes, steps=args.steps, out=Path(args.out))
+        return run_demo(nodes=args.nodes, steps=args.steps, out=Path(args.out), wan=args.wan)
     if cmd == "job":
         from fusionp2p.cli.job import cli_job
 

@@ -58,8 +58,11 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
         task = bar.add_task("training", total=steps, info="")
         for ev in job.events(timeout=timeout):
             if isinstance(ev, PlanChanged):
-                bar.console.print(f"plan {ev.plan_hash[:12]}: replicas per stage {ev.stage_sizes} "
-                                  f"on {len(set(ev.members))} nodes")
+                bar.console.print(f"plan {ev.plan_hash[:12]}: {len(ev.stage_sizes)} stages, replicas per stage "
+                                  f"{ev.stage_sizes} on {len(set(ev.members))} nodes"
+                                  + (f" ({ev.how}, predicted {ev.step_s:.3g} s per step)" if ev.how else ""))
+                if ev.rho:
+                    bar.console.print(ev.describe())
             elif isinstance(ev, JobStateChanged):
                 bar.console.print(f"job {ev.state}" + (f": {ev.reason}" if ev.reason and ev.state != "planned" else ""))
                 if ev.state == "running":

@@ -5,7 +5,8 @@
 * :class:`NodeJobs` (every node): verify a signed envelope, fetch the DAG, weights and data by hash
   through :class:`ContentService` (every blob checked against its hash), decide whether the node fits.
 * :func:`choose_plan`: the deterministic plan of a job for a member set (same on every node, so the
-  election is a comparison of hashes); ``TrainConfig.replicas`` pins ``R`` replicas per stage.
+  election is a comparison of hashes): stages, replicas and AdaTopK ratios chosen together from the
+  links; ``TrainConfig.replicas`` is a hint and a bound for the replica count.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from fusionp2p.jobs.spec import (
     prepare_dataset,
     sign_spec,
 )
-from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, make_plan, plan_even_flops
+from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, plan_joint
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.dag import decode_dag, encode_dag
@@ -300,39 +301,32 @@ class NodeJobs:
         return await self.content.fetch(h, max_size=max_size)
 
 
+def planner_config(cfg: TrainConfig) -> PlannerConfig:
+    """The planner's cost model for a job: its micro-batches, compression, AdaTopK floor and averaging period
+    (per-step gradient all-reduce without CO2: one step)."""
+    comp, co2 = cfg.adatopk, cfg.co2
+    return PlannerConfig(micro_batches=cfg.micro_batches, compression=comp is not None,
+                         rho_min=comp.rho_min if comp is not None else PlannerConfig().rho_min,
+                         co2_tau=co2.tau if co2 is not None else 1)
+
+
 def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile], *,
                 links: Mapping[tuple[str, str], Link] | None = None, epoch: int = 0) -> Plan:
     """The job's plan for *members*: a pure function, identical on every node.
 
-    With ``config.replicas = R``: ``len(members) // R`` stages balanced by OP-Fence's compute model over the
-    first peers, and ``R`` replicas each (peers in sorted order, stage-major). Otherwise OP-Fence
-    decides stages and replicas; replica counts are then trimmed to the smallest one, because a
-    replica of one stage talks to exactly one replica of each other stage (pipeline ``r``).
+    Stages, replicas per stage and AdaTopK ratios are chosen together from the links
+    (:func:`~fusionp2p.plan.joint.plan_joint`); ``config.replicas`` is the hint and the upper bound of
+    the replica count, never an off switch for OP-Fence or compression. Without any measured link (an
+    embedded swarm without emulated links) every pair counts as 1 GB/s, 0.1 ms; once some are measured,
+    a pair without a figure counts as ``PlannerConfig.missing_link`` (slow, so that it is avoided).
     """
     cfg = spec.config
     peers = sorted(members)
     wl = to_workload(coarsen(dag), micro_batch=cfg.micro_batch)
-    pcfg = PlannerConfig(micro_batches=cfg.micro_batches, compression=cfg.adatopk is not None)
     fast = Link(bandwidth_bps=1e9, latency_s=1e-4)
-    all_links = dict(links) if links is not None else {(a, b): fast for i, a in enumerate(peers) for b in peers[i + 1:]}
-    if cfg.replicas is not None:
-        r = cfg.replicas
-        s = len(peers) // r
-        if s < 1:
-            raise PlanError(f"job {spec.job_id}: {r} replicas need at least {r} nodes, {len(peers)} accepted")
-        s = min(s, len(wl.units))
-        heads = peers[:s]
-        snap = Snapshot(job=spec.job_id, epoch=epoch, members={p: members[p] for p in heads},
-                        links={k: v for k, v in all_links.items() if k[0] in heads and k[1] in heads})
-        base = plan_even_flops(wl, snap, pcfg, seed=cfg.seed) if s > 1 else make_plan(
-            wl, snap, dataclasses.replace(pcfg, replicas=False), seed=cfg.seed)
-        stages = tuple(dataclasses.replace(st, replicas=tuple(peers[k * r:(k + 1) * r]))
-                       for k, st in enumerate(base.stages))
-        return dataclasses.replace(base, stages=stages)
+    all_links = dict(links) if links else {(a, b): fast for i, a in enumerate(peers) for b in peers[i + 1:]}
     snap = Snapshot(job=spec.job_id, epoch=epoch, members=dict(members), links=all_links)
-    plan = make_plan(wl, snap, pcfg, seed=cfg.seed)
-    r = min(len(st.replicas) for st in plan.stages)
-    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, replicas=st.replicas[:r]) for st in plan.stages))
+    return plan_joint(wl, snap, planner_config(cfg), replicas=cfg.replicas, seed=cfg.seed)
 
 
 def plan_for_snapshot(spec: JobSpec, dag: OpDAG, snap: Snapshot, *, previous: Plan | None = None) -> Plan:
@@ -444,5 +438,5 @@ def save_module_state(path: Path, state: Mapping[str, torch.Tensor]) -> Path:
     return path
 
 
-__all__ = ["AcceptedJob", "BuiltJob", "NodeJobs", "as_dataset", "build_job", "choose_plan", "data_fn", "eval_data_fn", "module_state",
-           "plan_for_snapshot", "save_module_state", "stage_programs", "trace_job"]
+__all__ = ["AcceptedJob", "BuiltJob", "NodeJobs", "as_dataset", "build_job", "choose_plan", "data_fn", "eval_data_fn",
+           "module_state", "plan_for_snapshot", "planner_config", "save_module_state", "stage_programs", "trace_job"]

@@ -8,6 +8,12 @@ plus a :class:`~fusionp2p.jobs.publisher.Publisher`, the same one ``Swarm.connec
 embedded and the real swarm run one job path (tests/integration/test_job_conformance.py runs the
 same checks against both).
 
+With ``links`` (``EmbeddedConfig.links``: node index pairs -> rate) the swarm emulates a WAN on one
+machine (``net/shaping.py``): the in-memory transport and the TCP data plane between those nodes move at
+the given rates, the nodes probe their links as they would on a WAN (so the planner sees the measured
+rates and AdaTopK compresses the slow fences), and ``open_embedded_swarm`` returns once every pair is
+measured. Rates only: latency is not emulated.
+
 Nodes can be stopped individually: :meth:`EmbeddedSwarm.kill` makes one vanish at once (its streams
 break, its tasks are cancelled, like a SIGKILL), :meth:`EmbeddedSwarm.leave` makes it announce its
 departure first (like SIGTERM), and :meth:`EmbeddedSwarm.add_node` starts another one (a joiner,
@@ -16,8 +22,9 @@ or a restart under the same identity).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,28 +36,70 @@ from fusionp2p.errors import ConfigError
 from fusionp2p.jobs.node import NodeJobConfig, NodeJobService
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.memory import MemoryNetwork, MemoryTransport, memory_network
+from fusionp2p.net.shaping import LinkEmulator
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
+from fusionp2p.testbed.netns import parse_rate
 from fusionp2p.types import DeviceProfile
 
 log = logging.getLogger(__name__)
 
 
+LinkRate = float | str    # bytes/s, or a tc-style rate such as "20mbit" (bits/s)
+
+
+def link_rate(rate: LinkRate) -> float:
+    """*rate* in bytes/s: a number of bytes/s, or a string such as ``"20mbit"`` or ``"1gbit"``."""
+    if isinstance(rate, str):
+        return parse_rate(rate) / 8.0
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0 or rate == float("inf"):
+        raise ConfigError(f"a link rate is a positive number of bytes/s or a string such as '20mbit', got {rate!r}")
+    return float(rate)
+
+
+def sites(sizes: Sequence[int], *, between: LinkRate, inside: LinkRate | None = None) -> dict[tuple[int, int], float]:
+    """Links of nodes grouped into sites: ``sites([2, 2], between="20mbit")`` puts nodes 0-1 and 2-3 in two
+    sites joined by 20 Mbit/s links (``inside``: the rate within a site; None leaves it unshaped)."""
+    site = [k for k, n in enumerate(sizes) for _ in range(n)]
+    out: dict[tuple[int, int], float] = {}
+    for i in range(len(site)):
+        for j in range(i + 1, len(site)):
+            if site[i] != site[j]:
+                out[(i, j)] = link_rate(between)
+            elif inside is not None:
+                out[(i, j)] = link_rate(inside)
+    return out
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EmbeddedConfig:
-    """Settings of an embedded swarm (fast heartbeats: everything is in one process)."""
+    """Settings of an embedded swarm (fast heartbeats: everything is in one process).
+
+    ``links``: emulated rates between nodes, ``{(i, j): rate}`` by node index (bytes/s or ``"20mbit"``;
+    :func:`sites` builds a two-level WAN); pairs not listed are not shaped. With links the nodes probe.
+    """
 
     heartbeat: float = 0.25
     dead_timeout: float = 5.0          # training shares the process: a busy event loop must not look dead
-    probing: bool = False              # links are not measured on the in-memory transport
+    probing: bool = False              # links are not measured on the in-memory transport (unless emulated)
     jobs: NodeJobConfig = field(default_factory=NodeJobConfig)
     join_timeout: float = 30.0         # every node seen alive by the bootstrap within this
+    links: Mapping[tuple[int, int], LinkRate] = field(default_factory=dict)
+    links_timeout: float = 60.0        # every pair of nodes measured within this (with links)
 
     def __post_init__(self) -> None:
-        if not (0 < self.heartbeat < self.dead_timeout) or self.join_timeout <= 0:
-            raise ConfigError("EmbeddedConfig: need 0 < heartbeat < dead_timeout and a positive join_timeout")
+        if not (0 < self.heartbeat < self.dead_timeout) or self.join_timeout <= 0 or self.links_timeout <= 0:
+            raise ConfigError("EmbeddedConfig: need 0 < heartbeat < dead_timeout and positive join and links timeouts")
+        norm: dict[tuple[int, int], float] = {}
+        for pair, rate in dict(self.links).items():
+            if (not isinstance(pair, tuple) or len(pair) != 2 or not all(isinstance(i, int) and i >= 0 for i in pair)
+                    or pair[0] == pair[1]):
+                raise ConfigError(f"links: {pair!r} is not a pair of two different node indices (i, j)")
+            norm[(min(pair), max(pair))] = link_rate(rate)
+        object.__setattr__(self, "links", norm)
 
     def swarm(self, role: str = "node") -> SwarmConfig:
-        return SwarmConfig(role=role, heartbeat=self.heartbeat, dead_timeout=self.dead_timeout, probing=self.probing)
+        return SwarmConfig(role=role, heartbeat=self.heartbeat, dead_timeout=self.dead_timeout,
+                           probing=self.probing or bool(self.links))
 
 
 @dataclass
@@ -80,6 +129,13 @@ class EmbeddedSwarm:
         self.config = config
         self.nodes: list[EmbeddedNode] = []
         self._nursery = nursery
+        self.emulator: LinkEmulator | None = None
+        self._peer_of: dict[int, str] = {}
+        if config.links:
+            self.emulator = net.emulator = LinkEmulator()
+            config = dataclasses.replace(config, jobs=dataclasses.replace(
+                config.jobs, data_plane=dataclasses.replace(config.jobs.data_plane, emulator=self.emulator)))
+            self.config = config
 
     @property
     def bootstrap_addr(self) -> str:
@@ -101,6 +157,7 @@ class EmbeddedSwarm:
     async def _run_node(self, index: int, profile: DeviceProfile, identity: Identity | None, *,
                         task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         identity = identity or Identity.generate()
+        self._shape(index, identity.peer_id)
         transport = self.net.add_host(identity)
         swarm = SwarmNode(transport, self.config.swarm(), profile)
         stopped = trio.Event()
@@ -114,6 +171,27 @@ class EmbeddedSwarm:
                                                      scope=scope, stopped=stopped))
         finally:
             stopped.set()
+
+    def _shape(self, index: int, peer: str) -> None:
+        """Emulate the links of node *index* (now *peer*) to the nodes started before it."""
+        self._peer_of[index] = peer
+        if self.emulator is None:
+            return
+        for (i, j), rate in self.config.links.items():
+            other = j if i == index else i if j == index else None
+            if other is not None and other in self._peer_of:
+                self.emulator.set_rate(peer, self._peer_of[other], float(rate))
+
+    async def wait_links(self, timeout: float | None = None) -> None:
+        """Until the bootstrap holds a measured figure for every pair of live nodes (TooSlowError after
+        *timeout*): a job published before would be planned with unmeasured links."""
+        peers = [n.peer_id for n in self.alive()]
+        boot = self.bootstrap
+
+        def measured() -> bool:
+            return all(boot.bandwidth.direct(a, b) is not None for i, a in enumerate(peers) for b in peers[i + 1:])
+
+        await boot.wait_until(measured, self.config.links_timeout if timeout is None else timeout)
 
     def kill(self, node: EmbeddedNode) -> None:
         """Stop *node* at once, without a goodbye (its peers see it go silent, like a SIGKILL)."""
@@ -146,10 +224,12 @@ async def open_embedded_swarm(profiles: Sequence[DeviceProfile], home: str | Pat
         for prof in profiles:
             await emb.add_node(prof)
         await emb.wait_members(len(profiles))
+        if cfg.links:
+            await emb.wait_links()
         try:
             yield emb
         finally:
             nursery.cancel_scope.cancel()
 
 
-__all__ = ["EmbeddedConfig", "EmbeddedNode", "EmbeddedSwarm", "open_embedded_swarm"]
+__all__ = ["EmbeddedConfig", "EmbeddedNode", "EmbeddedSwarm", "LinkRate", "link_rate", "open_embedded_swarm", "sites"]

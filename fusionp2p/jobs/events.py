@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from fusionp2p.errors import ConfigError, RemoteProtocolError
+from fusionp2p.plan import Plan
 from fusionp2p.wire import codec
 from fusionp2p.wire.check import as_map, as_str
 from fusionp2p.wire.limits import DEFAULT_LIMITS
@@ -49,7 +50,13 @@ class StepProgress:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanChanged:
-    """A new plan was adopted: ``stages[i]`` lists the peers serving stage i (its replicas)."""
+    """A new plan was adopted: ``stages[i]`` lists the peers serving stage i (its replicas).
+
+    Per fence (between stage i and i+1) what the planner chose and why: ``rho`` the AdaTopK kept ratio
+    (1.0 = dense), ``link_bps`` the bandwidth of the link it was chosen for (bytes/s, the replica pairs
+    together), ``fence_s`` / ``dense_s`` the predicted seconds per micro-batch with / without that ratio;
+    ``step_s`` the predicted step time and ``how`` the layout that won (``fusionp2p.plan.joint``).
+    """
 
     KIND: ClassVar[str] = "plan"
     job: str
@@ -58,6 +65,34 @@ class PlanChanged:
     stage_sizes: tuple[int, ...] = field(default=(), metadata=_PEERS)   # replicas per stage
     members: tuple[str, ...] = field(default=(), metadata=_PEERS)       # peers in stage order, replicas adjacent
     at: float = 0.0
+    rho: tuple[float, ...] = field(default=(), metadata=_PEERS)         # per fence
+    link_bps: tuple[float, ...] = field(default=(), metadata=_PEERS)
+    fence_s: tuple[float, ...] = field(default=(), metadata=_PEERS)
+    dense_s: tuple[float, ...] = field(default=(), metadata=_PEERS)
+    step_s: float = 0.0
+    how: str = field(default="", metadata={"wire": {"max_len": 64}})
+
+    @classmethod
+    def of(cls, plan: Plan, *, at: float) -> PlanChanged:
+        """The event of an adopted *plan*."""
+        fs = plan.fences
+        return cls(job=plan.job, epoch=plan.epoch, plan_hash=plan.plan_hash(),
+                   stage_sizes=tuple(len(s.replicas) for s in plan.stages),
+                   members=tuple(p for s in plan.stages for p in s.replicas), at=at,
+                   rho=tuple(f.rho for f in fs), link_bps=tuple(f.bandwidth_bps for f in fs),
+                   fence_s=tuple(f.time_s for f in fs), dense_s=tuple(f.dense_time_s for f in fs),
+                   step_s=plan.step_time_s, how=plan.how)
+
+    def describe(self) -> str:
+        """One line per fence: ``fence 0: kept 0.027 on 4.0 MB/s (0.282 s -> 0.034 s per micro-batch)``."""
+        lines = []
+        for k, rho in enumerate(self.rho):
+            bw = f" on {self.link_bps[k] / 1e6:,.1f} MB/s" if k < len(self.link_bps) and self.link_bps[k] > 0 else ""
+            t = (f" ({self.dense_s[k]:.3g} s -> {self.fence_s[k]:.3g} s per micro-batch)"
+                 if k < min(len(self.dense_s), len(self.fence_s)) else "")
+            what = "dense" if rho >= 1.0 else f"AdaTopK keeps {rho:.4g}"
+            lines.append(f"fence {k}: {what}{bw}{t}")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -242,9 +242,7 @@ class JobDriver:
         snap = snapshot_from_records(self.job, 0, accepted.items(), view.links)
         plan = plan_for_snapshot(built.spec, built.dag, snap)
         self._state(JobState.PLANNED, plan.plan_hash())
-        self._on_plan(PlanChanged(job=self.job, epoch=plan.epoch, plan_hash=plan.plan_hash(),
-                                  stage_sizes=tuple(len(s.replicas) for s in plan.stages),
-                                  members=tuple(p for s in plan.stages for p in s.replicas), at=time.time()))
+        self._on_plan(PlanChanged.of(plan, at=time.time()))
         start = {"op": "start", "job": self.job, "snapshot": snap.to_wire(),
                  "resume": Resume(step=0, sources=()).to_wire()}
         failures: list[str] = []

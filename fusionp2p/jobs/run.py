@@ -337,10 +337,7 @@ class JobRun:
         known = sorted(set(plan.peers) & set(req.previous.peers)) if req.previous is not None else []
         if (known or sorted(plan.peers))[0] == self.me:
             self.svc.nursery.start_soon(self._put_status, self._status(JobState.RUNNING, plan))
-            self.svc.nursery.start_soon(self._gossip, PlanChanged(
-                job=self.job_id, epoch=plan.epoch, plan_hash=plan.plan_hash(),
-                stage_sizes=tuple(len(s.replicas) for s in plan.stages),
-                members=tuple(p for s in plan.stages for p in s.replicas), at=time.time()))
+            self.svc.nursery.start_soon(self._gossip, PlanChanged.of(plan, at=time.time()))
         roles = [(s, r) for s, st in enumerate(plan.stages) for r, p in enumerate(st.replicas) if p == self.me]
         if not roles:
             self.role = None

@@ -46,6 +46,7 @@ from fusionp2p.net.admission import Admission, BufferBudget
 from fusionp2p.net.aead import new_key
 from fusionp2p.net.bulk_channel import BulkChannel, DataPlaneConfig, _detach
 from fusionp2p.net.refusals import Refusals
+from fusionp2p.net.shaping import TokenBucket
 from fusionp2p.net.transport import Stream, Transport
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
@@ -94,6 +95,11 @@ class DataPlane:
     def config(self) -> DataPlaneConfig:
         return self._cfg
 
+    def _shape(self, peer: str) -> TokenBucket | None:
+        """The emulated link to *peer* (``DataPlaneConfig.emulator``), None when it is not shaped."""
+        emu = self._cfg.emulator
+        return emu.bucket(self._transport.peer_id, peer, "data") if emu is not None else None
+
     async def connect(self, peer: str) -> BulkChannel:
         """Open an encrypted channel to *peer* (PeerUnavailable if it cannot be reached in time)."""
         cfg = self._cfg
@@ -114,7 +120,7 @@ class DataPlane:
                     _tune(stream, cfg)
                     await stream.send_all(reply["ticket"] + bytes([i]))
                 ch = BulkChannel(list(streams), peer, _keys_for_dialer(reply), replace(cfg, cipher=reply["cipher"]),
-                                 budget=self.budget)
+                                 budget=self.budget, shape=self._shape(peer))
                 streams.clear()  # the channel owns the sockets now
                 await self._nursery.start(self._run_channel, ch)
                 await ch._hello.wait()  # set by HELLO, or by a failure
@@ -247,7 +253,8 @@ class DataPlane:
         del self._tickets[bytes(hello[: tf.TICKET_SIZE])]
         self.admission.ticket_done(entry.peer)
         socks: list[trio.SocketStream | socket.socket] = [sock for sock in entry.socks if sock is not None]
-        ch = BulkChannel(socks, entry.peer, (entry.k_listen, entry.k_dial), self._cfg, budget=self.budget)
+        ch = BulkChannel(socks, entry.peer, (entry.k_listen, entry.k_dial), self._cfg, budget=self.budget,
+                         shape=self._shape(entry.peer))
         ch._control(tf.HELLO)  # the writer sends it as soon as the channel runs
         self.admission.channel_opened(entry.peer)
         try:

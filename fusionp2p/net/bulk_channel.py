@@ -26,6 +26,7 @@ from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemotePr
 from fusionp2p.net.admission import BufferBudget
 from fusionp2p.net.aead import CIPHERS, Opener, Sealer, default_cipher
 from fusionp2p.net.channel import TensorMessage
+from fusionp2p.net.shaping import LinkEmulator, TokenBucket
 from fusionp2p.net.tensor_stream import BufferPool, RecordReader, RecordWriter, SlotCursor, Stripe
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.limits import DEFAULT_LIMITS, GiB, KiB, Limits, MiB
@@ -53,6 +54,7 @@ class DataPlaneConfig:
     lanes: int = 2                      # TCP connections per channel (a dialer asks, the listener grants at most its own)
     stripe_min: int = 8 * MiB           # messages from this size on are striped over the lanes
     insecure_plaintext_for_tests: bool = False
+    emulator: LinkEmulator | None = None   # emulated link rates (Swarm.local(links=...)): sends are shaped
     limits: Limits = DEFAULT_LIMITS
     # what one peer, and all peers together, may cost this node (net/admission.py)
     max_handshakes: int = 64            # ticket exchanges and TCP lanes waiting for their ticket, at once
@@ -153,7 +155,8 @@ class BulkChannel:
     """
 
     def __init__(self, stream: trio.SocketStream | socket.socket | list[trio.SocketStream | socket.socket],
-                 peer: str, keys: tuple[bytes, bytes], cfg: DataPlaneConfig, budget: BufferBudget | None = None) -> None:
+                 peer: str, keys: tuple[bytes, bytes], cfg: DataPlaneConfig, budget: BufferBudget | None = None,
+                 *, shape: TokenBucket | None = None) -> None:
         _keep_freed_heap()
         streams = stream if isinstance(stream, list) else [stream]
         if not 1 <= len(streams) <= tf.MAX_LANES:
@@ -164,6 +167,7 @@ class BulkChannel:
         self._sock = socks[0]
         self._peer = peer
         self._cfg = cfg
+        self._shape = shape   # an emulated link: the writers send at its rate, its lanes together
         self._writer = RecordWriter(Sealer(cfg.cipher, keys[0]), chunk_size=cfg.chunk_size)
         # every incoming message's announced size is claimed from the budget when its buffer is allocated
         # (reader thread) and returned when the application takes it (receive) or the channel ends
@@ -442,6 +446,21 @@ class BulkChannel:
 
     # --- the writer threads
     def _send_exactly(self, lane: _Lane, view: memoryview) -> None:
+        if self._shape is None:
+            self._send_now(lane, view)
+            return
+        # an emulated link: pieces of a few ms each, waiting for the link between them (this is a writer
+        # thread: sleeping here paces this lane only; the lanes share the bucket, as they share a link)
+        bucket = self._shape
+        step = bucket.piece()
+        for i in range(0, len(view), step):
+            piece = view[i:i + step]
+            wait = bucket.reserve(len(piece), time.monotonic())
+            if wait > 0:
+                time.sleep(wait)
+            self._send_now(lane, piece)
+
+    def _send_now(self, lane: _Lane, view: memoryview) -> None:
         sent = 0
         while sent < len(view):
             try:

@@ -4,6 +4,7 @@ Many nodes in one ``trio.run``: streams are pairs of bounded memory channels (so
 real), gossip is delivered to every live subscriber, and the DHT is one shared dict. A host can be
 killed (``MemoryNetwork.kill``): its streams break with PeerUnavailable and it stops hearing gossip.
 Identities and signatures are the real Ed25519 ones, so signed records verify exactly as over libp2p.
+With ``MemoryNetwork.emulator`` set, streams between shaped pairs move at the emulated rates.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import trio
 
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.identity import Identity
+from fusionp2p.net.shaping import LinkEmulator
 from fusionp2p.net.traffic import Traffic
 from fusionp2p.net.transport import GossipMessage, RecordRank, StreamHandler
 
@@ -45,9 +47,16 @@ class MemoryStream:
         if self._net.is_dead(self._remote) or self._net.is_dead(self._local):
             raise PeerUnavailable(self._remote, "peer is dead")
         mv = memoryview(bytes(data))
+        emu = self._net.emulator
+        bucket = emu.bucket(self._local, self._remote, "control") if emu is not None else None
         try:
             for i in range(0, len(mv), _CHUNK):
-                await self._send.send(bytes(mv[i : i + _CHUNK]))
+                chunk = bytes(mv[i : i + _CHUNK])
+                if bucket is not None:   # an emulated link: the chunk leaves at its rate
+                    wait = bucket.reserve(len(chunk), trio.current_time())
+                    if wait > 0:
+                        await trio.sleep(wait)
+                await self._send.send(chunk)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise PeerUnavailable(self._remote, "stream closed by peer") from None
         self._net.traffic_of(self._local).add("control", self._remote, sent=len(mv))
@@ -200,6 +209,7 @@ class MemoryNetwork:
         self.rankers: dict[str, RecordRank] = {}
         self.providers: dict[str, set[str]] = defaultdict(set)
         self._scopes: dict[str, list[trio.CancelScope]] = defaultdict(list)
+        self.emulator: LinkEmulator | None = None   # emulated link rates between hosts (net/shaping.py)
 
     def add_host(self, identity: Identity | None = None) -> MemoryTransport:
         ident = identity or Identity.generate()

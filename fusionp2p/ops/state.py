@@ -78,8 +78,8 @@ def plan_json(plan: Plan, limits: OpsLimits) -> dict[str, Any]:
                     "replicas_total": len(s.replicas), "compute_s": s.compute_s, "memory_bytes": s.memory_bytes}
                    for i, s in enumerate(plan.stages[: limits.stages])],
         "fences": [{"index": f.index, "unit": f.unit, "rho": f.rho, "dense_bytes": f.dense_bytes, "time_s": f.time_s,
-                    "dense_time_s": f.dense_time_s} for f in plan.fences[: limits.stages]],
-        "stages_total": len(plan.stages),
+                    "dense_time_s": f.dense_time_s, "link_bps": f.bandwidth_bps} for f in plan.fences[: limits.stages]],
+        "stages_total": len(plan.stages), "how": plan.how,
     }
 
 

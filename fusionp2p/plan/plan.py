@@ -9,12 +9,18 @@ Timing fields (seconds per micro-batch unless stated):
 
 * ``Stage.compute_s``: throughput-equivalent compute of the stage (replicas share micro-batches);
 * ``Fence.time_s`` / ``dense_time_s``: the link's time with / without the chosen compression,
-  activations forward plus gradients backward;
+  activations forward plus gradients backward; ``Fence.bandwidth_bps`` / ``latency_s``: the link
+  (between the two replica groups) the ratio was chosen for: a ratio below 1 means the dense time
+  exceeded the plan's compute bottleneck on that link (``predict.choose_ratios``);
 * ``bottleneck_s``: max over stages and fences; throughput in steady state is ``1 / bottleneck_s``;
 * ``step_time_s``: one GPipe step of M micro-batches,
   ``(M - 1) * bottleneck_s + sum(stage compute) + sum(fence time)`` — the first micro-batch
   crosses every pipeline element once (fill and drain) and the other M-1 leave one bottleneck
   interval apart.
+
+``Plan.how`` and ``Plan.considered`` say how the plan was chosen (plan/joint.py): which candidate
+layout won and the predicted step time of every candidate the planner scored. Like the predictions,
+they travel with the plan but are not hashed.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.wire.check import U63, as_int, as_str
@@ -67,10 +73,22 @@ class Fence:
     rho: float                      # AdaTopK kept fraction, 1.0 = no compression
     time_s: float = 0.0
     dense_time_s: float = 0.0
+    bandwidth_bps: float = 0.0      # the link the ratio was chosen for (bytes/s; 0 = not recorded)
+    latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (0 < self.rho <= 1.0):
             raise ValueError(f"fence {self.index}: rho must be in (0, 1], got {self.rho}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """One layout the planner scored: replicas per stage, stages, how it was built, predicted step time."""
+
+    replicas: int
+    stages: int
+    how: str
+    step_time_s: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +104,10 @@ class Plan:
     fences: tuple[Fence, ...]
     bottleneck_s: float = 0.0
     step_time_s: float = 0.0
+    how: str = ""                                   # which candidate won (plan/joint.py), "" for other planners
+    considered: tuple[Candidate, ...] = ()          # every candidate scored, best first
+
+    MAX_CANDIDATES: ClassVar[int] = 64
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -142,8 +164,11 @@ class Plan:
         m = self._decision()
         m["pred"] = {
             "stage": [[float(s.compute_s), float(s.memory_bytes)] for s in self.stages],
-            "fence": [[float(f.dense_bytes), float(f.time_s), float(f.dense_time_s)] for f in self.fences],
+            "fence": [[float(f.dense_bytes), float(f.time_s), float(f.dense_time_s), float(f.bandwidth_bps),
+                       float(f.latency_s)] for f in self.fences],
             "bottleneck": float(self.bottleneck_s), "step": float(self.step_time_s),
+            "how": self.how,
+            "considered": [[c.replicas, c.stages, c.how, float(c.step_time_s)] for c in self.considered],
         }
         return packb(m)
 
@@ -171,12 +196,25 @@ class Plan:
                 stages.append(Stage(start=_int(start), end=_int(end), replicas=tuple(reps),
                                     compute_s=_flt(comp), memory_bytes=_flt(mem)))
             fences = []
-            for k, (q, (nb, t, dt)) in enumerate(zip(rhos, pfe)):
+            for k, (q, pf) in enumerate(zip(rhos, pfe)):
                 qi = _int(q)
                 if not (0 < qi <= RHO_GRID):
                     raise ValueError("rho out of range")
+                if not isinstance(pf, list) or len(pf) not in (3, 5):   # 3: plans of nodes before the link fields
+                    raise TypeError("a fence prediction is 3 or 5 numbers")
+                nb, t, dt, bw, lat = (*pf, 0.0, 0.0) if len(pf) == 3 else pf
                 fences.append(Fence(index=k, unit=stages[k].end, dense_bytes=_flt(nb), rho=qi / RHO_GRID,
-                                    time_s=_flt(t), dense_time_s=_flt(dt)))
+                                    time_s=_flt(t), dense_time_s=_flt(dt), bandwidth_bps=_flt(bw), latency_s=_flt(lat)))
+            how = pred.get("how", "")
+            raw_cand = pred.get("considered", [])
+            if not isinstance(how, str) or len(how) > 64 or not isinstance(raw_cand, list) \
+                    or len(raw_cand) > cls.MAX_CANDIDATES:
+                raise TypeError("bad plan rationale")
+            considered = []
+            for c in raw_cand:
+                if not isinstance(c, list) or len(c) != 4 or not isinstance(c[2], str) or len(c[2]) > 64:
+                    raise TypeError("bad plan candidate")
+                considered.append(Candidate(replicas=_int(c[0]), stages=_int(c[1]), how=c[2], step_time_s=_flt(c[3])))
             return cls(
                 job=as_str(m.get("job"), "plan job"), epoch=as_int(m.get("epoch"), "plan epoch", lo=0, hi=U63),
                 snapshot_hash=as_str(m.get("snapshot"), "plan snapshot"), algorithm=as_str(m.get("algorithm"), "plan algorithm"),
@@ -184,6 +222,7 @@ class Plan:
                 micro_batches=as_int(m.get("micro_batches"), "plan micro_batches", lo=1, hi=1 << 24), stages=tuple(stages),
                 fences=tuple(fences),
                 bottleneck_s=_flt(typed_field(pred, "bottleneck", float, what)), step_time_s=_flt(typed_field(pred, "step", float, what)),
+                how=how, considered=tuple(considered),
             )
         except (ValueError, TypeError, OverflowError, AttributeError) as exc:
             raise RemoteProtocolError(f"plan: invalid content: {exc}") from exc

@@ -98,7 +98,9 @@ def build_plan(
     fences = []
     for k in range(len(layout) - 1):
         dense, t, dt = fence_time(cm, layout, k, rhos[k])
-        fences.append(Fence(index=k, unit=layout[k][1], dense_bytes=dense, rho=rhos[k], time_s=t, dense_time_s=dt))
+        link = cm.group_link(layout[k][2], layout[k + 1][2])
+        fences.append(Fence(index=k, unit=layout[k][1], dense_bytes=dense, rho=rhos[k], time_s=t, dense_time_s=dt,
+                            bandwidth_bps=min(link.bandwidth_bps, 1e30), latency_s=link.latency_s))
     bottleneck, step = step_time([s.compute_s for s in stages], [f.time_s for f in fences], cm.config.micro_batches)
     return Plan(job=job, epoch=epoch, snapshot_hash=snapshot_hash, algorithm=algorithm, seed=seed,
                 n_units=cm.n_units, micro_batches=cm.config.micro_batches, stages=tuple(stages),

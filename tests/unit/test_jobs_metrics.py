@@ -29,6 +29,8 @@ EVENTS = [
     StepProgress(job="j", step=3, epoch=1, stage=1, peer="p", loss=2.5, tokens_per_s=1234.0, compute_util=0.7, link_util=0.2, at=1.0),
     StepProgress(job="j", step=4),
     PlanChanged(job="j", epoch=2, plan_hash="h", stage_sizes=(2, 2), members=("a", "b", "c", "d"), at=2.0),
+    PlanChanged(job="j", epoch=0, plan_hash="h", stage_sizes=(2, 2), members=("a", "b", "c", "d"), rho=(0.05,),
+                link_bps=(2e6,), fence_s=(0.03,), dense_s=(0.5,), step_s=1.5, how="stage-major"),
     MembersChanged(job="j", epoch=2, joined=("e",), left=("a",)),
     JobStateChanged(job="j", state="running", reason="plan adopted"),
     CheckpointSaved(job="j", step=100, stage=0, peer="a"),
@@ -59,12 +61,30 @@ def test_nan_loss_survives_but_other_nans_do_not() -> None:
         {"type": "step", "job": "j", "step": 1, "evil": 1},
         {"type": "plan", "job": "j", "epoch": 1, "plan_hash": "h", "members": [1]},
         {"type": "plan", "job": "j", "epoch": 1, "plan_hash": "h", "stage_sizes": ["x"]},
+        {"type": "plan", "job": "j", "epoch": 1, "plan_hash": "h", "rho": [math.nan]},
+        {"type": "plan", "job": "j", "epoch": 1, "plan_hash": "h", "link_bps": ["1"]},
+        {"type": "plan", "job": "j", "epoch": 1, "plan_hash": "h", "fence_s": [True]},
         [1, 2],
     ],
 )
 def test_malformed_events(msg: object) -> None:
     with pytest.raises(RemoteProtocolError):
         decode_event(packb(msg))
+
+
+def test_plan_event_says_per_fence_what_was_chosen() -> None:
+    from fusionp2p.plan import PlannerConfig, plan_joint
+    from tests.unit.test_plan_helpers import chain, snapshot
+
+    snap = snapshot(4, bw=lambda a, b: 1.25e9 if (a < 2) == (b < 2) else 2e6)
+    plan = plan_joint(chain(8, act=4_000_000, params=20_000_000), snap, PlannerConfig(micro_batches=4, co2_tau=4),
+                      replicas=2)
+    ev = PlanChanged.of(plan, at=1.0)
+    assert decode_event(encode_event(ev)) == ev
+    assert ev.rho == tuple(f.rho for f in plan.fences) and min(ev.rho) < 1.0
+    assert ev.stage_sizes == (2,) * len(plan.stages) and ev.how == plan.how
+    text = ev.describe()
+    assert "AdaTopK keeps" in text and "4.0 MB/s" in text
 
 
 def test_oversized_event() -> None:

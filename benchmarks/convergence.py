@@ -1,0 +1,242 @@
+"""Convergence at equal samples: does the system's parallel training land where plain training does?
+
+The same model, data and number of samples for every system; the held-out loss of each final model
+(the averaged/consensus weights the publisher downloads). Systems:
+
+* ``adamw``: one process, one AdamW over all ``R*M`` micro-batches of a step (the reference);
+* ``allreduce``: the product, ``R`` replicas per stage averaging gradients every step (``averaging=None``);
+* ``co2-sync``: the product, CO2 with a blocking average (``CO2(sync=True)``);
+* ``co2-async``: the product, CO2 as shipped (the one-round-stale average overlapped with the next round);
+* ``co2-async-adatopk``: CO2 async with AdaTopK on an emulated two-site WAN (``Swarm.local(links=sites(...))``):
+  the plan compresses the fence that crosses the slow links;
+* ``opfence``: the planner's own choice (``replicas=None``) on the same WAN, CO2 async + AdaTopK; its step
+  count is scaled so that it sees the same number of samples whatever replica count it chose.
+
+Every product run is a real job on ``Swarm.local`` (4 nodes: bootstrap, JOB protocol, election, the
+encrypted TCP data plane, stage workers, CO2 averagers, checkpoints, download). Data: the built-in pydoc
+corpus, its first 90% for training (a ``TokenFile``) and its last 10% held out. Models: the GPT-2
+reference of the demo (``--model gpt2``, 0.87M parameters) or a byte-level MLP language model
+(``--model mlp``). Headline: the worst held-out loss among the asynchronous or compressed systems over
+that of the per-step all-reduce, target <= 1.02. Loss curves: ``benchmarks/results/convergence_<model>.png``.
+
+``python -m benchmarks.convergence --steps 2000 --model gpt2`` (``--quick``: 40 steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from benchmarks._common import RESULTS, headline, parser, write
+from fusionp2p.data import BatchSampler, SamplerConfig, TokenFile, corpus_tokens
+from fusionp2p.jobs.events import PlanChanged
+from fusionp2p.models.gpt2 import GPT2, GPT2Config
+from fusionp2p.sdk import Swarm, sites
+from fusionp2p.train.config import CO2, TrainConfig
+
+SEQ = 64
+NODES = 4
+REPLICAS = 2
+WAN = "16mbit"          # between the two emulated sites (AdaTopK systems)
+HELD_BATCHES = 16       # held-out micro-batches evaluated per model
+ASYNC_OR_COMPRESSED = ("co2-async", "co2-async-adatopk", "opfence")
+SYSTEMS = ("adamw", "allreduce", "co2-sync", *ASYNC_OR_COMPRESSED)
+
+
+class ByteMLP(nn.Module):
+    """A byte-level MLP language model: each position sees its own byte and the ``context - 1`` before it
+    (a causal window gathered by shifted embeddings), two GELU layers, a linear head."""
+
+    def __init__(self, *, context: int = 4, d: int = 64, hidden: int = 256, vocab: int = 256) -> None:
+        super().__init__()
+        self.context = context
+        self.emb = nn.ModuleList([nn.Embedding(vocab, d) for _ in range(context)])
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x_BTD = self.emb[0](idx_BT)
+        for k in range(1, self.context):   # byte t-k, zero-padded at the start of the window
+            shifted = torch.nn.functional.pad(idx_BT[:, :-k], (k, 0))
+            x_BTD = x_BTD + self.emb[k](shifted)
+        h = torch.nn.functional.gelu(self.fc1(x_BTD))
+        h = torch.nn.functional.gelu(self.fc2(h))
+        logits_BTV = self.head(h)
+        loss = torch.nn.functional.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]), targets_BT.reshape(-1))
+        return logits_BTV, loss
+
+
+def make_model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "gpt2":
+        return GPT2(GPT2Config.tiny(block_size=SEQ, n_layer=4, n_head=4, n_embd=128))
+    if name == "mlp":
+        return ByteMLP()
+    raise SystemExit(f"unknown model {name!r}: gpt2 or mlp")
+
+
+def base_config(steps: int) -> TrainConfig:
+    return TrainConfig(steps=steps, micro_batch=8, micro_batches=4, lr=2e-3, lr_schedule="cosine",
+                       replicas=REPLICAS, seed=0)
+
+
+def system_config(system: str, steps: int) -> TrainConfig:
+    cfg = base_config(steps)
+    table: dict[str, dict[str, Any]] = {
+        "allreduce": {"averaging": None},
+        "co2-sync": {"averaging": CO2(sync=True)},
+        "co2-async": {"averaging": CO2()},
+        "co2-async-adatopk": {"averaging": CO2(), "compression": "adatopk"},
+        "opfence": {"averaging": CO2(), "compression": "adatopk", "replicas": None},
+    }
+    return dataclasses.replace(cfg, **table[system])
+
+
+def heldout_loss(model: nn.Module, held: np.ndarray, cfg: TrainConfig) -> float:
+    s = BatchSampler(SamplerConfig(num_tokens=len(held), seq_len=SEQ, micro_batch=cfg.micro_batch, micro_batches=1, seed=1))
+    model.eval()
+    with torch.no_grad():
+        out = float(np.mean([float(model(torch.from_numpy(s.inputs(held, b, 0)), torch.from_numpy(s.targets(held, b, 0)))[1])
+                             for b in range(HELD_BATCHES)]))
+    model.train()
+    return out
+
+
+def run_adamw(model_name: str, cfg: TrainConfig, train: np.ndarray) -> tuple[nn.Module, dict[int, float]]:
+    """The reference: one AdamW step per step over the same R*M micro-batches the replicas draw."""
+    model = make_model(model_name)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    s = BatchSampler(SamplerConfig(num_tokens=len(train), seq_len=SEQ, micro_batch=cfg.micro_batch,
+                                   micro_batches=cfg.micro_batches, seed=cfg.seed))
+    curve: dict[int, float] = {}
+    n = REPLICAS * cfg.micro_batches
+    for step in range(cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr_at(step)
+        losses = []
+        for r in range(REPLICAS):
+            for mu in range(cfg.micro_batches):
+                _, loss = model(torch.from_numpy(s.inputs(train, step * REPLICAS + r, mu)),
+                                torch.from_numpy(s.targets(train, step * REPLICAS + r, mu)))
+                (loss / n).backward()
+                losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+        curve[step] = float(np.mean(losses))
+    return model, curve
+
+
+def run_swarm(model_name: str, cfg: TrainConfig, dataset: TokenFile, *, wan: bool, home: Path,
+              timeout: float) -> tuple[nn.Module, dict[int, float], dict[str, Any]]:
+    links = sites([NODES // 2, NODES - NODES // 2], between=WAN) if wan else None
+    with Swarm.local(n_nodes=NODES, home=home, links=links) as sw:
+        job = sw.publish(model=make_model(model_name), dataset=dataset, config=cfg, name=f"convergence-{model_name}")
+        job.wait(timeout=timeout)
+        model = make_model(model_name)
+        job.load_into(model)
+        plan = next((e for e in job.history if isinstance(e, PlanChanged)), None)
+        info = {"plan": None if plan is None else {"stage_sizes": list(plan.stage_sizes), "rho": list(plan.rho),
+                                                    "link_bps": list(plan.link_bps), "how": plan.how}}
+        return model, dict(job.losses), info
+
+
+def plot(path: Path, curves: dict[str, dict[int, float]], samples_per_step: dict[str, int], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, curve in curves.items():
+        steps = sorted(curve)
+        k = max(1, len(steps) // 200)      # a running mean keeps long curves readable
+        ys = np.convolve([curve[s] for s in steps], np.ones(k) / k, mode="valid")
+        xs = [steps[i + k - 1] * samples_per_step[name] for i in range(len(ys))]
+        ax.plot(xs, ys, label=name, linewidth=1.2)
+    ax.set_xlabel("samples")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = parser("convergence", __doc__)
+    p.add_argument("--steps", type=int, default=2000, help="steps of R=2 replicas (every system sees the same samples)")
+    p.add_argument("--model", default="gpt2", choices=("gpt2", "mlp"))
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
+    args = p.parse_args()
+    steps = 40 if args.quick else args.steps
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            raise SystemExit(f"unknown system {s!r}")
+    torch.set_num_threads(1)
+    tokens = corpus_tokens("pydoc")
+    cut = int(len(tokens) * 0.9)
+    train, held = np.asarray(tokens[:cut]), np.asarray(tokens[cut:])
+    work = Path(tempfile.mkdtemp(prefix="fp2p-convergence-"))
+    (work / "train.txt").write_bytes(train.tobytes())
+    dataset = TokenFile(work / "train.txt", seq_len=SEQ)
+    results: dict[str, Any] = {"model": args.model, "steps": steps, "replicas": REPLICAS, "nodes": NODES, "wan": WAN,
+                               "samples": steps * REPLICAS * base_config(steps).samples_per_step,
+                               "systems": {}}
+    curves: dict[str, dict[int, float]] = {}
+    per_step: dict[str, int] = {}
+    for system in systems:
+        t0 = time.perf_counter()
+        cfg = base_config(steps) if system == "adamw" else system_config(system, steps)
+        info: dict[str, Any] = {}
+        if system == "adamw":
+            model, curve = run_adamw(args.model, cfg, train)
+            r = REPLICAS
+        else:
+            wan = system in ("co2-async-adatopk", "opfence")
+            timeout = max(600.0, 10.0 * steps)
+            model, curve, info = run_swarm(args.model, cfg, dataset, wan=wan, home=work / system, timeout=timeout)
+            r = REPLICAS
+            sizes = (info.get("plan") or {}).get("stage_sizes") or [REPLICAS]
+            if system == "opfence" and sizes[0] != REPLICAS:
+                # the planner chose another replica count: run again with the steps that give equal samples
+                r = sizes[0]
+                cfg = dataclasses.replace(cfg, steps=max(1, round(steps * REPLICAS / r)), replicas=r)
+                model, curve, info = run_swarm(args.model, cfg, dataset, wan=True, home=work / f"{system}-r{r}",
+                                               timeout=timeout)
+        loss = heldout_loss(model, held, cfg)
+        took = time.perf_counter() - t0
+        results["systems"][system] = {"heldout_loss": loss, "steps": cfg.steps, "replicas": r,
+                                      "samples": cfg.steps * r * cfg.samples_per_step, "wall_s": round(took, 1),
+                                      "final_train_loss": float(np.mean([curve[s] for s in sorted(curve)[-10:]])),
+                                      **info}
+        curves[system] = curve
+        per_step[system] = r * cfg.samples_per_step
+        print(f"{system:>18}: held-out loss {loss:.4f}  ({cfg.steps} steps x {r} replicas, {took:.0f} s)", flush=True)
+    res = results["systems"]
+    ref = res.get("allreduce", {}).get("heldout_loss")
+    worst = max((res[s]["heldout_loss"] for s in ASYNC_OR_COMPRESSED if s in res), default=math.nan)
+    value = worst / ref if ref else math.nan
+    results["worst_async_or_compressed_over_allreduce"] = value
+    out_png = RESULTS / f"convergence_{args.model}.png"
+    plot(out_png, curves, per_step, f"{args.model}: {steps} steps x {REPLICAS} replicas, {NODES} nodes")
+    results["curves_png"] = str(out_png.relative_to(RESULTS.parent.parent))
+    results["curves"] = {k: [round(v[s], 4) for s in sorted(v)] for k, v in curves.items()}
+    head = headline("worst held-out loss of the async/compressed systems / per-step all-reduce", value, "ratio",
+                    1.02, "lower", "per-step all-reduce (allreduce), same model, data and samples")
+    out = args.out if args.out != RESULTS / "convergence.json" else RESULTS / f"convergence_{args.model}.json"
+    write("convergence", out, results, head, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()
+

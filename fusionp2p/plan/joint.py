@@ -1,0 +1,170 @@
+"""Stages, replicas and AdaTopK ratios chosen together (ALGORITHMS.md §1.5-1.6, issue 20).
+
+Theory of operation
+-------------------
+OP-Fence (opfence.py) places one device per stage and then hands left-over devices to the stage
+where one more replica gains most; it never weighs *r pipelines of S stages* against *one pipeline
+of r*S stages* as a whole, and a pipeline job needs the same number of replicas on every stage. This
+module searches that grid and keeps OP-Fence as the inner solver:
+
+1. *Candidates.* For every replica count ``r`` in ``1 .. r_max``:
+
+   * ``r = 1``: OP-Fence itself over all devices (exact over device orders up to
+     ``exact_search_devices``, the bandwidth-cluster order above); it may use fewer devices.
+   * ``r > 1``: the devices, in the cluster order of ``cluster.device_order``, are dealt into
+     ``D // r`` replica groups of ``r`` devices in two arrangements: *stage-major* (a group is ``r``
+     consecutive devices: a stage's replicas sit in one cluster, the pipeline crosses clusters) and
+     *pipeline-major* (``r`` blocks of ``D // r`` consecutive devices, group k takes the k-th device
+     of every block: each block is a pipeline, e.g. one per site, and the averaging crosses the slow
+     links, amortised over ``co2_tau`` steps). Each group is a super-device (speeds add up, less
+     ``replica_overhead``; the smallest member's memory, less CO2's anchor and momentum; group links
+     as ``CostModel.group_link``) and OP-Fence's search cuts the units over the super-devices; it may
+     leave groups out (fewer stages, idle devices).
+   * OP-Fence's own greedy replication (``add_replicas``), trimmed to the smallest count.
+
+2. *Ratios and score.* Each candidate layout is refined under the real cost model (replica groups,
+   the CO2 ring all-reduce floor), gets its AdaTopK ratios from the policy (``predict.choose_ratios``)
+   and is scored by its predicted step time per ``M`` micro-batches of data
+   (``Plan.step_time_s``: stage and fence times are throughput-equivalent, so ``r`` pipelines that
+   each run ``M`` micro-batches per step count ``r`` times the data).
+
+3. *Choice.* The lowest score wins. A hint ``r_hint`` (the job's ``replicas``) is also the upper
+   bound ``r_max``; another ``r`` must be predicted faster by more than ``HINT_MARGIN`` to beat it.
+   Ties are broken by fewer replicas, then by the candidates' fixed order, so the result is a pure
+   function of (workload, snapshot, config, seed): every member elects the same plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from fusionp2p.errors import ConfigError
+from fusionp2p.plan.cluster import device_order
+from fusionp2p.plan.config import PlannerConfig
+from fusionp2p.plan.estimator import CostModel
+from fusionp2p.plan.opfence import InfeasiblePlanError, _States, add_replicas, min_bottleneck_layout, refine
+from fusionp2p.plan.plan import Candidate, Plan
+from fusionp2p.plan.predict import Layout, build_plan, choose_ratios, layout_fits
+from fusionp2p.plan.snapshot import Link, Snapshot
+from fusionp2p.types import DeviceProfile, WorkloadGraph
+
+log = logging.getLogger(__name__)
+
+HINT_MARGIN = 0.10       # another replica count must be predicted this much faster than the hint
+MAX_GRID_DEVICES = 64    # above this many devices only r in {1, 2, 4, 8, ...} and the hint are tried
+
+
+def replica_groups(order: list[int], r: int, arrangement: str) -> list[tuple[int, ...]]:
+    """``len(order) // r`` groups of *r* devices dealt from *order* (see the module docstring)."""
+    n = len(order) // r
+    if arrangement == "stage-major":
+        return [tuple(order[k * r:(k + 1) * r]) for k in range(n)]
+    if arrangement == "pipeline-major":
+        return [tuple(order[p * n + k] for p in range(r)) for k in range(n)]
+    raise ValueError(f"unknown arrangement {arrangement!r}")
+
+
+def _group_layout(cm: CostModel, workload: WorkloadGraph, groups: list[tuple[int, ...]], job: str) -> Layout:
+    """OP-Fence's search over the replica groups as super-devices; the layout in real device indices."""
+    cfg = cm.config
+    r = len(groups[0])
+    names = [f"g{k:05d}" for k in range(len(groups))]
+    members = {}
+    for name, g in zip(names, groups):
+        speed = float(cm.flops[list(g)].sum()) / (1.0 + cfg.replica_overhead)
+        mem = float(cm.mem_cap[list(g)].min()) / cfg.memory_headroom
+        members[name] = DeviceProfile(device="group", kind="group", name=name, flops_fp32=speed, flops_bf16=0.0,
+                                      memory_bytes=max(1, int(mem)))
+    links = {}
+    for a in range(len(groups)):
+        for b in range(a + 1, len(groups)):
+            lk = cm.group_link(groups[a], groups[b])
+            links[(names[a], names[b])] = Link(bandwidth_bps=min(lk.bandwidth_bps, 1e30), latency_s=lk.latency_s)
+    gcfg = dataclasses.replace(cfg, param_memory_factor=cfg.param_memory_factor + (cfg.replica_memory_factor if r > 1 else 0.0))
+    gsnap = Snapshot(job=job, epoch=0, members=members, links=links)
+    gcm = CostModel(workload, gsnap, gcfg)
+    n = len(groups)
+    states = _States.subsets(list(range(n))) if n <= cfg.exact_search_devices else _States.ordered(list(range(n)), cfg.skip_window)
+    layout = min_bottleneck_layout(gcm, states, job=job)
+    return [(i, j, groups[g[0]]) for i, j, g in layout]
+
+
+def _trimmed(layout: Layout, r: int) -> Layout:
+    return [(i, j, tuple(sorted(g)[:r])) for i, j, g in layout]
+
+
+def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfig | None = None, *,
+               replicas: int | None = None, seed: int = 0) -> Plan:
+    """The best plan over stages x replicas with AdaTopK ratios (module docstring). *replicas* is the
+    job's hint and bound (None: any count up to the number of members).
+
+    Raises :class:`InfeasiblePlanError` when no candidate fits the members' memory.
+    """
+    cfg = config or PlannerConfig()
+    if not workload.units:
+        raise ConfigError("the workload has no units")
+    if replicas is not None and replicas < 1:
+        raise ConfigError("replicas must be >= 1")
+    cm = CostModel(workload, snapshot, cfg)
+    d = cm.n_devices
+    r_max = d if replicas is None else min(replicas, d)
+    rs = list(range(1, r_max + 1))
+    if d > MAX_GRID_DEVICES:
+        rs = sorted({r for r in rs if r & (r - 1) == 0} | {r_max})
+    _, order = device_order(cm.bw, cm.flops, cfg.cluster_theta, seed)
+
+    layouts: list[tuple[str, Layout]] = []
+    one_cfg = dataclasses.replace(cfg, replicas=False)
+    one = CostModel(workload, snapshot, one_cfg)
+    states = _States.subsets(list(range(d))) if d <= cfg.exact_search_devices else _States.ordered(order, cfg.skip_window)
+    infeasible: InfeasiblePlanError | None = None
+    try:
+        base = refine(cm, min_bottleneck_layout(one, states, job=snapshot.job), cm.cut * cm.min_byte_factor)
+        layouts.append(("op-fence", base))
+        if r_max > 1 and d > 1:
+            greedy = add_replicas(cm, base, cm.cut * cm.min_byte_factor)
+            r_g = min(r_max, min(len(g) for _, _, g in greedy))
+            if r_g > 1:
+                layouts.append(("op-fence+replicas", _trimmed(greedy, r_g)))
+    except InfeasiblePlanError as exc:
+        infeasible = exc
+    for r in rs:
+        if r == 1:
+            continue
+        for arrangement in ("stage-major", "pipeline-major"):
+            groups = replica_groups(order, r, arrangement)
+            if r == d and arrangement == "pipeline-major":
+                continue   # one group of every device: the same as stage-major
+            try:
+                layouts.append((arrangement, _group_layout(cm, workload, groups, snapshot.job)))
+            except InfeasiblePlanError as exc:
+                infeasible = infeasible or exc
+    scored: list[tuple[float, int, int, str, Plan]] = []
+    seen: set[tuple[tuple[int, int, tuple[int, ...]], ...]] = set()
+    for idx, (how, layout) in enumerate(layouts):
+        layout = refine(cm, layout, cm.cut * cm.min_byte_factor)
+        key = tuple((i, j, tuple(sorted(g))) for i, j, g in layout)
+        if key in seen or not layout_fits(cm, layout):
+            continue
+        seen.add(key)
+        plan = build_plan(cm, layout, choose_ratios(cm, layout), job=snapshot.job, epoch=snapshot.epoch,
+                          snapshot_hash=snapshot.snapshot_hash(), algorithm="op-fence", seed=seed)
+        r = len(layout[0][2])
+        adj = plan.step_time_s if (replicas is None or r == r_max) else plan.step_time_s / (1.0 - HINT_MARGIN)
+        scored.append((adj, r, idx, how, plan))
+    if not scored:
+        if infeasible is not None:
+            raise infeasible
+        raise InfeasiblePlanError(f"job {snapshot.job!r}: no stage layout fits the members' memory")
+    scored.sort(key=lambda t: (t[0], t[1], t[2]))
+    best = scored[0][4]
+    considered = tuple(Candidate(replicas=r, stages=len(p.stages), how=how, step_time_s=p.step_time_s)
+                       for _, r, _, how, p in scored[: Plan.MAX_CANDIDATES])
+    best = dataclasses.replace(best, considered=considered, how=scored[0][3])
+    log.debug("joint plan: %d stages x %d replicas (%s), step %.4g s, %d candidates", len(best.stages),
+              len(best.stages[0].replicas), best.how, best.step_time_s, len(scored))
+    return best
+
+
+__all__ = ["HINT_MARGIN", "plan_joint", "replica_groups"]
