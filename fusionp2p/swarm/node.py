@@ -57,6 +57,7 @@ from fusionp2p.wire.protocols import PROBE, TOPIC_MEMBERS
 from fusionp2p.wire.records import (
     MAX_BANDWIDTH,
     MAX_RTT,
+    REACH_UNKNOWN,
     BandwidthReport,
     Measurement,
     NodeRecord,
@@ -152,6 +153,11 @@ class SwarmNode:
         self._rng = rng or random.Random()
         self._leaving = False
         self.listeners: list[Callable[[MemberEvent], None]] = []
+        # announced in our record: the data plane's addresses (set by the job service once it listens) and
+        # what the bootstrap's dial-back found (swarm/reach.py)
+        self.data_addrs: tuple[str, ...] = ()
+        self.reach = REACH_UNKNOWN
+        self.reach_detail = ""
         self._dial_send, self._dial_recv = trio.open_memory_channel[NodeRecord](1024)
 
     # -- public -----------------------------------------------------------------------------------
@@ -210,7 +216,8 @@ class SwarmNode:
     @staticmethod
     def _member_json(rec: NodeRecord) -> dict[str, Any]:
         prof = rec.profile
-        return {"peer": rec.peer, "role": rec.role, "addrs": list(rec.addrs), "profile": prof.to_wire() if prof else None}
+        return {"peer": rec.peer, "role": rec.role, "addrs": list(rec.addrs), "data": list(rec.data), "reach": rec.reach,
+                "profile": prof.to_wire() if prof else None}
 
     # -- joining ----------------------------------------------------------------------------------
     async def _join(self, bootstrap: list[str]) -> list[str]:
@@ -264,7 +271,8 @@ class SwarmNode:
         self._seq += 1
         self._announced = self.period()   # peers time us out by this, so it is also our next wait
         return NodeRecord(peer=self.peer_id, role=self.config.role, addrs=tuple(a.rsplit("/p2p/", 1)[0] for a in self.transport.listen_addrs()),
-                          profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced)
+                          profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced,
+                          data=self.data_addrs, reach=self.reach)
 
     async def _publish_record(self, leaving: bool = False) -> None:
         self._last_beat = trio.current_time()

@@ -29,6 +29,13 @@ MAX_BUNDLE_PARTS = 4
 MAX_BANDWIDTH = 1e13    # bytes/s: a measurement or capacity at or above it is refused (80 Tbit/s)
 MAX_RTT = 3600.0        # seconds
 
+# A node's reachability as it learned it (swarm/reach.py): a bootstrap dialled its announced libp2p and
+# data-plane addresses back. "public": both answered; "p2p": only the libp2p one (the data port is
+# closed: peers use the fallback path); "private": neither (peers cannot dial it: it dials them);
+# "unknown": not checked (no bootstrap answered, or an older node).
+REACH_UNKNOWN, REACH_PUBLIC, REACH_P2P, REACH_PRIVATE = "unknown", "public", "p2p", "private"
+REACHES = (REACH_UNKNOWN, REACH_PUBLIC, REACH_P2P, REACH_PRIVATE)
+
 Signer = Callable[[bytes], bytes]
 Verifier = Callable[[str, bytes, bytes], bool]
 
@@ -43,13 +50,15 @@ class NodeRecord:
     seq: int                      # increases with every heartbeat; newer wins
     leaving: bool = False
     period: float = 0.0           # the sender's heartbeat period, seconds (0: not announced)
+    data: tuple[str, ...] = ()    # data-plane TCP multiaddrs peers should dial (empty: none, or an older node)
+    reach: str = REACH_UNKNOWN    # whether its announced addresses were dialled back from outside (REACHES)
 
     def body(self) -> dict[str, Any]:
         return {
             "peer": self.peer, "role": self.role, "addrs": list(self.addrs),
             "profile": self.profile.to_wire() if self.profile else None,
             "started": float(self.started), "seq": int(self.seq), "leaving": bool(self.leaving),
-            "hb": float(self.period),
+            "hb": float(self.period), "data": list(self.data), "reach": self.reach,
         }
 
 
@@ -150,10 +159,18 @@ def _node(b: dict[str, Any]) -> NodeRecord:
     period = b.get("hb", 0.0)   # absent in records of older nodes
     if isinstance(period, bool) or not isinstance(period, (int, float)) or not 0 <= period <= 3600:
         raise RemoteProtocolError("node record: heartbeat period out of range")
+    data = b.get("data", [])    # absent in records of older nodes
+    if (not isinstance(data, list) or len(data) > MAX_ADDRS
+            or not all(isinstance(a, str) and len(a) < 256 for a in data)):
+        raise RemoteProtocolError("node record: bad data addrs")
+    reach = b.get("reach", REACH_UNKNOWN)
+    if reach not in REACHES:
+        raise RemoteProtocolError("node record: unknown reach")
     return NodeRecord(
         peer=b["peer"], role=role, addrs=tuple(addrs), profile=profile,
         started=field(b, "started", float, "node record"), seq=seq,
         leaving=bool(field(b, "leaving", bool, "node record")), period=float(period),
+        data=tuple(data), reach=reach,
     )
 
 
