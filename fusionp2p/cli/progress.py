@@ -12,7 +12,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fusionp2p.errors import JobError
-from fusionp2p.jobs.events import CheckpointSaved, JobStateChanged, PlanChanged, StepProgress, StepSkipped
+from fusionp2p.jobs.events import (
+    CheckpointSaved,
+    JobStateChanged,
+    LinksUp,
+    PlanChanged,
+    StepProgress,
+    StepSkipped,
+)
 from fusionp2p.sdk import Job
 
 
@@ -52,6 +59,11 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
             if isinstance(ev, PlanChanged):
                 bar.console.print(f"plan {ev.plan_hash[:12]}: replicas per stage {ev.stage_sizes} "
                                   f"on {len(set(ev.members))} nodes")
+            elif isinstance(ev, LinksUp):
+                slow = sorted(p[-8:] for p, path in ev.paths().items() if path != "direct")
+                if slow:   # only news: direct links are the normal case
+                    bar.console.print(f"stage {ev.stage} on {ev.peer[-8:]}: tensors to {', '.join(slow)} go over the "
+                                      "libp2p connection (their data ports are unreachable; slower, see docs/networking.md)")
             elif isinstance(ev, JobStateChanged):
                 bar.console.print(f"job {ev.state}" + (f": {ev.reason}" if ev.reason and ev.state != "planned" else ""))
                 if ev.state == "running":

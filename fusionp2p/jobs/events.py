@@ -63,6 +63,27 @@ class PlanChanged:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LinksUp:
+    """A member's data-plane links of an epoch are up: ``links[i]`` is ``"<peer id>=<path>"``, the path
+    ``direct`` (TCP to the peer's data port) or ``libp2p`` (the fallback stream on the libp2p connection,
+    slower; docs/networking.md)."""
+
+    KIND: ClassVar[str] = "links"
+    SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "epoch": _INT, "stage": _INT, "peer": _STR, "links": _STRS,
+                                        "at": _FLOAT}
+    job: str
+    epoch: int
+    stage: int
+    peer: str = ""
+    links: tuple[str, ...] = ()
+    at: float = 0.0
+
+    def paths(self) -> dict[str, str]:
+        """peer id -> path."""
+        return dict(x.split("=", 1) for x in self.links if "=" in x)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class MembersChanged:
     KIND: ClassVar[str] = "members"
     SCHEMA: ClassVar[dict[str, str]] = {"job": _STR, "epoch": _INT, "joined": _STRS, "left": _STRS, "at": _FLOAT}
@@ -113,9 +134,10 @@ class StepSkipped:
     at: float = 0.0
 
 
-ProgressEvent = StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved | StepSkipped
+ProgressEvent = StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved | StepSkipped | LinksUp
 EVENT_TYPES: dict[str, type[ProgressEvent]] = {
-    c.KIND: c for c in (StepProgress, PlanChanged, MembersChanged, JobStateChanged, CheckpointSaved, StepSkipped)}
+    c.KIND: c for c in (StepProgress, PlanChanged, MembersChanged, JobStateChanged, CheckpointSaved, StepSkipped,
+                        LinksUp)}
 _MAX_LIST = 4096
 
 

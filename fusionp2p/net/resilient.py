@@ -423,6 +423,7 @@ class ResilientChannel:
         if self._pending is not None:
             self._nursery.start_soon(_close_quietly, self._pending[0])
         self._pending = (link, hello)
+        self.path = self.path or link.path
         if self._link is not None:
             self._lose(self._link, PeerUnavailable(self._peer, "replaced by a new link"))
         self._wake()
