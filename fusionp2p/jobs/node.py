@@ -166,7 +166,7 @@ class NodeJobService:
                     open_resilient_acceptor(config=self.config.channels(), peer_gone=self.peer_gone) as acc,
                     trio.open_nursery() as nursery):
             self._dp, self._nursery = dp, nursery
-            self.swarm.data_addrs = self._data_addrs(dp)   # announced from our next heartbeat on
+            self.swarm.set_data_addrs(self._data_addrs(dp))   # announced from our next heartbeat on, and checked
             await nursery.start(acc.serve, dp.incoming)
             nursery.start_soon(self._route_incoming, acc)
             nursery.start_soon(self._dispatch_gossip, gossip)

@@ -31,10 +31,10 @@ MAX_RTT = 3600.0        # seconds
 
 # A node's reachability as it learned it (swarm/reach.py): a bootstrap dialled its announced libp2p and
 # data-plane addresses back. "public": both answered; "p2p": only the libp2p one (the data port is
-# closed: peers use the fallback path); "private": neither (peers cannot dial it: it dials them);
-# "unknown": not checked (no bootstrap answered, or an older node).
-REACH_UNKNOWN, REACH_PUBLIC, REACH_P2P, REACH_PRIVATE = "unknown", "public", "p2p", "private"
-REACHES = (REACH_UNKNOWN, REACH_PUBLIC, REACH_P2P, REACH_PRIVATE)
+# closed: peers use the fallback path); "data": only the data port; "private": neither (peers cannot
+# dial it: it dials them); "unknown": not checked (no bootstrap answered, or an older node).
+REACH_UNKNOWN, REACH_PUBLIC, REACH_P2P, REACH_DATA, REACH_PRIVATE = "unknown", "public", "p2p", "data", "private"
+REACHES = (REACH_UNKNOWN, REACH_PUBLIC, REACH_P2P, REACH_DATA, REACH_PRIVATE)
 
 Signer = Callable[[bytes], bytes]
 Verifier = Callable[[str, bytes, bytes], bool]
