@@ -201,7 +201,8 @@ class ReachService:
         try:
             with trio.fail_after(self.config.request_timeout):
                 op, f = wr.decode_request(await _read_frame(stream))
-                why = self._admit(f"{op}:{f['peer'] if op == 'dial' else peer}")
+                # per (requester, target): a publisher may reach several NATed nodes at once, each once a while
+                why = self._admit(f"{op}:{peer}:{f.get('peer') or f.get('target') or ''}")
                 if why:
                     self.served["refused"] += 1
                     reply = wr.encode("reply", ok=False, why=why, p2p=False, data=False, ip="")
