@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 PREFIX = "fp2p-"
 _RUN_RE = re.compile(r"^fp2p-[0-9a-f]{6}$")
 _NS_RE = re.compile(r"^(fp2p-[0-9a-f]{6})-(br|h[0-9]{1,3}|r[0-9]{1,2})$")
+NETNS_DIR = Path("/run/netns")   # where `ip netns add` bind-mounts named namespaces
 MAX_ROUTERS = 40  # NAT groups per run: router WAN addresses .250 down to .211, LANs 192.168.100-139.0/24
 MAX_HOSTS = 200  # addresses .10 .. .209 of the run's /24
 NEEDS = "testbed needs root and iproute2 (ip netns, tc)"
@@ -282,44 +283,90 @@ def run_cmd(argv: Sequence[str]) -> str:
 
 
 def list_namespaces() -> list[str]:
-    """Names of all network namespaces (``ip netns list`` prints 'name' or 'name (id: N)')."""
-    out = run_cmd(["ip", "netns", "list"])
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
+    """Names of all named network namespaces: the entries of /run/netns, where ``ip netns add`` mounts
+    them. Not ``ip netns list``: it also asks the kernel for every namespace's id over rtnetlink (two
+    round trips per namespace on the machine), which waits behind the kernel's teardown of namespaces
+    that were just deleted (``cleanup_net`` holds the rtnl lock while it dismantles their devices) and
+    costs seconds on a busy machine with many namespaces: issue 15's slow testbed teardown."""
+    try:
+        return sorted(e.name for e in os.scandir(NETNS_DIR))
+    except FileNotFoundError:
+        return []
 
 
 def namespace_pids(namespace: str) -> list[int]:
     """PIDs of the processes living in ``namespace`` (empty if it is gone)."""
-    res = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
-    return [int(tok) for tok in res.stdout.split() if tok.isdigit()]
+    return pids_by_namespace([namespace])[namespace]
+
+
+def pids_by_namespace(namespaces: Sequence[str]) -> dict[str, list[int]]:
+    """The processes living in each of ``namespaces``, from one scan of /proc: a process is in a named
+    namespace when its ``/proc/PID/ns/net`` is the same nsfs inode as ``/run/netns/NAME`` (what
+    ``ip netns pids`` checks, one subprocess and one scan per namespace)."""
+    out: dict[str, list[int]] = {ns: [] for ns in namespaces}
+    want: dict[tuple[int, int], str] = {}
+    for ns in namespaces:
+        try:
+            st = os.stat(NETNS_DIR / ns)
+        except OSError:
+            continue
+        want[(st.st_dev, st.st_ino)] = ns
+    if not want:
+        return out
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{entry.name}/ns/net")
+        except OSError:   # gone meanwhile, a kernel thread, or not ours to see
+            continue
+        found = want.get((st.st_dev, st.st_ino))
+        if found is not None:
+            out[found].append(int(entry.name))
+    return out
 
 
 def delete_namespace(namespace: str, *, timeout: float = 10.0) -> None:
     """SIGKILL whatever still runs in ``namespace`` (only ever ours), wait until it is gone, and
-    delete the namespace; idempotent.
+    delete the namespace; idempotent. See :func:`delete_namespaces`."""
+    delete_namespaces([namespace], timeout=timeout)
 
-    The wait uses pidfds (readable once the process has exited), so it needs no polling and works
-    for processes that are not our children (e.g. left behind by a testbed whose creator was
-    killed). Deleting a namespace destroys the veth ends in it, and a veth's peer goes with it.
+
+def delete_namespaces(namespaces: Sequence[str], *, timeout: float = 10.0) -> None:
+    """SIGKILL whatever still runs in ``namespaces`` (only ever ours), wait until all of it is gone
+    (one deadline for all), and delete the namespaces; idempotent.
+
+    All at once: one scan of /proc finds every process (:func:`pids_by_namespace`), every one is
+    killed before any is waited for, and the wait uses pidfds (readable once the process has exited),
+    so it needs no polling and works for processes that are not our children (e.g. left behind by a
+    testbed whose creator was killed). Deleting a namespace destroys the veth ends in it, and a
+    veth's peer goes with it.
     """
-    if run_of(namespace) is None:
-        raise ConfigError(f"refusing to delete namespace {namespace!r}: not a testbed namespace")
+    for ns in namespaces:
+        if run_of(ns) is None:
+            raise ConfigError(f"refusing to delete namespace {ns!r}: not a testbed namespace")
     fds: list[int] = []
     try:
-        for pid in namespace_pids(namespace):
-            try:
-                fd = os.pidfd_open(pid)  # pins this process: no pid-reuse race before the kill
-            except ProcessLookupError:
-                continue
-            fds.append(fd)
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        for pids in pids_by_namespace(namespaces).values():
+            for pid in pids:
+                try:
+                    fd = os.pidfd_open(pid)  # pins this process: no pid-reuse race before the kill
+                except ProcessLookupError:
+                    continue
+                fds.append(fd)
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
         _wait_exited(fds, timeout)
     finally:
         for fd in fds:
             os.close(fd)
-    res = subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, text=True, check=False)
-    if res.returncode != 0 and namespace in list_namespaces():
-        raise TestbedError(f"could not delete namespace {namespace}: {res.stderr.strip()}")
+    errors = []
+    for ns in namespaces:
+        res = subprocess.run(["ip", "netns", "delete", ns], capture_output=True, text=True, check=False)
+        if res.returncode != 0 and (NETNS_DIR / ns).exists():
+            errors.append(f"could not delete namespace {ns}: {res.stderr.strip()}")
+    if errors:
+        raise TestbedError("; ".join(errors))
 
 
 def _wait_exited(pidfds: Sequence[int], timeout: float) -> None:

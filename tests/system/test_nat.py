@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.net.identity import KEY_FILE, Identity
 from fusionp2p.testbed import netns
 from fusionp2p.testbed.emulator import fusionp2p_command, up
 from fusionp2p.testbed.spec import load_spec
@@ -36,14 +38,39 @@ def _need_testbed() -> None:
         pytest.skip("the NAT routers need iptables: run `make iptables` (Debian's package)")
 
 
+# The plan of `--builtin gpt2-tiny` on 4 nodes is 2 stages x 2 replicas over the sorted peer ids (stage 0 =
+# the two smallest; a pipeline link goes from stage 0 replica r to stage 1 replica r, a replica link from
+# replica 0 to replica 1; the first end dials). Identities are chosen so that the ids sort as below:
+# then the public nodes must dial home2 (its data port is unreachable: the libp2p fallback) and home1
+# dials out (direct).
+ORDER = ("home1", "pub", "boot", "home2")
+WANT = {("home1", "boot"): "direct", ("pub", "home2"): "libp2p",      # pipeline links
+        ("home1", "pub"): "direct", ("boot", "home2"): "libp2p"}      # replica links
+
+
+def _identities(tb: Any, tmp: Path) -> dict[str, str]:
+    """Give each node the identity that puts it at its place in ORDER; host name -> peer id."""
+    keys = [(Identity.load_or_create(tmp / f"k{i}"), tmp / f"k{i}" / KEY_FILE) for i in range(len(ORDER))]
+    keys.sort(key=lambda k: k[0].peer_id)
+    out = {}
+    for name, (ident, path) in zip(ORDER, keys):
+        home = tb.workdir / name / "home"
+        home.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, home / KEY_FILE)
+        out[name] = ident.peer_id
+    return out
+
+
 def test_nodes_behind_a_nat_train_with_the_public_ones(tmp_path: Path) -> None:
     _need_testbed()
     with up(load_spec(SPEC)) as tb:
+        ids = _identities(tb, tmp_path)
         _, addr = tb.start_bootstrap(ready_timeout=120.0)
         nodes = tb.start_nodes(addr, ready_timeout=180.0)
         home = {h.name for h in tb.hosts if h.spec.nat}
         # a node's first stdout line is its own multiaddr
         peer_of = {h.name: n.drain_stdout().splitlines()[0].rsplit("/p2p/", 1)[1] for h, n in zip(tb.hosts, nodes)}
+        assert peer_of == ids
         pub = tb.host("pub")
         cli = [*fusionp2p_command()]
         # every node's reachability is known and announced: the home nodes are not dialable
@@ -64,14 +91,16 @@ def test_nodes_behind_a_nat_train_with_the_public_ones(tmp_path: Path) -> None:
         assert rc == 0, out[-4000:]
         assert "on 4 nodes" in out, out[-4000:]           # every node is in the plan, the home ones too
         assert "job done" in out, out[-4000:]
-        assert "libp2p connection" in out, out[-4000:]    # the links to the home nodes took the fallback path
+        assert "libp2p connection" in out, out[-4000:]    # the links to home2 took the fallback path
         assert (out_dir / "model.safetensors").is_file()
         (found,) = list(out_dir.rglob("metrics.jsonl"))
         metrics = [json.loads(line) for line in found.read_text().splitlines()]
         links = [m for m in metrics if m.get("type") == "links"]
         paths = {(m["peer"], x.split("=")[0]): x.split("=")[1] for m in links for x in m["links"]}
-        home_peers = {peer_of[h] for h in home}
+        host_of = {p: h for h, p in peer_of.items()}
+        seen = {}
         for (a, b), path in paths.items():
-            if a in home_peers and b in home_peers:
-                assert path == "direct", (a, b)       # the home LAN reaches itself directly
-        assert "libp2p" in paths.values()
+            pair = (host_of[a], host_of[b]) if (host_of[a], host_of[b]) in WANT else (host_of[b], host_of[a])
+            seen[pair] = path
+            assert path == WANT[pair], (pair, path)   # reported the same by both ends
+        assert seen == WANT
