@@ -1,8 +1,9 @@
 # fusionp2p node image: Debian slim, the build packages libp2p needs, CPU-only torch, `fusionp2p node`.
 #
 #   docker build -t fusionp2p .
-#   docker run --rm -p 4001:4001 -v fp2p:/home/fusion fusionp2p node \
-#       --bootstrap ADDR --listen /ip4/0.0.0.0/tcp/4001 --announce-addr /ip4/PUBLIC_IP/tcp/4001
+#   docker run --rm -p 4001:4001 -p 4002:4002 -v fp2p:/home/fusion fusionp2p node \
+#       --bootstrap ADDR --listen /ip4/0.0.0.0/tcp/4001 --announce-addr /ip4/PUBLIC_IP/tcp/4001 \
+#       --data-listen /ip4/0.0.0.0/tcp/4002 --data-announce /ip4/PUBLIC_IP/tcp/4002
 #
 # The install steps mirror `make setup` (Makefile): upgrade pip, install the pinned torch on its own
 # first (here from the CPU wheel index, so that no CUDA build is ever pulled), then the project.
@@ -43,9 +44,10 @@ USER fusion
 WORKDIR /home/fusion
 VOLUME ["/home/fusion"]
 
-# The libp2p listen port used in the docs (`--listen /ip4/0.0.0.0/tcp/4001`), and the dashboard and
-# metrics port of docs/operations.md (`--http 0.0.0.0:9100`; off unless asked).
-EXPOSE 4001 9100
+# The libp2p listen port used in the docs (`--listen /ip4/0.0.0.0/tcp/4001`), the data-plane (tensor)
+# port (`--data-listen /ip4/0.0.0.0/tcp/4002`, docs/networking.md), and the dashboard and metrics port
+# of docs/operations.md (`--http 0.0.0.0:9100`; off unless asked).
+EXPOSE 4001 4002 9100
 
 ENTRYPOINT ["fusionp2p"]
 CMD ["node"]

@@ -9,7 +9,7 @@ TORCH_SPEC  := torch==2.13.0
 PIP_FLAGS   := --disable-pip-version-check --quiet
 STAMP       := $(VENV)/.installed
 
-.PHONY: setup test test-all demo bench lint clean chromium
+.PHONY: setup test test-all demo bench lint clean chromium iptables
 
 setup: $(STAMP)
 
@@ -40,6 +40,11 @@ lint: setup
 # (tests/system/test_ops_dashboard.py skips, saying so, without it). Needs root.
 chromium:
 	command -v chromium >/dev/null || { apt-get update && apt-get install -y --no-install-recommends chromium fonts-dejavu-core; }
+
+# iptables (Debian's package) for the testbed's NAT routers (`"nat"` hosts in a spec, docs/networking.md;
+# tests/system/test_nat.py skips, saying so, without it). Needs root.
+iptables:
+	command -v iptables >/dev/null || { apt-get update && apt-get install -y --no-install-recommends iptables; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info

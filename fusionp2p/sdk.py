@@ -54,6 +54,7 @@ from fusionp2p.jobs.publisher import JobDriver, Publisher, discover, read_index,
 from fusionp2p.jobs.spec import Resources
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.transport import Transport
+from fusionp2p.swarm.reach import install_reversal
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.dag import decode_dag
@@ -259,6 +260,8 @@ class Swarm:
                     errors.append(str(exc))
             if not self._boot_peers:
                 raise PeerUnavailable(self._bootstrap[0].rsplit("/p2p/", 1)[-1], "; ".join(errors))
+            # nodes behind NATs are reached by connection reversal through the bootstraps (swarm/reach.py)
+            install_reversal(transport, lambda: list(self._boot_peers))
             self._publisher = Publisher(transport, ContentService(transport, ContentStore()), self._boot_peers)
             nursery = await stack.enter_async_context(trio.open_nursery())
             await nursery.start(self._publisher.run)

@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--bootstrap", action="append", required=True, help="full multiaddr of a bootstrap (repeatable)")
     n.add_argument("--listen", action="append", default=None, help="multiaddr to listen on (default /ip4/0.0.0.0/tcp/0)")
     n.add_argument("--announce-addr", action="append", default=[], help="public multiaddr to announce")
+    n.add_argument("--data-listen", default=None, metavar="MULTIADDR",
+                   help="TCP address of the data plane (tensors), e.g. /ip4/0.0.0.0/tcp/4002 "
+                        "(default: any free port where --listen listens)")
+    n.add_argument("--data-announce", default=None, metavar="MULTIADDR",
+                   help="data-plane address peers should dial, e.g. /ip4/PUBLIC_IP/tcp/4002 "
+                        "(behind NAT or in a container: the forwarded or published port; docs/networking.md)")
     n.add_argument("--home", default=None, help="directory for the identity key, checkpoints and logs")
     n.add_argument("--device", default="cpu", help="cpu or cuda:N")
     n.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat period, seconds")
@@ -208,6 +214,15 @@ def _run_daemon(args: argparse.Namespace) -> int:
         swarm = SwarmConfig(role="bootstrap", gossip_rate=args.gossip_rate)
     cfg = DaemonConfig(role=role, home=home, listen=listen, bootstrap=tuple(args.bootstrap), announce=tuple(args.announce_addr),
                        device=getattr(args, "device", "cpu"), swarm=swarm)
+    job_cfg = None
+    if role == "node":
+        from fusionp2p.jobs.node import NodeJobConfig
+
+        job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce)   # checks both
+        if args.data_listen is not None:
+            from fusionp2p.net.addrs import tcp_endpoint
+
+            _check_bindable(*tcp_endpoint(args.data_listen, "--data-listen"), "--data-listen")
     http = None
     if args.http is not None:
         from fusionp2p.ops import parse_http_addr
@@ -236,7 +251,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
         if role == "node":
             from fusionp2p.jobs.node import NodeJobService
 
-            jobs = NodeJobService(swarm, home)
+            jobs = NodeJobService(swarm, home, job_cfg)
             nursery.start_soon(jobs.run)
         if http is not None:
             nursery.start_soon(ops, swarm, jobs)

@@ -16,6 +16,7 @@ from fusionp2p.jobs.events import (
     CheckpointSaved,
     EvalProgress,
     JobStateChanged,
+    LinksUp,
     PlanChanged,
     StepProgress,
     StepSkipped,
@@ -63,6 +64,11 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
                                   + (f" ({ev.how}, predicted {ev.step_s:.3g} s per step)" if ev.how else ""))
                 if ev.rho:
                     bar.console.print(ev.describe())
+            elif isinstance(ev, LinksUp):
+                slow = sorted(p[-8:] for p, path in ev.paths().items() if path != "direct")
+                if slow:   # only news: direct links are the normal case
+                    bar.console.print(f"stage {ev.stage} on {ev.peer[-8:]}: tensors to {', '.join(slow)} go over the "
+                                      "libp2p connection (their data ports are unreachable; slower, see docs/networking.md)")
             elif isinstance(ev, JobStateChanged):
                 bar.console.print(f"job {ev.state}" + (f": {ev.reason}" if ev.reason and ev.state != "planned" else ""))
                 if ev.state == "running":

@@ -96,6 +96,25 @@ class PlanChanged:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LinksUp:
+    """A member's data-plane links of an epoch are up: ``links[i]`` is ``"<peer id>=<path>"``, the path
+    ``direct`` (TCP to the peer's data port) or ``libp2p`` (the fallback stream on the libp2p connection,
+    slower; docs/networking.md)."""
+
+    KIND: ClassVar[str] = "links"
+    job: str
+    epoch: int
+    stage: int
+    peer: str = ""
+    links: tuple[str, ...] = field(default=(), metadata=_PEERS)
+    at: float = 0.0
+
+    def paths(self) -> dict[str, str]:
+        """peer id -> path."""
+        return dict(x.split("=", 1) for x in self.links if "=" in x)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class MembersChanged:
     KIND: ClassVar[str] = "members"
     job: str
@@ -155,10 +174,10 @@ class EvalProgress:
 
 
 ProgressEvent = (StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved | StepSkipped
-                 | EvalProgress)
+                 | EvalProgress | LinksUp)
 EVENT_TYPES: dict[str, type[ProgressEvent]] = {
     c.KIND: c for c in (StepProgress, PlanChanged, MembersChanged, JobStateChanged, CheckpointSaved, StepSkipped,
-                        EvalProgress)}
+                        EvalProgress, LinksUp)}
 
 
 def event_to_dict(ev: ProgressEvent) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
 from fusionp2p.jobs.run import JobRun, StartRequest, describe
 from fusionp2p.jobs.status import JobView
+from fusionp2p.net.addrs import tcp_endpoint, tcp_multiaddr
 from fusionp2p.net.bulk import DataPlane, DataPlaneConfig, open_data_plane
 from fusionp2p.net.resilient import (
     ResilientAcceptor,
@@ -86,8 +87,17 @@ class NodeJobConfig:
     # reconnects, resumes and resends what the peer missed; docs/dataplane.md "Reconnecting channels").
     # A peer the membership view declares dead is not waited for (``peer_gone``): the job re-plans.
     reconnect_timeout: float = 60.0
+    # The data plane's TCP address (``--data-listen``; None: any free port where the libp2p transport
+    # listens) and the one peers are told to dial (``--data-announce``: a NAT's or container's published
+    # address; None: the bound one). Multiaddrs, the rules of --listen / --announce-addr (docs/networking.md).
+    data_listen: str | None = None
+    data_announce: str | None = None
 
     def __post_init__(self) -> None:
+        if self.data_listen is not None:
+            tcp_endpoint(self.data_listen, "--data-listen")
+        if self.data_announce is not None:
+            tcp_endpoint(self.data_announce, "--data-announce", announce=True)
         for name in ("accept_timeout", "election_timeout", "link_timeout", "recv_timeout", "report_timeout",
                      "reconnect_timeout", "start_timeout", "halt_timeout", "conclude_timeout", "watch_interval",
                      "status_interval", "offer_retry", "offer_ttl", "replan_retry"):
@@ -149,7 +159,7 @@ class NodeJobService:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Install the JOB and CONTENT handlers, open the data plane, serve until cancelled."""
-        dp_cfg = dataclasses.replace(self.config.data_plane, listen_host=self._bulk_host())
+        dp_cfg = self._data_plane_config()
         register_rankers(self.transport)
         self.swarm.listeners.append(self._on_member_event)   # a death or departure wakes the jobs' leaders
         self.content.install()
@@ -160,15 +170,46 @@ class NodeJobService:
                     open_resilient_acceptor(config=self.config.channels(), peer_gone=self.peer_gone) as acc,
                     trio.open_nursery() as nursery):
             self._dp, self._nursery = dp, nursery
+            self.swarm.set_data_addrs(self._data_addrs(dp))   # announced from our next heartbeat on, and checked
             await nursery.start(acc.serve, dp.incoming)
             nursery.start_soon(self._route_incoming, acc)
             nursery.start_soon(self._dispatch_gossip, gossip)
             nursery.start_soon(self._expire_offers)
             limit = max(self.config.recv_timeout, self.config.accept_timeout) + 60
             self.transport.set_stream_handler(JOB, job_proto.serve(self.handle, timeout=limit, refusals=self.refusals))
-            log.info("job service ready (data plane %s:%d)", dp.host, dp.port)
+            log.info("job service ready (data plane listens on %s:%d, announced as %s)", dp.host, dp.port,
+                     " ".join(self.swarm.data_addrs) or "-")
             task_status.started()
             await trio.sleep_forever()
+
+    def _data_plane_config(self) -> DataPlaneConfig:
+        cfg = self.config
+        if cfg.data_listen is not None:
+            host, port = tcp_endpoint(cfg.data_listen, "--data-listen")
+            dp = dataclasses.replace(cfg.data_plane, listen_host=host, listen_port=port)
+        else:
+            dp = dataclasses.replace(cfg.data_plane, listen_host=self._bulk_host())
+        if cfg.data_announce is not None:
+            host, port = tcp_endpoint(cfg.data_announce, "--data-announce", announce=True)
+            dp = dataclasses.replace(dp, advertise_host=host, advertise_port=port)
+        return dp
+
+    def _data_addrs(self, dp: DataPlane) -> tuple[str, ...]:
+        """The data plane's multiaddrs for our node record: the announced one, else the bound port at
+        every address the libp2p transport announces (a wildcard bind) or at the bound address."""
+        if self.config.data_announce is not None:
+            return (self.config.data_announce,)
+        host, port = dp.announced
+        if host not in ("0.0.0.0", "::"):
+            return (tcp_multiaddr(host, port),)
+        out: list[str] = []
+        for a in self.transport.listen_addrs():
+            parts = a.split("/")
+            if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+                addr = tcp_multiaddr(parts[2], port)
+                if addr not in out:
+                    out.append(addr)
+        return tuple(out[:8])
 
     def _admits(self, peer: str) -> bool:
         """The data plane issues tickets only to members of a job this node has started (strangers cost

@@ -48,6 +48,7 @@ from fusionp2p.jobs.events import (
     CheckpointSaved,
     EvalProgress,
     JobStateChanged,
+    LinksUp,
     PlanChanged,
     ProgressEvent,
     StepProgress,
@@ -422,6 +423,10 @@ class JobDriver:
         if isinstance(ev, PlanChanged):
             if sender in self.members and ev.epoch > self.epoch:
                 self._on_plan(ev)
+            return
+        if isinstance(ev, LinksUp):
+            if ev.peer == sender and sender in self.members:
+                self._emit(ev)
             return
         if isinstance(ev, CheckpointSaved):
             if ev.stage >= 0 and (ev.step, ev.stage) not in self._ckpts and ev.peer == sender and sender in self.members:

@@ -54,6 +54,7 @@ from fusionp2p.jobs.events import (
     CheckpointSaved,
     EvalProgress,
     JobStateChanged,
+    LinksUp,
     PlanChanged,
     ProgressEvent,
     StepProgress,
@@ -364,8 +365,13 @@ class JobRun:
                     try:
                         t0 = trio.current_time()
                         links, peers = await self._open_links(plan, programs, s, r, holders)
-                        log.info("job %s epoch %d: %d links up in %.1f s", self.job_id, plan.epoch,
-                                 len(links) + len(peers), trio.current_time() - t0)
+                        paths = {ch.remote_peer: getattr(ch, "path", "") or "pending" for ch in [*links.values(), *peers]}
+                        log.info("job %s epoch %d: %d links up in %.1f s (%s)", self.job_id, plan.epoch,
+                                 len(links) + len(peers), trio.current_time() - t0,
+                                 ", ".join(f"{p[-8:]} {path}" for p, path in paths.items()) or "none")
+                        self.svc.nursery.start_soon(self._gossip, LinksUp(
+                            job=self.job_id, epoch=plan.epoch, stage=s, peer=self.me,
+                            links=tuple(f"{p}={path}" for p, path in sorted(paths.items())), at=time.time()))
                         worker = self._worker = StageWorker(self._context(plan, programs, s, r, links, peers,
                                                                           req.resume, restore))
                         await worker.run()

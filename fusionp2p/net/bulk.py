@@ -44,16 +44,23 @@ import trio
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.admission import Admission, BufferBudget
 from fusionp2p.net.aead import new_key
-from fusionp2p.net.bulk_channel import BulkChannel, DataPlaneConfig, _detach
+from fusionp2p.net.bulk_channel import PATH_DIRECT, PATH_LIBP2P, BulkChannel, DataPlaneConfig, _detach
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.shaping import TokenBucket
+from fusionp2p.net.stream_channel import StreamChannel, stream_hello, stream_welcome
 from fusionp2p.net.transport import Stream, Transport
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.limits import KiB
-from fusionp2p.wire.protocols import BULK_TICKET
+from fusionp2p.wire.protocols import BULK_TICKET, TENSOR
 
 log = logging.getLogger(__name__)
+
+Link = BulkChannel | StreamChannel   # one connection of a tensor channel: direct TCP, or the libp2p fallback
+
+
+class _Unreachable(Exception):
+    """The peer's data-plane port could not be reached over TCP (the fallback path may still work)."""
 
 
 def _keys_for_dialer(reply: dict[str, Any]) -> tuple[bytes, bytes]:
@@ -84,8 +91,10 @@ class DataPlane:
         self.budget = BufferBudget(max_total=cfg.max_buffered, max_peer=cfg.max_peer_buffered)
         self.refusals = refusals if refusals is not None else Refusals()   # the node's, when it has one
         self._tickets: dict[bytes, _Ticket] = {}
-        self._incoming_send, self.incoming = trio.open_memory_channel[BulkChannel](cfg.incoming_buffer)
+        self._incoming_send, self.incoming = trio.open_memory_channel[Link](cfg.incoming_buffer)
         self._closed = False
+        self._direct_failed: dict[str, float] = {}   # peer -> until when its direct dial is not tried again
+        self._open_streams: set[StreamChannel] = set()
         # traffic: the open channels' lanes count their own bytes; closed channels are folded into the meter
         self._open: set[BulkChannel] = set()
         self._traffic = transport.traffic
@@ -100,8 +109,50 @@ class DataPlane:
         emu = self._cfg.emulator
         return emu.bucket(self._transport.peer_id, peer, "data") if emu is not None else None
 
-    async def connect(self, peer: str) -> BulkChannel:
-        """Open an encrypted channel to *peer* (PeerUnavailable if it cannot be reached in time)."""
+    @property
+    def announced(self) -> tuple[str, int]:
+        """(host, port) that peers are told to dial (``advertise_host``/``advertise_port``, else the bound ones;
+        a host of 0.0.0.0 means "the IP you reach my libp2p address at")."""
+        return self._cfg.advertise_host or self.host, self._cfg.advertise_port or self.port
+
+    def path_to(self, peer: str) -> str:
+        """The path the next ``connect`` to *peer* tries first (``PATH_DIRECT`` or ``PATH_LIBP2P``)."""
+        until = self._direct_failed.get(peer)
+        return PATH_LIBP2P if until is not None and trio.current_time() < until else PATH_DIRECT
+
+    async def connect(self, peer: str) -> Link:
+        """Open a tensor channel to *peer*: directly over TCP to its data-plane port, or, when that port
+        cannot be reached (closed, filtered, behind a NAT) and ``fallback`` is on, over a stream on the
+        libp2p connection (``net/stream_channel.py``). PeerUnavailable if neither works in time. After a
+        failed direct attempt the peer is dialled on the fallback path for ``direct_retry`` seconds."""
+        if not self._cfg.fallback or self.path_to(peer) == PATH_DIRECT:
+            try:
+                return await self._connect_direct(peer)
+            except _Unreachable as exc:
+                if not self._cfg.fallback:
+                    raise PeerUnavailable(peer, f"cannot reach the data-plane port: {exc}") from None
+                self._direct_failed[peer] = trio.current_time() + self._cfg.direct_retry
+                log.info("data plane: %s is not reachable directly (%s); using the libp2p stream", peer[:16], exc)
+        return await self._connect_stream(peer)
+
+    async def _connect_stream(self, peer: str) -> StreamChannel:
+        cfg = self._cfg
+        stream = await self._transport.open_stream(peer, TENSOR)
+        ch: StreamChannel | None = None
+        try:
+            await stream_hello(stream, peer, cfg.connect_timeout)
+            ch = StreamChannel(stream, peer, cfg, self.budget)
+            await self._nursery.start(self._run_stream, ch)
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            if isinstance(exc, RemoteProtocolError):
+                raise PeerUnavailable(peer, f"libp2p tensor channel set-up failed: {exc}") from None
+            raise
+        return ch
+
+    async def _connect_direct(self, peer: str) -> BulkChannel:
+        """A direct channel; _Unreachable when the TCP connects fail (not when the peer refuses a ticket)."""
         cfg = self._cfg
         ch: BulkChannel | None = None
         streams: list[trio.SocketStream] = []
@@ -115,7 +166,12 @@ class DataPlane:
                 if lanes > cfg.lanes:
                     raise RemoteProtocolError(f"peer granted {lanes} lanes, {cfg.lanes} were asked for")
                 for i in range(lanes):
-                    stream = await trio.open_tcp_stream(host, reply["port"])
+                    try:
+                        with trio.fail_after(cfg.direct_timeout):
+                            stream = await trio.open_tcp_stream(host, reply["port"])
+                    except (OSError, trio.TooSlowError) as exc:
+                        why = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
+                        raise _Unreachable(f"{host}:{reply['port']}: {why}") from None
                     streams.append(stream)
                     _tune(stream, cfg)
                     await stream.send_all(reply["ticket"] + bytes([i]))
@@ -209,11 +265,53 @@ class DataPlane:
                 self.admission.issued(peer)
                 await stream.send_all(encode_frame(
                     tf.encode_ticket_reply(ticket=ticket, cipher=cipher, k_dial=k_dial, k_listen=k_listen,
-                                           host=self._cfg.advertise_host or self.host, port=self.port,
+                                           host=self.announced[0], port=self.announced[1],
                                            lanes=lanes),
                     max_frame=limits.max_control_frame))
         except (RemoteProtocolError, PeerUnavailable, trio.TooSlowError) as exc:
             log.info("bulk ticket exchange with %s failed: %s", peer, exc)
+
+    async def handle_stream(self, stream: Stream) -> None:
+        """TENSOR handler: a peer that cannot reach our data-plane port opens a channel on the libp2p
+        connection instead; same admission as a ticket (who, and how many channels)."""
+        peer = stream.remote_peer
+        if self.refusals.banned(peer, now=trio.current_time()) or self._closed:
+            return
+        if self._admit is not None and not self._admit(peer):
+            self._refuse(peer, "bulk/not-admitted", "no job of this node has it as a member")
+            return   # the transport closes the stream when its handler returns
+        why = self.admission.may_issue(peer)
+        if why or not self.admission.start_handshake():
+            self._refuse(peer, "bulk/caps", why or "too many handshakes in progress")
+            return
+        try:
+            try:
+                ok = await stream_welcome(stream, self._cfg.connect_timeout)
+            except (RemoteProtocolError, PeerUnavailable) as exc:
+                log.info("libp2p tensor channel from %s: %s", peer, exc)
+                return
+        finally:
+            self.admission.end_handshake()
+        if not ok:
+            return
+        ch = StreamChannel(stream, peer, self._cfg, self.budget)
+        self.admission.channel_opened(peer)
+        try:
+            try:
+                self._incoming_send.send_nowait(ch)
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                await ch.aclose()
+                return
+            await self._run_stream(ch)   # the stream lives as long as this handler
+        finally:
+            self.admission.channel_closed(peer)
+
+    async def _run_stream(self, ch: StreamChannel, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self._open_streams.add(ch)
+        try:
+            await ch.run(task_status=task_status)
+        finally:
+            self._open_streams.discard(ch)
 
     def _expire(self) -> None:
         now = trio.current_time()
@@ -317,11 +415,15 @@ async def open_data_plane(transport: Transport, *, config: DataPlaneConfig | Non
         dp = DataPlane(transport, cfg, nursery, sockname[0], int(sockname[1]), admit=admit, refusals=refusals)
         await nursery.start(trio.serve_listeners, dp.handle_tcp, listeners)
         transport.set_stream_handler(BULK_TICKET, dp.handle_ticket)
+        transport.set_stream_handler(TENSOR, dp.handle_stream)
         try:
             yield dp
         finally:
             dp._closed = True
             dp._detach()
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                for ch in list(dp._open_streams):   # accepted ones live in the transport's handler tasks
+                    await ch.abort()
             dp._incoming_send.close()
             for ticket in dp._tickets.values():  # lanes of channels whose other lanes never came
                 for sock in ticket.socks:
@@ -330,4 +432,5 @@ async def open_data_plane(transport: Transport, *, config: DataPlaneConfig | Non
             nursery.cancel_scope.cancel()
 
 
-__all__ = ["BulkChannel", "DataPlane", "DataPlaneConfig", "open_data_plane"]
+__all__ = ["PATH_DIRECT", "PATH_LIBP2P", "BulkChannel", "DataPlane", "DataPlaneConfig", "Link", "StreamChannel",
+           "open_data_plane"]

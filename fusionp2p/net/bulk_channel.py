@@ -41,6 +41,10 @@ class DataPlaneConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     advertise_host: str | None = None   # address peers should dial (default: the bound address)
+    advertise_port: int = 0             # port peers should dial (0: the bound port; e.g. a NAT's forwarded port)
+    fallback: bool = True               # no direct TCP connection possible: tensors over the libp2p stream
+    direct_timeout: float = 3.0         # for the TCP connects of a direct channel, before falling back
+    direct_retry: float = 60.0          # after a failed direct dial, a peer is dialled on the fallback path this long
     cipher: str = field(default_factory=default_cipher)
     window: int = 8                     # messages in flight per direction
     chunk_size: int = 1 * MiB           # plaintext bytes per record (fits L2 with the socket copy: less CPU than 4 MiB)
@@ -77,11 +81,17 @@ class DataPlaneConfig:
             raise ConfigError("DataPlaneConfig.chunk_size must be between 1 KiB and limits.max_frame")
         if not 0 < self.keepalive < self.dead_after:
             raise ConfigError("DataPlaneConfig needs 0 < keepalive < dead_after")
-        if self.connect_timeout <= 0 or self.ticket_ttl <= 0:
+        if min(self.connect_timeout, self.ticket_ttl, self.direct_timeout) <= 0 or self.direct_retry < 0:
             raise ConfigError("DataPlaneConfig timeouts must be positive")
+        if not 0 <= self.listen_port < 65536 or not 0 <= self.advertise_port < 65536:
+            raise ConfigError("DataPlaneConfig ports must be between 0 and 65535")
         if min(self.max_handshakes, self.max_peer_tickets, self.max_channels, self.max_peer_channels,
                self.max_buffered, self.max_peer_buffered) < 1:
             raise ConfigError("DataPlaneConfig caps (max_handshakes ... max_peer_buffered) must be positive")
+
+
+PATH_DIRECT = "direct"   # BulkChannel: TCP to the peer's data-plane port, our own AEAD
+PATH_LIBP2P = "libp2p"   # StreamChannel: a stream on the libp2p connection the peers share (net/stream_channel.py)
 
 
 # writer-queue items: (tag, payload, trio.Event to set when done or None)
@@ -153,6 +163,8 @@ class BulkChannel:
     sent. Aux lanes never declare the peer dead by themselves: a silent aux lane waits as long as lane 0
     hears from the peer (lane 0 has the deadlines and keepalives).
     """
+
+    path = PATH_DIRECT
 
     def __init__(self, stream: trio.SocketStream | socket.socket | list[trio.SocketStream | socket.socket],
                  peer: str, keys: tuple[bytes, bytes], cfg: DataPlaneConfig, budget: BufferBudget | None = None,
@@ -790,4 +802,4 @@ def _keep_freed_heap() -> None:
     mallopt(m_trim_threshold, 1024 * MiB)
 
 
-__all__ = ["BulkChannel", "DataPlaneConfig"]
+__all__ = ["PATH_DIRECT", "PATH_LIBP2P", "BulkChannel", "DataPlaneConfig"]

@@ -27,7 +27,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +123,16 @@ class Libp2pStream:
     @property
     def remote_peer(self) -> str:
         return self._remote
+
+    @property
+    def remote_ip(self) -> str | None:
+        """The IP address the connection under this stream comes from (as seen here: behind a NAT, the
+        NAT's public address), or None if unknown."""
+        try:
+            addr = self._s.get_remote_address()
+        except Exception:
+            return None
+        return str(addr[0]) if addr else None
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         try:
@@ -314,6 +324,7 @@ class Libp2pTransport:
         _install_fast_paths()
         self._identity = identity
         self._config = config
+        self._reverse: Callable[[str], Awaitable[bool]] | None = None
         kp = identity.key_pair
         self.host = new_host(
             key_pair=kp,
@@ -421,10 +432,26 @@ class Libp2pTransport:
             log.debug("dht.add_peer(%s): %s", peer, exc)
         return peer
 
+    def set_reverse_dialer(self, fn: Callable[[str], Awaitable[bool]] | None) -> None:
+        """*fn(peer)* asks a third party to have *peer* dial us (connection reversal, ``swarm/reach.py``);
+        ``open_stream`` calls it when *peer* cannot be dialled (it sits behind a NAT), then tries again."""
+        self._reverse = fn
+
     async def open_stream(self, peer: str, protocol: str) -> Libp2pStream:
         pid = _peer(peer)
-        if not self._network().connections.get(pid):
+        connected = bool(self._network().connections.get(pid))
+        if not connected:
             self._network().unblock_peer(pid)
+        try:
+            return await self._new_stream(peer, pid, protocol)
+        except PeerUnavailable:
+            if connected or self._reverse is None or self._network().connections.get(pid):
+                raise
+            if not await self._reverse(peer):
+                raise
+        return await self._new_stream(peer, pid, protocol)   # on the connection the peer opened to us
+
+    async def _new_stream(self, peer: str, pid: ID, protocol: str) -> Libp2pStream:
         try:
             with trio.fail_after(self._config.stream_timeout):
                 s = await self.host.new_stream(pid, [TProtocol(protocol)])

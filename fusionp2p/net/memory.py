@@ -43,6 +43,11 @@ class MemoryStream:
     def remote_peer(self) -> str:
         return self._remote
 
+    @property
+    def remote_ip(self) -> str | None:
+        """Every in-memory peer lives in this process: it is seen at the loopback address."""
+        return "127.0.0.1"
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         if self._net.is_dead(self._remote) or self._net.is_dead(self._local):
             raise PeerUnavailable(self._remote, "peer is dead")

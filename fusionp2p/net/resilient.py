@@ -4,7 +4,7 @@ Theory of operation (docs/dataplane.md "Reconnecting channels"):
 
 * A :class:`ResilientChannel` is a *session* between two peers, named by the dialer's random session id
   and a channel name both sides agree on (e.g. ``"job/stage0->stage1"``). It runs over one
-  :class:`~fusionp2p.net.bulk.BulkChannel` at a time, the *link*. The dialer opens links
+  :class:`~fusionp2p.net.bulk.Link` at a time, the *link*. The dialer opens links
   (``DataPlane.connect``); the listener's :class:`ResilientAcceptor` routes each incoming link to the
   session it resumes, keyed by ``(authenticated remote peer, channel name)``.
 * **Handshake.** The dialer's first message on a link is ``hello`` (name, session, whether the session
@@ -53,7 +53,7 @@ from fusionp2p.errors import (
     PeerUnavailable,
     RemoteProtocolError,
 )
-from fusionp2p.net.bulk import BulkChannel
+from fusionp2p.net.bulk import Link
 from fusionp2p.net.channel import TensorMessage
 from fusionp2p.wire.msg import expect_map, typed_field
 
@@ -277,14 +277,14 @@ class SequenceBook:
 class Dialer(Protocol):
     """What a dialing channel reconnects through (a :class:`~fusionp2p.net.bulk.DataPlane`)."""
 
-    async def connect(self, peer: str) -> BulkChannel: ...
+    async def connect(self, peer: str) -> Link: ...
 
 
 class _Rejected(Exception):
     pass
 
 
-async def _close_quietly(link: BulkChannel) -> None:
+async def _close_quietly(link: Link) -> None:
     try:
         await link.aclose()
     except (FusionError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -310,17 +310,18 @@ class ResilientChannel:
         self._book = SequenceBook(cfg.window)
         self._changed = trio.Event()
         self._write_lock = trio.Lock()        # one writer of data at a time, in sequence order
-        self._link: BulkChannel | None = None
+        self._link: Link | None = None
         self._link_scope: trio.CancelScope | None = None
         self._link_sent = 0                   # highest sequence number put on the current link
         self._ack_sent = 0                    # highest delivered count told to the peer
         self._lost: PeerUnavailable | None = None
-        self._pending: tuple[BulkChannel, Hello] | None = None  # accepting side: a link to resume on
+        self._pending: tuple[Link, Hello] | None = None  # accepting side: a link to resume on
         self._scope = trio.CancelScope()
         self._established = False
         self._error: FusionError | None = None
         self._closed = False
         self.links = 0                        # links opened so far (1 + reconnects)
+        self.path = ""                        # of the latest link: "direct" (TCP) or "libp2p" (the fallback stream)
 
     @property
     def remote_peer(self) -> str:
@@ -405,7 +406,7 @@ class ResilientChannel:
         self._scope.cancel()
         self._wake()
 
-    def _lose(self, link: BulkChannel, exc: PeerUnavailable) -> None:
+    def _lose(self, link: Link, exc: PeerUnavailable) -> None:
         """*link* failed: stop using it (the supervisor reconnects)."""
         if self._link is link:
             self._link = None
@@ -414,7 +415,7 @@ class ResilientChannel:
                 self._link_scope.cancel()
             self._wake()
 
-    def _attach(self, link: BulkChannel, hello: Hello) -> None:
+    def _attach(self, link: Link, hello: Hello) -> None:
         """(accepting side) The dialer resumed on *link*: drop the current link, which it has given up."""
         if self._closed or self._error is not None:
             self._nursery.start_soon(_close_quietly, link)
@@ -422,6 +423,7 @@ class ResilientChannel:
         if self._pending is not None:
             self._nursery.start_soon(_close_quietly, self._pending[0])
         self._pending = (link, hello)
+        self.path = self.path or link.path
         if self._link is not None:
             self._lose(self._link, PeerUnavailable(self._peer, "replaced by a new link"))
         self._wake()
@@ -447,7 +449,7 @@ class ResilientChannel:
                 self._link_sent = max(self._link_sent, item[0])
                 self._ack_sent = max(self._ack_sent, delivered)
 
-    def _link_error(self, link: BulkChannel, exc: BaseException) -> None:
+    def _link_error(self, link: Link, exc: BaseException) -> None:
         """A link operation failed: a forged frame fails the channel, anything else loses the link (a
         no-op unless *link* is the current one)."""
         if isinstance(exc, RemoteProtocolError):
@@ -461,7 +463,7 @@ class ResilientChannel:
         else:
             self._lose(link, PeerUnavailable(self._peer, "link closed"))
 
-    async def _pump(self, link: BulkChannel) -> None:
+    async def _pump(self, link: Link) -> None:
         """Drain the link at once (acks must never wait behind tensors the application has not taken)."""
         while True:
             try:
@@ -477,7 +479,7 @@ class ResilientChannel:
             if kind != "duplicate":
                 self._wake()
 
-    async def _acker(self, link: BulkChannel) -> None:
+    async def _acker(self, link: Link) -> None:
         """Tell the peer what the application has taken (coalesced: one ack in flight at a time)."""
         while True:
             while self._book.delivered <= self._ack_sent:
@@ -493,16 +495,19 @@ class ResilientChannel:
             self._ack_sent = max(self._ack_sent, delivered)
 
     @staticmethod
-    async def _until_end(fn: Callable[[BulkChannel], Awaitable[None]], link: BulkChannel,
+    async def _until_end(fn: Callable[[Link], Awaitable[None]], link: Link,
                          scope: trio.CancelScope) -> None:
         try:
             await fn(link)
         finally:
             scope.cancel()  # the pump or the acker is done with this link: so is the other
 
-    async def _serve_link(self, link: BulkChannel, resend_after: int) -> PeerUnavailable | None:
+    async def _serve_link(self, link: Link, resend_after: int) -> PeerUnavailable | None:
         """Use *link* until it is lost (returns why) or the session ends (returns None)."""
         self._link, self._link_sent, self._ack_sent, self._lost = link, resend_after, self._book.delivered, None
+        if link.path != self.path:
+            log.info("resilient channel %r to %s runs on the %s path", self.name, self._peer[:16], link.path)
+        self.path = link.path
         self._established = True
         self.links += 1
         self._wake()
@@ -521,7 +526,7 @@ class ResilientChannel:
             self._wake()
         return self._lost
 
-    async def _dial_once(self) -> tuple[BulkChannel, Resume]:
+    async def _dial_once(self) -> tuple[Link, Resume]:
         assert self._dialer is not None
         link = await self._dialer.connect(self._peer)
         try:
@@ -542,7 +547,7 @@ class ResilientChannel:
             self._nursery.start_soon(_close_quietly, link)
             raise
 
-    async def _redial(self, deadline: float, cause: PeerUnavailable | None) -> tuple[BulkChannel, int]:
+    async def _redial(self, deadline: float, cause: PeerUnavailable | None) -> tuple[Link, int]:
         """(dialing side) A new link, resumed, before *deadline*; PeerUnavailable otherwise."""
         delay = self._cfg.backoff_initial
         while True:
@@ -566,7 +571,7 @@ class ResilientChannel:
                 why = f": {cause.reason}" if cause is not None and cause.reason else ""
                 raise PeerUnavailable(self._peer, f"not reachable within {self._cfg.reconnect_timeout:g} s{why}")
 
-    async def _await_attach(self, deadline: float, cause: PeerUnavailable | None) -> tuple[BulkChannel, int]:
+    async def _await_attach(self, deadline: float, cause: PeerUnavailable | None) -> tuple[Link, int]:
         """(accepting side) The next link the dialer resumes on, before *deadline*."""
         while True:
             if self._pending is not None:
@@ -671,7 +676,7 @@ class ResilientAcceptor:
         self._incoming_send, self.incoming = trio.open_memory_channel[ResilientChannel](cfg.incoming_buffer)
         self._closed = False
 
-    async def serve(self, incoming: trio.MemoryReceiveChannel[BulkChannel], *,
+    async def serve(self, incoming: trio.MemoryReceiveChannel[Link], *,
                     task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Take every link from *incoming* (``DataPlane.incoming``: all its channels must be resilient)
         until it ends; run it again with a restarted data plane's ``incoming``."""
@@ -682,7 +687,7 @@ class ResilientAcceptor:
             else:
                 self._nursery.start_soon(self.attach, link)
 
-    async def attach(self, link: BulkChannel, first: TensorMessage | None = None) -> None:
+    async def attach(self, link: Link, first: TensorMessage | None = None) -> None:
         """Read the hello on one incoming link (within ``handshake_timeout``) and route it; *first* is the
         link's first message when the caller has already read it (to route mixed links: a resilient
         hello has kind ``"_rc"``). A bad or late hello closes the link; it never raises."""
@@ -720,7 +725,7 @@ class ResilientAcceptor:
             self._nursery.start_soon(ch._run)
         ch._attach(link, hello)
 
-    async def _reject(self, link: BulkChannel, why: str) -> None:
+    async def _reject(self, link: Link, why: str) -> None:
         log.info("rejecting a resilient channel from %s: %s", link.remote_peer, why)
         with trio.move_on_after(self._cfg.handshake_timeout):
             with suppress(FusionError, trio.ClosedResourceError):

@@ -50,16 +50,27 @@ from fusionp2p.swarm.probe import (
     open_probe,
     probe_size,
 )
+from fusionp2p.swarm.reach import (
+    ReachConfig,
+    ReachService,
+    check_reach,
+    install_reversal,
+    should_dial,
+    verdict,
+)
 from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.check import as_bytes, as_list, as_map, as_str
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.limits import DEFAULT_LIMITS
 from fusionp2p.wire.msg import packb, unpackb
-from fusionp2p.wire.protocols import PROBE, TOPIC_MEMBERS
+from fusionp2p.wire.protocols import PROBE, REACH, TOPIC_MEMBERS
 from fusionp2p.wire.records import (
     MAX_BANDWIDTH,
     MAX_RECORD,
     MAX_RTT,
+    REACH_P2P,
+    REACH_PRIVATE,
+    REACH_UNKNOWN,
     BandwidthReport,
     Measurement,
     NodeRecord,
@@ -87,6 +98,7 @@ class SwarmConfig:
     probing: bool = True               # measure bandwidth to peers (off on bootstraps)
     join_attempts: int = 5
     join_backoff: float = 0.5
+    reach: ReachConfig = field(default_factory=ReachConfig)
 
     def __post_init__(self) -> None:
         if self.role not in ("node", "bootstrap"):
@@ -159,6 +171,15 @@ class SwarmNode:
         self._rng = rng or random.Random()
         self._leaving = False
         self.listeners: list[Callable[[MemberEvent], None]] = []
+        # announced in our record: the data plane's addresses (set by the job service once it listens) and
+        # what the bootstrap's dial-back found (swarm/reach.py)
+        self.data_addrs: tuple[str, ...] = ()
+        self.reach = REACH_UNKNOWN
+        self.reach_detail = ""                      # what the last check found, for logs and status
+        self._servers: set[str] = set()             # the bootstraps we joined (dial-back checks, reversal)
+        self._reach_now = trio.Event()
+        self.reach_service = ReachService(transport, serve_checks=config.role == "bootstrap",
+                                          servers=lambda: self._servers, config=config.reach)
         self._dial_send, self._dial_recv = trio.open_memory_channel[NodeRecord](1024)
 
     # -- public -----------------------------------------------------------------------------------
@@ -166,8 +187,11 @@ class SwarmNode:
         """Join through *bootstrap* addresses and serve until cancelled."""
         self.transport.set_stream_handler(PROBE, self._probe_server)
         self.transport.set_stream_handler(VIEW, self._serve_view)
+        self.transport.set_stream_handler(REACH, self.reach_service)
         members = await self.transport.subscribe(TOPIC_MEMBERS)
         joined = await self._join(bootstrap)
+        self._servers = set(joined)
+        install_reversal(self.transport, lambda: sorted(self._servers & set(self.transport.connected_peers())))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._listen, members)
             pulled = trio.Event()
@@ -176,6 +200,8 @@ class SwarmNode:
             nursery.start_soon(self._dialer)
             if self.config.probing and self.config.role == "node":
                 nursery.start_soon(self._probe_loop)
+            if self.config.role == "node" and self._servers:
+                nursery.start_soon(self._reach_loop)
             # Our first record announces our heartbeat period, which follows the swarm's size: with the view
             # in hand it is the stretched one at once (otherwise the configured one, and an extra beat that
             # every node of a forming swarm sends within a second). The pull is not waited for long.
@@ -184,6 +210,41 @@ class SwarmNode:
             await self._publish_record()
             nursery.start_soon(self._heartbeat_loop)
             task_status.started()
+
+    def set_data_addrs(self, addrs: tuple[str, ...]) -> None:
+        """The data plane listens (``jobs/node.py``): announce *addrs* and check that peers can dial them."""
+        self.data_addrs = addrs
+        self._reach_now.set()
+
+    async def _reach_loop(self) -> None:
+        """Learn our reachability from a bootstrap's dial-back (``swarm/reach.py``), at once when the data
+        plane's addresses are known, then every ``reach.recheck`` seconds; announce changes early."""
+        cfg = self.config.reach
+        while True:
+            with trio.move_on_after(cfg.recheck):
+                await self._reach_now.wait()
+            self._reach_now = trio.Event()
+            p2p = [a.rsplit("/p2p/", 1)[0] for a in self.transport.listen_addrs()]
+            for server in sorted(self._servers):
+                try:
+                    ok_p2p, ok_data, ip = await check_reach(self.transport, server, p2p=p2p, data=list(self.data_addrs),
+                                                            timeout=cfg.request_timeout)
+                except (PeerUnavailable, RemoteProtocolError) as exc:
+                    log.debug("reach check via %s: %s", server[:16], exc)
+                    continue
+                reach = verdict(ok_p2p, ok_data) if self.data_addrs else (REACH_P2P if ok_p2p else REACH_PRIVATE)
+                self.reach_detail = (f"seen at {ip}; libp2p {'dialable' if ok_p2p else 'NOT dialable'} at "
+                                     f"{' '.join(p2p) or '-'}; data plane {'dialable' if ok_data else 'NOT dialable'} "
+                                     f"at {' '.join(self.data_addrs) or '-'}")
+                if reach != self.reach:
+                    log.info("reachability: %s (%s)", reach, self.reach_detail)
+                    if not ok_data and self.data_addrs:
+                        log.warning("peers cannot reach this node's data plane (%s): its tensors go over the slower "
+                                    "libp2p connection; forward the port and pass --data-announce (docs/networking.md)",
+                                    " ".join(self.data_addrs))
+                    self.reach = reach
+                    self._beat_now.set()   # announced at once
+                break
 
     async def leave(self) -> None:
         """Announce departure (peers remove us at once)."""
@@ -217,7 +278,8 @@ class SwarmNode:
     @staticmethod
     def _member_json(rec: NodeRecord) -> dict[str, Any]:
         prof = rec.profile
-        return {"peer": rec.peer, "role": rec.role, "addrs": list(rec.addrs), "profile": prof.to_wire() if prof else None}
+        return {"peer": rec.peer, "role": rec.role, "addrs": list(rec.addrs), "data": list(rec.data), "reach": rec.reach,
+                "profile": prof.to_wire() if prof else None}
 
     # -- joining ----------------------------------------------------------------------------------
     async def _join(self, bootstrap: list[str]) -> list[str]:
@@ -271,7 +333,8 @@ class SwarmNode:
         self._seq += 1
         self._announced = self.period()   # peers time us out by this, so it is also our next wait
         return NodeRecord(peer=self.peer_id, role=self.config.role, addrs=tuple(a.rsplit("/p2p/", 1)[0] for a in self.transport.listen_addrs()),
-                          profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced)
+                          profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced,
+                          data=self.data_addrs, reach=self.reach)
 
     async def _publish_record(self, leaving: bool = False) -> None:
         self._last_beat = trio.current_time()
@@ -349,8 +412,9 @@ class SwarmNode:
             # Only the larger peer id dials: simultaneous cross-dials leave py-libp2p with a half-dead
             # duplicate connection on which new streams hang (seen with 8 hosts in one process). A member
             # we are not connected to (never yet, or the connection dropped) is dialled at its heartbeat.
-            if (rec.peer < self.peer_id and not rec.leaving and rec.peer not in self._dialed and rec.addrs
-                    and rec.peer not in self.transport.connected_peers()):
+            # A node that peers cannot dial (behind a NAT) dials those that can instead (swarm/reach.py).
+            if (should_dial(self.peer_id, self.reach, rec.peer, rec.reach) and not rec.leaving
+                    and rec.peer not in self._dialed and rec.addrs and rec.peer not in self.transport.connected_peers()):
                 self._dialed.add(rec.peer)
                 self._spawn_dial(rec)
         elif isinstance(rec, BandwidthReport) and self.bandwidth.on_report(rec):

@@ -314,7 +314,11 @@ def up(
             name = f"{netns.PREFIX}{r.getrandbits(24):06x}"
     elif name in existing:
         raise ConfigError(f"testbed {name} already exists; run `fusionp2p testbed down {name}` first")
-    layout = netns.make_layout(name, r.randrange(256), [(h.up_bps, h.down_bps) for h in spec.hosts])
+    if any(h.nat for h in spec.hosts) and shutil.which("iptables") is None:
+        raise ConfigError("the spec has hosts behind a NAT: the routers need iptables (make iptables, or "
+                          "apt-get install iptables)")
+    layout = netns.make_layout(name, r.randrange(256), [(h.up_bps, h.down_bps) for h in spec.hosts],
+                               [h.nat for h in spec.hosts])
     owns = workdir is None
     wd = Path(tempfile.mkdtemp(prefix=f"{name}-")) if workdir is None else Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
@@ -336,8 +340,7 @@ def up(
     except BaseException:
         # Remove only what this call created: should another run have taken the same name in the
         # meantime (1 in 16 million), its namespaces are not ours to delete.
-        for ns in reversed(created):
-            netns.delete_namespace(ns)
+        netns.delete_namespaces(list(reversed(created)))
         if created:
             netns.remove_cpu_cgroups(name)
         if owns:
@@ -354,15 +357,10 @@ def _delete_run(run: str) -> list[str]:
     """Delete every namespace of ``run`` (hosts first, then the bridge); return the names deleted."""
     mine = [ns for ns in netns.list_namespaces() if netns.run_of(ns) == run]
     mine.sort(key=lambda ns: ns.endswith("-br"))
-    errors: list[str] = []
-    for ns in mine:
-        try:
-            netns.delete_namespace(ns)
-        except TestbedError as e:
-            errors.append(str(e))
-    netns.remove_cpu_cgroups(run)  # after the namespaces: their processes are dead by now
-    if errors:
-        raise TestbedError("; ".join(errors))
+    try:
+        netns.delete_namespaces(mine)   # every process of the run killed at once, one wait
+    finally:
+        netns.remove_cpu_cgroups(run)  # after the namespaces: their processes are dead by now
     return mine
 
 
@@ -410,7 +408,11 @@ def describe(tb: Testbed) -> str:
             comp += f", {h.spec.cpus:g} cpus"
         if h.spec.torch_threads is not None:
             comp += f", {h.spec.torch_threads} threads"
+        if h.spec.nat:
+            comp += f", behind NAT {h.spec.nat!r}"
         rows.append(f"  {h.name:<12} {h.namespace:<18} {h.address:<15} {rate(h.spec.up_bps):>9} {rate(h.spec.down_bps):>9}  {comp}")
+    rows += [f"  NAT {r.group!r}: router {r.namespace} at {r.wan_address}, LAN {r.lan_prefix}.0/24 (MASQUERADE)"
+             for r in tb.layout.routers]
     return "\n".join(rows)
 
 def _remove_tmp_workdirs(run: str) -> None:

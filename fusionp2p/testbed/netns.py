@@ -48,7 +48,9 @@ log = logging.getLogger(__name__)
 
 PREFIX = "fp2p-"
 _RUN_RE = re.compile(r"^fp2p-[0-9a-f]{6}$")
-_NS_RE = re.compile(r"^(fp2p-[0-9a-f]{6})-(br|h[0-9]{1,3})$")
+_NS_RE = re.compile(r"^(fp2p-[0-9a-f]{6})-(br|h[0-9]{1,3}|r[0-9]{1,2})$")
+NETNS_DIR = Path("/run/netns")   # where `ip netns add` bind-mounts named namespaces
+MAX_ROUTERS = 40  # NAT groups per run: router WAN addresses .250 down to .211, LANs 192.168.100-139.0/24
 MAX_HOSTS = 200  # addresses .10 .. .209 of the run's /24
 NEEDS = "testbed needs root and iproute2 (ip netns, tc)"
 
@@ -123,13 +125,28 @@ def tbf_params(rate_bps: int) -> TbfParams:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HostLink:
-    """One host's place in the layout: its namespace, address and (optional) shaped rates."""
+    """One host's place in the layout: its namespace, address and (optional) shaped rates; a host behind
+    a NAT router has the router's namespace and LAN gateway (its address is then a private one)."""
 
     index: int
     namespace: str
     address: str
     up_bps: int | None
     down_bps: int | None
+    router: str = ""      # the NAT router's namespace ("": on the public bridge)
+    gateway: str = ""     # the router's LAN address (the host's default route)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RouterLink:
+    """A NAT router: one namespace with a WAN leg on the public bridge and a LAN bridge for its hosts,
+    forwarding LAN -> WAN with iptables MASQUERADE (nothing is forwarded in: no port is open)."""
+
+    index: int
+    group: str
+    namespace: str
+    wan_address: str      # on the public /24
+    lan_prefix: str       # "192.168.<100 + index>"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,11 +157,12 @@ class Layout:
     bridge_ns: str
     octet: int
     hosts: tuple[HostLink, ...]
+    routers: tuple[RouterLink, ...] = ()
 
     @property
     def namespaces(self) -> tuple[str, ...]:
-        """Host namespaces first, bridge last: the order teardown uses (processes live in hosts)."""
-        return (*(h.namespace for h in self.hosts), self.bridge_ns)
+        """Host namespaces first, then routers, bridge last: the order teardown uses (processes live in hosts)."""
+        return (*(h.namespace for h in self.hosts), *(r.namespace for r in self.routers), self.bridge_ns)
 
 
 def check_run_name(run: str) -> str:
@@ -153,18 +171,29 @@ def check_run_name(run: str) -> str:
     return run
 
 
-def make_layout(run: str, octet: int, rates: Sequence[tuple[int | None, int | None]]) -> Layout:
-    """Lay out ``len(rates)`` hosts for run ``run`` on ``10.77.<octet>.0/24``; rates are (up, down)."""
+def make_layout(run: str, octet: int, rates: Sequence[tuple[int | None, int | None]],
+                nats: Sequence[str] | None = None) -> Layout:
+    """Lay out ``len(rates)`` hosts for run ``run`` on ``10.77.<octet>.0/24``; rates are (up, down).
+    ``nats[i]`` names the NAT group of host i ("" for a public host): each group gets a router and a
+    private LAN ``192.168.<100 + k>.0/24`` where the host keeps its index as ``.<10 + i>``."""
     check_run_name(run)
     if not 0 <= octet <= 255:
         raise ConfigError("subnet octet must be in 0..255")
     if not 1 <= len(rates) <= MAX_HOSTS:
         raise ConfigError(f"a testbed has 1..{MAX_HOSTS} hosts, got {len(rates)}")
-    hosts = tuple(
-        HostLink(index=i, namespace=f"{run}-h{i}", address=f"10.77.{octet}.{10 + i}", up_bps=up, down_bps=down)
-        for i, (up, down) in enumerate(rates)
-    )
-    return Layout(run=run, bridge_ns=f"{run}-br", octet=octet, hosts=hosts)
+    groups = list(dict.fromkeys(g for g in (nats or ()) if g))
+    if len(groups) > MAX_ROUTERS:
+        raise ConfigError(f"a testbed has at most {MAX_ROUTERS} NAT groups, got {len(groups)}")
+    routers = tuple(RouterLink(index=k, group=g, namespace=f"{run}-r{k}", wan_address=f"10.77.{octet}.{250 - k}",
+                               lan_prefix=f"192.168.{100 + k}") for k, g in enumerate(groups))
+    by_group = {r.group: r for r in routers}
+    hosts = []
+    for i, (up, down) in enumerate(rates):
+        r = by_group.get((nats or [""] * len(rates))[i] or "\0")
+        hosts.append(HostLink(index=i, namespace=f"{run}-h{i}", up_bps=up, down_bps=down,
+                              address=f"{r.lan_prefix}.{10 + i}" if r else f"10.77.{octet}.{10 + i}",
+                              router=r.namespace if r else "", gateway=f"{r.lan_prefix}.1" if r else ""))
+    return Layout(run=run, bridge_ns=f"{run}-br", octet=octet, hosts=tuple(hosts), routers=routers)
 
 
 def plan_commands(layout: Layout) -> list[list[str]]:
@@ -172,26 +201,47 @@ def plan_commands(layout: Layout) -> list[list[str]]:
     br = layout.bridge_ns
     cmds: list[list[str]] = [["ip", "netns", "add", br]]
     cmds += [["ip", "netns", "add", h.namespace] for h in layout.hosts]
+    cmds += [["ip", "netns", "add", r.namespace] for r in layout.routers]
     cmds += [
         ["ip", "-n", br, "link", "set", "lo", "up"],
         ["ip", "-n", br, "link", "add", "br0", "type", "bridge"],
         ["ip", "-n", br, "link", "set", "br0", "up"],
     ]
+    for r in layout.routers:
+        rn, lan = r.namespace, f"{r.lan_prefix}.0/24"
+        cmds += [
+            # WAN leg on the public bridge, a LAN bridge for the group's hosts, and address translation
+            ["ip", "-n", br, "link", "add", f"r{r.index}", "type", "veth", "peer", "name", "wan0", "netns", rn],
+            ["ip", "-n", br, "link", "set", f"r{r.index}", "master", "br0"],
+            ["ip", "-n", br, "link", "set", f"r{r.index}", "up"],
+            ["ip", "-n", rn, "link", "set", "lo", "up"],
+            ["ip", "-n", rn, "addr", "add", f"{r.wan_address}/24", "dev", "wan0"],
+            ["ip", "-n", rn, "link", "set", "wan0", "up"],
+            ["ip", "-n", rn, "link", "add", "lan0", "type", "bridge"],
+            ["ip", "-n", rn, "addr", "add", f"{r.lan_prefix}.1/24", "dev", "lan0"],
+            ["ip", "-n", rn, "link", "set", "lan0", "up"],
+            ["ip", "netns", "exec", rn, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"],
+            ["ip", "netns", "exec", rn, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s", lan, "-o", "wan0",
+             "-j", "MASQUERADE"],
+        ]
     for h in layout.hosts:
         port, ns = f"p{h.index}", h.namespace
+        up_ns, master = (h.router, "lan0") if h.router else (br, "br0")   # where the host's port lives
         cmds += [
-            # Created inside the bridge namespace, peer moved directly into the host namespace.
-            ["ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns],
-            ["ip", "-n", br, "link", "set", port, "master", "br0"],
-            ["ip", "-n", br, "link", "set", port, "up"],
+            # Created inside the bridge (or router) namespace, peer moved directly into the host namespace.
+            ["ip", "-n", up_ns, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns],
+            ["ip", "-n", up_ns, "link", "set", port, "master", master],
+            ["ip", "-n", up_ns, "link", "set", port, "up"],
             ["ip", "-n", ns, "link", "set", "lo", "up"],
             ["ip", "-n", ns, "addr", "add", f"{h.address}/24", "dev", "eth0"],
             ["ip", "-n", ns, "link", "set", "eth0", "up"],
         ]
+        if h.gateway:
+            cmds.append(["ip", "-n", ns, "route", "add", "default", "via", h.gateway])
         if h.up_bps is not None:
             cmds.append(["tc", "-n", ns, "qdisc", "replace", "dev", "eth0", "root", *tbf_params(h.up_bps).argv()])
         if h.down_bps is not None:
-            cmds.append(["tc", "-n", br, "qdisc", "replace", "dev", port, "root", *tbf_params(h.down_bps).argv()])
+            cmds.append(["tc", "-n", up_ns, "qdisc", "replace", "dev", port, "root", *tbf_params(h.down_bps).argv()])
     return cmds
 
 
@@ -233,44 +283,90 @@ def run_cmd(argv: Sequence[str]) -> str:
 
 
 def list_namespaces() -> list[str]:
-    """Names of all network namespaces (``ip netns list`` prints 'name' or 'name (id: N)')."""
-    out = run_cmd(["ip", "netns", "list"])
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
+    """Names of all named network namespaces: the entries of /run/netns, where ``ip netns add`` mounts
+    them. Not ``ip netns list``: it also asks the kernel for every namespace's id over rtnetlink (two
+    round trips per namespace on the machine), which waits behind the kernel's teardown of namespaces
+    that were just deleted (``cleanup_net`` holds the rtnl lock while it dismantles their devices) and
+    costs seconds on a busy machine with many namespaces: issue 15's slow testbed teardown."""
+    try:
+        return sorted(e.name for e in os.scandir(NETNS_DIR))
+    except FileNotFoundError:
+        return []
 
 
 def namespace_pids(namespace: str) -> list[int]:
     """PIDs of the processes living in ``namespace`` (empty if it is gone)."""
-    res = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
-    return [int(tok) for tok in res.stdout.split() if tok.isdigit()]
+    return pids_by_namespace([namespace])[namespace]
+
+
+def pids_by_namespace(namespaces: Sequence[str]) -> dict[str, list[int]]:
+    """The processes living in each of ``namespaces``, from one scan of /proc: a process is in a named
+    namespace when its ``/proc/PID/ns/net`` is the same nsfs inode as ``/run/netns/NAME`` (what
+    ``ip netns pids`` checks, one subprocess and one scan per namespace)."""
+    out: dict[str, list[int]] = {ns: [] for ns in namespaces}
+    want: dict[tuple[int, int], str] = {}
+    for ns in namespaces:
+        try:
+            st = os.stat(NETNS_DIR / ns)
+        except OSError:
+            continue
+        want[(st.st_dev, st.st_ino)] = ns
+    if not want:
+        return out
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{entry.name}/ns/net")
+        except OSError:   # gone meanwhile, a kernel thread, or not ours to see
+            continue
+        found = want.get((st.st_dev, st.st_ino))
+        if found is not None:
+            out[found].append(int(entry.name))
+    return out
 
 
 def delete_namespace(namespace: str, *, timeout: float = 10.0) -> None:
     """SIGKILL whatever still runs in ``namespace`` (only ever ours), wait until it is gone, and
-    delete the namespace; idempotent.
+    delete the namespace; idempotent. See :func:`delete_namespaces`."""
+    delete_namespaces([namespace], timeout=timeout)
 
-    The wait uses pidfds (readable once the process has exited), so it needs no polling and works
-    for processes that are not our children (e.g. left behind by a testbed whose creator was
-    killed). Deleting a namespace destroys the veth ends in it, and a veth's peer goes with it.
+
+def delete_namespaces(namespaces: Sequence[str], *, timeout: float = 10.0) -> None:
+    """SIGKILL whatever still runs in ``namespaces`` (only ever ours), wait until all of it is gone
+    (one deadline for all), and delete the namespaces; idempotent.
+
+    All at once: one scan of /proc finds every process (:func:`pids_by_namespace`), every one is
+    killed before any is waited for, and the wait uses pidfds (readable once the process has exited),
+    so it needs no polling and works for processes that are not our children (e.g. left behind by a
+    testbed whose creator was killed). Deleting a namespace destroys the veth ends in it, and a
+    veth's peer goes with it.
     """
-    if run_of(namespace) is None:
-        raise ConfigError(f"refusing to delete namespace {namespace!r}: not a testbed namespace")
+    for ns in namespaces:
+        if run_of(ns) is None:
+            raise ConfigError(f"refusing to delete namespace {ns!r}: not a testbed namespace")
     fds: list[int] = []
     try:
-        for pid in namespace_pids(namespace):
-            try:
-                fd = os.pidfd_open(pid)  # pins this process: no pid-reuse race before the kill
-            except ProcessLookupError:
-                continue
-            fds.append(fd)
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        for pids in pids_by_namespace(namespaces).values():
+            for pid in pids:
+                try:
+                    fd = os.pidfd_open(pid)  # pins this process: no pid-reuse race before the kill
+                except ProcessLookupError:
+                    continue
+                fds.append(fd)
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
         _wait_exited(fds, timeout)
     finally:
         for fd in fds:
             os.close(fd)
-    res = subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, text=True, check=False)
-    if res.returncode != 0 and namespace in list_namespaces():
-        raise TestbedError(f"could not delete namespace {namespace}: {res.stderr.strip()}")
+    errors = []
+    for ns in namespaces:
+        res = subprocess.run(["ip", "netns", "delete", ns], capture_output=True, text=True, check=False)
+        if res.returncode != 0 and (NETNS_DIR / ns).exists():
+            errors.append(f"could not delete namespace {ns}: {res.stderr.strip()}")
+    if errors:
+        raise TestbedError("; ".join(errors))
 
 
 def _wait_exited(pidfds: Sequence[int], timeout: float) -> None:

@@ -19,7 +19,7 @@ from fusionp2p.testbed.netns import MAX_HOSTS, parse_rate
 
 __all__ = ["HostSpec", "TestbedSpec", "load_spec", "spec_from_dict"]
 
-_HOST_KEYS = {"name", "up", "down", "cpus", "torch_threads", "slowdown", "node_args"}
+_HOST_KEYS = {"name", "up", "down", "cpus", "torch_threads", "slowdown", "node_args", "nat"}
 _SPEC_KEYS = {"hosts", "bootstrap_host", "bootstrap_port", "description"}
 _NETEM_KEYS = {"latency", "delay", "rtt", "loss", "jitter"}
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyz0123456789-_")
@@ -41,8 +41,11 @@ class HostSpec:
     cpus: float | None = None
     slowdown: float = 1.0
     node_args: tuple[str, ...] = ()
+    nat: str = ""   # NAT group: hosts with the same one sit on a private LAN behind one MASQUERADE router
 
     def __post_init__(self) -> None:
+        if self.nat and (len(self.nat) > 32 or not set(self.nat) <= _NAME_OK):
+            raise ConfigError(f"host {self.name}: nat {self.nat!r}: use 1-32 characters from a-z, 0-9, '-', '_'")
         if not self.name or len(self.name) > 32 or not set(self.name) <= _NAME_OK:
             raise ConfigError(f"host name {self.name!r}: use 1-32 characters from a-z, 0-9, '-', '_'")
         if self.torch_threads is not None and not 1 <= self.torch_threads <= 256:
@@ -72,6 +75,8 @@ class TestbedSpec:
             raise ConfigError("host names in a testbed spec must be unique")
         if self.bootstrap_host and self.bootstrap_host not in names:
             raise ConfigError(f"bootstrap_host {self.bootstrap_host!r} is not one of the hosts {names}")
+        if next(h for h in self.hosts if h.name == self.bootstrap).nat:
+            raise ConfigError(f"the bootstrap host {self.bootstrap!r} is behind a NAT; put it on a public host")
         if not 1 <= self.bootstrap_port <= 65535:
             raise ConfigError("bootstrap_port must be in 1..65535")
 
@@ -123,6 +128,9 @@ def spec_from_dict(doc: Mapping[str, Any]) -> TestbedSpec:
         name = h.get("name")
         if not isinstance(name, str):
             raise ConfigError(f"hosts[{i}] needs a string 'name'")
+        nat = h.get("nat", "")
+        if not isinstance(nat, str):
+            raise ConfigError(f"{where}: nat must be a string (the NAT group's name)")
         hosts.append(
             HostSpec(
                 name=name,
@@ -132,6 +140,7 @@ def spec_from_dict(doc: Mapping[str, Any]) -> TestbedSpec:
                 cpus=None if cpus is None else float(cpus),
                 slowdown=float(slowdown),
                 node_args=tuple(args),
+                nat=nat,
             )
         )
     port = doc.get("bootstrap_port", 4001)

@@ -77,6 +77,7 @@ async def half_sent(dp: DataPlane, peer: str, *, announce: int, send: int) -> Bu
     """Open a channel to *peer* and send the first *send* bytes of a message of *announce* bytes, then
     nothing more (the dialing data plane should have a long keepalive, or its PINGs end the attack)."""
     ch = await dp.connect(peer)
+    assert isinstance(ch, BulkChannel), "the attack needs the direct path (the peer's data port must be reachable)"
     payload = torch.empty(max(0, announce - 256), dtype=torch.uint8)   # never written: costs no memory here
     parts = tf.encode_message(TensorMessage(job="x", kind="act", tensors=(payload,)))
     sent = 0

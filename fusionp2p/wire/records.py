@@ -33,6 +33,13 @@ MAX_BANDWIDTH = 1e13    # bytes/s: a measurement or capacity at or above it is r
 MAX_RTT = 3600.0        # seconds
 MAX_PERIOD = 3600.0     # a heartbeat period, seconds
 
+# A node's reachability as it learned it (swarm/reach.py): a bootstrap dialled its announced libp2p and
+# data-plane addresses back. "public": both answered; "p2p": only the libp2p one (the data port is
+# closed: peers use the fallback path); "data": only the data port; "private": neither (peers cannot
+# dial it: it dials them); "unknown": not checked (no bootstrap answered, or an older node).
+REACH_UNKNOWN, REACH_PUBLIC, REACH_P2P, REACH_DATA, REACH_PRIVATE = "unknown", "public", "p2p", "data", "private"
+REACHES = (REACH_UNKNOWN, REACH_PUBLIC, REACH_P2P, REACH_DATA, REACH_PRIVATE)
+
 Signer = Callable[[bytes], bytes]
 Verifier = Callable[[str, bytes, bytes], bool]
 
@@ -50,6 +57,12 @@ class NodeRecord:
     leaving: bool = False
     # the sender's heartbeat period, seconds (0: not announced; absent in records of older nodes)
     period: float = field(default=0.0, metadata={"wire": {"name": "hb", "lo": 0.0, "hi": MAX_PERIOD, "optional": True}})
+
+    # data-plane TCP multiaddrs peers should dial (empty: none; absent in records of older nodes)
+    data: tuple[str, ...] = field(default=(), metadata={"wire": {"max_len": MAX_ADDRS, "item": {"max_len": 255},
+                                                                 "optional": True}})
+    # whether its announced addresses were dialled back from outside (REACHES)
+    reach: str = field(default=REACH_UNKNOWN, metadata={"wire": {"choices": REACHES, "optional": True}})
 
     def body(self) -> dict[str, Any]:
         return to_wire(self)

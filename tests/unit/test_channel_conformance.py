@@ -61,6 +61,7 @@ async def bulk_pair(**cfg: Any) -> AsyncIterator[Pair]:
             a = await da.connect(tb.peer_id)
             b = await ready[0].incoming.receive()
             assert a.lanes == b.lanes == cfg["lanes"]
+            assert a.path == b.path == ("libp2p" if cfg.get("advertise_port") else "direct")
             yield Pair(a, b, ta.peer_id, tb.peer_id, scope_b.cancel)
             await a.aclose()
         nursery.cancel_scope.cancel()
@@ -87,13 +88,29 @@ async def resilient_pair() -> AsyncIterator[Pair]:
         nursery.cancel_scope.cancel()
 
 
+def _closed_port() -> int:
+    """A loopback port nothing listens on (connections to it are refused)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def libp2p_pair() -> Any:
+    """The fallback path: the listener announces a data-plane port that refuses connections, so the
+    dialer carries the tensors over a stream of the transport (``net/stream_channel.py``)."""
+    return bulk_pair(advertise_port=_closed_port(), lanes=1)
+
+
 def striped_pair() -> Any:
     """The encrypted channel over 3 lanes, every message striped over them (a small one is one slot, on
     the lane after the last message's first slot)."""
     return bulk_pair(lanes=3, chunk_size=16 * 1024, stripe_min=0)
 
 
-FACTORIES = {"memory": memory_pair, "bulk": bulk_pair, "striped": striped_pair, "resilient": resilient_pair}
+FACTORIES = {"memory": memory_pair, "bulk": bulk_pair, "striped": striped_pair, "resilient": resilient_pair,
+             "libp2p": libp2p_pair}
 
 
 def run(factory: str, body: Callable[[Pair], Any], timeout: float = 10.0) -> None:

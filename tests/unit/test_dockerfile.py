@@ -161,7 +161,50 @@ def test_runs_unprivileged_with_a_home_volume_and_the_p2p_port(docker: list[tupl
     assert re.search(rf"\b{re.escape(users[-1])}\b", useradd)
     volumes = [v for ins, rest in docker if ins == "VOLUME" for v in json.loads(rest)]
     assert home.group(1) in volumes
-    assert [rest for ins, rest in docker if ins == "EXPOSE"] == ["4001 9100"]   # libp2p; --http (docs/operations.md)
+    assert [rest for ins, rest in docker if ins == "EXPOSE"] == ["4001 4002 9100"]   # libp2p; data plane; --http
+
+
+def _docker_runs(text: str) -> list[list[str]]:
+    """The argument lists of every ``docker run`` command in a Markdown or Dockerfile text (continuation
+    lines joined; a Dockerfile's ``#`` comment prefixes dropped)."""
+    lines = [re.sub(r"^#\s?", "", ln).strip() for ln in text.splitlines()]
+    out: list[list[str]] = []
+    buf = ""
+    for line in lines:
+        if buf or line.startswith("docker run"):
+            if line.endswith("\\"):
+                buf += line[:-1] + " "
+                continue
+            out.append((buf + line).split())
+            buf = ""
+    return out
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/docker.md", "Dockerfile"])
+def test_documented_docker_run_publishes_the_exposed_ports_the_cli_listens_on(doc: str, docker: list[tuple[str, str]]) -> None:
+    """Every documented ``docker run ... node`` publishes the libp2p and data-plane ports it pins, those
+    ports are EXPOSEd, the announced ones match, and the CLI parses the command line."""
+    from fusionp2p.cli.main import build_parser
+    from fusionp2p.jobs.node import NodeJobConfig
+    from fusionp2p.net.addrs import tcp_endpoint
+
+    exposed = {int(p) for ins, rest in docker if ins == "EXPOSE" for p in rest.split()}
+    text = re.sub(r"\b(MY_)?PUBLIC_IP\b", "203.0.113.7", (ROOT / doc).read_text())   # the docs' placeholders
+    runs = [r for r in _docker_runs(text) if "node" in r]
+    assert runs, f"{doc} documents no `docker run ... node`"
+    for argv in runs:
+        published = {int(argv[i + 1].split(":")[1]) for i, a in enumerate(argv) if a == "-p"}
+        cli = argv[argv.index("fusionp2p") + 1:]          # the image's entry point is `fusionp2p`
+        args = build_parser().parse_args(cli)              # exits (SystemExit) on an unknown option
+        assert args.cmd == "node"
+        assert args.data_listen and args.data_announce, f"{doc}: pin and announce the data plane"
+        p2p = {tcp_endpoint(a, "--listen")[1] for a in args.listen}
+        data = tcp_endpoint(args.data_listen, "--data-listen")[1]
+        assert p2p | {data} <= published, f"{doc}: publish the libp2p and data-plane ports with -p"
+        assert published <= exposed, f"{doc}: every published port is EXPOSEd in the Dockerfile"
+        assert {tcp_endpoint(a, "--announce-addr", announce=True)[1] for a in args.announce_addr} == p2p
+        assert tcp_endpoint(args.data_announce, "--data-announce", announce=True)[1] == data
+        NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce)   # what the node checks
 
 
 def _ignored(path: str, patterns: list[str]) -> bool:

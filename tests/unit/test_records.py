@@ -39,6 +39,17 @@ def test_node_record_round_trip() -> None:
     assert decode_signed(encode_signed(rec, A.sign), verify) == rec
 
 
+def test_node_record_carries_data_addresses_and_reachability() -> None:
+    rec = node_record(data=("/ip4/203.0.113.7/tcp/4002",), reach="p2p")
+    assert decode_signed(encode_signed(rec, A.sign), verify) == rec
+    old = {k: v for k, v in rec.body().items() if k not in ("data", "reach")}   # a node before issue 21
+    b = packb(old)
+    back = decode_signed(packb({"v": 1, "t": "node", "b": b, "s": A.sign(b"node\x00" + b)}), verify)
+    assert isinstance(back, NodeRecord)
+    assert back.data == ()
+    assert back.reach == "unknown"
+
+
 def test_bandwidth_report_round_trip() -> None:
     rep = BandwidthReport(peer=A.peer_id, seq=1, uplink=1e6, downlink=2e6,
                           measurements=(Measurement(src=A.peer_id, dst=B.peer_id, bandwidth=1e6, rtt=0.01, samples=2),))
@@ -80,7 +91,8 @@ def test_malformed_body_fields_rejected() -> None:
         return packb({"v": 1, "t": "node", "b": b, "s": A.sign(b"node\x00" + b)})
 
     good = node_record().body()
-    for bad in ({**good, "role": "king"}, {**good, "addrs": "nope"}, {**good, "seq": -1},
+    for bad in ({**good, "role": "king"}, {**good, "addrs": "nope"}, {**good, "seq": -1}, {**good, "reach": "yes"},
+                {**good, "data": "nope"}, {**good, "data": [1]}, {**good, "data": ["x"] * 17},
                 {**good, "profile": {"device": "cpu"}}, {k: v for k, v in good.items() if k != "started"}):
         with pytest.raises(RemoteProtocolError):
             decode_signed(signed(bad), verify)

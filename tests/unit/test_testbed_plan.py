@@ -339,3 +339,39 @@ def test_proc_detached_output_is_followed_in_the_file(tmp_path: Path) -> None:
         assert p.read_line(20.0) == "second"
     finally:
         p.stop(grace=5.0)
+
+
+def test_nat_layout_puts_grouped_hosts_behind_one_masquerade_router() -> None:
+    """Hosts of a NAT group get private addresses on their router's LAN and a default route through it;
+    the router has a WAN leg on the public bridge and translates (MASQUERADE) what leaves it; public
+    hosts are unchanged and get no route into the LAN."""
+    from fusionp2p.testbed.netns import make_layout, plan_commands
+
+    lay = make_layout("fp2p-abcdef", 7, [(None, None), (10**8, None), (None, 2 * 10**7)], ["", "home", "home"])
+    assert [h.address for h in lay.hosts] == ["10.77.7.10", "192.168.100.11", "192.168.100.12"]
+    assert [h.router for h in lay.hosts] == ["", "fp2p-abcdef-r0", "fp2p-abcdef-r0"]
+    (r,) = lay.routers
+    assert r.wan_address == "10.77.7.250"
+    assert lay.namespaces[-2:] == ("fp2p-abcdef-r0", "fp2p-abcdef-br")
+    cmds = [" ".join(c) for c in plan_commands(lay)]
+    assert "ip netns exec fp2p-abcdef-r0 iptables -t nat -A POSTROUTING -s 192.168.100.0/24 -o wan0 -j MASQUERADE" in cmds
+    assert "ip netns exec fp2p-abcdef-r0 sysctl -q -w net.ipv4.ip_forward=1" in cmds
+    assert "ip -n fp2p-abcdef-h1 route add default via 192.168.100.1" in cmds
+    assert not any("route add" in c and "fp2p-abcdef-h0" in c for c in cmds)
+    assert "ip -n fp2p-abcdef-r0 link add p1 type veth peer name eth0 netns fp2p-abcdef-h1" in cmds
+    # the NAT'd host's downlink is shaped on its port in the router, the uplink on its own eth0
+    assert any(c.startswith("tc -n fp2p-abcdef-r0 qdisc replace dev p2 root tbf rate 20000000bit") for c in cmds)
+    assert any(c.startswith("tc -n fp2p-abcdef-h1 qdisc replace dev eth0 root tbf rate 100000000bit") for c in cmds)
+    assert not any("iptables" in c for c in [" ".join(c) for c in plan_commands(make_layout("fp2p-abcdef", 7, [(None, None)]))])
+
+
+def test_nat_spec_checks() -> None:
+    from fusionp2p.errors import ConfigError
+    from fusionp2p.testbed.spec import spec_from_dict
+
+    spec = spec_from_dict({"hosts": [{"name": "b"}, {"name": "h", "nat": "home"}]})
+    assert [h.nat for h in spec.hosts] == ["", "home"]
+    with pytest.raises(ConfigError, match="behind a NAT"):
+        spec_from_dict({"hosts": [{"name": "b", "nat": "home"}, {"name": "h"}]})
+    with pytest.raises(ConfigError, match="nat"):
+        spec_from_dict({"hosts": [{"name": "b"}, {"name": "h", "nat": "Home!"}]})

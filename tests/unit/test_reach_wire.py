@@ -1,0 +1,56 @@
+"""REACH messages (wire/reach.py): round trips, bounds, and any bytes decode or raise RemoteProtocolError."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.swarm.reach import _endpoint
+from fusionp2p.wire import reach as wr
+from fusionp2p.wire.msg import packb
+
+
+def test_round_trips() -> None:
+    assert wr.decode_request(wr.encode("check", p2p=["/ip4/1.2.3.4/tcp/4001"], data=[])) == \
+        ("check", {"p2p": ["/ip4/1.2.3.4/tcp/4001"], "data": []})
+    assert wr.decode_request(wr.encode("reverse", target="12D3KooWx")) == ("reverse", {"target": "12D3KooWx"})
+    assert wr.decode_request(wr.encode("dial", peer="p", addrs=["/ip4/1.2.3.4/tcp/1"]))[1]["addrs"] == ["/ip4/1.2.3.4/tcp/1"]
+    assert wr.decode_check_reply(wr.encode("reply", p2p=True, data=False, ip="1.2.3.4")) == (True, False, "1.2.3.4")
+    assert wr.decode_ok_reply(wr.encode("reply", ok=False, why="busy")) == (False, "busy")
+
+
+@pytest.mark.parametrize("bad", [
+    {"v": 2, "op": "check", "p2p": [], "data": []},
+    {"v": 1, "op": "jump"},
+    {"v": 1, "op": "check", "p2p": ["x"] * 9, "data": []},
+    {"v": 1, "op": "check", "p2p": ["x" * 300], "data": []},
+    {"v": 1, "op": "check", "p2p": [1], "data": []},
+    {"v": 1, "op": "reverse", "target": "x" * 200},
+    {"v": 1, "op": "dial", "peer": "p"},
+])
+def test_malformed_requests_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(RemoteProtocolError):
+        wr.decode_request(packb(bad))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_never_crash(data: bytes) -> None:
+    for decode in (wr.decode_request, wr.decode_check_reply, wr.decode_ok_reply):
+        with contextlib.suppress(RemoteProtocolError):
+            decode(data)
+
+
+def test_dial_back_only_at_the_observed_ip() -> None:
+    """The AutoNAT rule: a bootstrap dials a requester's addresses only at the IP it sees it at (an
+    unspecified address stands for that IP); never a third party's."""
+    assert _endpoint("/ip4/203.0.113.7/tcp/4002", "203.0.113.7") == ("203.0.113.7", 4002)
+    assert _endpoint("/ip4/0.0.0.0/tcp/4002", "203.0.113.7") == ("203.0.113.7", 4002)
+    assert _endpoint("/ip4/10.0.0.5/tcp/4002", "203.0.113.7") is None
+    assert _endpoint("/dns4/example.org/tcp/4002", "203.0.113.7") is None
+    assert _endpoint("/ip4/203.0.113.7/udp/4002", "203.0.113.7") is None
+    assert _endpoint("/ip4/203.0.113.7/tcp/0", "203.0.113.7") is None
