@@ -207,15 +207,22 @@ class Examples:
         return cls(fields, holdout=holdout, seed=seed, name=p.name)
 
     @classmethod
-    def causal_lm(cls, tokens: Any, seq_len: int, *, holdout: float | int = 0, seed: int = 0) -> Examples:
-        """Windows of ``seq_len`` tokens as ``input_ids`` and ``labels`` (the same ids: a Hugging Face
-        causal LM shifts the labels itself), from a 1-D token array or a token source (``BuiltinCorpus``)."""
+    def causal_lm(cls, tokens: Any, seq_len: int, *, shift: int = 0, names: tuple[str, str] = ("input_ids", "labels"),
+                  holdout: float | int = 0, seed: int = 0) -> Examples:
+        """Windows of ``seq_len`` tokens from a 1-D token array or a token source (``BuiltinCorpus``),
+        as two fields named *names*: with ``shift=0`` the same ids twice (a Hugging Face causal LM
+        shifts the labels itself), with ``shift=1`` the inputs and the next tokens (a model whose
+        ``forward(idx, targets)`` compares them as they are, e.g. ``fusionp2p.models.GPT2`` with
+        ``names=("idx_BT", "targets_BT")``)."""
         arr = np.asarray(tokens.tokens() if hasattr(tokens, "tokens") else tokens)
-        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or seq_len < 1 or arr.shape[0] < seq_len:
+        if shift not in (0, 1) or len(names) != 2 or names[0] == names[1]:
+            raise ConfigError("causal_lm takes shift 0 or 1 and two distinct field names")
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or seq_len < 1 or arr.shape[0] < seq_len + shift:
             raise ConfigError("causal_lm needs a 1-D integer token array of at least seq_len tokens")
-        w = arr.shape[0] // seq_len
+        w = (arr.shape[0] - shift) // seq_len
         ids = np.ascontiguousarray(arr[: w * seq_len].reshape(w, seq_len), dtype=np.int64)
-        return cls({"input_ids": ids, "labels": ids.copy()}, holdout=holdout, seed=seed, name="causal-lm")
+        nxt = np.ascontiguousarray(arr[shift: shift + w * seq_len].reshape(w, seq_len), dtype=np.int64)
+        return cls({names[0]: ids, names[1]: nxt}, holdout=holdout, seed=seed, name="causal-lm")
 
     @classmethod
     def from_hf(cls, dataset: Any, *, tokenizer: Any = None, text: str = "text", max_length: int = 128,

@@ -149,40 +149,64 @@ def trace_job(model: nn.Module, loss: LossFn | None, dataset: Dataset, cfg: Trai
 
 _PASS_THROUGH = frozenset({"aten.reshape.default", "aten.view.default", "aten.clone.default", "aten.contiguous.default",
                            "aten.alias.default", "aten.detach.default", "aten.unsqueeze.default", "aten.squeeze.dim",
-                           "aten.flatten.using_ints", "aten.slice.Tensor", "aten.select.int", "aten.to.dtype"})
+                           "aten.flatten.using_ints", "aten.slice.Tensor", "aten.select.int", "aten.to.dtype",
+                           "aten.to.dtype_layout", "aten.pad.default"})
+_CLASS_LOSSES = frozenset({"aten.cross_entropy_loss.default", "aten.nll_loss.default"})
+
+
+def _data_field(dag: OpDAG, by_name: Mapping[str, Any], arg: Any) -> str | None:
+    """The data input an argument reads through reshapes, slices, casts and pads, or None."""
+    while isinstance(arg, Ref) and arg.name in by_name and by_name[arg.name].op in _PASS_THROUGH:
+        arg = by_name[arg.name].args[0]
+    return arg.name if isinstance(arg, Ref) and arg.name in dag.data_inputs else None
+
+
+def _field_values(dag: OpDAG, dataset: Dataset, name: str) -> Any:
+    if isinstance(dataset, Examples):
+        return dataset.arrays.get(name)
+    if name == dag.data_inputs[0]:
+        return dataset.tokens()
+    if len(dag.data_inputs) == 2 and name == dag.data_inputs[1]:
+        return dataset.tokens()    # the targets are the same tokens, shifted
+    return None
 
 
 def check_vocab(dag: OpDAG, dataset: Dataset) -> None:
-    """Refuse, before training, data whose token ids an embedding of the model cannot look up (an id
-    outside ``[0, rows)`` of the embedding table it feeds): the data and the model disagree."""
+    """Refuse, before training, data the model cannot take: token ids an embedding cannot look up (an
+    id outside ``[0, rows)`` of the table it feeds), and class labels outside ``[0, classes)`` of the
+    loss they feed (``ignore_index`` aside). Said as what it is: the data and the model disagree."""
     by_name = {n.name: n for n in dag.nodes}
-    data = set(dag.data_inputs)
     for n in dag.nodes:
-        if n.op != "aten.embedding.default" or len(n.args) < 2:
-            continue
-        weight, src = n.args[0], n.args[1]
-        while isinstance(src, Ref) and src.name in by_name and by_name[src.name].op in _PASS_THROUGH:
-            src = by_name[src.name].args[0]
-        if not isinstance(weight, Ref) or not isinstance(src, Ref) or src.name not in data:
-            continue
-        meta = dag.meta_of(weight.name)
-        if meta is None or not meta.shape:
-            continue
-        if isinstance(dataset, Examples):
-            if src.name not in dataset.arrays:
-                continue
-            ids = dataset.arrays[src.name]
-        elif src.name == dag.data_inputs[0]:
-            ids = dataset.tokens()
+        if n.op == "aten.embedding.default" and len(n.args) >= 2:
+            table, what = n.args[0], "embedding"
+        elif n.op in _CLASS_LOSSES and len(n.args) >= 2:
+            table, what = n.args[0], "loss"
         else:
             continue
-        if not ids.size or not np.issubdtype(ids.dtype, np.integer):
+        name = _data_field(dag, by_name, n.args[1])
+        if not isinstance(table, Ref) or name is None:
             continue
-        lo, hi, rows = int(ids.min()), int(ids.max()), meta.shape[0]
-        if lo < 0 or hi >= rows:
-            raise ConfigError(f"the dataset's {src.name} holds token ids in [{lo}, {hi}], but the model's embedding "
-                              f"{weight.name} has {rows} rows: the data and the model disagree (tokenize with the "
-                              f"model's tokenizer, or give the model a vocabulary of at least {hi + 1})")
+        meta = dag.meta_of(table.name)
+        if meta is None or not meta.shape:
+            continue
+        ids = _field_values(dag, dataset, name)
+        if ids is None or not ids.size or not np.issubdtype(ids.dtype, np.integer):
+            continue
+        if what == "embedding":
+            rows = meta.shape[0]
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= rows:
+                raise ConfigError(f"the dataset's {name} holds token ids in [{lo}, {hi}], but the model's embedding "
+                                  f"{table.name} has {rows} rows: the data and the model disagree (tokenize with the "
+                                  f"model's tokenizer, or give the model a vocabulary of at least {hi + 1})")
+            continue
+        classes = meta.shape[1] if len(meta.shape) >= 2 else meta.shape[0]
+        ignore = dict(n.kwargs).get("ignore_index", n.args[4] if len(n.args) > 4 else -100)
+        kept = ids[ids != ignore] if isinstance(ignore, int) else ids
+        if kept.size and (int(kept.min()) < 0 or int(kept.max()) >= classes):
+            raise ConfigError(f"the dataset's {name} holds labels in [{int(kept.min())}, {int(kept.max())}], but the "
+                              f"model's loss takes {classes} classes: the data and the model disagree (set the "
+                              f"model's number of labels, or mark ignored positions with {ignore})")
 
 
 def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset | str | os.PathLike[str], cfg: TrainConfig, *, publisher: str,

@@ -9,6 +9,7 @@ loss curve, not only those of the jobs it trains in. :class:`LossCurves` keeps t
 * at most ``max_points`` points per curve: when a curve is full, every other point is dropped and
   from then on only every second step is kept (then every fourth, ...), so a curve of any length
   stays an even sample of the whole run in bounded memory;
+* the latest held-out loss (:class:`~fusionp2p.jobs.events.EvalProgress`) rides along;
 * each step's point is the first replica's report of it (the loss stage's replicas report the same
   step with their pipelines' losses); a report of a newer epoch that goes back (a re-plan resumed
   from a checkpoint) cuts the curve back to that step, and reports of older epochs are dropped;
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.jobs.events import CheckpointSaved, StepProgress, decode_event
+from fusionp2p.jobs.events import CheckpointSaved, EvalProgress, StepProgress, decode_event
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage
 
@@ -43,12 +44,15 @@ class JobCurve:
     compute_util: float | None = None
     epoch: int = 0
     checkpoint_step: int = -1
+    eval_step: int = -1                  # the latest held-out evaluation (EvalProgress)
+    eval_loss: float | None = None
     peers: set[str] = field(default_factory=set)   # who reported (the loss stage's replicas)
     updated: float = 0.0
 
     def to_json(self, now: float) -> dict[str, Any]:
         return {"job": self.job, "step": self.step, "loss": _finite(self.loss), "tokens_per_s": self.tokens_per_s,
                 "compute_util": self.compute_util, "epoch": self.epoch, "checkpoint_step": self.checkpoint_step,
+                "eval_step": self.eval_step, "eval_loss": _finite(self.eval_loss),
                 "reporters": len(self.peers), "age_s": max(0.0, now - self.updated),
                 "curve": [[s, _finite(v)] for s, v in self.points]}
 
@@ -75,14 +79,14 @@ class LossCurves:
         except RemoteProtocolError as exc:
             self._refuse(msg.sender, "jobs/progress-decode", str(exc), now)
             return
-        if isinstance(ev, StepProgress | CheckpointSaved):
+        if isinstance(ev, StepProgress | CheckpointSaved | EvalProgress):
             if ev.peer != msg.sender:
                 self._refuse(msg.sender, "jobs/progress-sender", f"{ev.peer[:16]} reported by another", now)
                 return
             self.received += 1
             self._apply(ev, now)
 
-    def _apply(self, ev: StepProgress | CheckpointSaved, now: float) -> None:
+    def _apply(self, ev: StepProgress | CheckpointSaved | EvalProgress, now: float) -> None:
         c = self.jobs.get(ev.job)
         if c is None:
             if len(self.jobs) >= self.max_jobs:
@@ -93,6 +97,10 @@ class LossCurves:
             c.peers.add(ev.peer)
         if isinstance(ev, CheckpointSaved):
             c.checkpoint_step = max(c.checkpoint_step, ev.step)
+            return
+        if isinstance(ev, EvalProgress):
+            if ev.step > c.eval_step:     # the first replica's report of a step; later ones repeat it
+                c.eval_step, c.eval_loss = ev.step, ev.loss
             return
         if ev.loss is None or ev.epoch < c.epoch:
             return

@@ -13,6 +13,7 @@ Names (all prefixed ``fusionp2p_``; peers are full peer ids, jobs their ids):
 ``rtt_seconds{src,dst}``                            probed round-trip times
 ``jobs{state}``                                     this node's jobs by state
 ``job_step{job}``, ``job_loss{job}``                latest step and loss in the swarm's gossip
+``job_eval_loss{job}``                              latest held-out loss in the swarm's gossip
 ``job_tokens_per_second{job,source}``               swarm (loss stage, gossip) and local (this replica)
 ``job_step_seconds{job,stage}``                     this node's latest step time
 ``job_compute_utilisation{job,stage}``              compute seconds / step seconds, this node
@@ -101,6 +102,7 @@ def _jobs(s: dict[str, Any]) -> Iterator[Metric]:
     yield states
     step = GaugeMetricFamily(P + "job_step", "latest step reported in gossip", labels=["job"])
     loss = GaugeMetricFamily(P + "job_loss", "latest training loss reported in gossip", labels=["job"])
+    held = GaugeMetricFamily(P + "job_eval_loss", "latest held-out loss reported in gossip", labels=["job"])
     tps = GaugeMetricFamily(P + "job_tokens_per_second", "throughput: the loss stage's (swarm) or this replica's (local)",
                             labels=["job", "source"])
     step_s = GaugeMetricFamily(P + "job_step_seconds", "this node's latest step time", labels=["job", "stage"])
@@ -118,6 +120,8 @@ def _jobs(s: dict[str, Any]) -> Iterator[Metric]:
             step.add_metric([job], pr["step"])
             if pr["loss"] is not None:
                 loss.add_metric([job], pr["loss"])
+        if pr is not None and pr.get("eval_loss") is not None:
+            held.add_metric([job], pr["eval_loss"])
             tps.add_metric([job, "swarm"], pr["tokens_per_s"])
         loc = j["local"]
         if loc is not None:
@@ -134,7 +138,7 @@ def _jobs(s: dict[str, Any]) -> Iterator[Metric]:
         if j["plan"] is not None:
             for f in j["plan"]["fences"]:
                 rho.add_metric([job, str(f["index"])], f["rho"])
-    yield from (step, loss, tps, step_s, util, rounds, avg_s, avg_last, rho)
+    yield from (step, loss, held, tps, step_s, util, rounds, avg_s, avg_last, rho)
 
 
 def _refusals(s: dict[str, Any]) -> Iterator[Metric]:

@@ -73,3 +73,28 @@ def test_healthy_examples_job_trains(tmp_path: Path) -> None:
         job = swarm.publish(model=Exploding(), dataset=_data(False), config=cfg)
         job.wait(timeout=120)
     assert len([e for e in job.history if isinstance(e, StepProgress) and e.step < cfg.steps]) == cfg.steps
+
+
+def test_reference_gpt2_with_a_held_out_split_of_the_builtin_corpus(tmp_path: Path) -> None:
+    """Token windows as examples (inputs and next tokens by the model's own argument names) give the
+    built-in corpus a held-out split; the download reproduces the held-out loss."""
+    from fusionp2p.data import BuiltinCorpus, ExampleSampler
+    from fusionp2p.models import GPT2, GPT2Config
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    data = Examples.causal_lm(BuiltinCorpus(seq_len=16).tokens()[:4000], 16, shift=1,
+                              names=("idx_BT", "targets_BT"), holdout=0.1)
+    assert np.array_equal(data.arrays["idx_BT"][0, 1:], data.arrays["targets_BT"][0, :-1])
+    cfg = TrainConfig(steps=3, micro_batch=4, micro_batches=2, replicas=1, averaging="none", lr=1e-3)
+    with Swarm.local(n_nodes=2, home=tmp_path / "swarm") as swarm:
+        job = swarm.publish(model=GPT2(GPT2Config.tiny(block_size=16, n_layer=2)), dataset=data, config=cfg)
+        job.wait(timeout=120)
+        fresh = job.load_into(GPT2(GPT2Config.tiny(block_size=16, n_layer=2)))
+    sampler = ExampleSampler(num=data.num_holdout, micro_batch=4, micro_batches=2, seed=0,
+                             offset=data.num_examples - data.num_holdout)
+    with torch.no_grad():
+        fresh.eval()
+        losses = [float(fresh(*[torch.from_numpy(v) for v in data.batch(sampler.indices(0, mu)).values()])[1])
+                  for mu in range(2)]
+    assert job.final_loss == pytest.approx(sum(losses) / 2, rel=1e-5)

@@ -211,3 +211,23 @@ def test_hf_dataset_and_tokenizer_of_the_users_own(tmp_path: Path) -> None:
         job.wait(timeout=300)
         job.load_into(model)
     assert job.final_loss == pytest.approx(_held_out_loss(model, data, cfg), rel=1e-5)
+
+
+def test_tied_weights_under_replicas_co2_and_compression(tmp_path: Path) -> None:
+    """2 stages x 2 replicas, CO2 averaging and AdaTopK: the tied copies stay equal (the download would
+    refuse copies that differ), the held-out loss comes every 2 steps, and the strictly reloaded model
+    reproduces the final one."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    data = _causal()
+    cfg = TrainConfig(steps=6, micro_batch=4, micro_batches=2, lr=1e-3, replicas=2, averaging="co2",
+                      compression="adatopk", seed=0, eval_every=2)
+    with Swarm.local(n_nodes=4, home=tmp_path / "swarm") as swarm:
+        job = swarm.publish(model=_gpt2(), dataset=data, config=cfg)
+        events = list(job.events(timeout=300))
+        job.wait(timeout=1)
+        fresh = _gpt2()
+        job.load_into(fresh)
+    assert next(e for e in events if isinstance(e, PlanChanged)).stage_sizes == (2, 2)
+    assert sorted(job.eval_losses) == [2, 4, 6] and job.final_loss == job.eval_losses[6]
+    assert _held_out_loss(fresh, data, cfg) == pytest.approx(job.final_loss, rel=1e-5)

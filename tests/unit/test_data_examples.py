@@ -153,3 +153,19 @@ def test_mutated_manifest_decodes_or_raises_remote_protocol_error(data: st.DataO
     except RemoteProtocolError:
         return
     assert man.encode() == bytes(blob)
+
+
+def test_labels_outside_the_models_classes_are_refused_before_training() -> None:
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, 20, (16, 5))
+    cfg = TrainConfig(steps=1, micro_batch=4, micro_batches=1)
+
+    def loss(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, label)
+
+    labels = np.zeros(16, dtype=np.int64)
+    labels[9] = 7      # not in the first micro-batch: only a check of the whole dataset finds it
+    with pytest.raises(ConfigError, match=r"label holds labels in \[0, 7\].*3 classes"):
+        trace_job(_Classifier(20), loss, Examples({"input_ids": ids, "label": labels}), cfg)
+    labels[9] = -100   # ignore_index is fine
+    trace_job(_Classifier(20), loss, Examples({"input_ids": ids, "label": labels}), cfg)

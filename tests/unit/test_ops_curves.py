@@ -76,3 +76,15 @@ def test_nan_loss_is_shown_as_missing() -> None:
     book.on_gossip(msg(step("j", 0, loss=float("nan"))), now=0.0)
     out = book.jobs["j"].to_json(now=0.0)
     assert out["loss"] is None and out["curve"] == [[0, None]]
+
+
+def test_held_out_loss_rides_along() -> None:
+    from fusionp2p.jobs.events import EvalProgress
+
+    book = LossCurves()
+    book.on_gossip(msg(step("j", 0)), now=0.0)
+    book.on_gossip(GossipMessage(TOPIC_JOBS, "p", encode_event(EvalProgress(job="j", step=2, peer="p", loss=3.5))), now=1.0)
+    book.on_gossip(GossipMessage(TOPIC_JOBS, "q", encode_event(EvalProgress(job="j", step=2, peer="q", loss=3.6))), now=1.0)
+    book.on_gossip(GossipMessage(TOPIC_JOBS, "q", encode_event(EvalProgress(job="j", step=4, peer="p", loss=1.0))), now=1.0)
+    out = book.jobs["j"].to_json(now=2.0)
+    assert (out["eval_step"], out["eval_loss"]) == (2, 3.5)   # first report of a step; a spoofed one refused
