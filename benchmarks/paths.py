@@ -16,6 +16,7 @@ on shaped links is a matter of the link: below ~1 Gbit/s both paths fill it (doc
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import torch
 import trio
 
 from benchmarks._common import headline, parser, write
+from fusionp2p.errors import FusionError
 from fusionp2p.net.bulk import open_data_plane
 from fusionp2p.net.channel import TensorMessage
 from fusionp2p.net.identity import Identity
@@ -54,11 +56,8 @@ async def child(mode: str) -> None:
                 break
             got += sum(x.numel() * x.element_size() for x in msg.tensors)
         await ch.send(TensorMessage(job="b", kind="ack", name=ch.path, meta={"bytes": got}))
-        with trio.move_on_after(10):
-            try:
-                await ch.receive()   # the sender's close
-            except (trio.EndOfChannel, Exception):
-                pass
+        with trio.move_on_after(10), contextlib.suppress(trio.EndOfChannel, FusionError):
+            await ch.receive()   # the sender's close
 
 
 async def send(addr: str, size: int, total: int) -> dict[str, Any]:
