@@ -225,8 +225,8 @@ def plan_commands(layout: Layout) -> list[list[str]]:
              "-j", "MASQUERADE"],
             # Like a home router's firewall: a packet conntrack calls INVALID (e.g. out of its TCP window
             # tracking under a shaped queue) is dropped, not handed to the router's own stack, which would
-            # answer with a RST and kill the translated connection mid-transfer; and window tracking is
-            # liberal (after the rule above: it loads conntrack into the namespace).
+            # answer it with a reset; and window tracking is liberal (after the rule above: it loads
+            # conntrack into the namespace).
             ["ip", "netns", "exec", rn, "iptables", "-A", "INPUT", "-m", "conntrack", "--ctstate", "INVALID",
              "-j", "DROP"],
             ["ip", "netns", "exec", rn, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID",
