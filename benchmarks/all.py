@@ -15,7 +15,8 @@ import time
 
 from benchmarks._common import RESULTS
 
-BENCHMARKS = ["membership", "executor", "planner", "stream", "averaging", "schedule", "tensor_parallel", "e2e", "testbed", "wan"]
+BENCHMARKS = ["membership", "executor", "planner", "stream", "paths", "averaging", "schedule", "tensor_parallel", "e2e",
+              "testbed", "wan"]
 
 
 def main() -> int:

@@ -27,6 +27,7 @@ import torch
 import trio
 
 from benchmarks._common import headline, parser, write
+from fusionp2p.errors import FusionError
 from fusionp2p.net.bulk import open_data_plane
 from fusionp2p.net.channel import TensorMessage
 from fusionp2p.net.identity import Identity
@@ -55,9 +56,8 @@ async def child(mode: str) -> None:
                 break
             got += sum(x.numel() * x.element_size() for x in msg.tensors)
         await ch.send(TensorMessage(job="b", kind="ack", name=ch.path, meta={"bytes": got}))
-        with trio.move_on_after(10):
-            with contextlib.suppress(Exception):   # trio.EndOfChannel included
-                await ch.receive()   # the sender's close
+        with trio.move_on_after(10), contextlib.suppress(trio.EndOfChannel, FusionError):
+            await ch.receive()   # the sender's close
 
 
 async def send(addr: str, size: int, total: int) -> dict[str, Any]:

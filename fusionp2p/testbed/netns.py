@@ -223,6 +223,15 @@ def plan_commands(layout: Layout) -> list[list[str]]:
             ["ip", "netns", "exec", rn, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"],
             ["ip", "netns", "exec", rn, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s", lan, "-o", "wan0",
              "-j", "MASQUERADE"],
+            # Like a home router's firewall: a packet conntrack calls INVALID (e.g. out of its TCP window
+            # tracking under a shaped queue) is dropped, not handed to the router's own stack, which would
+            # answer it with a reset; and window tracking is liberal (after the rule above: it loads
+            # conntrack into the namespace).
+            ["ip", "netns", "exec", rn, "iptables", "-A", "INPUT", "-m", "conntrack", "--ctstate", "INVALID",
+             "-j", "DROP"],
+            ["ip", "netns", "exec", rn, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID",
+             "-j", "DROP"],
+            ["ip", "netns", "exec", rn, "sysctl", "-q", "-w", "net.netfilter.nf_conntrack_tcp_be_liberal=1"],
         ]
     for h in layout.hosts:
         port, ns = f"p{h.index}", h.namespace

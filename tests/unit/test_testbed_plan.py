@@ -356,6 +356,8 @@ def test_nat_layout_puts_grouped_hosts_behind_one_masquerade_router() -> None:
     cmds = [" ".join(c) for c in plan_commands(lay)]
     assert "ip netns exec fp2p-abcdef-r0 iptables -t nat -A POSTROUTING -s 192.168.100.0/24 -o wan0 -j MASQUERADE" in cmds
     assert "ip netns exec fp2p-abcdef-r0 sysctl -q -w net.ipv4.ip_forward=1" in cmds
+    # INVALID packets are dropped, never answered by the router's own stack with a RST
+    assert "ip netns exec fp2p-abcdef-r0 iptables -A INPUT -m conntrack --ctstate INVALID -j DROP" in cmds
     assert "ip -n fp2p-abcdef-h1 route add default via 192.168.100.1" in cmds
     assert not any("route add" in c and "fp2p-abcdef-h0" in c for c in cmds)
     assert "ip -n fp2p-abcdef-r0 link add p1 type veth peer name eth0 netns fp2p-abcdef-h1" in cmds
