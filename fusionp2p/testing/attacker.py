@@ -184,7 +184,8 @@ class Attacker:
         try:
             reply = await job_proto.request(self.t, peer, {"op": "offer", "envelope": envelope}, timeout=60)
         except (PeerUnavailable, RemoteProtocolError) as exc:
-            self.answers[f"offer: {type(exc).__name__}"] += 1
+            # no answer: the node stopped reading this peer (its refusals banned it) or the stream failed
+            self.answers[f"offer: unanswered ({type(exc).__name__})"] += 1
             return
         self.answers["offer: accepted" if reply.get("ok") else f"offer: {str(reply.get('error'))[:100]}"] += 1
 
