@@ -54,3 +54,14 @@ def test_dial_back_only_at_the_observed_ip() -> None:
     assert _endpoint("/dns4/example.org/tcp/4002", "203.0.113.7") is None
     assert _endpoint("/ip4/203.0.113.7/udp/4002", "203.0.113.7") is None
     assert _endpoint("/ip4/203.0.113.7/tcp/0", "203.0.113.7") is None
+
+
+def test_a_port_of_non_ascii_digits_is_not_dialled() -> None:
+    """Regression (fuzz, issue 15): ``"²".isdigit()`` is true but ``int("²")`` raises ValueError, which
+    ended the bootstrap's handler of that request with an exception other than RemoteProtocolError; and
+    ``"٣"`` (Arabic-Indic three) was read as port 3. Both, and a port of thousands of digits, are refused."""
+    for port in ("\u00b2", "\u0663", "4\u00b9", "9" * 5000, "65536"):
+        assert _endpoint(f"/ip4/203.0.113.7/tcp/{port}", "203.0.113.7") is None
+    # through the request decoder, as the server sees it
+    _, f = wr.decode_request(wr.encode("check", p2p=["/ip4/203.0.113.7/tcp/\u00b2"], data=[]))
+    assert [_endpoint(a, "203.0.113.7") for a in f["p2p"]] == [None]
