@@ -253,7 +253,8 @@ class ReachService:
         ports = []
         for a in self.transport.peer_addrs(requester):
             parts = a.split("/")
-            if len(parts) > 4 and parts[3] == "tcp" and parts[4].isdigit() and parts[4] not in ports:
+            if len(parts) > 4 and parts[3] == "tcp" and parts[4].isascii() and parts[4].isdigit() \
+                    and parts[4] not in ports:
                 ports.append(parts[4])
         addrs = [f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{p}" for p in ports[: wr.MAX_ADDRS]]
         if not addrs:
