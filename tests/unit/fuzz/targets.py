@@ -602,6 +602,21 @@ def _tied_gradient() -> Target:
     return Target("train.worker.tied", dec, (tf.message_bytes(good),))
 
 
+def _spec_examples() -> Target:
+    """A spec body of an example dataset with the issue-18 train settings (held-out loss, non-finite policy,
+    replicas hint): DatasetRef kind ``examples``, TrainConfig ``eval_every``, ``on_nonfinite``, ``replicas``."""
+    from fusionp2p.jobs.spec import CO2, DatasetRef, JobSpec, Resources, TrainConfig
+
+    spec = JobSpec(job_id="0123456789abcdef", publisher=_identity(0).peer_id, created=1.7e9, model_hash="a" * 64,
+                   weights_hash="b" * 64,
+                   dataset=DatasetRef(kind="examples", name="imdb", content_hash="c" * 64, seq_len=128, vocab_size=2,
+                                      num_tokens=1000),
+                   config=TrainConfig(steps=100, optimizer="adamw", lr=3e-4, averaging=CO2(tau=4), eval_every=10,
+                                      on_nonfinite="skip", replicas=2),
+                   resources=Resources(min_memory_bytes=1 << 30, device_kinds=("cpu",)), name="examples")
+    return Target("jobs.spec.examples", lambda b: JobSpec.from_wire(unpackb(b)), (spec.encode(),))
+
+
 def _node_record() -> Target:
     """A node record with its data-plane addresses and reachability (issue 21)."""
     from fusionp2p.wire.records import NodeRecord, decode_signed, encode_signed
@@ -617,6 +632,6 @@ TARGETS: dict[str, Callable[[], Target]] = {
         _record_reader, _spec, _events, _votes, _plan_record, _plan_wire, _snapshot_wire, _replan, _resilient, _shards,
         _codec, _averaging, _checkpoint_state, _spec_body, _probe_ctrl, _content, _view, _job_message,
         _dht_rankers, _example_manifest, _example_shards, _events_new, _plan_rationale, _reach, _stream_channel,
-        _tied_gradient, _node_record,
+        _tied_gradient, _node_record, _spec_examples,
     )
 }
