@@ -172,7 +172,9 @@ def decode_state(blob: bytes, *, job: str | None = None) -> tuple[StageCheckpoin
             optim[k[len(OPTIM_PREFIX):]] = v
         elif k.startswith(MOMENTUM_PREFIX):
             name, _, off = k[len(MOMENTUM_PREFIX):].rpartition("@")
-            if not off.isdigit() or v.dim() != 1:
+            # ASCII digits only, at most 18 of them: "²".isdigit() is true but int() refuses it, and
+            # int() refuses more than 4300 digits; either was a ValueError, not a protocol error
+            if not (off.isascii() and off.isdigit() and len(off) <= 18) or v.dim() != 1:
                 raise RemoteProtocolError(f"bad momentum entry {k[:100]!r}")
             momentum.setdefault(name, []).append((int(off), v))
         else:

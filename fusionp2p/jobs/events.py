@@ -169,7 +169,7 @@ class EvalProgress:
     step: int
     epoch: int = 0
     peer: str = ""
-    loss: float = 0.0
+    loss: float = field(default=0.0, metadata=_LOSS)   # NaN or inf: the weights diverged, which the operator must see
     at: float = 0.0
 
 

@@ -476,9 +476,13 @@ class NodeJobService:
 
 
 def _epoch_of(name: str) -> int:
+    """The epoch of a link name ``e<epoch>/...`` a peer chose; -1 if there is none. ASCII digits only,
+    at most 18: ``"²".isdigit()`` is true and ``int("²")`` raises ValueError, which would have ended
+    the channel router (it drops a channel on RemoteProtocolError only)."""
     head = name.split("/", 1)[0]
-    if head.startswith("e") and head[1:].isdigit():
-        return int(head[1:])
+    digits = head[1:]
+    if head.startswith("e") and digits.isascii() and digits.isdigit() and len(digits) <= 18:
+        return int(digits)
     return -1
 
 

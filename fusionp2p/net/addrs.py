@@ -21,7 +21,8 @@ def tcp_endpoint(addr: str, flag: str, *, announce: bool = False) -> tuple[str, 
     example = "/ip4/PUBLIC_IP/tcp/4002" if announce else "/ip4/0.0.0.0/tcp/4002"
     parts = addr.split("/")
     kinds = _IP + _DNS if announce else _IP
-    if len(parts) != 5 or parts[0] or parts[1] not in kinds or parts[3] != "tcp" or not parts[4].isdigit():
+    if len(parts) != 5 or parts[0] or parts[1] not in kinds or parts[3] != "tcp" \
+            or not (parts[4].isascii() and parts[4].isdigit() and len(parts[4]) <= 5):   # not "²" (int() refuses it)
         raise ConfigError(f"{flag} {addr!r}: expected a TCP multiaddr such as {example}")
     host, port = parts[2], int(parts[4])
     if parts[1] in _IP:

@@ -105,7 +105,7 @@ def parse_http_addr(addr: str) -> HttpConfig:
         host, _, a = a.rpartition(":")
         if ":" in host:
             raise ConfigError(f"--http {addr!r}: write an IPv6 address as [ADDR]:PORT")
-    if not a.isdigit():
+    if not (a.isascii() and a.isdigit() and len(a) <= 5):   # not "²": isdigit() accepts it, int() does not
         raise ConfigError(f"--http {addr!r}: expected PORT or HOST:PORT, e.g. 9100 or 127.0.0.1:9100")
     return HttpConfig(host=host, port=int(a))
 

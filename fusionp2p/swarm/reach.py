@@ -83,7 +83,9 @@ def _endpoint(addr: str, observed: str) -> tuple[str, int] | None:
     """(ip, port) of ``/ip4|ip6/IP/tcp/PORT...`` if it may be dialled back for a requester seen at
     *observed* (an unspecified IP stands for it); None otherwise."""
     parts = addr.split("/")
-    if len(parts) < 5 or parts[0] or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or not parts[4].isdigit():
+    # ASCII digits only: str.isdigit() also accepts "²" (int() refuses it) and "٣" (int() reads it as 3)
+    if len(parts) < 5 or parts[0] or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" \
+            or not (parts[4].isascii() and parts[4].isdigit() and len(parts[4]) <= 5):
         return None
     try:
         ip = ipaddress.ip_address(parts[2])
@@ -251,7 +253,8 @@ class ReachService:
         ports = []
         for a in self.transport.peer_addrs(requester):
             parts = a.split("/")
-            if len(parts) > 4 and parts[3] == "tcp" and parts[4].isdigit() and parts[4] not in ports:
+            if len(parts) > 4 and parts[3] == "tcp" and parts[4].isascii() and parts[4].isdigit() \
+                    and parts[4] not in ports:
                 ports.append(parts[4])
         addrs = [f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{p}" for p in ports[: wr.MAX_ADDRS]]
         if not addrs:

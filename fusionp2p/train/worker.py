@@ -138,6 +138,22 @@ def _encode(x: torch.Tensor, rho: float) -> tuple[dict[str, Any], tuple[torch.Te
     return dict(meta), tuple(payload)
 
 
+def check_tied_message(msg: TensorMessage, *, src: int, stage: int = -1,
+                       holders: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gradient, finite flag) of a peer stage's tied-weight message (kind ``tied``), checked against
+    ``holders`` (parameter name -> (holder stages, shape, dtype)); RemoteProtocolError otherwise. The flag
+    is read by the caller (one element equal to 1.0: finite; anything else makes the step skip)."""
+    held = holders.get(msg.name)
+    if held is None or src not in held[0] or len(msg.tensors) != 2 or msg.meta:
+        raise RemoteProtocolError(f"stage {stage}: unexpected tied gradient {msg.name[:64]!r} from stage {src}")
+    g, flag = msg.tensors
+    if tuple(g.shape) != held[1] or g.dtype != held[2]:
+        raise RemoteProtocolError(f"stage {stage}: tied gradient {msg.name!r} from stage {src} "
+                                  f"has {tuple(g.shape)} {g.dtype}, expected {held[1]} {held[2]}")
+    return g, flag
+
+
 def _decode(msg: TensorMessage) -> torch.Tensor:
     if not msg.meta:
         if len(msg.tensors) != 1:
@@ -473,10 +489,10 @@ class StageWorker:
         return self.ctx.rho_out.get(-1 - src, 1.0)   # incoming fences are stored under -1 - src
 
     def _keep_tied(self, src: int, msg: TensorMessage) -> None:
-        holders = {tp.name: tp.stages for tp in self.prog.tied}
-        if msg.name not in holders or src not in holders[msg.name] or len(msg.tensors) != 2 or msg.meta:
-            raise RemoteProtocolError(f"stage {self.prog.stage}: unexpected tied gradient {msg.name!r} from stage {src}")
-        self._tied_box.setdefault((msg.name, src), (msg.tensors[0], msg.tensors[1]))
+        params = self.ex.parameters()
+        holders = {tp.name: (tp.stages, tuple(params[tp.name].shape), params[tp.name].dtype) for tp in self.prog.tied}
+        g, flag = check_tied_message(msg, src=src, holders=holders, stage=self.prog.stage)
+        self._tied_box.setdefault((msg.name, src), (g, flag))
 
     async def _sum_tied(self, step: int) -> None:
         """Sum the gradients of every tied parameter with its other holders (ascending stage order, the
@@ -509,10 +525,7 @@ class StageWorker:
                         parts.append(mine[tp.name])
                         healthy = healthy and bool(ok.item() == 1.0)
                         continue
-                    g, flag = self._tied_box.pop((tp.name, o))
-                    if g.shape != p.shape or g.dtype != p.dtype:
-                        raise RemoteProtocolError(f"stage {prog.stage}: tied gradient {tp.name!r} from stage {o} "
-                                                  f"has {tuple(g.shape)} {g.dtype}")
+                    g, flag = self._tied_box.pop((tp.name, o))   # shape and dtype checked at receipt
                     parts.append(g)
                     healthy = healthy and flag.numel() == 1 and bool(flag.item() == 1.0)
                 total = tied_sum(parts)

@@ -10,15 +10,17 @@ One msgpack map per frame, ``{"v": 1, "op": ...}``:
 * ``dial`` (bootstrap -> target): ``{"peer": peer id, "addrs": [multiaddr]}``; answered ``{"ok": bool,
   "why": str}``.
 
-Every list and string is bounded here, before anything else looks at it.
+Every list and string is bounded here (by the generic codec), before anything else looks at it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
+from fusionp2p.wire import codec
+from fusionp2p.wire.msg import expect_map, packb, unpackb
 
 VERSION = 1
 MAX_MESSAGE = 8 * 1024
@@ -26,19 +28,52 @@ MAX_ADDRS = 8
 MAX_ADDR = 256
 OPS = ("check", "reverse", "dial")
 
-
-def _addrs(m: dict[str, Any], name: str, what: str) -> list[str]:
-    v = typed_field(m, name, list, what)
-    if len(v) > MAX_ADDRS or not all(isinstance(a, str) and 0 < len(a) <= MAX_ADDR for a in v):
-        raise RemoteProtocolError(f"{what}: {name} must be at most {MAX_ADDRS} addresses of up to {MAX_ADDR} characters")
-    return list(v)
+_V = {"wire": {"lo": VERSION, "hi": VERSION}}
+_ADDRS = {"wire": {"max_len": MAX_ADDRS, "item": {"min_len": 1, "max_len": MAX_ADDR}}}
+_PEER = {"wire": {"max_len": 128}}
 
 
-def _short(m: dict[str, Any], name: str, what: str, limit: int = MAX_ADDR) -> str:
-    v = typed_field(m, name, str, what)
-    if len(v) > limit:
-        raise RemoteProtocolError(f"{what}: {name} longer than {limit} characters")
-    return str(v)
+# The messages, decoded by the generic codec (wire/codec.py; field order is the byte order of
+# ``encode(op, **fields)`` below, and the golden bytes in tests/unit/test_wire_golden.py pin both).
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckRequest:
+    v: int = field(metadata=_V)
+    op: str = field(metadata={"wire": {"choices": ("check",)}})
+    p2p: tuple[str, ...] = field(metadata=_ADDRS)
+    data: tuple[str, ...] = field(metadata=_ADDRS)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReverseRequest:
+    v: int = field(metadata=_V)
+    op: str = field(metadata={"wire": {"choices": ("reverse",)}})
+    target: str = field(metadata=_PEER)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DialRequest:
+    v: int = field(metadata=_V)
+    op: str = field(metadata={"wire": {"choices": ("dial",)}})
+    peer: str = field(metadata=_PEER)
+    addrs: tuple[str, ...] = field(metadata=_ADDRS)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reply:
+    """Every reply: a check's ``p2p``/``data``/``ip``, a reverse's or dial's ``ok``/``why``, or a
+    refusal that carries both sets (so that either kind of asker reads it)."""
+
+    v: int = field(metadata=_V)
+    op: str = field(metadata={"wire": {"choices": ("reply",)}})
+    ok: bool | None = field(default=None, metadata={"wire": {"optional": True}})
+    why: str | None = field(default=None, metadata={"wire": {"max_len": 512, "optional": True}})
+    p2p: bool | None = field(default=None, metadata={"wire": {"optional": True}})
+    data: bool | None = field(default=None, metadata={"wire": {"optional": True}})
+    ip: str | None = field(default=None, metadata={"wire": {"max_len": 64, "optional": True}})
+
+
+_REQUESTS: dict[str, type[CheckRequest | ReverseRequest | DialRequest]] = {
+    "check": CheckRequest, "reverse": ReverseRequest, "dial": DialRequest}
 
 
 def encode(op: str, **fields: Any) -> bytes:
@@ -52,26 +87,36 @@ def decode_request(data: bytes) -> tuple[str, dict[str, Any]]:
     if m.get("v") != VERSION:
         raise RemoteProtocolError("reach request: unsupported version")
     op = m.get("op")
-    if op == "check":
-        return op, {"p2p": _addrs(m, "p2p", "reach check"), "data": _addrs(m, "data", "reach check")}
-    if op == "reverse":
-        return op, {"target": _short(m, "target", "reach reverse", 128)}
-    if op == "dial":
-        return op, {"peer": _short(m, "peer", "reach dial", 128), "addrs": _addrs(m, "addrs", "reach dial")}
-    raise RemoteProtocolError(f"reach request: unknown op {str(op)[:32]!r}")
+    cls = _REQUESTS.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise RemoteProtocolError(f"reach request: unknown op {str(op)[:32]!r}")
+    r = codec.from_wire(cls, m, f"reach {op}")
+    if isinstance(r, CheckRequest):
+        return r.op, {"p2p": list(r.p2p), "data": list(r.data)}
+    if isinstance(r, ReverseRequest):
+        return r.op, {"target": r.target}
+    return r.op, {"peer": r.peer, "addrs": list(r.addrs)}
+
+
+def _reply(data: bytes, *need: str) -> Reply:
+    r = codec.decode(Reply, data, max_size=MAX_MESSAGE, what="reach reply")
+    missing = [k for k in need if getattr(r, k) is None]
+    if missing:
+        raise RemoteProtocolError(f"reach reply: missing field {missing[0]!r}")
+    return r
 
 
 def decode_check_reply(data: bytes) -> tuple[bool, bool, str]:
     """(libp2p address dialable, data-plane address dialable, the IP the server saw us at)."""
-    m = expect_map(unpackb(data, max_size=MAX_MESSAGE), "reach reply")
-    return (bool(typed_field(m, "p2p", bool, "reach reply")), bool(typed_field(m, "data", bool, "reach reply")),
-            _short(m, "ip", "reach reply", 64))
+    r = _reply(data, "p2p", "data", "ip")
+    return bool(r.p2p), bool(r.data), str(r.ip)
 
 
 def decode_ok_reply(data: bytes) -> tuple[bool, str]:
     """(ok, why not) of a ``reverse`` or ``dial`` reply."""
-    m = expect_map(unpackb(data, max_size=MAX_MESSAGE), "reach reply")
-    return bool(typed_field(m, "ok", bool, "reach reply")), _short(m, "why", "reach reply", 512)
+    r = _reply(data, "ok", "why")
+    return bool(r.ok), str(r.why)
 
 
-__all__ = ["MAX_ADDRS", "decode_check_reply", "decode_ok_reply", "decode_request", "encode"]
+__all__ = ["MAX_ADDRS", "CheckRequest", "DialRequest", "Reply", "ReverseRequest", "decode_check_reply", "decode_ok_reply",
+           "decode_request", "encode"]

@@ -97,6 +97,17 @@ def test_duplicates_non_members_past_epochs_and_too_many_pending_are_refused(tmp
         svc._route_one(_Chan("j1/e1/e", "bob"))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("epoch", ["\u00b2", "1\u00b9", "9" * 5000])
+def test_an_epoch_that_is_not_ascii_digits_is_a_protocol_error(tmp_path: Path, epoch: str) -> None:
+    """Regression (issue 15): a member's link named ``j1/e²/a`` (``"²".isdigit()`` is true, ``int()``
+    raises ValueError) or ``j1/e999...`` (over int()'s 4300 digits) raised ValueError out of _route_one,
+    which ended the channel router; it is refused like any link without an epoch."""
+    svc, _ = _service(tmp_path)
+    with pytest.raises(RemoteProtocolError, match="past epoch"):
+        svc._route_one(_Chan(f"j1/e{epoch}/a", "alice"))  # type: ignore[arg-type]
+    assert svc._arrived == {}
+
+
 def test_reconnect_timeout_is_validated_and_reaches_the_channels() -> None:
     with pytest.raises(ValueError, match="reconnect_timeout"):
         NodeJobConfig(reconnect_timeout=0)

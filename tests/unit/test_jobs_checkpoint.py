@@ -147,3 +147,26 @@ def test_optimizer_state_round_trip_continues_identically(tmp_path: Path, kind: 
     opt3 = make(bare)
     step(bare, opt3)
     assert not torch.equal(bare.weight, model.weight)
+
+
+@pytest.mark.parametrize("off", ["\u00b2", "\u0663", "9" * 5000])
+def test_a_momentum_offset_that_is_not_ascii_digits_is_a_protocol_error(off: str) -> None:
+    """Regression (issue 15): a peer's state file whose momentum key ends in ``@²`` (``isdigit()`` is
+    true, ``int()`` raises ValueError) or in 5000 digits (over int()'s 4300-digit limit) made
+    ``decode_state`` raise ValueError instead of RemoteProtocolError; ``@٣`` was read as offset 3."""
+    import json
+    import struct
+
+    from fusionp2p.errors import RemoteProtocolError
+    from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_state
+    from fusionp2p.train.state import StageState
+
+    meta = StageCheckpointMeta(job="job1", stage=0, num_stages=2, step=5, plan_hash="p" * 16)
+    st = StageState(step=5, tensors={"w": torch.ones(2, 2)}, optimizer={}, momentum={"w": ((0, torch.zeros(2)),)})
+    data = encode_state(meta, st)
+    n = struct.unpack("<Q", data[:8])[0]
+    hdr = json.loads(data[8 : 8 + n])
+    hdr[f"__momentum__::w@{off}"] = hdr.pop("__momentum__::w@0")
+    hb = json.dumps(hdr).encode()
+    with pytest.raises(RemoteProtocolError, match="momentum"):
+        decode_state(struct.pack("<Q", len(hb)) + hb + data[8 + n :], job="job1")

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.jobs.events import (
     CheckpointSaved,
+    EvalProgress,
     JobStateChanged,
     MembersChanged,
     MetricsWriter,
@@ -49,6 +50,18 @@ def test_nan_loss_survives_but_other_nans_do_not() -> None:
     assert math.isnan(ev.loss)
     with pytest.raises(RemoteProtocolError):
         decode_event(packb({"type": "step", "job": "j", "step": 1, "tokens_per_s": math.nan}))
+
+
+def test_a_diverged_held_out_loss_is_news_not_an_attack() -> None:
+    """Regression (issue 15, fuzzing the issue-18 events): EvalProgress's loss was a plain float, so the
+    NaN or inf held-out loss of diverged weights, gossiped by jobs/run.py, was refused as a protocol
+    error by every receiver (the publisher counted it against the sender and lost the news)."""
+    for bad in (math.nan, math.inf):
+        ev = decode_event(encode_event(EvalProgress(job="j", step=10, loss=bad)))
+        assert isinstance(ev, EvalProgress)
+        assert not math.isfinite(ev.loss)
+    with pytest.raises(RemoteProtocolError):   # the other floats stay finite
+        decode_event(packb({"type": "eval", "job": "j", "step": 1, "at": math.nan}))
 
 
 @pytest.mark.parametrize(

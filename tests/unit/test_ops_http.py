@@ -136,7 +136,8 @@ def test_parse_http_addr(addr: str, host: str, port: int) -> None:
     assert (cfg.host, cfg.port) == (host, port)
 
 
-@pytest.mark.parametrize("addr", ["", "localhost:9100", "9100:x", "1.2.3.4:99999", "::1:9100", "unix:/tmp/s"])
+@pytest.mark.parametrize("addr", ["", "localhost:9100", "9100:x", "1.2.3.4:99999", "::1:9100", "unix:/tmp/s",
+                                  "\u00b2", "127.0.0.1:\u00b2", "9" * 5000])   # isdigit() accepts "²", int() refuses it
 def test_bad_http_addr_is_a_config_error(addr: str) -> None:
     with pytest.raises(ConfigError, match="--http"):
         parse_http_addr(addr)

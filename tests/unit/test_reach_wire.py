@@ -54,3 +54,31 @@ def test_dial_back_only_at_the_observed_ip() -> None:
     assert _endpoint("/dns4/example.org/tcp/4002", "203.0.113.7") is None
     assert _endpoint("/ip4/203.0.113.7/udp/4002", "203.0.113.7") is None
     assert _endpoint("/ip4/203.0.113.7/tcp/0", "203.0.113.7") is None
+
+
+def test_a_port_of_non_ascii_digits_is_not_dialled() -> None:
+    """Regression (fuzz, issue 15): ``"²".isdigit()`` is true but ``int("²")`` raises ValueError, which
+    ended the bootstrap's handler of that request with an exception other than RemoteProtocolError; and
+    ``"٣"`` (Arabic-Indic three) was read as port 3. Both, and a port of thousands of digits, are refused."""
+    for port in ("\u00b2", "\u0663", "4\u00b9", "9" * 5000, "65536"):
+        assert _endpoint(f"/ip4/203.0.113.7/tcp/{port}", "203.0.113.7") is None
+    # through the request decoder, as the server sees it
+    _, f = wr.decode_request(wr.encode("check", p2p=["/ip4/203.0.113.7/tcp/\u00b2"], data=[]))
+    assert [_endpoint(a, "203.0.113.7") for a in f["p2p"]] == [None]
+
+
+def test_the_codec_encodes_the_same_bytes() -> None:
+    """The REACH requests moved onto the generic codec without changing a byte (golden bytes too)."""
+    from fusionp2p.wire import codec
+
+    assert codec.encode(wr.CheckRequest(v=1, op="check", p2p=("/ip4/1.2.3.4/tcp/1",), data=())) == \
+        wr.encode("check", p2p=["/ip4/1.2.3.4/tcp/1"], data=[])
+    assert codec.encode(wr.ReverseRequest(v=1, op="reverse", target="p")) == wr.encode("reverse", target="p")
+    assert codec.encode(wr.DialRequest(v=1, op="dial", peer="p", addrs=("/ip4/1.2.3.4/tcp/1",))) == \
+        wr.encode("dial", peer="p", addrs=["/ip4/1.2.3.4/tcp/1"])
+    # a refusal carries both sets of reply fields, and both askers read it
+    refusal = wr.encode("reply", ok=False, why="busy", p2p=False, data=False, ip="")
+    assert wr.decode_check_reply(refusal) == (False, False, "")
+    assert wr.decode_ok_reply(refusal) == (False, "busy")
+    with pytest.raises(RemoteProtocolError):
+        wr.decode_ok_reply(wr.encode("reply", p2p=True, data=True, ip="1.2.3.4"))   # not an ok reply

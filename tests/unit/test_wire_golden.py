@@ -151,6 +151,66 @@ def examples() -> dict[str, tuple[Callable[[], bytes], Callable[[bytes], Any] | 
                              lambda b: from_message(TensorMessage(**tf.decode_message(b))).lo, 0)
     for k, e in evs.items():
         out[f"event_{k}"] = ((lambda e=e: ev.encode_event(e)), ev.decode_event, e)
+    out.update(_examples_issue_18_20_21())
+    return out
+
+
+def _examples_issue_18_20_21() -> dict[str, tuple[Callable[[], bytes], Callable[[bytes], Any] | None, Any]]:
+    """The formats the merges of issues 18 (example datasets, held-out loss, tied weights), 20 (the
+    planner's per-fence choices) and 21 (reachability, the libp2p fallback of the data plane) added."""
+    import dataclasses
+
+    from fusionp2p.data.examples import ExampleManifest, FieldSpec
+    from fusionp2p.jobs import events as ev
+    from fusionp2p.net.channel import TensorMessage
+    from fusionp2p.net.identity import verify
+    from fusionp2p.plan.plan import Candidate, Fence, Plan
+    from fusionp2p.train.worker import check_tied_message
+    from fusionp2p.wire import reach as wr
+    from fusionp2p.wire import records as rec
+    from fusionp2p.wire import tensor_frame as tf
+
+    node = rec.NodeRecord(peer=ALICE.peer_id, role="node", addrs=("/ip4/127.0.0.1/tcp/4001",), profile=_profile(),
+                          started=1.7e9, seq=3, period=1.0, data=("/ip4/127.0.0.1/tcp/5001",), reach=rec.REACH_P2P)
+    plan = dataclasses.replace(
+        _plan(), fences=(Fence(index=0, unit=2, dense_bytes=4096.0, rho=0.25, time_s=0.1, dense_time_s=0.4,
+                               bandwidth_bps=1.25e8, latency_s=0.01),),
+        how="joint:1x2", considered=(Candidate(replicas=1, stages=2, how="joint:1x2", step_time_s=1.5),
+                                     Candidate(replicas=2, stages=1, how="replicas", step_time_s=2.0)))
+    manifest = ExampleManifest(fields=(FieldSpec(name="input_ids", dtype="i64", shape=(4,)),
+                                       FieldSpec(name="labels", dtype="i32", shape=())),
+                               num_examples=10, num_train=8, shard_examples=6, shards=("e" * 64, "f" * 64))
+    evs = {
+        "eval": ev.EvalProgress(job="job1", step=10, epoch=1, peer=ALICE.peer_id, loss=2.25, at=1.7e9),
+        "links": ev.LinksUp(job="job1", epoch=1, stage=0, peer=ALICE.peer_id, links=(f"{BOB.peer_id}=libp2p",), at=1.7e9),
+        "plan_fences": ev.PlanChanged(job="job1", epoch=1, plan_hash="d" * 64, stage_sizes=(1, 1),
+                                      members=(ALICE.peer_id, BOB.peer_id), at=1.7e9, rho=(0.25,), link_bps=(1.25e8,),
+                                      fence_s=(0.1,), dense_s=(0.4,), step_s=1.5, how="joint:1x2"),
+    }
+    tied = TensorMessage(job="job1", kind="tied", stage=0, step=3, name="wte",
+                         tensors=(torch.ones(2, 2), torch.tensor([1.0])))
+    holders = {"wte": ((0, 1), (2, 2), torch.float32)}
+    out: dict[str, tuple[Callable[[], bytes], Callable[[bytes], Any] | None, Any]] = {
+        "node_record_reach": (lambda: rec.encode_signed(node, ALICE.sign), lambda b: rec.decode_signed(b, verify), node),
+        "plan_rationale": (plan.to_wire, Plan.from_wire, plan),
+        "example_manifest": (manifest.encode, ExampleManifest.decode, manifest),
+        "reach_check": (lambda: wr.encode("check", p2p=["/ip4/203.0.113.7/tcp/4001"], data=["/ip4/0.0.0.0/tcp/5001"]),
+                        wr.decode_request, ("check", {"p2p": ["/ip4/203.0.113.7/tcp/4001"], "data": ["/ip4/0.0.0.0/tcp/5001"]})),
+        "reach_reverse": (lambda: wr.encode("reverse", target=BOB.peer_id), wr.decode_request,
+                          ("reverse", {"target": BOB.peer_id})),
+        "reach_dial": (lambda: wr.encode("dial", peer=ALICE.peer_id, addrs=["/ip4/203.0.113.7/tcp/4001"]), wr.decode_request,
+                       ("dial", {"peer": ALICE.peer_id, "addrs": ["/ip4/203.0.113.7/tcp/4001"]})),
+        "reach_check_reply": (lambda: wr.encode("reply", p2p=True, data=False, ip="203.0.113.7"), wr.decode_check_reply,
+                              (True, False, "203.0.113.7")),
+        "reach_ok_reply": (lambda: wr.encode("reply", ok=False, why="busy"), wr.decode_ok_reply, (False, "busy")),
+        "stream_hello": (lambda: tf.record_header(tf.HELLO, 0), None, None),
+        "tied_gradient": (lambda: tf.message_bytes(tied),
+                          lambda b: [t.tolist() for t in check_tied_message(TensorMessage(**tf.decode_message(b)), src=1,
+                                                                                 holders=holders)],
+                          [[[1.0, 1.0], [1.0, 1.0]], [1.0]]),
+    }
+    for k, e in evs.items():
+        out[f"event_{k}"] = ((lambda e=e: ev.encode_event(e)), ev.decode_event, e)
     return out
 
 
@@ -399,6 +459,80 @@ GOLDEN: dict[str, str] = {
         "87a474797065a7736b6970706564a36a6f62a46a6f6231a47374657004a5737461676501a470656572d934313244334b"
         "6f6f574134586f70314a6154334d487877594d6b436570597376346950566f704d5877437a35694859644266655342a6"
         "726561736f6eb46e6f6e2d66696e697465206772616469656e7473a26174cb41d954fc40000000"
+    ),
+    # issues 18, 20, 21
+    "node_record_reach": (
+        "84a17601a174a46e6f6465a162c5015b8aa470656572d934313244334b6f6f574134586f70314a6154334d487877594d"
+        "6b436570597376346950566f704d5877437a35694859644266655342a4726f6c65a46e6f6465a5616464727391b72f69"
+        "70342f3132372e302e302e312f7463702f34303031a770726f66696c6588a6646576696365a3637075a46b696e64a363"
+        "7075a46e616d65b27838365f3634202832207468726561647329aa666c6f70735f66703332cb420bf08eb0000000aa66"
+        "6c6f70735f62663136cb0000000000000000ac6d656d6f72795f6279746573cf0000000400000000a774687265616473"
+        "02a876657273696f6e739292a6707974686f6ea6332e31312e3792a5746f726368a6322e31332e30a773746172746564"
+        "cb41d954fc40000000a373657103a76c656176696e67c2a26862cb3ff0000000000000a46461746191b72f6970342f31"
+        "32372e302e302e312f7463702f35303031a57265616368a3703270a173c440ddadaa6eb6eb45adb7de3bdf5bd5efcb85"
+        "c9b1d49891252e56ea69e69ddb5de9fee4f9494284c1da702edeeb4bf642979c8434154c77a7d4cfd17f83c2373f01"
+    ),
+    "plan_rationale": (
+        "8ba17601a36a6f62a46a6f6231a565706f636802a8736e617073686f74d9406363636363636363636363636363636363"
+        "6363636363636363636363636363636363636363636363636363636363636363636363636363636363636363636363a9"
+        "616c676f726974686da86f702d66656e6365a47365656407a76e5f756e69747304ad6d6963726f5f6261746368657302"
+        "a67374616765739293000291d934313244334b6f6f574134586f70314a6154334d487877594d6b436570597376346950"
+        "566f704d5877437a3569485964426665534293020491d934313244334b6f6f574a315473696a48374835463734686641"
+        "443558697368517a337378726d41745659333747744e643943715966a372686f91cd09c4a47072656486a57374616765"
+        "9292cb3fe0000000000000cb412e84800000000092cb3fd0000000000000cb413e848000000000a566656e63659195cb"
+        "40b0000000000000cb3fb999999999999acb3fd999999999999acb419dcd6500000000cb3f847ae147ae147baa626f74"
+        "746c656e65636bcb3fe0000000000000a473746570cb3ff8000000000000a3686f77a96a6f696e743a317832aa636f6e"
+        "7369646572656492940102a96a6f696e743a317832cb3ff8000000000000940201a87265706c69636173cb4000000000"
+        "000000"
+    ),
+    "example_manifest": (
+        "85a66669656c64739293a9696e7075745f696473a3693634910493a66c6162656c73a369333290ac6e756d5f6578616d"
+        "706c65730aa96e756d5f747261696e08ae73686172645f6578616d706c657306a673686172647392d940656565656565"
+        "656565656565656565656565656565656565656565656565656565656565656565656565656565656565656565656565"
+        "65656565656565656565d940666666666666666666666666666666666666666666666666666666666666666666666666"
+        "66666666666666666666666666666666666666666666666666666666"
+    ),
+    "reach_check": (
+        "84a17601a26f70a5636865636ba370327091b92f6970342f3230332e302e3131332e372f7463702f34303031a4646174"
+        "6191b52f6970342f302e302e302e302f7463702f35303031"
+    ),
+    "reach_reverse": (
+        "83a17601a26f70a772657665727365a6746172676574d934313244334b6f6f574a315473696a48374835463734686641"
+        "443558697368517a337378726d41745659333747744e643943715966"
+    ),
+    "reach_dial": (
+        "84a17601a26f70a46469616ca470656572d934313244334b6f6f574134586f70314a6154334d487877594d6b43657059"
+        "7376346950566f704d5877437a35694859644266655342a5616464727391b92f6970342f3230332e302e3131332e372f"
+        "7463702f34303031"
+    ),
+    "reach_check_reply": "85a17601a26f70a57265706c79a3703270c3a464617461c2a26970ab3230332e302e3131332e37",
+    "reach_ok_reply": "84a17601a26f70a57265706c79a26f6bc2a3776879a462757379",
+    "stream_hello": "0000000105",
+    "tied_gradient": (
+        "0000004c89a17601a36a6f62a46a6f6231a46b696e64a474696564a5737461676500a47374657003a56d6963726f00a4"
+        "6e616d65a3777465a46d65746180a1749292a366333292020292a366333291010000803f0000803f0000803f0000803f"
+        "0000803f00000000"
+    ),
+    "event_eval": (
+        "87a474797065a46576616ca36a6f62a46a6f6231a4737465700aa565706f636801a470656572d934313244334b6f6f57"
+        "4134586f70314a6154334d487877594d6b436570597376346950566f704d5877437a35694859644266655342a46c6f73"
+        "73cb4002000000000000a26174cb41d954fc40000000"
+    ),
+    "event_links": (
+        "87a474797065a56c696e6b73a36a6f62a46a6f6231a565706f636801a5737461676500a470656572d934313244334b6f"
+        "6f574134586f70314a6154334d487877594d6b436570597376346950566f704d5877437a35694859644266655342a56c"
+        "696e6b7391d93b313244334b6f6f574a315473696a48374835463734686641443558697368517a337378726d41745659"
+        "333747744e6439437159663d6c6962703270a26174cb41d954fc40000000"
+    ),
+    "event_plan_fences": (
+        "8da474797065a4706c616ea36a6f62a46a6f6231a565706f636801a9706c616e5f68617368d940646464646464646464"
+        "646464646464646464646464646464646464646464646464646464646464646464646464646464646464646464646464"
+        "64646464646464ab73746167655f73697a6573920101a76d656d6265727392d934313244334b6f6f574134586f70314a"
+        "6154334d487877594d6b436570597376346950566f704d5877437a35694859644266655342d934313244334b6f6f574a"
+        "315473696a48374835463734686641443558697368517a337378726d41745659333747744e643943715966a26174cb41"
+        "d954fc40000000a372686f91cb3fd0000000000000a86c696e6b5f62707391cb419dcd6500000000a766656e63655f73"
+        "91cb3fb999999999999aa764656e73655f7391cb3fd999999999999aa6737465705f73cb3ff8000000000000a3686f77"
+        "a96a6f696e743a317832"
     ),
 }
 

@@ -44,7 +44,8 @@ def _like(v: Any, rng: random.Random) -> Any:
     if isinstance(v, float):
         return rng.choice((*_FLOATS, 2**63, 2**64 - 1, -1, 0))
     if isinstance(v, str):
-        return rng.choice(("", v * rng.choice((2, 40, 1000)), v[:-1], v.upper(), "\x00" + v, "a" * 64, "0" * 64, "../" + v))
+        return rng.choice(("", v * rng.choice((2, 40, 1000)), v[:-1], v.upper(), "\x00" + v, "a" * 64, "0" * 64, "../" + v,
+                               v + "\u00b2", "\u0663" + v))   # digits str.isdigit() accepts and int() refuses / reads
     if isinstance(v, bytes):
         return rng.choice((b"", v[:-1], v + b"\x00", v * 2, bytes(len(v))))
     if isinstance(v, list):

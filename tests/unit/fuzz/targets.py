@@ -444,11 +444,194 @@ def _dht_rankers() -> Target:
     return Target("jobs.records.rankers", dec, (*_jobrecords().seeds, *_plan_record().seeds, *_spec().seeds))
 
 
+# ------------------------------------------------------------ decoders added by the merges of issues 18, 20, 21
+def _example_manifest() -> Target:
+    import numpy as np
+
+    from fusionp2p.data.examples import ExampleManifest, Examples
+
+    ex = Examples({"input_ids": np.arange(40, dtype=np.int64).reshape(10, 4), "labels": np.arange(10, dtype=np.int32),
+                   "mask": np.ones((10, 2, 2), dtype=bool)}, holdout=2)
+    man, _ = ex.shards(shard_bytes=64)
+    return Target("data.examples.manifest", lambda b: ExampleManifest.decode(b), (man.encode(),))
+
+
+def _example_shards() -> Target:
+    """A manifest and one shard in one msgpack array: the shard is checked against the (mutated) manifest."""
+    import numpy as np
+
+    from fusionp2p.data.examples import ExampleManifest, Examples, ShardedExamples
+
+    ex = Examples({"x": np.arange(24, dtype=np.float32).reshape(6, 4), "y": np.arange(6, dtype=np.int64)}, holdout=1)
+    man, blobs = ex.shards(shard_bytes=48)
+
+    def dec(b: bytes) -> object:
+        m = unpackb(b)
+        if not isinstance(m, list) or len(m) != 3 or not isinstance(m[0], bytes) or not isinstance(m[1], int) \
+                or not isinstance(m[2], bytes):
+            raise RemoteProtocolError("fuzz harness: not [manifest, index, shard]")
+        shards = ShardedExamples(ExampleManifest.decode(m[0]))
+        if not 0 <= m[1] < len(shards.manifest.shards):
+            raise RemoteProtocolError("fuzz harness: no such shard")   # the index is the node's, not the peer's
+        shards.add(m[1], m[2])
+        lo, hi = shards.manifest.shard_range(m[1])
+        return shards.rows(np.arange(lo, hi))
+
+    return Target("data.examples.shards", dec,
+                  tuple(packb([man.encode(), i, blobs[h]]) for i, h in enumerate(man.shards)))
+
+
+def _events_new() -> Target:
+    from fusionp2p.jobs.events import EvalProgress, LinksUp, PlanChanged, decode_event, encode_event
+
+    evs = (EvalProgress(job="j", step=10, epoch=1, peer="p", loss=2.25, at=1.0),
+           LinksUp(job="j", epoch=1, stage=0, peer="p", links=("peerB=direct", "peerC=libp2p"), at=2.0),
+           PlanChanged(job="j", epoch=1, plan_hash="h", stage_sizes=(1, 2), members=("a", "b", "c"), at=2.0,
+                       rho=(0.25,), link_bps=(1.25e8,), fence_s=(0.01,), dense_s=(0.04,), step_s=0.5, how="joint:1x2"))
+    return Target("jobs.events.new", decode_event, tuple(encode_event(e) for e in evs))
+
+
+def _plan_rationale() -> Target:
+    """A plan with the planner's per-fence link numbers (5 per fence), ``how`` and its candidates."""
+    import dataclasses
+
+    from fusionp2p.plan.plan import Candidate, Plan
+
+    plan = dataclasses.replace(_plan(), how="joint:1x3", considered=(
+        Candidate(replicas=1, stages=3, how="joint:1x3", step_time_s=0.5),
+        Candidate(replicas=3, stages=1, how="replicas", step_time_s=0.75)))
+    return Target("plan.plan.rationale", lambda b: Plan.from_wire(b), (plan.to_wire(),))
+
+
+def _reach() -> Target:
+    """REACH requests (with the server's dial-back address check on a check request) and replies."""
+    from fusionp2p.swarm.reach import _endpoint
+    from fusionp2p.wire import reach as wr
+
+    def dec(b: bytes) -> object:
+        m = unpackb(b, max_size=wr.MAX_MESSAGE)
+        if isinstance(m, dict) and "op" in m and m.get("op") != "reply":
+            op, f = wr.decode_request(b)
+            if op == "check":
+                return [_endpoint(a, "10.0.0.7") for a in (*f["p2p"], *f["data"])]
+            return op, f
+        return wr.decode_check_reply(b) if isinstance(m, dict) and "p2p" in m else wr.decode_ok_reply(b)
+
+    seeds = (wr.encode("check", p2p=["/ip4/10.0.0.7/tcp/4001", "/ip4/0.0.0.0/tcp/4002/p2p/x"], data=["/ip6/::1/tcp/5000"]),
+             wr.encode("reverse", target="peerB"), wr.encode("dial", peer="peerA", addrs=["/ip4/1.2.3.4/tcp/4001"]),
+             wr.encode("reply", p2p=True, data=False, ip="10.0.0.7"), wr.encode("reply", ok=False, why="busy"))
+    return Target("wire.reach", dec, seeds)
+
+
+class _BytesStream:
+    """A libp2p stream whose peer sent *data* (in short reads) and then ended its side."""
+
+    remote_peer = "peerB"
+
+    def __init__(self, data: bytes) -> None:
+        self._data, self._at = data, 0
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        n = min(max_bytes or 1 << 16, 997)   # short reads, as a Noise stream gives
+        out = self._data[self._at : self._at + n]
+        self._at += len(out)
+        return out
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        pass
+
+    async def send_eof(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _stream_channel() -> Target:
+    """The libp2p fallback of the data plane: the opening (``stream_welcome`` / ``stream_hello``, chosen
+    by the first byte) and then the channel's record reader, on one stream of the peer's bytes."""
+    import trio
+
+    from fusionp2p.errors import PeerUnavailable
+    from fusionp2p.net.admission import BufferBudget
+    from fusionp2p.net.bulk_channel import DataPlaneConfig
+    from fusionp2p.net.channel import TensorMessage
+    from fusionp2p.net.stream_channel import StreamChannel, stream_hello, stream_welcome
+    from fusionp2p.wire import tensor_frame as tf
+
+    cfg = DataPlaneConfig(window=4)
+
+    def dec(b: bytes) -> object:
+        async def main() -> object:
+            stream = _BytesStream(b[1:])
+            try:
+                if b[:1] == b"d":
+                    await stream_hello(stream, "peerB", 5.0)
+                elif not await stream_welcome(stream, 5.0):
+                    return None
+                ch = StreamChannel(stream, "peerB", cfg, BufferBudget(max_total=cfg.limits.max_frame * 2, max_peer=cfg.limits.max_frame))
+                await ch._read_loop()
+            except PeerUnavailable as exc:   # the stream ended early: the channel fails, as it should
+                return str(exc)
+            return None
+
+        return trio.run(main)
+
+    hello = tf.record_header(tf.HELLO, 0)
+    msgs = [TensorMessage(job="j", kind="act", step=1, tensors=(torch.arange(6, dtype=torch.float32),)),
+            TensorMessage(job="j", kind="tied", name="wte", tensors=(torch.ones(2, 2), torch.tensor([1.0])))]
+    body = b"".join(tf.record_header(tf.MSG_END, len(p)) + p for p in (tf.message_bytes(m) for m in msgs))
+    close = tf.record_header(tf.CLOSE, 0)
+    return Target("net.stream_channel", dec, (b"w" + hello + body + close, b"d" + hello + body + close))
+
+
+def _tied_gradient() -> Target:
+    """A tied-weight gradient message (kind ``tied``) as the worker checks it (``_keep_tied`` then the shape,
+    dtype and flag checks of ``_sum_tied``)."""
+    from fusionp2p.net.channel import TensorMessage
+    from fusionp2p.train.worker import check_tied_message
+    from fusionp2p.wire import tensor_frame as tf
+
+    holders = {"wte": ((0, 2), (16, 8), torch.float32)}
+
+    def dec(b: bytes) -> object:
+        g, flag = check_tied_message(TensorMessage(**tf.decode_message(b)), src=2, holders=holders)
+        return g.sum(), flag.numel() == 1 and bool(flag.item() == 1.0)
+
+    good = TensorMessage(job="j", kind="tied", stage=0, step=3, name="wte", tensors=(torch.ones(16, 8), torch.tensor([1.0])))
+    return Target("train.worker.tied", dec, (tf.message_bytes(good),))
+
+
+def _spec_examples() -> Target:
+    """A spec body of an example dataset with the issue-18 train settings (held-out loss, non-finite policy,
+    replicas hint): DatasetRef kind ``examples``, TrainConfig ``eval_every``, ``on_nonfinite``, ``replicas``."""
+    from fusionp2p.jobs.spec import CO2, DatasetRef, JobSpec, Resources, TrainConfig
+
+    spec = JobSpec(job_id="0123456789abcdef", publisher=_identity(0).peer_id, created=1.7e9, model_hash="a" * 64,
+                   weights_hash="b" * 64,
+                   dataset=DatasetRef(kind="examples", name="imdb", content_hash="c" * 64, seq_len=128, vocab_size=2,
+                                      num_tokens=1000),
+                   config=TrainConfig(steps=100, optimizer="adamw", lr=3e-4, averaging=CO2(tau=4), eval_every=10,
+                                      on_nonfinite="skip", replicas=2),
+                   resources=Resources(min_memory_bytes=1 << 30, device_kinds=("cpu",)), name="examples")
+    return Target("jobs.spec.examples", lambda b: JobSpec.from_wire(unpackb(b)), (spec.encode(),))
+
+
+def _node_record() -> Target:
+    """A node record with its data-plane addresses and reachability (issue 21)."""
+    from fusionp2p.wire.records import NodeRecord, decode_signed, encode_signed
+
+    node = NodeRecord(peer="peerA", role="node", addrs=("/ip4/127.0.0.1/tcp/4001",), profile=_profile(), started=1.7e9,
+                      seq=3, period=1.0, data=("/ip4/127.0.0.1/tcp/5001", "/ip4/10.0.0.2/tcp/5001"), reach="p2p")
+    return Target("wire.records.node", lambda b: decode_signed(b, _verify_all), (encode_signed(node, _sign),))
+
+
 TARGETS: dict[str, Callable[[], Target]] = {
     f.__name__.lstrip("_"): f for f in (
         _msgpack, _framing, _records, _jobrecords, _dag, _stage, _tensor_message, _tensor, _dataplane_small, _tickets,
         _record_reader, _spec, _events, _votes, _plan_record, _plan_wire, _snapshot_wire, _replan, _resilient, _shards,
         _codec, _averaging, _checkpoint_state, _spec_body, _probe_ctrl, _content, _view, _job_message,
-        _dht_rankers,
+        _dht_rankers, _example_manifest, _example_shards, _events_new, _plan_rationale, _reach, _stream_channel,
+        _tied_gradient, _node_record, _spec_examples,
     )
 }
