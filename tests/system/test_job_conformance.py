@@ -70,7 +70,10 @@ def test_two_by_two_trains_downloads_and_reloads_strictly(kind: _Kind, tmp_path:
     job = kind.swarm.publish(model=_model(), dataset=BuiltinCorpus(seq_len=SEQ), config=cfg)
     events = list(job.events(timeout=TIMEOUT))
     job.wait(timeout=1)
-    assert next(e for e in events if isinstance(e, PlanChanged)).stage_sizes == (2, 2)
+    # replicas=2 is the planner's hint and bound (plan/joint.py): embedded (no measured links) it keeps
+    # 2 x 2; on real processes it plans from the probed loopback figures and has chosen 2 x 1 or 1 x 2 there
+    sizes = next(e for e in events if isinstance(e, PlanChanged)).stage_sizes
+    assert len(set(sizes)) == 1 and sizes[0] <= 2, sizes
     assert [e.state for e in events if isinstance(e, JobStateChanged)] == ["planned", "running", "done"]
     steps = [e for e in events if isinstance(e, StepProgress) and e.step < cfg.steps]
     assert len(steps) >= cfg.steps - 2          # progress rides on gossip; a lost message is tolerated
