@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -153,8 +154,6 @@ def test_a_message_that_crosses_our_close_is_read_not_answered_with_a_reset() ->
     unread, so B's kernel got a reset and dropped A's last message and CLOSE. The order is forced by
     holding B's lane-0 reader until A has read (or refused) B's message."""
     async def body(a: BulkChannel, b: BulkChannel) -> None:
-        import threading
-
         hold, go = threading.Event(), threading.Event()
         real = b._recv_exactly
 
