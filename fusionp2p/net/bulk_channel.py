@@ -187,6 +187,7 @@ class BulkChannel:
         self._claims: collections.deque[int] = collections.deque()   # in delivery order (lane 0's)
         self._claims_lock = threading.Lock()
         self._claims_open = True
+        self._draining = False   # closed by us: the peer's messages that crossed our CLOSE are read and dropped
         self._reader = RecordReader(Opener(cfg.cipher, keys[1]), chunk_size=cfg.chunk_size, limits=cfg.limits,
                                     pool=BufferPool(max_buffers=cfg.window + 2), lanes=len(socks), claim=self._claim)
         self._lanes = [_Lane(0, socks[0], self._writer.sealer, self._reader.opener)]
@@ -211,6 +212,7 @@ class BulkChannel:
         self._peer_closed = False
         self._hello = trio.Event()
         self._finished = trio.Event()
+        self._linger = trio.Event()   # closed gracefully: reading on until the peer closes, within dead_after
         self._threads: list[threading.Thread] = []  # writer and reader of each lane
         self._threads_left = 2 * len(socks)
         self._threads_lock = threading.Lock()
@@ -326,6 +328,7 @@ class BulkChannel:
                 for ev in flushed:
                     await ev.wait()
             graceful = all(ev.is_set() for ev in flushed) and self._error is None
+        self._draining = graceful
         self._inbox.close()
         self._unclaim_all()
         self._wake_waiters()
@@ -337,6 +340,7 @@ class BulkChannel:
                 self._put(None, lane)
                 with suppress(OSError):
                     lane.sock.shutdown(socket.SHUT_WR)
+            self._linger.set()   # run() gives the peer dead_after to close its side
         else:
             self._shutdown()
 
@@ -345,6 +349,13 @@ class BulkChannel:
         """(a reader thread) A message of *n* bytes is announced: count it against the peer's budget."""
         with self._claims_lock:
             if not self._claims_open:
+                if self._draining:
+                    # our CLOSE is on its way and the peer sent this before reading it (an ACK of our last
+                    # message, say): read it to the end and drop it. Failing here would close the socket
+                    # with its bytes unread, and that reset makes the peer's kernel drop what we sent
+                    # before the CLOSE (the last activations, the resilient goodbye). Bounded: aclose
+                    # gives the peer dead_after to close its side.
+                    return
                 raise PeerUnavailable(self._peer, "channel ended")
             self._budget.claim(self._peer, n)   # RemoteProtocolError over a bound: the channel fails
             self._claims.append(n)
@@ -710,6 +721,13 @@ class BulkChannel:
             if time.monotonic() - self._last_sent >= self._cfg.keepalive and self._lanes[0].queue.empty():
                 self._control(tf.PING)
 
+    async def _linger_bound(self) -> None:
+        """After a graceful aclose the readers read on until the peer closes its side too; a peer that
+        never does is cut off after dead_after (run's exit shuts the sockets down)."""
+        await self._linger.wait()
+        await trio.sleep(self._cfg.dead_after)
+        self._finished.set()
+
     # Any: the trio-typing stubs libp2p installs shadow trio.TaskStatus for mypy
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Start the channel's threads and keep it alive (keepalives) until it closes or fails."""
@@ -723,6 +741,7 @@ class BulkChannel:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._keepalive)
+                nursery.start_soon(self._linger_bound)
                 task_status.started()
                 await self._finished.wait()
                 nursery.cancel_scope.cancel()

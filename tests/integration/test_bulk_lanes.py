@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -144,3 +145,54 @@ def test_a_listener_grants_at_most_its_own_lanes() -> None:
                     _same(await b.receive(), 1)
 
     trio.run(main)
+
+
+def test_a_message_that_crosses_our_close_is_read_not_answered_with_a_reset() -> None:
+    """The job-end race seen on real nodes: A sends its last message and closes while B, which has not
+    read that far, still sends (the ACK of an earlier message). A must read B's message to the end and
+    drop it; before, A's reader failed on it ("channel ended") and closed the socket with its bytes
+    unread, so B's kernel got a reset and dropped A's last message and CLOSE. The order is forced by
+    holding B's lane-0 reader until A has read (or refused) B's message."""
+    async def body(a: BulkChannel, b: BulkChannel) -> None:
+        hold, go = threading.Event(), threading.Event()
+        real = b._recv_exactly
+
+        def gated(lane: Any, view: memoryview, *, at_boundary: bool) -> bool:
+            if hold.is_set() and not lane.index:
+                go.wait(10.0)
+            return real(lane, view, at_boundary=at_boundary)
+
+        b._recv_exactly = gated  # type: ignore[method-assign]
+        await a.send(_msg(0))
+        _same(await b.receive(), 0)
+        hold.set()                       # B reads nothing more (its reader is inside the next recv) ...
+        await a.send(_msg(2))            # ... so A's last message and its CLOSE wait in B's socket
+        await a.aclose()
+        read, over = [], trio.Event()   # A's reader finished B's message / A stopped (either ends the wait)
+        on_event = a._on_event
+
+        def seen(kind: int, message: Any, count: int) -> None:
+            if kind == tf.MSG_END:
+                read.append(message)
+                over.set()
+            on_event(kind, message, count)
+
+        a._on_event = seen  # type: ignore[method-assign]
+        await b.send(_msg(1))            # B has not seen the CLOSE: it still sends (400 KB)
+        async with trio.open_nursery() as n:
+            async def stopped() -> None:
+                await a._finished.wait()
+                over.set()
+            n.start_soon(stopped)
+            await over.wait()
+            n.cancel_scope.cancel()
+        assert read, "A stopped reading after its close (its reader refused B's message)"
+        go.set()
+        _same(await b.receive(), 2)
+        with pytest.raises(trio.EndOfChannel):
+            await b.receive()
+        assert b._error is None and b.closed_by_peer
+        with trio.fail_after(5):
+            await a._finished.wait()     # B closed its side once it read the CLOSE: A's threads end
+
+    run(body, lanes=1)
