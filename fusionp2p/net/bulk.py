@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, replace
 from typing import Any
@@ -295,6 +295,11 @@ class DataPlane:
         if not ok:
             return
         ch = StreamChannel(stream, peer, self._cfg, self.budget)
+        await self._serve_incoming(peer, ch, self._run_stream)   # the stream lives as long as this handler
+
+    async def _serve_incoming(self, peer: str, ch: Any, run: Callable[[Any], Awaitable[None]]) -> None:
+        """Hand an accepted channel (direct or libp2p stream) to ``accept`` and run it while it counts
+        against *peer*'s admitted channels; closed at once when nobody can take it."""
         self.admission.channel_opened(peer)
         try:
             try:
@@ -302,7 +307,7 @@ class DataPlane:
             except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 await ch.aclose()
                 return
-            await self._run_stream(ch)   # the stream lives as long as this handler
+            await run(ch)
         finally:
             self.admission.channel_closed(peer)
 
@@ -354,16 +359,7 @@ class DataPlane:
         ch = BulkChannel(socks, entry.peer, (entry.k_listen, entry.k_dial), self._cfg, budget=self.budget,
                          shape=self._shape(entry.peer))
         ch._control(tf.HELLO)  # the writer sends it as soon as the channel runs
-        self.admission.channel_opened(entry.peer)
-        try:
-            try:
-                self._incoming_send.send_nowait(ch)
-            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                await ch.aclose()
-                return
-            await self._run_channel(ch)
-        finally:
-            self.admission.channel_closed(entry.peer)
+        await self._serve_incoming(entry.peer, ch, self._run_channel)
 
     async def _run_channel(self, ch: BulkChannel, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run *ch*, its bytes counted in the transport's traffic meter (plane ``"data"``)."""
