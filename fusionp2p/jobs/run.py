@@ -92,6 +92,7 @@ log = logging.getLogger(__name__)
 
 HALT_CLOSE_TIMEOUT = 0.3    # seconds a halted epoch's channel waits for a link to say goodbye on
 OFFER_AGAIN = 2.0           # seconds before a joiner that could not be reached is offered the job again
+JOIN_GAIN = 0.10            # joiners are taken in (a re-plan) only if predicted this much faster than without
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -688,6 +689,20 @@ class JobRun:
             return
         if set(trial.peers) <= set(plan.peers):
             return   # the plan does not need them: they stay standbys until a re-plan
+        # A halt costs seconds; take joiners in only for a predicted gain, judged against the best plan of the
+        # present members under the same fresh measurements (the plan in force was chosen on older ones: a
+        # standby whose probed figures moved a little would otherwise swap places with a member, re-planning
+        # a job for nothing; seen under load as an extra planned/running pair in a 2 x 1 job).
+        try:
+            base = plan_for_snapshot(self.spec, self.accepted.dag, self._snapshot(list(plan.peers), self.epoch + 1),
+                                     previous=plan)
+        except (PlanError, FusionError):
+            base = None   # the present members alone no longer make a plan: the joiners are needed
+        predicted = base is not None and base.step_time_s > 0 and trial.step_time_s > 0
+        if base is not None and predicted and not trial.throughput > base.throughput * (1.0 + JOIN_GAIN):
+            log.debug("job %s: joiners %s would gain under %.0f%% (%.3g vs %.3g micro-batches/s): not re-planning",
+                      self.job_id, [p[:12] for p in usable], 100 * JOIN_GAIN, trial.throughput, base.throughput)
+            return
         w = self._worker
         if w is None:
             return
