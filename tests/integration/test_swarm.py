@@ -111,8 +111,10 @@ def test_heartbeat_period_stretches_with_the_swarm_without_false_deaths() -> Non
             async with trio.open_nursery() as nursery:
                 await _start(nursery, boot, nodes, hosts[0])
                 await converge(nodes, bandwidth=False, timeout=30)
-                await trio.sleep(10)   # every node has announced the stretched period by now
-                assert all(n.period() == 7.0 for n in [boot, *nodes])
+                everyone = [boot, *nodes]
+                for n in everyone:     # every node has stretched its period and heard everyone announce it
+                    await n.wait_until(lambda n=n: n.period() == 7.0 and all(
+                        n.view.records[m.peer_id].period == 7.0 for m in everyone if m is not n), timeout=10)
                 published[0] = 0
                 await trio.sleep(70)
                 assert 7 * 70 / 7.0 <= published[0] <= 7 * 70 / (0.8 * 7.0) + 7   # ~gossip_rate per second, swarm-wide
