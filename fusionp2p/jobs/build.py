@@ -268,9 +268,13 @@ class NodeJobs:
                            f"with {self.profile.memory_bytes} bytes")
         memory = self.profile.memory_bytes
         dag_blob = await self._fetch(spec.model_hash, peers, max_size=min(self.max_blob, memory))
-        # RemoteProtocolError on a non-whitelisted operator, or a DAG whose tensors exceed this node's memory
-        dag = decode_dag(dag_blob, memory_bytes=memory)
-        weights = load_safetensors_bytes(await self._fetch(spec.weights_hash, peers, max_size=_weights_cap(dag)))
+        # RemoteProtocolError on a non-whitelisted operator, or a DAG whose tensors exceed this node's memory.
+        # In a worker thread: the first validation in a process imports torch's meta kernels (800 modules,
+        # 1.6 CPU-s), which on the event loop held up the node's heartbeats and gossip long enough, on a
+        # loaded machine, for it to declare every peer dead and be declared dead (a spurious re-plan)
+        dag = await trio.to_thread.run_sync(lambda: decode_dag(dag_blob, memory_bytes=memory))
+        weights_blob = await self._fetch(spec.weights_hash, peers, max_size=_weights_cap(dag))
+        weights = await trio.to_thread.run_sync(load_safetensors_bytes, weights_blob)
         if set(weights) != set(dag.tensors):
             raise JobError(f"job {spec.job_id}: the weights do not match the model's tensors")
         dag = dataclasses.replace(dag, tensors={**dag.tensors, **weights})

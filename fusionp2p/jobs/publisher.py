@@ -114,15 +114,29 @@ class SwarmView:
 
 
 async def discover(t: Transport, bootstraps: list[str], *, timeout: float) -> SwarmView:
-    """The swarm's training members from the first bootstrap that answers (records verified)."""
+    """The swarm's training members from the first bootstrap that answers (records verified), asking them
+    in turn again until *timeout*: one failed stream (seen under load: a multiselect handshake whose read
+    failed) used to fail the whole job."""
     last: Exception | None = None
-    for peer in bootstraps:
-        try:
-            view = await fetch_view(t, peer, timeout=timeout)
+    deadline = trio.current_time() + timeout
+    delay = 0.2
+    view: dict[str, Any] | None = None
+    while view is None and bootstraps:
+        for peer in bootstraps:
+            left = deadline - trio.current_time()
+            if left <= 0:
+                break
+            try:
+                view = await fetch_view(t, peer, timeout=left)
+                break
+            except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
+                last = exc
+        left = deadline - trio.current_time()
+        if view is not None or left <= 0:
             break
-        except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
-            last = exc
-    else:
+        await trio.sleep(min(delay, left))     # retry backoff, bounded by the deadline
+        delay = min(2.0, delay * 2)
+    if view is None:
         raise PeerUnavailable(bootstraps[0] if bootstraps else "bootstrap", f"no view ({last})")
     alive = set(view["alive"])
     members: dict[str, DeviceProfile] = {}

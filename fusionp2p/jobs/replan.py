@@ -4,7 +4,9 @@ Pure (no trio, no clock): the job runner (``jobs/run.py``) feeds it what the mem
 on its results. The protocol around it is in docs/jobs.md "Elastic jobs"; in short:
 
 1. The **leader** of a job is its lowest peer id among the current plan's members that are alive in the
-   node's membership view (:func:`leader_of`). Every member computes it from its own view; views
+   node's membership view (:func:`leader_of`); when every one of them died, the lowest live node of the
+   job's snapshots (a standby: the plan had no role for it, and it holds the job). Every member
+   computes it from its own view; views
    agree within a heartbeat, and two nodes that both believe they lead propose for the same epoch and
    are told apart by the election (the lower id's proposal is taken first, a second start for an epoch
    already started is refused).
@@ -135,10 +137,14 @@ def _s(v: object) -> str:
     return v
 
 
-def leader_of(members: Iterable[str], alive: Callable[[str], bool]) -> str | None:
-    """The lowest peer id of *members* that is alive, or None."""
-    live = sorted(p for p in members if alive(p))
-    return live[0] if live else None
+def leader_of(members: Iterable[str], alive: Callable[[str], bool], *, standbys: Iterable[str] = ()) -> str | None:
+    """The lowest peer id of *members* that is alive; when none is, the lowest live one of *standbys*
+    (every node the job's snapshots named: they hold the job and carry it on); or None."""
+    for group in (members, standbys):
+        live = sorted(p for p in group if alive(p))
+        if live:
+            return live[0]
+    return None
 
 
 # checkpoints known to a node: {step: {(start, end): (hash, holders)}}

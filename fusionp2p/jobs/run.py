@@ -17,7 +17,7 @@ later epochs from the job's leader (``jobs/replan.py``). For each epoch it
    state (parameters, optimizer state, CO2 momentum shard) into its content store, answers the
    leader's ``halt`` with that state's hash, and waits for the next ``start``.
 
-A second task watches the membership view. The member that leads (lowest live id of the plan) drives
+A second task watches the membership view. The leader (lowest live id of the plan, else of its standbys) drives
 a re-plan when a member died or left, when its own pipeline broke, or when a node that accepted the
 job would get a role; see :meth:`JobRun._lead`. Every state change goes through the lifecycle table
 (``jobs/lifecycle.py``). A job fails only when no plan can be made or a stage fails for a reason
@@ -526,7 +526,8 @@ class JobRun:
     async def _replicate(self, plan: Plan, s: int, h: str, step: int) -> None:
         """Ask one other member (the keeper) to hold a copy of a stage file, so that it survives our death."""
         peers = sorted(p for p in plan.peers if p not in plan.stages[s].replicas) or sorted(
-            p for p in plan.peers if p != self.me)
+            p for p in plan.peers if p != self.me) or sorted(   # a plan of one: a standby keeps it
+            p for p in (self.members or ()) if p != self.me and self._alive(p))
         if not peers:
             return
         keeper = peers[(plan.peers.index(self.me) if self.me in plan.peers else 0) % len(peers)]
@@ -623,7 +624,7 @@ class JobRun:
             stalled = self._cur.ended.is_set() and self._cur.outcome in ("no plan", "halted", "halted before training")
             if plan.epoch < self.epoch and not stalled:
                 continue   # the new epoch's plan is being elected: judge it, not the old one
-            lead = leader_of(plan.peers, self._alive)
+            lead = leader_of(plan.peers, self._alive, standbys=self.members or ())
             if lead != self.me:
                 if self._broken and lead is not None and self._told != (self.epoch, lead):
                     self._told = (self.epoch, lead)     # tell the leader our pipeline broke
@@ -836,7 +837,7 @@ class JobRun:
         """A failed or cancelled job: the leader (or anyone, when no plan was made) tells the publisher."""
         plan = self.plan
         if plan is not None:
-            if leader_of(plan.peers, self._alive) != self.me:
+            if leader_of(plan.peers, self._alive, standbys=self.members or ()) != self.me:
                 return
             await self._put_status(self._status(self.life.state, plan, reason=self.reason))
         msg = {"op": "report", "job": self.job_id, "state": self.life.state.value, "reason": self.reason}

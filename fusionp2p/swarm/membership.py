@@ -93,6 +93,12 @@ class MembershipView:
         rec = self.records.get(peer)
         return max(self.timeout, self.beats * rec.period) if rec is not None else self.timeout
 
+    def excuse(self, seconds: float) -> None:
+        """This node was not listening for *seconds* (its event loop was held up): the heartbeats peers sent
+        meanwhile are not read yet, so that time does not count as their silence."""
+        for peer in self.last_seen:
+            self.last_seen[peer] += seconds
+
     def tick(self, now: float) -> list[MemberEvent]:
         out = []
         for peer, seen in list(self.last_seen.items()):

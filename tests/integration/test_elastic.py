@@ -18,6 +18,7 @@ import torch
 import trio
 
 from fusionp2p.data import BuiltinCorpus
+from fusionp2p.jobs import build
 from fusionp2p.jobs.build import BuiltJob, build_job, module_state
 from fusionp2p.jobs.checkpoint import assemble
 from fusionp2p.jobs.content import ContentService, ContentStore
@@ -377,6 +378,44 @@ def test_two_failures_in_a_row_and_one_during_the_replan(tmp_path: Path) -> None
     plans, _ = _check_done(events, cfg)
     assert len(dead) == 3
     assert plans[-1].epoch >= 2 and not set(dead) & set(plans[-1].members)
+
+
+def test_the_plans_only_member_dies_and_a_standby_carries_the_job_on(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Epoch 0's plan has one member and the other nodes are standbys (the planner chooses so when one
+    node holds the model and the links look too slow to split it: real processes on a loaded machine
+    did). That member dies without a goodbye. The lowest live standby leads the re-plan (before, no node
+    did: each waited for a live member of the plan to lead, and the job stalled until the publisher gave
+    up after 300 s), the stage comes back from the checkpoint a standby kept, and the job ends DONE."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=24, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
+                      compression="none", checkpoint_every=4, seed=6)
+    choose = build.choose_plan
+
+    def one_member_in_epoch_0(spec: Any, dag: Any, members: Any, *, links: Any = None, epoch: int = 0) -> Any:
+        if epoch == 0:   # every node and the publisher compute the same: the highest id alone
+            members = {max(members): members[max(members)]}
+        return choose(spec, dag, members, links=links, epoch=epoch)
+
+    monkeypatch.setattr(build, "choose_plan", one_member_in_epoch_0)
+    killed: list[str] = []
+
+    async def main() -> list[ProgressEvent]:
+        with trio.fail_after(150):
+            async with _swarm(3, tmp_path) as (emb, pub, client):
+                def on_event(ev: ProgressEvent) -> None:
+                    if isinstance(ev, PlanChanged) and ev.epoch == 0:
+                        assert len(ev.members) == 1
+                    if isinstance(ev, StepProgress) and ev.step == 6 and not killed:
+                        killed.append(max(n.peer_id for n in emb.nodes))
+                        emb.kill(_node(emb, killed[0]))
+
+                return await _publish(pub, await _built(client, cfg, b"o"), tmp_path, on_event)
+
+    events = trio.run(main)
+    plans, steps = _check_done(events, cfg)
+    assert plans[0].members == (killed[0],) and plans[-1].epoch >= 1 and killed[0] not in plans[-1].members
+    assert min(s for s, e in steps.items() if e.epoch >= 1) >= 4   # from the kept checkpoint, not step 0
 
 
 def test_the_job_outlives_its_publisher_and_is_attached_from_elsewhere(tmp_path: Path) -> None:

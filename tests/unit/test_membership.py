@@ -26,6 +26,14 @@ def test_join_update_dead_revive() -> None:
     assert v.alive() == [P[1]]
 
 
+def test_time_the_node_did_not_listen_is_excused() -> None:
+    v = MembershipView(self_peer=P[0], timeout=5.0)
+    v.on_record(rec(P[1], 1), now=0.0)
+    v.excuse(10.0)                  # held up from 1.0 to 11.0: P[1]'s heartbeats of that time are unread
+    assert v.tick(11.0) == []
+    assert [(e.change, e.peer) for e in v.tick(15.1)] == [(Change.DEAD, P[1])]   # 5 s of its own silence
+
+
 def test_leave_removes_at_once() -> None:
     v = MembershipView(self_peer=P[0], timeout=5.0)
     v.on_record(rec(P[1], 1), now=0.0)

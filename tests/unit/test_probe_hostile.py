@@ -100,6 +100,7 @@ def test_one_stream_cannot_keep_the_probe_server_reserved() -> None:
             victim.set_stream_handler(PROBE, server)
             end = trio.current_time() + 600
             held = [0.0]
+            holding = trio.Event()   # the attacker holds the server's reservation
 
             async def attack() -> None:
                 while trio.current_time() < end:
@@ -114,6 +115,7 @@ def test_one_stream_cannot_keep_the_probe_server_reserved() -> None:
                             if unpackb(dec.feed(data)[0])["op"] == "go":
                                 await s.send_all(encode_frame(b"x" * 10, max_frame=4096))
                                 await s.receive_some()   # ack
+                                holding.set()
                             while trio.current_time() < end:
                                 await trio.sleep(9)
                                 await s.send_all(encode_frame(packb({"op": "ping", "i": 0}), max_frame=4096))
@@ -135,7 +137,7 @@ def test_one_stream_cannot_keep_the_probe_server_reserved() -> None:
             async with trio.open_nursery() as n:
                 n.start_soon(attack)
                 n.start_soon(watch)
-                await trio.sleep(1)
+                await holding.wait()
                 for _ in range(20):
                     for _attempt in range(4):
                         try:
