@@ -92,7 +92,7 @@ log = logging.getLogger(__name__)
 
 HALT_CLOSE_TIMEOUT = 0.3    # seconds a halted epoch's channel waits for a link to say goodbye on
 OFFER_AGAIN = 2.0           # seconds before a joiner that could not be reached is offered the job again
-JOIN_GAIN = 0.10            # joiners are taken in (a re-plan) only if predicted this much faster than without
+JOIN_GAIN = 0.10            # joiners are taken in (a re-plan) only to add nodes, predicted this much faster
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -688,12 +688,13 @@ class JobRun:
         except (PlanError, FusionError) as exc:
             log.info("job %s: a plan with joiners %s fails: %s", self.job_id, usable, exc)
             return
-        if set(trial.peers) <= set(plan.peers):
-            return   # the plan does not need them: they stay standbys until a re-plan
+        if set(trial.peers) <= set(plan.peers) or len(trial.peers) <= len(plan.peers):
+            # the plan does not need them, or would only swap them for members (chasing a link figure that
+            # moved: on one machine under load the probed rates of equal links differ by more than any
+            # margin): they stay standbys until a re-plan
+            return
         # A halt costs seconds; take joiners in only for a predicted gain, judged against the best plan of the
-        # present members under the same fresh measurements (the plan in force was chosen on older ones: a
-        # standby whose probed figures moved a little would otherwise swap places with a member, re-planning
-        # a job for nothing; seen under load as an extra planned/running pair in a 2 x 1 job).
+        # present members under the same fresh measurements (the plan in force was chosen on older ones).
         try:
             base = plan_for_snapshot(self.spec, self.accepted.dag, self._snapshot(list(plan.peers), self.epoch + 1),
                                      previous=plan)

@@ -74,7 +74,14 @@ def test_two_by_two_trains_downloads_and_reloads_strictly(kind: _Kind, tmp_path:
     # 2 x 2; on real processes it plans from the probed loopback figures and has chosen 2 x 1 or 1 x 2 there
     sizes = next(e for e in events if isinstance(e, PlanChanged)).stage_sizes
     assert len(set(sizes)) == 1 and sizes[0] <= 2, sizes
-    assert [e.state for e in events if isinstance(e, JobStateChanged)] == ["planned", "running", "done"]
+    # on real processes the election may run before every link is probed; a leader may then take the
+    # standbys in once the figures show a plan with more nodes predicted faster (a re-plan: more
+    # planned/running pairs, each for joiners), never anything else
+    states = [e.state for e in events if isinstance(e, JobStateChanged)]
+    assert states[:2] == ["planned", "running"] and states[-1] == "done" and set(states) == {"planned", "running",
+                                                                                             "done"}, states
+    if kind.cluster is None:
+        assert states == ["planned", "running", "done"]
     steps = [e for e in events if isinstance(e, StepProgress) and e.step < cfg.steps]
     assert len(steps) >= cfg.steps - 2          # progress rides on gossip; a lost message is tolerated
     first = float(np.mean([e.loss for e in steps[:3]]))

@@ -294,6 +294,15 @@ _RUN_CLI_UP = textwrap.dedent(
 )
 
 
+def _signal_masks(pid: int) -> str:
+    """The signal masks (ignored, blocked) of *pid* and of this process, from /proc."""
+    out = []
+    for who, p in (("cli_up", str(pid)), ("pytest", "self")):
+        fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines() if ":\t" in line)
+        out.append(f"{who} SigIgn={fields.get('SigIgn', '?').strip()} SigBlk={fields.get('SigBlk', '?').strip()}")
+    return "; ".join(out)
+
+
 def _start_cli_up(stderr: object = None) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", _RUN_CLI_UP, str(SPECS / "quick4.json"), FAKE_BOOTSTRAP, FAKE_NODE],
@@ -319,6 +328,7 @@ def test_cli_up_tears_down_on_signal(sig: int, cleanup: list[str], tmp_path: Pat
     cleanup.append(name)
     pids = [pid for ns in _ours(name) for pid in netns.namespace_pids(ns)]
     assert len(pids) == 5
+    masks = _signal_masks(proc.pid)
     proc.send_signal(sig)
     try:
         rc = proc.wait(30)
@@ -328,7 +338,7 @@ def test_cli_up_tears_down_on_signal(sig: int, cleanup: list[str], tmp_path: Pat
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(3)
         proc.kill()
-        pytest.fail(f"cli_up did not exit within 30 s of signal {sig}; its threads:\n{err_path.read_text()}")
+        pytest.fail(f"cli_up did not exit within 30 s of signal {sig} ({masks}); its threads:\n{err_path.read_text()}")
     assert rc == 0, err_path.read_text()
     assert _ours(name) == []
     assert not any(_alive(p) for p in pids)
