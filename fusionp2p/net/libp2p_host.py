@@ -57,6 +57,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from fusionp2p.errors import ConfigError, PeerUnavailable
 from fusionp2p.net.identity import Identity
+from fusionp2p.net.relay import RelayClient, RelayLimits, RelayService, is_circuit
 from fusionp2p.net.traffic import Traffic
 from fusionp2p.net.transport import GossipMessage, RecordRank, StreamHandler
 from fusionp2p.wire.protocols import TOPIC_MEMBERS
@@ -83,6 +84,8 @@ class Libp2pConfig:
     max_gossip_bytes: int = 64 * 1024
     # topics whose messages are periodic state (the next heartbeat supersedes the last): not replayed to new peers
     state_topics: tuple[str, ...] = (TOPIC_MEMBERS,)
+    # offer circuit relay v2 to peers that cannot be dialled, within these limits (None: do not relay)
+    relay: RelayLimits | None = None
 
     def __post_init__(self) -> None:
         for a in (*self.listen, *self.announce):
@@ -370,6 +373,14 @@ class Libp2pTransport:
         self._nursery: trio.Nursery | None = None
         self._subs: dict[str, list[trio.MemorySendChannel[GossipMessage]]] = {}
         self.dropped_gossip = 0
+        # circuit relay v2 (net/relay.py): every node accepts circuits from relays it reserved on and dials
+        # circuits; only a node configured with limits relays for others
+        self.relay_client = RelayClient(self.host, timeout=config.stream_timeout)
+        self.relay_client.install()
+        self.relay_service = RelayService(self.host, config.relay, timeout=config.stream_timeout) if config.relay else None
+        if self.relay_service is not None:
+            self.relay_service.install()
+        self._circuits: dict[str, list[str]] = {}   # peer -> circuit addresses it was reached at (bounded)
 
     def _network(self) -> Any:
         return self.host.get_network()
@@ -396,6 +407,22 @@ class Libp2pTransport:
     def sign(self, data: bytes) -> bytes:
         return self._identity.sign(data)
 
+    # -- circuit relay (net/relay.py) ---------------------------------------------------------------
+    def circuit_addrs(self) -> list[str]:
+        """Our full ``.../p2p-circuit/p2p/<us>`` addresses through the relays holding a slot for us."""
+        return [f"{a}/p2p/{self.peer_id}" for a in self.relay_client.circuit_addrs()]
+
+    def relays(self) -> list[str]:
+        """The relays that hold a valid reservation for us."""
+        return self.relay_client.relays()
+
+    async def reserve(self, relay: str) -> float:
+        """Reserve (or refresh) a slot on *relay* (connected); seconds it is valid. PeerUnavailable if refused."""
+        return await self.relay_client.reserve(relay)
+
+    def forget_relay(self, relay: str) -> None:
+        self.relay_client.forget(relay)
+
     # -- streams ----------------------------------------------------------------------------------
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         timeout = self._config.stream_timeout
@@ -415,6 +442,14 @@ class Libp2pTransport:
         self.host.set_stream_handler(TProtocol(protocol), wrapped)
 
     async def connect(self, addr: str) -> str:
+        if is_circuit(addr):
+            peer = await self.relay_client.dial(addr)
+            known = self._circuits.setdefault(peer, [])
+            if addr not in known:
+                known[:] = [addr, *known][:4]
+            if len(self._circuits) > 4096:
+                self._circuits.pop(next(iter(self._circuits)))
+            return peer
         peer, ma = parse_peer_addr(addr)
         info = info_from_p2p_addr(ma)
         self._network().unblock_peer(info.peer_id)
@@ -445,11 +480,21 @@ class Libp2pTransport:
         try:
             return await self._new_stream(peer, pid, protocol)
         except PeerUnavailable:
-            if connected or self._reverse is None or self._network().connections.get(pid):
+            if connected or self._network().connections.get(pid):
                 raise
-            if not await self._reverse(peer):
+            if not (self._reverse is not None and await self._reverse(peer)) and not await self._via_relay(peer):
                 raise
-        return await self._new_stream(peer, pid, protocol)   # on the connection the peer opened to us
+        return await self._new_stream(peer, pid, protocol)   # on the connection the peer opened to us, or the circuit
+
+    async def _via_relay(self, peer: str) -> bool:
+        """Dial *peer* at a circuit address it was reached at before (py-libp2p's own dials skip them)."""
+        for addr in list(self._circuits.get(peer, ())):
+            try:
+                await self.connect(addr)
+                return True
+            except PeerUnavailable as exc:
+                log.debug("circuit %s: %s", addr, exc)
+        return False
 
     async def _new_stream(self, peer: str, pid: ID, protocol: str) -> Libp2pStream:
         try:
