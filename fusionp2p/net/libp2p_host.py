@@ -423,6 +423,14 @@ class Libp2pTransport:
     def forget_relay(self, relay: str) -> None:
         self.relay_client.forget(relay)
 
+    def is_relayed(self, peer: str) -> bool:
+        try:
+            conns = self._network().connections.get(_peer(peer)) or []
+            return bool(conns) and all(
+                any("/p2p-circuit" in str(a) for a in c.muxed_conn.get_transport_addresses()) for c in conns)
+        except Exception:
+            return False
+
     # -- streams ----------------------------------------------------------------------------------
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         timeout = self._config.stream_timeout

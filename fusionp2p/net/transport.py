@@ -71,6 +71,10 @@ class Relaying(Protocol):
 
     def forget_relay(self, relay: str) -> None: ...
 
+    def is_relayed(self, peer: str) -> bool:
+        """Our connection to *peer* goes through a circuit relay."""
+        ...
+
 
 class Transport(Protocol):
     """What a node needs from the network: identity, streams, gossip and a DHT."""

@@ -71,6 +71,7 @@ def test_a_node_reached_through_a_relay() -> None:
                 # a reaches b only through the relay (it dials the circuit address; it learns no other)
                 assert await a.connect(circuit) == b.peer_id
                 assert _relayed(a, b.peer_id) and _relayed(b, a.peer_id)
+                assert a.is_relayed(b.peer_id) and not a.is_relayed(relay.peer_id)
                 payload = bytes(range(256)) * 4096      # 1 MiB, many yamux frames through the relay
                 assert await _round_trip(a, b.peer_id, payload) == payload
                 assert await _round_trip(b, a.peer_id, b"back") == b"back"    # streams open from either side
