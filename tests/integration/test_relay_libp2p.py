@@ -192,11 +192,13 @@ def test_swarm_nodes_behind_nats_reserve_and_connect_through_the_bootstrap() -> 
                     await nursery.start(n.run, [tb.listen_addrs()[0]])
                     n._relay_now.set()
                     nodes.append(n)
-                n1, _ = nodes
+                n1, n2 = nodes
                 await n1.wait_until(lambda: t2.peer_id in t1.connected_peers(), 30)
                 assert _relayed(t1, t2.peer_id)
-                rec = n1.view.records[t2.peer_id]
-                assert any("/p2p-circuit" in a for a in rec.addrs)
+                # each announces its circuit address (the dialer found the other's there)
+                for n, other in ((n1, t2), (n2, t1)):
+                    await n.wait_until(lambda n=n, other=other: other.peer_id in n.view.records and any(
+                        "/p2p-circuit" in a for a in n.view.records[other.peer_id].addrs), 10)
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
