@@ -295,6 +295,15 @@ class RelayClient:
                 s = f"{s}/p2p/{relay}"
             if s.startswith(("/ip4/", "/ip6/", "/dns")) and "/p2p-circuit" not in s and len(s) < 200:
                 addrs.append(f"{s}/p2p-circuit")
+        if not addrs:
+            # a relay that listens on a wildcard address sends none: use the addresses we know it at
+            try:
+                known = [str(a) for a in self.host.get_peerstore().addrs(rid)]
+            except Exception:
+                known = []
+            addrs = [f"{a}/p2p/{relay}/p2p-circuit" for a in known
+                     if a.startswith(("/ip4/", "/ip6/", "/dns")) and "/p2p" not in a and "/0.0.0.0/" not in a
+                     and not a.startswith("/ip6/::/")][:4]
         expires = float(resp.reservation.expire)
         self._slots[rid] = _Slot(rid, expires, tuple(addrs))
         return max(0.0, expires - time.time())
