@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--relay", action="store_true",
                    help="also relay connections of nodes that cannot be dialled (needs a public address; docs/networking.md)")
     n.add_argument("--relay-rate", type=float, default=10.0, metavar="MB_PER_S", help=_RELAY_RATE_HELP)
+    n.add_argument("--hole-punch", action="store_true",
+                   help="try DCUtR hole punching on relayed connections (experimental; docs/networking.md)")
     _common(n)
 
     s = sub.add_parser("status", help="print the swarm's members and bandwidth matrix")
@@ -229,7 +231,8 @@ def _run_daemon(args: argparse.Namespace) -> int:
             raise ConfigError("--relay-rate must be positive (MB/s)")
         relay = RelayLimits(rate=args.relay_rate * 1e6)
     cfg = DaemonConfig(role=role, home=home, listen=listen, bootstrap=tuple(args.bootstrap), announce=tuple(args.announce_addr),
-                       device=getattr(args, "device", "cpu"), swarm=swarm, relay=relay)
+                       device=getattr(args, "device", "cpu"), swarm=swarm, relay=relay,
+                       hole_punch=bool(getattr(args, "hole_punch", False)))
     job_cfg = None
     if role == "node":
         from fusionp2p.jobs.node import NodeJobConfig

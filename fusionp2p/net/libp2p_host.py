@@ -86,6 +86,8 @@ class Libp2pConfig:
     state_topics: tuple[str, ...] = (TOPIC_MEMBERS,)
     # offer circuit relay v2 to peers that cannot be dialled, within these limits (None: do not relay)
     relay: RelayLimits | None = None
+    # try DCUtR hole punching on relayed connections (py-libp2p's libp2p.relay.circuit_v2.dcutr; experimental)
+    hole_punch: bool = False
 
     def __post_init__(self) -> None:
         for a in (*self.listen, *self.announce):
@@ -381,6 +383,12 @@ class Libp2pTransport:
         if self.relay_service is not None:
             self.relay_service.install()
         self._circuits: dict[str, list[str]] = {}   # peer -> circuit addresses it was reached at (bounded)
+        self.dcutr: Any = None
+        if config.hole_punch:
+            from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+            self.dcutr = DCUtRProtocol(self.host, read_timeout=int(config.stream_timeout),
+                                       write_timeout=int(config.stream_timeout), dial_timeout=int(config.dial_timeout))
 
     def _network(self) -> Any:
         return self.host.get_network()
@@ -651,7 +659,10 @@ async def open_libp2p_transport(identity: Identity, config: Libp2pConfig | None 
     try:
         async with t.host.run(listen_addrs=listen), trio.open_nursery() as nursery:
             t._nursery = nursery
-            async with background_trio_service(t.dht), background_trio_service(t.pubsub), background_trio_service(t.router):
+            async with background_trio_service(t.dht), background_trio_service(t.pubsub), background_trio_service(t.router), \
+                    contextlib.AsyncExitStack() as extra:
+                if t.dcutr is not None:
+                    await extra.enter_async_context(background_trio_service(t.dcutr))
                 with trio.fail_after(config.dial_timeout):
                     await t.pubsub.wait_until_ready()
                 if log.isEnabledFor(logging.DEBUG):

@@ -34,6 +34,7 @@ class DaemonConfig:
     device: str = "cpu"
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     relay: RelayLimits | None = None   # offer circuit relay v2 within these limits (net/relay.py)
+    hole_punch: bool = False           # try DCUtR on relayed connections (experimental)
 
     def __post_init__(self) -> None:
         for b in self.bootstrap:
@@ -56,7 +57,7 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
         profile = await trio.to_thread.run_sync(measure_profile, cfg.device)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce,
-                                                                    relay=cfg.relay)) as t:
+                                                                    relay=cfg.relay, hole_punch=cfg.hole_punch)) as t:
             on_ready(t.listen_addrs())
             swarm = SwarmNode(t, replace(cfg.swarm, role=cfg.role), profile)
             async with trio.open_nursery() as nursery:

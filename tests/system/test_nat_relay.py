@@ -1,11 +1,13 @@
 """Nodes behind two different NATs train together through a circuit relay (issue 21), real processes.
 
-``specs/nat2lan.json``: a public bootstrap host (it runs a node too) and two home LANs, each behind its
-own router doing address translation (iptables MASQUERADE, nothing forwarded in). The two home nodes
-cannot open any connection to each other: the bootstrap's dial-back finds them ``private``, each
-reserves a slot on the bootstrap's relay and announces its circuit address, and the larger peer id
-dials the other through the relay. A job submitted from the public side must train to DONE on all
-three nodes; a link between the two home nodes (when the plan has one) is reported as ``relay``.
+``specs/nat2lan.json``: a public bootstrap host (it runs a node too) and two LANs, each behind its own
+router doing address translation (iptables MASQUERADE, nothing forwarded in): ``home1`` and ``home2``
+in one, ``office`` in the other. A node in one LAN cannot open any connection to one in the other: the
+bootstrap's dial-back finds them ``private``, each reserves a slot on the bootstrap's relay and
+announces its circuit address, and the larger peer id of such a pair dials the other through the
+relay. A job submitted from the public side must train to DONE on all four nodes (2 stages x 2
+replicas: whatever the order, ``office`` has a pipeline or replica link to a home node, and that link
+is reported as ``relay``).
 Needs root, iproute2 and iptables (``make iptables``); skipped, saying why, without.
 """
 
@@ -53,9 +55,10 @@ def test_nodes_behind_two_nats_train_through_the_relay(tmp_path: Path) -> None:
             status = json.loads(out)
             members = {m["peer"]: m for m in status["members"] if m["role"] == "node" and m["alive"]}  # type: ignore[index]
             pairs = {frozenset((b["src"], b["dst"])) for b in status["bandwidth"] if b["measured"]}  # type: ignore[index]
-            if (len(members) == 3 and all(members[peer_of[h]]["reach"] == "private" for h in ("home", "office"))
-                    and all(any("/p2p-circuit" in a for a in members[peer_of[h]]["addrs"]) for h in ("home", "office"))
-                    and frozenset((peer_of["home"], peer_of["office"])) in pairs):
+            nat = ("home1", "home2", "office")
+            if (len(members) == 4 and all(members[peer_of[h]]["reach"] == "private" for h in nat)
+                    and all(any("/p2p-circuit" in a for a in members[peer_of[h]]["addrs"]) for h in nat)
+                    and all(frozenset((peer_of[h], peer_of["office"])) in pairs for h in ("home1", "home2"))):
                 break
         else:
             pytest.fail(f"the home nodes did not connect through the relay: {json.dumps(status)[:4000]}")
@@ -64,7 +67,7 @@ def test_nodes_behind_two_nats_train_through_the_relay(tmp_path: Path) -> None:
                                 "--builtin", "gpt2-tiny", "--bootstrap", addr, "--steps", "6", "--out", str(out_dir)],
                          timeout=480.0)
         assert rc == 0, out[-4000:]
-        assert "on 3 nodes" in out, out[-4000:]           # every node is in the plan, both home ones too
+        assert "on 4 nodes" in out, out[-4000:]           # every node is in the plan, the NATed ones too
         assert "job done" in out, out[-4000:]
         assert (out_dir / "model.safetensors").is_file()
         (found,) = list(out_dir.rglob("metrics.jsonl"))
@@ -77,8 +80,7 @@ def test_nodes_behind_two_nats_train_through_the_relay(tmp_path: Path) -> None:
                     other, path = x.split("=")
                     paths[frozenset((host_of[m["peer"]], host_of[other]))] = path
         print("links:", {"-".join(sorted(k)): v for k, v in paths.items()})
-        home_office = paths.get(frozenset(("home", "office")))
-        assert home_office in (None, "relay"), paths
+        relayed = {frozenset(("home1", "office")), frozenset(("home2", "office"))}
+        assert relayed & set(paths), paths                  # office has a link to a home node
         for pair, path in paths.items():
-            if pair != frozenset(("home", "office")):
-                assert path in ("direct", "libp2p"), (pair, path)
+            assert path == ("relay" if pair in relayed else path if path in ("direct", "libp2p") else "?"), (pair, path)
