@@ -38,7 +38,7 @@ def setup_logging(level: str, libp2p_log: Path | None) -> None:
         h = logging.FileHandler(libp2p_log)
         h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         lp.addHandler(h)
-        lp.setLevel(logging.INFO)
+        lp.setLevel(logging.DEBUG if level == "debug" else logging.INFO)   # --log-level debug: py-libp2p's too
     else:
         lp.setLevel(logging.CRITICAL)
 
