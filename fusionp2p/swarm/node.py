@@ -292,7 +292,8 @@ class SwarmNode:
                         ttl = await relay.reserve(r)
                         due[r] = trio.current_time() + max(1.0, ttl / 2)
                     except PeerUnavailable as exc:
-                        log.info("relay %s: %s", r[:16], exc)
+                        # a bootstrap that does not relay is news; a member that does not is the usual case
+                        log.log(logging.INFO if r in self._servers else logging.DEBUG, "relay %s: %s", r[:16], exc)
                         relay.forget_relay(r)
                         due.pop(r, None)
                         self._relay_refused[r] = trio.current_time()
