@@ -103,6 +103,15 @@ def test_relay_limits_bound_what_strangers_get() -> None:
                     await t.connect(relay.listen_addrs()[0])
                 svc = relay.relay_service
                 assert svc is not None
+                # garbage, an oversized length prefix and a half message end only their own streams
+                for junk in (b"\xff" * 64, b"\xff\xff\xff\xff\x0f", b"\x05ab"):
+                    s = await a.host.new_stream(ID.from_base58(relay.peer_id), [HOP])
+                    await s.write(junk)
+                    with trio.fail_after(15):
+                        if junk != b"\x05ab":
+                            await read_delimited_msg(s, HopMessage)     # answered with a status
+                        else:
+                            await s.close()
                 # a stranger's RESERVE naming another peer reserves for the stranger, never for the one named
                 s = await c.host.new_stream(ID.from_base58(relay.peer_id), [HOP])
                 await write_delimited_msg(s, HopMessage(type=HopMessage.RESERVE, peer=CircuitPeerId(id=ID.from_base58(d.peer_id).to_bytes())))
