@@ -38,7 +38,7 @@ def setup_logging(level: str, libp2p_log: Path | None) -> None:
         h = logging.FileHandler(libp2p_log)
         h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         lp.addHandler(h)
-        lp.setLevel(logging.INFO)
+        lp.setLevel(logging.DEBUG if level == "debug" else logging.INFO)   # --log-level debug: py-libp2p's too
     else:
         lp.setLevel(logging.CRITICAL)
 
@@ -54,6 +54,9 @@ _GOSSIP_RATE_HELP = ("swarm-wide heartbeat messages per second: a node's heartbe
                      "members / rate when that is longer than --heartbeat (default 5)")
 
 
+_RELAY_RATE_HELP = "MB/s that relayed circuits may move together at most (default 10; other limits: docs/security.md)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fusionp2p", description="Peer-to-peer decentralized training node.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -65,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--home", default=None, help="directory for the identity key and logs")
     b.add_argument("--gossip-rate", type=float, default=5.0, help=_GOSSIP_RATE_HELP)
     b.add_argument("--http", default=None, metavar="ADDR", help=_HTTP_HELP)
+    b.add_argument("--no-relay", action="store_true",
+                   help="do not relay connections of nodes that cannot be dialled (circuit relay v2; docs/networking.md)")
+    b.add_argument("--relay-rate", type=float, default=10.0, metavar="MB_PER_S", help=_RELAY_RATE_HELP)
     _common(b)
 
     n = sub.add_parser("node", help="run a training node that joins a swarm")
@@ -85,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--probe-interval", type=float, default=10.0, help="seconds between bandwidth probe rounds")
     n.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     n.add_argument("--http", default=None, metavar="ADDR", help=_HTTP_HELP)
+    n.add_argument("--relay", action="store_true",
+                   help="also relay connections of nodes that cannot be dialled (needs a public address; docs/networking.md)")
+    n.add_argument("--relay-rate", type=float, default=10.0, metavar="MB_PER_S", help=_RELAY_RATE_HELP)
+    n.add_argument("--hole-punch", action="store_true",
+                   help="try DCUtR hole punching on relayed connections (experimental; docs/networking.md)")
     _common(n)
 
     s = sub.add_parser("status", help="print the swarm's members and bandwidth matrix")
@@ -212,8 +223,16 @@ def _run_daemon(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.torch_threads)
     else:
         swarm = SwarmConfig(role="bootstrap", gossip_rate=args.gossip_rate)
+    relay = None
+    if (role == "bootstrap" and not args.no_relay) or (role == "node" and args.relay):
+        from fusionp2p.net.relay import RelayLimits
+
+        if not args.relay_rate > 0:
+            raise ConfigError("--relay-rate must be positive (MB/s)")
+        relay = RelayLimits(rate=args.relay_rate * 1e6)
     cfg = DaemonConfig(role=role, home=home, listen=listen, bootstrap=tuple(args.bootstrap), announce=tuple(args.announce_addr),
-                       device=getattr(args, "device", "cpu"), swarm=swarm)
+                       device=getattr(args, "device", "cpu"), swarm=swarm, relay=relay,
+                       hole_punch=bool(getattr(args, "hole_punch", False)))
     job_cfg = None
     if role == "node":
         from fusionp2p.jobs.node import NodeJobConfig

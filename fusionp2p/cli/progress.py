@@ -65,10 +65,15 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
                 if ev.rho:
                     bar.console.print(ev.describe())
             elif isinstance(ev, LinksUp):
-                slow = sorted(p[-8:] for p, path in ev.paths().items() if path != "direct")
+                slow = sorted(p[-8:] for p, path in ev.paths().items() if path == "libp2p")
+                relayed = sorted(p[-8:] for p, path in ev.paths().items() if path == "relay")
                 if slow:   # only news: direct links are the normal case
                     bar.console.print(f"stage {ev.stage} on {ev.peer[-8:]}: tensors to {', '.join(slow)} go over the "
                                       "libp2p connection (their data ports are unreachable; slower, see docs/networking.md)")
+                if relayed:
+                    bar.console.print(f"stage {ev.stage} on {ev.peer[-8:]}: tensors to {', '.join(relayed)} go over the "
+                                      "libp2p connection through a relay (both sides behind NATs; slowest, see "
+                                      "docs/networking.md)")
             elif isinstance(ev, JobStateChanged):
                 bar.console.print(f"job {ev.state}" + (f": {ev.reason}" if ev.reason and ev.state != "planned" else ""))
                 if ev.state == "running":

@@ -98,8 +98,8 @@ class PlanChanged:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinksUp:
     """A member's data-plane links of an epoch are up: ``links[i]`` is ``"<peer id>=<path>"``, the path
-    ``direct`` (TCP to the peer's data port) or ``libp2p`` (the fallback stream on the libp2p connection,
-    slower; docs/networking.md)."""
+    ``direct`` (TCP to the peer's data port), ``libp2p`` (the fallback stream on the libp2p connection,
+    slower) or ``relay`` (that stream, on a connection a circuit relay carries; docs/networking.md)."""
 
     KIND: ClassVar[str] = "links"
     job: str

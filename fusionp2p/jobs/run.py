@@ -73,8 +73,10 @@ from fusionp2p.jobs.replan import (
     plan_resume,
 )
 from fusionp2p.jobs.status import StepStats
+from fusionp2p.net.bulk_channel import PATH_LIBP2P, PATH_RELAY
 from fusionp2p.net.channel import TensorChannel
 from fusionp2p.net.resilient import ResilientChannel, open_resilient_channel
+from fusionp2p.net.transport import Relaying
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
 from fusionp2p.train.state import StageState, merge_states
@@ -366,7 +368,7 @@ class JobRun:
                     try:
                         t0 = trio.current_time()
                         links, peers = await self._open_links(plan, programs, s, r, holders)
-                        paths = {ch.remote_peer: getattr(ch, "path", "") or "pending" for ch in [*links.values(), *peers]}
+                        paths = {ch.remote_peer: self._path(ch) for ch in [*links.values(), *peers]}
                         log.info("job %s epoch %d: %d links up in %.1f s (%s)", self.job_id, plan.epoch,
                                  len(links) + len(peers), trio.current_time() - t0,
                                  ", ".join(f"{p[-8:]} {path}" for p, path in paths.items()) or "none")
@@ -889,6 +891,15 @@ class JobRun:
                 if trio.current_time() >= deadline:
                     raise PlanError(f"no plan adopted for job {snap.job} epoch {snap.epoch} after {rounds} rounds: "
                                     f"{outcome.decision}")
+
+    def _path(self, ch: Any) -> str:
+        """A link's path for the LinksUp event: ``direct``, ``libp2p`` (the fallback stream), or ``relay``
+        (that stream, on a libp2p connection carried by a circuit relay: net/relay.py)."""
+        path = getattr(ch, "path", "") or "pending"
+        t = self.svc.transport
+        if path == PATH_LIBP2P and isinstance(t, Relaying) and t.is_relayed(ch.remote_peer):
+            return PATH_RELAY
+        return str(path)
 
     async def _open_links(self, plan: Plan, programs: list[Any], s: int, r: int,
                           holders: trio.Nursery) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:

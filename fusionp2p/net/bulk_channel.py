@@ -92,6 +92,7 @@ class DataPlaneConfig:
 
 PATH_DIRECT = "direct"   # BulkChannel: TCP to the peer's data-plane port, our own AEAD
 PATH_LIBP2P = "libp2p"   # StreamChannel: a stream on the libp2p connection the peers share (net/stream_channel.py)
+PATH_RELAY = "relay"     # the same, on a libp2p connection that a circuit relay carries (net/relay.py)
 
 
 # writer-queue items: (tag, payload, trio.Event to set when done or None)
@@ -821,4 +822,4 @@ def _keep_freed_heap() -> None:
     mallopt(m_trim_threshold, 1024 * MiB)
 
 
-__all__ = ["PATH_DIRECT", "PATH_LIBP2P", "BulkChannel", "DataPlaneConfig"]
+__all__ = ["PATH_DIRECT", "PATH_LIBP2P", "PATH_RELAY", "BulkChannel", "DataPlaneConfig"]

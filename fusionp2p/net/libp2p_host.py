@@ -57,6 +57,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from fusionp2p.errors import ConfigError, PeerUnavailable
 from fusionp2p.net.identity import Identity
+from fusionp2p.net.relay import RelayClient, RelayLimits, RelayService, is_circuit
 from fusionp2p.net.traffic import Traffic
 from fusionp2p.net.transport import GossipMessage, RecordRank, StreamHandler
 from fusionp2p.wire.protocols import TOPIC_MEMBERS
@@ -83,6 +84,10 @@ class Libp2pConfig:
     max_gossip_bytes: int = 64 * 1024
     # topics whose messages are periodic state (the next heartbeat supersedes the last): not replayed to new peers
     state_topics: tuple[str, ...] = (TOPIC_MEMBERS,)
+    # offer circuit relay v2 to peers that cannot be dialled, within these limits (None: do not relay)
+    relay: RelayLimits | None = None
+    # try DCUtR hole punching on relayed connections (py-libp2p's libp2p.relay.circuit_v2.dcutr; experimental)
+    hole_punch: bool = False
 
     def __post_init__(self) -> None:
         for a in (*self.listen, *self.announce):
@@ -370,6 +375,20 @@ class Libp2pTransport:
         self._nursery: trio.Nursery | None = None
         self._subs: dict[str, list[trio.MemorySendChannel[GossipMessage]]] = {}
         self.dropped_gossip = 0
+        # circuit relay v2 (net/relay.py): every node accepts circuits from relays it reserved on and dials
+        # circuits; only a node configured with limits relays for others
+        self.relay_client = RelayClient(self.host, timeout=config.stream_timeout)
+        self.relay_client.install()
+        self.relay_service = RelayService(self.host, config.relay, timeout=config.stream_timeout) if config.relay else None
+        if self.relay_service is not None:
+            self.relay_service.install()
+        self._circuits: dict[str, list[str]] = {}   # peer -> circuit addresses it was reached at (bounded)
+        self.dcutr: Any = None
+        if config.hole_punch:
+            from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+            self.dcutr = DCUtRProtocol(self.host, read_timeout=int(config.stream_timeout),
+                                       write_timeout=int(config.stream_timeout), dial_timeout=int(config.dial_timeout))
 
     def _network(self) -> Any:
         return self.host.get_network()
@@ -396,6 +415,30 @@ class Libp2pTransport:
     def sign(self, data: bytes) -> bytes:
         return self._identity.sign(data)
 
+    # -- circuit relay (net/relay.py) ---------------------------------------------------------------
+    def circuit_addrs(self) -> list[str]:
+        """Our full ``.../p2p-circuit/p2p/<us>`` addresses through the relays holding a slot for us."""
+        return [f"{a}/p2p/{self.peer_id}" for a in self.relay_client.circuit_addrs()]
+
+    def relays(self) -> list[str]:
+        """The relays that hold a valid reservation for us."""
+        return self.relay_client.relays()
+
+    async def reserve(self, relay: str) -> float:
+        """Reserve (or refresh) a slot on *relay* (connected); seconds it is valid. PeerUnavailable if refused."""
+        return await self.relay_client.reserve(relay)
+
+    def forget_relay(self, relay: str) -> None:
+        self.relay_client.forget(relay)
+
+    def is_relayed(self, peer: str) -> bool:
+        try:
+            conns = self._network().connections.get(_peer(peer)) or []
+            return bool(conns) and all(
+                any("/p2p-circuit" in str(a) for a in c.muxed_conn.get_transport_addresses()) for c in conns)
+        except Exception:
+            return False
+
     # -- streams ----------------------------------------------------------------------------------
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         timeout = self._config.stream_timeout
@@ -415,6 +458,14 @@ class Libp2pTransport:
         self.host.set_stream_handler(TProtocol(protocol), wrapped)
 
     async def connect(self, addr: str) -> str:
+        if is_circuit(addr):
+            peer = await self.relay_client.dial(addr)
+            known = self._circuits.setdefault(peer, [])
+            if addr not in known:
+                known[:] = [addr, *known][:4]
+            if len(self._circuits) > 4096:
+                self._circuits.pop(next(iter(self._circuits)))
+            return peer
         peer, ma = parse_peer_addr(addr)
         info = info_from_p2p_addr(ma)
         self._network().unblock_peer(info.peer_id)
@@ -445,11 +496,21 @@ class Libp2pTransport:
         try:
             return await self._new_stream(peer, pid, protocol)
         except PeerUnavailable:
-            if connected or self._reverse is None or self._network().connections.get(pid):
+            if connected or self._network().connections.get(pid):
                 raise
-            if not await self._reverse(peer):
+            if not (self._reverse is not None and await self._reverse(peer)) and not await self._via_relay(peer):
                 raise
-        return await self._new_stream(peer, pid, protocol)   # on the connection the peer opened to us
+        return await self._new_stream(peer, pid, protocol)   # on the connection the peer opened to us, or the circuit
+
+    async def _via_relay(self, peer: str) -> bool:
+        """Dial *peer* at a circuit address it was reached at before (py-libp2p's own dials skip them)."""
+        for addr in list(self._circuits.get(peer, ())):
+            try:
+                await self.connect(addr)
+                return True
+            except PeerUnavailable as exc:
+                log.debug("circuit %s: %s", addr, exc)
+        return False
 
     async def _new_stream(self, peer: str, pid: ID, protocol: str) -> Libp2pStream:
         try:
@@ -598,7 +659,10 @@ async def open_libp2p_transport(identity: Identity, config: Libp2pConfig | None 
     try:
         async with t.host.run(listen_addrs=listen), trio.open_nursery() as nursery:
             t._nursery = nursery
-            async with background_trio_service(t.dht), background_trio_service(t.pubsub), background_trio_service(t.router):
+            async with background_trio_service(t.dht), background_trio_service(t.pubsub), background_trio_service(t.router), \
+                    contextlib.AsyncExitStack() as extra:
+                if t.dcutr is not None:
+                    await extra.enter_async_context(background_trio_service(t.dcutr))
                 with trio.fail_after(config.dial_timeout):
                     await t.pubsub.wait_until_ready()
                 if log.isEnabledFor(logging.DEBUG):

@@ -53,6 +53,29 @@ class GossipMessage:
     data: bytes
 
 
+@runtime_checkable
+class Relaying(Protocol):
+    """What a transport that speaks circuit relay v2 adds (``net/relay.py``); the in-memory one does not."""
+
+    def circuit_addrs(self) -> list[str]:
+        """Our full circuit addresses (``/…/p2p/RELAY/p2p-circuit/p2p/<us>``) through the relays holding a slot."""
+        ...
+
+    def relays(self) -> list[str]:
+        """The relays that hold a valid reservation for us."""
+        ...
+
+    async def reserve(self, relay: str) -> float:
+        """Reserve or refresh a slot on *relay*; the seconds it is valid. PeerUnavailable if refused."""
+        ...
+
+    def forget_relay(self, relay: str) -> None: ...
+
+    def is_relayed(self, peer: str) -> bool:
+        """Our connection to *peer* goes through a circuit relay."""
+        ...
+
+
 class Transport(Protocol):
     """What a node needs from the network: identity, streams, gossip and a DHT."""
 

@@ -18,6 +18,7 @@ import trio
 from fusionp2p.errors import ConfigError
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport, parse_peer_addr
+from fusionp2p.net.relay import RelayLimits
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ class DaemonConfig:
     announce: tuple[str, ...] = ()
     device: str = "cpu"
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    relay: RelayLimits | None = None   # offer circuit relay v2 within these limits (net/relay.py)
+    hole_punch: bool = False           # try DCUtR on relayed connections (experimental)
 
     def __post_init__(self) -> None:
         for b in self.bootstrap:
@@ -53,7 +56,8 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
 
         profile = await trio.to_thread.run_sync(measure_profile, cfg.device)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce)) as t:
+        async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce,
+                                                                    relay=cfg.relay, hole_punch=cfg.hole_punch)) as t:
             on_ready(t.listen_addrs())
             swarm = SwarmNode(t, replace(cfg.swarm, role=cfg.role), profile)
             async with trio.open_nursery() as nursery:

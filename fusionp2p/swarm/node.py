@@ -39,7 +39,7 @@ import trio
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.identity import verify
 from fusionp2p.net.refusals import Refusals
-from fusionp2p.net.transport import GossipMessage, Stream, Transport
+from fusionp2p.net.transport import GossipMessage, Relaying, Stream, Transport
 from fusionp2p.swarm.membership import BandwidthTable, Change, MemberEvent, MembershipView, ema, prober_of
 from fusionp2p.swarm.probe import (
     ProbeBusy,
@@ -65,11 +65,14 @@ from fusionp2p.wire.limits import DEFAULT_LIMITS
 from fusionp2p.wire.msg import packb, unpackb
 from fusionp2p.wire.protocols import PROBE, REACH, TOPIC_MEMBERS
 from fusionp2p.wire.records import (
+    MAX_ADDRS,
     MAX_BANDWIDTH,
     MAX_RECORD,
     MAX_RTT,
+    REACH_DATA,
     REACH_P2P,
     REACH_PRIVATE,
+    REACH_PUBLIC,
     REACH_UNKNOWN,
     BandwidthReport,
     Measurement,
@@ -99,8 +102,12 @@ class SwarmConfig:
     join_attempts: int = 5
     join_backoff: float = 0.5
     reach: ReachConfig = field(default_factory=ReachConfig)
+    relays: int = 2                    # relay slots a node that cannot be dialled keeps (0: never relayed)
+    relay_retry: float = 300.0         # a peer that refused us a slot is asked again after this long
 
     def __post_init__(self) -> None:
+        if self.relays < 0 or self.relay_retry <= 0:
+            raise ConfigError("relays must be >= 0 and relay_retry positive")
         if self.role not in ("node", "bootstrap"):
             raise ConfigError(f"role must be node or bootstrap, not {self.role!r}")
         if self.heartbeat <= 0 or self.dead_timeout <= self.heartbeat:
@@ -178,6 +185,8 @@ class SwarmNode:
         self.reach_detail = ""                      # what the last check found, for logs and status
         self._servers: set[str] = set()             # the bootstraps we joined (dial-back checks, reversal)
         self._reach_now = trio.Event()
+        self._relay_now = trio.Event()
+        self._relay_refused: dict[str, float] = {}   # relay candidate -> when it refused us a slot
         self.reach_service = ReachService(transport, serve_checks=config.role == "bootstrap",
                                           servers=lambda: self._servers, config=config.reach)
         self._dial_send, self._dial_recv = trio.open_memory_channel[NodeRecord](1024)
@@ -202,6 +211,8 @@ class SwarmNode:
                 nursery.start_soon(self._probe_loop)
             if self.config.role == "node" and self._servers:
                 nursery.start_soon(self._reach_loop)
+            if self.config.role == "node" and self.config.relays and isinstance(self.transport, Relaying):
+                nursery.start_soon(self._relay_loop, self.transport)
             # Our first record announces our heartbeat period, which follows the swarm's size: with the view
             # in hand it is the stretched one at once (otherwise the configured one, and an extra beat that
             # every node of a forming swarm sends within a second). The pull is not waited for long.
@@ -243,8 +254,62 @@ class SwarmNode:
                                     "libp2p connection; forward the port and pass --data-announce (docs/networking.md)",
                                     " ".join(self.data_addrs))
                     self.reach = reach
+                    self._relay_now.set()
                     self._beat_now.set()   # announced at once
                 break
+
+    def needs_relay(self) -> bool:
+        """Peers cannot open a libp2p connection to us (the dial-back check said so)."""
+        return self.reach in (REACH_PRIVATE, REACH_DATA)
+
+    def _relay_candidates(self) -> list[str]:
+        """Connected peers that may relay for us: our bootstraps first, then dialable members."""
+        connected = set(self.transport.connected_peers())
+        now = trio.current_time()
+        boots = sorted(self._servers & connected)
+        public = sorted(p for p, r in self.view.records.items()
+                        if p in connected and p not in boots and r.reach in (REACH_PUBLIC, REACH_P2P) and not r.leaving)
+        return [p for p in boots + public if now - self._relay_refused.get(p, -float("inf")) > self.config.relay_retry]
+
+    async def _relay_loop(self, relay: Relaying) -> None:
+        """While peers cannot dial us, hold ``relays`` slots on relays (circuit relay v2, ``net/relay.py``)
+        and announce their circuit addresses in our record; refresh each slot at half its lifetime, replace
+        lost ones; give them up when we become dialable."""
+        due: dict[str, float] = {}       # relay -> when its slot is refreshed
+        announced: list[str] = []
+        while True:
+            now = trio.current_time()
+            if self.needs_relay():
+                held = [r for r in relay.relays() if r in self.transport.connected_peers()]
+                for r in relay.relays():
+                    if r not in held:
+                        relay.forget_relay(r)
+                        due.pop(r, None)
+                todo = [r for r in held if due.get(r, 0.0) <= now]
+                todo += [c for c in self._relay_candidates() if c not in held][: max(0, self.config.relays - len(held))]
+                for r in todo:
+                    try:
+                        ttl = await relay.reserve(r)
+                        due[r] = trio.current_time() + max(1.0, ttl / 2)
+                    except PeerUnavailable as exc:
+                        # a bootstrap that does not relay is news; a member that does not is the usual case
+                        log.log(logging.INFO if r in self._servers else logging.DEBUG, "relay %s: %s", r[:16], exc)
+                        relay.forget_relay(r)
+                        due.pop(r, None)
+                        self._relay_refused[r] = trio.current_time()
+            else:
+                for r in relay.relays():
+                    relay.forget_relay(r)
+                due.clear()
+            addrs = relay.circuit_addrs()
+            if addrs != announced:
+                log.info("announcing %d relayed address(es)%s", len(addrs), "".join(f"\n  {a}" for a in addrs))
+                announced = addrs
+                self._beat_now.set()
+            wait = min([*due.values(), trio.current_time() + self.config.heartbeat * 5]) - trio.current_time()
+            with trio.move_on_after(max(0.1, wait)):
+                await self._relay_now.wait()
+            self._relay_now = trio.Event()
 
     async def leave(self) -> None:
         """Announce departure (peers remove us at once)."""
@@ -332,7 +397,11 @@ class SwarmNode:
     def _record(self, leaving: bool = False) -> NodeRecord:
         self._seq += 1
         self._announced = self.period()   # peers time us out by this, so it is also our next wait
-        return NodeRecord(peer=self.peer_id, role=self.config.role, addrs=tuple(a.rsplit("/p2p/", 1)[0] for a in self.transport.listen_addrs()),
+        # direct addresses first (a peer on our LAN dials them), then circuits through our relays
+        circuits = self.transport.circuit_addrs() if isinstance(self.transport, Relaying) else []
+        addrs = [a.rsplit("/p2p/", 1)[0] for a in self.transport.listen_addrs()][: MAX_ADDRS - min(len(circuits), 4)]
+        addrs += [a.rsplit("/p2p/", 1)[0] for a in circuits][:4]
+        return NodeRecord(peer=self.peer_id, role=self.config.role, addrs=tuple(addrs),
                           profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced,
                           data=self.data_addrs, reach=self.reach)
 

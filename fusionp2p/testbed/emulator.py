@@ -318,7 +318,7 @@ def up(
         raise ConfigError("the spec has hosts behind a NAT: the routers need iptables (make iptables, or "
                           "apt-get install iptables)")
     layout = netns.make_layout(name, r.randrange(256), [(h.up_bps, h.down_bps) for h in spec.hosts],
-                               [h.nat for h in spec.hosts])
+                               [h.nat for h in spec.hosts], drop_inbound=spec.nat_inbound == "drop")
     owns = workdir is None
     wd = Path(tempfile.mkdtemp(prefix=f"{name}-")) if workdir is None else Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)

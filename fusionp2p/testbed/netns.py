@@ -147,6 +147,7 @@ class RouterLink:
     namespace: str
     wan_address: str      # on the public /24
     lan_prefix: str       # "192.168.<100 + index>"
+    drop_inbound: bool = False   # unsolicited TCP SYNs from the WAN are dropped, not answered with a reset
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,7 +173,7 @@ def check_run_name(run: str) -> str:
 
 
 def make_layout(run: str, octet: int, rates: Sequence[tuple[int | None, int | None]],
-                nats: Sequence[str] | None = None) -> Layout:
+                nats: Sequence[str] | None = None, *, drop_inbound: bool = False) -> Layout:
     """Lay out ``len(rates)`` hosts for run ``run`` on ``10.77.<octet>.0/24``; rates are (up, down).
     ``nats[i]`` names the NAT group of host i ("" for a public host): each group gets a router and a
     private LAN ``192.168.<100 + k>.0/24`` where the host keeps its index as ``.<10 + i>``."""
@@ -185,7 +186,8 @@ def make_layout(run: str, octet: int, rates: Sequence[tuple[int | None, int | No
     if len(groups) > MAX_ROUTERS:
         raise ConfigError(f"a testbed has at most {MAX_ROUTERS} NAT groups, got {len(groups)}")
     routers = tuple(RouterLink(index=k, group=g, namespace=f"{run}-r{k}", wan_address=f"10.77.{octet}.{250 - k}",
-                               lan_prefix=f"192.168.{100 + k}") for k, g in enumerate(groups))
+                               lan_prefix=f"192.168.{100 + k}", drop_inbound=drop_inbound)
+                    for k, g in enumerate(groups))
     by_group = {r.group: r for r in routers}
     hosts = []
     for i, (up, down) in enumerate(rates):
@@ -233,6 +235,11 @@ def plan_commands(layout: Layout) -> list[list[str]]:
              "-j", "DROP"],
             ["ip", "netns", "exec", rn, "sysctl", "-q", "-w", "net.netfilter.nf_conntrack_tcp_be_liberal=1"],
         ]
+        if r.drop_inbound:
+            # a connection attempt from outside that no mapping forwards is dropped, not reset (a new SYN
+            # that matches a mapping is forwarded before INPUT: TCP hole punching gets through)
+            cmds += [["ip", "netns", "exec", rn, "iptables", "-A", "INPUT", "-i", "wan0", "-p", "tcp", "--syn",
+                      "-j", "DROP"]]
     for h in layout.hosts:
         port, ns = f"p{h.index}", h.namespace
         up_ns, master = (h.router, "lan0") if h.router else (br, "br0")   # where the host's port lives

@@ -20,7 +20,7 @@ from fusionp2p.testbed.netns import MAX_HOSTS, parse_rate
 __all__ = ["HostSpec", "TestbedSpec", "load_spec", "spec_from_dict"]
 
 _HOST_KEYS = {"name", "up", "down", "cpus", "torch_threads", "slowdown", "node_args", "nat"}
-_SPEC_KEYS = {"hosts", "bootstrap_host", "bootstrap_port", "description"}
+_SPEC_KEYS = {"hosts", "bootstrap_host", "bootstrap_port", "description", "nat_inbound"}
 _NETEM_KEYS = {"latency", "delay", "rtt", "loss", "jitter"}
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyz0123456789-_")
 
@@ -66,8 +66,14 @@ class TestbedSpec:
     bootstrap_host: str = ""
     bootstrap_port: int = 4001
     description: str = ""
+    # what the NAT routers do with a connection attempt from outside that matches no mapping: "reject"
+    # (their own TCP stack answers with a reset) or "drop" (silently, as most home routers' firewalls do;
+    # what TCP hole punching needs: docs/networking.md "Hole punching")
+    nat_inbound: str = "reject"
 
     def __post_init__(self) -> None:
+        if self.nat_inbound not in ("reject", "drop"):
+            raise ConfigError(f"nat_inbound must be 'reject' or 'drop', not {self.nat_inbound!r}")
         if not 1 <= len(self.hosts) <= MAX_HOSTS:
             raise ConfigError(f"a testbed spec needs 1..{MAX_HOSTS} hosts, got {len(self.hosts)}")
         names = [h.name for h in self.hosts]
@@ -146,9 +152,11 @@ def spec_from_dict(doc: Mapping[str, Any]) -> TestbedSpec:
     port = doc.get("bootstrap_port", 4001)
     boot = doc.get("bootstrap_host", "")
     desc = doc.get("description", "")
-    if not isinstance(port, int) or not isinstance(boot, str) or not isinstance(desc, str):
-        raise ConfigError("bootstrap_port is an integer; bootstrap_host and description are strings")
-    return TestbedSpec(hosts=tuple(hosts), bootstrap_host=boot, bootstrap_port=port, description=desc)
+    inbound = doc.get("nat_inbound", "reject")
+    if not isinstance(port, int) or not isinstance(boot, str) or not isinstance(desc, str) or not isinstance(inbound, str):
+        raise ConfigError("bootstrap_port is an integer; bootstrap_host, description and nat_inbound are strings")
+    return TestbedSpec(hosts=tuple(hosts), bootstrap_host=boot, bootstrap_port=port, description=desc,
+                       nat_inbound=inbound)
 
 
 def load_spec(path: str | os.PathLike[str]) -> TestbedSpec:

@@ -365,6 +365,11 @@ def test_nat_layout_puts_grouped_hosts_behind_one_masquerade_router() -> None:
     assert any(c.startswith("tc -n fp2p-abcdef-r0 qdisc replace dev p2 root tbf rate 20000000bit") for c in cmds)
     assert any(c.startswith("tc -n fp2p-abcdef-h1 qdisc replace dev eth0 root tbf rate 100000000bit") for c in cmds)
     assert not any("iptables" in c for c in [" ".join(c) for c in plan_commands(make_layout("fp2p-abcdef", 7, [(None, None)]))])
+    # routers reset unsolicited connection attempts unless the spec asks them to drop them (hole punching)
+    drop = "ip netns exec fp2p-abcdef-r0 iptables -A INPUT -i wan0 -p tcp --syn -j DROP"
+    assert drop not in cmds
+    punch = make_layout("fp2p-abcdef", 7, [(None, None), (None, None)], ["", "home"], drop_inbound=True)
+    assert drop in [" ".join(c) for c in plan_commands(punch)]
 
 
 def test_nat_spec_checks() -> None:
@@ -377,3 +382,7 @@ def test_nat_spec_checks() -> None:
         spec_from_dict({"hosts": [{"name": "b", "nat": "home"}, {"name": "h"}]})
     with pytest.raises(ConfigError, match="nat"):
         spec_from_dict({"hosts": [{"name": "b"}, {"name": "h", "nat": "Home!"}]})
+    assert spec.nat_inbound == "reject"
+    assert spec_from_dict({"hosts": [{"name": "b"}], "nat_inbound": "drop"}).nat_inbound == "drop"
+    with pytest.raises(ConfigError, match="nat_inbound"):
+        spec_from_dict({"hosts": [{"name": "b"}], "nat_inbound": "accept"})
