@@ -1,27 +1,38 @@
-"""Geo-distributed benchmark (issue 8): five systems side by side on the emulated-WAN testbed.
+"""Geo-distributed benchmark (issue 20): the product on the emulated WAN, five job configurations side by side.
 
-``python -m benchmarks.wan --scenario mixed [--quick]`` builds the scenario's testbed (network
-namespaces, ``tc tbf`` shaping; ``fusionp2p/testbed/specs/wan_<scenario>.json``), plans the five
-systems from the shaped rates and a measured compute rate (``benchmarks/wan_setup.py``), starts one
-worker process per host inside its namespace (``benchmarks/wan_worker.py``), runs the systems one
-after the other with a barrier in between, collects per-step losses, timings and bytes per link
-(``benchmarks/wan_report.py``), tears everything down (also on failure and Ctrl-C), prints a table
-and writes ``benchmarks/results/wan.json`` plus ``benchmarks/results/wan_<scenario>.png``.
+``python -m benchmarks.wan --scenario mixed|slow|lan [--quick]`` builds the scenario's testbed
+(``fusionp2p/testbed/specs/wan_<scenario>.json``: network namespaces, ``tc tbf`` shaping, a cgroup
+CPU cap per host) plus one unshaped control host, starts ``fusionp2p bootstrap`` in the control host
+and one ``fusionp2p node`` in every scenario host, waits (deadline) until the nodes have measured
+every link with their own probes (``fusionp2p status --json``), then runs the publisher
+(``benchmarks/wan_client.py``) in the control host: it publishes one job per system through the SDK
+(``Swarm.connect``), the nodes elect the plan from their measured links, train, and the publisher
+downloads the model. Everything is torn down at the end (also on failure and Ctrl-C).
 
-Systems: A = even split by layers, B = even split by FLOPs (both dense, GPipe, synchronous gradient
-all-reduce between the replicas of a stage), OPF = OP-Fence, OPF+TopK = OP-Fence + AdaTopK, and
-OPF+TopK+CO2 = the same with CO2 instead of the per-step all-reduce. Headline: samples/s of
-OPF+TopK+CO2 over A in the same run.
+The five systems are job configurations of the same product (``TrainConfig``), all with
+``replicas=2`` (exact for the baselines, a hint and bound for OP-Fence):
 
-Without root or ``ip netns`` it says so and runs the loopback variant: the same workers on
-127.0.0.1, planned for the scenario's rates but without shaping (so the network gains disappear).
+* ``A``: ``planner="even_layers"``, dense, per-step gradient all-reduce (``averaging=None``);
+* ``B``: ``planner="even_flops"``, dense, per-step all-reduce;
+* ``OPF``: OP-Fence (the default planner), dense, per-step all-reduce;
+* ``OPF+TopK``: OP-Fence with AdaTopK, per-step all-reduce;
+* ``OPF+TopK+CO2``: the full system, OP-Fence, AdaTopK and CO2 between the replicas.
+
+Per system: samples/s from the job's step events and the held-out loss of the downloaded model
+(definitions in ``benchmarks/wan_client.py``). Headline: samples/s of ``OPF+TopK+CO2`` over ``A``.
+
+A host's ``slowdown`` in the spec becomes a CPU cap that many times smaller (the node itself does
+not read ``FUSIONP2P_COMPUTE_SLOWDOWN``), so the nodes measure their slower compute with their own
+device benchmark. Needs root and iproute2; without them it says so and exits 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
-import socket
+import shutil
 import sys
 import tempfile
 import time
@@ -29,124 +40,199 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from benchmarks._common import RESULTS, headline, parser, write
-from benchmarks.wan_report import collect, links_table, plot, table
-from benchmarks.wan_setup import SCENARIOS, RunConfig, default_cpu_share, load_scenario, prepare
 from fusionp2p.errors import ConfigError
 from fusionp2p.testbed import netns
-from fusionp2p.testbed.netns import Proc, spawn_process, stop_all
+from fusionp2p.testbed.emulator import Testbed, TestbedHost, fusionp2p_command, up
+from fusionp2p.testbed.netns import Proc, TestbedError
+from fusionp2p.testbed.spec import HostSpec, TestbedSpec, load_spec
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = {"lan": 1.5, "mixed": 1.5, "slow": 9.4}   # the issue's targets (mixed: none given, lan's used)
+SPECS = ROOT / "fusionp2p" / "testbed" / "specs"
+SCENARIOS = ("lan", "mixed", "slow")
+TARGETS = {"mixed": 9.4, "slow": 12.0, "lan": 1.0}   # issue 20; lan is reported (no target: >= 1)
+CONTROL = "ctl"
+
+_DENSE_SYNC = {"compression": None, "averaging": None}
+SYSTEMS: list[dict[str, Any]] = [
+    {"name": "A", "description": "even split by layers, replica pairs in peer-id order, dense, per-step all-reduce",
+     "config": {"planner": "even_layers", **_DENSE_SYNC}},
+    {"name": "B", "description": "even split by FLOPs, replica pairs in peer-id order, dense, per-step all-reduce",
+     "config": {"planner": "even_flops", **_DENSE_SYNC}},
+    {"name": "OPF", "description": "OP-Fence (joint stages x replicas), dense, per-step all-reduce",
+     "config": {"planner": "opfence", **_DENSE_SYNC}},
+    {"name": "OPF+TopK", "description": "OP-Fence + AdaTopK, per-step all-reduce",
+     "config": {"planner": "opfence", "compression": "adatopk", "averaging": None}},
+    {"name": "OPF+TopK+CO2", "description": "OP-Fence + AdaTopK + CO2 between the replicas (the full system)",
+     "config": {"planner": "opfence", "compression": "adatopk", "averaging": "co2"}},
+]
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """What every system trains (the same model, data, optimizer and steps)."""
+
+    n_layer: int = 4
+    n_embd: int = 64
+    n_head: int = 2
+    seq_len: int = 64
+    micro_batch: int = 8
+    micro_batches: int = 4
+    steps: int = 48
+    replicas: int = 2
+    lr: float = 3e-3
+    seed: int = 0
+    system_timeout: float = 900.0
 
 
-def _worker_argv(job_path: Path, host: str, cpu: int | None) -> list[str]:
-    argv = [sys.executable, "-m", "benchmarks.wan_worker", "--job", str(job_path), "--host", host]
-    return [*argv, "--cpu", str(cpu)] if cpu is not None else argv
+def scenario_spec(name: str) -> TestbedSpec:
+    """The scenario's hosts (slowdown turned into a smaller CPU cap) plus the unshaped control host."""
+    if name not in SCENARIOS:
+        raise ConfigError(f"unknown scenario {name!r}; choose one of {SCENARIOS}")
+    spec = load_spec(SPECS / f"wan_{name}.json")
+    hosts = tuple(dataclasses.replace(h, cpus=(h.cpus / h.slowdown) if h.cpus is not None else None, slowdown=1.0)
+                  for h in spec.hosts)
+    return TestbedSpec(hosts=(*hosts, HostSpec(name=CONTROL)), bootstrap_host=CONTROL, description=spec.description)
 
 
-def _barrier(procs: list[Proc], want: str, timeout: float) -> None:
-    for p in procs:
-        line = p.read_line(timeout, match=lambda line: line.strip() in (want, f"failed {want[5:]}"))
-        if line.startswith("failed"):
-            raise RuntimeError(f"{p.label} failed (see {p.err_path})")
+def wait_for_links(tb: Testbed, addr: str, peers: set[str], timeout: float) -> dict[str, Any]:
+    """Poll ``fusionp2p status --json`` in the control host until every ordered pair of *peers* is measured."""
+    deadline = time.monotonic() + timeout
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        # each status call joins the swarm for a few seconds, so this loop paces itself
+        rc, out = tb.run(CONTROL, [*fusionp2p_command(), "status", "--bootstrap", addr, "--json"], timeout=60.0)
+        if rc == 0:
+            status = json.loads(out)
+            alive = {m["peer"] for m in status["members"] if m["alive"]}
+            measured = {(e["src"], e["dst"]) for e in status["bandwidth"] if e["measured"]}
+            if peers <= alive and all((a, b) in measured for a in peers for b in peers if a != b):
+                return status
+    raise TestbedError(f"the nodes did not measure every link within {timeout:.0f} s (last status: {status})")
 
 
-def run(scenario: str, cfg: RunConfig, *, loopback: bool, pin: bool, system_timeout: float) -> dict[str, Any]:
-    """Run the five systems once on *scenario*; return the summary (raises on failure, cleans up always)."""
-    spec = load_scenario(scenario)
-    n = len(spec.hosts)
-    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "MKL_NUM_THREADS": "1"}
-    cpus = os.cpu_count() or 1
+def _start_nodes(tb: Testbed, addr: str, hosts: list[TestbedHost]) -> dict[str, str]:
+    """One ``fusionp2p node`` per scenario host; {peer id: host name} once each printed its address."""
+    procs: list[tuple[TestbedHost, Proc]] = [(h, tb.spawn(h, tb.node_argv(h, addr), label=f"{h.name}-node"))
+                                             for h in hosts]
+    deadline = time.monotonic() + 180.0
+    peers = {}
+    for h, p in procs:
+        line = p.read_line(max(1.0, deadline - time.monotonic()), match=lambda s: "/p2p/" in s)
+        peers[line.strip().rsplit("/p2p/", 1)[1]] = h.name
+    return peers
+
+
+def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link_timeout: float = 240.0) -> dict[str, Any]:
+    """Run the systems (default all five) once on *scenario*; the summary (raises on a failure of the
+    machinery; a failed job is reported in its system's entry). Logs are kept only on a failure."""
+    chosen = [s for s in SYSTEMS if systems is None or s["name"] in systems]
+    if not chosen:
+        raise ConfigError(f"no system among {systems}; known: {[s['name'] for s in SYSTEMS]}")
+    spec = scenario_spec(scenario)
+    workdir = Path(tempfile.mkdtemp(prefix=f"wan-{scenario}-"))
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with ExitStack() as stack:
-        workdir = Path(tempfile.mkdtemp(prefix=f"wan-{scenario}-"))
-        procs: list[Proc] = []
-        stack.callback(lambda: stop_all(procs, grace=3.0))
-        tb = None
-        if not loopback:
-            from fusionp2p.testbed.emulator import up
-            tb = up(spec, workdir=workdir)   # logs stay in our workdir
-            stack.callback(tb.close)
-            addrs, ports = [h.address for h in tb.hosts], [4400] * n
-        else:
-            addrs, ports = ["127.0.0.1"] * n, _free_ports(n)
-        t = time.perf_counter()
-        caps = [h.cpus for h in spec.hosts]
-        # Each emulated device computes at its cgroup cap (testbed) or its even share of the cores
-        # (loopback), whether or not the other hosts are busy: that is what the planner is told.
-        share = min(c for c in caps if c is not None) if tb is not None and None not in caps else default_cpu_share(n)
-        job = prepare(spec, cfg, workdir, addrs=addrs, ports=ports, cpu_share=min(1.0, share))
-        log.info("planned in %.1fs (1-thread compute %.1f GFLOP/s)", time.perf_counter() - t, job["flops_1thread"] / 1e9)
-        for i, h in enumerate(spec.hosts):
-            argv = _worker_argv(workdir / "job.json", h.name, i % cpus if pin else None)
-            if tb is not None:
-                procs.append(tb.spawn(h.name, argv, label=f"wan-{h.name}", env=env))
+        tb = up(spec, workdir=workdir)
+        stack.callback(tb.close)
+        stack.callback(lambda: workdir.exists() and log.warning("logs of the run in %s", workdir))
+        t0 = time.monotonic()
+        _, addr = tb.start_bootstrap(ready_timeout=120.0)
+        nodes = [h for h in tb.hosts if h.name != CONTROL]
+        peers = _start_nodes(tb, addr, nodes)
+        status = wait_for_links(tb, addr, set(peers), link_timeout)
+        swarm_s = time.monotonic() - t0
+        measured = [{"src": peers[e["src"]], "dst": peers[e["dst"]], "mbit_s": 8 * e["bytes_per_s"] / 1e6}
+                    for e in status["bandwidth"] if e["src"] in peers and e["dst"] in peers and e["measured"]]
+        profiles = {peers[m["peer"]]: (m["profile"] or {}).get("flops_fp32") for m in status["members"] if m["peer"] in peers}
+        log.info("swarm up and measured in %.0f s", swarm_s)
+        job_file = workdir / "run.json"
+        job_file.write_text(json.dumps({
+            "run": dataclasses.asdict(cfg), "systems": chosen, "bootstrap": addr, "nodes": len(nodes),
+            "listen": f"/ip4/{tb.host(CONTROL).address}/tcp/0", "workdir": str(workdir)}))
+        client = tb.spawn(CONTROL, [sys.executable, "-m", "benchmarks.wan_client", "--job", str(job_file)],
+                          label="publisher", env=env)
+        client.read_line(180.0, match=lambda s: s.startswith('{"members"'))
+        results: list[dict[str, Any]] = []
+        for _ in chosen:
+            line = client.read_line(cfg.system_timeout + 120.0, match=lambda s: s.startswith('{"system"'))
+            res = json.loads(line)
+            results.append(res)
+            if "error" in res:
+                print(f"  {res['system']:<13} FAILED: {res['error']}", flush=True)
             else:
-                procs.append(spawn_process(argv, label=f"wan-{h.name}", env={**os.environ, **env},
-                                           logdir=workdir / "logs", pipe_stdout=True))
-        _barrier(procs, "up", 180.0)
-        for k, sysd in enumerate(job["systems"]):
-            t = time.perf_counter()
-            (workdir / f"go-{k}").touch()
-            _barrier(procs, f"done {k}", system_timeout)
-            print(f"  {sysd['name']:<13} finished in {time.perf_counter() - t:5.1f} s", flush=True)
-        (workdir / f"go-{len(job['systems'])}").touch()   # everyone is done: workers may close and exit
-        for p in procs:
-            p.wait(60.0)
-        summary = collect(job, workdir)
-        log.info("logs and results in %s", workdir)
-        return {"scenario": scenario, "loopback": loopback, "spec": spec.description, "job": {
-            k: job[k] for k in ("run", "steps", "replicas", "flops_1thread", "cpu_share", "flops_planned", "units")},
-            "hosts": [{k: h[k] for k in ("name", "slowdown", "up_bps", "down_bps")} for h in job["hosts"]],
-            "systems": summary}
+                print(f"  {res['system']:<13} {res['samples_per_s'] or 0:8.1f} samples/s  held-out loss "
+                      f"{res['held_out_loss']:.3f}  plan {res['plan']['stage_sizes']} rho {res['plan']['rho']} "
+                      f"({res['publish_to_done_s']:.0f} s publish to DONE)", flush=True)
+        client.wait(120.0)
+        for r in results:   # peer ids -> host names, for reading
+            if "plan" in r:
+                r["plan"]["hosts"] = [peers.get(p, p) for p in r["plan"]["members"]]
+        shutil.rmtree(workdir, ignore_errors=True)   # success: the figures are in the result
+        return {"scenario": scenario, "spec": spec.description, "run": dataclasses.asdict(cfg),
+                "swarm_up_s": swarm_s, "measured_links": measured, "node_flops": profiles, "systems": results,
+                "hosts": [{"name": h.name, "up_bps": h.up_bps, "down_bps": h.down_bps, "cpus": h.cpus}
+                          for h in spec.hosts]}
+
+
+def speedup(res: dict[str, Any]) -> float:
+    by = {s["system"]: s for s in res["systems"]}
+    a, full = by.get("A", {}), by.get("OPF+TopK+CO2", {})
+    if not a.get("samples_per_s") or not full.get("samples_per_s"):
+        raise RuntimeError("system A or the full system has no measured rate (see the results)")
+    return float(full["samples_per_s"]) / float(a["samples_per_s"])
+
+
+def table(res: dict[str, Any]) -> str:
+    rows = [f"{'system':<13} {'samples/s':>10} {'vs A':>6} {'predicted':>10} {'held-out':>9} {'replicas':>8}  plan"]
+    base = next((s.get("samples_per_s") for s in res["systems"] if s["system"] == "A"), None)
+    for s in res["systems"]:
+        if "error" in s:
+            rows.append(f"{s['system']:<13} failed: {s['error']}")
+            continue
+        rate = s["samples_per_s"] or 0.0
+        rows.append(f"{s['system']:<13} {rate:10.1f} {rate / base if base else 0:6.2f} "
+                    f"{s['predicted_samples_per_s'] or 0:10.1f} {s['held_out_loss']:9.3f} {s['replicas']:>8}  "
+                    f"{'|'.join('+'.join(s['plan']['hosts'][i:i + n]) for i, n in _spans(s['plan']['stage_sizes']))} "
+                    f"rho {[round(x, 3) for x in s['plan']['rho']]}")
+    return "\n".join(rows)
+
+
+def _spans(sizes: list[int]) -> list[tuple[int, int]]:
+    out, i = [], 0
+    for n in sizes:
+        out.append((i, n))
+        i += n
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser("wan", __doc__.split("\n")[0] if __doc__ else None)
     p.add_argument("--scenario", choices=SCENARIOS, default="mixed")
-    p.add_argument("--loopback", action="store_true", help="skip the testbed: 127.0.0.1, no shaping")
-    p.add_argument("--samples", type=int, default=None, help="sequences per system (default 768 quick, 6400 full)")
-    p.add_argument("--no-pin", action="store_true", help="do not pin workers to CPUs (sched_setaffinity)")
-    p.add_argument("--system-timeout", type=float, default=600.0)
+    p.add_argument("--steps", type=int, default=None, help="steps per system (default 10 quick, 48 full)")
+    p.add_argument("--system-timeout", type=float, default=900.0)
+    p.add_argument("--systems", default="", help="comma-separated subset of A,B,OPF,OPF+TopK,OPF+TopK+CO2 (default all)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(1)
-    loopback = a.loopback
-    if not loopback:
-        try:
-            netns.check_environment()
-        except ConfigError as exc:
-            print(f"no emulated WAN: {exc}; running the loopback variant without shaping", flush=True)
-            loopback = True
-    cfg = RunConfig(samples=a.samples or (768 if a.quick else 6400))
-    print(f"scenario {a.scenario} ({'loopback, unshaped' if loopback else 'testbed, tc tbf'}), "
-          f"{cfg.samples} sequences per system, {cfg.steps} steps of 2 pipelines", flush=True)
-    res = run(a.scenario, cfg, loopback=loopback, pin=not a.no_pin, system_timeout=a.system_timeout)
-    summary = res["systems"]
-    print(table(summary))
-    print(links_table(summary))
-    png = plot(summary, RESULTS / f"wan_{a.scenario}.png",
-               f"wan {a.scenario}{' (loopback)' if loopback else ''}: {cfg.samples} sequences per system")
-    res["plot"] = str(png.relative_to(ROOT)) if png.is_relative_to(ROOT) else str(png)
-    five = summary[-1]
-    head = headline(f"samples/s of OPF+TopK+CO2 over baseline A ({a.scenario}{', loopback' if loopback else ''})",
-                    five["speedup_vs_A"], "x", TARGETS[a.scenario], "higher", "baseline A (even layers, sync all-reduce)")
-    write("wan", a.out, res, head, quick=a.quick)
+    try:
+        netns.check_environment()
+    except ConfigError as exc:
+        print(f"benchmarks.wan skipped: no emulated WAN here ({exc})")
+        return 0
+    cfg = RunConfig(steps=a.steps or (10 if a.quick else 48), system_timeout=a.system_timeout)
+    out = a.out if a.out != RESULTS / "wan.json" or a.scenario == "mixed" else RESULTS / f"wan_{a.scenario}.json"
+    load0 = os.getloadavg()
+    print(f"scenario {a.scenario} (testbed, tc tbf): {cfg.steps} steps per system, load {load0[0]:.2f}", flush=True)
+    t0 = time.monotonic()
+    res = run(a.scenario, cfg, systems=a.systems.split(",") if a.systems else None)
+    res["wall_s"] = time.monotonic() - t0
+    res["loadavg_start"], res["loadavg_end"] = list(load0), list(os.getloadavg())
+    print(table(res))
+    head = headline(f"samples/s of OPF+TopK+CO2 over baseline A ({a.scenario}, fusionp2p node processes)",
+                    speedup(res), "x", TARGETS[a.scenario], "higher",
+                    "baseline A (planner=even_layers, dense, per-step all-reduce), same swarm, same run")
+    write(out.stem, out, res, head, quick=a.quick)
     return 0
 
 

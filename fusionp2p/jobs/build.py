@@ -55,7 +55,7 @@ from fusionp2p.jobs.spec import (
     prepare_dataset,
     sign_spec,
 )
-from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, plan_joint
+from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, plan_even_flops, plan_even_layers, plan_joint
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.dag import decode_dag, encode_dag
@@ -344,7 +344,9 @@ def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile],
 
     Stages, replicas per stage and AdaTopK ratios are chosen together from the links
     (:func:`~fusionp2p.plan.joint.plan_joint`); ``config.replicas`` is the hint and the upper bound of
-    the replica count, never an off switch for OP-Fence or compression. Without any measured link (an
+    the replica count, never an off switch for OP-Fence or compression. ``config.planner`` may instead
+    name a network-blind baseline (``plan/baselines.py``: exactly ``replicas`` per stage, dense fences),
+    which is how benchmarks/wan.py runs its baselines on the product. Without any measured link (an
     embedded swarm without emulated links) every pair counts as 1 GB/s, 0.1 ms; once some are measured,
     a pair without a figure counts as ``PlannerConfig.missing_link`` (slow, so that it is avoided).
     """
@@ -354,6 +356,10 @@ def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile],
     fast = Link(bandwidth_bps=1e9, latency_s=1e-4)
     all_links = dict(links) if links else {(a, b): fast for i, a in enumerate(peers) for b in peers[i + 1:]}
     snap = Snapshot(job=spec.job_id, epoch=epoch, members=dict(members), links=all_links)
+    if cfg.planner == "even_layers":
+        return plan_even_layers(wl, snap, planner_config(cfg), seed=cfg.seed, replicas=cfg.replicas or 1)
+    if cfg.planner == "even_flops":
+        return plan_even_flops(wl, snap, planner_config(cfg), seed=cfg.seed, replicas=cfg.replicas or 1)
     return plan_joint(wl, snap, planner_config(cfg), replicas=cfg.replicas, seed=cfg.seed)
 
 

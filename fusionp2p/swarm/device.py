@@ -1,10 +1,21 @@
-"""Measure this node's device: matmul FLOP/s (fp32 and bf16 where supported), memory, versions."""
+"""Measure this node's device: matmul FLOP/s (fp32 and bf16 where supported), memory, versions.
+
+Under a CPU quota (a container's or the testbed's cgroup: ``cpu.max`` in cgroup v2,
+``cpu.cfs_quota_us`` in v1) the kernel lets a process run at full speed for its quota and then
+stops it until the next period (100 ms by default). A 0.2 s benchmark spans two periods and reads
+anywhere between the quota and full speed, so with a quota below the thread count the CPU
+benchmark runs over at least ``QUOTA_PERIODS`` periods, and the planner sees the capped rate. Where
+the cgroup files cannot be read (``ip netns exec`` mounts a fresh /sys, hiding /sys/fs/cgroup), the
+throttling shows as a thread that got much less CPU time than wall time, which also lengthens it.
+"""
 
 from __future__ import annotations
 
 import os
 import platform
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -28,28 +39,97 @@ def parse_device(spec: str) -> torch.device:
     return dev
 
 
-def _matmul_rate(dev: torch.device, dtype: torch.dtype, seconds: float, n: int) -> float:
+def _matmul_rate(dev: torch.device, dtype: torch.dtype, seconds: float, n: int, *, stalled_seconds: float = 0.0) -> float:
+    """FLOP/s of n x n matmuls over at least *seconds* of wall time; over at least *stalled_seconds* when
+    this thread got less than 2/3 of the wall time (a CPU quota or a busy machine: see the module
+    docstring)."""
     a = torch.randn(n, n, device=dev, dtype=dtype)
     b = torch.randn(n, n, device=dev, dtype=dtype)
     (a @ b).sum().item()  # warm-up
     reps = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     while True:
         c = a @ b
         reps += 1
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        if time.perf_counter() - t0 >= seconds:
+        wall = time.perf_counter() - t0
+        if wall >= seconds and (wall >= stalled_seconds or time.thread_time() - c0 > STALLED * wall):
             break
     del c
     return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+
+
+QUOTA_PERIODS = 10
+STALLED = 2 / 3          # this thread's CPU time / wall time below which the benchmark runs longer
+_CGROUP_ROOTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
+_CGROUP_V1_CPU = (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup/cpu,cpuacct"))
+
+
+def cpu_quota(cgroup_text: str, read: Callable[[Path], str | None]) -> tuple[float, float] | None:
+    """(cores, period seconds) of the tightest CPU quota on this process's cgroup path and its
+    ancestors, from ``/proc/self/cgroup`` text and a file reader (None: no quota found)."""
+    best: tuple[float, float] | None = None
+
+    def consider(quota_us: float, period_us: float) -> None:
+        nonlocal best
+        if quota_us > 0 and period_us > 0 and (best is None or quota_us / period_us < best[0]):
+            best = (quota_us / period_us, period_us / 1e6)
+
+    for line in cgroup_text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        rel = Path(path.lstrip("/"))
+        chain = [rel, *rel.parents] if str(rel) not in ("", ".") else [Path()]
+        if controllers == "":       # cgroup v2
+            for root in _CGROUP_ROOTS:
+                for p in chain:
+                    text = read(root / p / "cpu.max")
+                    fields = text.split() if text else []
+                    if len(fields) == 2 and fields[0] != "max":
+                        try:
+                            consider(float(fields[0]), float(fields[1]))
+                        except ValueError:
+                            continue
+        elif "cpu" in controllers.split(","):
+            for root in _CGROUP_V1_CPU:
+                for p in chain:
+                    q, per = read(root / p / "cpu.cfs_quota_us"), read(root / p / "cpu.cfs_period_us")
+                    try:
+                        consider(float(q or -1), float(per or -1))
+                    except ValueError:
+                        continue
+    return best
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def own_cpu_quota() -> tuple[float, float] | None:
+    """This process's CPU quota (cores, period seconds), or None (none, or not Linux)."""
+    text = _read(Path("/proc/self/cgroup"))
+    return cpu_quota(text, _read) if text else None
 
 
 def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfile:
     """A short benchmark of the device (blocking: call it in a worker thread)."""
     dev = parse_device(device)
     n = 512 if dev.type == "cpu" else 4096
-    fp32 = _matmul_rate(dev, torch.float32, seconds, n)
+    stalled = 0.0
+    if dev.type == "cpu":
+        quota = own_cpu_quota()
+        if quota is not None and quota[0] < torch.get_num_threads():
+            seconds = max(seconds, QUOTA_PERIODS * quota[1])   # see the module docstring
+        # the cgroup files may be out of sight (``ip netns exec`` mounts its own /sys): a thread that
+        # got much less CPU than wall time is throttled or crowded, and is measured over 10 periods
+        stalled = QUOTA_PERIODS * 0.1
+    fp32 = _matmul_rate(dev, torch.float32, seconds, n, stalled_seconds=stalled)
     try:
         bf16 = _matmul_rate(dev, torch.bfloat16, seconds / 2, n)
     except RuntimeError:

@@ -24,6 +24,7 @@ SCHEDULES = ("1f1b", "gpipe")
 NONFINITE = ("fail", "skip")
 LR_KINDS = ("constant", "cosine", "linear")
 PENALTIES = ("none", "constant", "elementwise", "lr_ratio")
+PLANNERS = ("opfence", "even_layers", "even_flops")
 
 
 
@@ -146,7 +147,9 @@ class TrainConfig:
 
     One step = ``micro_batches`` micro-batches of ``micro_batch`` samples through the pipeline, then an
     optimizer step on every stage. ``checkpoint_every=0`` saves only at the end; ``replicas`` is a hint
-    for the planner (replicas per stage), ``None`` lets it choose.
+    for the planner (replicas per stage), ``None`` lets it choose. ``planner`` picks OP-Fence (default)
+    or a network-blind baseline (``"even_layers"``, ``"even_flops"``) with exactly ``replicas`` (default 1)
+    replicas per stage; with ``averaging=None`` the replicas all-reduce gradients every step.
     """
 
     steps: int
@@ -169,6 +172,10 @@ class TrainConfig:
     replicas: int | None = None
     on_nonfinite: str = field(default="fail", metadata={"wire": {"choices": NONFINITE}})  # a NaN/inf loss: "fail" the job, or "skip" the step
     eval_every: int = 0                         # held-out loss every K steps (0: only at the end)
+    # who cuts the model: "opfence" (stages, replicas and AdaTopK ratios from the measured links), or a
+    # baseline blind to the links ("even_layers", "even_flops": replica groups in peer-id order, dense
+    # fences); left out of the wire map at its default, so older specs keep their bytes and signatures
+    planner: str = field(default="opfence", metadata={"wire": {"choices": PLANNERS, "omit_default": True}})
 
     def __post_init__(self) -> None:
         _pos_int("steps", self.steps)
@@ -201,6 +208,11 @@ class TrainConfig:
             raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.replicas is not None:
             _pos_int("replicas", self.replicas)
+        if self.planner not in PLANNERS:
+            raise ConfigError(f"planner must be one of {', '.join(PLANNERS)}, got {self.planner!r}")
+        if self.planner != "opfence" and self.adatopk is not None:
+            raise ConfigError(f"planner={self.planner!r} sends every fence dense: set compression=None, or "
+                              "planner='opfence' for AdaTopK")
 
     # -- typed views of the normalised fields ------------------------------------------------------
 

@@ -19,7 +19,9 @@ leaf module ``fusionp2p.types`` can declare them)::
     period: float = field(default=0.0, metadata={"wire": {"name": "hb", "hi": 3600.0, "optional": True}})
 
 Keys of ``"wire"``: ``name`` (the map key, default the field name), ``lo``/``hi``, ``finite``
-(default True), ``min_len``/``max_len``, ``choices``, ``optional``, ``type`` (the wire type when
+(default True), ``min_len``/``max_len``, ``choices``, ``optional``, ``omit_default`` (implies
+``optional``: the key is left out of the map while the value equals the default, so a field added
+later leaves the bytes, hashes and signatures of every older value unchanged), ``type`` (the wire type when
 the Python annotation is wider, e.g. ``LRSchedule | None`` for a field that also accepts a
 shorthand string from users), and ``item`` (the same keys for the items of a ``tuple[T, ...]``).
 
@@ -56,6 +58,8 @@ class _Field:
     bounds: Mapping[str, Any]
     required: bool              # absent from a map: refused (unless ``defaults_optional`` and it has a default)
     has_default: bool
+    omit: bool = False          # left out of the map while equal to ``default``
+    default: Any = None
 
 
 _PLANS: dict[type, tuple[_Field, ...]] = {}
@@ -79,15 +83,26 @@ def _make_plan(cls: type) -> tuple[_Field, ...]:
             continue
         b = dict(f.metadata.get("wire", {}))
         has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        omit = bool(b.pop("omit_default", False))
+        if omit and f.default is dataclasses.MISSING:
+            raise TypeError(f"{cls.__name__}.{f.name}: omit_default needs a plain default")
+        optional = bool(b.pop("optional", False)) or omit
         out.append(_Field(attr=f.name, key=b.pop("name", f.name), tp=b.pop("type", hints[f.name]), bounds=b,
-                          required=not (b.pop("optional", False) and has_default), has_default=has_default))
+                          required=not (optional and has_default), has_default=has_default, omit=omit,
+                          default=f.default if omit else None))
     return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------ encode
 def to_wire(obj: Any) -> dict[str, Any]:
     """The map of dataclass *obj* (field order; tuples as lists; nested dataclasses as maps)."""
-    return {f.key: _enc(getattr(obj, f.attr), f.tp) for f in _plan(type(obj))}
+    out: dict[str, Any] = {}
+    for f in _plan(type(obj)):
+        v = getattr(obj, f.attr)
+        if f.omit and v == f.default:
+            continue
+        out[f.key] = _enc(v, f.tp)
+    return out
 
 
 def _enc(v: Any, tp: Any) -> Any:

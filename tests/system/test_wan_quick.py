@@ -1,26 +1,25 @@
-"""The geo-distributed benchmark end to end on a small shaped testbed (issue 8).
+"""The geo-distributed benchmark's machinery end to end on the shaped `slow` testbed (issue 20).
 
 Marked ``testbed`` and ``slow``: it builds network namespaces (root and iproute2, skipped without),
-starts one worker process per host, and trains all five systems for a few steps. It checks what the
-benchmark's figures rest on, not the figures themselves (those depend on the machine's load):
-every system trained the same samples and its loss fell, the synchronous systems reached the *same*
-loss (same data, same initial weights, gradients averaged exactly; only placement differs), the bytes
-on the slow links of baseline A are what GPipe must send, the testbed was torn down, and OP-Fence's
-placement was at least as fast as baseline A's while both were measured in the same run.
+starts ``fusionp2p bootstrap`` and four ``fusionp2p node`` processes in them, and publishes two of
+the benchmark's systems (baseline A and the full system) through the SDK for a few steps. It checks
+what the benchmark's figures rest on, not the figures (those depend on the machine's load): both
+jobs reached DONE with a measured rate and a held-out loss of the downloaded model, the nodes
+measured every shaped link, baseline A's configuration reached the nodes (replica pairs in peer-id
+order, dense fences: the plan they elected), and the testbed was torn down.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 
 import pytest
 
-from benchmarks.wan import run
-from benchmarks.wan_setup import RunConfig
+from benchmarks.wan import RunConfig, run
 from fusionp2p.errors import ConfigError
 from fusionp2p.testbed import netns
 
-pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(900)]
 
 
 def _need_testbed() -> None:
@@ -30,32 +29,37 @@ def _need_testbed() -> None:
         pytest.skip(str(exc))
 
 
-def test_wan_slow_scenario_end_to_end() -> None:
+def test_wan_benchmark_machinery_on_the_slow_scenario() -> None:
     _need_testbed()
     before = {netns.run_of(ns) for ns in netns.list_namespaces()}
-    cfg = dataclasses.replace(RunConfig(), samples=2 * 8 * 4 * 4)    # 4 steps of 2 pipelines
-    res = run("slow", cfg, loopback=False, pin=True, system_timeout=300.0)
+    cfg = RunConfig(steps=4, system_timeout=300.0)
+    res = run("slow", cfg, systems=["A", "OPF+TopK+CO2"])
     after = {netns.run_of(ns) for ns in netns.list_namespaces()}
     assert after <= before, "the benchmark left namespaces behind"
 
+    # the nodes measured every ordered pair of the 4 shaped hosts, none above its shaped rate (+15%)
+    assert len(res["measured_links"]) == 4 * 3
+    rates = {h["name"]: h for h in res["hosts"]}
+    for e in res["measured_links"]:
+        src, dst = rates[e["src"]], rates[e["dst"]]
+        # the probe may be symmetric, so bound by the faster direction of the pair
+        cap = max(min(src["up_bps"], dst["down_bps"]), min(dst["up_bps"], src["down_bps"]))
+        assert e["mbit_s"] * 1e6 <= 1.15 * cap, e
+
     systems = {s["system"]: s for s in res["systems"]}
-    assert list(systems) == ["A", "B", "OPF", "OPF+TopK", "OPF+TopK+CO2"]
+    assert list(systems) == ["A", "OPF+TopK+CO2"]
     for s in systems.values():
-        assert s["samples"] == cfg.samples
-        assert len(s["loss_curve"]) == cfg.steps
-        assert s["loss_curve"][-1]["loss"] < s["loss_curve"][0]["loss"], s["system"]
-        assert s["final_loss"] is not None
-        assert s["samples_per_s"] > 0
-        assert s["bytes_total"] > 0
-    # synchronous data parallelism with exact gradient averaging: placement cannot change the maths
-    sync = [systems[k]["final_loss"] for k in ("A", "B", "OPF")]
-    assert max(sync) - min(sync) < 1e-3 * max(sync)
-    # GPipe sends every micro-batch's activation forward over each fence of A: 8 x 64 x 64 fp32 each
+        assert "error" not in s, s
+        assert s["samples_per_s"] and s["samples_per_s"] > 0
+        assert math.isfinite(s["held_out_loss"])
+        assert s["samples"] == cfg.steps * s["replicas"] * cfg.micro_batch * cfg.micro_batches
+        assert [p["step"] for p in s["loss_curve"]] == list(range(cfg.steps))
     a = systems["A"]
-    fwd = [x for x in a["links"] if x["role"] == "pipeline"]
-    act_bytes = 8 * 64 * 64 * 4
-    per_link = cfg.steps * 4 * act_bytes
-    assert fwd
-    assert all(x["bytes"] >= per_link for x in fwd)
-    # the planner avoids A's slow fence; even on a loaded machine that is a large margin
-    assert systems["OPF"]["samples_per_s"] > a["samples_per_s"]
+    # baseline A as configured: 2 replicas per stage, pairs in peer-id order, every fence dense
+    assert set(a["plan"]["stage_sizes"]) == {2}
+    ids = sorted(a["plan"]["members"])
+    stages = [set(a["plan"]["members"][2 * k:2 * k + 2]) for k in range(len(a["plan"]["stage_sizes"]))]
+    assert stages == [set(ids[2 * k:2 * k + 2]) for k in range(len(stages))]
+    assert all(r == 1.0 for r in a["plan"]["rho"])
+    # dense synchronous training from the seeded initial weights (loss ln 256 = 5.55) learns in 4 steps
+    assert a["held_out_loss"] < 5.45

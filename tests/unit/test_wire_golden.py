@@ -93,6 +93,7 @@ def examples() -> dict[str, tuple[Callable[[], bytes], Callable[[bytes], Any] | 
                     lost_steps=1)
     manifest = ShardManifest(dtype="u16", num_tokens=1000, shard_tokens=600, vocab_size=256, shards=("e" * 64, "f" * 64))
     spec = _spec()
+    baseline = TrainConfig(steps=100, replicas=2, planner="even_layers")
     evs = {
         "step": ev.StepProgress(job="job1", step=3, epoch=1, stage=1, peer=ALICE.peer_id, loss=2.5, tokens_per_s=1000.0,
                                 compute_util=0.5, link_util=None, at=1.7e9),
@@ -115,6 +116,8 @@ def examples() -> dict[str, tuple[Callable[[], bytes], Callable[[bytes], Any] | 
         "plan": (lambda: _plan().to_wire(), Plan.from_wire, _plan()),
         "vote": (vote.encode, Vote.decode, vote),
         "train_config": (lambda: packb(spec.config.to_wire()), lambda b: TrainConfig.from_wire(unpackb(b)), spec.config),
+        # a baseline planner (benchmarks/wan.py): the field appears only away from its default
+        "train_config_planner": (lambda: packb(baseline.to_wire()), lambda b: TrainConfig.from_wire(unpackb(b)), baseline),
         "job_spec": (spec.encode, lambda b: JobSpec.from_wire(unpackb(b)), spec),
         "job_spec_envelope": (lambda: sign_spec(spec, ALICE.sign), decode_signed, spec),
         "halted": (lambda: packb(halted.to_wire()), lambda b: Halted.from_wire(unpackb(b)), halted),
@@ -309,6 +312,15 @@ GOLDEN: dict[str, str] = {
         "586f70314a6154334d487877594d6b436570597376346950566f704d5877437a35694859644266655342a3736967c440"
         "1575d1eb6ac78916aeab23ff3d809f335fd82ecbd6c1e94f0df8dcce60a034e333d15c2e04b749243d7dc2d14d5eb3ae"
         "02b80e9febd0b9d42bf3b976c684c501a4626f6479c400"
+    ),
+    "train_config_planner": (
+        "de0014a5737465707364ab6d6963726f5f626174636808ad6d6963726f5f6261746368657304a96f7074696d697a6572"
+        "a56164616d77a26c72cb3f33a92a30553261ac7765696768745f6465636179cb0000000000000000a86d6f6d656e7475"
+        "6dcb0000000000000000a5626574617392cb3feccccccccccccdcb3feff7ced916872ba3657073cb3e45798ee2308c3a"
+        "a9677261645f636c6970c0ab6c725f7363686564756c65c0a9617665726167696e67c0ab636f6d7072657373696f6ec0"
+        "a87363686564756c65a431663162b0636865636b706f696e745f657665727900a47365656400a87265706c6963617302"
+        "ac6f6e5f6e6f6e66696e697465a46661696caa6576616c5f657665727900a7706c616e6e6572ab6576656e5f6c617965"
+        "7273"
     ),
     "train_config": (
         "de0013a5737465707364ab6d6963726f5f626174636808ad6d6963726f5f6261746368657304a96f7074696d697a6572"

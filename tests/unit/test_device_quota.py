@@ -1,0 +1,55 @@
+"""A node under a CPU quota (container or testbed cgroup) reports the capped compute rate."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusionp2p.swarm import device
+from fusionp2p.swarm.device import cpu_quota
+
+
+def _reader(files: dict[str, str]):  # type: ignore[no-untyped-def]
+    return lambda p: files.get(str(p))
+
+
+def test_no_quota() -> None:
+    assert cpu_quota("0::/\n", _reader({"/sys/fs/cgroup/cpu.max": "max 100000\n"})) is None
+    assert cpu_quota("1:cpu:/\n", _reader({"/sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1\n",
+                                           "/sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n"})) is None
+    assert cpu_quota("", _reader({})) is None
+
+
+def test_v2_quota_and_the_tightest_ancestor() -> None:
+    files = {"/sys/fs/cgroup/a/b/cpu.max": "50000 100000\n", "/sys/fs/cgroup/a/cpu.max": "25000 100000\n"}
+    assert cpu_quota("0::/a/b\n", _reader(files)) == (0.25, 0.1)
+    assert cpu_quota("0::/a/b\n", _reader({"/sys/fs/cgroup/a/b/cpu.max": "150000 100000"})) == (1.5, 0.1)
+
+
+def test_v1_quota() -> None:
+    files = {"/sys/fs/cgroup/cpu/fp2p-abc-h1/cpu.cfs_quota_us": "33000\n",
+             "/sys/fs/cgroup/cpu/fp2p-abc-h1/cpu.cfs_period_us": "100000\n"}
+    text = "4:memory:/x\n1:cpu:/fp2p-abc-h1\n0::/\n"
+    assert cpu_quota(text, _reader(files)) == (0.33, 0.1)
+
+
+def test_garbage_is_ignored() -> None:
+    files = {"/sys/fs/cgroup/a/cpu.max": "lots of\n", "/sys/fs/cgroup/cpu/a/cpu.cfs_quota_us": "x",
+             "/sys/fs/cgroup/cpu/a/cpu.cfs_period_us": "100000"}
+    assert cpu_quota("0::/a\n1:cpu:/a\nnonsense\n", _reader(files)) is None
+
+
+def test_a_quota_lengthens_the_cpu_benchmark(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[float] = []
+
+    def fake_rate(dev: object, dtype: object, seconds: float, n: int, *, stalled_seconds: float = 0.0) -> float:
+        seen.append(seconds)
+        return 1e9
+
+    monkeypatch.setattr(device, "_matmul_rate", fake_rate)
+    monkeypatch.setattr(device, "own_cpu_quota", lambda: (0.25, 0.1))
+    device.measure_profile("cpu")
+    assert seen[0] == pytest.approx(device.QUOTA_PERIODS * 0.1)
+    seen.clear()
+    monkeypatch.setattr(device, "own_cpu_quota", lambda: None)
+    device.measure_profile("cpu")
+    assert seen[0] == pytest.approx(0.2)

@@ -1,0 +1,53 @@
+"""benchmarks/wan.py's pure parts: the scenarios it builds and the job configurations of its systems."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from benchmarks.wan import CONTROL, SYSTEMS, RunConfig, scenario_spec, speedup
+from benchmarks.wan_client import make_config, training_rate
+from fusionp2p.errors import ConfigError
+
+
+def test_scenarios_add_an_unshaped_control_host_and_turn_slowdown_into_a_cpu_cap() -> None:
+    spec = scenario_spec("mixed")
+    assert spec.bootstrap == CONTROL
+    ctl = spec.hosts[-1]
+    assert ctl.name == CONTROL and ctl.up_bps is None and ctl.cpus is None
+    caps = {h.name: h.cpus for h in spec.hosts}
+    assert caps["fast1"] == pytest.approx(0.33) and caps["mid1"] == pytest.approx(0.165)
+    assert all(h.slowdown == 1.0 for h in spec.hosts)
+    with pytest.raises(ConfigError):
+        scenario_spec("moon")
+
+
+def test_every_system_is_a_valid_job_configuration() -> None:
+    run = dataclasses.asdict(RunConfig(steps=3))
+    cfgs = {s["name"]: make_config(run, s) for s in SYSTEMS}
+    assert [s["name"] for s in SYSTEMS] == ["A", "B", "OPF", "OPF+TopK", "OPF+TopK+CO2"]
+    assert cfgs["A"].planner == "even_layers" and cfgs["B"].planner == "even_flops"
+    assert all(cfgs[k].adatopk is None and cfgs[k].co2 is None for k in ("A", "B", "OPF"))
+    assert cfgs["OPF+TopK"].adatopk is not None and cfgs["OPF+TopK"].co2 is None
+    full = cfgs["OPF+TopK+CO2"]
+    assert full.planner == "opfence" and full.adatopk is not None and full.co2 is not None
+    assert {c.replicas for c in cfgs.values()} == {2}
+    # the same model, data and optimizer everywhere: only the planner, compression and averaging differ
+    strip = {"planner", "compression", "averaging"}
+    assert len({repr({k: v for k, v in c.to_wire().items() if k not in strip}) for c in cfgs.values()}) == 1
+
+
+def test_training_rate_counts_the_steps_after_the_first() -> None:
+    run = dataclasses.asdict(RunConfig())
+    # steps 0..4 heard 0.5 s apart: 4 steps of 2 pipelines x 8 x 4 samples in 2 s
+    r = training_rate({s: 10.0 + 0.5 * s for s in range(5)}, 2, run)
+    assert r["samples_per_s"] == pytest.approx(4 * 64 / 2.0)
+    assert training_rate({0: 1.0}, 2, run)["samples_per_s"] is None
+
+
+def test_speedup_needs_both_rates() -> None:
+    res = {"systems": [{"system": "A", "samples_per_s": 10.0}, {"system": "OPF+TopK+CO2", "samples_per_s": 95.0}]}
+    assert speedup(res) == pytest.approx(9.5)
+    with pytest.raises(RuntimeError):
+        speedup({"systems": [{"system": "A", "error": "x"}]})
