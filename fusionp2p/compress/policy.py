@@ -56,7 +56,7 @@ class LinkCost:
         return sends_dense(self.n, ratio, dense_bytes=self.b_dense, value_bytes=self.b_val, index_bytes=self.b_idx)
 
 
-def choose_ratio(link: LinkCost, target_time: float, *, rho_min: float = 0.01) -> float:
+def choose_ratio(link: LinkCost, target_time: float, *, rho_min: float = 0.1) -> float:
     """The keep ratio that brings *link* down to *target_time* (1.0 = send dense)."""
     if not 0.0 < rho_min <= 1.0:
         raise ConfigError("rho_min must be in (0, 1]")
@@ -69,7 +69,7 @@ def choose_ratio(link: LinkCost, target_time: float, *, rho_min: float = 0.01) -
     return 1.0 if link.sends_dense(rho) else rho
 
 
-def plan_ratios(links: Mapping[K, LinkCost], t_comp: float, *, rho_min: float = 0.01) -> dict[K, float]:
+def plan_ratios(links: Mapping[K, LinkCost], t_comp: float, *, rho_min: float = 0.1) -> dict[K, float]:
     """Ratios of every inter-stage link given the compute bottleneck ``T_comp = max_s C_s``."""
     if not links:
         return {}
@@ -85,7 +85,7 @@ class RatioEstimator:
     """
 
     def __init__(self, *, n: int, t_comp: float, beta0: float, alpha: float = 0.0, ema: float = 0.2,
-                 every: int = 8, rho_min: float = 0.01, b_val: int = 4, b_idx: int = 4, b_dense: int = 4) -> None:
+                 every: int = 8, rho_min: float = 0.1, b_val: int = 4, b_idx: int = 4, b_dense: int = 4) -> None:
         if not 0.0 < ema <= 1.0 or every < 1 or beta0 <= 0:
             raise ConfigError("RatioEstimator needs 0 < ema <= 1, every >= 1 and beta0 > 0")
         self._link = LinkCost(n=n, alpha=alpha, beta=beta0, b_dense=b_dense, b_val=b_val, b_idx=b_idx)

@@ -33,7 +33,8 @@ def test_ratio_meets_target_unless_floor(n: int, alpha: float, beta: float, targ
 def test_ratio_follows_the_wire_format() -> None:
     link = LinkCost(n=1000, alpha=0.0, beta=1000.0)  # dense: 4000 B = 4 s; bitmap: 125 B
     # index form below ρ = 1/32: 8 B per kept entry
-    assert choose_ratio(link, 0.2) == pytest.approx(0.025)   # 200 B / 8
+    assert choose_ratio(link, 0.2, rho_min=0.01) == pytest.approx(0.025)   # 200 B / 8
+    assert choose_ratio(link, 0.2) == pytest.approx(0.1)     # the default floor (accuracy) wins
     assert link.wire_bytes(0.025) == 200
     # bitmap form above: 4 B per kept value + 125 B
     assert choose_ratio(link, 2.4) == pytest.approx(0.568)   # (2400 - 125) / 4 = 568.75
@@ -55,7 +56,7 @@ def test_ratio_follows_the_wire_format() -> None:
 
 def test_plan_ratios_only_compresses_slow_links() -> None:
     links = {"fast": LinkCost(n=10**6, alpha=0.001, beta=1e9), "slow": LinkCost(n=10**6, alpha=0.01, beta=1e6)}
-    r = plan_ratios(links, t_comp=0.1)
+    r = plan_ratios(links, t_comp=0.1, rho_min=0.01)
     assert r["fast"] == 1.0
     assert r["slow"] == pytest.approx(0.01125)  # (0.1 - 0.01) s · 1e6 B/s / 8 B (index form)
     assert links["slow"].time(r["slow"]) <= 0.1 * (1 + 1e-9) or r["slow"] == 0.01
@@ -63,12 +64,12 @@ def test_plan_ratios_only_compresses_slow_links() -> None:
 
 
 def test_estimator_follows_measured_bandwidth() -> None:
-    est = RatioEstimator(n=10**6, t_comp=0.1, beta0=1e9, every=4)
+    est = RatioEstimator(n=10**6, t_comp=0.1, beta0=1e9, every=4, rho_min=0.01)
     assert est.ratio == 1.0
     for _ in range(80):
         est.observe(nbytes=10**6, seconds=1.0)  # the link is really 1 MB/s
     assert est.beta == pytest.approx(1e6, rel=0.05)
-    assert est.ratio == pytest.approx(choose_ratio(LinkCost(n=10**6, alpha=0.0, beta=est.beta), 0.1))
+    assert est.ratio == pytest.approx(choose_ratio(LinkCost(n=10**6, alpha=0.0, beta=est.beta), 0.1, rho_min=0.01))
     assert est.ratio < 0.05
     for _ in range(80):
         est.observe(nbytes=10**8, seconds=0.01)  # and back to fast

@@ -190,16 +190,29 @@ def test_ratio_monotone_in_bandwidth_and_just_enough() -> None:
     w = chain(40, act=4_000_000)
     rhos = []
     for slow in (1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8):
-        plan = make_plan(w, two_groups(slow), PlannerConfig(exact_search_devices=0))
+        cfg = PlannerConfig(exact_search_devices=0, rho_min=0.01)
+        plan = make_plan(w, two_groups(slow), cfg)
         t_comp = max(s.compute_s for s in plan.stages)
         slowest = min(plan.fences, key=lambda f: f.rho)
         rhos.append(slowest.rho)
-        if slowest.rho > 0.01:
+        assert slowest.rho >= cfg.rho_min
+        if slowest.rho > cfg.rho_min:
             assert slowest.time_s <= t_comp * (1 + 1e-3)
         for f in plan.fences:
-            assert (f.rho < 1.0) == (f.dense_time_s > t_comp * (1 + 1e-9)) or slowest.rho == 0.01
+            assert (f.rho < 1.0) == (f.dense_time_s > t_comp * (1 + 1e-9)) or slowest.rho == cfg.rho_min
     assert rhos == sorted(rhos)
     assert rhos[-1] == 1.0  # fast enough: dense
+
+
+def test_a_link_too_slow_even_at_the_floor_is_not_crossed() -> None:
+    # At the default floor (0.1) the 1e5 B/s link would still take 3.5x the compute: the planner keeps
+    # the pipeline on one side (dense) instead of crossing it at the floor; at 0.01 it crossed it.
+    w = chain(40, act=4_000_000)
+    low = make_plan(w, two_groups(1e5), PlannerConfig(exact_search_devices=0, rho_min=0.01))
+    assert min(f.rho for f in low.fences) < 0.1
+    plan = make_plan(w, two_groups(1e5), PlannerConfig(exact_search_devices=0))
+    assert all(f.rho == 1.0 for f in plan.fences)
+    assert plan.step_time_s > 0 and len(plan.stages) >= 1
 
 
 def test_ratio_is_one_when_the_link_keeps_up_and_just_enough_otherwise() -> None:

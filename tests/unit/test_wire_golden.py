@@ -44,12 +44,12 @@ def _plan():  # type: ignore[no-untyped-def]
 
 def _spec():  # type: ignore[no-untyped-def]
     from fusionp2p.data.corpus import corpus_hash
-    from fusionp2p.jobs.spec import CO2, DatasetRef, JobSpec, Resources, TrainConfig
+    from fusionp2p.jobs.spec import CO2, AdaTopK, DatasetRef, JobSpec, Resources, TrainConfig
     return JobSpec(job_id="0123456789abcdef", publisher=ALICE.peer_id, created=1.7e9, model_hash="a" * 64,
                    weights_hash="b" * 64,
                    dataset=DatasetRef(kind="builtin", name="pydoc", content_hash=corpus_hash("pydoc"), seq_len=64,
                                       vocab_size=256, num_tokens=400_000),
-                   config=TrainConfig(steps=100, optimizer="adamw", lr=3e-4, averaging=CO2(tau=4), compression="adatopk",
+                   config=TrainConfig(steps=100, optimizer="adamw", lr=3e-4, averaging=CO2(tau=4), compression=AdaTopK(rho_min=0.01),
                                       lr_schedule="cosine"),
                    resources=Resources(min_memory_bytes=1 << 30, device_kinds=("cpu",)), name="demo")
 
