@@ -455,7 +455,11 @@ def cli_up(
         return 2
     print(describe(tb), flush=True)
     main_thread = threading.current_thread() is threading.main_thread()
-    old = {s: signal.signal(s, _raise_terminate) for s in (signal.SIGTERM, signal.SIGHUP)} if main_thread else {}
+    # SIGINT too, explicitly: a process started with SIGINT ignored (a job a non-interactive shell put
+    # in the background with `&`, and everything it starts: CI runners do this) inherits SIG_IGN, and
+    # Python then installs no KeyboardInterrupt handler, so Ctrl-C/`kill -INT` did nothing at all.
+    old = ({s: signal.signal(s, _raise_terminate) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+           if main_thread else {})
     ok = False
     try:
         boot: Proc | None = None
