@@ -28,18 +28,18 @@ import contextlib
 import dataclasses
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.errors import FusionError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import NodeJobs
 from fusionp2p.jobs.content import ContentService, ContentStore
 from fusionp2p.jobs.election import fetch_latest
 from fusionp2p.jobs.events import ProgressEvent, decode_event
+from fusionp2p.jobs.host import NodeJobConfig
 from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
@@ -50,7 +50,6 @@ from fusionp2p.net.bulk import DataPlane, DataPlaneConfig, open_data_plane
 from fusionp2p.net.resilient import (
     ResilientAcceptor,
     ResilientChannel,
-    ResilientConfig,
     open_resilient_acceptor,
 )
 from fusionp2p.plan import Plan
@@ -59,62 +58,6 @@ from fusionp2p.swarm.node import SwarmNode
 from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NodeJobConfig:
-    """Deadlines and limits of a node's job service (seconds)."""
-
-    accept_timeout: float = 300.0      # verify + fetch DAG, weights and data; fetch a stage state
-    election_timeout: float = 60.0
-    link_timeout: float = 60.0         # all data-plane links of a role set up
-    recv_timeout: float = 300.0        # one activation/gradient/averaging message
-    report_timeout: float = 15.0
-    start_timeout: float = 120.0       # after an epoch ended here: the next start from the leader
-    halt_timeout: float = 30.0         # a member answers an immediate halt
-    conclude_timeout: float = 120.0    # leader: every stage's done report after its own
-    watch_interval: float = 1.0        # the leader looks at the membership view this often (and on changes)
-    status_interval: float = 10.0      # the leader refreshes the job's status record this often
-    offer_retry: float = 60.0          # a node that refused (or did not answer) an offer is asked again after
-    offer_ttl: float = 600.0           # an accepted offer that no start follows is forgotten
-    max_offers_per_publisher: int = 2  # offers one peer has pending here (fetching or not started) at once
-    replan_retry: float = 20.0         # a leader whose proposed epoch did not take off proposes again after
-    max_jobs: int = 4                  # offered or running at once
-    max_pending_links: int = 64
-    max_state_bytes: int = 16 << 30    # a stage state fetched from a member
-    data_plane: DataPlaneConfig = field(default_factory=lambda: DataPlaneConfig(keepalive=1.0, dead_after=60.0))
-    # How long a lost data-plane connection between two live nodes may take to come back (the channel
-    # reconnects, resumes and resends what the peer missed; docs/dataplane.md "Reconnecting channels").
-    # A peer the membership view declares dead is not waited for (``peer_gone``): the job re-plans.
-    reconnect_timeout: float = 60.0
-    # The data plane's TCP address (``--data-listen``; None: any free port where the libp2p transport
-    # listens) and the one peers are told to dial (``--data-announce``: a NAT's or container's published
-    # address; None: the bound one). Multiaddrs, the rules of --listen / --announce-addr (docs/networking.md).
-    data_listen: str | None = None
-    data_announce: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.data_listen is not None:
-            tcp_endpoint(self.data_listen, "--data-listen")
-        if self.data_announce is not None:
-            tcp_endpoint(self.data_announce, "--data-announce", announce=True)
-        for name in ("accept_timeout", "election_timeout", "link_timeout", "recv_timeout", "report_timeout",
-                     "reconnect_timeout", "start_timeout", "halt_timeout", "conclude_timeout", "watch_interval",
-                     "status_interval", "offer_retry", "offer_ttl", "replan_retry"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"NodeJobConfig.{name} must be positive")
-        if self.max_jobs < 1 or self.max_pending_links < 1 or self.max_offers_per_publisher < 1:
-            raise ConfigError("NodeJobConfig.max_jobs, max_pending_links and max_offers_per_publisher must be >= 1")
-
-    def channels(self) -> ResilientConfig:
-        """Settings of a job's data-plane channels (both the dialing and the accepting side).
-
-        ``copy_on_send=False``: sent tensors are kept by reference for retransmission, not cloned;
-        nothing the job sends is modified in place after ``send`` returns (docs/dataplane.md
-        "Reconnecting channels"; checked by tests/integration/test_e2e_local.py
-        ``test_sent_tensors_are_never_modified_after_send``).
-        """
-        return ResilientConfig(reconnect_timeout=self.reconnect_timeout, copy_on_send=False)
 
 
 MAX_OFFERERS = 64   # members remembered as having offered one pending job to this node

@@ -31,8 +31,8 @@ import math
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import trio
@@ -61,31 +61,27 @@ from fusionp2p.jobs.events import (
     StepSkipped,
     encode_event,
 )
+from fusionp2p.jobs.host import JobHost
+from fusionp2p.jobs.lead import Leading, _Epoch
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
 from fusionp2p.jobs.replan import (
     Halted,
     Resume,
     Source,
-    complete_checkpoint,
-    halt_step,
     leader_of,
-    plan_resume,
 )
 from fusionp2p.jobs.status import StepStats
-from fusionp2p.net.bulk_channel import PATH_LIBP2P, PATH_RELAY
 from fusionp2p.net.channel import TensorChannel
+from fusionp2p.net.dataplane_config import PATH_LIBP2P, PATH_RELAY
 from fusionp2p.net.resilient import ResilientChannel, open_resilient_channel
 from fusionp2p.net.transport import Relaying
 from fusionp2p.plan import Plan
-from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
+from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.train.state import StageState, merge_states
 from fusionp2p.train.worker import Halt, StageContext, StageReport, StageWorker
-from fusionp2p.wire.jobrecords import JobStatus, StageFile, encode_record, status_key
+from fusionp2p.wire.jobrecords import StageFile
 from fusionp2p.wire.protocols import TOPIC_JOBS
-
-if TYPE_CHECKING:
-    from fusionp2p.jobs.node import NodeJobService
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -93,8 +89,6 @@ if sys.version_info < (3, 11):  # pragma: no cover
 log = logging.getLogger(__name__)
 
 HALT_CLOSE_TIMEOUT = 0.3    # seconds a halted epoch's channel waits for a link to say goodbye on
-OFFER_AGAIN = 2.0           # seconds before a joiner that could not be reached is offered the job again
-JOIN_GAIN = 0.10            # joiners are taken in (a re-plan) only to add nodes, predicted this much faster
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,19 +101,10 @@ class StartRequest:
     sender: str
 
 
-@dataclass
-class _Epoch:
-    """What one epoch of this node left behind."""
-
-    outcome: str = ""              # "done" | "halted" | "idle"
-    halted: Halted | None = None
-    ended: trio.Event = field(default_factory=trio.Event)
-
-
-class JobRun:
+class JobRun(Leading):
     """See the module docstring. Created by the node's job service when it accepts a job."""
 
-    def __init__(self, svc: NodeJobService, accepted: AcceptedJob, publisher: str) -> None:
+    def __init__(self, svc: JobHost, accepted: AcceptedJob, publisher: str) -> None:
         self.svc = svc
         self.transport = svc.transport
         self.me = svc.transport.peer_id
@@ -609,233 +594,7 @@ class JobRun:
         standbys = sorted((self.members or frozenset()) - set(plan.peers) - {self.me})
         await self._ask_all(standbys, {"op": "end", "job": self.job_id, "state": status.state})
 
-    # ------------------------------------------------------------------ leading re-plans
-    def _alive(self, peer: str) -> bool:
-        view = self.svc.swarm.view
-        return peer == self.me or (view.is_alive(peer) and peer not in view.left)
-
-    async def _watch(self) -> None:
-        """Lead a re-plan when this node leads the plan and it has to change (see the module docstring)."""
-        cfg = self.svc.config
-        last_status = -math.inf
-        while True:
-            await self._woken(cfg.watch_interval)
-            plan = self.plan
-            if plan is None or self.life.terminal or self._cur.outcome == "done":
-                continue
-            stalled = self._cur.ended.is_set() and self._cur.outcome in ("no plan", "halted", "halted before training")
-            if plan.epoch < self.epoch and not stalled:
-                continue   # the new epoch's plan is being elected: judge it, not the old one
-            lead = leader_of(plan.peers, self._alive, standbys=self.members or ())
-            if lead != self.me:
-                if self._broken and lead is not None and self._told != (self.epoch, lead):
-                    self._told = (self.epoch, lead)     # tell the leader our pipeline broke
-                    self.svc.nursery.start_soon(self._ask_all, [lead], {"op": "replan", "job": self.job_id,
-                                                                       "epoch": self.epoch})
-                continue
-            now = trio.current_time()
-            if now - last_status >= cfg.status_interval:
-                last_status = now
-                self.svc.nursery.start_soon(self._put_status, self._status(self.life.state, plan))
-            gone = sorted(p for p in plan.peers if not self._alive(p))
-            if self._led > self.epoch:
-                continue   # our proposal for the next epoch is under way
-            if gone or self._broken or stalled:
-                # a plan that lost members may need newcomers (too few nodes may be left for it): offer the job
-                # to live nodes outside it; one that accepts is in the next proposal
-                self._offer_joiners(plan)
-                fresh = {p for p in self.joiners if self._alive(p)} - self._led_with
-                if (self._led == self.epoch and now - self._led_at < cfg.replan_retry and (stalled or self._broken)
-                        and not (stalled and fresh)):
-                    continue   # the epoch we proposed is still taking off
-                why = (f"members gone: {[p[:12] for p in gone]}" if gone else
-                       "pipeline broken" if self._broken else f"epoch {self.epoch} did not take off")
-                await self._lead(plan, at=None, why=why)
-            elif self.svc.swarm.config.role == "node":
-                await self._take_in_joiners(plan)
-
-    def on_replan(self, peer: str, epoch: int) -> None:
-        """A member says its pipeline broke in *epoch* (the leader re-plans)."""
-        if epoch < self.epoch:
-            # stale: that epoch was re-planned already (a member's word arriving after the new epoch began
-            # broke the new epoch before it trained, and the next one, every replan_retry)
-            log.debug("job %s: replan for epoch %d from %s ignored in epoch %d", self.job_id, epoch, peer[:12],
-                      self.epoch)
-            return
-        if self.plan is not None and peer in self.plan.peers:
-            self._broken = True
-            self._poke()
-
-    def _offer_joiners(self, plan: Plan) -> None:
-        """Offer the job to live nodes outside it (at most once per ``offer_retry`` each)."""
-        view = self.svc.swarm.view
-        now = trio.current_time()
-        for peer in view.alive(role="node"):
-            rec = view.records.get(peer)
-            if (peer in plan.peers or peer in self.joiners or rec is None or rec.profile is None or rec.leaving
-                    or now - self._offered.get(peer, -math.inf) < self.svc.config.offer_retry):
-                continue
-            self._offered[peer] = now
-            self.svc.nursery.start_soon(self._offer_to, peer)
-
-    async def _take_in_joiners(self, plan: Plan) -> None:
-        """Offer the job to live nodes outside it; re-plan at a step boundary if one of them gets a role."""
-        self._offer_joiners(plan)
-        usable = [p for p in self.joiners if self._alive(p)]
-        if not usable:
-            return
-        try:
-            snap = self._snapshot(sorted({*plan.peers, *usable}), self.epoch + 1)
-            trial = plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=plan)
-        except (PlanError, FusionError) as exc:
-            log.info("job %s: a plan with joiners %s fails: %s", self.job_id, usable, exc)
-            return
-        if set(trial.peers) <= set(plan.peers) or len(trial.peers) <= len(plan.peers):
-            # the plan does not need them, or would only swap them for members (chasing a link figure that
-            # moved: on one machine under load the probed rates of equal links differ by more than any
-            # margin): they stay standbys until a re-plan
-            return
-        # A halt costs seconds; take joiners in only for a predicted gain, judged against the best plan of the
-        # present members under the same fresh measurements (the plan in force was chosen on older ones).
-        try:
-            base = plan_for_snapshot(self.spec, self.accepted.dag, self._snapshot(list(plan.peers), self.epoch + 1),
-                                     previous=plan)
-        except (PlanError, FusionError):
-            base = None   # the present members alone no longer make a plan: the joiners are needed
-        predicted = base is not None and base.step_time_s > 0 and trial.step_time_s > 0
-        if base is not None and predicted and not trial.throughput > base.throughput * (1.0 + JOIN_GAIN):
-            log.debug("job %s: joiners %s would gain under %.0f%% (%.3g vs %.3g micro-batches/s): not re-planning",
-                      self.job_id, [p[:12] for p in usable], 100 * JOIN_GAIN, trial.throughput, base.throughput)
-            return
-        w = self._worker
-        if w is None:
-            return
-        states = await self._ask_all(list(plan.peers), {"op": "status", "job": self.job_id})
-        steps = [int(m.get("step", -1)) for m in states.values() if isinstance(m.get("step"), int)]
-        co2 = self.spec.config.co2
-        try:
-            at = halt_step([w.completed, *steps], tau=co2.tau if co2 is not None and len(plan.stages[0].replicas) > 1
-                           else 1, steps=self.spec.config.steps)
-        except PlanError:
-            return
-        await self._lead(plan, at=at, why=f"joiners {[p[:12] for p in usable]} get a role")
-
-    async def _offer_to(self, peer: str) -> None:
-        try:
-            reply = await job_proto.request(self.transport, peer, {"op": "offer", "envelope": self.accepted.envelope,
-                                                                   "via": self.job_id},
-                                            timeout=self.svc.config.accept_timeout)
-        except (PeerUnavailable, RemoteProtocolError) as exc:
-            # not a refusal: a node that just joined may not serve jobs yet; ask again soon
-            log.info("offer of %s to joiner %s: %s", self.job_id, peer[:12], exc)
-            self._offered[peer] = trio.current_time() - self.svc.config.offer_retry + OFFER_AGAIN
-            return
-        if reply.get("ok"):
-            log.info("job %s: %s accepted as a joiner", self.job_id, peer[:12])
-            self.joiners.add(peer)
-            self._poke()
-
-    async def _lead(self, plan: Plan, *, at: int | None, why: str) -> None:
-        """Halt the members (at once, or before step *at*), gather their states, start the next epoch."""
-        cfg = self.svc.config
-        self._led, self._led_at = self.epoch + 1, trio.current_time()
-        targets = sorted({p for p in plan.peers if self._alive(p)} | {p for p in self.joiners if self._alive(p)}
-                         | {p for p in (self.members or ()) if self._alive(p)})
-        self._led_with = set(targets)
-        log.info("job %s: leading a re-plan from epoch %d (%s) with %d members", self.job_id, self.epoch, why,
-                 len(targets))
-        halt = {"op": "halt", "job": self.job_id, "at": at}
-        answers = await self._ask_all(targets, halt, timeout=cfg.halt_timeout if at is None else cfg.recv_timeout)
-        halted = []
-        for peer, m in answers.items():
-            try:
-                h = Halted.from_wire(m.get("halted", {}))
-            except RemoteProtocolError as exc:
-                log.info("job %s: %s's halt answer: %s", self.job_id, peer[:12], exc)
-                continue
-            if h.peer == peer:
-                halted.append(h)
-        members = sorted(h.peer for h in halted if self._alive(h.peer))
-        if not members:
-            log.warning("job %s: no member answered the halt; retrying", self.job_id)
-            return
-        nxt = max([self.epoch, *(h.epoch for h in halted)]) + 1
-        self._led = nxt
-        resume = plan_resume(plan.n_units, halted, self.checkpoints, self._alive, reached=self.book.reached)
-        if resume.from_checkpoint:
-            log.warning("job %s: some units lost every live state; resuming from %s (%d steps lost)", self.job_id,
-                        f"the checkpoint of step {resume.step}" if resume.sources else "the published weights",
-                        resume.lost_steps)
-        snap = self._snapshot(members, nxt)
-        start = {"op": "start", "job": self.job_id, "snapshot": snap.to_wire(), "resume": resume.to_wire(),
-                 "previous": plan.to_wire()}
-        replies = await self._ask_all(members, start, timeout=cfg.report_timeout)
-        refused = {p[:12]: m.get("error") for p, m in replies.items() if not m.get("ok")}
-        if refused or len(replies) < len(members):
-            log.warning("job %s: epoch %d start refused or unanswered: %s", self.job_id, nxt, refused)
-        self.joiners -= set(members)
-
-    def _snapshot(self, members: list[str], epoch: int) -> Snapshot:
-        view = self.svc.swarm.view
-        profiles = []
-        for p in members:
-            rec = view.records.get(p)
-            prof = rec.profile if rec is not None else None
-            if p == self.me:
-                prof = self.svc.swarm.profile
-            if prof is None:
-                raise PlanError(f"no device profile for member {p[:12]}")
-            profiles.append((p, prof))
-        bw = self.svc.swarm.bandwidth
-        links = []
-        for i, a in enumerate(members):
-            for b in members[i + 1:]:
-                e = bw.direct(a, b)
-                if e is not None and e.bandwidth > 0 and math.isfinite(e.bandwidth) and math.isfinite(e.rtt):
-                    links.append((a, b, Link(bandwidth_bps=e.bandwidth, latency_s=max(0.0, e.rtt / 2))))
-        return snapshot_from_records(self.job_id, epoch, profiles, links)
-
-    async def _ask_all(self, peers: list[str], msg: dict[str, Any], *,
-                       timeout: float | None = None) -> dict[str, dict[str, Any]]:
-        """Send *msg* to every peer at once (ourselves through the service's handler); the answers that came."""
-        out: dict[str, dict[str, Any]] = {}
-        t = timeout if timeout is not None else self.svc.config.report_timeout
-
-        async def one(peer: str) -> None:
-            try:
-                if peer == self.me:
-                    with trio.fail_after(t):
-                        out[peer] = await self.svc.handle(self.me, msg)
-                else:
-                    out[peer] = await job_proto.request(self.transport, peer, msg, timeout=t)
-            except (PeerUnavailable, RemoteProtocolError, FusionError, trio.TooSlowError) as exc:
-                log.info("job %s: %s to %s: %s", self.job_id, msg.get("op"), peer[:12], exc)
-
-        async with trio.open_nursery() as nursery:
-            for p in peers:
-                nursery.start_soon(one, p)
-        return out
-
     # ------------------------------------------------------------------ status, gossip, wake-ups
-    def _status(self, state: JobState, plan: Plan, *, final: tuple[StageFile, ...] = (),
-                final_loss: float | None = None, reason: str = "") -> JobStatus:
-        ck = complete_checkpoint(self.checkpoints, plan.n_units, self._alive)
-        return JobStatus(job=self.job_id, peer=self.me, publisher=self.publisher, state=state.value,
-                         epoch=plan.epoch, step=self.book.reached, steps=self.spec.config.steps,
-                         members=tuple(p for st in plan.stages for p in st.replicas),
-                         stage_sizes=tuple(len(st.replicas) for st in plan.stages), losses=self.book.recent(512),
-                         checkpoint_step=ck[0] if ck else -1,
-                         checkpoint=tuple(StageFile(stage=i, hash=f.state, holders=f.holders)
-                                          for i, f in enumerate(ck[1])) if ck else (),
-                         final=final, final_loss=final_loss, reason=reason or self.reason, at=time.time())
-
-    async def _put_status(self, status: JobStatus) -> None:
-        try:
-            with trio.move_on_after(self.svc.config.report_timeout):
-                await self.transport.dht_put(status_key(self.job_id), encode_record(status, self.transport.sign))
-        except FusionError as exc:
-            log.debug("status of %s not stored: %s", self.job_id, exc)
-
     async def _report_end(self) -> None:
         """A failed or cancelled job: the leader (or anyone, when no plan was made) tells the publisher."""
         plan = self.plan
@@ -860,18 +619,6 @@ class JobRun:
                 await self.transport.publish(TOPIC_JOBS, encode_event(ev))
         except FusionError as exc:
             log.debug("progress not published: %s", exc)
-
-    def _poke(self) -> None:
-        self._wake.set()
-
-    def poke(self) -> None:
-        """Something the job's leader watches changed (the membership view)."""
-        self._poke()
-
-    async def _woken(self, timeout: float = 1.0) -> None:
-        with trio.move_on_after(timeout):
-            await self._wake.wait()
-        self._wake = trio.Event()
 
     # ------------------------------------------------------------------ election and links
     async def _elect(self, snap: Snapshot, mine: Plan) -> Plan:

@@ -37,8 +37,8 @@ import trio
 
 from fusionp2p.errors import FusionError, LocalProtocolError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.admission import BufferBudget
-from fusionp2p.net.bulk_channel import PATH_DIRECT, PATH_LIBP2P, DataPlaneConfig
 from fusionp2p.net.channel import TensorMessage
+from fusionp2p.net.dataplane_config import PATH_DIRECT, PATH_LIBP2P, DataPlaneConfig
 from fusionp2p.net.transport import Stream
 from fusionp2p.wire import tensor_frame as tf
 
