@@ -114,36 +114,42 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
         rs = sorted({r for r in rs if r & (r - 1) == 0} | {r_max})
     _, order = device_order(cm.bw, cm.flops, cfg.cluster_theta, seed)
 
-    layouts: list[tuple[str, Layout]] = []
-    one_cfg = dataclasses.replace(cfg, replicas=False)
-    one = CostModel(workload, snapshot, one_cfg)
-    states = _States.subsets(list(range(d))) if d <= cfg.exact_search_devices else _States.ordered(order, cfg.skip_window)
+    # The layout searches price every fence at the floor's bytes (``min_byte_factor``) when compression
+    # is on, which favours extra fences that the ratios actually chosen then make slower than a plan with
+    # fewer. So with compression the layouts are also searched with dense fences, and every candidate is
+    # scored under the real model (ratios from ``choose_ratios``): allowing AdaTopK only adds options.
+    layouts: list[tuple[str, Layout, CostModel]] = []
     infeasible: InfeasiblePlanError | None = None
-    try:
-        base = refine(cm, min_bottleneck_layout(one, states, job=snapshot.job), cm.cut * cm.min_byte_factor)
-        layouts.append(("op-fence", base))
-        if r_max > 1 and d > 1:
-            greedy = add_replicas(cm, base, cm.cut * cm.min_byte_factor)
-            r_g = min(r_max, min(len(g) for _, _, g in greedy))
-            if r_g > 1:
-                layouts.append(("op-fence+replicas", _trimmed(greedy, r_g)))
-    except InfeasiblePlanError as exc:
-        infeasible = exc
-    for r in rs:
-        if r == 1:
-            continue
-        for arrangement in ("stage-major", "pipeline-major"):
-            groups = replica_groups(order, r, arrangement)
-            if r == d and arrangement == "pipeline-major":
-                continue   # one group of every device: the same as stage-major
-            try:
-                layouts.append((arrangement, _group_layout(cm, workload, groups, snapshot.job)))
-            except InfeasiblePlanError as exc:
-                infeasible = infeasible or exc
+    variants = [cm] if not cfg.compression else [cm, CostModel(workload, snapshot, dataclasses.replace(cfg, compression=False))]
+    for vcm in variants:
+        vcfg = vcm.config
+        one = CostModel(workload, snapshot, dataclasses.replace(vcfg, replicas=False))
+        states = _States.subsets(list(range(d))) if d <= cfg.exact_search_devices else _States.ordered(order, cfg.skip_window)
+        try:
+            base = refine(vcm, min_bottleneck_layout(one, states, job=snapshot.job), vcm.cut * vcm.min_byte_factor)
+            layouts.append(("op-fence", base, vcm))
+            if r_max > 1 and d > 1:
+                greedy = add_replicas(vcm, base, vcm.cut * vcm.min_byte_factor)
+                r_g = min(r_max, min(len(g) for _, _, g in greedy))
+                if r_g > 1:
+                    layouts.append(("op-fence+replicas", _trimmed(greedy, r_g), vcm))
+        except InfeasiblePlanError as exc:
+            infeasible = infeasible or exc
+        for r in rs:
+            if r == 1:
+                continue
+            for arrangement in ("stage-major", "pipeline-major"):
+                groups = replica_groups(order, r, arrangement)
+                if r == d and arrangement == "pipeline-major":
+                    continue   # one group of every device: the same as stage-major
+                try:
+                    layouts.append((arrangement, _group_layout(vcm, workload, groups, snapshot.job), vcm))
+                except InfeasiblePlanError as exc:
+                    infeasible = infeasible or exc
     scored: list[tuple[float, int, int, str, Plan]] = []
     seen: set[tuple[tuple[int, int, tuple[int, ...]], ...]] = set()
-    for idx, (how, layout) in enumerate(layouts):
-        layout = refine(cm, layout, cm.cut * cm.min_byte_factor)
+    for idx, (how, layout, vcm) in enumerate(layouts):
+        layout = refine(vcm, layout, vcm.cut * vcm.min_byte_factor)
         key = tuple((i, j, tuple(sorted(g))) for i, j, g in layout)
         if key in seen or not layout_fits(cm, layout):
             continue
