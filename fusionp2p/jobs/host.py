@@ -40,6 +40,10 @@ class NodeJobConfig:
     offer_ttl: float = 600.0           # an accepted offer that no start follows is forgotten
     max_offers_per_publisher: int = 2  # offers one peer has pending here (fetching or not started) at once
     replan_retry: float = 20.0         # a leader whose proposed epoch did not take off proposes again after
+    # a member the membership view calls dead is asked directly before a re-plan (jobs/lead.py
+    # _confirm_gone): it has confirm_timeout to answer, and an answer counts for confirm_ttl
+    confirm_timeout: float = 3.0
+    confirm_ttl: float = 10.0
     max_jobs: int = 4                  # offered or running at once
     max_pending_links: int = 64
     max_state_bytes: int = 16 << 30    # a stage state fetched from a member
@@ -61,7 +65,8 @@ class NodeJobConfig:
             tcp_endpoint(self.data_announce, "--data-announce", announce=True)
         for name in ("accept_timeout", "election_timeout", "link_timeout", "recv_timeout", "report_timeout",
                      "reconnect_timeout", "start_timeout", "halt_timeout", "conclude_timeout", "watch_interval",
-                     "status_interval", "offer_retry", "offer_ttl", "replan_retry"):
+                     "status_interval", "offer_retry", "offer_ttl", "replan_retry", "confirm_timeout",
+                     "confirm_ttl"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"NodeJobConfig.{name} must be positive")
         if self.max_jobs < 1 or self.max_pending_links < 1 or self.max_offers_per_publisher < 1:

@@ -71,6 +71,7 @@ class Leading:
     book: ProgressBook
     joiners: set[str]
     _offered: dict[str, float]
+    _answered: dict[str, float]
     _cur: _Epoch
     _worker: StageWorker | None
     _broken: bool
@@ -109,6 +110,8 @@ class Leading:
                 last_status = now
                 self.svc.nursery.start_soon(self._put_status, self._status(self.life.state, plan))
             gone = sorted(p for p in plan.peers if not self._alive(p))
+            if gone and not self._broken and not stalled:
+                gone = await self._confirm_gone(gone)
             if self._led > self.epoch:
                 continue   # our proposal for the next epoch is under way
             if gone or self._broken or stalled:
@@ -124,6 +127,30 @@ class Leading:
                 await self._lead(plan, at=None, why=why)
             elif self.svc.swarm.config.role == "node":
                 await self._take_in_joiners(plan)
+
+    async def _confirm_gone(self, peers: list[str]) -> list[str]:
+        """Of the plan's members the membership view calls dead, those that do not answer a direct question.
+
+        A heartbeat is a few hundred bytes of gossip every second or so; a node on a small CPU share that
+        is training, or whose gossip relays are, can miss ``dead_timeout`` and be declared dead while its
+        pipeline trains on (seen on benchmarks.wan's 0.165-core hosts: a re-plan halted a healthy job at
+        step 8 of 10). A re-plan costs seconds of halted training, so the leader first asks the member
+        itself (``op: status``, ``confirm_timeout``). A killed node's connection is closed, so the question
+        fails at once; a hung one costs ``confirm_timeout`` more. A member that answered is taken as alive
+        for ``confirm_ttl`` seconds. One that announced it is leaving is gone without asking.
+        """
+        cfg = self.svc.config
+        now = trio.current_time()
+        left = self.svc.swarm.view.left
+        ask = [p for p in peers if p not in left and p != self.me and now - self._answered.get(p, -math.inf) > cfg.confirm_ttl]
+        if ask:
+            answers = await self._ask_all(ask, {"op": "status", "job": self.job_id}, timeout=cfg.confirm_timeout)
+            now = trio.current_time()
+            for p in answers:
+                self._answered[p] = now
+                log.info("job %s: member %s is dead to the membership view but answered: no re-plan", self.job_id,
+                         p[:12])
+        return [p for p in peers if p in left or now - self._answered.get(p, -math.inf) > cfg.confirm_ttl]
 
     def on_replan(self, peer: str, epoch: int) -> None:
         """A member says its pipeline broke in *epoch* (the leader re-plans)."""

@@ -146,6 +146,10 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
                     layouts.append((arrangement, _group_layout(vcm, workload, groups, snapshot.job), vcm))
                 except InfeasiblePlanError as exc:
                     infeasible = infeasible or exc
+                # the searches minimise the bottleneck, not the step (fill and drain count too): the whole
+                # model on the fastest group is always a candidate, so a pipeline must beat it
+                fastest = max(groups, key=lambda g: (float(cm.flops[list(g)].min()), -min(g)))
+                layouts.append((arrangement, [(0, len(workload.units), fastest)], vcm))
     scored: list[tuple[float, int, int, str, Plan]] = []
     seen: set[tuple[tuple[int, int, tuple[int, ...]], ...]] = set()
     for idx, (how, layout, vcm) in enumerate(layouts):

@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import trio
+import trio.testing
 
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.jobs.lifecycle import JobState
@@ -98,3 +99,31 @@ def test_a_replan_request_for_an_earlier_epoch_is_stale(tmp_path: Path) -> None:
         assert run._broken
 
     trio.run(main)
+
+
+def test_a_member_dead_only_to_the_membership_view_is_asked_before_a_replan(tmp_path: Path) -> None:
+    """A starved member's heartbeats ran late (benchmarks.wan's 0.165-core hosts): the leader asks the
+    members the view calls dead; one that answers is not re-planned around (for confirm_ttl), one that
+    does not answer, or announced it is leaving, is gone."""
+    asked: list[list[str]] = []
+
+    async def main() -> None:
+        run = _run(SimpleNamespace(peer_id="a"), tmp_path)
+        run.svc.config = NodeJobConfig(confirm_timeout=1.0, confirm_ttl=10.0)  # type: ignore[misc]
+        run.svc.swarm = SimpleNamespace(view=SimpleNamespace(left={"d"}))  # type: ignore[attr-defined]
+
+        async def ask_all(peers: list[str], msg: dict[str, object], *, timeout: float | None = None) -> dict[str, dict[str, object]]:
+            asked.append(list(peers))
+            assert msg["op"] == "status" and timeout == 1.0
+            return {p: {"ok": True} for p in peers if p == "b"}     # b answers, c is really gone
+
+        run._ask_all = ask_all  # type: ignore[method-assign]
+        assert await run._confirm_gone(["b", "c", "d"]) == ["c", "d"]
+        assert asked == [["b", "c"]]                 # d announced leaving: not asked
+        assert await run._confirm_gone(["b", "c"]) == ["c"]
+        assert asked[-1] == ["c"]                    # b's answer still counts
+        await trio.sleep(11)                         # (autojump clock) b's answer has expired: asked again
+        await run._confirm_gone(["b"])
+        assert asked[-1] == ["b"]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
