@@ -192,7 +192,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if cmd == "demo":
         from fusionp2p.cli.demo import run_demo
 
-        setup_logging(args.log_level, None)
+        # the demo prints its own progress; with --wan its nodes run in this process, and their INFO lines
+        # (joins, accepted jobs, links) would bury it: shown with an explicit --log-level info or debug
+        setup_logging(args.log_level if any(a.startswith("--log-level") for a in sys.argv) else "warning", None)
         return run_demo(nodes=args.nodes, steps=args.steps, out=Path(args.out), wan=args.wan)
     if cmd == "job":
         from fusionp2p.cli.job import cli_job
