@@ -44,7 +44,7 @@ from fusionp2p.errors import JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
-from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, open_replica_averager
+from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, load_slice_, open_replica_averager
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
 from fusionp2p.train.schedule import (
@@ -174,7 +174,7 @@ class StageWorker:
         self._params = [params[n] for n in self._names if n in params]
         self.opt = make_optimizer(self._params, ctx.config)
         self.completed = ctx.start_step      # steps whose optimizer update is applied (the next step to run)
-        self._momentum: tuple[int, torch.Tensor] | None = None   # our CO2 momentum shard, kept at the end
+        self._momentum: list[tuple[int, torch.Tensor]] | None = None   # our CO2 momentum slices, kept at the end
         if ctx.restore is not None:
             self._restore(ctx.restore)
         co2 = ctx.config.co2
@@ -188,7 +188,7 @@ class StageWorker:
                 tau=co2.tau, outer_lr=co2.outer_lr, outer_momentum=co2.outer_momentum,
                 penalty=co2.penalty, penalty_value=co2.penalty_scale,
                 clip="elementwise" if co2.clip is not None else "none",
-                clip_threshold=co2.clip if co2.clip is not None else math.inf, sync=co2.sync)
+                clip_threshold=co2.clip if co2.clip is not None else math.inf, sync=co2.sync, stream=co2.stream)
         self._queue_send, self._queue_recv = trio.open_memory_channel[tuple[int, TensorMessage]](math.inf)
         self._avg_send, self._avg_recv = trio.open_memory_channel[TensorMessage](math.inf)
         self._early: dict[int, list[tuple[int, TensorMessage]]] = {}
@@ -230,7 +230,10 @@ class StageWorker:
         """This replica's state after its last completed step (parameters, optimizer, momentum shard)."""
         names = {p: n for n, p in self.ex.parameters().items()}
         opt, groups = optimizer_tensors(self.opt, names)
-        momentum = momentum_slices(self._layout(), *self._momentum) if self._momentum is not None else {}
+        momentum: dict[str, tuple[tuple[int, torch.Tensor], ...]] = {}
+        for lo, shard in self._momentum or ():   # one slice per fragment in streaming mode
+            for name, sl in momentum_slices(self._layout(), lo, shard).items():
+                momentum[name] = momentum.get(name, ()) + sl
         return StageState(step=self.completed, tensors={k: v.clone() for k, v in self.ex.state_dict().items()},
                           optimizer={k: v.clone() for k, v in opt.items()}, optimizer_groups=groups,
                           momentum=momentum)
@@ -278,7 +281,7 @@ class StageWorker:
                     try:
                         await self._train(avg)
                     finally:
-                        self._momentum = avg.momentum_shard()
+                        self._momentum = avg.momentum_shards()
             if self.completed >= self.ctx.config.steps:
                 await self._eval_pass(self.ctx.config.steps)
             nursery.cancel_scope.cancel()
@@ -289,7 +292,17 @@ class StageWorker:
         while step < self._stop():
             await self._train_step(step)
             last = step + 1 >= self._stop()    # the job's end, or a planned halt asked for meanwhile
-            if avg is not None and self._outer is not None and ((step + 1) % self._outer.tau == 0 or last):
+            if avg is not None and self._outer is not None and self._outer.streaming:
+                # streaming CO2: one fragment averaged per step, applied one step late; the last step
+                # instead averages every fragment so that the replicas end identical
+                if last:
+                    final_all = await avg.finalize(self._params)
+                    if final_all is not None:
+                        self._load_anchor(final_all.anchor, step)
+                else:
+                    res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
+                    self._load_anchor(res.anchor, step, lo=res.lo)
+            elif avg is not None and self._outer is not None and ((step + 1) % self._outer.tau == 0 or last):
                 res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
                 self._load_anchor(res.anchor, step)
                 if last:
@@ -303,13 +316,17 @@ class StageWorker:
                 await self._eval_pass(step + 1)    # the held-out loss every eval_every steps
             step += 1
 
-    def _load_anchor(self, anchor: torch.Tensor | None, step: int) -> None:
+    def _load_anchor(self, anchor: torch.Tensor | None, step: int, *, lo: int = 0) -> None:
+        """Load the averaged vector, or (streaming) one fragment of it at flat offset *lo*."""
         if anchor is None:
             return
         if not all_finite([anchor]):   # the round refuses non-finite parts; this is the last line
             log.warning("stage %d, step %d: averaged anchor is not finite; not loaded", self.prog.stage, step)
             return
-        self._unflat(anchor)
+        if lo == 0 and anchor.numel() == sum(p.numel() for p in self._params):
+            self._unflat(anchor)
+        else:
+            load_slice_(self._params, lo, anchor)
 
     async def _replica_names(self) -> dict[str, TensorChannel]:
         """Name each replica channel by the replica index its far end announces (a one-message hello)."""
