@@ -18,7 +18,14 @@ import trio.testing
 
 from fusionp2p.average.outer import OuterConfig, OuterOptimizer
 from fusionp2p.average.shard import shard_bounds, weighted_mean
-from fusionp2p.train.averager import AveragerConfig, BoundaryResult, ReplicaAverager, load_flat_, load_slice_, open_replica_averager
+from fusionp2p.train.averager import (
+    AveragerConfig,
+    BoundaryResult,
+    ReplicaAverager,
+    load_flat_,
+    load_slice_,
+    open_replica_averager,
+)
 from tests.integration.test_averager import PEERS, Mesh, _data, _flat, _model
 
 torch.set_num_threads(1)

@@ -3,6 +3,8 @@ config flag (absent on the wire at its default) and the flat-slice helpers."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -10,7 +12,14 @@ from fusionp2p.average.allreduce import AllReduceRound, RoundMsg
 from fusionp2p.average.outer import OuterConfig
 from fusionp2p.errors import ConfigError, RemoteProtocolError
 from fusionp2p.net.channel import TensorMessage
-from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, from_message, load_slice_, read_slice, to_message
+from fusionp2p.train.averager import (
+    AveragerConfig,
+    ReplicaAverager,
+    from_message,
+    load_slice_,
+    read_slice,
+    to_message,
+)
 from fusionp2p.train.config import CO2, TrainConfig
 from fusionp2p.wire.msg import packb, unpackb
 
@@ -26,7 +35,7 @@ def test_fragments_cover_the_vector_exactly(n: int, tau: int) -> None:
     frags = _avg(n, tau).fragments
     assert len(frags) == min(tau, n)
     assert frags[0][0] == 0 and frags[-1][1] == n
-    for (_, hi), (lo, _) in zip(frags, frags[1:]):
+    for (_, hi), (lo, _) in itertools.pairwise(frags):
         assert hi == lo                                   # contiguous, no gap, no overlap
     sizes = [hi - lo for lo, hi in frags]
     assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1   # balanced
@@ -102,7 +111,7 @@ def test_co2_stream_default_is_left_out_of_the_wire() -> None:
 
 
 def test_co2_stream_validated() -> None:
-    with pytest.raises(ConfigError, match="CO2.stream"):
+    with pytest.raises(ConfigError, match=r"CO2\.stream"):
         CO2(stream=1)  # type: ignore[arg-type]
     for bad in (1, "yes", None):
         with pytest.raises(RemoteProtocolError):
