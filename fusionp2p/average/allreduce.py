@@ -23,6 +23,10 @@ with the reason) and the caller must not load anything from it. A message tagged
 epoch comes from a live peer that sees a different replica set: it contributes nothing, and the
 round is skipped, but the peer is NOT marked lost (no cascade of false deaths).
 
+Fragments. With ``fragment=k`` (streaming CO2) the round averages fragment ``k`` of the parameter
+vector as a vector of its own (``n_elems``, shard bounds and ``lo``/``hi`` are within the fragment);
+every part it sends names ``k``, and a part naming another fragment (or none) is refused.
+
 Hostile parts. A part is a peer's tensor on its way into every replica's parameters, so
 :meth:`AllReduceRound.receive` refuses (RemoteProtocolError; the shell then drops that peer from
 the round and counts it) a part holding a NaN or an infinity, and a scatter part whose weight is

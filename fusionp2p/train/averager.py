@@ -11,6 +11,19 @@ the averaging ever reads: live parameters keep training while it runs), then
   that round's outer step needs only state known at its launch (x̃_t, x̃_{t-1}, m and the average
   of snap_{t-1}), the whole round, all-gather included, overlaps with the next τ local steps.
 
+* streaming mode (``OuterConfig(stream=True, sync=False)``, the product's default; Streaming DiLoCo,
+  Douillard et al. 2025, with CO2's overlap): the vector is cut into F = τ contiguous, balanced
+  fragments (:func:`~fusionp2p.average.shard.shard_bounds`), each with its own outer state (sharded
+  over the replicas like the whole-vector state). The loop calls ``round_boundary`` after EVERY local
+  step ``t``: it waits for the round launched one step earlier (fragment ``f' = (t−1) mod τ``) and
+  returns that fragment's new value as a jump that keeps the progress made since the snapshot,
+  ``live_f' + (x̃_f' − snap_f')``; then it snapshots fragment ``t mod τ`` and launches its round
+  (reduce-scatter → outer step on the fresh mean, the sync form → all-gather) in the background of
+  step ``t+1``. Each fragment is averaged once every τ steps (the bytes of whole-vector CO2), but each
+  average is applied one local step after its snapshot instead of τ. ``finalize(params)`` replaces
+  the last step's boundary: it applies the round in flight, then averages each fragment of the live
+  vector once more (plain mean), one after the other, and returns the whole consensus vector.
+
 The pure round logic is :class:`fusionp2p.average.allreduce.AllReduceRound`; this module only
 moves messages. Every wait has a deadline (``round_timeout``): a peer that has not delivered when
 it passes, or whose channel breaks, is declared lost; the round then completes over the survivors
@@ -19,7 +32,10 @@ skip the survivors form a new epoch (sorted survivor list) and the next round re
 outer state from the mean of their snapshots (momentum restarts at zero).
 
 Wire: ``TensorMessage(kind="avg", job, stage, step=round id, name=phase,
-meta={"epoch","lo","hi","w","s"}, tensors=(fp32 slice,))``. Other kinds arriving on the same
+meta={"epoch","lo","hi","w","s"}, tensors=(fp32 slice,))``; streaming rounds add ``"f"`` (the
+fragment index; ``lo``/``hi`` are then within the fragment), which the round checks against its own
+(``RemoteProtocolError`` otherwise). Round ids count launches over all fragments, so they are unique
+per fragment too, and every replica launches the same sequence. Other kinds arriving on the same
 channel are handed to ``on_other`` (e.g. the stage worker's activation router).
 """
 
@@ -425,7 +441,12 @@ class ReplicaAverager:
         f = rnd.fragment
         reinit = self._needs_reinit if f is None else self._freinit[f]
         started = trio.current_time()
-        sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=snap.numel(), round_id=rnd.round_id, epoch=self.epoch,
+        if f is None:
+            n_elems = self.n_elems
+        else:
+            lo_f, hi_f = self.fragments[f]
+            n_elems = hi_f - lo_f
+        sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=n_elems, round_id=rnd.round_id, epoch=self.epoch,
                             weight=self.config.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f)
         result: RoundResult | None = None
 

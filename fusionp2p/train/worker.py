@@ -6,10 +6,12 @@ replica ``r`` of the other stages over :class:`~fusionp2p.net.channel.TensorChan
 its own slice of the data order (global step ``step * R + r`` of the job's
 :class:`~fusionp2p.data.BatchSampler`), so ``R = 1`` reproduces single-process training exactly.
 Replicas of one stage average their parameters with CO2 through a
-:class:`~fusionp2p.train.averager.ReplicaAverager`: every ``tau`` steps the parameters are
-snapshotted and the all-reduce runs in the background while the next ``tau`` steps compute; the
-one-round-stale average enters through the outer step (``CO2(sync=True)`` blocks instead), and a
-final round at the end leaves every replica and the checkpoint with the same consensus weights.
+:class:`~fusionp2p.train.averager.ReplicaAverager`. By default (``CO2(stream=True)``) one of
+``tau`` fragments of the parameter vector is snapshotted after every step and averaged in the
+background of the next step, whose end applies it as a jump that keeps the local progress; with
+``stream=False`` the whole vector is snapshotted every ``tau`` steps and its one-round-stale average
+enters through the outer step (``CO2(sync=True)`` blocks instead). A final round at the end leaves
+every replica and the checkpoint with the same consensus weights.
 Replicas of a job without CO2 all-reduce their gradients before every optimizer step (synchronous
 data parallelism).
 
@@ -178,10 +180,9 @@ class StageWorker:
         if ctx.restore is not None:
             self._restore(ctx.restore)
         co2 = ctx.config.co2
-        # CO2 across the replicas of this stage runs in a ReplicaAverager (train/averager.py): every tau
-        # steps the live parameters are snapshotted and averaged in the background (sharded outer state,
-        # reduce-scatter + all-gather over the replica channels) while the next tau steps compute; the
-        # one-round-stale average is applied through the outer momentum step (sync=True blocks instead).
+        # CO2 across the replicas of this stage runs in a ReplicaAverager (train/averager.py): streaming
+        # (default) averages one of tau fragments per step in the background of the next step; stream=False
+        # averages the whole vector every tau steps, applied one round late; sync=True blocks instead.
         self._outer: OuterConfig | None = None
         if co2 is not None and ctx.replicas > 1:
             self._outer = OuterConfig(
