@@ -96,8 +96,8 @@ class BoundaryResult:
     """What a round boundary hands the training loop.
 
     ``anchor`` is the flat fp32 vector to load (``load_flat_``), or None: keep the live parameters.
-    In streaming mode it is the new value of one fragment only, to load at flat offset ``lo``
-    (``load_slice_``); ``fragment`` names it. ``consumed_round`` is the round whose snapshots produced
+    In streaming mode it is the new value of one fragment only, to load into the flat ranges
+    ``ranges`` (``load_anchor_``; ``()`` means the whole vector); ``fragment`` names it. ``consumed_round`` is the round whose snapshots produced
     it (t−1 in async mode, t in sync mode, the previous step's in streaming mode).
     """
 
@@ -106,7 +106,7 @@ class BoundaryResult:
     consumed_round: int | None
     launched_round: int | None
     reason: str = ""
-    lo: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
     fragment: int | None = None
 
 
@@ -168,6 +168,62 @@ def load_slice_(params: torch.Tensor | Iterable[torch.Tensor], lo: int, values: 
         raise ValueError(f"slice [{lo}, {hi}) beyond the {off} parameters")
 
 
+def read_ranges(params: torch.Tensor | Iterable[torch.Tensor], ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """A NEW fp32 copy of the flat *ranges* of *params*, concatenated."""
+    params = params if isinstance(params, torch.Tensor) else list(params)
+    if len(ranges) == 1:
+        return read_slice(params, *ranges[0])
+    return torch.cat([read_slice(params, lo, hi) for lo, hi in ranges]) if ranges else torch.zeros(0)
+
+
+def load_anchor_(params: torch.Tensor | Iterable[torch.Tensor], anchor: torch.Tensor,
+                 ranges: Sequence[tuple[int, int]] = ()) -> None:
+    """Load a :class:`BoundaryResult`'s ``anchor``: into the flat *ranges* (one after the other), or
+    the whole vector when *ranges* is empty."""
+    params = params if isinstance(params, torch.Tensor) else list(params)
+    if not ranges:
+        if isinstance(params, torch.Tensor):
+            load_slice_(params, 0, anchor)
+        else:
+            load_flat_(params, anchor)
+        return
+    off = 0
+    for lo, hi in ranges:
+        load_slice_(params, lo, anchor[off:off + hi - lo])
+        off += hi - lo
+    if off != anchor.numel():
+        raise ValueError(f"{anchor.numel()} values for ranges of {off} elements")
+
+
+def stream_fragments(n_elems: int, tau: int, segments: Sequence[tuple[int, int]] | None = None
+                     ) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The streaming fragments of a flat vector of *n_elems*: ``F = min(tau, n_elems)`` (at least 1)
+    fragments, each a tuple of flat ``(lo, hi)`` ranges. Every segment (a contiguous range; *segments*
+    must cut ``[0, n_elems)`` in order, default one segment) is cut into F balanced contiguous pieces
+    (``shard_bounds``) and fragment ``f`` takes piece ``f`` of each: with one segment, F contiguous
+    balanced slices. An element's fragment thus depends only on its segment: a tied parameter given
+    as a segment of its own falls in the same fragments on every stage that holds a copy."""
+    segs = [(0, n_elems)] if segments is None else [(int(lo), int(hi)) for lo, hi in segments]
+    pos = 0
+    for lo, hi in segs:
+        if lo != pos or hi < lo:
+            raise ConfigError(f"averaging segments must cut [0, {n_elems}) in order, got {segs[:8]}")
+        pos = hi
+    if pos != n_elems:
+        raise ConfigError(f"averaging segments cover {pos} of {n_elems} elements")
+    n_frag = max(1, min(tau, n_elems))
+    frags: list[list[tuple[int, int]]] = [[] for _ in range(n_frag)]
+    for lo, hi in segs:
+        for f, (a, b) in enumerate(shard_bounds(hi - lo, n_frag)):
+            if b <= a:
+                continue
+            if frags[f] and frags[f][-1][1] == lo + a:   # adjacent pieces: one range
+                frags[f][-1] = (frags[f][-1][0], lo + b)
+            else:
+                frags[f].append((lo + a, lo + b))
+    return tuple(tuple(fr) for fr in frags)
+
+
 def epoch_id(peers: Sequence[str]) -> str:
     return hashlib.sha256("\n".join(peers).encode()).hexdigest()[:16]
 
@@ -227,6 +283,7 @@ class ReplicaAverager:
         initial: torch.Tensor | Iterable[torch.Tensor],
         on_other: Callable[[str, TensorMessage], Awaitable[None]] | None = None,
         momentum: torch.Tensor | None = None,
+        segments: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         missing = [p for p in peers if p != me and p not in channels]
         if me not in peers or missing:
@@ -241,14 +298,14 @@ class ReplicaAverager:
         self.n_elems = flat.numel()
         self._initial: torch.Tensor | None = flat
         self._opt = self._make_opt(flat)
-        # streaming: tau contiguous fragments (fewer when the vector is shorter), each with its own
-        # outer state (sync form: the fresh average of its own round), sharded over the replicas
+        # streaming: tau fragments (fewer when the vector is shorter; see stream_fragments), each with
+        # its own outer state (sync form: the fresh average of its own round), sharded over the replicas
         self.streaming = config.outer.streaming
-        n_frag = max(1, min(config.outer.tau, self.n_elems)) if self.streaming else 0
-        self.fragments: tuple[tuple[int, int], ...] = tuple(shard_bounds(self.n_elems, n_frag)) if n_frag else ()
+        self.fragments = stream_fragments(self.n_elems, config.outer.tau, segments) if self.streaming else ()
+        self._flen = [sum(hi - lo for lo, hi in fr) for fr in self.fragments]
         self._frag_outer = dataclasses.replace(config.outer, sync=True)
-        self._fopts = [self._make_frag_opt(flat, f) for f in range(n_frag)]
-        self._freinit = [False] * n_frag
+        self._fopts = [self._make_frag_opt(flat, f) for f in range(len(self.fragments))]
+        self._freinit = [False] * len(self.fragments)
         if self.streaming:
             self._initial = None   # no warm-up hold: every fragment's outer state starts at x̃_0 above
         if momentum is not None:   # handed over at a re-plan (jobs/state.py): this replica's shard of it
@@ -256,8 +313,7 @@ class ReplicaAverager:
                 raise ConfigError(f"momentum of {momentum.numel()} elements for {flat.numel()} parameters")
             self._opt.momentum = momentum[self._opt.lo:self._opt.hi].to(torch.float32).clone()
             for f, fo in enumerate(self._fopts):
-                base = self.fragments[f][0]
-                fo.momentum = momentum[base + fo.lo:base + fo.hi].to(torch.float32).clone()
+                fo.momentum = read_ranges(momentum, self.fragments[f])[fo.lo:fo.hi].clone()
         self._needs_reinit = False
         self._boundary = 0
         self._next_round = 0
@@ -277,16 +333,15 @@ class ReplicaAverager:
 
     def _make_frag_opt(self, flat: torch.Tensor, f: int) -> OuterOptimizer:
         """Fragment *f*'s outer state: this replica's shard of it (``lo`` relative to the fragment)."""
-        flo, fhi = self.fragments[f]
-        lo, hi = shard_bounds(fhi - flo, len(self.alive))[self.alive.index(self.me)]
-        return OuterOptimizer(self._frag_outer, flat[flo + lo:flo + hi], lo=lo, sharded=len(self.alive) > 1)
+        lo, hi = shard_bounds(self._flen[f], len(self.alive))[self.alive.index(self.me)]
+        return OuterOptimizer(self._frag_outer, read_ranges(flat, self.fragments[f])[lo:hi], lo=lo, sharded=len(self.alive) > 1)
 
     # ------------------------------------------------------------------ the training loop's API
     async def round_boundary(self, params: torch.Tensor | Iterable[torch.Tensor], *, lr: float | None = None) -> BoundaryResult:
         """Snapshot *params*, complete/launch averaging rounds, return what to load (see module doc).
 
-        Streaming mode: call it after EVERY local step; it returns one fragment's new value to load at
-        ``lo`` (``load_slice_``), or ``anchor=None``."""
+        Streaming mode: call it after EVERY local step; it returns one fragment's new value to load
+        into ``ranges`` (``load_anchor_``), or ``anchor=None``."""
         if self.streaming:
             return await self._stream_boundary(params, lr)
         b = self._boundary
@@ -341,7 +396,15 @@ class ReplicaAverager:
         per fragment in streaming mode, else the one shard."""
         if not self.streaming:
             return [self.momentum_shard()]
-        return [(self.fragments[f][0] + fo.lo, fo.momentum.detach().clone()) for f, fo in enumerate(self._fopts)]
+        out = []
+        for f, fo in enumerate(self._fopts):   # the owned shard [fo.lo, fo.hi) of the fragment, in flat ranges
+            off = 0
+            for lo, hi in self.fragments[f]:
+                a, b = max(fo.lo, off), min(fo.hi, off + hi - lo)
+                if a < b:
+                    out.append((lo + a - off, fo.momentum[a - fo.lo:b - fo.lo].detach().clone()))
+                off += hi - lo
+        return out
 
     # ------------------------------------------------------------------ streaming
     async def _stream_boundary(self, params: torch.Tensor | Iterable[torch.Tensor], lr: float | None) -> BoundaryResult:
@@ -357,12 +420,11 @@ class ReplicaAverager:
             await prev.done.wait()
             new, res = self._consume_fragment(b, prev, params)
         f = b % self.config.outer.tau
-        if f < len(self.fragments):
-            lo, hi = self.fragments[f]
+        if f < len(self.fragments) and self._flen[f]:
             if new is not None and prev is not None and prev.fragment == f:   # tau 1: snapshot after the jump
                 snap = new.clone()
             else:
-                snap = read_slice(params, lo, hi)   # copied before any await
+                snap = read_ranges(params, self.fragments[f])   # copied before any await
             rnd = self._launch_fragment(f, snap, b, lr)
             self._pending = rnd
             res = dataclasses.replace(res, launched_round=rnd.round_id)
@@ -373,16 +435,17 @@ class ReplicaAverager:
         """The jump ``live_f + (anchor_f - snap_f)`` of a finished fragment round (None if skipped)."""
         r, f = rnd.result, rnd.fragment
         assert r is not None and f is not None and rnd.snap is not None
-        lo, hi = self.fragments[f]
+        ranges = self.fragments[f]
         if not r.complete or r.vector is None:
             return None, BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=None,
-                                        reason=r.reason or "skipped", lo=lo, fragment=f)
-        new = read_slice(params, lo, hi).add_(r.vector - rnd.snap)
+                                        reason=r.reason or "skipped", ranges=ranges, fragment=f)
+        new = read_ranges(params, ranges).add_(r.vector - rnd.snap)
         if not bool(torch.isfinite(new).all()):   # the round refuses non-finite parts; our own may not be
             log.warning("averaging: fragment %d's new value is not finite; not loaded", f)
             return None, BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=None,
-                                        reason="not finite", lo=lo, fragment=f)
-        return new, BoundaryResult(boundary=b, anchor=new, consumed_round=rnd.round_id, launched_round=None, lo=lo, fragment=f)
+                                        reason="not finite", ranges=ranges, fragment=f)
+        return new, BoundaryResult(boundary=b, anchor=new, consumed_round=rnd.round_id, launched_round=None,
+                                   ranges=ranges, fragment=f)
 
     def _launch_fragment(self, f: int, snap: torch.Tensor, boundary: int, lr: float | None, *, mean_only: bool = False) -> _Round:
         assert self._nursery is not None, "use open_replica_averager"
@@ -399,18 +462,19 @@ class ReplicaAverager:
             new, _ = self._consume_fragment(self._boundary, prev, live)
             if new is not None:
                 assert prev.fragment is not None
-                lo, _hi = self.fragments[prev.fragment]
-                live[lo:lo + new.numel()] = new
+                load_anchor_(live, new, self.fragments[prev.fragment])
         reasons = []
         first: int | None = None
-        for f, (lo, hi) in enumerate(self.fragments):   # one at a time: every replica in the same order
-            rnd = self._launch_fragment(f, live[lo:hi].clone(), self._boundary, None, mean_only=True)
+        for f, ranges in enumerate(self.fragments):   # one at a time: every replica in the same order
+            if not self._flen[f]:
+                continue
+            rnd = self._launch_fragment(f, read_ranges(live, ranges), self._boundary, None, mean_only=True)
             first = rnd.round_id if first is None else first
             await rnd.done.wait()
             r = rnd.result
             assert r is not None
             if r.complete and r.vector is not None:
-                live[lo:hi] = r.vector
+                load_anchor_(live, r.vector, ranges)
             else:
                 reasons.append(f"fragment {f}: {r.reason or 'skipped'}")
         self._boundary += 1
@@ -441,11 +505,7 @@ class ReplicaAverager:
         f = rnd.fragment
         reinit = self._needs_reinit if f is None else self._freinit[f]
         started = trio.current_time()
-        if f is None:
-            n_elems = self.n_elems
-        else:
-            lo_f, hi_f = self.fragments[f]
-            n_elems = hi_f - lo_f
+        n_elems = self.n_elems if f is None else self._flen[f]
         sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=n_elems, round_id=rnd.round_id, epoch=self.epoch,
                             weight=self.config.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f)
         result: RoundResult | None = None
@@ -577,12 +637,15 @@ async def open_replica_averager(
     initial: torch.Tensor | Iterable[torch.Tensor],
     on_other: Callable[[str, TensorMessage], Awaitable[None]] | None = None,
     momentum: torch.Tensor | None = None,
+    segments: Sequence[tuple[int, int]] | None = None,
 ) -> AsyncIterator[ReplicaAverager]:
     """Run a :class:`ReplicaAverager` (its receivers, senders and rounds) for the block's duration.
 
-    *momentum*: the whole outer momentum vector handed over at a re-plan (None: start at zero)."""
+    *momentum*: the whole outer momentum vector handed over at a re-plan (None: start at zero).
+    *segments* (streaming only): contiguous ranges cutting the flat vector, each cut into the
+    fragments on its own (:func:`stream_fragments`; the worker gives every tied parameter its own)."""
     avg = ReplicaAverager(config, peers=peers, me=me, channels=channels, initial=initial, on_other=on_other,
-                          momentum=momentum)
+                          momentum=momentum, segments=segments)
     async with trio.open_nursery() as senders:
         for peer in peers:
             if peer == me:

@@ -46,7 +46,7 @@ from fusionp2p.errors import JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
-from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, load_slice_, open_replica_averager
+from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, load_anchor_, open_replica_averager
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
 from fusionp2p.train.schedule import (
@@ -277,7 +277,8 @@ class StageWorker:
                 restored = self.ctx.restore
                 momentum = restored.momentum_vector(self._layout()) if restored is not None else None
                 async with open_replica_averager(acfg, peers=sorted([me, *names]), me=me, channels=names,
-                                                 initial=self._flat(), momentum=momentum) as avg:
+                                                 initial=self._flat(), momentum=momentum,
+                                                 segments=self._segments()) as avg:
                     self._avg = avg
                     try:
                         await self._train(avg)
@@ -302,7 +303,7 @@ class StageWorker:
                         self._load_anchor(final_all.anchor, step)
                 else:
                     res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
-                    self._load_anchor(res.anchor, step, lo=res.lo)
+                    self._load_anchor(res.anchor, step, ranges=res.ranges)
             elif avg is not None and self._outer is not None and ((step + 1) % self._outer.tau == 0 or last):
                 res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
                 self._load_anchor(res.anchor, step)
@@ -317,17 +318,36 @@ class StageWorker:
                 await self._eval_pass(step + 1)    # the held-out loss every eval_every steps
             step += 1
 
-    def _load_anchor(self, anchor: torch.Tensor | None, step: int, *, lo: int = 0) -> None:
-        """Load the averaged vector, or (streaming) one fragment of it at flat offset *lo*."""
+    def _load_anchor(self, anchor: torch.Tensor | None, step: int, *, ranges: Sequence[tuple[int, int]] = ()) -> None:
+        """Load the averaged vector, or (streaming) one fragment of it into its flat *ranges*."""
         if anchor is None:
             return
         if not all_finite([anchor]):   # the round refuses non-finite parts; this is the last line
             log.warning("stage %d, step %d: averaged anchor is not finite; not loaded", self.prog.stage, step)
             return
-        if lo == 0 and anchor.numel() == sum(p.numel() for p in self._params):
+        if not ranges:
             self._unflat(anchor)
         else:
-            load_slice_(self._params, lo, anchor)
+            load_anchor_(self._params, anchor, ranges)
+
+    def _segments(self) -> list[tuple[int, int]]:
+        """Streaming CO2's segments of the flat vector: every tied parameter alone, the runs between
+        them whole. A tied parameter's elements then fall in the same fragments on every stage that
+        holds a copy (the fragment cut of a segment depends only on its size), so the copies, averaged
+        at the same steps with the same values, stay identical."""
+        tied = {tp.name for tp in self.prog.tied}
+        out: list[tuple[int, int]] = []
+        off, run = 0, 0
+        for name, n in self._layout():
+            if name in tied:
+                if off > run:
+                    out.append((run, off))
+                out.append((off, off + n))
+                run = off + n
+            off += n
+        if off > run or not out:
+            out.append((run, off))
+        return out
 
     async def _replica_names(self) -> dict[str, TensorChannel]:
         """Name each replica channel by the replica index its far end announces (a one-message hello)."""

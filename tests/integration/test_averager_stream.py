@@ -22,8 +22,8 @@ from fusionp2p.train.averager import (
     AveragerConfig,
     BoundaryResult,
     ReplicaAverager,
+    load_anchor_,
     load_flat_,
-    load_slice_,
     open_replica_averager,
 )
 from tests.integration.test_averager import PEERS, Mesh, _data, _flat, _model
@@ -51,7 +51,7 @@ async def _train(avg: ReplicaAverager, rank: int, steps: int, *, die_at: int | N
             res = await avg.round_boundary(params, lr=LR)
             out.append(res)
             if res.anchor is not None:
-                load_slice_(params, res.lo, res.anchor)
+                load_anchor_(params, res.anchor, res.ranges)
         else:
             fin = await avg.finalize(params)
             assert fin is not None and fin.anchor is not None
@@ -90,7 +90,7 @@ def _reference(cfg: OuterConfig, steps: int, n: int) -> list[torch.Tensor]:
     models = [_model() for _ in range(n)]
     opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=0.5) for m in models]
     x0 = _flat(models[0])
-    frags = shard_bounds(x0.numel(), min(cfg.tau, x0.numel()))
+    frags = shard_bounds(x0.numel(), min(cfg.tau, x0.numel()))   # one segment: contiguous slices
     fcfg = dataclasses.replace(cfg, sync=True)
     outers = [OuterOptimizer(fcfg, x0[lo:hi]) for lo, hi in frags]
     pending: tuple[int, list[torch.Tensor], torch.Tensor] | None = None
@@ -180,7 +180,7 @@ def test_peer_dies_mid_run_survivors_drop_it_and_go_on(how: str) -> None:
                     await trio.lowlevel.checkpoint()
                     res = await avg.round_boundary(list(model.parameters()), lr=LR)
                     if res.anchor is not None:
-                        load_slice_(list(model.parameters()), res.lo, res.anchor)
+                        load_anchor_(list(model.parameters()), res.anchor, res.ranges)
                 if how == "closed":
                     await mesh.kill(p)
                 else:   # hangs without answering: only the deadlines save the others

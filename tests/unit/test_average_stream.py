@@ -18,6 +18,7 @@ from fusionp2p.train.averager import (
     from_message,
     load_slice_,
     read_slice,
+    stream_fragments,
     to_message,
 )
 from fusionp2p.train.config import CO2, TrainConfig
@@ -34,11 +35,42 @@ def _avg(n: int, tau: int, *, stream: bool = True, sync: bool = False) -> Replic
 def test_fragments_cover_the_vector_exactly(n: int, tau: int) -> None:
     frags = _avg(n, tau).fragments
     assert len(frags) == min(tau, n)
-    assert frags[0][0] == 0 and frags[-1][1] == n
-    for (_, hi), (lo, _) in itertools.pairwise(frags):
+    assert all(len(fr) == 1 for fr in frags)              # one segment: each fragment one contiguous slice
+    flat = [fr[0] for fr in frags]
+    assert flat[0][0] == 0 and flat[-1][1] == n
+    for (_, hi), (lo, _) in itertools.pairwise(flat):
         assert hi == lo                                   # contiguous, no gap, no overlap
-    sizes = [hi - lo for lo, hi in frags]
+    sizes = [hi - lo for lo, hi in flat]
     assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1   # balanced
+
+
+@pytest.mark.parametrize("segments", [[(0, 5), (5, 17), (17, 40)], [(0, 3), (3, 4), (4, 40)], [(0, 40)]])
+@pytest.mark.parametrize("tau", [1, 4, 6])
+def test_fragments_with_segments_partition_the_vector(segments: list[tuple[int, int]], tau: int) -> None:
+    frags = stream_fragments(40, tau, segments)
+    covered = sorted(r for fr in frags for r in fr)
+    assert covered[0][0] == 0 and covered[-1][1] == 40
+    for (_, hi), (lo, _) in itertools.pairwise(covered):
+        assert hi == lo                                   # a partition of [0, 40)
+    sizes = [sum(hi - lo for lo, hi in fr) for fr in frags]
+    assert max(sizes) - min(sizes) <= len(segments)       # balanced up to one element per segment
+
+
+def test_a_tied_segment_falls_in_the_same_fragments_wherever_it_sits() -> None:
+    """A tied parameter of 12 elements at offset 0 on one stage and 30 on another: its element k is in
+    the same fragment on both (the copies are averaged at the same steps)."""
+    def frag_of(frags: tuple[tuple[tuple[int, int], ...], ...], i: int) -> int:
+        return next(f for f, fr in enumerate(frags) if any(lo <= i < hi for lo, hi in fr))
+
+    first = stream_fragments(50, 4, [(0, 12), (12, 50)])
+    last = stream_fragments(42, 4, [(0, 30), (30, 42)])
+    assert [frag_of(first, k) for k in range(12)] == [frag_of(last, 30 + k) for k in range(12)]
+
+
+def test_bad_segments_refused() -> None:
+    for bad in ([(0, 5)], [(0, 5), (6, 10)], [(0, 6), (5, 10)], [(3, 10)]):
+        with pytest.raises(ConfigError):
+            stream_fragments(10, 2, bad)
 
 
 def test_fragment_outer_state_is_sharded_per_fragment() -> None:
@@ -47,10 +79,10 @@ def test_fragment_outer_state_is_sharded_per_fragment() -> None:
     for me in ("a", "b"):
         avg = ReplicaAverager(cfg, peers=["a", "b"], me=me, channels={"a": None, "b": None}, initial=torch.arange(11.0))  # type: ignore[dict-item]
         for f, fo in enumerate(avg._fopts):
-            lo = avg.fragments[f][0]
+            lo = avg.fragments[f][0][0]
             assert torch.equal(fo.anchor, torch.arange(11.0)[lo + fo.lo:lo + fo.hi])
             owned += fo.anchor.numel()
-        assert [lo for lo, _ in avg.momentum_shards()] == [avg.fragments[f][0] + fo.lo for f, fo in enumerate(avg._fopts)]
+        assert [lo for lo, _ in avg.momentum_shards()] == [avg.fragments[f][0][0] + fo.lo for f, fo in enumerate(avg._fopts)]
     assert owned == 11                                    # the two replicas' shards add up to the vector
 
 
