@@ -12,9 +12,10 @@ the averaging ever reads: live parameters keep training while it runs), then
   of snap_{t-1}), the whole round, all-gather included, overlaps with the next τ local steps.
 
 * streaming mode (``OuterConfig(stream=True, sync=False)``, the product's default; Streaming DiLoCo,
-  Douillard et al. 2025, with CO2's overlap): the vector is cut into F = τ contiguous, balanced
-  fragments (:func:`~fusionp2p.average.shard.shard_bounds`), each with its own outer state (sharded
-  over the replicas like the whole-vector state). The loop calls ``round_boundary`` after EVERY local
+  Douillard et al. 2025, with CO2's overlap): the vector is cut into F = τ balanced fragments
+  (:func:`stream_fragments`: contiguous slices, or with *segments* piece ``f`` of every segment, so
+  that a tied parameter given its own segment is cut the same way on every stage holding a copy),
+  each with its own outer state (sharded over the replicas like the whole-vector state). The loop calls ``round_boundary`` after EVERY local
   step ``t``: it waits for the round launched one step earlier (fragment ``f' = (t−1) mod τ``) and
   returns that fragment's new value as a jump that keeps the progress made since the snapshot,
   ``live_f' + (x̃_f' − snap_f')``; then it snapshots fragment ``t mod τ`` and launches its round

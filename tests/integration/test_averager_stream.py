@@ -25,6 +25,8 @@ from fusionp2p.train.averager import (
     load_anchor_,
     load_flat_,
     open_replica_averager,
+    read_ranges,
+    stream_fragments,
 )
 from tests.integration.test_averager import PEERS, Mesh, _data, _flat, _model
 
@@ -60,7 +62,8 @@ async def _train(avg: ReplicaAverager, rank: int, steps: int, *, die_at: int | N
     return model, out
 
 
-def _run(cfg: OuterConfig, steps: int, n: int) -> tuple[list[torch.Tensor], list[list[BoundaryResult]], list[ReplicaAverager]]:
+def _run(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, int]] | None = None
+         ) -> tuple[list[torch.Tensor], list[list[BoundaryResult]], list[ReplicaAverager]]:
     peers = PEERS[:n]
     finals: dict[str, torch.Tensor] = {}
     results: dict[str, list[BoundaryResult]] = {}
@@ -68,7 +71,8 @@ def _run(cfg: OuterConfig, steps: int, n: int) -> tuple[list[torch.Tensor], list
 
     async def replica(mesh: Mesh, i: int, p: str) -> None:
         acfg = AveragerConfig(outer=cfg, job="j", stage=1, round_timeout=5.0)
-        async with open_replica_averager(acfg, peers=peers, me=p, channels=mesh.ch[p], initial=list(_model().parameters())) as avg:
+        async with open_replica_averager(acfg, peers=peers, me=p, channels=mesh.ch[p], initial=list(_model().parameters()),
+                                         segments=segments) as avg:
             avgs.append(avg)
             m, res = await _train(avg, i, steps)
             finals[p], results[p] = _flat(m), res
@@ -84,24 +88,24 @@ def _run(cfg: OuterConfig, steps: int, n: int) -> tuple[list[torch.Tensor], list
     return [finals[p] for p in peers], [results[p] for p in peers], avgs
 
 
-def _reference(cfg: OuterConfig, steps: int, n: int) -> list[torch.Tensor]:
+def _reference(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, int]] | None = None) -> list[torch.Tensor]:
     """n replicas in one loop: fragment s mod tau averaged after step s (sync-form outer step on its
     fresh mean), applied after step s + 1 as a jump; the last step averages every fragment plainly."""
     models = [_model() for _ in range(n)]
     opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=0.5) for m in models]
     x0 = _flat(models[0])
-    frags = shard_bounds(x0.numel(), min(cfg.tau, x0.numel()))   # one segment: contiguous slices
+    if segments is None:   # one segment: contiguous balanced slices
+        frags = tuple(((lo, hi),) for lo, hi in shard_bounds(x0.numel(), min(cfg.tau, x0.numel())))
+    else:
+        frags = stream_fragments(x0.numel(), cfg.tau, segments)
     fcfg = dataclasses.replace(cfg, sync=True)
-    outers = [OuterOptimizer(fcfg, x0[lo:hi]) for lo, hi in frags]
+    outers = [OuterOptimizer(fcfg, read_ranges(x0, fr)) for fr in frags]
     pending: tuple[int, list[torch.Tensor], torch.Tensor] | None = None
 
     def apply(p: tuple[int, list[torch.Tensor], torch.Tensor]) -> None:
         f, snaps, anchor = p
-        lo, hi = frags[f]
         for m, snap in zip(models, snaps):
-            live = _flat(m)
-            live[lo:hi] = live[lo:hi].add_(anchor - snap)
-            load_flat_(m.parameters(), live)
+            load_anchor_(list(m.parameters()), read_ranges(_flat(m), frags[f]).add_(anchor - snap), frags[f])
 
     for s in range(steps):
         for i, (m, o) in enumerate(zip(models, opts)):
@@ -112,11 +116,11 @@ def _reference(cfg: OuterConfig, steps: int, n: int) -> list[torch.Tensor]:
         if s + 1 < steps:
             f = s % cfg.tau
             if f < len(frags):
-                lo, hi = frags[f]
-                snaps = [_flat(m)[lo:hi] for m in models]
+                snaps = [read_ranges(_flat(m), frags[f]) for m in models]
                 pending = (f, snaps, outers[f].step(weighted_mean(snaps, [1.0] * n), lr=LR).anchor)
-    lives = [_flat(m) for m in models]
-    final = torch.cat([weighted_mean([v[lo:hi] for v in lives], [1.0] * n) for lo, hi in frags])
+    final = _flat(models[0])
+    for fr in frags:
+        load_anchor_(final, weighted_mean([read_ranges(_flat(m), fr) for m in models], [1.0] * n), fr)
     return [final] * n
 
 
@@ -130,12 +134,13 @@ def _reference(cfg: OuterConfig, steps: int, n: int) -> list[torch.Tensor]:
     ],
     ids=["2-tau4", "3-tau3-momentum", "3-tau1-nesterov", "2-tau5-clip"],
 )
-def test_replicas_end_identical_and_match_the_simulator(n: int, cfg: OuterConfig) -> None:
+@pytest.mark.parametrize("segments", [None, [(0, 11), (11, 35), (35, 66)]], ids=["one-segment", "three-segments"])
+def test_replicas_end_identical_and_match_the_simulator(n: int, cfg: OuterConfig, segments: list[tuple[int, int]] | None) -> None:
     steps = 13
-    finals, results, avgs = _run(cfg, steps, n)
+    finals, results, avgs = _run(cfg, steps, n, segments)
     for f in finals[1:]:
         assert torch.equal(f, finals[0])                  # bitwise: finalize loads the same vector everywhere
-    ref = _reference(cfg, steps, n)
+    ref = _reference(cfg, steps, n, segments)
     assert torch.allclose(finals[0], ref[0], atol=1e-6, rtol=0)
     for res in results:
         # every step but the first applies the previous step's round, of fragment (step - 1) mod tau
