@@ -15,8 +15,8 @@ the averaging ever reads: live parameters keep training while it runs), then
   Douillard et al. 2025, with CO2's overlap): the vector is cut into F = τ balanced fragments
   (:func:`stream_fragments`: contiguous slices, or with *segments* piece ``f`` of every segment, so
   that a tied parameter given its own segment is cut the same way on every stage holding a copy),
-  each with its own outer state (sharded over the replicas like the whole-vector state). The loop calls ``round_boundary`` after EVERY local
-  step ``t``: it waits for the round launched one step earlier (fragment ``f' = (t−1) mod τ``) and
+  each with its own outer state (sharded over the replicas like the whole-vector state). The loop
+  calls ``round_boundary`` after EVERY local step ``t``: it waits for the round launched one step earlier (fragment ``f' = (t−1) mod τ``) and
   returns that fragment's new value as a jump that keeps the progress made since the snapshot,
   ``live_f' + (x̃_f' − snap_f')``; then it snapshots fragment ``t mod τ`` and launches its round
   (reduce-scatter → outer step on the fresh mean, the sync form → all-gather) in the background of
@@ -98,8 +98,9 @@ class BoundaryResult:
 
     ``anchor`` is the flat fp32 vector to load (``load_flat_``), or None: keep the live parameters.
     In streaming mode it is the new value of one fragment only, to load into the flat ranges
-    ``ranges`` (``load_anchor_``; ``()`` means the whole vector); ``fragment`` names it. ``consumed_round`` is the round whose snapshots produced
-    it (t−1 in async mode, t in sync mode, the previous step's in streaming mode).
+    ``ranges`` (``load_anchor_``; ``()`` means the whole vector); ``fragment`` names it.
+    ``consumed_round`` is the round whose snapshots produced it (t−1 in async mode, t in sync mode,
+    the previous step's in streaming mode).
     """
 
     boundary: int
@@ -376,7 +377,7 @@ class ReplicaAverager:
         Streaming mode (*params*: the live parameters, required): call it INSTEAD of the last step's
         round boundary. It applies the round in flight, then averages every fragment of the live
         vector once more (plain mean, no outer step: the last partial round enters at weight 1), one
-        fragment after the other, and returns the whole vector to load (``anchor``, ``lo=0``): the
+        fragment after the other, and returns the whole vector to load (``anchor``, ``ranges=()``): the
         same on every replica. A fragment whose final round failed keeps this replica's values."""
         if self.streaming:
             if params is None:
