@@ -68,8 +68,8 @@ class CO2:
     * ``sync=True``: block on each average (SlowMo); ``stream`` is then ignored.
 
     Defaults: ``tau=4`` and ``outer_momentum=0.0`` — SlowMo's prior for up to 16 workers. Measured on
-    the demo job (GPT-2 0.8M, 2 stages x 2 replicas, 60 steps, embedded swarm): async tau 4, momentum 0
-    ended at loss 3.20; the reference code's momentum 0.5 at tau 8 ended at 3.98 (its stale momentum
+    the demo job (GPT-2 0.8M, 2 stages x 2 replicas, 60 steps, embedded swarm), before streaming: the
+    one-round-stale form at tau 4, momentum 0 ended at loss 3.20; the reference code's momentum 0.5 at tau 8 ended at 3.98 (its stale momentum
     overshoots at the final outer step), and the synchronous form at tau 8 at 3.24.
     """
 
