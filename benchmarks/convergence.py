@@ -6,7 +6,10 @@ The same model, data and number of samples for every system; the held-out loss o
 * ``adamw``: one process, one AdamW over all ``R*M`` micro-batches of a step (the reference);
 * ``allreduce``: the product, ``R`` replicas per stage averaging gradients every step (``averaging=None``);
 * ``co2-sync``: the product, CO2 with a blocking average (``CO2(sync=True)``);
-* ``co2-async``: the product, CO2 as shipped (the one-round-stale average overlapped with the next round);
+* ``co2-async``: the product, CO2 as shipped: streaming (one fragment of the vector averaged per step,
+  applied one step late, docs/averaging.md);
+* ``co2-stale`` (not in the default set): CO2's original form (``CO2(stream=False)``), the whole vector's
+  one-round-stale average overlapped with the next round;
 * ``co2-async-adatopk``: CO2 async with AdaTopK on an emulated two-site WAN (``Swarm.local(links=sites(...))``):
   the plan compresses the fence that crosses the slow links;
 * ``opfence``: the planner's own choice (``replicas=None``) on the same WAN, CO2 async + AdaTopK; its step
@@ -49,6 +52,7 @@ WAN = "16mbit"          # between the two emulated sites (AdaTopK systems)
 HELD_BATCHES = 16       # held-out micro-batches evaluated per model
 ASYNC_OR_COMPRESSED = ("co2-async", "co2-async-adatopk", "opfence")
 SYSTEMS = ("adamw", "allreduce", "co2-sync", *ASYNC_OR_COMPRESSED)
+EXTRA = ("co2-stale",)   # selectable with --systems, not run by default
 
 
 class ByteMLP(nn.Module):
@@ -95,6 +99,7 @@ def system_config(system: str, steps: int) -> TrainConfig:
         "allreduce": {"averaging": None},
         "co2-sync": {"averaging": CO2(sync=True)},
         "co2-async": {"averaging": CO2()},
+        "co2-stale": {"averaging": CO2(stream=False)},
         "co2-async-adatopk": {"averaging": CO2(), "compression": "adatopk"},
         "opfence": {"averaging": CO2(), "compression": "adatopk", "replicas": None},
     }
@@ -175,12 +180,12 @@ def main() -> None:
     p = parser("convergence", __doc__)
     p.add_argument("--steps", type=int, default=2000, help="steps of R=2 replicas (every system sees the same samples)")
     p.add_argument("--model", default="gpt2", choices=("gpt2", "mlp"))
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS + EXTRA))
     args = p.parse_args()
     steps = 40 if args.quick else args.steps
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
-        if s not in SYSTEMS:
+        if s not in SYSTEMS + EXTRA:
             raise SystemExit(f"unknown system {s!r}")
     torch.set_num_threads(1)
     tokens = corpus_tokens("pydoc")
@@ -227,13 +232,14 @@ def main() -> None:
     worst = max((res[s]["heldout_loss"] for s in ASYNC_OR_COMPRESSED if s in res), default=math.nan)
     value = worst / ref if ref else math.nan
     results["worst_async_or_compressed_over_allreduce"] = value
-    out_png = RESULTS / f"convergence_{args.model}.png"
+    out = args.out if args.out != RESULTS / "convergence.json" else RESULTS / f"convergence_{args.model}.json"
+    out_png = out.with_suffix(".png")   # next to the JSON (the default: results/convergence_<model>.png)
     plot(out_png, curves, per_step, f"{args.model}: {steps} steps x {REPLICAS} replicas, {NODES} nodes")
-    results["curves_png"] = str(out_png.relative_to(RESULTS.parent.parent))
+    root = RESULTS.parent.parent
+    results["curves_png"] = str(out_png.resolve().relative_to(root)) if out_png.resolve().is_relative_to(root) else str(out_png)
     results["curves"] = {k: [round(v[s], 4) for s in sorted(v)] for k, v in curves.items()}
     head = headline("worst held-out loss of the async/compressed systems / per-step all-reduce", value, "ratio",
                     1.02, "lower", "per-step all-reduce (allreduce), same model, data and samples")
-    out = args.out if args.out != RESULTS / "convergence.json" else RESULTS / f"convergence_{args.model}.json"
     write("convergence", out, results, head, quick=args.quick)
 
 

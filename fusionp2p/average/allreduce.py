@@ -23,6 +23,10 @@ with the reason) and the caller must not load anything from it. A message tagged
 epoch comes from a live peer that sees a different replica set: it contributes nothing, and the
 round is skipped, but the peer is NOT marked lost (no cascade of false deaths).
 
+Fragments. With ``fragment=k`` (streaming CO2) the round averages fragment ``k`` of the parameter
+vector as a vector of its own (``n_elems``, shard bounds and ``lo``/``hi`` are within the fragment);
+every part it sends names ``k``, and a part naming another fragment (or none) is refused.
+
 Hostile parts. A part is a peer's tensor on its way into every replica's parameters, so
 :meth:`AllReduceRound.receive` refuses (RemoteProtocolError; the shell then drops that peer from
 the round and counts it) a part holding a NaN or an infinity, and a scatter part whose weight is
@@ -56,6 +60,7 @@ class RoundMsg:
     data: torch.Tensor
     weight: float = 1.0
     scalar: float = 0.0
+    fragment: int | None = None   # streaming averaging: which fragment of the vector (lo/hi are within it)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,7 +109,7 @@ class AllReduceRound:
     """Reduce-scatter + all-gather of one flat fp32 vector among ``peers`` (this replica is ``me``)."""
 
     def __init__(self, *, peers: Sequence[str], me: str, n_elems: int, round_id: int, epoch: str,
-                 weight: float = 1.0, max_weight_ratio: float = 4.0) -> None:
+                 weight: float = 1.0, max_weight_ratio: float = 4.0, fragment: int | None = None) -> None:
         if not (weight > 0 and math.isfinite(weight)) or not max_weight_ratio >= 1:
             raise LocalProtocolError("weight must be positive and finite, max_weight_ratio >= 1")
         self.weight = weight
@@ -119,6 +124,7 @@ class AllReduceRound:
         self.n_elems = n_elems
         self.round_id = round_id
         self.epoch = epoch
+        self.fragment = fragment   # None: the whole vector; else the fragment every part must name
         self.bounds = shard_bounds(n_elems, len(self.peers))
         others = {p for p in self.peers if p != me}
         self._scatter = _Phase(pending=set(others))
@@ -162,7 +168,8 @@ class AllReduceRound:
         actions: list[Action] = []
         for k, peer in enumerate(self.peers):
             lo, hi = self.bounds[k]
-            msg = RoundMsg(round_id=self.round_id, epoch=self.epoch, phase="scatter", lo=lo, hi=hi, data=snap[lo:hi], weight=weight)
+            msg = RoundMsg(round_id=self.round_id, epoch=self.epoch, phase="scatter", lo=lo, hi=hi, data=snap[lo:hi], weight=weight,
+                           fragment=self.fragment)
             if peer == self.me:
                 self._own_part = msg
             elif peer not in self._lost:
@@ -177,6 +184,9 @@ class AllReduceRound:
             raise RemoteProtocolError(f"{peer} is not a replica of this round")
         if msg.phase not in PHASES:
             raise RemoteProtocolError(f"unknown averaging phase {msg.phase!r}")
+        if msg.fragment != self.fragment:
+            raise RemoteProtocolError(f"{msg.phase} part from {peer} is for fragment {msg.fragment}, "
+                                      f"round {self.round_id} averages fragment {self.fragment}")
         phase = self._scatter if msg.phase == "scatter" else self._gather
         if peer in phase.got or (peer in self._mismatch and peer not in phase.pending):
             raise RemoteProtocolError(f"duplicate {msg.phase} part from {peer}")
@@ -221,7 +231,8 @@ class AllReduceRound:
         lo, hi = self.my_bounds
         if shard.dim() != 1 or shard.numel() != hi - lo:
             raise LocalProtocolError("published shard has the wrong size")
-        msg = RoundMsg(round_id=self.round_id, epoch=self.epoch, phase="gather", lo=lo, hi=hi, data=shard.to(torch.float32), scalar=scalar)
+        msg = RoundMsg(round_id=self.round_id, epoch=self.epoch, phase="gather", lo=lo, hi=hi, data=shard.to(torch.float32), scalar=scalar,
+                       fragment=self.fragment)
         self._own_shard = msg
         sends: list[Action] = [Send(peer=p, msg=msg) for p in self.peers if p != self.me and p not in self._lost]
         return sends + self._advance()

@@ -98,6 +98,12 @@ class OuterConfig:
     ``max_staleness`` (async only): how many rounds a late average may lag before a round boundary
     blocks on it; 1 is strict CO2 (always wait for the previous round's average), 2 lets a boundary
     skip the outer update once and apply it at the next boundary.
+
+    ``stream`` (async only; ignored when ``sync``): the averager cuts the vector into ``tau`` fragments
+    and averages one per local step, applied one step late (train/averager.py). Each fragment's outer
+    step then uses the fresh average of its own round (the sync form, ``Δ = x̃_t − x̄_t``): the
+    staleness is in when the new anchor is applied, not in the pseudo-gradient. Requires
+    ``max_staleness == 1``.
     """
 
     tau: int = 1
@@ -110,6 +116,7 @@ class OuterConfig:
     clip_threshold: float = math.inf
     sync: bool = True
     max_staleness: int = 1
+    stream: bool = False
     penalty_fn: PenaltyFn = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -131,7 +138,14 @@ class OuterConfig:
             raise ConfigError("a constant staleness penalty must be >= 1 (it divides the update)")
         if self.max_staleness < 1:
             raise ConfigError(f"max_staleness must be >= 1, got {self.max_staleness}")
+        if self.stream and not self.sync and self.max_staleness != 1:
+            raise ConfigError("streaming averaging waits for every fragment's round: max_staleness must be 1")
         object.__setattr__(self, "penalty_fn", make_penalty(self.penalty, self.penalty_value))
+
+    @property
+    def streaming(self) -> bool:
+        """The streaming (fragmented, one-step-stale) form is in use."""
+        return self.stream and not self.sync
 
 
 def clip_(m: torch.Tensor, mode: str, threshold: float, *, global_sq: float | None = None) -> torch.Tensor:

@@ -11,6 +11,20 @@ the averaging ever reads: live parameters keep training while it runs), then
   that round's outer step needs only state known at its launch (x̃_t, x̃_{t-1}, m and the average
   of snap_{t-1}), the whole round, all-gather included, overlaps with the next τ local steps.
 
+* streaming mode (``OuterConfig(stream=True, sync=False)``, the product's default; Streaming DiLoCo,
+  Douillard et al. 2025, with CO2's overlap): the vector is cut into F = τ balanced fragments
+  (:func:`stream_fragments`: contiguous slices, or with *segments* piece ``f`` of every segment, so
+  that a tied parameter given its own segment is cut the same way on every stage holding a copy),
+  each with its own outer state (sharded over the replicas like the whole-vector state). The loop
+  calls ``round_boundary`` after EVERY local step ``t``: it waits for the round launched one step earlier (fragment ``f' = (t−1) mod τ``) and
+  returns that fragment's new value as a jump that keeps the progress made since the snapshot,
+  ``live_f' + (x̃_f' − snap_f')``; then it snapshots fragment ``t mod τ`` and launches its round
+  (reduce-scatter → outer step on the fresh mean, the sync form → all-gather) in the background of
+  step ``t+1``. Each fragment is averaged once every τ steps (the bytes of whole-vector CO2), but each
+  average is applied one local step after its snapshot instead of τ. ``finalize(params)`` replaces
+  the last step's boundary: it applies the round in flight, then averages each fragment of the live
+  vector once more (plain mean), one after the other, and returns the whole consensus vector.
+
 The pure round logic is :class:`fusionp2p.average.allreduce.AllReduceRound`; this module only
 moves messages. Every wait has a deadline (``round_timeout``): a peer that has not delivered when
 it passes, or whose channel breaks, is declared lost; the round then completes over the survivors
@@ -19,13 +33,17 @@ skip the survivors form a new epoch (sorted survivor list) and the next round re
 outer state from the mean of their snapshots (momentum restarts at zero).
 
 Wire: ``TensorMessage(kind="avg", job, stage, step=round id, name=phase,
-meta={"epoch","lo","hi","w","s"}, tensors=(fp32 slice,))``. Other kinds arriving on the same
+meta={"epoch","lo","hi","w","s"}, tensors=(fp32 slice,))``; streaming rounds add ``"f"`` (the
+fragment index; ``lo``/``hi`` are then within the fragment), which the round checks against its own
+(``RemoteProtocolError`` otherwise). Round ids count launches over all fragments, so they are unique
+per fragment too, and every replica launches the same sequence. Other kinds arriving on the same
 channel are handed to ``on_other`` (e.g. the stage worker's activation router).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
@@ -48,6 +66,7 @@ from fusionp2p.wire.check import U63, as_float, as_int, as_map, as_str
 log = logging.getLogger(__name__)
 
 KIND = "avg"
+MAX_FRAGMENTS = 1 << 20   # a fragment index on the wire is below this (streaming: one fragment per tau)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,7 +97,10 @@ class BoundaryResult:
     """What a round boundary hands the training loop.
 
     ``anchor`` is the flat fp32 vector to load (``load_flat_``), or None: keep the live parameters.
-    ``consumed_round`` is the round whose snapshots produced it (t−1 in async mode, t in sync mode).
+    In streaming mode it is the new value of one fragment only, to load into the flat ranges
+    ``ranges`` (``load_anchor_``; ``()`` means the whole vector); ``fragment`` names it.
+    ``consumed_round`` is the round whose snapshots produced it (t−1 in async mode, t in sync mode,
+    the previous step's in streaming mode).
     """
 
     boundary: int
@@ -86,6 +108,8 @@ class BoundaryResult:
     consumed_round: int | None
     launched_round: int | None
     reason: str = ""
+    ranges: tuple[tuple[int, int], ...] = ()
+    fragment: int | None = None
 
 
 def flatten(params: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor:
@@ -107,25 +131,124 @@ def load_flat_(params: Iterable[torch.Tensor], flat: torch.Tensor) -> None:
         raise ValueError(f"flat vector has {flat.numel()} elements, parameters {off}")
 
 
+def _pieces(params: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [params.reshape(-1)] if isinstance(params, torch.Tensor) else [p.reshape(-1) for p in params]
+
+
+def read_slice(params: torch.Tensor | Iterable[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    """A NEW fp32 copy of the elements ``[lo, hi)`` of the flattened *params*."""
+    out = torch.empty(hi - lo, dtype=torch.float32)
+    off = 0
+    for p in _pieces(params):
+        a, b = max(lo, off), min(hi, off + p.numel())
+        if a < b:
+            out[a - lo:b - lo] = p.detach()[a - off:b - off].to(torch.float32)
+        off += p.numel()
+    if hi > off:
+        raise ValueError(f"slice [{lo}, {hi}) beyond the {off} parameters")
+    return out
+
+
+def load_slice_(params: torch.Tensor | Iterable[torch.Tensor], lo: int, values: torch.Tensor) -> None:
+    """Copy *values* into the elements ``[lo, lo + len)`` of the flattened *params*, in place."""
+    hi = lo + values.numel()
+    off = 0
+    with torch.no_grad():
+        for p in ([params] if isinstance(params, torch.Tensor) else params):
+            n = p.numel()
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                vals = values[a - lo:b - lo].to(p.dtype)
+                if p.is_contiguous():
+                    p.view(-1)[a - off:b - off] = vals
+                else:   # a strided parameter: write through a flat copy
+                    tmp = p.detach().reshape(-1).clone()
+                    tmp[a - off:b - off] = vals
+                    p.copy_(tmp.view_as(p))
+            off += n
+    if hi > off:
+        raise ValueError(f"slice [{lo}, {hi}) beyond the {off} parameters")
+
+
+def read_ranges(params: torch.Tensor | Iterable[torch.Tensor], ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """A NEW fp32 copy of the flat *ranges* of *params*, concatenated."""
+    params = params if isinstance(params, torch.Tensor) else list(params)
+    if len(ranges) == 1:
+        return read_slice(params, *ranges[0])
+    return torch.cat([read_slice(params, lo, hi) for lo, hi in ranges]) if ranges else torch.zeros(0)
+
+
+def load_anchor_(params: torch.Tensor | Iterable[torch.Tensor], anchor: torch.Tensor,
+                 ranges: Sequence[tuple[int, int]] = ()) -> None:
+    """Load a :class:`BoundaryResult`'s ``anchor``: into the flat *ranges* (one after the other), or
+    the whole vector when *ranges* is empty."""
+    params = params if isinstance(params, torch.Tensor) else list(params)
+    if not ranges:
+        if isinstance(params, torch.Tensor):
+            load_slice_(params, 0, anchor)
+        else:
+            load_flat_(params, anchor)
+        return
+    off = 0
+    for lo, hi in ranges:
+        load_slice_(params, lo, anchor[off:off + hi - lo])
+        off += hi - lo
+    if off != anchor.numel():
+        raise ValueError(f"{anchor.numel()} values for ranges of {off} elements")
+
+
+def stream_fragments(n_elems: int, tau: int, segments: Sequence[tuple[int, int]] | None = None
+                     ) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The streaming fragments of a flat vector of *n_elems*: ``F = min(tau, n_elems)`` (at least 1)
+    fragments, each a tuple of flat ``(lo, hi)`` ranges. Every segment (a contiguous range; *segments*
+    must cut ``[0, n_elems)`` in order, default one segment) is cut into F balanced contiguous pieces
+    (``shard_bounds``) and fragment ``f`` takes piece ``f`` of each: with one segment, F contiguous
+    balanced slices. An element's fragment thus depends only on its segment: a tied parameter given
+    as a segment of its own falls in the same fragments on every stage that holds a copy."""
+    segs = [(0, n_elems)] if segments is None else [(int(lo), int(hi)) for lo, hi in segments]
+    pos = 0
+    for lo, hi in segs:
+        if lo != pos or hi < lo:
+            raise ConfigError(f"averaging segments must cut [0, {n_elems}) in order, got {segs[:8]}")
+        pos = hi
+    if pos != n_elems:
+        raise ConfigError(f"averaging segments cover {pos} of {n_elems} elements")
+    n_frag = max(1, min(tau, n_elems))
+    frags: list[list[tuple[int, int]]] = [[] for _ in range(n_frag)]
+    for lo, hi in segs:
+        for f, (a, b) in enumerate(shard_bounds(hi - lo, n_frag)):
+            if b <= a:
+                continue
+            if frags[f] and frags[f][-1][1] == lo + a:   # adjacent pieces: one range
+                frags[f][-1] = (frags[f][-1][0], lo + b)
+            else:
+                frags[f].append((lo + a, lo + b))
+    return tuple(tuple(fr) for fr in frags)
+
+
 def epoch_id(peers: Sequence[str]) -> str:
     return hashlib.sha256("\n".join(peers).encode()).hexdigest()[:16]
 
 
 def to_message(job: str, stage: int, msg: RoundMsg) -> TensorMessage:
-    meta = {"epoch": msg.epoch, "lo": msg.lo, "hi": msg.hi, "w": msg.weight, "s": msg.scalar}
+    meta: dict[str, object] = {"epoch": msg.epoch, "lo": msg.lo, "hi": msg.hi, "w": msg.weight, "s": msg.scalar}
+    if msg.fragment is not None:   # streaming only: the whole-vector form keeps its bytes
+        meta["f"] = msg.fragment
     return TensorMessage(job=job, kind=KIND, stage=stage, step=msg.round_id, name=msg.phase, meta=meta, tensors=(msg.data,))
 
 
 def from_message(tm: TensorMessage) -> RoundMsg:
     """Decode a peer's averaging message; anything malformed raises RemoteProtocolError."""
     w = "averaging message"
-    m = as_map(tm.meta, w, required=("epoch", "lo", "hi", "w", "s"))
+    m = as_map(tm.meta, w, required=("epoch", "lo", "hi", "w", "s"), optional=("f",))
+    fragment = as_int(m["f"], f"{w} fragment", lo=0, hi=MAX_FRAGMENTS - 1) if "f" in m else None
     lo, hi = as_int(m["lo"], f"{w} lo", lo=0, hi=U63), as_int(m["hi"], f"{w} hi", lo=0, hi=U63)
     if len(tm.tensors) != 1 or not lo <= hi:
         raise RemoteProtocolError("averaging message must carry exactly one slice")
     # weight and scalar finite here; the round refuses a weight out of proportion to ours
     return RoundMsg(round_id=tm.step, epoch=as_str(m["epoch"], f"{w} epoch", max_len=64), phase=tm.name, lo=lo, hi=hi,
-                    data=tm.tensors[0], weight=as_float(m["w"], f"{w} weight"), scalar=as_float(m["s"], f"{w} scalar"))
+                    data=tm.tensors[0], weight=as_float(m["w"], f"{w} weight"), scalar=as_float(m["s"], f"{w} scalar"),
+                    fragment=fragment)
 
 
 _Event = tuple[str, str, "RoundMsg | None"]  # ("msg" | "lost", peer, message)
@@ -134,9 +257,13 @@ _Event = tuple[str, str, "RoundMsg | None"]  # ("msg" | "lost", peer, message)
 class _Round:
     """One round in flight: its result is set once, by its task."""
 
-    def __init__(self, round_id: int, boundary: int) -> None:
+    def __init__(self, round_id: int, boundary: int, *, fragment: int | None = None, snap: torch.Tensor | None = None,
+                 mean_only: bool = False) -> None:
         self.round_id = round_id
         self.boundary = boundary
+        self.fragment = fragment   # streaming: the fragment it averages (None: the whole vector)
+        self.snap = snap           # streaming: this replica's snapshot of it (the jump subtracts it)
+        self.mean_only = mean_only  # publish the plain mean, no outer step (streaming finalize)
         self.done = trio.Event()
         self.result: RoundResult | None = None
 
@@ -158,6 +285,7 @@ class ReplicaAverager:
         initial: torch.Tensor | Iterable[torch.Tensor],
         on_other: Callable[[str, TensorMessage], Awaitable[None]] | None = None,
         momentum: torch.Tensor | None = None,
+        segments: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         missing = [p for p in peers if p != me and p not in channels]
         if me not in peers or missing:
@@ -172,10 +300,22 @@ class ReplicaAverager:
         self.n_elems = flat.numel()
         self._initial: torch.Tensor | None = flat
         self._opt = self._make_opt(flat)
+        # streaming: tau fragments (fewer when the vector is shorter; see stream_fragments), each with
+        # its own outer state (sync form: the fresh average of its own round), sharded over the replicas
+        self.streaming = config.outer.streaming
+        self.fragments = stream_fragments(self.n_elems, config.outer.tau, segments) if self.streaming else ()
+        self._flen = [sum(hi - lo for lo, hi in fr) for fr in self.fragments]
+        self._frag_outer = dataclasses.replace(config.outer, sync=True)
+        self._fopts = [self._make_frag_opt(flat, f) for f in range(len(self.fragments))]
+        self._freinit = [False] * len(self.fragments)
+        if self.streaming:
+            self._initial = None   # no warm-up hold: every fragment's outer state starts at x̃_0 above
         if momentum is not None:   # handed over at a re-plan (jobs/state.py): this replica's shard of it
             if momentum.shape != flat.shape:
                 raise ConfigError(f"momentum of {momentum.numel()} elements for {flat.numel()} parameters")
             self._opt.momentum = momentum[self._opt.lo:self._opt.hi].to(torch.float32).clone()
+            for f, fo in enumerate(self._fopts):
+                fo.momentum = read_ranges(momentum, self.fragments[f])[fo.lo:fo.hi].clone()
         self._needs_reinit = False
         self._boundary = 0
         self._next_round = 0
@@ -193,9 +333,19 @@ class ReplicaAverager:
         lo, hi = shard_bounds(flat.numel(), len(self.alive))[self.alive.index(self.me)]
         return OuterOptimizer(self.config.outer, flat[lo:hi], lo=lo, sharded=len(self.alive) > 1)
 
+    def _make_frag_opt(self, flat: torch.Tensor, f: int) -> OuterOptimizer:
+        """Fragment *f*'s outer state: this replica's shard of it (``lo`` relative to the fragment)."""
+        lo, hi = shard_bounds(self._flen[f], len(self.alive))[self.alive.index(self.me)]
+        return OuterOptimizer(self._frag_outer, read_ranges(flat, self.fragments[f])[lo:hi], lo=lo, sharded=len(self.alive) > 1)
+
     # ------------------------------------------------------------------ the training loop's API
     async def round_boundary(self, params: torch.Tensor | Iterable[torch.Tensor], *, lr: float | None = None) -> BoundaryResult:
-        """Snapshot *params*, complete/launch averaging rounds, return what to load (see module doc)."""
+        """Snapshot *params*, complete/launch averaging rounds, return what to load (see module doc).
+
+        Streaming mode: call it after EVERY local step; it returns one fragment's new value to load
+        into ``ranges`` (``load_anchor_``), or ``anchor=None``."""
+        if self.streaming:
+            return await self._stream_boundary(params, lr)
         b = self._boundary
         self._boundary += 1
         outer = self.config.outer
@@ -221,8 +371,18 @@ class ReplicaAverager:
             return self._record(BoundaryResult(boundary=b, anchor=None, consumed_round=None, launched_round=self._pending.round_id, reason="no round in flight"))
         return self._record(self._consume(b, prev, launched=self._pending.round_id))
 
-    async def finalize(self) -> BoundaryResult | None:
-        """Wait for the round in flight (async mode) and return its anchor, if any."""
+    async def finalize(self, params: torch.Tensor | Iterable[torch.Tensor] | None = None) -> BoundaryResult | None:
+        """Wait for the round in flight (async mode) and return its anchor, if any.
+
+        Streaming mode (*params*: the live parameters, required): call it INSTEAD of the last step's
+        round boundary. It applies the round in flight, then averages every fragment of the live
+        vector once more (plain mean, no outer step: the last partial round enters at weight 1), one
+        fragment after the other, and returns the whole vector to load (``anchor``, ``ranges=()``): the
+        same on every replica. A fragment whose final round failed keeps this replica's values."""
+        if self.streaming:
+            if params is None:
+                raise ConfigError("streaming averaging: finalize needs the live parameters")
+            return await self._stream_finalize(params)
         prev, self._pending = self._pending, None
         if prev is None:
             return None
@@ -232,6 +392,96 @@ class ReplicaAverager:
     def momentum_shard(self) -> tuple[int, torch.Tensor]:
         """``(lo, momentum)``: this replica's slice ``[lo, lo + len)`` of the outer momentum (for a hand-off)."""
         return self._opt.lo, self._opt.momentum.detach().clone()
+
+    def momentum_shards(self) -> list[tuple[int, torch.Tensor]]:
+        """Every ``(lo, momentum)`` slice of the outer momentum this replica holds (flat offsets): one
+        per fragment in streaming mode, else the one shard."""
+        if not self.streaming:
+            return [self.momentum_shard()]
+        out = []
+        for f, fo in enumerate(self._fopts):   # the owned shard [fo.lo, fo.hi) of the fragment, in flat ranges
+            off = 0
+            for lo, hi in self.fragments[f]:
+                a, b = max(fo.lo, off), min(fo.hi, off + hi - lo)
+                if a < b:
+                    out.append((lo + a - off, fo.momentum[a - fo.lo:b - fo.lo].detach().clone()))
+                off += hi - lo
+        return out
+
+    # ------------------------------------------------------------------ streaming
+    async def _stream_boundary(self, params: torch.Tensor | Iterable[torch.Tensor], lr: float | None) -> BoundaryResult:
+        """After local step ``b``: apply the round of fragment ``(b-1) mod tau`` (launched one step ago)
+        as a jump that keeps the progress made since its snapshot, then snapshot fragment ``b mod tau``
+        and launch its round in the background."""
+        b = self._boundary
+        self._boundary += 1
+        prev, self._pending = self._pending, None
+        new: torch.Tensor | None = None
+        res = BoundaryResult(boundary=b, anchor=None, consumed_round=None, launched_round=None, reason="no round in flight")
+        if prev is not None:
+            await prev.done.wait()
+            new, res = self._consume_fragment(b, prev, params)
+        f = b % self.config.outer.tau
+        if f < len(self.fragments) and self._flen[f]:
+            if new is not None and prev is not None and prev.fragment == f:   # tau 1: snapshot after the jump
+                snap = new.clone()
+            else:
+                snap = read_ranges(params, self.fragments[f])   # copied before any await
+            rnd = self._launch_fragment(f, snap, b, lr)
+            self._pending = rnd
+            res = dataclasses.replace(res, launched_round=rnd.round_id)
+        return self._record(res)
+
+    def _consume_fragment(self, b: int, rnd: _Round, params: torch.Tensor | Iterable[torch.Tensor]
+                          ) -> tuple[torch.Tensor | None, BoundaryResult]:
+        """The jump ``live_f + (anchor_f - snap_f)`` of a finished fragment round (None if skipped)."""
+        r, f = rnd.result, rnd.fragment
+        assert r is not None and f is not None and rnd.snap is not None
+        ranges = self.fragments[f]
+        if not r.complete or r.vector is None:
+            return None, BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=None,
+                                        reason=r.reason or "skipped", ranges=ranges, fragment=f)
+        new = read_ranges(params, ranges).add_(r.vector - rnd.snap)
+        if not bool(torch.isfinite(new).all()):   # the round refuses non-finite parts; our own may not be
+            log.warning("averaging: fragment %d's new value is not finite; not loaded", f)
+            return None, BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=None,
+                                        reason="not finite", ranges=ranges, fragment=f)
+        return new, BoundaryResult(boundary=b, anchor=new, consumed_round=rnd.round_id, launched_round=None,
+                                   ranges=ranges, fragment=f)
+
+    def _launch_fragment(self, f: int, snap: torch.Tensor, boundary: int, lr: float | None, *, mean_only: bool = False) -> _Round:
+        assert self._nursery is not None, "use open_replica_averager"
+        rnd = _Round(self._next_round, boundary, fragment=f, snap=snap, mean_only=mean_only)
+        self._next_round += 1
+        self._nursery.start_soon(self._run_round, rnd, snap, lr)
+        return rnd
+
+    async def _stream_finalize(self, params: torch.Tensor | Iterable[torch.Tensor]) -> BoundaryResult:
+        live = flatten(params)
+        prev, self._pending = self._pending, None
+        if prev is not None:
+            await prev.done.wait()
+            new, _ = self._consume_fragment(self._boundary, prev, live)
+            if new is not None:
+                assert prev.fragment is not None
+                load_anchor_(live, new, self.fragments[prev.fragment])
+        reasons = []
+        first: int | None = None
+        for f, ranges in enumerate(self.fragments):   # one at a time: every replica in the same order
+            if not self._flen[f]:
+                continue
+            rnd = self._launch_fragment(f, read_ranges(live, ranges), self._boundary, None, mean_only=True)
+            first = rnd.round_id if first is None else first
+            await rnd.done.wait()
+            r = rnd.result
+            assert r is not None
+            if r.complete and r.vector is not None:
+                load_anchor_(live, r.vector, ranges)
+            else:
+                reasons.append(f"fragment {f}: {r.reason or 'skipped'}")
+        self._boundary += 1
+        return self._record(BoundaryResult(boundary=self._boundary - 1, anchor=live, consumed_round=first,
+                                           launched_round=None, reason="; ".join(reasons)))
 
     # ------------------------------------------------------------------ internals
     def _record(self, res: BoundaryResult) -> BoundaryResult:
@@ -254,10 +504,12 @@ class ReplicaAverager:
         return rnd
 
     async def _run_round(self, rnd: _Round, snap: torch.Tensor, lr: float | None) -> None:
-        reinit = self._needs_reinit
+        f = rnd.fragment
+        reinit = self._needs_reinit if f is None else self._freinit[f]
         started = trio.current_time()
-        sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=self.n_elems, round_id=rnd.round_id, epoch=self.epoch,
-                            weight=self.config.weight, max_weight_ratio=self.config.max_weight_ratio)
+        n_elems = self.n_elems if f is None else self._flen[f]
+        sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=n_elems, round_id=rnd.round_id, epoch=self.epoch,
+                            weight=self.config.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f)
         result: RoundResult | None = None
 
         # NOT recursive on purpose: a closure that calls itself is a reference cycle, and the cycle
@@ -272,10 +524,16 @@ class ReplicaAverager:
                         await self._queues[a.peer].send(to_message(self.config.job, self.config.stage, a.msg))
                 elif isinstance(a, Reduced):
                     if reinit:  # new epoch: restart the outer state from the survivors' mean
-                        self._opt = OuterOptimizer(self.config.outer, a.mean, lo=a.lo, sharded=len(self.alive) > 1)
+                        sharded = len(self.alive) > 1
+                        if f is None:
+                            self._opt = OuterOptimizer(self.config.outer, a.mean, lo=a.lo, sharded=sharded)
+                        else:
+                            self._fopts[f] = OuterOptimizer(self._frag_outer, a.mean, lo=a.lo, sharded=sharded)
+                        todo.extend(sm.publish(a.mean, 0.0))
+                    elif rnd.mean_only:
                         todo.extend(sm.publish(a.mean, 0.0))
                     else:
-                        step = self._opt.step(a.mean, lr=lr)
+                        step = (self._opt if f is None else self._fopts[f]).step(a.mean, lr=lr)
                         todo.extend(sm.publish(step.anchor, step.gap_sq_part))
                 else:
                     result = a.result
@@ -304,7 +562,7 @@ class ReplicaAverager:
                 for peer in waiting:
                     self._dead.add(peer)
                     await act(sm.peer_lost(peer))
-        self._after_round(result)
+        self._after_round(result, f, mean_only=rnd.mean_only)
         took, st = trio.current_time() - started, self.stats
         self.stats = AveragingStats(rounds=st.rounds + int(result.complete), skipped=st.skipped + int(not result.complete),
                                     seconds=st.seconds + took, last_s=took)
@@ -320,17 +578,22 @@ class ReplicaAverager:
             self._dead.add(peer)
             return sm.peer_lost(peer)
 
-    def _after_round(self, result: RoundResult) -> None:
+    def _after_round(self, result: RoundResult, fragment: int | None = None, *, mean_only: bool = False) -> None:
         lost = (set(result.lost) | self._dead) & set(self.alive)
-        if result.complete:
-            self._opt.gap_sq = result.scalar_sum
-            self._needs_reinit = False
+        if result.complete and not mean_only:
+            if fragment is None:
+                self._opt.gap_sq = result.scalar_sum
+                self._needs_reinit = False
+            else:
+                self._fopts[fragment].gap_sq = result.scalar_sum
+                self._freinit[fragment] = False
         if lost or not result.complete:
             if lost:
                 self.alive = tuple(p for p in self.alive if p not in lost)
                 self.epoch = epoch_id(self.alive)
                 log.warning("averaging: replicas %s lost; continuing with %d in epoch %s", sorted(lost), len(self.alive), self.epoch)
             self._needs_reinit = True
+            self._freinit = [True] * len(self._freinit)   # every fragment's shards moved with the epoch
 
     async def _receiver(self, peer: str, ch: TensorChannel) -> None:
         try:
@@ -376,12 +639,15 @@ async def open_replica_averager(
     initial: torch.Tensor | Iterable[torch.Tensor],
     on_other: Callable[[str, TensorMessage], Awaitable[None]] | None = None,
     momentum: torch.Tensor | None = None,
+    segments: Sequence[tuple[int, int]] | None = None,
 ) -> AsyncIterator[ReplicaAverager]:
     """Run a :class:`ReplicaAverager` (its receivers, senders and rounds) for the block's duration.
 
-    *momentum*: the whole outer momentum vector handed over at a re-plan (None: start at zero)."""
+    *momentum*: the whole outer momentum vector handed over at a re-plan (None: start at zero).
+    *segments* (streaming only): contiguous ranges cutting the flat vector, each cut into the
+    fragments on its own (:func:`stream_fragments`; the worker gives every tied parameter its own)."""
     avg = ReplicaAverager(config, peers=peers, me=me, channels=channels, initial=initial, on_other=on_other,
-                          momentum=momentum)
+                          momentum=momentum, segments=segments)
     async with trio.open_nursery() as senders:
         for peer in peers:
             if peer == me:

@@ -6,10 +6,12 @@ replica ``r`` of the other stages over :class:`~fusionp2p.net.channel.TensorChan
 its own slice of the data order (global step ``step * R + r`` of the job's
 :class:`~fusionp2p.data.BatchSampler`), so ``R = 1`` reproduces single-process training exactly.
 Replicas of one stage average their parameters with CO2 through a
-:class:`~fusionp2p.train.averager.ReplicaAverager`: every ``tau`` steps the parameters are
-snapshotted and the all-reduce runs in the background while the next ``tau`` steps compute; the
-one-round-stale average enters through the outer step (``CO2(sync=True)`` blocks instead), and a
-final round at the end leaves every replica and the checkpoint with the same consensus weights.
+:class:`~fusionp2p.train.averager.ReplicaAverager`. By default (``CO2(stream=True)``) one of
+``tau`` fragments of the parameter vector is snapshotted after every step and averaged in the
+background of the next step, whose end applies it as a jump that keeps the local progress; with
+``stream=False`` the whole vector is snapshotted every ``tau`` steps and its one-round-stale average
+enters through the outer step (``CO2(sync=True)`` blocks instead). A final round at the end leaves
+every replica and the checkpoint with the same consensus weights.
 Replicas of a job without CO2 all-reduce their gradients before every optimizer step (synchronous
 data parallelism).
 
@@ -44,7 +46,7 @@ from fusionp2p.errors import JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
-from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, open_replica_averager
+from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, load_anchor_, open_replica_averager
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
 from fusionp2p.train.schedule import (
@@ -174,21 +176,20 @@ class StageWorker:
         self._params = [params[n] for n in self._names if n in params]
         self.opt = make_optimizer(self._params, ctx.config)
         self.completed = ctx.start_step      # steps whose optimizer update is applied (the next step to run)
-        self._momentum: tuple[int, torch.Tensor] | None = None   # our CO2 momentum shard, kept at the end
+        self._momentum: list[tuple[int, torch.Tensor]] | None = None   # our CO2 momentum slices, kept at the end
         if ctx.restore is not None:
             self._restore(ctx.restore)
         co2 = ctx.config.co2
-        # CO2 across the replicas of this stage runs in a ReplicaAverager (train/averager.py): every tau
-        # steps the live parameters are snapshotted and averaged in the background (sharded outer state,
-        # reduce-scatter + all-gather over the replica channels) while the next tau steps compute; the
-        # one-round-stale average is applied through the outer momentum step (sync=True blocks instead).
+        # CO2 across the replicas of this stage runs in a ReplicaAverager (train/averager.py): streaming
+        # (default) averages one of tau fragments per step in the background of the next step; stream=False
+        # averages the whole vector every tau steps, applied one round late; sync=True blocks instead.
         self._outer: OuterConfig | None = None
         if co2 is not None and ctx.replicas > 1:
             self._outer = OuterConfig(
                 tau=co2.tau, outer_lr=co2.outer_lr, outer_momentum=co2.outer_momentum,
                 penalty=co2.penalty, penalty_value=co2.penalty_scale,
                 clip="elementwise" if co2.clip is not None else "none",
-                clip_threshold=co2.clip if co2.clip is not None else math.inf, sync=co2.sync)
+                clip_threshold=co2.clip if co2.clip is not None else math.inf, sync=co2.sync, stream=co2.stream)
         self._queue_send, self._queue_recv = trio.open_memory_channel[tuple[int, TensorMessage]](math.inf)
         self._avg_send, self._avg_recv = trio.open_memory_channel[TensorMessage](math.inf)
         self._early: dict[int, list[tuple[int, TensorMessage]]] = {}
@@ -230,7 +231,10 @@ class StageWorker:
         """This replica's state after its last completed step (parameters, optimizer, momentum shard)."""
         names = {p: n for n, p in self.ex.parameters().items()}
         opt, groups = optimizer_tensors(self.opt, names)
-        momentum = momentum_slices(self._layout(), *self._momentum) if self._momentum is not None else {}
+        momentum: dict[str, tuple[tuple[int, torch.Tensor], ...]] = {}
+        for lo, shard in self._momentum or ():   # one slice per fragment in streaming mode
+            for name, sl in momentum_slices(self._layout(), lo, shard).items():
+                momentum[name] = momentum.get(name, ()) + sl
         return StageState(step=self.completed, tensors={k: v.clone() for k, v in self.ex.state_dict().items()},
                           optimizer={k: v.clone() for k, v in opt.items()}, optimizer_groups=groups,
                           momentum=momentum)
@@ -273,12 +277,13 @@ class StageWorker:
                 restored = self.ctx.restore
                 momentum = restored.momentum_vector(self._layout()) if restored is not None else None
                 async with open_replica_averager(acfg, peers=sorted([me, *names]), me=me, channels=names,
-                                                 initial=self._flat(), momentum=momentum) as avg:
+                                                 initial=self._flat(), momentum=momentum,
+                                                 segments=self._segments()) as avg:
                     self._avg = avg
                     try:
                         await self._train(avg)
                     finally:
-                        self._momentum = avg.momentum_shard()
+                        self._momentum = avg.momentum_shards()
             if self.completed >= self.ctx.config.steps:
                 await self._eval_pass(self.ctx.config.steps)
             nursery.cancel_scope.cancel()
@@ -289,7 +294,17 @@ class StageWorker:
         while step < self._stop():
             await self._train_step(step)
             last = step + 1 >= self._stop()    # the job's end, or a planned halt asked for meanwhile
-            if avg is not None and self._outer is not None and ((step + 1) % self._outer.tau == 0 or last):
+            if avg is not None and self._outer is not None and self._outer.streaming:
+                # streaming CO2: one fragment averaged per step, applied one step late; the last step
+                # instead averages every fragment so that the replicas end identical
+                if last:
+                    final_all = await avg.finalize(self._params)
+                    if final_all is not None:
+                        self._load_anchor(final_all.anchor, step)
+                else:
+                    res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
+                    self._load_anchor(res.anchor, step, ranges=res.ranges)
+            elif avg is not None and self._outer is not None and ((step + 1) % self._outer.tau == 0 or last):
                 res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
                 self._load_anchor(res.anchor, step)
                 if last:
@@ -303,13 +318,36 @@ class StageWorker:
                 await self._eval_pass(step + 1)    # the held-out loss every eval_every steps
             step += 1
 
-    def _load_anchor(self, anchor: torch.Tensor | None, step: int) -> None:
+    def _load_anchor(self, anchor: torch.Tensor | None, step: int, *, ranges: Sequence[tuple[int, int]] = ()) -> None:
+        """Load the averaged vector, or (streaming) one fragment of it into its flat *ranges*."""
         if anchor is None:
             return
         if not all_finite([anchor]):   # the round refuses non-finite parts; this is the last line
             log.warning("stage %d, step %d: averaged anchor is not finite; not loaded", self.prog.stage, step)
             return
-        self._unflat(anchor)
+        if not ranges:
+            self._unflat(anchor)
+        else:
+            load_anchor_(self._params, anchor, ranges)
+
+    def _segments(self) -> list[tuple[int, int]]:
+        """Streaming CO2's segments of the flat vector: every tied parameter alone, the runs between
+        them whole. A tied parameter's elements then fall in the same fragments on every stage that
+        holds a copy (the fragment cut of a segment depends only on its size), so the copies, averaged
+        at the same steps with the same values, stay identical."""
+        tied = {tp.name for tp in self.prog.tied}
+        out: list[tuple[int, int]] = []
+        off, run = 0, 0
+        for name, n in self._layout():
+            if name in tied:
+                if off > run:
+                    out.append((run, off))
+                out.append((off, off + n))
+                run = off + n
+            off += n
+        if off > run or not out:
+            out.append((run, off))
+        return out
 
     async def _replica_names(self) -> dict[str, TensorChannel]:
         """Name each replica channel by the replica index its far end announces (a one-message hello)."""

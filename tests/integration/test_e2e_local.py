@@ -97,7 +97,8 @@ class _AuditedChannel:
 
 
 @pytest.mark.parametrize("averaging", [
-    CO2(tau=2, outer_momentum=0.5, penalty="elementwise"),   # async CO2: snapshots and anchor shards
+    CO2(tau=2, outer_momentum=0.5, penalty="elementwise"),   # streaming CO2: fragment snapshots and anchor shards
+    CO2(tau=2, outer_momentum=0.5, stream=False),            # whole-vector one-round-stale CO2
     CO2(tau=2, sync=True),
     "none",                                                  # replicas all-reduce gradients every step
 ])

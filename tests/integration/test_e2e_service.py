@@ -97,7 +97,7 @@ async def _run(cl: _Cluster, built: object, home: Path) -> list[ProgressEvent]:
 
 def test_two_by_two_over_the_data_plane(tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    # tau=2: six rounds of the one-round-stale CO2 average fit in 12 steps (tau=8 would leave one)
+    # tau=2: streaming CO2 averages each of 2 fragments six times in 12 steps (tau=8 would leave one each)
     cfg = TrainConfig(steps=12, micro_batch=4, micro_batches=2, lr=3e-3, replicas=2, averaging=CO2(tau=2),
                       compression="adatopk", checkpoint_every=6, seed=1)
 

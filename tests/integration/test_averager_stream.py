@@ -1,0 +1,215 @@
+"""Streaming CO2 over in-memory channels: n replicas in one trio.run, each averaging one fragment per
+local step and applying it one step late (train/averager.py, "streaming").
+
+Checked against a single-process simulator of the same algorithm (unsharded per-fragment outer state,
+the jump ``live_f + (anchor_f - snap_f)``, and the plain-mean finalize), and for the end states the
+product relies on: identical parameters after finalize, no lost progress alone, a dead peer dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import trio
+import trio.lowlevel
+import trio.testing
+
+from fusionp2p.average.outer import OuterConfig, OuterOptimizer
+from fusionp2p.average.shard import shard_bounds, weighted_mean
+from fusionp2p.train.averager import (
+    AveragerConfig,
+    BoundaryResult,
+    ReplicaAverager,
+    load_anchor_,
+    load_flat_,
+    open_replica_averager,
+    read_ranges,
+    stream_fragments,
+)
+from tests.integration.test_averager import PEERS, Mesh, _data, _flat, _model
+
+torch.set_num_threads(1)
+LR = 0.05
+
+
+def _local_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, s: int) -> None:
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(_data(rank, s)[0]), _data(rank, s)[1]).backward()
+    opt.step()
+
+
+async def _train(avg: ReplicaAverager, rank: int, steps: int, *, die_at: int | None = None,
+                 on_die: object = None) -> tuple[torch.nn.Module, list[BoundaryResult]]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
+    params = list(model.parameters())
+    out: list[BoundaryResult] = []
+    for s in range(steps):
+        _local_step(model, opt, rank, s)
+        await trio.lowlevel.checkpoint()   # the training loop yields between steps; averaging runs meanwhile
+        if s + 1 < steps:
+            res = await avg.round_boundary(params, lr=LR)
+            out.append(res)
+            if res.anchor is not None:
+                load_anchor_(params, res.anchor, res.ranges)
+        else:
+            fin = await avg.finalize(params)
+            assert fin is not None and fin.anchor is not None
+            out.append(fin)
+            load_flat_(params, fin.anchor)
+    return model, out
+
+
+def _run(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, int]] | None = None
+         ) -> tuple[list[torch.Tensor], list[list[BoundaryResult]], list[ReplicaAverager]]:
+    peers = PEERS[:n]
+    finals: dict[str, torch.Tensor] = {}
+    results: dict[str, list[BoundaryResult]] = {}
+    avgs: list[ReplicaAverager] = []
+
+    async def replica(mesh: Mesh, i: int, p: str) -> None:
+        acfg = AveragerConfig(outer=cfg, job="j", stage=1, round_timeout=5.0)
+        async with open_replica_averager(acfg, peers=peers, me=p, channels=mesh.ch[p], initial=list(_model().parameters()),
+                                         segments=segments) as avg:
+            avgs.append(avg)
+            m, res = await _train(avg, i, steps)
+            finals[p], results[p] = _flat(m), res
+
+    async def main() -> None:
+        mesh = Mesh(peers)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for i, p in enumerate(peers):
+                    nursery.start_soon(replica, mesh, i, p)
+
+    trio.run(main)
+    return [finals[p] for p in peers], [results[p] for p in peers], avgs
+
+
+def _reference(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+    """n replicas in one loop: fragment s mod tau averaged after step s (sync-form outer step on its
+    fresh mean), applied after step s + 1 as a jump; the last step averages every fragment plainly."""
+    models = [_model() for _ in range(n)]
+    opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=0.5) for m in models]
+    x0 = _flat(models[0])
+    if segments is None:   # one segment: contiguous balanced slices
+        frags = tuple(((lo, hi),) for lo, hi in shard_bounds(x0.numel(), min(cfg.tau, x0.numel())))
+    else:
+        frags = stream_fragments(x0.numel(), cfg.tau, segments)
+    fcfg = dataclasses.replace(cfg, sync=True)
+    outers = [OuterOptimizer(fcfg, read_ranges(x0, fr)) for fr in frags]
+    pending: tuple[int, list[torch.Tensor], torch.Tensor] | None = None
+
+    def apply(p: tuple[int, list[torch.Tensor], torch.Tensor]) -> None:
+        f, snaps, anchor = p
+        for m, snap in zip(models, snaps):
+            load_anchor_(list(m.parameters()), read_ranges(_flat(m), frags[f]).add_(anchor - snap), frags[f])
+
+    for s in range(steps):
+        for i, (m, o) in enumerate(zip(models, opts)):
+            _local_step(m, o, i, s)
+        if pending is not None:
+            apply(pending)
+            pending = None
+        if s + 1 < steps:
+            f = s % cfg.tau
+            if f < len(frags):
+                snaps = [read_ranges(_flat(m), frags[f]) for m in models]
+                pending = (f, snaps, outers[f].step(weighted_mean(snaps, [1.0] * n), lr=LR).anchor)
+    final = _flat(models[0])
+    for fr in frags:
+        load_anchor_(final, weighted_mean([read_ranges(_flat(m), fr) for m in models], [1.0] * n), fr)
+    return [final] * n
+
+
+@pytest.mark.parametrize(
+    ("n", "cfg"),
+    [
+        (2, OuterConfig(tau=4, sync=False, stream=True)),
+        (3, OuterConfig(tau=3, outer_lr=0.8, outer_momentum=0.5, sync=False, stream=True)),
+        (3, OuterConfig(tau=1, outer_lr=0.9, outer_momentum=0.3, nesterov=True, sync=False, stream=True)),
+        (2, OuterConfig(tau=5, outer_momentum=0.4, clip="elementwise", clip_threshold=0.05, sync=False, stream=True)),
+    ],
+    ids=["2-tau4", "3-tau3-momentum", "3-tau1-nesterov", "2-tau5-clip"],
+)
+@pytest.mark.parametrize("segments", [None, [(0, 11), (11, 35), (35, 66)]], ids=["one-segment", "three-segments"])
+def test_replicas_end_identical_and_match_the_simulator(n: int, cfg: OuterConfig, segments: list[tuple[int, int]] | None) -> None:
+    steps = 13
+    finals, results, avgs = _run(cfg, steps, n, segments)
+    for f in finals[1:]:
+        assert torch.equal(f, finals[0])                  # bitwise: finalize loads the same vector everywhere
+    ref = _reference(cfg, steps, n, segments)
+    assert torch.allclose(finals[0], ref[0], atol=1e-6, rtol=0)
+    for res in results:
+        # every step but the first applies the previous step's round, of fragment (step - 1) mod tau
+        applied = [r for r in res[:-1] if r.anchor is not None]
+        assert len(applied) == steps - 2
+        for r in applied:
+            assert r.fragment == (r.boundary - 1) % cfg.tau
+            assert r.consumed_round is not None and r.launched_round == r.consumed_round + 1
+        assert res[-1].reason == ""                       # every final fragment round completed
+    for a in avgs:
+        assert a.stats.rounds == (steps - 1) + len(a.fragments) and a.stats.skipped == 0
+
+
+def test_one_replica_loses_no_progress() -> None:
+    """Alone, with outer lr 1 and no momentum, averaging is the identity: plain local training."""
+    cfg = OuterConfig(tau=4, sync=False, stream=True)
+    finals, _, _ = _run(cfg, 11, 1)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
+    for s in range(11):
+        _local_step(model, opt, 0, s)
+    assert torch.allclose(finals[0], _flat(model), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("how", ["closed", "silent"])
+def test_peer_dies_mid_run_survivors_drop_it_and_go_on(how: str) -> None:
+    cfg = OuterConfig(tau=3, outer_momentum=0.3, sync=False, stream=True)
+    peers = PEERS[:3]
+    steps = 14
+    finals: dict[str, torch.Tensor] = {}
+    results: dict[str, list[BoundaryResult]] = {}
+    alive: dict[str, tuple[str, ...]] = {}
+
+    async def replica(mesh: Mesh, i: int, p: str) -> None:
+        acfg = AveragerConfig(outer=cfg, job="j", stage=0, round_timeout=0.5)
+        async with open_replica_averager(acfg, peers=peers, me=p, channels=mesh.ch[p], initial=list(_model().parameters())) as avg:
+            if p == "r2":   # trains 5 steps with the others, then dies mid-run
+                model = _model()
+                opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
+                for s in range(5):
+                    _local_step(model, opt, i, s)
+                    await trio.lowlevel.checkpoint()
+                    res = await avg.round_boundary(list(model.parameters()), lr=LR)
+                    if res.anchor is not None:
+                        load_anchor_(list(model.parameters()), res.anchor, res.ranges)
+                if how == "closed":
+                    await mesh.kill(p)
+                else:   # hangs without answering: only the deadlines save the others
+                    await trio.sleep_forever()
+                return
+            m, res = await _train(avg, i, steps)
+            finals[p], results[p], alive[p] = _flat(m), res, avg.alive
+
+    async def main() -> None:
+        mesh = Mesh(peers)
+        with trio.fail_after(120):   # mock time: a real hang makes the clock jump here and fail
+            async with trio.open_nursery() as victim:
+                victim.start_soon(replica, mesh, 2, "r2")
+                async with trio.open_nursery() as survivors:
+                    for i, p in enumerate(peers[:2]):
+                        survivors.start_soon(replica, mesh, i, p)
+                victim.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert set(finals) == {"r0", "r1"}
+    assert alive["r0"] == alive["r1"] == ("r0", "r1")
+    for res in results.values():
+        assert any(r.anchor is None and r.consumed_round is not None for r in res)   # a round was skipped ...
+        assert res[-2].anchor is not None                                          # ... averaging resumed
+        assert res[-1].reason == ""                                                # ... and finalize completed
+    assert torch.equal(finals["r0"], finals["r1"])
+    assert bool(torch.isfinite(finals["r0"]).all())
