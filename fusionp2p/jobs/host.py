@@ -44,6 +44,7 @@ class NodeJobConfig:
     # _confirm_gone): it has confirm_timeout to answer, and an answer counts for confirm_ttl
     confirm_timeout: float = 3.0
     confirm_ttl: float = 10.0
+    join_check_interval: float = 5.0   # the leader judges the same joiners (plans with and without them) this often
     max_jobs: int = 4                  # offered or running at once
     max_pending_links: int = 64
     max_state_bytes: int = 16 << 30    # a stage state fetched from a member
@@ -66,7 +67,7 @@ class NodeJobConfig:
         for name in ("accept_timeout", "election_timeout", "link_timeout", "recv_timeout", "report_timeout",
                      "reconnect_timeout", "start_timeout", "halt_timeout", "conclude_timeout", "watch_interval",
                      "status_interval", "offer_retry", "offer_ttl", "replan_retry", "confirm_timeout",
-                     "confirm_ttl"):
+                     "confirm_ttl", "join_check_interval"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"NodeJobConfig.{name} must be positive")
         if self.max_jobs < 1 or self.max_pending_links < 1 or self.max_offers_per_publisher < 1:

@@ -133,6 +133,7 @@ class JobRun(Leading):
         self.joiners: set[str] = set()                            # accepted the job, no role yet
         self._offered: dict[str, float] = {}                      # node -> when the leader offered it the job
         self._answered: dict[str, float] = {}                     # member the view calls dead -> when it answered
+        self._join_checked: tuple[tuple[int, frozenset[str]], float] = ((-1, frozenset()), -math.inf)
         self._starts_send, self._starts = trio.open_memory_channel[StartRequest](16)
         self._started: set[int] = set()
         self._cur = _Epoch()
