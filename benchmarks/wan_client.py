@@ -82,6 +82,10 @@ def training_rate(steps: dict[int, float], replicas: int, run: dict[str, Any]) -
             "samples_timed": samples}
 
 
+WARMUP = {"name": "warmup", "description": "two steps of baseline A's configuration on every node, not reported",
+          "config": {"planner": "even_layers", "compression": None, "averaging": None}}
+
+
 def run_system(sw: Swarm, run: dict[str, Any], system: dict[str, Any], workdir: Path) -> dict[str, Any]:
     cfg = make_config(run, system)
     t_pub = time.time()
@@ -145,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     with Swarm.connect([doc["bootstrap"]], home=workdir / "client", listen=doc["listen"]) as sw:
         wait_until(lambda: len(sw.members()) >= doc["nodes"], timeout=120, interval=0.5, what="every node a member")
         print(json.dumps({"members": len(sw.members())}), flush=True)
+        # Warm-up, not reported: a node's first job pays one-off costs (lazy imports of torch's tracing
+        # stack when it decodes the DAG, first allocations, connections); whichever system ran first paid
+        # them (on `lan` baseline A measured 146 samples/s against 328 for B with the same plan). Two steps
+        # of baseline A's configuration use every node when the node count is even (replica pairs).
+        try:
+            run_system(sw, {**run, "steps": 2}, WARMUP, workdir)
+        except Exception as exc:
+            print(json.dumps({"warmup_error": f"{type(exc).__name__}: {exc}"}), flush=True)
         for system in doc["systems"]:
             try:
                 out = run_system(sw, run, system, workdir)
