@@ -13,29 +13,19 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fusionp2p.errors import ConfigError
-from fusionp2p.testbed import netns
 from fusionp2p.testbed.emulator import fusionp2p_command, up
 from fusionp2p.testbed.spec import load_spec
+from tests.system.nat_support import SPECS, need_nat_testbed, start_swarm
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(600)]
 
-SPEC = Path(__file__).resolve().parents[2] / "fusionp2p" / "testbed" / "specs" / "nat4.json"
+SPEC = SPECS / "nat4.json"
 
-
-def _need_testbed() -> None:
-    try:
-        netns.check_environment()
-    except ConfigError as exc:
-        pytest.skip(str(exc))
-    if shutil.which("iptables") is None:
-        pytest.skip("the NAT routers need iptables: run `make iptables` (Debian's package)")
 
 
 def _expected_paths(plan: dict[str, Any], home: set[str], host_of: dict[str, str]) -> dict[frozenset[str], str]:
@@ -58,13 +48,10 @@ def _expected_paths(plan: dict[str, Any], home: set[str], host_of: dict[str, str
 
 
 def test_nodes_behind_a_nat_train_with_the_public_ones(tmp_path: Path) -> None:
-    _need_testbed()
+    need_nat_testbed()
     with up(load_spec(SPEC)) as tb:
-        _, addr = tb.start_bootstrap(ready_timeout=120.0)
-        nodes = tb.start_nodes(addr, ready_timeout=180.0)
+        addr, _nodes, peer_of = start_swarm(tb)
         home = {h.name for h in tb.hosts if h.spec.nat}
-        # a node's first stdout line is its own multiaddr
-        peer_of = {h.name: n.drain_stdout().splitlines()[0].rsplit("/p2p/", 1)[1] for h, n in zip(tb.hosts, nodes)}
         pub = tb.host("pub")
         cli = [*fusionp2p_command()]
         # every node's reachability is known and announced: the home nodes are not dialable

@@ -15,38 +15,26 @@ Needs root, iproute2 and iptables (``make iptables``); skipped, saying why, with
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from fusionp2p.errors import ConfigError
-from fusionp2p.testbed import netns
 from fusionp2p.testbed.emulator import fusionp2p_command, up
 from fusionp2p.testbed.spec import load_spec
+from tests.system.nat_support import SPECS, need_nat_testbed, start_swarm
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(600)]
 
-SPEC = Path(__file__).resolve().parents[2] / "fusionp2p" / "testbed" / "specs" / "nat2lan_punch.json"
+SPEC = SPECS / "nat2lan_punch.json"
 PUNCHED = "Successfully established direct connection with"   # py-libp2p's dcutr logger, INFO, in libp2p.log
 
 
-def _need_testbed() -> None:
-    try:
-        netns.check_environment()
-    except ConfigError as exc:
-        pytest.skip(str(exc))
-    if shutil.which("iptables") is None:
-        pytest.skip("the NAT routers need iptables: run `make iptables` (Debian's package)")
-
 
 def test_relayed_connections_are_hole_punched(tmp_path: Path) -> None:
-    _need_testbed()
+    need_nat_testbed()
     with up(load_spec(SPEC)) as tb:
-        _, addr = tb.start_bootstrap(ready_timeout=120.0)
-        nodes = tb.start_nodes(addr, ready_timeout=180.0)
-        peer_of = {h.name: n.drain_stdout().splitlines()[0].rsplit("/p2p/", 1)[1] for h, n in zip(tb.hosts, nodes)}
+        addr, _nodes, peer_of = start_swarm(tb)
         office_log = tb.workdir / "office" / "home" / "libp2p.log"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:   # a log written by another process: polled, with a deadline

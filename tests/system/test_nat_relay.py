@@ -14,36 +14,24 @@ Needs root, iproute2 and iptables (``make iptables``); skipped, saying why, with
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from fusionp2p.errors import ConfigError
-from fusionp2p.testbed import netns
 from fusionp2p.testbed.emulator import fusionp2p_command, up
 from fusionp2p.testbed.spec import load_spec
+from tests.system.nat_support import SPECS, need_nat_testbed, start_swarm
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(600)]
 
-SPEC = Path(__file__).resolve().parents[2] / "fusionp2p" / "testbed" / "specs" / "nat2lan.json"
+SPEC = SPECS / "nat2lan.json"
 
-
-def _need_testbed() -> None:
-    try:
-        netns.check_environment()
-    except ConfigError as exc:
-        pytest.skip(str(exc))
-    if shutil.which("iptables") is None:
-        pytest.skip("the NAT routers need iptables: run `make iptables` (Debian's package)")
 
 
 def test_nodes_behind_two_nats_train_through_the_relay(tmp_path: Path) -> None:
-    _need_testbed()
+    need_nat_testbed()
     with up(load_spec(SPEC)) as tb:
-        _, addr = tb.start_bootstrap(ready_timeout=120.0)
-        nodes = tb.start_nodes(addr, ready_timeout=180.0)
-        peer_of = {h.name: n.drain_stdout().splitlines()[0].rsplit("/p2p/", 1)[1] for h, n in zip(tb.hosts, nodes)}
+        addr, _nodes, peer_of = start_swarm(tb)
         boot = tb.host("boot")
         cli = [*fusionp2p_command()]
         # the home nodes are found private and announce circuit addresses through the bootstrap; they
