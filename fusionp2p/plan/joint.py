@@ -120,11 +120,13 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
     # scored under the real model (ratios from ``choose_ratios``): allowing AdaTopK only adds options.
     layouts: list[tuple[str, Layout, CostModel]] = []
     infeasible: InfeasiblePlanError | None = None
+    states = _States.subsets(list(range(d))) if d <= cfg.exact_search_devices else _States.ordered(order, cfg.skip_window)
+    grouped = [(arrangement, replica_groups(order, r, arrangement)) for r in rs if r > 1
+               for arrangement in ("stage-major", "pipeline-major")
+               if not (r == d and arrangement == "pipeline-major")]   # one group of every device: stage-major's
     variants = [cm] if not cfg.compression else [cm, CostModel(workload, snapshot, dataclasses.replace(cfg, compression=False))]
     for vcm in variants:
-        vcfg = vcm.config
-        one = CostModel(workload, snapshot, dataclasses.replace(vcfg, replicas=False))
-        states = _States.subsets(list(range(d))) if d <= cfg.exact_search_devices else _States.ordered(order, cfg.skip_window)
+        one = CostModel(workload, snapshot, dataclasses.replace(vcm.config, replicas=False))
         try:
             base = refine(vcm, min_bottleneck_layout(one, states, job=snapshot.job), vcm.cut * vcm.min_byte_factor)
             layouts.append(("op-fence", base, vcm))
@@ -135,21 +137,17 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
                     layouts.append(("op-fence+replicas", _trimmed(greedy, r_g), vcm))
         except InfeasiblePlanError as exc:
             infeasible = infeasible or exc
-        for r in rs:
-            if r == 1:
-                continue
-            for arrangement in ("stage-major", "pipeline-major"):
-                groups = replica_groups(order, r, arrangement)
-                if r == d and arrangement == "pipeline-major":
-                    continue   # one group of every device: the same as stage-major
-                try:
-                    layouts.append((arrangement, _group_layout(vcm, workload, groups, snapshot.job), vcm))
-                except InfeasiblePlanError as exc:
-                    infeasible = infeasible or exc
+        for arrangement, groups in grouped:
+            try:
+                layouts.append((arrangement, _group_layout(vcm, workload, groups, snapshot.job), vcm))
+            except InfeasiblePlanError as exc:
+                infeasible = infeasible or exc
+            if vcm is cm:
                 # the searches minimise the bottleneck, not the step (fill and drain count too): the whole
-                # model on the fastest group is always a candidate, so a pipeline must beat it
+                # model on the fastest group is always a candidate, so a pipeline must beat it (it has no
+                # fence, so the fence pricing of the variants does not change it: added once)
                 fastest = max(groups, key=lambda g: (float(cm.flops[list(g)].min()), -min(g)))
-                layouts.append((arrangement, [(0, len(workload.units), fastest)], vcm))
+                layouts.append((arrangement, [(0, len(workload.units), fastest)], cm))
     scored: list[tuple[float, int, int, str, Plan]] = []
     seen: set[tuple[tuple[int, int, tuple[int, ...]], ...]] = set()
     for idx, (how, layout, vcm) in enumerate(layouts):
