@@ -110,11 +110,11 @@ class Leading:
             if now - last_status >= cfg.status_interval:
                 last_status = now
                 self.svc.nursery.start_soon(self._put_status, self._status(self.life.state, plan))
+            if self._led > self.epoch:
+                continue   # our proposal for the next epoch is under way
             gone = sorted(p for p in plan.peers if not self._alive(p))
             if gone and not self._broken and not stalled:
                 gone = await self._confirm_gone(gone)
-            if self._led > self.epoch:
-                continue   # our proposal for the next epoch is under way
             if gone or self._broken or stalled:
                 # a plan that lost members may need newcomers (too few nodes may be left for it): offer the job
                 # to live nodes outside it; one that accepts is in the next proposal

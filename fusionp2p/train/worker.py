@@ -252,14 +252,6 @@ class StageWorker:
             return torch.zeros(0)
         return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self._params])
 
-    def _unflat(self, v: torch.Tensor) -> None:
-        off = 0
-        with torch.no_grad():
-            for p in self._params:
-                n = p.numel()
-                p.copy_(v[off:off + n].view_as(p).to(p.dtype))
-                off += n
-
     # ------------------------------------------------------------------ main
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -325,10 +317,7 @@ class StageWorker:
         if not all_finite([anchor]):   # the round refuses non-finite parts; this is the last line
             log.warning("stage %d, step %d: averaged anchor is not finite; not loaded", self.prog.stage, step)
             return
-        if not ranges:
-            self._unflat(anchor)
-        else:
-            load_anchor_(self._params, anchor, ranges)
+        load_anchor_(self._params, anchor, ranges)
 
     def _segments(self) -> list[tuple[int, int]]:
         """Streaming CO2's segments of the flat vector: every tied parameter alone, the runs between
