@@ -84,6 +84,19 @@ class Mesh:
             await ch.aclose()
 
 
+def run_on_mesh(peers: list[str], replica: Callable[[Mesh, int, str], Awaitable[None]], *, timeout: float = 30.0) -> None:
+    """Run ``replica(mesh, i, peer)`` for every peer, on one fresh mesh, under a deadline."""
+
+    async def main() -> None:
+        mesh = Mesh(peers)
+        with trio.fail_after(timeout):
+            async with trio.open_nursery() as nursery:
+                for i, p in enumerate(peers):
+                    nursery.start_soon(replica, mesh, i, p)
+
+    trio.run(main)
+
+
 PEERS = [f"r{i}" for i in range(4)]
 
 
@@ -128,13 +141,6 @@ def _run_replicas(cfg: OuterConfig, steps: int, *, n: int = 4, timeout: float = 
     results: list[list[BoundaryResult]] = [[] for _ in range(n)]
     avgs: list[ReplicaAverager] = []
 
-    async def main() -> None:
-        mesh = Mesh(peers)
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                for i, p in enumerate(peers):
-                    nursery.start_soon(replica, mesh, i, p)
-
     async def replica(mesh: Mesh, i: int, p: str) -> None:
         acfg = AveragerConfig(outer=cfg, job="j", stage=1, round_timeout=timeout)
         async with open_replica_averager(acfg, peers=peers, me=p, channels=mesh.ch[p], initial=list(_model().parameters())) as avg:
@@ -160,7 +166,7 @@ def _run_replicas(cfg: OuterConfig, steps: int, *, n: int = 4, timeout: float = 
                 res.append(fin)
             models[i], results[i] = m, res
 
-    trio.run(main)
+    run_on_mesh(peers, replica)
     return models, results, avgs
 
 

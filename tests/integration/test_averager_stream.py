@@ -28,7 +28,7 @@ from fusionp2p.train.averager import (
     read_ranges,
     stream_fragments,
 )
-from tests.integration.test_averager import PEERS, Mesh, _data, _flat, _model
+from tests.integration.test_averager import PEERS, Mesh, _data, _flat, _model, run_on_mesh
 
 torch.set_num_threads(1)
 LR = 0.05
@@ -77,14 +77,7 @@ def _run(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, int]] |
             m, res = await _train(avg, i, steps)
             finals[p], results[p] = _flat(m), res
 
-    async def main() -> None:
-        mesh = Mesh(peers)
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                for i, p in enumerate(peers):
-                    nursery.start_soon(replica, mesh, i, p)
-
-    trio.run(main)
+    run_on_mesh(peers, replica)
     return [finals[p] for p in peers], [results[p] for p in peers], avgs
 
 
