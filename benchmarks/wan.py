@@ -9,8 +9,10 @@ every link with their own probes (``fusionp2p status --json``), then runs the pu
 (``Swarm.connect``), the nodes elect the plan from their measured links, train, and the publisher
 downloads the model. Everything is torn down at the end (also on failure and Ctrl-C).
 
-The five systems are job configurations of the same product (``TrainConfig``), all with
-``replicas=2`` (exact for the baselines, a hint and bound for OP-Fence):
+The five systems are job configurations of the same product (``TrainConfig``). The baselines run
+``replicas=2``, exactly; the OP-Fence systems run ``replicas=None``: the planner chooses the replica
+count with the stages (plan/joint.py), which is the system under test (issue 20: ``replicas`` is a
+hint or a bound, never part of the baseline's handicap). Samples/s counts every replica's samples:
 
 * ``A``: ``planner="even_layers"``, dense, per-step gradient all-reduce (``averaging=None``);
 * ``B``: ``planner="even_flops"``, dense, per-step all-reduce;
@@ -61,11 +63,11 @@ SYSTEMS: list[dict[str, Any]] = [
     {"name": "B", "description": "even split by FLOPs, replica pairs in peer-id order, dense, per-step all-reduce",
      "config": {"planner": "even_flops", **_DENSE_SYNC}},
     {"name": "OPF", "description": "OP-Fence (joint stages x replicas), dense, per-step all-reduce",
-     "config": {"planner": "opfence", **_DENSE_SYNC}},
+     "config": {"planner": "opfence", "replicas": None, **_DENSE_SYNC}},
     {"name": "OPF+TopK", "description": "OP-Fence + AdaTopK, per-step all-reduce",
-     "config": {"planner": "opfence", "compression": "adatopk", "averaging": None}},
+     "config": {"planner": "opfence", "replicas": None, "compression": "adatopk", "averaging": None}},
     {"name": "OPF+TopK+CO2", "description": "OP-Fence + AdaTopK + CO2 between the replicas (the full system)",
-     "config": {"planner": "opfence", "compression": "adatopk", "averaging": "co2"}},
+     "config": {"planner": "opfence", "replicas": None, "compression": "adatopk", "averaging": "co2"}},
 ]
 
 
@@ -146,6 +148,7 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
         measured = [{"src": peers[e["src"]], "dst": peers[e["dst"]], "mbit_s": 8 * e["bytes_per_s"] / 1e6}
                     for e in status["bandwidth"] if e["src"] in peers and e["dst"] in peers and e["measured"]]
         profiles = {peers[m["peer"]]: (m["profile"] or {}).get("flops_fp32") for m in status["members"] if m["peer"] in peers}
+        act_rates = {peers[m["peer"]]: (m["profile"] or {}).get("act_rate") for m in status["members"] if m["peer"] in peers}
         log.info("swarm up and measured in %.0f s", swarm_s)
         job_file = workdir / "run.json"
         job_file.write_text(json.dumps({
@@ -171,7 +174,8 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
                 r["plan"]["hosts"] = [peers.get(p, p) for p in r["plan"]["members"]]
         shutil.rmtree(workdir, ignore_errors=True)   # success: the figures are in the result
         return {"scenario": scenario, "spec": spec.description, "run": dataclasses.asdict(cfg),
-                "swarm_up_s": swarm_s, "measured_links": measured, "node_flops": profiles, "systems": results,
+                "swarm_up_s": swarm_s, "measured_links": measured, "node_flops": profiles, "node_act_rate": act_rates,
+                "systems": results,
                 "hosts": [{"name": h.name, "up_bps": h.up_bps, "down_bps": h.down_bps, "cpus": h.cpus}
                           for h in spec.hosts]}
 

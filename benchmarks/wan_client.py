@@ -54,8 +54,9 @@ def make_model(run: dict[str, Any]) -> GPT2:
 
 
 def make_config(run: dict[str, Any], system: dict[str, Any]) -> TrainConfig:
+    kw = {"replicas": run["replicas"], **system["config"]}     # a system may name its own replicas (None: the planner's)
     return TrainConfig(steps=run["steps"], micro_batch=run["micro_batch"], micro_batches=run["micro_batches"],
-                       optimizer="adamw", lr=run["lr"], seed=run["seed"], replicas=run["replicas"], **system["config"])
+                       optimizer="adamw", lr=run["lr"], seed=run["seed"], **kw)
 
 
 def held_out_loss(path: Path, run: dict[str, Any]) -> float:

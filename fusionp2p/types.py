@@ -25,6 +25,9 @@ class DeviceProfile:
     flops_bf16: float = field(metadata={"wire": {"lo": 0.0, "hi": 1e20}})      # measured, 0.0 where unsupported
     memory_bytes: int = field(metadata={"wire": {"lo": 1, "hi": 1 << 60}})     # memory usable for training
     threads: int = field(default=1, metadata={"wire": {"lo": 1, "hi": 1 << 16, "optional": True}})
+    # measured rate of activation-bound work: forward output bytes of element-wise ops per second of
+    # their forward + backward (swarm/device.py); 0.0 = not measured (older nodes; then left out on the wire)
+    act_rate: float = field(default=0.0, metadata={"wire": {"lo": 0.0, "hi": 1e20, "optional": True, "omit_default": True}})
     versions: tuple[tuple[str, str], ...] = field(       # (("torch", "2.13.0"), ("python", "3.11.7"), ...)
         default=(), metadata={"wire": {"max_len": 16, "optional": True, "item": {"max_len": 64}}})
 
@@ -33,6 +36,8 @@ class DeviceProfile:
             raise ValueError("flops_fp32 must be positive")
         if self.memory_bytes <= 0:
             raise ValueError("memory_bytes must be positive")
+        if not self.act_rate >= 0:
+            raise ValueError("act_rate must not be negative")
 
     def to_wire(self) -> dict[str, Any]:
         """The map in signed node records and snapshots (decoded by ``wire.records.decode_profile``)."""
@@ -41,7 +46,7 @@ class DeviceProfile:
             "flops_fp32": float(self.flops_fp32), "flops_bf16": float(self.flops_bf16),
             "memory_bytes": int(self.memory_bytes), "threads": int(self.threads),
             "versions": [list(v) for v in self.versions],
-        }
+        } | ({"act_rate": float(self.act_rate)} if self.act_rate > 0 else {})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

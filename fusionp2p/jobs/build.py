@@ -331,11 +331,13 @@ class NodeJobs:
 
 def planner_config(cfg: TrainConfig) -> PlannerConfig:
     """The planner's cost model for a job: its micro-batches, compression, AdaTopK floor and averaging period
-    (per-step gradient all-reduce without CO2: one step)."""
+    (per-step gradient all-reduce without CO2: one step), and whether the averaging hides behind the
+    compute (asynchronous CO2) or blocks the step (the all-reduce, synchronous CO2)."""
     comp, co2 = cfg.adatopk, cfg.co2
     return PlannerConfig(micro_batches=cfg.micro_batches, compression=comp is not None,
                          rho_min=comp.rho_min if comp is not None else PlannerConfig().rho_min,
-                         co2_tau=co2.tau if co2 is not None else 1)
+                         co2_tau=co2.tau if co2 is not None else 1,
+                         overlap_averaging=co2 is not None and not co2.sync)
 
 
 def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile], *,

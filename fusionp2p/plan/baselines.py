@@ -77,15 +77,16 @@ def plan_even_flops(workload: WorkloadGraph, snapshot: Snapshot, config: Planner
 
 
 def _group_flops_layout(cm: CostModel, workload: WorkloadGraph, groups: list[tuple[int, ...]], job: str) -> Layout:
-    """The compute-balanced layout over replica groups as super-devices (speeds add up, less
+    """The compute-balanced layout over replica groups as super-devices (``CostModel.group_speed``, less
     ``replica_overhead``; the smallest member's memory), links ignored; in real device indices."""
     cfg = cm.config
     names = [f"g{k:05d}" for k in range(len(groups))]
     members = {}
     for name, g in zip(names, groups, strict=True):
-        speed = float(cm.flops[list(g)].sum()) / (1.0 + cfg.replica_overhead)
+        speed = cm.group_speed(g) / (1.0 + cfg.replica_overhead)
         mem = float(cm.mem_cap[list(g)].min()) / cfg.memory_headroom
         members[name] = DeviceProfile(device="group", kind="group", name=name, flops_fp32=speed, flops_bf16=0.0,
+                                      act_rate=speed / cm.act_flops if cm.act_flops > 0 else 0.0,
                                       memory_bytes=max(1, int(mem)))
     gcfg = dataclasses.replace(cfg, param_memory_factor=cfg.param_memory_factor + cfg.replica_memory_factor)
     gcm = CostModel(workload, Snapshot(job=job, epoch=0, members=members, links={}), gcfg)

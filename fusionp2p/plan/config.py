@@ -35,6 +35,7 @@ class PlannerConfig:
     replicas: bool = True                   # add data-parallel replicas with left-over devices
     replica_overhead: float = 0.05          # compute slowdown charged to a replicated stage (CO2 overlap)
     co2_tau: int = 48                       # local steps between CO2 averaging rounds
+    overlap_averaging: bool = True          # False: the round blocks the step (per-step all-reduce, CO2 sync)
     cluster_theta: float = 0.25             # merge clusters while inter-bandwidth >= theta * intra
     exact_search_devices: int = 5           # up to this many devices: search every device order
     skip_window: int = 32                   # cluster order: next stage at most this many devices later

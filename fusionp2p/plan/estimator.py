@@ -3,8 +3,14 @@
 Scalar helpers state the formulas; :class:`CostModel` precomputes prefix sums over the unit order
 so that the cost of any contiguous range ``[i, j)`` is O(1) (that is what keeps OP-Fence fast):
 
-* compute of a unit on device d: ``(fwd_flops + bwd_flops) / (flops_fp32[d] * efficiency(kind))``
-  seconds per micro-batch;
+* compute of a unit on device d: ``(fwd_flops + bwd_flops) / (flops_fp32[d] * efficiency(kind))
+  + act_bytes / act_rate`` seconds per micro-batch. The second term is the element-wise work (norms,
+  activations, softmax, residuals: the FLOP counter counts none of it) at the rate the nodes measured
+  (``DeviceProfile.act_rate``); for a small transformer on a CPU thread it is more than half of the
+  step (measured: GPT-2 4 x 64, micro-batch 8: 7.1 ms predicted from FLOPs alone, 16 ms measured).
+  So that a range's cost stays one prefix sum, the term is folded into FLOP-equivalents with one
+  factor per snapshot, ``act_flops`` = the median of ``flops_fp32 / act_rate`` over the members that
+  measured it (0 when none did: FLOPs alone, as before);
 * memory of a range: ``param_memory_factor * params + micro_batches * act_bytes`` (plus
   ``replica_memory_factor * params`` when the stage is replicated, for CO2's anchor and momentum);
 * a fence's traffic ``cut[f]``: bytes per micro-batch of every edge ``src < f <= dst`` (skip edges
@@ -32,9 +38,21 @@ F64 = npt.NDArray[np.float64]
 
 
 def unit_compute_time(unit: Unit, profile: DeviceProfile, config: PlannerConfig) -> tuple[float, float]:
-    """(forward, backward) seconds per micro-batch of *unit* on *profile*."""
+    """(forward, backward) seconds per micro-batch of *unit* on *profile*; the element-wise part
+    (``act_bytes / act_rate``, where measured) split a third forward, two thirds backward."""
     rate = profile.flops_fp32 * config.efficiency_of(unit.kind)
-    return unit.fwd_flops / rate, unit.bwd_flops / rate
+    act = unit.act_bytes / profile.act_rate if profile.act_rate > 0 else 0.0
+    return unit.fwd_flops / rate + act / 3.0, unit.bwd_flops / rate + 2.0 * act / 3.0
+
+
+def act_flops(profiles: Sequence[DeviceProfile]) -> float:
+    """FLOP-equivalents of one activation byte for a set of devices: the median of
+    ``flops_fp32 / act_rate`` over those that measured ``act_rate`` (0.0 when none did)."""
+    ratios = sorted(p.flops_fp32 / p.act_rate for p in profiles if p.act_rate > 0)
+    if not ratios:
+        return 0.0
+    mid = len(ratios) // 2
+    return ratios[mid] if len(ratios) % 2 else 0.5 * (ratios[mid - 1] + ratios[mid])
 
 
 def unit_memory(unit: Unit, config: PlannerConfig, *, replicated: bool = False) -> float:
@@ -68,7 +86,10 @@ class CostModel:
         self.index = {p: i for i, p in enumerate(self.peers)}
         units = workload.units
         self.n_units = len(units)
-        work = np.array([(u.fwd_flops + u.bwd_flops) / config.efficiency_of(u.kind) for u in units], dtype=np.float64)
+        profs = list(snapshot.members.values())
+        self.act_flops = act_flops(profs)
+        work = np.array([(u.fwd_flops + u.bwd_flops) / config.efficiency_of(u.kind) + self.act_flops * u.act_bytes
+                         for u in units], dtype=np.float64)
         params = np.array([u.param_bytes for u in units], dtype=np.float64)
         acts = np.array([u.act_bytes for u in units], dtype=np.float64)
         self.work: F64 = np.concatenate(([0.0], np.cumsum(work)))
@@ -80,7 +101,6 @@ class CostModel:
             diff[e.dst + 1] -= e.nbytes
         self.cut: F64 = np.cumsum(diff)[: self.n_units + 1]
         self.cut[0] = 0.0
-        profs = list(snapshot.members.values())
         self.flops: F64 = np.array([p.flops_fp32 for p in profs], dtype=np.float64)
         self.mem_cap: F64 = np.array([p.memory_bytes * config.memory_headroom for p in profs], dtype=np.float64)
         d = len(self.peers)
@@ -117,49 +137,107 @@ class CostModel:
     def group_link(self, a: Sequence[int], b: Sequence[int]) -> Link:
         """The link between two replica groups, as ``min(|a|, |b|)`` paired streams.
 
-        Replicas are paired greedily fastest pair first (each replica in at most one pair), and
-        micro-batches are routed over the pairs in proportion to their bandwidth (SWARM-style), so
-        the pairs' bandwidths add up; the latency is the worst paired latency. Two sites each
-        holding a full pipeline thus talk inside their site, not across the slow link.
+        Replicas are paired greedily fastest pair first (each replica in at most one pair; pipeline
+        ``p`` runs over pair ``p``, ``pipeline_order``). Every pipeline sends its step's ``M``
+        micro-batches over its own pair and the pipelines run in lockstep (the averaging waits for the
+        slowest), so the group link carries ``pairs x`` the *slowest* pair's bandwidth; the latency is
+        the worst paired latency. Two sites each holding a full pipeline thus talk inside their site,
+        not across the slow link.
         """
         if len(a) == 1 and len(b) == 1:
             bw, lat = float(self.bw[a[0], b[0]]), float(self.lat[a[0], b[0]])
             if not math.isfinite(bw):  # the same single device on both sides (not produced by planners)
                 return Link(bandwidth_bps=1e30, latency_s=0.0)
             return Link(bandwidth_bps=bw, latency_s=lat)
-        total, worst_lat = 0.0, 0.0
-        for x, y in self.pairing(a, b):
-            total += min(float(self.bw[x, y]), 1e30)
-            worst_lat = max(worst_lat, float(self.lat[x, y]))
-        return Link(bandwidth_bps=total, latency_s=worst_lat)
+        pairs = self.pairing(a, b)
+        slowest = min(min(float(self.bw[x, y]), 1e30) for x, y in pairs)
+        worst_lat = max(float(self.lat[x, y]) for x, y in pairs)
+        return Link(bandwidth_bps=len(pairs) * slowest, latency_s=worst_lat)
 
     def pairing(self, a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
-        """Greedy matching of replicas of two neighbouring stages, fastest pair first (deterministic)."""
-        pairs = sorted((-float(self.bw[x, y]), float(self.lat[x, y]), x, y) for x in a for y in b)
-        free_a, free_b = set(a), set(b)
-        out: list[tuple[int, int]] = []
-        for _, _, x, y in pairs:
-            if x in free_a and y in free_b:
-                free_a.discard(x)
-                free_b.discard(y)
-                out.append((x, y))
-        return out
+        """Replicas of two neighbouring stages matched into ``min(|a|, |b|)`` pairs whose slowest pair
+        is as fast as possible (the pipelines run in lockstep, so the slowest pair sets the pace);
+        the greedy fastest-first pairing where it reaches that bottleneck (deterministic). Otherwise a
+        bottleneck matching: the largest bandwidth threshold that still admits a full matching
+        (augmenting paths over the pairs at or above it, tried fastest first). Greedy alone used to
+        strand the last replicas on a slow pair when a full matching over fast pairs existed."""
+        ranked = sorted((-float(self.bw[x, y]), float(self.lat[x, y]), x, y) for x in a for y in b)
+        need = min(len(a), len(b))
+        levels = sorted({-nb for nb, _, _, _ in ranked}, reverse=True)
+        lo, hi = 0, len(levels) - 1      # every pair is at or above the slowest level: a full matching
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(_match(ranked, levels[mid])) == need:
+                hi = mid
+            else:
+                lo = mid + 1
+        greedy = _greedy(ranked)
+        if min(float(self.bw[x, y]) for x, y in greedy) >= levels[lo]:
+            return greedy                 # fastest pairs first already reach the best bottleneck
+        return sorted(_match(ranked, levels[lo]), key=lambda xy: (-float(self.bw[xy]), float(self.lat[xy]), xy))
+
+    def group_speed(self, group: Sequence[int]) -> float:
+        """FLOP/s a replica group delivers to its stage: ``r x`` its slowest member's. The replicas run
+        in lockstep (every pipeline runs the step's ``M`` micro-batches and the average waits for the
+        slowest), so a slow replica holds the fast ones back; speeds do not add up."""
+        return len(group) * float(self.flops[list(group)].min())
 
     def stage_time(self, i: int, j: int, group: Sequence[int]) -> float:
-        """Seconds per micro-batch of stage [i, j) served by *group* (throughput-equivalent).
+        """Seconds per micro-batch of stage [i, j) served by *group* (throughput-equivalent: the group's
+        ``r`` replicas together finish one micro-batch in this time).
 
-        Replicas share the micro-batches in proportion to their speed, so compute is
-        ``work / sum(flops)``; a replicated stage is charged ``replica_overhead`` on top and can
-        never be faster than its CO2 averaging round amortised over ``tau * M`` micro-batches
-        (a ring all-reduce of the stage's parameters, ``2 (r-1)/r * bytes / bandwidth``).
+        Compute is ``work / group_speed`` (``r x`` the slowest replica: lockstep); a replicated stage
+        is charged ``replica_overhead`` on top and can never be faster than its CO2 averaging round
+        (a ring all-reduce of the stage's parameters, ``2 (r-1)/r * bytes / bandwidth``) amortised over
+        the ``tau * M * r`` micro-batches the group computes between two rounds: each replica's
+        ``tau * M`` micro-batches must take at least one round. A round that blocks the step
+        (``overlap_averaging=False``: the per-step gradient all-reduce, synchronous CO2) adds to it.
         """
         work = self.range_work(i, j)
-        t = work / float(self.flops[list(group)].sum())
+        t = work / self.group_speed(group)
         r = len(group)
         if r > 1:
             t *= 1.0 + self.config.replica_overhead
             sub_bw = self.bw[np.ix_(group, group)]
             sub_lat = self.lat[np.ix_(group, group)]
             ring = 2.0 * (r - 1) / r * self.range_params(i, j) / float(sub_bw.min()) + 2.0 * (r - 1) * float(sub_lat.max())
-            t = max(t, ring / (self.config.co2_tau * self.config.micro_batches))
+            floor = ring / (self.config.co2_tau * self.config.micro_batches * r)
+            t = max(t, floor) if self.config.overlap_averaging else t + floor
         return t
+
+
+def _greedy(ranked: Sequence[tuple[float, float, int, int]]) -> list[tuple[int, int]]:
+    """Pairs taken fastest first, each replica in at most one pair."""
+    free_a, free_b = {x for _, _, x, _ in ranked}, {y for _, _, _, y in ranked}
+    out: list[tuple[int, int]] = []
+    for _, _, x, y in ranked:
+        if x in free_a and y in free_b:
+            free_a.discard(x)
+            free_b.discard(y)
+            out.append((x, y))
+    return out
+
+
+def _match(ranked: Sequence[tuple[float, float, int, int]], threshold: float) -> list[tuple[int, int]]:
+    """A maximum matching over the pairs of *ranked* (``(-bandwidth, latency, x, y)``, fastest first)
+    with bandwidth >= *threshold*: augmenting paths (Kuhn), each replica of the first stage tried in
+    order of its fastest pair, its candidates fastest first."""
+    adj: dict[int, list[int]] = {}
+    for nb, _, x, y in ranked:
+        if -nb >= threshold:
+            adj.setdefault(x, []).append(y)
+    owner: dict[int, int] = {}
+
+    def augment(x: int, seen: set[int]) -> bool:
+        for y in adj[x]:
+            if y in seen:
+                continue
+            seen.add(y)
+            if y not in owner or augment(owner[y], seen):
+                owner[y] = x
+                return True
+        return False
+
+    for x in adj:
+        augment(x, set())
+    return [(x, y) for y, x in owner.items()]

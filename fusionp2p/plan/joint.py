@@ -16,11 +16,13 @@ module searches that grid and keeps OP-Fence as the inner solver:
      consecutive devices: a stage's replicas sit in one cluster, the pipeline crosses clusters) and
      *pipeline-major* (``r`` blocks of ``D // r`` consecutive devices, group k takes the k-th device
      of every block: each block is a pipeline, e.g. one per site, and the averaging crosses the slow
-     links, amortised over ``co2_tau`` steps). Each group is a super-device (speeds add up, less
+     links, amortised over ``co2_tau`` steps). Each group is a super-device (``r x`` its slowest member's speed, less
      ``replica_overhead``; the smallest member's memory, less CO2's anchor and momentum; group links
      as ``CostModel.group_link``) and OP-Fence's search cuts the units over the super-devices; it may
      leave groups out (fewer stages, idle devices).
    * OP-Fence's own greedy replication (``add_replicas``), trimmed to the smallest count.
+   * One stage (no pipeline) on the group that runs the whole model fastest, per arrangement, and
+     one stage on the ``r`` fastest devices wherever they sit (``how = "fastest"``).
 
 2. *Ratios and score.* Each candidate layout is refined under the real cost model (replica groups,
    the CO2 ring all-reduce floor), gets its AdaTopK ratios from the policy (``predict.choose_ratios``)
@@ -72,9 +74,10 @@ def _group_layout(cm: CostModel, workload: WorkloadGraph, groups: list[tuple[int
     names = [f"g{k:05d}" for k in range(len(groups))]
     members = {}
     for name, g in zip(names, groups):
-        speed = float(cm.flops[list(g)].sum()) / (1.0 + cfg.replica_overhead)
+        speed = cm.group_speed(g) / (1.0 + cfg.replica_overhead)
         mem = float(cm.mem_cap[list(g)].min()) / cfg.memory_headroom
         members[name] = DeviceProfile(device="group", kind="group", name=name, flops_fp32=speed, flops_bf16=0.0,
+                                      act_rate=speed / cm.act_flops if cm.act_flops > 0 else 0.0,
                                       memory_bytes=max(1, int(mem)))
     links = {}
     for a in range(len(groups)):
@@ -144,10 +147,19 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
                 infeasible = infeasible or exc
             if vcm is cm:
                 # the searches minimise the bottleneck, not the step (fill and drain count too): the whole
-                # model on the fastest group is always a candidate, so a pipeline must beat it (it has no
-                # fence, so the fence pricing of the variants does not change it: added once)
-                fastest = max(groups, key=lambda g: (float(cm.flops[list(g)].min()), -min(g)))
-                layouts.append((arrangement, [(0, len(workload.units), fastest)], cm))
+                # model on the group that runs it fastest is always a candidate, so a pipeline must beat it
+                # (it has no fence, so the fence pricing of the variants does not change it: added once).
+                # Fastest under the whole cost model, its averaging ring included: the group of the
+                # fastest devices may sit behind slow links
+                n_u = len(workload.units)
+                fastest = min(groups, key=lambda g: (cm.stage_time(0, n_u, g), min(g)))
+                layouts.append((arrangement, [(0, n_u, fastest)], cm))
+    # Data parallel on the r fastest devices wherever they sit (r = 2 .. r_max): the replicas run in
+    # lockstep, so these are the best r for compute, and whether their averaging ring (across sites,
+    # amortised over tau steps) pays for itself is for the cost model to say. Neither arrangement
+    # forms this group when the fast devices are spread over clusters.
+    by_speed = sorted(range(d), key=lambda x: (-float(cm.flops[x]), x))
+    layouts.extend(("fastest", [(0, len(workload.units), tuple(by_speed[:r]))], cm) for r in rs if r > 1)
     scored: list[tuple[float, int, int, str, Plan]] = []
     seen: set[tuple[tuple[int, int, tuple[int, ...]], ...]] = set()
     for idx, (how, layout, vcm) in enumerate(layouts):

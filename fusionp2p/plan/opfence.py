@@ -25,8 +25,9 @@ between the two devices, where ``bytes`` may shrink to the AdaTopK floor when co
 4. *Refinement.* Pairwise rebalancing of neighbouring stages (never raises the bottleneck; it
    spreads the slack of non-bottleneck stages evenly, which also shortens fill and drain).
 5. *Replicas.* Devices left over join, one at a time, the stage whose replication lowers the
-   bottleneck most (cost model in CostModel.stage_time: speeds add up, 5% overhead, CO2's ring
-   all-reduce amortised over ``tau * M`` micro-batches); then step 4 runs again.
+   bottleneck most (cost model in CostModel.stage_time: r x the slowest replica's speed, as the
+   replicas run in lockstep; 5% overhead; CO2's ring all-reduce amortised over the ``tau * M * r``
+   micro-batches the group computes between rounds); then step 4 runs again.
 6. *Compression.* AdaTopK ratios per fence (predict.choose_ratios).
 """
 
@@ -243,12 +244,14 @@ def _link_time(cm: CostModel, a: tuple[int, ...], b: tuple[int, ...], cut_eff: F
 def _stage_vec(cm: CostModel, i: Idx, j: Idx, g: tuple[int, ...]) -> F64:
     """Vectorised CostModel.stage_time over arrays of range ends."""
     i_a, j_a = np.asarray(i), np.asarray(j)
-    t = (cm.work[j_a] - cm.work[i_a]) / float(cm.flops[list(g)].sum())
+    t = (cm.work[j_a] - cm.work[i_a]) / cm.group_speed(g)
     r = len(g)
     if r > 1:
         sub = np.ix_(g, g)
         ring = 2.0 * (r - 1) / r * (cm.params[j_a] - cm.params[i_a]) / float(cm.bw[sub].min()) + 2.0 * (r - 1) * float(cm.lat[sub].max())
-        t = np.maximum(t * (1 + cm.config.replica_overhead), ring / (cm.config.co2_tau * cm.config.micro_batches))
+        t = t * (1 + cm.config.replica_overhead)
+        floor = ring / (cm.config.co2_tau * cm.config.micro_batches * r)
+        t = np.maximum(t, floor) if cm.config.overlap_averaging else t + floor
     return np.asarray(t, dtype=np.float64)
 
 

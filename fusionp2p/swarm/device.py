@@ -1,4 +1,5 @@
-"""Measure this node's device: matmul FLOP/s (fp32 and bf16 where supported), memory, versions.
+"""Measure this node's device: matmul FLOP/s (fp32 and bf16 where supported), the rate of
+activation-bound (element-wise) work, memory, versions.
 
 Under a CPU quota (a container's or the testbed's cgroup: ``cpu.max`` in cgroup v2,
 ``cpu.cfs_quota_us`` in v1) the kernel lets a process run at full speed for its quota and then
@@ -58,6 +59,37 @@ def _matmul_rate(dev: torch.device, dtype: torch.dtype, seconds: float, n: int, 
             break
     del c
     return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def _act_rate(dev: torch.device, seconds: float, *, stalled_seconds: float = 0.0, rows: int = 512,
+              width: int = 64) -> float:
+    """Bytes/s of activation-bound work: a chain of element-wise ops as a transformer block has them
+    (layer norm, GELU, scaled softmax, products and a residual add on a ``rows x width`` fp32 tensor),
+    forward and backward; the bytes are the forward outputs, which is how the workload counts a unit's
+    ``act_bytes`` (graph/workload.py). On a CPU thread these ops run at a few GB/s, dispatch included,
+    not at matmul speed: for small models they take most of a step (plan/estimator.py)."""
+    x = torch.randn(rows, width, device=dev, requires_grad=True)
+    shape = (-1, width, width) if rows % width == 0 else (1, rows, width)
+    per = 6 * rows * width * 4      # outputs of layer_norm, gelu, mul, softmax, mul, add
+
+    def once() -> None:
+        h = torch.nn.functional.layer_norm(x, (width,))
+        g = torch.nn.functional.gelu(h)
+        a = torch.softmax(g.view(shape) * 0.125, dim=-1)
+        torch.autograd.backward((a * g.view(shape) + h.view(shape)).sum())
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    once()  # warm-up
+    reps = 0
+    t0, c0 = time.perf_counter(), time.thread_time()
+    while True:
+        once()
+        reps += 1
+        wall = time.perf_counter() - t0
+        if wall >= seconds and (wall >= stalled_seconds or time.thread_time() - c0 > STALLED * wall):
+            break
+    return per * reps / (time.perf_counter() - t0)
 
 
 QUOTA_PERIODS = 10
@@ -130,6 +162,7 @@ def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfi
         # got much less CPU than wall time is throttled or crowded, and is measured over 10 periods
         stalled = QUOTA_PERIODS * 0.1
     fp32 = _matmul_rate(dev, torch.float32, seconds, n, stalled_seconds=stalled)
+    act = _act_rate(dev, seconds, stalled_seconds=stalled)
     try:
         bf16 = _matmul_rate(dev, torch.bfloat16, seconds / 2, n)
     except RuntimeError:
@@ -142,4 +175,4 @@ def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfi
         name = f"{platform.machine()} ({torch.get_num_threads()} threads)"
     versions = (("python", platform.python_version()), ("torch", torch.__version__))
     return DeviceProfile(device=str(dev), kind=dev.type, name=name, flops_fp32=fp32, flops_bf16=bf16,
-                         memory_bytes=mem, threads=torch.get_num_threads(), versions=versions)
+                         act_rate=act, memory_bytes=mem, threads=torch.get_num_threads(), versions=versions)

@@ -45,11 +45,35 @@ def test_a_quota_lengthens_the_cpu_benchmark(monkeypatch: pytest.MonkeyPatch) ->
         seen.append(seconds)
         return 1e9
 
+    acts: list[float] = []
+
+    def fake_act(dev: object, seconds: float, *, stalled_seconds: float = 0.0) -> float:
+        acts.append(seconds)
+        return 1e8
+
     monkeypatch.setattr(device, "_matmul_rate", fake_rate)
+    monkeypatch.setattr(device, "_act_rate", fake_act)
     monkeypatch.setattr(device, "own_cpu_quota", lambda: (0.25, 0.1))
-    device.measure_profile("cpu")
+    prof = device.measure_profile("cpu")
     assert seen[0] == pytest.approx(device.QUOTA_PERIODS * 0.1)
+    assert acts[0] == pytest.approx(device.QUOTA_PERIODS * 0.1)    # the element-wise benchmark too
+    assert prof.act_rate == 1e8
     seen.clear()
+    acts.clear()
     monkeypatch.setattr(device, "own_cpu_quota", lambda: None)
     device.measure_profile("cpu")
-    assert seen[0] == pytest.approx(0.2)
+    assert seen[0] == pytest.approx(0.2) and acts[0] == pytest.approx(0.2)
+
+
+def test_element_wise_rate_is_a_few_gb_per_second_at_most_on_a_cpu_thread() -> None:
+    """The element-wise benchmark runs at a small fraction of the matmul rate in FLOP-equivalents
+    (that is why the planner needs it): one CPU thread moves at most tens of GB/s of outputs, and
+    a real run takes the seconds it was given."""
+    import time
+
+    import torch
+
+    t0 = time.perf_counter()
+    rate = device._act_rate(torch.device("cpu"), 0.05)
+    assert time.perf_counter() - t0 >= 0.05
+    assert 1e6 < rate < 1e11

@@ -260,3 +260,33 @@ def test_replica_order_forms_pipelines_over_fast_pairs(site: list[int]) -> None:
     first, second = plan.stages
     assert [where[p] for p in first.replicas] == [where[p] for p in second.replicas]
     assert all(f.rho == 1.0 for f in plan.fences)
+
+
+def test_element_wise_work_is_priced_at_the_measured_act_rate() -> None:
+    """FLOPs count the matmuls only; norms, activations and softmax run at the node's measured
+    ``act_rate`` (bytes of forward outputs per second of forward + backward), folded into the cost
+    model as FLOP-equivalents with the median ratio of the members that measured it."""
+    from fusionp2p.plan.estimator import CostModel, act_flops
+    from fusionp2p.types import WorkloadGraph
+
+    u = Unit(name="blk", kind="block", fwd_flops=1e9, bwd_flops=2e9, param_bytes=0, act_bytes=10_000_000)
+    measured = dataclasses.replace(profile(flops=1e10), act_rate=1e9)
+    fwd, bwd = unit_compute_time(u, measured, PlannerConfig())
+    assert fwd + bwd == pytest.approx(0.3 + 0.01)
+    assert unit_compute_time(u, profile(flops=1e10), PlannerConfig()) == pytest.approx((0.1, 0.2))
+    # on the wire: carried when measured, left out at 0 (older records keep their bytes), bounded
+    from fusionp2p.wire.records import decode_profile
+
+    assert decode_profile(unpackb(packb(measured.to_wire()))) == measured
+    assert "act_rate" not in profile().to_wire()
+    for bad in (-1.0, float("nan"), 1e30, "fast"):
+        with pytest.raises(RemoteProtocolError):
+            decode_profile({**measured.to_wire(), "act_rate": bad})
+    ratios = [10.0, 10.0, 1000.0]                 # one outlier does not move the median
+    members = {f"p{i}": dataclasses.replace(profile(flops=1e10), act_rate=1e10 / r) for i, r in enumerate(ratios)}
+    members["old"] = profile(flops=1e10)          # an older node without the figure
+    assert act_flops(list(members.values())) == pytest.approx(10.0)
+    cm = CostModel(WorkloadGraph(units=(u,), edges=()), Snapshot(job="j", epoch=0, members=members, links={}), PlannerConfig())
+    assert cm.range_work(0, 1) == pytest.approx(3e9 + 10.0 * 1e7)
+    only_old = Snapshot(job="j", epoch=0, members={"old": profile(flops=1e10)}, links={})
+    assert CostModel(WorkloadGraph(units=(u,), edges=()), only_old, PlannerConfig()).range_work(0, 1) == pytest.approx(3e9)

@@ -233,3 +233,77 @@ def test_the_whole_model_on_one_replica_group_is_always_a_candidate() -> None:
     plan = plan_joint(wl, snap, planner_config(cfg), replicas=2, seed=1)
     assert [len(s.replicas) for s in plan.stages] == [2], plan.considered
     assert any(c.stages == 2 and c.step_time_s > plan.step_time_s for c in plan.considered)
+
+
+def test_replicas_run_in_lockstep_and_pair_over_their_fastest_full_matching() -> None:
+    """The product runs every pipeline's M micro-batches each step and averages across them, so a slow
+    replica holds the fast ones back: a group delivers r x its slowest member's speed (not the sum),
+    and a group link r x its slowest pair. The pairs are a bottleneck matching: fastest-first greedy
+    paired 0-2 (2 GB/s) and left 1-3 at 10 MB/s, when 0-3 and 1-2 both run at 1 GB/s."""
+    from fusionp2p.plan.estimator import CostModel
+
+    fast_pair = {frozenset((0, 2)): 2e9, frozenset((1, 3)): 1e7}
+    snap = snapshot(4, flops=lambda i: 4e10 if i == 0 else 1e10, bw=lambda a, b: fast_pair.get(frozenset((a, b)), 1e9))
+    cm = CostModel(chain(4), snap, PlannerConfig(micro_batches=4))
+    assert cm.group_speed((0, 1)) == pytest.approx(2e10)
+    assert sorted(cm.pairing((0, 1), (2, 3))) == [(0, 3), (1, 2)]
+    assert cm.group_link((0, 1), (2, 3)).bandwidth_bps == pytest.approx(2e9)
+    # a lone replica's stage time is its own; two replicas with a 4x slower partner are no faster than two slow ones
+    assert cm.stage_time(0, 4, (0, 1)) == pytest.approx(cm.stage_time(0, 4, (1, 2)))
+
+
+def test_averaging_is_amortised_over_every_replica_s_micro_batches() -> None:
+    """Throughput-equivalent stage time: r replicas finish r x tau x M micro-batches per averaging round,
+    so the round's floor per micro-batch is ring / (tau M r). It was ring / (tau M), r times too dear,
+    and data parallelism across a slow link was never chosen even where the round hid behind compute."""
+    from fusionp2p.plan.estimator import CostModel
+
+    cfg = PlannerConfig(micro_batches=4, co2_tau=4, replica_overhead=0.0)
+    wl = chain(2, flops=1e6, params=10_000_000)
+    snap = snapshot(2, bw=lambda a, b: 1e6, lat=0.0)
+    cm = CostModel(wl, snap, cfg)
+    ring = 2.0 * (2 - 1) / 2 * 20_000_000 / 1e6          # 20 s
+    assert cm.stage_time(0, 2, (0, 1)) == pytest.approx(ring / (4 * 4 * 2))
+    # a round that blocks the step (per-step all-reduce, synchronous CO2) adds to the compute instead
+    blocking = CostModel(wl, snap, dataclasses.replace(cfg, overlap_averaging=False))
+    compute = 2 * 3e6 / (2 * 1e10)
+    assert blocking.stage_time(0, 2, (0, 1)) == pytest.approx(compute + ring / (4 * 4 * 2))
+
+
+def test_data_parallel_on_the_fastest_devices_wherever_they_sit() -> None:
+    """benchmarks.wan's `mixed` hosts: the two 10 Mbit/s hosts compute as fast as the 1 Gbit/s pair,
+    the 100 Mbit/s pair half as fast. With the element-wise work priced, a step's compute is long
+    enough to hide CO2's averaging across 10 Mbit/s, and the planner runs four replicas: the fast pair
+    and the two slow-link hosts (no arrangement of the bandwidth clusters forms that group)."""
+    import torch
+
+    from fusionp2p.data import BuiltinCorpus
+    from fusionp2p.graph import coarsen, to_workload
+    from fusionp2p.jobs.build import as_dataset, planner_config, trace_job
+    from fusionp2p.models.gpt2 import GPT2, GPT2Config
+    from fusionp2p.plan import Link, Snapshot
+    from fusionp2p.train.config import TrainConfig
+    from fusionp2p.types import DeviceProfile
+
+    flops = {"fast1": 3.0e10, "fast2": 2.54e10, "mid1": 1.02e10, "mid2": 1.26e10, "slow1": 2.74e10, "slow2": 2.70e10}
+    mbit = {("fast1", "fast2"): 763.7, ("fast1", "mid1"): 73.4, ("fast1", "mid2"): 96.0, ("fast2", "mid1"): 94.9,
+            ("fast2", "mid2"): 91.5, ("mid1", "mid2"): 73.3}
+    hosts = sorted(flops)
+    links = {(a, b): Link(bandwidth_bps=mbit.get((a, b), 9.5) * 1e6 / 8, latency_s=1e-3)
+             for i, a in enumerate(hosts) for b in hosts[i + 1:]}
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config.tiny(n_layer=4, n_embd=64, n_head=2, block_size=64))
+    cfg = TrainConfig(steps=10, micro_batch=8, micro_batches=4, lr=3e-3, replicas=None, averaging="co2", compression="adatopk")
+    wl = to_workload(coarsen(trace_job(model, None, as_dataset(BuiltinCorpus(seq_len=64)), cfg)), micro_batch=8)
+
+    def plan_for(act_ratio: float) -> Plan:
+        members = {h: DeviceProfile(device="cpu", kind="cpu", name=h, flops_fp32=f, flops_bf16=0.0, memory_bytes=8 << 30,
+                                    act_rate=f / act_ratio if act_ratio else 0.0) for h, f in flops.items()}
+        return plan_joint(wl, Snapshot(job="j", epoch=0, members=members, links=links), planner_config(cfg))
+
+    # a 0.33-core host measured ~46 FLOP-equivalents per activation byte (swarm/device.py)
+    plan = plan_for(46.0)
+    assert plan.how == "fastest" and len(plan.stages) == 1
+    assert set(plan.stages[0].replicas) == {"fast1", "fast2", "slow1", "slow2"}
+    # FLOPs alone (nodes that did not measure act_rate): the step looks too short to hide the averaging
+    assert set(plan_for(0.0).stages[0].replicas) == {"fast1", "fast2"}
