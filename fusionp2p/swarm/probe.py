@@ -50,9 +50,14 @@ from fusionp2p.wire.records import MAX_BANDWIDTH
 log = logging.getLogger(__name__)
 
 MAX_PROBE_BYTES = 64 * 1024 * 1024
-MEASURE_SECONDS = 0.1          # a transfer whose timed part (after the mark) lasted this long is a measurement,
-MEASURE_BYTES = 1024 * 1024     # and so is one of this many bytes (fast links; also the size cap of a probe)
-TARGET_SECONDS = 0.25           # a transfer sized from a known rate lasts about this long
+# A transfer whose timed part (after the mark) lasted MEASURE_SECONDS is a measurement, and so is one of
+# MEASURE_BYTES (fast links; also the size cap of a probe). A receiver under a CPU quota is stopped for
+# most of each 100 ms period; when it runs again a read can return bytes that arrived during the stop,
+# after its clock started, so a window of 0.1-0.2 s read the 8 Mbit/s links of 0.25-core testbed hosts
+# at up to 1.21x their tbf rate. Half a second keeps that error near one period's bytes over five.
+MEASURE_SECONDS = 0.5
+MEASURE_BYTES = 1024 * 1024
+TARGET_SECONDS = 1.0            # a transfer sized from a known rate lasts about this long (its timed part 0.75 s)
 MAX_TRANSFERS = 3               # per probe: a pilot, its sized follow-up, one more if that fell short
 _CHUNK = 256 * 1024
 _CTRL = 4096
