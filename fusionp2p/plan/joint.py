@@ -32,8 +32,12 @@ module searches that grid and keeps OP-Fence as the inner solver:
 
 3. *Choice.* The lowest score wins. A hint ``r_hint`` (the job's ``replicas``) is also the upper
    bound ``r_max``; another ``r`` must be predicted faster by more than ``HINT_MARGIN`` to beat it.
-   Ties are broken by fewer replicas, then by the candidates' fixed order, so the result is a pure
-   function of (workload, snapshot, config, seed): every member elects the same plan.
+   Candidates within ``NEAR_TIE`` (5%) of the best score count as equals, and among them the one
+   whose slowest link in use (fences, averaging rings) is fastest wins: the measured speeds move by
+   more than that under load, and on ``benchmarks.wan``'s ``mixed`` swarm a pair behind a 10 Mbit/s
+   link won by 0.4% of compute speed over the 1 Gbit/s pair (and trained 5x slower in that run).
+   Remaining ties are broken by fewer replicas, then by the candidates' fixed order, so the result is
+   a pure function of (workload, snapshot, config, seed): every member elects the same plan.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from fusionp2p.types import DeviceProfile, WorkloadGraph
 log = logging.getLogger(__name__)
 
 HINT_MARGIN = 0.10       # another replica count must be predicted this much faster than the hint
+NEAR_TIE = 0.05          # candidates predicted within this of the best count as equally fast
 MAX_GRID_DEVICES = 64    # above this many devices only r in {1, 2, 4, 8, ...} and the hint are tried
 
 
@@ -91,6 +96,16 @@ def _group_layout(cm: CostModel, workload: WorkloadGraph, groups: list[tuple[int
     states = _States.subsets(list(range(n))) if n <= cfg.exact_search_devices else _States.ordered(list(range(n)), cfg.skip_window)
     layout = min_bottleneck_layout(gcm, states, job=job)
     return [(i, j, groups[g[0]]) for i, j, g in layout]
+
+
+def _slowest_link(cm: CostModel, plan: Plan) -> float:
+    """Bandwidth of the slowest link *plan* depends on: its fences' group links and every replicated
+    stage's averaging ring (inf for one device alone)."""
+    bws = [f.bandwidth_bps for f in plan.fences]
+    for st in plan.stages:
+        idx = [cm.index[p] for p in st.replicas]
+        bws.extend(float(cm.bw[a, b]) for k, a in enumerate(idx) for b in idx[k + 1:])
+    return min(bws, default=float("inf"))
 
 
 def _trimmed(layout: Layout, r: int) -> Layout:
@@ -178,6 +193,12 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
             raise infeasible
         raise InfeasiblePlanError(f"job {snapshot.job!r}: no stage layout fits the members' memory")
     scored.sort(key=lambda t: (t[0], t[1], t[2]))
+    # Candidates within NEAR_TIE of the best are equals (measured speeds move by more than that under
+    # load): among them the one whose slowest link in use (fences and averaging rings) is fastest wins
+    near = [t for t in scored if t[0] <= scored[0][0] * (1.0 + NEAR_TIE)]
+    pick = min(near, key=lambda t: (-_slowest_link(cm, t[4]), t[0], t[1], t[2]))
+    scored.remove(pick)
+    scored.insert(0, pick)
     best = scored[0][4]
     considered = tuple(Candidate(replicas=r, stages=len(p.stages), how=how, step_time_s=p.step_time_s)
                        for _, r, _, how, p in scored[: Plan.MAX_CANDIDATES])
@@ -187,4 +208,4 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
     return best
 
 
-__all__ = ["HINT_MARGIN", "plan_joint", "replica_groups"]
+__all__ = ["HINT_MARGIN", "NEAR_TIE", "plan_joint", "replica_groups"]
