@@ -17,7 +17,9 @@ What it does, in order:
 ``embedded=True`` runs the same job on ``Swarm.local`` (one process, in-memory transport) instead;
 ``wan="16mbit"`` (``fusionp2p demo --wan 16mbit``) runs it there on two emulated sites joined by links
 of that rate (``Swarm.local(links=sites(...))``): the nodes measure them, and the plan printed at the
-start shows its fences, the link each crosses, and the AdaTopK ratio chosen for it.
+start shows its fences, the link each crosses, and the AdaTopK ratio chosen for it (with two nodes per
+site each site holds a pipeline and no fence crosses; with ``--nodes 2`` the one fence crosses and is
+compressed).
 """
 
 from __future__ import annotations

@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="out/demo", help="where the trained model is saved")
     d.add_argument("--wan", default=None, metavar="RATE",
                    help="emulate two sites joined by links of RATE (e.g. 16mbit) on an embedded swarm: the plan "
-                        "shows AdaTopK compressing the fence that crosses them")
+                        "keeps pipelines inside the sites or compresses the fence that crosses them "
+                        "(with --nodes 2 it must cross)")
     _common(d)
 
     j = sub.add_parser("job", help="submit, list, follow, download and cancel training jobs")
