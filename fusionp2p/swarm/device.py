@@ -40,56 +40,54 @@ def parse_device(spec: str) -> torch.device:
     return dev
 
 
-def _matmul_rate(dev: torch.device, dtype: torch.dtype, seconds: float, n: int, *, stalled_seconds: float = 0.0) -> float:
-    """FLOP/s of n x n matmuls over at least *seconds* of wall time; over at least *stalled_seconds* when
-    this thread got less than 2/3 of the wall time (a CPU quota or a busy machine: see the module
-    docstring)."""
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    b = torch.randn(n, n, device=dev, dtype=dtype)
-    (a @ b).sum().item()  # warm-up
+def _rate(work: Callable[[], object], per_call: float, dev: torch.device, seconds: float,
+          stalled_seconds: float) -> float:
+    """*per_call* units per second of ``work()`` (called once to warm up) over at least *seconds* of wall
+    time; over at least *stalled_seconds* when this thread got less than 2/3 of the wall time (a CPU quota
+    or a busy machine: see the module docstring)."""
+    def call() -> None:
+        work()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    call()  # warm-up
     reps = 0
     t0, c0 = time.perf_counter(), time.thread_time()
     while True:
-        c = a @ b
+        call()
         reps += 1
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
         wall = time.perf_counter() - t0
         if wall >= seconds and (wall >= stalled_seconds or time.thread_time() - c0 > STALLED * wall):
             break
-    del c
-    return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+    return per_call * reps / (time.perf_counter() - t0)
+
+
+def _matmul_rate(dev: torch.device, dtype: torch.dtype, seconds: float, n: int, *, stalled_seconds: float = 0.0) -> float:
+    """FLOP/s of n x n matmuls (:func:`_rate`)."""
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    return _rate(lambda: a @ b, 2.0 * n**3, dev, seconds, stalled_seconds)
 
 
 def _act_rate(dev: torch.device, seconds: float, *, stalled_seconds: float = 0.0, rows: int = 512,
               width: int = 64) -> float:
-    """Bytes/s of activation-bound work: a chain of element-wise ops as a transformer block has them
-    (layer norm, GELU, scaled softmax, products and a residual add on a ``rows x width`` fp32 tensor),
-    forward and backward; the bytes are the forward outputs, which is how the workload counts a unit's
-    ``act_bytes`` (graph/workload.py). On a CPU thread these ops run at a few GB/s, dispatch included,
-    not at matmul speed: for small models they take most of a step (plan/estimator.py)."""
+    """Bytes/s of activation-bound work (:func:`_rate`): a chain of element-wise ops as a transformer
+    block has them (layer norm, GELU, scaled softmax, products and a residual add on a ``rows x width``
+    fp32 tensor), forward and backward; the bytes are the forward outputs, which is how the workload
+    counts a unit's ``act_bytes`` (graph/workload.py). On a CPU thread these ops run at a few GB/s,
+    dispatch included, not at matmul speed: for small models they take most of a step
+    (plan/estimator.py)."""
     x = torch.randn(rows, width, device=dev, requires_grad=True)
     shape = (-1, width, width) if rows % width == 0 else (1, rows, width)
-    per = 6 * rows * width * 4      # outputs of layer_norm, gelu, mul, softmax, mul, add
 
     def once() -> None:
         h = torch.nn.functional.layer_norm(x, (width,))
         g = torch.nn.functional.gelu(h)
         a = torch.softmax(g.view(shape) * 0.125, dim=-1)
         torch.autograd.backward((a * g.view(shape) + h.view(shape)).sum())
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
 
-    once()  # warm-up
-    reps = 0
-    t0, c0 = time.perf_counter(), time.thread_time()
-    while True:
-        once()
-        reps += 1
-        wall = time.perf_counter() - t0
-        if wall >= seconds and (wall >= stalled_seconds or time.thread_time() - c0 > STALLED * wall):
-            break
-    return per * reps / (time.perf_counter() - t0)
+    # outputs of layer_norm, gelu, mul, softmax, mul, add
+    return _rate(once, 6 * rows * width * 4, dev, seconds, stalled_seconds)
 
 
 QUOTA_PERIODS = 10
