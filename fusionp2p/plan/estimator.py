@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +36,7 @@ from fusionp2p.plan.wirebytes import bytes_per_element, wire_bytes
 from fusionp2p.types import DeviceProfile, Unit, WorkloadGraph
 
 F64 = npt.NDArray[np.float64]
+T = TypeVar("T", float, F64)
 
 
 def unit_compute_time(unit: Unit, profile: DeviceProfile, config: PlannerConfig) -> tuple[float, float]:
@@ -193,17 +195,20 @@ class CostModel:
         ``tau * M`` micro-batches must take at least one round. A round that blocks the step
         (``overlap_averaging=False``: the per-step gradient all-reduce, synchronous CO2) adds to it.
         """
-        work = self.range_work(i, j)
+        return float(self.replicated_time(self.range_work(i, j), self.range_params(i, j), group))
+
+    def replicated_time(self, work: T, params: T, group: Sequence[int]) -> T:
+        """:meth:`stage_time` from a stage's *work* and *params* (floats, or arrays of them for the
+        vectorised searches in opfence.py)."""
         t = work / self.group_speed(group)
         r = len(group)
-        if r > 1:
-            t *= 1.0 + self.config.replica_overhead
-            sub_bw = self.bw[np.ix_(group, group)]
-            sub_lat = self.lat[np.ix_(group, group)]
-            ring = 2.0 * (r - 1) / r * self.range_params(i, j) / float(sub_bw.min()) + 2.0 * (r - 1) * float(sub_lat.max())
-            floor = ring / (self.config.co2_tau * self.config.micro_batches * r)
-            t = max(t, floor) if self.config.overlap_averaging else t + floor
-        return t
+        if r == 1:
+            return t
+        sub = np.ix_(group, group)
+        ring = 2.0 * (r - 1) / r * params / float(self.bw[sub].min()) + 2.0 * (r - 1) * float(self.lat[sub].max())
+        floor = ring / (self.config.co2_tau * self.config.micro_batches * r)
+        t = t * (1.0 + self.config.replica_overhead)
+        return np.maximum(t, floor) if self.config.overlap_averaging else t + floor
 
 
 def _greedy(ranked: Sequence[tuple[float, float, int, int]]) -> list[tuple[int, int]]:

@@ -244,14 +244,8 @@ def _link_time(cm: CostModel, a: tuple[int, ...], b: tuple[int, ...], cut_eff: F
 def _stage_vec(cm: CostModel, i: Idx, j: Idx, g: tuple[int, ...]) -> F64:
     """Vectorised CostModel.stage_time over arrays of range ends."""
     i_a, j_a = np.asarray(i), np.asarray(j)
-    t = (cm.work[j_a] - cm.work[i_a]) / cm.group_speed(g)
-    r = len(g)
-    if r > 1:
-        sub = np.ix_(g, g)
-        ring = 2.0 * (r - 1) / r * (cm.params[j_a] - cm.params[i_a]) / float(cm.bw[sub].min()) + 2.0 * (r - 1) * float(cm.lat[sub].max())
-        t = t * (1 + cm.config.replica_overhead)
-        floor = ring / (cm.config.co2_tau * cm.config.micro_batches * r)
-        t = np.maximum(t, floor) if cm.config.overlap_averaging else t + floor
+    t = cm.replicated_time(np.asarray(cm.work[j_a] - cm.work[i_a], dtype=np.float64),
+                           np.asarray(cm.params[j_a] - cm.params[i_a], dtype=np.float64), g)
     return np.asarray(t, dtype=np.float64)
 
 
