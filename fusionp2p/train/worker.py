@@ -196,7 +196,6 @@ class StageWorker:
         self._deferred: list[tuple[int, TensorMessage]] = []   # training messages an evaluation pass set aside
         self._kept: dict[tuple[int, str], torch.Tensor] = {}   # this step's forward keep-masks of compressed inputs
         self._tied_box: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}   # (param, stage) -> (grad, ok)
-        self._fwd_payload: dict[tuple[int, str], torch.Tensor] = {}
         self.src_of = {r.name: r.src for r in self.prog.recv}
         self._closed_links: set[int] = set()
         self._avg: ReplicaAverager | None = None
