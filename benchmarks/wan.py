@@ -147,8 +147,9 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
         swarm_s = time.monotonic() - t0
         measured = [{"src": peers[e["src"]], "dst": peers[e["dst"]], "mbit_s": 8 * e["bytes_per_s"] / 1e6}
                     for e in status["bandwidth"] if e["src"] in peers and e["dst"] in peers and e["measured"]]
-        profiles = {peers[m["peer"]]: (m["profile"] or {}).get("flops_fp32") for m in status["members"] if m["peer"] in peers}
-        act_rates = {peers[m["peer"]]: (m["profile"] or {}).get("act_rate") for m in status["members"] if m["peer"] in peers}
+        prof = {peers[m["peer"]]: m["profile"] or {} for m in status["members"] if m["peer"] in peers}
+        profiles = {h: pm.get("flops_fp32") for h, pm in prof.items()}
+        act_rates = {h: pm.get("act_rate") for h, pm in prof.items()}
         log.info("swarm up and measured in %.0f s", swarm_s)
         job_file = workdir / "run.json"
         job_file.write_text(json.dumps({
