@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fusionp2p.wire import codec
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceProfile:
@@ -42,9 +40,13 @@ class DeviceProfile:
             raise ValueError("act_rate must not be negative")
 
     def to_wire(self) -> dict[str, Any]:
-        """The map in signed node records and snapshots (decoded by ``wire.records.decode_profile``):
-        the generic codec's, as inside a node record (``act_rate`` left out at 0)."""
-        return codec.to_wire(self)
+        """The map in signed node records and snapshots (decoded by ``wire.records.decode_profile``)."""
+        return {
+            "device": self.device, "kind": self.kind, "name": self.name,
+            "flops_fp32": float(self.flops_fp32), "flops_bf16": float(self.flops_bf16),
+            "memory_bytes": int(self.memory_bytes), "threads": int(self.threads),
+            "versions": [list(v) for v in self.versions],
+        } | ({"act_rate": float(self.act_rate)} if self.act_rate > 0 else {})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
