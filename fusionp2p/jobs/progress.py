@@ -5,7 +5,9 @@ Every replica of the last stage gossips one :class:`StepProgress` per step (its 
 :class:`ProgressBook` turns them into one event per step: the mean loss of the replicas that reported,
 their summed tokens/s. A step is emitted once all current loss replicas reported it, or as soon as a
 later step is complete (a lost gossip message never holds the job's curve back). After a re-plan that
-went back to a checkpoint, steps are trained again: a report of a newer epoch replaces the older one.
+went back to a checkpoint, steps are trained again: a report of a newer epoch replaces the older one. A
+report of an older epoch that arrives after the new plan is kept (the new plan may have resumed from a
+survivor's live state past that step and never train it again), unless the step was already emitted.
 """
 
 from __future__ import annotations
@@ -40,15 +42,22 @@ class ProgressBook:
         """A gossiped report; returns the aggregated events it completes (maybe none)."""
         if ev.job != self.job or ev.loss is None or ev.peer != sender or not 0 <= ev.step < self.steps:
             return []
+        if self._emitted.get(ev.step, -1) >= ev.epoch:
+            return []
+        got = self._pending.setdefault(ev.step, {})
         if ev.epoch < self._epoch:
+            # a step the old plan trained that the new plan may never train again (it resumed from a survivor's
+            # live state past it), heard after the new plan: keep it, emitted with the next complete step or at
+            # the end, unless the new plan trains the step again first
+            if all(e.epoch <= ev.epoch for e in got.values()):
+                got[sender] = ev
             return []
         if ev.epoch > self._epoch:   # its PlanChanged has not arrived (yet): emit reports as they come
             self._epoch, self._stage, self._replicas = ev.epoch, ev.stage, frozenset()
         elif self._replicas and (sender not in self._replicas or ev.stage != self._stage):
             return []
-        if self._emitted.get(ev.step, -1) >= ev.epoch:
-            return []
-        got = self._pending.setdefault(ev.step, {})
+        for old in [p for p, e in got.items() if e.epoch < ev.epoch]:
+            del got[old]              # the step trained again under a newer plan: its reports replace the old
         got[sender] = ev
         if len(got) < len(self._replicas):
             return []

@@ -1,0 +1,48 @@
+"""The publisher's per-step aggregation of the loss replicas' reports (jobs/progress.py)."""
+
+from fusionp2p.jobs.events import StepProgress
+from fusionp2p.jobs.progress import ProgressBook
+
+
+def _rep(peer: str, step: int, epoch: int, loss: float) -> StepProgress:
+    return StepProgress(job="j", step=step, epoch=epoch, stage=0, peer=peer, loss=loss)
+
+
+def test_a_step_is_emitted_once_every_replica_reported_with_their_mean() -> None:
+    book = ProgressBook(job="j", steps=10)
+    book.set_plan(0, 0, ["a", "b"])
+    assert book.add("a", _rep("a", 0, 0, 1.0), now=0.0) == []
+    (ev,) = book.add("b", _rep("b", 0, 0, 3.0), now=0.0)
+    assert (ev.step, ev.loss) == (0, 2.0)
+
+
+def test_a_step_of_the_old_plan_heard_after_the_replan_is_kept() -> None:
+    # CI, 2026-11-27: the survivor of a killed replica trained steps 64-73 alone; their reports arrived after the
+    # new plan (resumed from its live state at 74) and were dropped, so the job's curve lost ten steps
+    book = ProgressBook(job="j", steps=10)
+    book.set_plan(0, 0, ["a", "b"])
+    book.add("a", _rep("a", 0, 0, 1.0), now=0.0)
+    book.add("b", _rep("b", 0, 0, 1.0), now=0.0)
+    book.set_plan(1, 0, ["a", "c"])
+    assert book.add("a", _rep("a", 1, 0, 2.0), now=0.0) == []
+    book.add("a", _rep("a", 2, 1, 3.0), now=0.0)
+    out = book.add("c", _rep("c", 2, 1, 5.0), now=0.0)
+    assert [(e.step, e.epoch, e.loss) for e in out] == [(1, 0, 2.0), (2, 1, 4.0)]
+    assert book.add("b", _rep("b", 1, 0, 9.0), now=0.0) == []      # emitted already: the curve does not move
+
+
+def test_a_step_trained_again_by_the_new_plan_replaces_the_old_reports() -> None:
+    book = ProgressBook(job="j", steps=10)
+    book.set_plan(1, 0, ["a", "c"])
+    book.add("a", _rep("a", 3, 0, 7.0), now=0.0)          # late, from epoch 0
+    book.add("a", _rep("a", 3, 1, 1.0), now=0.0)
+    (ev,) = book.add("c", _rep("c", 3, 1, 3.0), now=0.0)
+    assert (ev.epoch, ev.loss) == (1, 2.0)
+    assert book.add("b", _rep("b", 3, 0, 9.0), now=0.0) == []
+
+
+def test_old_reports_still_pending_are_emitted_at_the_end() -> None:
+    book = ProgressBook(job="j", steps=10)
+    book.set_plan(1, 0, ["a", "c"])
+    book.add("a", _rep("a", 9, 0, 2.0), now=0.0)
+    assert [(e.step, e.loss) for e in book.flush(now=0.0)] == [(9, 2.0)]
