@@ -510,7 +510,8 @@ class JobRun(Leading):
                             data=data_fn(self.accepted), tokens_per_micro=cfg.micro_batch * self.spec.dataset.seq_len,
                             rho_out=rho_out, report=report, checkpoint=checkpoint if r == 0 else None,
                             start_step=resume.step, restore=restore, halt=self._halt,
-                            recv_timeout=self.svc.config.recv_timeout, eval_data=eval_data_fn(self.accepted))
+                            recv_timeout=self.svc.config.recv_timeout, eval_data=eval_data_fn(self.accepted),
+                            micro=plan.micro)
 
     async def _replicate(self, plan: Plan, s: int, h: str, step: int) -> None:
         """Ask one other member (the keeper) to hold a copy of a stage file, so that it survives our death."""

@@ -23,6 +23,7 @@ so that the cost of any contiguous range ``[i, j)`` is O(1) (that is what keeps 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from typing import TypeVar
@@ -31,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fusionp2p.plan.config import PlannerConfig
+from fusionp2p.plan.plan import MAX_MICRO_RATIO
 from fusionp2p.plan.snapshot import Link, Snapshot
 from fusionp2p.plan.wirebytes import bytes_per_element, wire_bytes
 from fusionp2p.types import DeviceProfile, Unit, WorkloadGraph
@@ -184,7 +186,33 @@ class CostModel:
         slowest), so a slow replica holds the fast ones back; speeds do not add up."""
         return len(group) * float(self.flops[list(group)].min())
 
-    def stage_time(self, i: int, j: int, group: Sequence[int]) -> float:
+    def split_micro(self, group: Sequence[int]) -> tuple[int, ...] | None:
+        """Micro-batches per replica of *group* (in its order) for one step, in proportion to speed: the
+        step's ``M x r`` micro-batches given one at a time to the replica that would finish it first
+        (earliest finish: the shortest makespan for equal jobs on devices of different speeds), each
+        replica at least one and at most ``MAX_MICRO_RATIO`` x the fewest. None when that is
+        ``M`` each (lockstep)."""
+        r, m = len(group), self.config.micro_batches
+        if r < 2:
+            return None
+        speed = [float(self.flops[d]) for d in group]
+        counts = [1] * r
+        heap = [(2.0 / speed[k], k) for k in range(r)]
+        heapq.heapify(heap)
+        for _ in range(m * r - r):
+            held: list[tuple[float, int]] = []
+            while True:
+                t, k = heapq.heappop(heap)
+                if counts[k] + 1 <= MAX_MICRO_RATIO * min(counts):
+                    break
+                held.append((t, k))
+            counts[k] += 1
+            heapq.heappush(heap, ((counts[k] + 1) / speed[k], k))
+            for item in held:
+                heapq.heappush(heap, item)
+        return None if all(c == m for c in counts) else tuple(counts)
+
+    def stage_time(self, i: int, j: int, group: Sequence[int], micro: Sequence[int] | None = None) -> float:
         """Seconds per micro-batch of stage [i, j) served by *group* (throughput-equivalent: the group's
         ``r`` replicas together finish one micro-batch in this time).
 
@@ -194,13 +222,20 @@ class CostModel:
         the ``tau * M * r`` micro-batches the group computes between two rounds: each replica's
         ``tau * M`` micro-batches must take at least one round. A round that blocks the step
         (``overlap_averaging=False``: the per-step gradient all-reduce, synchronous CO2) adds to it.
-        """
-        return float(self.replicated_time(self.range_work(i, j), self.range_params(i, j), group))
 
-    def replicated_time(self, work: T, params: T, group: Sequence[int]) -> T:
+        With *micro* (micro-batches per replica, :meth:`split_micro`) the replicas are not in lockstep:
+        replica ``k`` runs ``micro[k]`` of the step's ``sum(micro)`` micro-batches, and the step lasts as
+        long as the slowest of them, ``max_k micro[k] / speed_k``.
+        """
+        return float(self.replicated_time(self.range_work(i, j), self.range_params(i, j), group, micro))
+
+    def replicated_time(self, work: T, params: T, group: Sequence[int], micro: Sequence[int] | None = None) -> T:
         """:meth:`stage_time` from a stage's *work* and *params* (floats, or arrays of them for the
         vectorised searches in opfence.py)."""
-        t = work / self.group_speed(group)
+        if micro:
+            t = work * max(m / float(self.flops[d]) for m, d in zip(micro, group, strict=True)) / sum(micro)
+        else:
+            t = work / self.group_speed(group)
         r = len(group)
         if r == 1:
             return t

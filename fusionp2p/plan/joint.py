@@ -184,7 +184,8 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
             continue
         seen.add(key)
         plan = build_plan(cm, layout, choose_ratios(cm, layout), job=snapshot.job, epoch=snapshot.epoch,
-                          snapshot_hash=snapshot.snapshot_hash(), algorithm="op-fence", seed=seed)
+                          snapshot_hash=snapshot.snapshot_hash(), algorithm="op-fence", seed=seed,
+                          balance=cfg.balance_micro)
         r = len(layout[0][2])
         adj = plan.step_time_s if (replicas is None or r == r_max) else plan.step_time_s / (1.0 - HINT_MARGIN)
         scored.append((adj, r, idx, how, plan))

@@ -1,8 +1,9 @@
 """The planner's output: a frozen :class:`Plan`, its wire form and its hash.
 
 A plan is what every member of a job agrees on by hash (jobs/election.py), so the hash covers
-exactly the *decisions* — job, epoch, snapshot hash, algorithm, seed, micro-batches, stage ranges,
-replicas, and per-fence kept ratios (quantised to 1e-4) — and not the predicted times, which are
+exactly the *decisions* — job, epoch, snapshot hash, algorithm, seed, micro-batches (and, when the
+pipelines differ in speed, each one's count), stage ranges, replicas, and per-fence kept ratios
+(quantised to 1e-4) — and not the predicted times, which are
 floating-point forecasts that may differ in the last bit between machines.
 
 Timing fields (seconds per micro-batch unless stated):
@@ -38,6 +39,7 @@ from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
 PLAN_VERSION = 1
 MAX_PLAN_BYTES = DEFAULT_LIMITS.max_control_frame
 MAX_STAGES = 4096
+MAX_MICRO_RATIO = 4  # most / fewest micro-batches of two pipelines (the averager refuses weights further apart)
 RHO_GRID = 10_000  # kept ratios are multiples of 1/RHO_GRID, so that they hash identically everywhere
 
 
@@ -106,8 +108,13 @@ class Plan:
     step_time_s: float = 0.0
     how: str = ""                                   # which candidate won (plan/joint.py), "" for other planners
     considered: tuple[Candidate, ...] = ()          # every candidate scored, best first
+    # Micro-batches of each pipeline (replica index r) per step, in proportion to its speed; () = every
+    # pipeline runs ``micro_batches`` (lockstep). They sum to ``micro_batches x replicas``, so a step sees
+    # the same samples either way, and the averages weigh each replica by its count.
+    micro: tuple[int, ...] = ()
 
     MAX_CANDIDATES: ClassVar[int] = 64
+    MAX_MICRO_RATIO: ClassVar[int] = MAX_MICRO_RATIO
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -129,6 +136,22 @@ class Plan:
             seen.update(s.replicas)
         if self.micro_batches < 1:
             raise ValueError("micro_batches must be >= 1")
+        if self.micro:
+            r = len(self.stages[0].replicas)
+            if any(len(st.replicas) != r for st in self.stages):
+                raise ValueError("micro-batches per pipeline need the same replica count on every stage")
+            if len(self.micro) != r or min(self.micro) < 1 or sum(self.micro) != self.micro_batches * r:
+                raise ValueError(f"micro-batches per pipeline must be {r} counts >= 1 summing to {self.micro_batches * r}")
+            if max(self.micro) > self.MAX_MICRO_RATIO * min(self.micro):
+                raise ValueError(f"micro-batches per pipeline differ by more than {self.MAX_MICRO_RATIO}x")
+
+    def micro_of(self, replica: int) -> int:
+        """Micro-batches pipeline *replica* runs per step."""
+        return self.micro[replica] if self.micro else self.micro_batches
+
+    def micro_offset(self, replica: int) -> int:
+        """Index of pipeline *replica*'s first micro-batch among the step's ``micro_batches x replicas``."""
+        return sum(self.micro[:replica]) if self.micro else replica * self.micro_batches
 
     # -- derived ---------------------------------------------------------------------------------
     @property
@@ -154,6 +177,7 @@ class Plan:
             "micro_batches": int(self.micro_batches),
             "stages": [[s.start, s.end, list(s.replicas)] for s in self.stages],
             "rho": [round(f.rho * RHO_GRID) for f in self.fences],
+            **({"micro": [int(m) for m in self.micro]} if self.micro else {}),   # absent: lockstep (same hash as before)
         }
 
     def plan_hash(self) -> str:
@@ -215,7 +239,11 @@ class Plan:
                 if not isinstance(c, list) or len(c) != 4 or not isinstance(c[2], str) or len(c[2]) > 64:
                     raise TypeError("bad plan candidate")
                 considered.append(Candidate(replicas=_int(c[0]), stages=_int(c[1]), how=c[2], step_time_s=_flt(c[3])))
+            raw_micro = m.get("micro", [])
+            if not isinstance(raw_micro, list) or len(raw_micro) > len(stages[0].replicas):
+                raise TypeError("bad micro-batches per pipeline")
             return cls(
+                micro=tuple(_int(x) for x in raw_micro),
                 job=as_str(m.get("job"), "plan job"), epoch=as_int(m.get("epoch"), "plan epoch", lo=0, hi=U63),
                 snapshot_hash=as_str(m.get("snapshot"), "plan snapshot"), algorithm=as_str(m.get("algorithm"), "plan algorithm"),
                 seed=as_int(m.get("seed"), "plan seed"), n_units=as_int(m.get("n_units"), "plan n_units", lo=1, hi=1 << 24),

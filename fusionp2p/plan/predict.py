@@ -87,13 +87,17 @@ def choose_ratios(cm: CostModel, layout: Layout) -> list[float]:
 
 def build_plan(
     cm: CostModel, layout: Layout, rhos: Sequence[float], *,
-    job: str, epoch: int, snapshot_hash: str, algorithm: str, seed: int,
+    job: str, epoch: int, snapshot_hash: str, algorithm: str, seed: int, balance: bool = False,
 ) -> Plan:
-    """A :class:`Plan` for *layout* with every prediction computed under *cm*."""
+    """A :class:`Plan` for *layout* with every prediction computed under *cm*. With *balance*, a
+    one-stage layout whose replicas differ in speed gives each replica micro-batches in proportion to
+    its speed (``Plan.micro``, :meth:`CostModel.split_micro`) instead of running them in lockstep."""
+    order = pipeline_order(cm, layout)
+    micro = cm.split_micro(order[0]) if balance and len(layout) == 1 else None
     stages = []
-    for (i, j, _), g in zip(layout, pipeline_order(cm, layout)):
+    for (i, j, _), g in zip(layout, order):
         reps = tuple(cm.peers[d] for d in g)
-        stages.append(Stage(start=i, end=j, replicas=reps, compute_s=cm.stage_time(i, j, g),
+        stages.append(Stage(start=i, end=j, replicas=reps, compute_s=cm.stage_time(i, j, g, micro),
                             memory_bytes=cm.range_memory(i, j, replicated=len(g) > 1)))
     fences = []
     for k in range(len(layout) - 1):
@@ -104,7 +108,7 @@ def build_plan(
     bottleneck, step = step_time([s.compute_s for s in stages], [f.time_s for f in fences], cm.config.micro_batches)
     return Plan(job=job, epoch=epoch, snapshot_hash=snapshot_hash, algorithm=algorithm, seed=seed,
                 n_units=cm.n_units, micro_batches=cm.config.micro_batches, stages=tuple(stages),
-                fences=tuple(fences), bottleneck_s=bottleneck, step_time_s=step)
+                fences=tuple(fences), bottleneck_s=bottleneck, step_time_s=step, micro=micro or ())
 
 
 def pipeline_order(cm: CostModel, layout: Layout) -> list[tuple[int, ...]]:
@@ -140,7 +144,7 @@ def predict(plan: Plan, workload: WorkloadGraph, snapshot: Snapshot, config: Pla
         layout = layout_of(plan, cm)
     except KeyError as exc:
         raise ValueError(f"plan names a peer outside the snapshot: {exc}") from None
-    stage_s = tuple(cm.stage_time(i, j, g) for i, j, g in layout)
+    stage_s = tuple(cm.stage_time(i, j, g, plan.micro or None) for i, j, g in layout)
     fence_s = tuple(fence_time(cm, layout, k, f.rho)[1] for k, f in enumerate(plan.fences))
     bottleneck, step = step_time(stage_s, fence_s, cfg.micro_batches)
     return Prediction(stage_s=stage_s, fence_s=fence_s, bottleneck_s=bottleneck, step_time_s=step,

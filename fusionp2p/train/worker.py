@@ -42,7 +42,7 @@ import trio
 from fusionp2p.average.outer import OuterConfig
 from fusionp2p.compress.adatopk import TopKLink
 from fusionp2p.compress.codec import decode, kept_mask
-from fusionp2p.errors import JobError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
@@ -113,6 +113,10 @@ class StageContext:
     halt: Halt | None = None                       # set by the job while training: stop at a step boundary
     recv_timeout: float | None = None              # seconds to wait for any one message (None: forever)
     eval_data: DataFn | None = None                # the held-out examples (for the final evaluation)
+    # micro-batches per step of every pipeline (replica index), in proportion to speed (``Plan.micro``);
+    # () = ``config.micro_batches`` each. The step's ``micro_batches x replicas`` micro-batches are dealt
+    # out in pipeline order, and the averages weigh each replica by its count.
+    micro: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -202,7 +206,13 @@ class StageWorker:
         # hostile peers (train/guard.py): bounded queues, and no non-finite value reaches the parameters
         self._guard = StepGuard(stage=self.prog.stage)
         self._skipped = ""
-        self._pipe_budget = pipeline_budget(self.prog, ctx.config.micro_batches)
+        if ctx.micro and (len(ctx.micro) != ctx.replicas or sum(ctx.micro) != ctx.config.micro_batches * ctx.replicas
+                          or min(ctx.micro) < 1):
+            raise ConfigError(f"micro-batches per pipeline {tuple(ctx.micro)} do not deal out "
+                              f"{ctx.config.micro_batches} x {ctx.replicas}")
+        self._m = ctx.micro[ctx.replica] if ctx.micro else ctx.config.micro_batches   # this pipeline's count
+        self._m_first = sum(ctx.micro[:ctx.replica]) if ctx.micro else ctx.replica * ctx.config.micro_batches
+        self._pipe_budget = pipeline_budget(self.prog, self._m)
         self._avg_budget = replica_budget(self.prog, len(ctx.peers), sum(p.numel() for p in self._params))
 
     # ------------------------------------------------------------------ state
@@ -265,7 +275,7 @@ class StageWorker:
                 names = await self._replica_names()
                 me = f"r{self.ctx.replica}"
                 acfg = AveragerConfig(outer=self._outer, job=self.ctx.job, stage=self.prog.stage,
-                                      round_timeout=self.ctx.recv_timeout or 600.0)
+                                      round_timeout=self.ctx.recv_timeout or 600.0, weight=float(self._m))
                 restored = self.ctx.restore
                 momentum = restored.momentum_vector(self._layout()) if restored is not None else None
                 async with open_replica_averager(acfg, peers=sorted([me, *names]), me=me, channels=names,
@@ -408,11 +418,17 @@ class StageWorker:
     def _gstep(self, step: int) -> int:
         return step * self.ctx.replicas + self.ctx.replica
 
+    def _sample(self, step: int, mu: int) -> tuple[int, int]:
+        """The data index (sampler step, micro) of this pipeline's micro-batch *mu* of *step*: micro-batch
+        ``first + mu`` of the step's ``M x R`` (``(step * R + r, mu)`` when every pipeline runs ``M``)."""
+        m, k = self.ctx.config.micro_batches, self._m_first + mu
+        return step * self.ctx.replicas + k // m, k % m
+
     async def _train_step(self, step: int) -> None:
         cfg, prog, ex = self.ctx.config, self.prog, self.ex
         t0 = time.perf_counter()
         compute = 0.0
-        m_count = cfg.micro_batches
+        m_count = self._m
         sched = StageSchedule(ScheduleConfig(kind=cfg.schedule, stages=prog.num_stages, micro_batches=m_count,
                                              stage=prog.stage))
         inbox = Inbox(prog)
@@ -424,7 +440,7 @@ class StageWorker:
         backs: dict[int, dict[str, torch.Tensor]] = {}
         losses: dict[int, float] = {}
         for mu in range(m_count):
-            data = self.ctx.data(self._gstep(step), mu)
+            data = self.ctx.data(*self._sample(step, mu))
             done = None
             for r in prog.recv:
                 if r.src == DATA:
@@ -580,13 +596,22 @@ class StageWorker:
             await ch.send(TensorMessage(job=self.ctx.job, kind="grad-avg", stage=self.prog.stage, step=step, name=me,
                                         tensors=(mine,)))
         got = {me: mine}
+        micro = self.ctx.micro
+        weight = {f"g{k}": float(m) for k, m in enumerate(micro)}
         while len(got) <= len(self.ctx.peers):
             msg = await self._receive(self._avg_recv, f"stage {self.prog.stage}, gradient all-reduce at step {step}")
             self._avg_budget.release(msg)
             if msg.kind != "grad-avg" or msg.step != step or len(msg.tensors) != 1 or msg.tensors[0].shape != mine.shape:
                 raise RemoteProtocolError(f"stage {self.prog.stage}: bad gradient message {msg.key}")
+            if micro and msg.name not in weight:
+                raise RemoteProtocolError(f"stage {self.prog.stage}: gradient from an unknown replica {msg.name!r}")
             got.setdefault(msg.name, msg.tensors[0].to(torch.float32))
-        avg = torch.stack([got[k] for k in sorted(got)]).mean(dim=0)   # same order, same bits on every replica
+        if micro:   # each replica's gradient is the mean over its own micro-batches: weigh by their count
+            total = sum(weight[k] for k in got)
+            avg = sum(got[k] * (weight[k] / total) for k in sorted(got))
+            assert isinstance(avg, torch.Tensor)
+        else:
+            avg = torch.stack([got[k] for k in sorted(got)]).mean(dim=0)   # same order, same bits on every replica
         off = 0
         with torch.no_grad():
             for p, g in zip(self._params, grads, strict=True):

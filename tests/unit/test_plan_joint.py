@@ -300,17 +300,25 @@ def test_data_parallel_on_the_fastest_devices_wherever_they_sit() -> None:
     cfg = TrainConfig(steps=10, micro_batch=8, micro_batches=4, lr=3e-3, replicas=None, averaging="co2", compression="adatopk")
     wl = to_workload(coarsen(trace_job(model, None, as_dataset(BuiltinCorpus(seq_len=64)), cfg)), micro_batch=8)
 
-    def plan_for(act_ratio: float) -> Plan:
+    def plan_for(act_ratio: float, *, balance: bool = False) -> Plan:
         members = {h: DeviceProfile(device="cpu", kind="cpu", name=h, flops_fp32=f, flops_bf16=0.0, memory_bytes=8 << 30,
                                     act_rate=f / act_ratio if act_ratio else 0.0) for h, f in flops.items()}
-        return plan_joint(wl, Snapshot(job="j", epoch=0, members=members, links=links), planner_config(cfg))
+        pc = dataclasses.replace(planner_config(cfg), balance_micro=balance)
+        return plan_joint(wl, Snapshot(job="j", epoch=0, members=members, links=links), pc)
 
-    # a 0.33-core host measured ~46 FLOP-equivalents per activation byte (swarm/device.py)
+    # lockstep replicas: a 0.33-core host measured ~46 FLOP-equivalents per activation byte (swarm/device.py)
     plan = plan_for(46.0)
-    assert plan.how == "fastest" and len(plan.stages) == 1
+    assert plan.how == "fastest" and len(plan.stages) == 1 and plan.micro == ()
     assert set(plan.stages[0].replicas) == {"fast1", "fast2", "slow1", "slow2"}
     # FLOPs alone (nodes that did not measure act_rate): the step looks too short to hide the averaging
     assert set(plan_for(0.0).stages[0].replicas) == {"fast1", "fast2"}
+    # micro-batches in proportion to speed (the default): the half-speed hosts add throughput too, with
+    # fewer micro-batches a step, and the whole swarm trains
+    balanced = plan_for(46.0, balance=True)
+    assert len(balanced.stages) == 1 and set(balanced.stages[0].replicas) == set(hosts)
+    micro = dict(zip(balanced.stages[0].replicas, balanced.micro, strict=True))
+    assert sum(micro.values()) == 4 * 6 and micro["mid1"] < micro["fast2"] and micro["mid2"] < micro["slow2"]
+    assert balanced.step_time_s < plan.step_time_s
 
 
 def test_near_ties_go_to_the_plan_whose_slowest_link_is_fastest() -> None:
