@@ -331,3 +331,36 @@ def test_near_ties_go_to_the_plan_whose_slowest_link_is_fastest() -> None:
     assert [set(s.replicas) for s in plan.stages] == [{"peer000", "peer001"}]
     assert min(c.step_time_s for c in plan.considered) < plan.step_time_s <= min(
         c.step_time_s for c in plan.considered) * (1 + NEAR_TIE)
+
+
+def test_micro_batches_follow_speed_within_four_times() -> None:
+    from fusionp2p.plan.estimator import CostModel
+
+    snap = snapshot(4, bw=lambda a, b: 1.25e8, flops=lambda i: [4e10, 2e10, 1e10, 1e9][i])
+    cm = CostModel(chain(1, act=1000, params=1000), snap, PlannerConfig(micro_batches=4))
+    # the 40x slower device gets 2 of 16: with 1, the others could take at most 4 each (4x apart) and the
+    # step's 16 would not be dealt out
+    assert cm.split_micro([0, 1, 2, 3]) == (6, 4, 4, 2)
+    snap = snapshot(4, bw=lambda a, b: 1.25e8, flops=lambda i: [4e10, 2e10, 1e10, 1e10][i])
+    cm = CostModel(chain(1, act=1000, params=1000), snap, PlannerConfig(micro_batches=4))
+    assert cm.split_micro([0, 1, 2, 3]) == (8, 4, 2, 2)    # in proportion to speed
+    assert cm.split_micro([1, 0]) == (3, 5)                 # in the group's order
+    equal = snapshot(3, bw=lambda a, b: 1.25e8, flops=lambda i: 1e10)
+    assert CostModel(chain(1, act=1000, params=1000), equal, PlannerConfig(micro_batches=4)).split_micro([0, 1, 2]) is None
+
+
+def test_a_plan_with_micro_batches_per_pipeline_round_trips_and_a_bad_one_is_refused() -> None:
+    from fusionp2p.errors import RemoteProtocolError
+    from fusionp2p.plan.plan import Stage
+
+    base = Plan(job="j", epoch=0, snapshot_hash="s", algorithm="op-fence", seed=0, n_units=2, micro_batches=4,
+                stages=(Stage(start=0, end=2, replicas=("a", "b", "c")),), fences=())
+    plan = dataclasses.replace(base, micro=(6, 4, 2))
+    assert Plan.from_wire(plan.to_wire()) == plan
+    assert plan.plan_hash() != base.plan_hash()
+    assert Plan.from_wire(base.to_wire()).micro == ()
+    for bad in ([6, 4, 1], [9, 2, 1], [6, 6], ["6", 4, 2]):     # wrong sum, more than 4x apart, count, type
+        m = unpackb(plan.to_wire(), max_size=1 << 20)
+        m["micro"] = bad
+        with pytest.raises(RemoteProtocolError):
+            Plan.from_wire(packb(m))
