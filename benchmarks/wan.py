@@ -126,9 +126,11 @@ def _start_nodes(tb: Testbed, addr: str, hosts: list[TestbedHost]) -> dict[str, 
     return peers
 
 
-def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link_timeout: float = 240.0) -> dict[str, Any]:
+def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link_timeout: float = 240.0,
+        keep_logs: bool = False) -> dict[str, Any]:
     """Run the systems (default all five) once on *scenario*; the summary (raises on a failure of the
-    machinery; a failed job is reported in its system's entry). Logs are kept only on a failure."""
+    machinery; a failed job is reported in its system's entry). Logs are kept only on a failure, or
+    with *keep_logs* (each stage replica logs where its time went: ``grep 'steps in'``)."""
     chosen = [s for s in SYSTEMS if systems is None or s["name"] in systems]
     if not chosen:
         raise ConfigError(f"no system among {systems}; known: {[s['name'] for s in SYSTEMS]}")
@@ -173,7 +175,8 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
         for r in results:   # peer ids -> host names, for reading
             if "plan" in r:
                 r["plan"]["hosts"] = [peers.get(p, p) for p in r["plan"]["members"]]
-        shutil.rmtree(workdir, ignore_errors=True)   # success: the figures are in the result
+        if not keep_logs:
+            shutil.rmtree(workdir, ignore_errors=True)   # success: the figures are in the result
         return {"scenario": scenario, "spec": spec.description, "run": dataclasses.asdict(cfg),
                 "swarm_up_s": swarm_s, "measured_links": measured, "node_flops": profiles, "node_act_rate": act_rates,
                 "systems": results,
@@ -218,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps per system (default 10 quick, 48 full)")
     p.add_argument("--system-timeout", type=float, default=900.0)
     p.add_argument("--systems", default="", help="comma-separated subset of A,B,OPF,OPF+TopK,OPF+TopK+CO2 (default all)")
+    p.add_argument("--keep-logs", action="store_true", help="keep the hosts' logs (the path is printed)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -230,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     print(f"scenario {a.scenario} (testbed, tc tbf): {cfg.steps} steps per system, load {load0[0]:.2f}", flush=True)
     t0 = time.monotonic()
-    res = run(a.scenario, cfg, systems=a.systems.split(",") if a.systems else None)
+    res = run(a.scenario, cfg, systems=a.systems.split(",") if a.systems else None, keep_logs=a.keep_logs)
     res["wall_s"] = time.monotonic() - t0
     res["loadavg_start"], res["loadavg_end"] = list(load0), list(os.getloadavg())
     print(table(res))

@@ -210,6 +210,7 @@ class StageWorker:
                           or min(ctx.micro) < 1):
             raise ConfigError(f"micro-batches per pipeline {tuple(ctx.micro)} do not deal out "
                               f"{ctx.config.micro_batches} x {ctx.replicas}")
+        self._step_times = (0.0, 0.0)        # the last train step's compute and wall seconds
         self._m = ctx.micro[ctx.replica] if ctx.micro else ctx.config.micro_batches   # this pipeline's count
         self._m_first = sum(ctx.micro[:ctx.replica]) if ctx.micro else ctx.replica * ctx.config.micro_batches
         self._pipe_budget = pipeline_budget(self.prog, self._m)
@@ -293,8 +294,15 @@ class StageWorker:
     async def _train(self, avg: ReplicaAverager | None) -> None:
         cfg = self.ctx.config
         step = self.ctx.start_step
+        t_start = time.perf_counter()
+        t_steps = t_avg = t_comp = t_wall = 0.0   # where the time goes (logged at the end)
         while step < self._stop():
+            t0 = time.perf_counter()
             await self._train_step(step)
+            t1 = time.perf_counter()
+            t_steps += t1 - t0
+            t_comp += self._step_times[0]
+            t_wall += self._step_times[1]
             last = step + 1 >= self._stop()    # the job's end, or a planned halt asked for meanwhile
             if avg is not None and self._outer is not None and self._outer.streaming:
                 # streaming CO2: one fragment averaged per step, applied one step late; the last step
@@ -313,12 +321,20 @@ class StageWorker:
                     final = await avg.finalize()   # the round still in flight (async mode)
                     if final is not None:
                         self._load_anchor(final.anchor, step)
+            t_avg += time.perf_counter() - t1
             self.completed = step + 1
             if self.ctx.checkpoint is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
                 await self.ctx.checkpoint(step + 1, self.ex.state_dict())
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not last:
                 await self._eval_pass(step + 1)    # the held-out loss every eval_every steps
             step += 1
+        n = step - self.ctx.start_step
+        if n:
+            total = time.perf_counter() - t_start
+            log.info("stage %d replica %d: %d steps in %.2f s: train steps %.2f s (%d micro-batches each; compute "
+                     "%.2f s, messages and waits %.2f s, progress report %.2f s), averaging boundaries %.2f s, the "
+                     "rest (checkpoints, evaluation) %.2f s", self.prog.stage, self.ctx.replica, n, total, t_steps,
+                     self._m, t_comp, t_wall - t_comp, t_steps - t_wall, t_avg, total - t_steps - t_avg)
 
     def _load_anchor(self, anchor: torch.Tensor | None, step: int, *, ranges: Sequence[tuple[int, int]] = ()) -> None:
         """Load the averaged vector, or (streaming) one fragment of it into its flat *ranges*."""
@@ -509,6 +525,7 @@ class StageWorker:
             else:
                 raise RemoteProtocolError(f"unexpected message kind {msg.kind!r} on a pipeline link")
         loss = sum(losses[m] for m in sorted(losses)) / len(losses) if losses else None
+        self._step_times = (compute, time.perf_counter() - t0)
         await self.ctx.report(StageReport(step=step, stage=prog.stage, replica=self.ctx.replica, loss=loss,
                                           compute_s=compute, wall_s=time.perf_counter() - t0,
                                           tokens=self.ctx.tokens_per_micro * m_count,
