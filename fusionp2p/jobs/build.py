@@ -337,7 +337,8 @@ def planner_config(cfg: TrainConfig) -> PlannerConfig:
     return PlannerConfig(micro_batches=cfg.micro_batches, compression=comp is not None,
                          rho_min=comp.rho_min if comp is not None else PlannerConfig().rho_min,
                          co2_tau=co2.tau if co2 is not None else 1,
-                         overlap_averaging=co2 is not None and not co2.sync)
+                         overlap_averaging=co2 is not None and not co2.sync,
+                         stream_averaging=co2 is not None and co2.stream and not co2.sync)
 
 
 def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile], *,

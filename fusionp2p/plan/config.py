@@ -37,6 +37,7 @@ class PlannerConfig:
     co2_tau: int = 48                       # local steps between CO2 averaging rounds
     overlap_averaging: bool = True          # False: the round blocks the step (per-step all-reduce, CO2 sync)
     balance_micro: bool = True              # data-parallel replicas of unequal speed: micro-batches by speed
+    stream_averaging: bool = False          # streaming CO2: a fragment's round every step (its latency each step)
     cluster_theta: float = 0.25             # merge clusters while inter-bandwidth >= theta * intra
     exact_search_devices: int = 5           # up to this many devices: search every device order
     skip_window: int = 32                   # cluster order: next stage at most this many devices later

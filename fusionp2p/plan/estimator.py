@@ -220,7 +220,8 @@ class CostModel:
         is charged ``replica_overhead`` on top and can never be faster than its CO2 averaging round
         (a ring all-reduce of the stage's parameters, ``2 (r-1)/r * bytes / bandwidth``) amortised over
         the ``tau * M * r`` micro-batches the group computes between two rounds: each replica's
-        ``tau * M`` micro-batches must take at least one round. A round that blocks the step
+        ``tau * M`` micro-batches must take at least one round (streaming CO2, a fragment's round every
+        step: its latency ``2 (r-1) alpha`` every step, its bytes amortised as before). A round that blocks the step
         (``overlap_averaging=False``: the per-step gradient all-reduce, synchronous CO2) adds to it.
 
         With *micro* (micro-batches per replica, :meth:`split_micro`) the replicas are not in lockstep:
@@ -240,8 +241,13 @@ class CostModel:
         if r == 1:
             return t
         sub = np.ix_(group, group)
-        ring = 2.0 * (r - 1) / r * params / float(self.bw[sub].min()) + 2.0 * (r - 1) * float(self.lat[sub].max())
-        floor = ring / (self.config.co2_tau * self.config.micro_batches * r)
+        ring_bytes = 2.0 * (r - 1) / r * params / float(self.bw[sub].min())
+        ring_lat = 2.0 * (r - 1) * float(self.lat[sub].max())
+        tau = self.config.co2_tau
+        # streaming CO2 sends 1/tau of the vector every step, in a round of its own: the bytes of one whole
+        # round per tau steps, but a round's latency every step
+        per_step = ring_bytes / tau + (ring_lat if self.config.stream_averaging else ring_lat / tau)
+        floor = per_step / (self.config.micro_batches * r)
         t = t * (1.0 + self.config.replica_overhead)
         return np.maximum(t, floor) if self.config.overlap_averaging else t + floor
 

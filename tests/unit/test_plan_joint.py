@@ -374,3 +374,13 @@ def test_speeds_within_measurement_noise_stay_in_lockstep() -> None:
         plan = plan_joint(chain(1, act=1000, params=1000), snap, PlannerConfig(micro_batches=20, co2_tau=4), replicas=2)
         assert len(plan.stages[0].replicas) == 2
         assert bool(plan.micro) is balanced, (ratio, plan.micro)
+
+
+def test_streaming_co2_pays_a_rounds_latency_every_step() -> None:
+    from fusionp2p.plan.estimator import CostModel
+
+    snap = snapshot(2, bw=lambda a, b: 1e12, flops=lambda i: 1e15)     # compute and bytes free: latency alone
+    wl = chain(1, act=1000, params=1000)
+    whole = CostModel(wl, snap, PlannerConfig(micro_batches=4, co2_tau=8)).stage_time(0, 1, [0, 1])
+    stream = CostModel(wl, snap, PlannerConfig(micro_batches=4, co2_tau=8, stream_averaging=True)).stage_time(0, 1, [0, 1])
+    assert stream == pytest.approx(8 * whole, rel=1e-3)
