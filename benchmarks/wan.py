@@ -147,7 +147,8 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
         peers = _start_nodes(tb, addr, nodes)
         status = wait_for_links(tb, addr, set(peers), link_timeout)
         swarm_s = time.monotonic() - t0
-        measured = [{"src": peers[e["src"]], "dst": peers[e["dst"]], "mbit_s": 8 * e["bytes_per_s"] / 1e6}
+        measured = [{"src": peers[e["src"]], "dst": peers[e["dst"]], "mbit_s": 8 * e["bytes_per_s"] / 1e6,
+                     "rtt_ms": 1e3 * e["rtt_s"] if isinstance(e.get("rtt_s"), int | float) else None}
                     for e in status["bandwidth"] if e["src"] in peers and e["dst"] in peers and e["measured"]]
         prof = {peers[m["peer"]]: m["profile"] or {} for m in status["members"] if m["peer"] in peers}
         profiles = {h: pm.get("flops_fp32") for h, pm in prof.items()}
