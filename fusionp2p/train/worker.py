@@ -210,7 +210,6 @@ class StageWorker:
                           or min(ctx.micro) < 1):
             raise ConfigError(f"micro-batches per pipeline {tuple(ctx.micro)} do not deal out "
                               f"{ctx.config.micro_batches} x {ctx.replicas}")
-        self._step_times = (0.0, 0.0)        # the last train step's compute and wall seconds
         self._m = ctx.micro[ctx.replica] if ctx.micro else ctx.config.micro_batches   # this pipeline's count
         self._m_first = sum(ctx.micro[:ctx.replica]) if ctx.micro else ctx.replica * ctx.config.micro_batches
         self._pipe_budget = pipeline_budget(self.prog, self._m)
@@ -298,11 +297,11 @@ class StageWorker:
         t_steps = t_avg = t_comp = t_wall = 0.0   # where the time goes (logged at the end)
         while step < self._stop():
             t0 = time.perf_counter()
-            await self._train_step(step)
+            compute, wall = await self._train_step(step)
             t1 = time.perf_counter()
             t_steps += t1 - t0
-            t_comp += self._step_times[0]
-            t_wall += self._step_times[1]
+            t_comp += compute
+            t_wall += wall
             last = step + 1 >= self._stop()    # the job's end, or a planned halt asked for meanwhile
             if avg is not None and self._outer is not None and self._outer.streaming:
                 # streaming CO2: one fragment averaged per step, applied one step late; the last step
@@ -440,7 +439,8 @@ class StageWorker:
         m, k = self.ctx.config.micro_batches, self._m_first + mu
         return step * self.ctx.replicas + k // m, k % m
 
-    async def _train_step(self, step: int) -> None:
+    async def _train_step(self, step: int) -> tuple[float, float]:
+        """One training step; its compute and wall seconds (the wall before the progress report)."""
         cfg, prog, ex = self.ctx.config, self.prog, self.ex
         t0 = time.perf_counter()
         compute = 0.0
@@ -525,12 +525,13 @@ class StageWorker:
             else:
                 raise RemoteProtocolError(f"unexpected message kind {msg.kind!r} on a pipeline link")
         loss = sum(losses[m] for m in sorted(losses)) / len(losses) if losses else None
-        self._step_times = (compute, time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
         await self.ctx.report(StageReport(step=step, stage=prog.stage, replica=self.ctx.replica, loss=loss,
-                                          compute_s=compute, wall_s=time.perf_counter() - t0,
+                                          compute_s=compute, wall_s=wall,
                                           tokens=self.ctx.tokens_per_micro * m_count,
                                           averaging=self._avg.stats if self._avg is not None else None,
                                           skipped=self._skipped))
+        return compute, wall
 
     async def _send_acts(self, step: int, micro: int, out: Mapping[str, torch.Tensor], *, dense: bool = False,
                          kind: str = "act") -> None:
