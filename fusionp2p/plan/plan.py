@@ -145,14 +145,6 @@ class Plan:
             if max(self.micro) > self.MAX_MICRO_RATIO * min(self.micro):
                 raise ValueError(f"micro-batches per pipeline differ by more than {self.MAX_MICRO_RATIO}x")
 
-    def micro_of(self, replica: int) -> int:
-        """Micro-batches pipeline *replica* runs per step."""
-        return self.micro[replica] if self.micro else self.micro_batches
-
-    def micro_offset(self, replica: int) -> int:
-        """Index of pipeline *replica*'s first micro-batch among the step's ``micro_batches x replicas``."""
-        return sum(self.micro[:replica]) if self.micro else replica * self.micro_batches
-
     # -- derived ---------------------------------------------------------------------------------
     @property
     def throughput(self) -> float:
