@@ -204,11 +204,11 @@ def test_a_joiner_is_taken_in_at_a_step_boundary(tmp_path: Path, monkeypatch: py
         if peer in self.joiners:
             accepted.set()
 
-    async def step_or_wait(self: StageWorker, step: int) -> None:
+    async def step_or_wait(self: StageWorker, step: int) -> tuple[float, float]:
         if step == 10:
             with trio.fail_after(60):
                 await accepted.wait()
-        await train_step(self, step)
+        return await train_step(self, step)
 
     monkeypatch.setattr(JobRun, "_offer_to", offer_and_note)
     monkeypatch.setattr(StageWorker, "_train_step", step_or_wait)
@@ -259,11 +259,11 @@ def test_a_joiner_that_would_gain_too_little_stays_a_standby(tmp_path: Path, mon
         led.append(why)
         await lead(self, plan, at=at, why=why)
 
-    async def step_or_wait(self: StageWorker, step: int) -> None:
+    async def step_or_wait(self: StageWorker, step: int) -> tuple[float, float]:
         if step == 10:
             with trio.fail_after(60):
                 await judged.wait()
-        await train_step(self, step)
+        return await train_step(self, step)
 
     monkeypatch.setattr(JobRun, "_take_in_joiners", take_in_and_note)
     monkeypatch.setattr(JobRun, "_lead", lead_and_note)
@@ -470,11 +470,11 @@ def test_a_node_restarted_with_its_identity_rejoins_the_job(tmp_path: Path, monk
         if peer in self.joiners:
             back.set()
 
-    async def step_or_wait(self: StageWorker, step: int) -> None:
+    async def step_or_wait(self: StageWorker, step: int) -> tuple[float, float]:
         if step == 30:   # this tiny job trains faster than a node restarts: wait until it accepted again
             with trio.fail_after(60):
                 await back.wait()
-        await train_step(self, step)
+        return await train_step(self, step)
 
     monkeypatch.setattr(JobRun, "_offer_to", offer_and_note)
     monkeypatch.setattr(StageWorker, "_train_step", step_or_wait)
