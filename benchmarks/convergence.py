@@ -52,7 +52,7 @@ from fusionp2p.jobs.events import PlanChanged
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
 from fusionp2p.plan.estimator import unit_memory
 from fusionp2p.sdk import LOCAL_PROFILE, Swarm, sites
-from fusionp2p.train.config import CO2, TrainConfig
+from fusionp2p.train.config import CO2, AdaTopK, TrainConfig
 
 SEQ = 64
 NODES = 4
@@ -104,15 +104,16 @@ def base_config(steps: int) -> TrainConfig:
                        replicas=REPLICAS, seed=0)
 
 
-def system_config(system: str, steps: int) -> TrainConfig:
+def system_config(system: str, steps: int, *, dense_finish: float | None = None) -> TrainConfig:
     cfg = base_config(steps)
+    comp = AdaTopK() if dense_finish is None else AdaTopK(dense_finish=dense_finish)
     table: dict[str, dict[str, Any]] = {
         "allreduce": {"averaging": None},
         "co2-sync": {"averaging": CO2(sync=True)},
         "co2-async": {"averaging": CO2()},
         "co2-stale": {"averaging": CO2(stream=False)},
-        "co2-async-adatopk": {"averaging": CO2(), "compression": "adatopk"},
-        "opfence": {"averaging": CO2(), "compression": "adatopk", "replicas": None},
+        "co2-async-adatopk": {"averaging": CO2(), "compression": comp},
+        "opfence": {"averaging": CO2(), "compression": comp, "replicas": None},
     }
     return dataclasses.replace(cfg, **table[system])
 
@@ -204,6 +205,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2000, help="steps of R=2 replicas (every system sees the same samples)")
     p.add_argument("--model", default="gpt2", choices=("gpt2", "mlp"))
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS + EXTRA))
+    p.add_argument("--dense-finish", type=float, default=None,
+                   help="AdaTopK.dense_finish of the compressed systems (default: the product's default)")
     args = p.parse_args()
     steps = 40 if args.quick else args.steps
     systems = [s for s in args.systems.split(",") if s]
@@ -219,13 +222,14 @@ def main() -> None:
     dataset = TokenFile(work / "train.txt", seq_len=SEQ)
     results: dict[str, Any] = {"model": args.model, "steps": steps, "replicas": REPLICAS, "nodes": NODES, "wan": WAN,
                                "wan_sites": WAN_SITES, "wan_memory": WAN_MEMORY,
+                               "dense_finish": AdaTopK().dense_finish if args.dense_finish is None else args.dense_finish,
                                "samples": steps * REPLICAS * base_config(steps).samples_per_step,
                                "systems": {}}
     curves: dict[str, dict[int, float]] = {}
     per_step: dict[str, int] = {}
     for system in systems:
         t0 = time.perf_counter()
-        cfg = base_config(steps) if system == "adamw" else system_config(system, steps)
+        cfg = base_config(steps) if system == "adamw" else system_config(system, steps, dense_finish=args.dense_finish)
         info: dict[str, Any] = {}
         if system == "adamw":
             model, curve = run_adamw(args.model, cfg, train)

@@ -70,10 +70,21 @@ class ProgressBook:
             vals = list(losses[step])
             if step in self._emitted or not vals or not 0 <= step < self.steps:
                 continue
-            self._pending[step] = {f"report{i}": StepProgress(job=self.job, step=step, epoch=self._epoch,
+            epoch = self._epoch_of(step)
+            self._pending[step] = {f"report{i}": StepProgress(job=self.job, step=step, epoch=epoch,
                                                               stage=self._stage, loss=v) for i, v in enumerate(vals)}
         out += self._flush(upto=None, now=now)
         return out
+
+    def _epoch_of(self, step: int) -> int:
+        """The epoch that trained a *step* only the final reports carry (its gossip was lost). The curve's
+        epochs never decrease with the step (a new plan trains on from where it resumed), so a step between
+        emitted steps takes the epoch of the one before it; one past every emitted step, the current plan's.
+        (The current epoch for all of them put a lost step of epoch 0 at epoch 1 and made the re-plan look
+        as if it had resumed before its checkpoint.)"""
+        if not any(t > step for t in self._emitted):
+            return self._epoch
+        return max((e for t, e in self._emitted.items() if t < step), default=0)
 
     def flush(self, *, now: float) -> list[StepProgress]:
         """Everything still pending (the job ended)."""

@@ -116,9 +116,19 @@ class AdaTopK:
     # reference GPT-2 ends ~6% above dense after 100 steps, at 0.01 18%; a byte-level MLP cut before
     # its activation diverged at 0.01 on the product (BENCHMARKS.md). 0.01 until this wave.
     rho_min: float = 0.1
+    # The last ``dense_finish`` fraction of the job's steps sends every fence dense, so that the model the
+    # publisher downloads, which is evaluated dense, ends trained on dense activations. A model trained
+    # through a fence at a low kept fraction adapts to the top-k (docs/dataplane.md "Dense finish").
+    # Left out of the wire map at its default, so older specs keep their bytes and signatures
+    dense_finish: float = field(default=0.0, metadata={"wire": {"omit_default": True}})
 
     def __post_init__(self) -> None:
         _float(self, "rho_min", self.rho_min, lo=0.0, hi=1.0, lo_open=True)
+        _float(self, "dense_finish", self.dense_finish, lo=0.0, hi=1.0)
+
+    def dense_from(self, steps: int) -> int:
+        """The first of *steps* steps whose fences go dense (``steps`` when none do)."""
+        return steps - round(self.dense_finish * steps)
 
     def to_wire(self) -> dict[str, Any]:
         return codec.to_wire(self)

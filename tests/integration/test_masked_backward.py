@@ -17,24 +17,26 @@ from fusionp2p.graph import StageExecutor
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorMessage
 from fusionp2p.testing.channels import memory_channel_pair
-from fusionp2p.train.config import TrainConfig
+from fusionp2p.train.config import AdaTopK, TrainConfig
 from fusionp2p.train.worker import StageContext, StageReport, StageWorker
 from tests.integration.test_hostile_training import _programs
 
 RHO = 0.25
 
 
-def test_the_gradient_over_a_compressed_fence_is_masked_like_the_forward() -> None:
+def _run(config: TrainConfig) -> list[tuple[int, torch.Tensor, TensorMessage]]:
+    """Stage 1 (a StageWorker) behind a hand-written stage 0 that sends compressed activations at ``RHO``;
+    the (step, forward keep-mask, gradient message) of every gradient stage 1 sends back."""
     p0, p1 = _programs()
     a, b = memory_channel_pair("s1", "s0", window=8)
     labels = [r.name for r in p1.recv if r.src == DATA]
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []     # (forward keep-mask, gradient sent back)
+    got: list[tuple[int, torch.Tensor, TensorMessage]] = []
 
     async def stage0(ch: object) -> None:
         """A hand-written stage 0: compressed activations forward, records the gradients it gets back."""
         link = TopKLink(ratio=RHO)
         sent: dict[tuple[int, int], torch.Tensor] = {}
-        steps = 2
+        steps = config.steps
         for step in range(steps + 1):                 # the last one is the evaluation pass (forward only)
             for mu in range(2):
                 g = torch.Generator().manual_seed(step * 10 + mu)
@@ -53,7 +55,7 @@ def test_the_gradient_over_a_compressed_fence_is_masked_like_the_forward() -> No
             for _ in range(2):
                 msg: TensorMessage = await ch.receive()  # type: ignore[attr-defined]
                 assert msg.kind == "grad"
-                pairs.append((sent[(msg.step, msg.micro)], decode(msg.tensors, msg.meta) if msg.meta else msg.tensors[0]))
+                got.append((msg.step, sent[(msg.step, msg.micro)], msg))
 
     def data(step: int, micro: int) -> dict[str, torch.Tensor]:
         return {n: torch.tensor([0, 1]) for n in labels}
@@ -61,7 +63,7 @@ def test_the_gradient_over_a_compressed_fence_is_masked_like_the_forward() -> No
     async def report(rep: StageReport) -> None:
         pass
 
-    ctx = StageContext(job="j", executor=StageExecutor(p1), config=TrainConfig(steps=2, micro_batch=2, micro_batches=2, lr=0.1),
+    ctx = StageContext(job="j", executor=StageExecutor(p1), config=config,
                        replica=0, replicas=1, links={0: a}, data=data, tokens_per_micro=2, report=report,
                        recv_timeout=10.0, rho_out={-1: RHO})
 
@@ -72,8 +74,27 @@ def test_the_gradient_over_a_compressed_fence_is_masked_like_the_forward() -> No
                 await StageWorker(ctx).run()
 
     trio.run(main)
+    return got
+
+
+def test_the_gradient_over_a_compressed_fence_is_masked_like_the_forward() -> None:
+    got = _run(TrainConfig(steps=2, micro_batch=2, micro_batches=2, lr=0.1))
+    pairs = [(mask, decode(msg.tensors, msg.meta) if msg.meta else msg.tensors[0]) for _, mask, msg in got]
     assert len(pairs) == 4
     for mask, grad in pairs:
         assert grad.shape == mask.shape
         assert torch.all(grad[~mask] == 0), "a gradient entry the forward dropped went back"
         assert torch.count_nonzero(grad[mask]) > 0
+
+
+def test_the_dense_finish_ramps_the_fence_up_to_dense_by_the_last_step() -> None:
+    """AdaTopK(dense_finish=0.5) of 4 steps: steps 0-1 at the plan's ratio, step 2 at RHO ** 0.5, step 3 dense."""
+    got = _run(TrainConfig(steps=4, micro_batch=2, micro_batches=2, lr=0.1, compression=AdaTopK(dense_finish=0.5)))
+    kept = {step: int(msg.meta["k"]) if msg.meta else None for step, _, msg in got}
+    n = got[0][1].numel()
+    assert kept[0] == kept[1] and kept[0] is not None and kept[0] <= round(RHO * n) + 1
+    assert kept[2] is not None and kept[2] > kept[1]
+    assert kept[3] is None                    # dense: the codec's identity, no meta
+    for step, mask, msg in got:               # still the exact gradient of the forward's masking
+        g = decode(msg.tensors, msg.meta) if msg.meta else msg.tensors[0]
+        assert torch.all(g[~mask] == 0)

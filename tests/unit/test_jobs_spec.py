@@ -111,6 +111,8 @@ def test_sub_config_errors() -> None:
         CO2(penalty="huge")
     with pytest.raises(ConfigError, match="rho_min"):
         AdaTopK(rho_min=0.0)
+    with pytest.raises(ConfigError, match="dense_finish"):
+        AdaTopK(dense_finish=1.5)
     with pytest.raises(ConfigError, match="device kinds"):
         Resources(device_kinds=("tpu",))
     with pytest.raises(ConfigError, match="job_id"):
@@ -207,3 +209,11 @@ def test_any_bit_flip_is_rejected(pos: int, bit: int) -> None:
     env[pos % len(env)] ^= 1 << bit
     with pytest.raises(RemoteProtocolError):  # IntegrityError is a RemoteProtocolError
         decode_signed(bytes(env))
+
+
+def test_the_dense_finish_is_left_off_the_wire_at_its_default() -> None:
+    # older specs keep their bytes and signatures; a set value round-trips
+    assert AdaTopK().to_wire() == {"rho_min": 0.1}
+    wired = AdaTopK(dense_finish=0.25).to_wire()
+    assert wired["dense_finish"] == 0.25 and AdaTopK.from_wire(wired) == AdaTopK(dense_finish=0.25)
+    assert (AdaTopK().dense_from(400), AdaTopK(dense_finish=0.1).dense_from(400)) == (400, 360)

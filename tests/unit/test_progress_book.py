@@ -46,3 +46,17 @@ def test_old_reports_still_pending_are_emitted_at_the_end() -> None:
     book.set_plan(1, 0, ["a", "c"])
     book.add("a", _rep("a", 9, 0, 2.0), now=0.0)
     assert [(e.step, e.loss) for e in book.flush(now=0.0)] == [(9, 2.0)]
+
+
+def test_a_step_only_the_final_report_carries_keeps_the_epoch_that_trained_it() -> None:
+    # full suite, 2026-11-27: step 2's gossip was lost, the final report filled it in labelled with the
+    # new plan's epoch, and the re-plan looked as if it had resumed at step 2, before its checkpoint at 4
+    book = ProgressBook(job="j", steps=8)
+    book.set_plan(0, 0, ["a"])
+    for step in (0, 1, 3, 4, 5):
+        book.add("a", _rep("a", step, 0, 1.0), now=0.0)
+    book.set_plan(1, 0, ["b"])
+    book.add("b", _rep("b", 4, 1, 2.0), now=0.0)
+    book.add("b", _rep("b", 5, 1, 2.0), now=0.0)
+    out = book.fill({s: [3.0] for s in range(8)}, now=0.0)
+    assert [(e.step, e.epoch) for e in out] == [(2, 0), (6, 1), (7, 1)]
