@@ -567,7 +567,7 @@ class StageWorker:
         if step < self._dense_from or rho >= 1.0:
             return rho
         frac = min(1.0, (step - self._dense_from + 1) / (self.ctx.config.steps - self._dense_from))
-        return rho ** (1.0 - frac)
+        return math.pow(rho, 1.0 - frac)
 
     def _rho_in(self, src: int) -> float:
         return self.ctx.rho_out.get(-1 - src, 1.0)   # incoming fences are stored under -1 - src

@@ -95,6 +95,6 @@ def test_the_dense_finish_ramps_the_fence_up_to_dense_by_the_last_step() -> None
     assert kept[0] == kept[1] and kept[0] is not None and kept[0] <= round(RHO * n) + 1
     assert kept[2] is not None and kept[2] > kept[1]
     assert kept[3] is None                    # dense: the codec's identity, no meta
-    for step, mask, msg in got:               # still the exact gradient of the forward's masking
+    for _step, mask, msg in got:              # still the exact gradient of the forward's masking
         g = decode(msg.tensors, msg.meta) if msg.meta else msg.tensors[0]
         assert torch.all(g[~mask] == 0)
