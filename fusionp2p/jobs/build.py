@@ -15,7 +15,7 @@ import dataclasses
 import inspect
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -354,16 +354,22 @@ def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile],
     a pair without a figure counts as ``PlannerConfig.missing_link`` (slow, so that it is avoided).
     """
     cfg = spec.config
-    peers = sorted(members)
     wl = to_workload(coarsen(dag), micro_batch=cfg.micro_batch)
-    fast = Link(bandwidth_bps=1e9, latency_s=1e-4)
-    all_links = dict(links) if links else {(a, b): fast for i, a in enumerate(peers) for b in peers[i + 1:]}
-    snap = Snapshot(job=spec.job_id, epoch=epoch, members=dict(members), links=all_links)
+    snap = Snapshot(job=spec.job_id, epoch=epoch, members=dict(members), links=planned_links(members, links))
     if cfg.planner == "even_layers":
         return plan_even_layers(wl, snap, planner_config(cfg), seed=cfg.seed, replicas=cfg.replicas or 1)
     if cfg.planner == "even_flops":
         return plan_even_flops(wl, snap, planner_config(cfg), seed=cfg.seed, replicas=cfg.replicas or 1)
     return plan_joint(wl, snap, planner_config(cfg), replicas=cfg.replicas, seed=cfg.seed)
+
+
+def planned_links(members: Iterable[str], links: Mapping[tuple[str, str], Link] | None) -> dict[tuple[str, str], Link]:
+    """The links a plan is made on: *links*, or with none measured at all 1 GB/s, 0.1 ms for every pair."""
+    if links:
+        return dict(links)
+    peers = sorted(members)
+    fast = Link(bandwidth_bps=1e9, latency_s=1e-4)
+    return {(a, b): fast for i, a in enumerate(peers) for b in peers[i + 1:]}
 
 
 def plan_for_snapshot(spec: JobSpec, dag: OpDAG, snap: Snapshot, *, previous: Plan | None = None) -> Plan:

@@ -45,6 +45,10 @@ class NodeJobConfig:
     confirm_timeout: float = 3.0
     confirm_ttl: float = 10.0
     join_check_interval: float = 5.0   # the leader judges the same joiners (plans with and without them) this often
+    # once an epoch has trained rebalance_after steps, its leader re-plans by the speeds the members measured
+    # while training when that is predicted faster (jobs/rebalance.py), at most rebalance_max times a job
+    rebalance_after: int = 6
+    rebalance_max: int = 2
     max_jobs: int = 4                  # offered or running at once
     max_pending_links: int = 64
     max_state_bytes: int = 16 << 30    # a stage state fetched from a member
@@ -70,6 +74,8 @@ class NodeJobConfig:
                      "confirm_ttl", "join_check_interval"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"NodeJobConfig.{name} must be positive")
+        if self.rebalance_after < 1 or self.rebalance_max < 0:
+            raise ConfigError("NodeJobConfig.rebalance_after must be >= 1 and rebalance_max >= 0")
         if self.max_jobs < 1 or self.max_pending_links < 1 or self.max_offers_per_publisher < 1:
             raise ConfigError("NodeJobConfig.max_jobs, max_pending_links and max_offers_per_publisher must be >= 1")
 

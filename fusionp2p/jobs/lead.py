@@ -28,18 +28,23 @@ from fusionp2p.jobs.build import AcceptedJob, plan_for_snapshot
 from fusionp2p.jobs.host import JobHost
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
+from fusionp2p.jobs.rebalance import rebalanced
 from fusionp2p.jobs.replan import Halted, complete_checkpoint, halt_step, leader_of, plan_resume
 from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
 from fusionp2p.train.worker import StageWorker
+from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.jobrecords import JobStatus, StageFile, encode_record, status_key
 
 log = logging.getLogger(__name__)
 
 OFFER_AGAIN = 2.0           # seconds before a joiner that could not be reached is offered the job again
 JOIN_GAIN = 0.10            # joiners are taken in (a re-plan) only to add nodes, predicted this much faster
+# a re-plan by the members' measured speeds (_rebalance) only for a predicted gain this large: equal nodes
+# measure speeds apart by some noise, and a halt costs seconds
+REBALANCE_GAIN = 0.20
 
 
 @dataclass
@@ -73,6 +78,9 @@ class Leading:
     _offered: dict[str, float]
     _answered: dict[str, float]
     _join_checked: tuple[tuple[int, frozenset[str]], float]
+    _rebalance_judged: int
+    _rebalances: int
+    _speeds: dict[str, DeviceProfile]
     _cur: _Epoch
     _worker: StageWorker | None
     _broken: bool
@@ -128,6 +136,8 @@ class Leading:
                 await self._lead(plan, at=None, why=why)
             elif self.svc.swarm.config.role == "node":
                 await self._take_in_joiners(plan)
+                if self._led <= self.epoch:
+                    await self._rebalance(plan)
 
     async def _confirm_gone(self, peers: list[str]) -> list[str]:
         """Of the plan's members the membership view calls dead, those that do not answer a direct question.
@@ -227,6 +237,46 @@ class Leading:
             return
         await self._lead(plan, at=at, why=f"joiners {[p[:12] for p in usable]} get a role")
 
+    async def _rebalance(self, plan: Plan) -> None:
+        """Once per epoch, after ``rebalance_after`` steps: re-plan at a step boundary by the speeds the
+        members measured while training, when that is predicted ``REBALANCE_GAIN`` faster (jobs/rebalance.py)."""
+        cfg, w = self.svc.config, self._worker
+        if (w is None or plan.epoch != self.epoch or self._rebalance_judged >= self.epoch
+                or self._rebalances >= cfg.rebalance_max or self.spec.config.planner != "opfence"
+                or w.completed - w.ctx.start_step < cfg.rebalance_after or len(plan.peers) < 2):
+            return
+        self._rebalance_judged = self.epoch
+        states = await self._ask_all(list(plan.peers), {"op": "status", "job": self.job_id})
+        micro_s = {p: float(m["micro_s"]) for p, m in states.items()
+                   if m.get("epoch") == self.epoch and isinstance(m.get("micro_s"), float)}
+        if set(micro_s) != set(plan.peers):
+            log.debug("job %s: %d of %d members measured their speed: not re-balancing", self.job_id,
+                      len(micro_s), len(plan.peers))
+            return
+        try:
+            snap, trial, new, base = rebalanced(self.spec, self.accepted.dag, plan,
+                                                self._snapshot(list(plan.peers), self.epoch + 1), micro_s)
+        except (PlanError, FusionError, ValueError) as exc:
+            log.info("job %s: no plan by the measured speeds: %s", self.job_id, exc)
+            return
+        measured = ", ".join(f"{p[:12]} {1e3 * t:.0f} ms" for p, t in sorted(micro_s.items()))
+        if not new > base * (1.0 + REBALANCE_GAIN):
+            log.info("job %s: measured per micro-batch %s; a plan by them (micro %s) is predicted at %.3g "
+                     "micro-batches/s against %.3g, under %.0f%% faster: keeping the plan", self.job_id, measured,
+                     list(trial.micro) or "even", new, base, 100 * REBALANCE_GAIN)
+            return
+        steps = [int(m["step"]) for m in states.values() if isinstance(m.get("step"), int)]
+        co2 = self.spec.config.co2
+        try:
+            at = halt_step([w.completed, *steps], tau=co2.tau if co2 is not None and len(plan.stages[0].replicas) > 1
+                           else 1, steps=self.spec.config.steps)
+        except PlanError:
+            return
+        self._speeds.update(snap.members)
+        self._rebalances += 1
+        await self._lead(plan, at=at, why=f"measured per micro-batch {measured}: predicted {new:.3g} micro-batches/s "
+                                          f"against {base:.3g} (micro {list(trial.micro) or 'even'})")
+
     async def _offer_to(self, peer: str) -> None:
         try:
             reply = await job_proto.request(self.transport, peer, {"op": "offer", "envelope": self.accepted.envelope,
@@ -290,6 +340,7 @@ class Leading:
             prof = rec.profile if rec is not None else None
             if p == self.me:
                 prof = self.svc.swarm.profile
+            prof = self._speeds.get(p, prof)    # scaled to the speed it measured while training (_rebalance)
             if prof is None:
                 raise PlanError(f"no device profile for member {p[:12]}")
             profiles.append((p, prof))

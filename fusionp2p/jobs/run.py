@@ -80,6 +80,7 @@ from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.train.state import StageState, merge_states
 from fusionp2p.train.worker import Halt, StageContext, StageReport, StageWorker
+from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.jobrecords import StageFile
 from fusionp2p.wire.protocols import TOPIC_JOBS
 
@@ -134,6 +135,9 @@ class JobRun(Leading):
         self._offered: dict[str, float] = {}                      # node -> when the leader offered it the job
         self._answered: dict[str, float] = {}                     # member the view calls dead -> when it answered
         self._join_checked: tuple[tuple[int, frozenset[str]], float] = ((-1, frozenset()), -math.inf)
+        self._rebalance_judged = -1                                 # the last epoch judged by measured speeds
+        self._rebalances = 0                                        # re-plans this node led for measured speeds
+        self._speeds: dict[str, DeviceProfile] = {}                 # members' profiles scaled to measured speeds
         self._starts_send, self._starts = trio.open_memory_channel[StartRequest](16)
         self._started: set[int] = set()
         self._cur = _Epoch()
@@ -213,8 +217,12 @@ class JobRun(Leading):
 
     def progress(self) -> dict[str, Any]:
         w = self._worker
-        return {"epoch": self.epoch, "step": w.completed if w is not None else -1,
-                "stage": self.role[0] if self.role else -1}
+        out: dict[str, Any] = {"epoch": self.epoch, "step": w.completed if w is not None else -1,
+                               "stage": self.role[0] if self.role else -1}
+        if w is not None and w.busy_micros > 0:
+            # seconds of compute per micro-batch this epoch (the leader re-balances by it; jobs/rebalance.py)
+            out["micro_s"], out["micros"] = w.busy_s / w.busy_micros, w.busy_micros
+        return out
 
     def on_event(self, sender: str, ev: ProgressEvent) -> None:
         """A progress event of this job from the jobs topic."""

@@ -214,6 +214,11 @@ class StageWorker:
             raise ConfigError(f"micro-batches per pipeline {tuple(ctx.micro)} do not deal out "
                               f"{ctx.config.micro_batches} x {ctx.replicas}")
         self._m = ctx.micro[ctx.replica] if ctx.micro else ctx.config.micro_batches   # this pipeline's count
+        # forward + backward seconds and micro-batches of this epoch's steps after its first (which warms up):
+        # the speed this replica trains at, which the job's leader may re-balance the micro-batches by
+        # (jobs/rebalance.py). Not the optimizer step nor the all-reduce: they do not scale with the count
+        self.busy_s = 0.0
+        self.busy_micros = 0
         self._m_first = sum(ctx.micro[:ctx.replica]) if ctx.micro else ctx.replica * ctx.config.micro_batches
         self._pipe_budget = pipeline_budget(self.prog, self._m)
         self._avg_budget = replica_budget(self.prog, len(ctx.peers), sum(p.numel() for p in self._params))
@@ -446,7 +451,7 @@ class StageWorker:
         """One training step; its compute and wall seconds (the wall before the progress report)."""
         cfg, prog, ex = self.ctx.config, self.prog, self.ex
         t0 = time.perf_counter()
-        compute = 0.0
+        compute = fb = 0.0                 # fb: forward and backward only
         m_count = self._m
         sched = StageSchedule(ScheduleConfig(kind=cfg.schedule, stages=prog.num_stages, micro_batches=m_count,
                                              stage=prog.stage))
@@ -476,6 +481,7 @@ class StageWorker:
                     t = time.perf_counter()
                     outs[act.micro] = await trio.to_thread.run_sync(ex.forward, act.micro, ready_in.pop(act.micro))
                     compute += time.perf_counter() - t
+                    fb += time.perf_counter() - t
                     if prog.loss is not None:
                         losses[act.micro] = float(outs[act.micro][prog.loss])
                         if not math.isfinite(losses[act.micro]) and cfg.on_nonfinite == "fail":
@@ -490,6 +496,7 @@ class StageWorker:
                     backs[act.micro] = await trio.to_thread.run_sync(
                         lambda mu=act.micro: ex.backward(mu, ready_grad.pop(mu, {}), loss_scale=scale))
                     compute += time.perf_counter() - t
+                    fb += time.perf_counter() - t
                     actions += sched.handle(BackwardDone(micro=act.micro))
                 elif isinstance(act, SendGradient):
                     await self._send_grads(step, act.micro, backs.pop(act.micro))
@@ -529,6 +536,8 @@ class StageWorker:
                 raise RemoteProtocolError(f"unexpected message kind {msg.kind!r} on a pipeline link")
         loss = sum(losses[m] for m in sorted(losses)) / len(losses) if losses else None
         wall = time.perf_counter() - t0
+        if step > self.ctx.start_step:
+            self.busy_s, self.busy_micros = self.busy_s + fb, self.busy_micros + m_count
         await self.ctx.report(StageReport(step=step, stage=prog.stage, replica=self.ctx.replica, loss=loss,
                                           compute_s=compute, wall_s=wall,
                                           tokens=self.ctx.tokens_per_micro * m_count,

@@ -499,3 +499,46 @@ def test_a_node_restarted_with_its_identity_rejoins_the_job(tmp_path: Path, monk
     plans, _ = _check_done(events, cfg)
     assert victim[0].peer_id not in plans[1].members     # the first re-plan went on without it
     assert victim[0].peer_id in plans[-1].members        # and it is back in the last plan
+
+
+def test_the_leader_rebalances_the_micro_batches_by_the_speeds_measured_in_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two equal profiles, so epoch 0 deals the micro-batches evenly; but replica 1 computes 3x slower per
+    micro-batch (as benchmarks.wan's small-quota hosts do against their start-up benchmark). After
+    ``rebalance_after`` steps the leader asks both for their measured speed, re-plans at a step boundary
+    with fewer micro-batches for replica 1, and the job ends DONE in epoch 1, whose speeds match its plan
+    (no second re-plan)."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=30, micro_batch=2, micro_batches=4, lr=3e-3, replicas=2, averaging=CO2(tau=2),
+                      compression="none", checkpoint_every=0, seed=8)
+    train_step = StageWorker._train_step
+    led: list[str] = []
+    lead = JobRun._lead
+
+    async def lead_and_note(self: JobRun, plan: Any, *, at: int | None, why: str) -> None:
+        led.append(why)
+        await lead(self, plan, at=at, why=why)
+
+    async def slower_replica_1(self: StageWorker, step: int) -> tuple[float, float]:
+        before = self.busy_s
+        out = await train_step(self, step)
+        if self.ctx.replica == 1:      # what it measures of its forward and backward passes, 3x
+            self.busy_s += 2.0 * (self.busy_s - before)
+        return out
+
+    monkeypatch.setattr(JobRun, "_lead", lead_and_note)
+    monkeypatch.setattr(StageWorker, "_train_step", slower_replica_1)
+
+    async def main() -> tuple[list[ProgressEvent], BuiltJob]:
+        with trio.fail_after(150):
+            async with _swarm(2, tmp_path) as (emb, pub, client):
+                built = await _built(client, cfg, b"r")
+                return await _publish(pub, built, tmp_path, lambda ev: None), built
+
+    events, built = trio.run(main)
+    plans, _ = _check_done(events, cfg)
+    assert [p.epoch for p in plans] == [0, 1], led
+    assert plans[0].stage_sizes == plans[1].stage_sizes == (2,) and plans[0].micro == ()
+    assert len(led) == 1 and led[0].startswith("measured per micro-batch")
+    assert len(plans[1].micro) == 2 and plans[1].micro[1] < plans[1].micro[0] and sum(plans[1].micro) == 8
+    _check_download(tmp_path, built, cfg, events, 2)
