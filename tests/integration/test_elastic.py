@@ -531,7 +531,7 @@ def test_the_leader_rebalances_the_micro_batches_by_the_speeds_measured_in_train
 
     async def main() -> tuple[list[ProgressEvent], BuiltJob]:
         with trio.fail_after(150):
-            async with _swarm(2, tmp_path) as (emb, pub, client):
+            async with _swarm(2, tmp_path) as (_emb, pub, client):
                 built = await _built(client, cfg, b"r")
                 return await _publish(pub, built, tmp_path, lambda ev: None), built
 
