@@ -415,7 +415,8 @@ def test_the_plans_only_member_dies_and_a_standby_carries_the_job_on(tmp_path: P
     events = trio.run(main)
     plans, steps = _check_done(events, cfg)
     assert plans[0].members == (killed[0],) and plans[-1].epoch >= 1 and killed[0] not in plans[-1].members
-    assert min(s for s, e in steps.items() if e.epoch >= 1) >= 4   # from the kept checkpoint, not step 0
+    assert min(s for s, e in steps.items() if e.epoch >= 1) >= 4, (   # from the kept checkpoint, not step 0
+        [(s, e.epoch) for s, e in sorted(steps.items())], [(p.epoch, p.members) for p in plans])
 
 
 def test_the_job_outlives_its_publisher_and_is_attached_from_elsewhere(tmp_path: Path) -> None:
