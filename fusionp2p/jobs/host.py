@@ -44,11 +44,12 @@ class NodeJobConfig:
     # _confirm_gone): it has confirm_timeout to answer, and an answer counts for confirm_ttl
     confirm_timeout: float = 3.0
     confirm_ttl: float = 10.0
-    join_check_interval: float = 5.0   # the leader judges the same joiners (plans with and without them) this often
+    join_check_interval: float = 5.0   # the leader judges the same joiners (plans with and without them) this often,
+    join_check_max: float = 60.0       # backing off up to this while they are of no use (jobs/lead.py)
     # once an epoch has trained rebalance_after steps, its leader re-plans by the speeds the members measured
     # while training when that is predicted faster (jobs/rebalance.py), at most rebalance_max times a job
     rebalance_after: int = 6
-    rebalance_max: int = 2
+    rebalance_max: int = 1
     max_jobs: int = 4                  # offered or running at once
     max_pending_links: int = 64
     max_state_bytes: int = 16 << 30    # a stage state fetched from a member
@@ -71,7 +72,7 @@ class NodeJobConfig:
         for name in ("accept_timeout", "election_timeout", "link_timeout", "recv_timeout", "report_timeout",
                      "reconnect_timeout", "start_timeout", "halt_timeout", "conclude_timeout", "watch_interval",
                      "status_interval", "offer_retry", "offer_ttl", "replan_retry", "confirm_timeout",
-                     "confirm_ttl", "join_check_interval"):
+                     "confirm_ttl", "join_check_interval", "join_check_max"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"NodeJobConfig.{name} must be positive")
         if self.rebalance_after < 1 or self.rebalance_max < 0:

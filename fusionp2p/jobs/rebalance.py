@@ -8,9 +8,10 @@ hosts a replica ran 3-4.8x slower per micro-batch than the 0.33-core ones where 
 quota; BENCHMARKS.md), and the fast replicas waited for it at every averaging boundary.
 
 So once an epoch has trained a few steps, its leader (``jobs/lead.py``) asks every member for its
-compute seconds per micro-batch (``StageWorker.busy_s / busy_micros``, without the epoch's first
-step), scales each member's profile so that the cost model predicts what it measured
-(:func:`scaled_profiles`), and re-plans at a step boundary when the plan for the scaled profiles is
+forward and backward seconds per micro-batch (``StageWorker.busy_s / busy_micros``, without the
+epoch's first step), scales each member's profile so that the cost model predicts what it measured
+(:func:`speed_factors`; nodes not measured yet by the members' median factor, :func:`typical`), and
+re-plans at a step boundary when the plan for the scaled profiles is
 predicted ``gain`` faster than the plan in force under the same profiles (:func:`rebalanced`). The
 members elect the new plan from the leader's snapshot, which carries the scaled profiles, as for any
 re-plan. A member can lie about its speed as it can about its start-up benchmark; the scale is bounded
@@ -35,42 +36,59 @@ MAX_SCALE = 64.0     # a measured speed moves a member's profile by at most this
 MAX_FLOPS = 1e20     # the wire's bound of a profile's FLOP/s
 
 
-def scaled_profiles(cm: CostModel, plan: Plan, members: Mapping[str, DeviceProfile],
-                    micro_s: Mapping[str, float]) -> dict[str, DeviceProfile]:
-    """*members* with each measured one's FLOP/s and element-wise rate scaled by the same factor, so that
-    the cost model's time per micro-batch of its stage (``work / flops``, with the replicated stages'
-    ``replica_overhead``) equals its measured *micro_s*. Scaling both rates keeps the devices'
-    FLOP-per-byte figure (``act_flops``), so the stages' work is unchanged."""
-    out = dict(members)
+def scale_profile(prof: DeviceProfile, f: float) -> DeviceProfile:
+    """*prof* with its FLOP/s and element-wise rate scaled by *f* (bounded by ``MAX_SCALE`` and the wire's
+    ``MAX_FLOPS``). Scaling both rates keeps the devices' FLOP-per-byte figure (``act_flops``), so the
+    stages' work in the cost model is unchanged and only the time of this device moves."""
+    f = min(MAX_SCALE, max(1.0 / MAX_SCALE, f))
+    if f == 1.0:
+        return prof
+    return dataclasses.replace(prof, flops_fp32=min(MAX_FLOPS, prof.flops_fp32 * f),
+                               flops_bf16=min(MAX_FLOPS, prof.flops_bf16 * f), act_rate=min(MAX_FLOPS, prof.act_rate * f))
+
+
+def speed_factors(cm: CostModel, plan: Plan, members: Mapping[str, DeviceProfile],
+                  micro_s: Mapping[str, float]) -> dict[str, float]:
+    """Per measured member, the factor by which its profile's rates must be scaled for the cost model's
+    time per micro-batch of its stage (``work / flops``, with a replicated stage's ``replica_overhead``)
+    to equal its measured *micro_s*."""
+    out: dict[str, float] = {}
     for st in plan.stages:
         work = cm.range_work(st.start, st.end)
         over = 1.0 + cm.config.replica_overhead if len(st.replicas) > 1 else 1.0
         for peer in st.replicas:
             t, prof = micro_s.get(peer), members.get(peer)
-            if prof is None or t is None or not (t > 0 and math.isfinite(t)) or work <= 0:
-                continue
-            f = min(MAX_SCALE, max(1.0 / MAX_SCALE, work * over / prof.flops_fp32 / t))
-            out[peer] = dataclasses.replace(prof, flops_fp32=min(MAX_FLOPS, prof.flops_fp32 * f),
-                                            flops_bf16=min(MAX_FLOPS, prof.flops_bf16 * f),
-                                            act_rate=min(MAX_FLOPS, prof.act_rate * f))
+            if prof is not None and t is not None and t > 0 and math.isfinite(t) and work > 0:
+                out[peer] = min(MAX_SCALE, max(1.0 / MAX_SCALE, work * over / prof.flops_fp32 / t))
     return out
 
 
+def typical(factors: Mapping[str, float]) -> float:
+    """The median factor: what a node not measured yet is assumed to train at, against its benchmark (the
+    members' scaled speeds beside the joiners' start-up figures would make every joiner look fast)."""
+    vals = sorted(factors.values())
+    if not vals:
+        return 1.0
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else math.sqrt(vals[mid - 1] * vals[mid])
+
+
 def rebalanced(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, micro_s: Mapping[str, float],
-               ) -> tuple[Snapshot, Plan, float, float]:
-    """The snapshot with the measured speeds, its plan, and the predicted throughputs (micro-batches/s)
-    of that plan and of *plan*, both under the measured speeds. ValueError or PlanError when *plan* or
-    the members do not make a plan."""
+               ) -> tuple[dict[str, float], Plan, float, float]:
+    """The members' speed factors (:func:`speed_factors`, against *snap*'s profiles), the plan for the
+    profiles scaled by them, and the predicted throughputs (micro-batches/s) of that plan and of *plan*,
+    both under the scaled profiles. ValueError or PlanError when *plan* or the members make no plan."""
     cfg = spec.config
     pc = planner_config(cfg)
     wl = to_workload(coarsen(dag), micro_batch=cfg.micro_batch)
     links = planned_links(snap.members, snap.links)    # as the plan was made: with no link measured, all fast
-    members = scaled_profiles(CostModel(wl, dataclasses.replace(snap, links=links), pc), plan, snap.members, micro_s)
+    factors = speed_factors(CostModel(wl, dataclasses.replace(snap, links=links), pc), plan, snap.members, micro_s)
+    members = {p: scale_profile(prof, factors.get(p, 1.0)) for p, prof in snap.members.items()}
     adj = Snapshot(job=snap.job, epoch=snap.epoch, members=members, links=snap.links)
     base = predict(plan, wl, dataclasses.replace(adj, links=links), pc).throughput
     trial = plan_for_snapshot(spec, dag, adj, previous=plan)
     new = predict(trial, wl, dataclasses.replace(adj, links=links), pc).throughput
-    return adj, trial, new, base
+    return factors, trial, new, base
 
 
-__all__ = ["MAX_SCALE", "rebalanced", "scaled_profiles"]
+__all__ = ["MAX_SCALE", "rebalanced", "scale_profile", "speed_factors", "typical"]

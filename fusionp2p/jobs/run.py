@@ -80,7 +80,6 @@ from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.train.state import StageState, merge_states
 from fusionp2p.train.worker import Halt, StageContext, StageReport, StageWorker
-from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.jobrecords import StageFile
 from fusionp2p.wire.protocols import TOPIC_JOBS
 
@@ -134,10 +133,11 @@ class JobRun(Leading):
         self.joiners: set[str] = set()                            # accepted the job, no role yet
         self._offered: dict[str, float] = {}                      # node -> when the leader offered it the job
         self._answered: dict[str, float] = {}                     # member the view calls dead -> when it answered
-        self._join_checked: tuple[tuple[int, frozenset[str]], float] = ((-1, frozenset()), -math.inf)
+        self._join_checked: tuple[tuple[int, frozenset[str]], float, float] = ((-1, frozenset()), -math.inf, 0.0)
         self._rebalance_judged = -1                                 # the last epoch judged by measured speeds
         self._rebalances = 0                                        # re-plans this node led for measured speeds
-        self._speeds: dict[str, DeviceProfile] = {}                 # members' profiles scaled to measured speeds
+        self._speeds: dict[str, float] = {}                         # member -> measured / start-up speed
+        self._speed_typical = 1.0                                   # the same for nodes not measured (median)
         self._starts_send, self._starts = trio.open_memory_channel[StartRequest](16)
         self._started: set[int] = set()
         self._cur = _Epoch()
