@@ -50,6 +50,7 @@ class NodeJobConfig:
     # while training when that is predicted faster (jobs/rebalance.py), at most rebalance_max times a job
     rebalance_after: int = 6
     rebalance_max: int = 1
+    rebalance_min_saving: float = 30.0  # seconds the steps left must save at the predicted rates
     max_jobs: int = 4                  # offered or running at once
     max_pending_links: int = 64
     max_state_bytes: int = 16 << 30    # a stage state fetched from a member
@@ -72,7 +73,7 @@ class NodeJobConfig:
         for name in ("accept_timeout", "election_timeout", "link_timeout", "recv_timeout", "report_timeout",
                      "reconnect_timeout", "start_timeout", "halt_timeout", "conclude_timeout", "watch_interval",
                      "status_interval", "offer_retry", "offer_ttl", "replan_retry", "confirm_timeout",
-                     "confirm_ttl", "join_check_interval", "join_check_max"):
+                     "confirm_ttl", "join_check_interval", "join_check_max", "rebalance_min_saving"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"NodeJobConfig.{name} must be positive")
         if self.rebalance_after < 1 or self.rebalance_max < 0:

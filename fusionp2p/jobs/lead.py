@@ -277,6 +277,16 @@ class Leading:
                            else 1, steps=self.spec.config.steps)
         except PlanError:
             return
+        # a re-plan halts the job for seconds (halt, hand-over, election, links): worth it only when the steps
+        # left save more than rebalance_min_saving at the predicted rates (a 48-step benchmark job lost more to
+        # it than the better split gained)
+        m = self.spec.config.micro_batches
+        saved = (self.spec.config.steps - at) * m * (1.0 / base - 1.0 / new)
+        if saved < cfg.rebalance_min_saving:
+            log.info("job %s: measured per micro-batch %s; a plan by them (micro %s) would save %.1f s of the %d "
+                     "steps left, under %.0f s: keeping the plan", self.job_id, measured,
+                     list(trial.micro) or "even", saved, self.spec.config.steps - at, cfg.rebalance_min_saving)
+            return
         # from now on this leader plans every member with its measured speed, and the nodes not measured yet
         # with the members' typical ratio of training to start-up speed
         for p, f in factors.items():

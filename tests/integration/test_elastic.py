@@ -49,8 +49,8 @@ def _model(seed: int = 0) -> GPT2:
 
 @asynccontextmanager
 async def _swarm(n: int, home: Path, identity: Identity | None = None, profile: DeviceProfile = TEST_PROFILE,
-                 ) -> AsyncIterator[tuple[EmbeddedSwarm, Publisher, MemoryTransport]]:
-    async with open_embedded_swarm([profile] * n, home, config=EmbeddedConfig(jobs=JOBS)) as emb, \
+                 jobs: NodeJobConfig = JOBS) -> AsyncIterator[tuple[EmbeddedSwarm, Publisher, MemoryTransport]]:
+    async with open_embedded_swarm([profile] * n, home, config=EmbeddedConfig(jobs=jobs)) as emb, \
             trio.open_nursery() as nursery:
         client = emb.add_host(identity)
         boot = await client.connect(emb.bootstrap_addr)
@@ -532,7 +532,8 @@ def test_the_leader_rebalances_the_micro_batches_by_the_speeds_measured_in_train
 
     async def main() -> tuple[list[ProgressEvent], BuiltJob]:
         with trio.fail_after(150):
-            async with _swarm(2, tmp_path) as (_emb, pub, client):
+            # a 30-step job of a tiny model saves a fraction of a second: let any saving count
+            async with _swarm(2, tmp_path, jobs=dataclasses.replace(JOBS, rebalance_min_saving=1e-6)) as (_emb, pub, client):
                 built = await _built(client, cfg, b"r")
                 return await _publish(pub, built, tmp_path, lambda ev: None), built
 
@@ -543,3 +544,38 @@ def test_the_leader_rebalances_the_micro_batches_by_the_speeds_measured_in_train
     assert len(led) == 1 and led[0].startswith("measured per micro-batch")
     assert len(plans[1].micro) == 2 and plans[1].micro[1] < plans[1].micro[0] and sum(plans[1].micro) == 8
     _check_download(tmp_path, built, cfg, events, 2)
+
+
+def test_no_rebalance_when_the_steps_left_would_not_pay_for_the_halt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same job with the default ``rebalance_min_saving`` (30 s): the better split would save well under a
+    second over the steps left, so the leader keeps the plan and the job ends in epoch 0."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=30, micro_batch=2, micro_batches=4, lr=3e-3, replicas=2, averaging=CO2(tau=2),
+                      compression="none", checkpoint_every=0, seed=8)
+    train_step = StageWorker._train_step
+    judged: list[int] = []
+    rebalance = JobRun._rebalance
+
+    async def rebalance_and_note(self: JobRun, plan: Any) -> None:
+        before = self._rebalance_judged
+        await rebalance(self, plan)
+        if self._rebalance_judged != before:
+            judged.append(self._rebalance_judged)
+
+    async def slower_replica_1(self: StageWorker, step: int) -> tuple[float, float]:
+        before = self.busy_s
+        out = await train_step(self, step)
+        if self.ctx.replica == 1:
+            self.busy_s += 2.0 * (self.busy_s - before)
+        return out
+
+    monkeypatch.setattr(JobRun, "_rebalance", rebalance_and_note)
+    monkeypatch.setattr(StageWorker, "_train_step", slower_replica_1)
+
+    async def main() -> list[ProgressEvent]:
+        with trio.fail_after(150):
+            async with _swarm(2, tmp_path) as (_emb, pub, client):
+                return await _publish(pub, await _built(client, cfg, b"s"), tmp_path, lambda ev: None)
+
+    plans, _ = _check_done(trio.run(main), cfg)
+    assert judged == [0] and [p.epoch for p in plans] == [0]
