@@ -233,14 +233,20 @@ class Leading:
         if w is None:
             return
         states = await self._ask_all(list(plan.peers), {"op": "status", "job": self.job_id})
-        steps = [int(m.get("step", -1)) for m in states.values() if isinstance(m.get("step"), int)]
+        at = self._planned_halt(plan, w, states)
+        if at is not None:
+            await self._lead(plan, at=at, why=f"joiners {[p[:12] for p in usable]} get a role")
+
+    def _planned_halt(self, plan: Plan, w: StageWorker, states: dict[str, dict[str, Any]]) -> int | None:
+        """The step boundary of a planned re-plan (``halt_step``) from the members' ``status`` answers; None
+        when the job ends first."""
+        steps = [int(m["step"]) for m in states.values() if isinstance(m.get("step"), int)]
         co2 = self.spec.config.co2
         try:
-            at = halt_step([w.completed, *steps], tau=co2.tau if co2 is not None and len(plan.stages[0].replicas) > 1
-                           else 1, steps=self.spec.config.steps)
+            return halt_step([w.completed, *steps], tau=co2.tau if co2 is not None and len(plan.stages[0].replicas) > 1
+                             else 1, steps=self.spec.config.steps)
         except PlanError:
-            return
-        await self._lead(plan, at=at, why=f"joiners {[p[:12] for p in usable]} get a role")
+            return None
 
     async def _rebalance(self, plan: Plan) -> None:
         """Once per epoch, after ``rebalance_after`` steps: re-plan at a step boundary by the speeds the
@@ -270,12 +276,8 @@ class Leading:
                      "micro-batches/s against %.3g, under %.0f%% faster: keeping the plan", self.job_id, measured,
                      list(trial.micro) or "even", new, base, 100 * REBALANCE_GAIN)
             return
-        steps = [int(m["step"]) for m in states.values() if isinstance(m.get("step"), int)]
-        co2 = self.spec.config.co2
-        try:
-            at = halt_step([w.completed, *steps], tau=co2.tau if co2 is not None and len(plan.stages[0].replicas) > 1
-                           else 1, steps=self.spec.config.steps)
-        except PlanError:
+        at = self._planned_halt(plan, w, states)
+        if at is None:
             return
         # a re-plan halts the job for seconds (halt, hand-over, election, links): worth it only when the steps
         # left save more than rebalance_min_saving at the predicted rates (a 48-step benchmark job lost more to

@@ -502,6 +502,25 @@ def test_a_node_restarted_with_its_identity_rejoins_the_job(tmp_path: Path, monk
     assert victim[0].peer_id in plans[-1].members        # and it is back in the last plan
 
 
+REBALANCE_CFG = TrainConfig(steps=30, micro_batch=2, micro_batches=4, lr=3e-3, replicas=2, averaging=CO2(tau=2),
+                            compression="none", checkpoint_every=0, seed=8)
+
+
+def _replica_1_measures_3x_slower(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replica 1's worker counts 3x the forward and backward seconds it spent (as benchmarks.wan's
+    small-quota hosts train slower than their start-up benchmark says)."""
+    train_step = StageWorker._train_step
+
+    async def slower_replica_1(self: StageWorker, step: int) -> tuple[float, float]:
+        before = self.busy_s
+        out = await train_step(self, step)
+        if self.ctx.replica == 1:
+            self.busy_s += 2.0 * (self.busy_s - before)
+        return out
+
+    monkeypatch.setattr(StageWorker, "_train_step", slower_replica_1)
+
+
 def test_the_leader_rebalances_the_micro_batches_by_the_speeds_measured_in_training(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two equal profiles, so epoch 0 deals the micro-batches evenly; but replica 1 computes 3x slower per
@@ -510,9 +529,8 @@ def test_the_leader_rebalances_the_micro_batches_by_the_speeds_measured_in_train
     with fewer micro-batches for replica 1, and the job ends DONE in epoch 1, whose speeds match its plan
     (no second re-plan)."""
     torch.set_num_threads(1)
-    cfg = TrainConfig(steps=30, micro_batch=2, micro_batches=4, lr=3e-3, replicas=2, averaging=CO2(tau=2),
-                      compression="none", checkpoint_every=0, seed=8)
-    train_step = StageWorker._train_step
+    cfg = REBALANCE_CFG
+    _replica_1_measures_3x_slower(monkeypatch)
     led: list[str] = []
     lead = JobRun._lead
 
@@ -520,15 +538,7 @@ def test_the_leader_rebalances_the_micro_batches_by_the_speeds_measured_in_train
         led.append(why)
         await lead(self, plan, at=at, why=why)
 
-    async def slower_replica_1(self: StageWorker, step: int) -> tuple[float, float]:
-        before = self.busy_s
-        out = await train_step(self, step)
-        if self.ctx.replica == 1:      # what it measures of its forward and backward passes, 3x
-            self.busy_s += 2.0 * (self.busy_s - before)
-        return out
-
     monkeypatch.setattr(JobRun, "_lead", lead_and_note)
-    monkeypatch.setattr(StageWorker, "_train_step", slower_replica_1)
 
     async def main() -> tuple[list[ProgressEvent], BuiltJob]:
         with trio.fail_after(150):
@@ -550,9 +560,8 @@ def test_no_rebalance_when_the_steps_left_would_not_pay_for_the_halt(tmp_path: P
     """The same job with the default ``rebalance_min_saving`` (30 s): the better split would save well under a
     second over the steps left, so the leader keeps the plan and the job ends in epoch 0."""
     torch.set_num_threads(1)
-    cfg = TrainConfig(steps=30, micro_batch=2, micro_batches=4, lr=3e-3, replicas=2, averaging=CO2(tau=2),
-                      compression="none", checkpoint_every=0, seed=8)
-    train_step = StageWorker._train_step
+    cfg = REBALANCE_CFG
+    _replica_1_measures_3x_slower(monkeypatch)
     judged: list[int] = []
     rebalance = JobRun._rebalance
 
@@ -562,15 +571,7 @@ def test_no_rebalance_when_the_steps_left_would_not_pay_for_the_halt(tmp_path: P
         if self._rebalance_judged != before:
             judged.append(self._rebalance_judged)
 
-    async def slower_replica_1(self: StageWorker, step: int) -> tuple[float, float]:
-        before = self.busy_s
-        out = await train_step(self, step)
-        if self.ctx.replica == 1:
-            self.busy_s += 2.0 * (self.busy_s - before)
-        return out
-
     monkeypatch.setattr(JobRun, "_rebalance", rebalance_and_note)
-    monkeypatch.setattr(StageWorker, "_train_step", slower_replica_1)
 
     async def main() -> list[ProgressEvent]:
         with trio.fail_after(150):
