@@ -48,7 +48,7 @@ class NodeJobConfig:
     join_check_max: float = 60.0       # backing off up to this while they are of no use (jobs/lead.py)
     # once an epoch has trained rebalance_after steps, its leader re-plans by the speeds the members measured
     # while training when that is predicted faster (jobs/rebalance.py), at most rebalance_max times a job
-    rebalance_after: int = 6
+    rebalance_after: int = 20
     rebalance_max: int = 1
     rebalance_min_saving: float = 30.0  # seconds the steps left must save at the predicted rates
     max_jobs: int = 4                  # offered or running at once

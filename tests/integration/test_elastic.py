@@ -510,6 +510,7 @@ def test_a_node_restarted_with_its_identity_rejoins_the_job(tmp_path: Path, monk
     assert victim[0].peer_id in plans[-1].members        # and it is back in the last plan
 
 
+REBALANCE_JOBS = dataclasses.replace(JOBS, rebalance_after=6)    # judged within the 30-step job
 REBALANCE_CFG = TrainConfig(steps=30, micro_batch=2, micro_batches=4, lr=3e-3, replicas=2, averaging=CO2(tau=2),
                             compression="none", checkpoint_every=0, seed=8)
 
@@ -551,7 +552,8 @@ def test_the_leader_rebalances_the_micro_batches_by_the_speeds_measured_in_train
     async def main() -> tuple[list[ProgressEvent], BuiltJob]:
         with trio.fail_after(150):
             # a 30-step job of a tiny model saves a fraction of a second: let any saving count
-            async with _swarm(2, tmp_path, jobs=dataclasses.replace(JOBS, rebalance_min_saving=1e-6)) as (_emb, pub, client):
+            async with _swarm(2, tmp_path, jobs=dataclasses.replace(REBALANCE_JOBS, rebalance_min_saving=1e-6)) as (
+                    _emb, pub, client):
                 built = await _built(client, cfg, b"r")
                 return await _publish(pub, built, tmp_path, lambda ev: None), built
 
@@ -583,7 +585,7 @@ def test_no_rebalance_when_the_steps_left_would_not_pay_for_the_halt(tmp_path: P
 
     async def main() -> list[ProgressEvent]:
         with trio.fail_after(150):
-            async with _swarm(2, tmp_path) as (_emb, pub, client):
+            async with _swarm(2, tmp_path, jobs=REBALANCE_JOBS) as (_emb, pub, client):
                 return await _publish(pub, await _built(client, cfg, b"s"), tmp_path, lambda ev: None)
 
     plans, _ = _check_done(trio.run(main), cfg)
