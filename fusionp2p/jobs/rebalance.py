@@ -83,11 +83,11 @@ def rebalanced(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, micro_s: M
     wl = to_workload(coarsen(dag), micro_batch=cfg.micro_batch)
     links = planned_links(snap.members, snap.links)    # as the plan was made: with no link measured, all fast
     factors = speed_factors(CostModel(wl, dataclasses.replace(snap, links=links), pc), plan, snap.members, micro_s)
-    members = {p: scale_profile(prof, factors.get(p, 1.0)) for p, prof in snap.members.items()}
-    adj = Snapshot(job=snap.job, epoch=snap.epoch, members=members, links=snap.links)
-    base = predict(plan, wl, dataclasses.replace(adj, links=links), pc).throughput
-    trial = plan_for_snapshot(spec, dag, adj, previous=plan)
-    new = predict(trial, wl, dataclasses.replace(adj, links=links), pc).throughput
+    adj = dataclasses.replace(snap, members={p: scale_profile(prof, factors.get(p, 1.0))
+                                             for p, prof in snap.members.items()})
+    trial = plan_for_snapshot(spec, dag, adj, previous=plan)    # choose_plan fills in the links itself
+    judged = dataclasses.replace(adj, links=links)
+    base, new = predict(plan, wl, judged, pc).throughput, predict(trial, wl, judged, pc).throughput
     return factors, trial, new, base
 
 

@@ -116,8 +116,9 @@ class AdaTopK:
     # reference GPT-2 ends ~6% above dense after 100 steps, at 0.01 18%; a byte-level MLP cut before
     # its activation diverged at 0.01 on the product (BENCHMARKS.md). 0.01 until this wave.
     rho_min: float = 0.1
-    # The last ``dense_finish`` fraction of the job's steps sends every fence dense, so that the model the
-    # publisher downloads, which is evaluated dense, ends trained on dense activations. A model trained
+    # Over the last ``dense_finish`` fraction of the job's steps every fence's kept fraction ramps up to dense
+    # (geometrically, dense at the last step), so that the model the publisher downloads, which is evaluated
+    # dense, ends trained on dense activations. A model trained
     # through a fence at a low kept fraction adapts to the top-k (docs/dataplane.md "Dense finish").
     # Left out of the wire map at its default, so older specs keep their bytes and signatures
     dense_finish: float = field(default=0.0, metadata={"wire": {"omit_default": True}})

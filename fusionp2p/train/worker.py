@@ -184,7 +184,7 @@ class StageWorker:
         if ctx.restore is not None:
             self._restore(ctx.restore)
         comp = ctx.config.adatopk
-        # the dense finish (AdaTopK.dense_finish): from this step on, every fence is sent dense both ways
+        # the dense finish (AdaTopK.dense_finish): from this step on, every fence ramps up to dense (_rho_at)
         self._dense_from = comp.dense_from(ctx.config.steps) if comp is not None else ctx.config.steps
         co2 = ctx.config.co2
         # CO2 across the replicas of this stage runs in a ReplicaAverager (train/averager.py): streaming
@@ -480,8 +480,8 @@ class StageWorker:
                 if isinstance(act, RunForward):
                     t = time.perf_counter()
                     outs[act.micro] = await trio.to_thread.run_sync(ex.forward, act.micro, ready_in.pop(act.micro))
-                    compute += time.perf_counter() - t
-                    fb += time.perf_counter() - t
+                    dt = time.perf_counter() - t
+                    compute, fb = compute + dt, fb + dt
                     if prog.loss is not None:
                         losses[act.micro] = float(outs[act.micro][prog.loss])
                         if not math.isfinite(losses[act.micro]) and cfg.on_nonfinite == "fail":
@@ -495,8 +495,8 @@ class StageWorker:
                     t = time.perf_counter()
                     backs[act.micro] = await trio.to_thread.run_sync(
                         lambda mu=act.micro: ex.backward(mu, ready_grad.pop(mu, {}), loss_scale=scale))
-                    compute += time.perf_counter() - t
-                    fb += time.perf_counter() - t
+                    dt = time.perf_counter() - t
+                    compute, fb = compute + dt, fb + dt
                     actions += sched.handle(BackwardDone(micro=act.micro))
                 elif isinstance(act, SendGradient):
                     await self._send_grads(step, act.micro, backs.pop(act.micro))
