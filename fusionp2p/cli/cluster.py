@@ -32,14 +32,15 @@ class LocalCluster:
 
     def __init__(self, nodes: int, home: Path, *, torch_threads: int = 1, heartbeat: float = 1.0,
                  dead_timeout: float = 10.0, probe_interval: float = 30.0, start_timeout: float = 60.0,
-                 log_level: str = "info", http: bool = False) -> None:
+                 log_level: str = "info", http: bool = False, progress_interval: float | None = None) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
         self.n = nodes
         self.home = home
         self.torch_threads = torch_threads
         self.node_args = ["--heartbeat", str(heartbeat), "--dead-timeout", str(dead_timeout),
-                          "--probe-interval", str(probe_interval)]
+                          "--probe-interval", str(probe_interval),
+                          *(["--progress-interval", str(progress_interval)] if progress_interval is not None else [])]
         self.start_timeout = start_timeout
         self.log_level = log_level
         self.http = ["--http", "127.0.0.1:0"] if http else []

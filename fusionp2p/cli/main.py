@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--gossip-rate", type=float, default=5.0, help=_GOSSIP_RATE_HELP)
     n.add_argument("--probe-interval", type=float, default=10.0, help="seconds between bandwidth probe rounds")
     n.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    n.add_argument("--progress-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="gossip a job's training progress at most this often, the steps between in one message "
+                        "(0: every step; default 1)")
     n.add_argument("--http", default=None, metavar="ADDR", help=_HTTP_HELP)
     n.add_argument("--relay", action="store_true",
                    help="also relay connections of nodes that cannot be dialled (needs a public address; docs/networking.md)")
@@ -240,7 +243,8 @@ def _run_daemon(args: argparse.Namespace) -> int:
     if role == "node":
         from fusionp2p.jobs.node import NodeJobConfig
 
-        job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce)   # checks both
+        job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce,   # checks all three
+                                progress_interval=args.progress_interval)
         if args.data_listen is not None:
             from fusionp2p.net.addrs import tcp_endpoint
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
@@ -29,11 +29,19 @@ from fusionp2p.wire.msg import packb, unpackb
 _LOSS: Any = {"wire": {"finite": False}}
 _REASON: Any = {"wire": {"max_len": 1024}}
 _PEERS: Any = {"wire": {"max_len": 4096}}
+MAX_EARLIER = 256     # losses one StepProgress may carry for the steps before it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepProgress:
-    """One stage's report for one step. ``loss`` only from the last stage; utilisations in [0, 1]."""
+    """One stage's report for one step. ``loss`` only from the last stage; utilisations in [0, 1].
+
+    ``earlier``: on the jobs topic, the losses of the steps just before ``step`` (``step - len(earlier)``
+    to ``step - 1``, oldest first) that the replica did not gossip on their own. A replica gossips at most
+    every ``NodeJobConfig.progress_interval`` (jobs/run.py): on a small host every gossip message costs
+    every node CPU, and per-step messages slowed training by 7-10% in benchmarks.wan. :func:`expand_steps`
+    turns a report into one per step; the events the SDK yields always have ``earlier=()``.
+    """
 
     KIND: ClassVar[str] = "step"
     job: str
@@ -46,6 +54,18 @@ class StepProgress:
     compute_util: float | None = None
     link_util: float | None = None
     at: float = 0.0
+    earlier: tuple[float, ...] = field(default=(), metadata={"wire": {"max_len": MAX_EARLIER, "omit_default": True,
+                                                                       "item": {"finite": False}}})
+
+
+def expand_steps(ev: StepProgress) -> list[StepProgress]:
+    """A gossiped report as one report per step it carries, oldest first (steps before 0 are dropped)."""
+    if not ev.earlier:
+        return [ev]
+    n = len(ev.earlier)
+    out = [replace(ev, step=ev.step - n + i, loss=loss, earlier=()) for i, loss in enumerate(ev.earlier)
+           if ev.step - n + i >= 0]
+    return [*out, replace(ev, earlier=())]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -36,6 +36,9 @@ class NodeJobConfig:
     conclude_timeout: float = 120.0    # leader: every stage's done report after its own
     watch_interval: float = 1.0        # the leader looks at the membership view this often (and on changes)
     status_interval: float = 10.0      # the leader refreshes the job's status record this often
+    # a loss-stage replica gossips its progress at most this often, the steps between in one message
+    # (StepProgress.earlier; 0: every step on its own)
+    progress_interval: float = 1.0
     offer_retry: float = 60.0          # a node that refused (or did not answer) an offer is asked again after
     offer_ttl: float = 600.0           # an accepted offer that no start follows is forgotten
     max_offers_per_publisher: int = 2  # offers one peer has pending here (fetching or not started) at once
@@ -50,7 +53,10 @@ class NodeJobConfig:
     # while training when that is predicted faster (jobs/rebalance.py), at most rebalance_max times a job
     rebalance_after: int = 20
     rebalance_max: int = 1
-    rebalance_min_saving: float = 30.0  # seconds the steps left must save at the predicted rates
+    # a planned re-plan (joiners taken in, a re-balance) must save this many seconds of the steps left at the
+    # predicted rates; while less than this is left at the rate the job trains, the leader neither offers
+    # the job to standbys nor weighs plans (jobs/lead.py _replan_may_pay)
+    replan_min_saving: float = 30.0
     max_jobs: int = 4                  # offered or running at once
     max_pending_links: int = 64
     max_state_bytes: int = 16 << 30    # a stage state fetched from a member
@@ -73,9 +79,11 @@ class NodeJobConfig:
         for name in ("accept_timeout", "election_timeout", "link_timeout", "recv_timeout", "report_timeout",
                      "reconnect_timeout", "start_timeout", "halt_timeout", "conclude_timeout", "watch_interval",
                      "status_interval", "offer_retry", "offer_ttl", "replan_retry", "confirm_timeout",
-                     "confirm_ttl", "join_check_interval", "join_check_max", "rebalance_min_saving"):
+                     "confirm_ttl", "join_check_interval", "join_check_max", "replan_min_saving"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"NodeJobConfig.{name} must be positive")
+        if not self.progress_interval >= 0:
+            raise ConfigError("NodeJobConfig.progress_interval must be >= 0")
         if self.rebalance_after < 1 or self.rebalance_max < 0:
             raise ConfigError("NodeJobConfig.rebalance_after must be >= 1 and rebalance_max >= 0")
         if self.max_jobs < 1 or self.max_pending_links < 1 or self.max_offers_per_publisher < 1:

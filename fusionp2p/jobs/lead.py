@@ -134,10 +134,21 @@ class Leading:
                 why = (f"members gone: {[p[:12] for p in gone]}" if gone else
                        "pipeline broken" if self._broken else f"epoch {self.epoch} did not take off")
                 await self._lead(plan, at=None, why=why)
-            elif self.svc.swarm.config.role == "node":
+            elif self.svc.swarm.config.role == "node" and self._replan_may_pay():
                 await self._take_in_joiners(plan)
                 if self._led <= self.epoch:
                     await self._rebalance(plan)
+
+    def _replan_may_pay(self) -> bool:
+        """Whether the job has ``replan_min_saving`` seconds left at the rate this leader's epoch trains: a
+        planned re-plan saves at most what is left, so a job nearer its end than that neither offers itself to
+        standbys nor weighs plans. In benchmarks.wan's 48-step jobs (12 s) the offers, the joiners' fetches
+        from the leader and the plans it weighed took the leader's 0.5-core host long enough that it trained
+        its micro-batches 20-45% slower than the other replica (and the other replica waited for it at
+        every averaging round); a re-plan could not have paid for itself in any of them."""
+        w = self._worker
+        left = w.seconds_left() if w is not None else None
+        return left is not None and left >= self.svc.config.replan_min_saving
 
     async def _confirm_gone(self, peers: list[str]) -> list[str]:
         """Of the plan's members the membership view calls dead, those that do not answer a direct question.
@@ -232,6 +243,13 @@ class Leading:
         w = self._worker
         if w is None:
             return
+        left = w.seconds_left()
+        if base is not None and predicted and left is not None:
+            saved = left * (1.0 - base.throughput / trial.throughput)
+            if saved < self.svc.config.replan_min_saving:
+                log.debug("job %s: joiners %s would save %.1f s of the %.0f s left, under %.0f s: not re-planning",
+                          self.job_id, [p[:12] for p in usable], saved, left, self.svc.config.replan_min_saving)
+                return
         states = await self._ask_all(list(plan.peers), {"op": "status", "job": self.job_id})
         at = self._planned_halt(plan, w, states)
         if at is not None:
@@ -280,14 +298,14 @@ class Leading:
         if at is None:
             return
         # a re-plan halts the job for seconds (halt, hand-over, election, links): worth it only when the steps
-        # left save more than rebalance_min_saving at the predicted rates (a 48-step benchmark job lost more to
+        # left save more than replan_min_saving at the predicted rates (a 48-step benchmark job lost more to
         # it than the better split gained)
         m = self.spec.config.micro_batches
         saved = (self.spec.config.steps - at) * m * (1.0 / base - 1.0 / new)
-        if saved < cfg.rebalance_min_saving:
+        if saved < cfg.replan_min_saving:
             log.info("job %s: measured per micro-batch %s; a plan by them (micro %s) would save %.1f s of the %d "
                      "steps left, under %.0f s: keeping the plan", self.job_id, measured,
-                     list(trial.micro) or "even", saved, self.spec.config.steps - at, cfg.rebalance_min_saving)
+                     list(trial.micro) or "even", saved, self.spec.config.steps - at, cfg.replan_min_saving)
             return
         # from now on this leader plans every member with its measured speed, and the nodes not measured yet
         # with the members' typical ratio of training to start-up speed

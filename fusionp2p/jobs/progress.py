@@ -1,7 +1,8 @@
 """Per-step progress of a job, aggregated over the loss stage's replicas (pure; used by the job's leader
 and by the publisher).
 
-Every replica of the last stage gossips one :class:`StepProgress` per step (its pipeline's mean loss).
+Every replica of the last stage reports every step's loss (its pipeline's mean), several fast steps in one
+gossiped :class:`StepProgress` (its ``earlier``).
 :class:`ProgressBook` turns them into one event per step: the mean loss of the replicas that reported,
 their summed tokens/s. A step is emitted once all current loss replicas reported it, or as soon as a
 later step is complete (a lost gossip message never holds the job's curve back). After a re-plan that
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from fusionp2p.jobs.events import StepProgress
+from fusionp2p.jobs.events import StepProgress, expand_steps
 
 
 @dataclass
@@ -39,7 +40,14 @@ class ProgressBook:
         return max(self._emitted, default=-1) + 1
 
     def add(self, sender: str, ev: StepProgress, *, now: float) -> list[StepProgress]:
-        """A gossiped report; returns the aggregated events it completes (maybe none)."""
+        """A gossiped report (of one step, or several: ``StepProgress.earlier``); returns the aggregated
+        events it completes (maybe none)."""
+        out: list[StepProgress] = []
+        for one in expand_steps(ev):
+            out += self._add(sender, one, now=now)
+        return out
+
+    def _add(self, sender: str, ev: StepProgress, *, now: float) -> list[StepProgress]:
         if ev.job != self.job or ev.loss is None or ev.peer != sender or not 0 <= ev.step < self.steps:
             return []
         if self._emitted.get(ev.step, -1) >= ev.epoch:

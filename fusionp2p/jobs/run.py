@@ -51,6 +51,7 @@ from fusionp2p.jobs.build import AcceptedJob, data_fn, eval_data_fn, plan_for_sn
 from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_state
 from fusionp2p.jobs.election import Adopted, ElectionConfig, fetch_adopted, open_elector
 from fusionp2p.jobs.events import (
+    MAX_EARLIER,
     CheckpointSaved,
     EvalProgress,
     JobStateChanged,
@@ -481,7 +482,13 @@ class JobRun(Leading):
             if s > 0:
                 rho_out[-1 - (s - 1)] = plan.fences[s - 1].rho
 
+        # the losses of this replica's steps not gossiped yet (consecutive steps, oldest first): one message
+        # carries every step of the last progress_interval (StepProgress.earlier)
+        held: list[tuple[int, float]] = []
+        sent_at = -math.inf
+
         async def report(rep: StageReport) -> None:
+            nonlocal sent_at
             if rep.skipped:   # the worker skipped a step with non-finite gradients (train/guard.py): say so
                 await self._gossip(StepSkipped(job=self.job_id, step=rep.step, stage=s, peer=self.me,
                                                reason=rep.skipped, at=time.time()))
@@ -498,10 +505,21 @@ class JobRun(Leading):
             if rep.loss is None:
                 return   # only the loss stage publishes per-step progress (gossip stays small)
             self.losses[rep.step] = rep.loss
+            if held and held[-1][0] != rep.step - 1:
+                held.clear()   # not the steps just before this one: the members' final reports fill them in
+            now = trio.current_time()
+            # the epoch's last step (the job's end or a planned halt) goes out at once, with what is held
+            last = rep.step + 1 >= cfg.steps or (self._halt.at is not None and rep.step + 1 >= self._halt.at)
+            if not last and now - sent_at < self.svc.config.progress_interval and len(held) < MAX_EARLIER:
+                held.append((rep.step, rep.loss))
+                return
+            earlier = tuple(loss for _, loss in held)
+            held.clear()
+            sent_at = now
             await self._gossip(StepProgress(job=self.job_id, step=rep.step, epoch=plan.epoch, stage=s, peer=self.me,
                                             loss=rep.loss, tokens_per_s=rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0,
                                             compute_util=min(1.0, rep.compute_s / rep.wall_s) if rep.wall_s > 0 else None,
-                                            at=time.time()))
+                                            at=time.time(), earlier=earlier))
 
         async def checkpoint(step: int, _: dict[str, torch.Tensor]) -> None:
             if step >= cfg.steps or self._worker is None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.jobs.events import CheckpointSaved, EvalProgress, StepProgress, decode_event
+from fusionp2p.jobs.events import CheckpointSaved, EvalProgress, StepProgress, decode_event, expand_steps
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage
 
@@ -84,7 +84,8 @@ class LossCurves:
                 self._refuse(msg.sender, "jobs/progress-sender", f"{ev.peer[:16]} reported by another", now)
                 return
             self.received += 1
-            self._apply(ev, now)
+            for one in expand_steps(ev) if isinstance(ev, StepProgress) else [ev]:
+                self._apply(one, now)
 
     def _apply(self, ev: StepProgress | CheckpointSaved | EvalProgress, now: float) -> None:
         c = self.jobs.get(ev.job)

@@ -219,9 +219,20 @@ class StageWorker:
         # (jobs/rebalance.py). Not the optimizer step nor the all-reduce: they do not scale with the count
         self.busy_s = 0.0
         self.busy_micros = 0
+        self._first_done: tuple[float, int] | None = None   # (when, completed) at the end of this epoch's first step
         self._m_first = sum(ctx.micro[:ctx.replica]) if ctx.micro else ctx.replica * ctx.config.micro_batches
         self._pipe_budget = pipeline_budget(self.prog, self._m)
         self._avg_budget = replica_budget(self.prog, len(ctx.peers), sum(p.numel() for p in self._params))
+
+    def seconds_left(self) -> float | None:
+        """The job's steps left at the rate this epoch has trained since its first step (which warms up);
+        None until a step after the first completed."""
+        if self._first_done is None:
+            return None
+        t0, s0 = self._first_done
+        if self.completed <= s0:
+            return None
+        return max(0, self.ctx.config.steps - self.completed) * (time.monotonic() - t0) / (self.completed - s0)
 
     # ------------------------------------------------------------------ state
     def _layout(self) -> list[tuple[str, int]]:
@@ -330,6 +341,8 @@ class StageWorker:
                         self._load_anchor(final.anchor, step)
             t_avg += time.perf_counter() - t1
             self.completed = step + 1
+            if self._first_done is None:
+                self._first_done = (time.monotonic(), self.completed)
             if self.ctx.checkpoint is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
                 await self.ctx.checkpoint(step + 1, self.ex.state_dict())
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not last:

@@ -7,6 +7,7 @@ data plane on loopback) on the in-memory transport; the publisher is the ``Publi
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -39,7 +40,8 @@ from fusionp2p.wire.protocols import JOB
 
 SEQ = 32
 CFG = SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probing=False)
-NODE_CFG = NodeJobConfig(election_timeout=20, link_timeout=20, recv_timeout=20)
+# progress_interval 0: the tests act at a step (cut a link, kill a member) as soon as it ends
+NODE_CFG = NodeJobConfig(election_timeout=20, link_timeout=20, recv_timeout=20, progress_interval=0.0)
 
 
 def _model(seed: int = 0) -> GPT2:
@@ -55,7 +57,7 @@ class _Cluster:
 
 
 @asynccontextmanager
-async def _cluster(n: int, home: Path) -> AsyncIterator[_Cluster]:
+async def _cluster(n: int, home: Path, jobs: NodeJobConfig = NODE_CFG) -> AsyncIterator[_Cluster]:
     async with memory_network() as net, trio.open_nursery() as nursery:
         boot = SwarmNode(net.add_host(), SwarmConfig(role="bootstrap", heartbeat=0.2, dead_timeout=5.0), None)
         await nursery.start(boot.run, [])
@@ -71,7 +73,7 @@ async def _cluster(n: int, home: Path) -> AsyncIterator[_Cluster]:
                 nodes.append(node)
                 async with trio.open_nursery() as inner:
                     await inner.start(node.run, [addr])
-                    services.append(NodeJobService(node, home / f"node{i}", NODE_CFG))
+                    services.append(NodeJobService(node, home / f"node{i}", jobs))
                     await inner.start(services[-1].run)
                     task_status.started()
 
@@ -135,6 +137,42 @@ def _cut(cl: _Cluster, job_id: str, *, stage: int) -> ResilientChannel:
     assert link is not None, "the link is not up"
     link._sock.shutdown(socket.SHUT_RDWR)
     return ch
+
+
+def test_fast_steps_are_gossiped_together_and_the_publisher_sees_every_step(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``progress_interval`` longer than the job, the loss replica gossips its first step and then one
+    message at the last step that carries every step between (``StepProgress.earlier``); the publisher
+    still yields one event per step, with the losses the node trained."""
+    from fusionp2p.jobs.run import JobRun
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=8, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
+                      compression="none", checkpoint_every=0, seed=4)
+    sent: list[StepProgress] = []
+    gossip = JobRun._gossip
+
+    async def gossip_and_note(self: JobRun, ev: Any) -> None:
+        if isinstance(ev, StepProgress):
+            sent.append(ev)
+        await gossip(self, ev)
+
+    monkeypatch.setattr(JobRun, "_gossip", gossip_and_note)
+
+    async def main() -> list[ProgressEvent]:
+        with trio.fail_after(120):
+            async with _cluster(1, tmp_path, dataclasses.replace(NODE_CFG, progress_interval=3600.0)) as cl:
+                built = await trio.to_thread.run_sync(lambda: build_job(
+                    _model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=cl.client.peer_id, sign=cl.client.sign,
+                    now=1.0, nonce=b"g" * 16))
+                return await _run(cl, built, tmp_path / "pub")
+
+    events = trio.run(main)
+    assert [(e.step, len(e.earlier)) for e in sent] == [(0, 0), (7, 6)]
+    trained = {0: sent[0].loss, **{1 + i: x for i, x in enumerate(sent[1].earlier)}, 7: sent[1].loss}
+    steps = [e for e in events if isinstance(e, StepProgress) and e.step < cfg.steps]
+    assert [(e.step, e.loss) for e in steps] == sorted(trained.items())
+    assert all(e.earlier == () for e in steps)
 
 
 def test_a_cut_data_plane_connection_does_not_change_the_training(tmp_path: Path) -> None:

@@ -37,8 +37,11 @@ from fusionp2p.train.worker import StageWorker
 from fusionp2p.types import DeviceProfile
 
 SEQ = 32
+# replan_min_saving: these tiny jobs train for seconds, so a planned re-plan (a joiner taken in, a re-balance)
+# never saves the default 30 s; let any saving count (test_no_rebalance_... restores the default).
+# progress_interval 0: the tests act at a step (a kill, a join) as soon as it ends
 JOBS = NodeJobConfig(election_timeout=20, link_timeout=20, recv_timeout=30, halt_timeout=10, start_timeout=40,
-                     replan_retry=10, watch_interval=0.5)
+                     replan_retry=10, watch_interval=0.5, replan_min_saving=1e-6, progress_interval=0.0)
 DRIVER = DriverConfig(idle_timeout=60, offer_timeout=30, status_poll=1.0)
 
 
@@ -551,9 +554,7 @@ def test_the_leader_rebalances_the_micro_batches_by_the_speeds_measured_in_train
 
     async def main() -> tuple[list[ProgressEvent], BuiltJob]:
         with trio.fail_after(150):
-            # a 30-step job of a tiny model saves a fraction of a second: let any saving count
-            async with _swarm(2, tmp_path, jobs=dataclasses.replace(REBALANCE_JOBS, rebalance_min_saving=1e-6)) as (
-                    _emb, pub, client):
+            async with _swarm(2, tmp_path, jobs=REBALANCE_JOBS) as (_emb, pub, client):
                 built = await _built(client, cfg, b"r")
                 return await _publish(pub, built, tmp_path, lambda ev: None), built
 
@@ -567,11 +568,13 @@ def test_the_leader_rebalances_the_micro_batches_by_the_speeds_measured_in_train
 
 
 def test_no_rebalance_when_the_steps_left_would_not_pay_for_the_halt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same job with the default ``rebalance_min_saving`` (30 s): the better split would save well under a
-    second over the steps left, so the leader keeps the plan and the job ends in epoch 0."""
+    """The same job with the default ``replan_min_saving`` (30 s), its time left reported as an hour so that
+    the leader weighs the re-balance: the better split would save well under a second over the steps
+    left, so the leader keeps the plan and the job ends in epoch 0."""
     torch.set_num_threads(1)
     cfg = REBALANCE_CFG
     _replica_1_measures_3x_slower(monkeypatch)
+    monkeypatch.setattr(StageWorker, "seconds_left", lambda self: 3600.0)
     judged: list[int] = []
     rebalance = JobRun._rebalance
 
@@ -585,7 +588,8 @@ def test_no_rebalance_when_the_steps_left_would_not_pay_for_the_halt(tmp_path: P
 
     async def main() -> list[ProgressEvent]:
         with trio.fail_after(150):
-            async with _swarm(2, tmp_path, jobs=REBALANCE_JOBS) as (_emb, pub, client):
+            async with _swarm(2, tmp_path, jobs=dataclasses.replace(REBALANCE_JOBS, replan_min_saving=30.0)) as (
+                    _emb, pub, client):
                 return await _publish(pub, await _built(client, cfg, b"s"), tmp_path, lambda ev: None)
 
     plans, _ = _check_done(trio.run(main), cfg)

@@ -32,7 +32,8 @@ from fusionp2p.train.config import CO2, TrainConfig
 
 SEQ = 32
 CFG = SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probing=False)
-NODE_CFG = NodeJobConfig(election_timeout=20, link_timeout=20, recv_timeout=20)
+# progress_interval 0: the tests act at a step (cut a link, kill a member) as soon as it ends
+NODE_CFG = NodeJobConfig(election_timeout=20, link_timeout=20, recv_timeout=20, progress_interval=0.0)
 
 
 def _closed_port() -> int:

@@ -57,7 +57,8 @@ def kind(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         with Swarm.local(n_nodes=4, home=tmp_path_factory.mktemp("embedded")) as sw:
             yield _Kind(sw, None)
         return
-    with LocalCluster(4, tmp_path_factory.mktemp("cluster"), dead_timeout=5.0) as cluster, \
+    # progress_interval 0: a test that kills a member at a step hears of every step as it ends
+    with LocalCluster(4, tmp_path_factory.mktemp("cluster"), dead_timeout=5.0, progress_interval=0.0) as cluster, \
             Swarm.connect([cluster.bootstrap], home=tmp_path_factory.mktemp("client"),
                           listen="/ip4/127.0.0.1/tcp/0") as sw:
         wait_until(lambda: len(sw.members()) >= 4, timeout=90, interval=0.5, what="4 nodes in the bootstrap's view")

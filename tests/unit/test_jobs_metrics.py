@@ -52,6 +52,22 @@ def test_nan_loss_survives_but_other_nans_do_not() -> None:
         decode_event(packb({"type": "step", "job": "j", "step": 1, "tokens_per_s": math.nan}))
 
 
+def test_earlier_steps_travel_only_when_there_are_some_and_are_bounded() -> None:
+    """StepProgress.earlier (several steps in one gossip message): left out of the map when empty (the
+    bytes of a one-step report, and its signature, are those of before), a NaN loss among them is news,
+    and a peer may send at most MAX_EARLIER of them."""
+    from fusionp2p.jobs.events import MAX_EARLIER, expand_steps
+
+    assert "earlier" not in event_to_dict(StepProgress(job="j", step=3, loss=1.0))
+    ev = StepProgress(job="j", step=3, peer="p", loss=4.0, earlier=(1.0, math.nan, 3.0))
+    back = decode_event(encode_event(ev))
+    assert isinstance(back, StepProgress) and back.earlier[0] == 1.0 and math.isnan(back.earlier[1])
+    assert [(e.step, e.earlier) for e in expand_steps(back)] == [(0, ()), (1, ()), (2, ()), (3, ())]
+    assert [e.step for e in expand_steps(StepProgress(job="j", step=1, loss=2.0, earlier=(0.5, 1.0)))] == [0, 1]
+    with pytest.raises(RemoteProtocolError):
+        decode_event(packb({"type": "step", "job": "j", "step": 999, "earlier": [1.0] * (MAX_EARLIER + 1)}))
+
+
 def test_a_diverged_held_out_loss_is_news_not_an_attack() -> None:
     """Regression (issue 15, fuzzing the issue-18 events): EvalProgress's loss was a plain float, so the
     NaN or inf held-out loss of diverged weights, gossiped by jobs/run.py, was refused as a protocol

@@ -60,3 +60,17 @@ def test_a_step_only_the_final_report_carries_keeps_the_epoch_that_trained_it() 
     book.add("b", _rep("b", 5, 1, 2.0), now=0.0)
     out = book.fill({s: [3.0] for s in range(8)}, now=0.0)
     assert [(e.step, e.epoch) for e in out] == [(2, 0), (6, 1), (7, 1)]
+
+
+def test_a_report_carrying_earlier_steps_counts_as_one_report_per_step() -> None:
+    """A replica gossips several fast steps in one message (StepProgress.earlier): each step is aggregated
+    with the other replica's report of it, oldest first."""
+    book = ProgressBook(job="j", steps=10)
+    book.set_plan(0, 0, ["a", "b"])
+    assert book.add("a", StepProgress(job="j", step=3, epoch=0, stage=0, peer="a", loss=4.0,
+                                      earlier=(1.0, 2.0, 3.0)), now=0.0) == []
+    out = book.add("b", StepProgress(job="j", step=2, epoch=0, stage=0, peer="b", loss=5.0, earlier=(3.0, 4.0)),
+                   now=0.0)
+    assert [(e.step, e.loss, e.earlier) for e in out] == [(0, 2.0, ()), (1, 3.0, ()), (2, 4.0, ())]
+    (ev,) = book.add("b", _rep("b", 3, 0, 6.0), now=0.0)
+    assert (ev.step, ev.loss) == (3, 5.0)
