@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +54,18 @@ def test_speedup_needs_both_rates() -> None:
     assert speedup(res) == pytest.approx(9.5)
     with pytest.raises(RuntimeError):
         speedup({"systems": [{"system": "A", "error": "x"}]})
+
+
+def test_each_scenario_host_has_the_same_identity_every_run(tmp_path: Path) -> None:
+    """The baselines place replica pairs in peer-id order: fixed identities give every run the same
+    placement (random ones moved baseline A 2x between runs on `mixed`)."""
+    from benchmarks.wan import seed_identity
+    from fusionp2p.net.identity import Identity
+
+    def peer(run: str, scenario: str, host: str) -> str:
+        home = tmp_path / run / host
+        seed_identity(home, scenario, host)
+        return Identity.load_or_create(home).peer_id
+
+    assert peer("r1", "mixed", "fast1") == peer("r2", "mixed", "fast1")
+    assert len({peer("r1", "mixed", "fast1"), peer("r1", "mixed", "fast2"), peer("r1", "slow", "fast1")}) == 3
