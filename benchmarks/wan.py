@@ -130,6 +130,13 @@ def seed_identity(home: Path, scenario: str, host: str) -> None:
         f.write(KEY_MAGIC + seed)
 
 
+def _links(status: dict[str, Any], peers: dict[str, str]) -> list[dict[str, Any]]:
+    """The measured links of a ``fusionp2p status --json`` answer, by host name."""
+    return [{"src": peers[e["src"]], "dst": peers[e["dst"]], "mbit_s": 8 * e["bytes_per_s"] / 1e6,
+             "rtt_ms": 1e3 * e["rtt_s"] if isinstance(e.get("rtt_s"), int | float) else None}
+            for e in status["bandwidth"] if e["src"] in peers and e["dst"] in peers and e["measured"]]
+
+
 def _start_nodes(tb: Testbed, addr: str, hosts: list[TestbedHost], scenario: str) -> dict[str, str]:
     """One ``fusionp2p node`` per scenario host (fixed identities: :func:`seed_identity`); {peer id: host
     name} once each printed its address."""
@@ -167,9 +174,7 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
         peers = _start_nodes(tb, addr, nodes, scenario)
         status = wait_for_links(tb, addr, set(peers), link_timeout)
         swarm_s = time.monotonic() - t0
-        measured = [{"src": peers[e["src"]], "dst": peers[e["dst"]], "mbit_s": 8 * e["bytes_per_s"] / 1e6,
-                     "rtt_ms": 1e3 * e["rtt_s"] if isinstance(e.get("rtt_s"), int | float) else None}
-                    for e in status["bandwidth"] if e["src"] in peers and e["dst"] in peers and e["measured"]]
+        measured = _links(status, peers)
         prof = {peers[m["peer"]]: m["profile"] or {} for m in status["members"] if m["peer"] in peers}
         profiles = {h: pm.get("flops_fp32") for h, pm in prof.items()}
         act_rates = {h: pm.get("act_rate") for h, pm in prof.items()}
@@ -193,13 +198,18 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
                       f"{res['held_out_loss']:.3f}  plan {res['plan']['stage_sizes']} rho {res['plan']['rho']} "
                       f"({res['publish_to_done_s']:.0f} s publish to DONE)", flush=True)
         client.wait(120.0)
+        # the links as the swarm sees them after the runs: by then each side has also timed its own
+        # direction of the pairs the other probed first (BandwidthTable.direct takes the slower)
+        rc, out = tb.run(CONTROL, [*fusionp2p_command(), "status", "--bootstrap", addr, "--json"], timeout=60.0)
+        measured_end = _links(json.loads(out), peers) if rc == 0 else None
         for r in results:   # peer ids -> host names, for reading
             if "plan" in r:
                 r["plan"]["hosts"] = [peers.get(p, p) for p in r["plan"]["members"]]
         if not keep_logs:
             shutil.rmtree(workdir, ignore_errors=True)   # success: the figures are in the result
         return {"scenario": scenario, "spec": spec.description, "run": dataclasses.asdict(cfg),
-                "swarm_up_s": swarm_s, "measured_links": measured, "node_flops": profiles, "node_act_rate": act_rates,
+                "swarm_up_s": swarm_s, "measured_links": measured, "measured_links_end": measured_end,
+                "node_flops": profiles, "node_act_rate": act_rates,
                 "systems": results,
                 "hosts": [{"name": h.name, "up_bps": h.up_bps, "down_bps": h.down_bps, "cpus": h.cpus}
                           for h in spec.hosts]}
