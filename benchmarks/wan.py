@@ -198,8 +198,8 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
                       f"{res['held_out_loss']:.3f}  plan {res['plan']['stage_sizes']} rho {res['plan']['rho']} "
                       f"({res['publish_to_done_s']:.0f} s publish to DONE)", flush=True)
         client.wait(120.0)
-        # the links as the swarm sees them after the runs: by then each side has also timed its own
-        # direction of the pairs the other probed first (BandwidthTable.direct takes the slower)
+        # the links as the swarm sees them after the runs (refresh probes run during the jobs, so these
+        # read the links under the jobs' load)
         rc, out = tb.run(CONTROL, [*fusionp2p_command(), "status", "--bootstrap", addr, "--json"], timeout=60.0)
         measured_end = _links(json.loads(out), peers) if rc == 0 else None
         for r in results:   # peer ids -> host names, for reading

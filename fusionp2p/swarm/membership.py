@@ -23,12 +23,10 @@ from fusionp2p.wire.records import BandwidthReport, Measurement, NodeRecord
 def prober_of(a: str, b: str) -> str:
     """The one of *a* and *b* that probes their link (every node computes the same answer).
 
-    Each unordered pair is first probed from one side only: that measurement stands for the link in
-    both directions until the other side has timed its own (the probed side times the same transfer for
-    its downlink figure), and the swarm's matrix completes with half the probes. The other side probes
-    its direction in its refresh rounds (``SwarmNode._probe_targets``; the table then takes the slower
-    of the two). A hash of the pair picks the side, so that every node probes about half of its peers
-    first (the smaller peer id would leave one node all the work).
+    Each unordered pair is probed from one side only: the measurement covers the pair (the bandwidth
+    table treats it as the link's figure in both directions, and the probed side times the same transfer
+    for its downlink figure), and halves the probes. A hash of the pair picks the side, so that every
+    node probes about half of its peers (the smaller peer id would leave one node all the work).
     """
     if a == b:
         raise ValueError("a pair needs two peers")
@@ -142,23 +140,17 @@ class BandwidthTable:
         self.reports.pop(peer, None)
 
     def direct(self, a: str, b: str) -> LinkEstimate | None:
-        """The link's measured figure: a->b as *a* reports it and b->a as *b* does (a probe times the
-        prober's sending direction); with both, the smaller bandwidth and the larger RTT. Every use of a
-        link sends both ways (a fence's activations one way and its gradients back, each averaging round
-        both), and on an asymmetric line (DSL: 8 Mbit/s up, 20 down) the direction a probe did not time
-        can be the bottleneck: on benchmarks.wan's `slow` swarm a home host's probe of a DSL host read
-        its 19 Mbit/s downlink, and CO2 rounds over its 8 Mbit/s uplink then stalled the job."""
-        found: list[Measurement] = []
+        """The measurement of a->b or b->a; the one with more samples wins (then the smaller bandwidth)."""
+        found: list[tuple[int, float, Measurement]] = []
         for src, dst in ((a, b), (b, a)):
             rep = self.reports.get(src)
             if rep is None:
                 continue
-            ms = [m for m in rep.measurements if m.dst == dst and m.samples > 0]
-            if ms:
-                found.append(max(ms, key=lambda m: (m.samples, -m.bandwidth)))
+            found.extend((m.samples, -m.bandwidth, m) for m in rep.measurements if m.dst == dst and m.samples > 0)
         if not found:
             return None
-        return LinkEstimate(min(m.bandwidth for m in found), max(m.rtt for m in found), True)
+        m = max(found, key=lambda x: (x[0], x[1]))[2]
+        return LinkEstimate(m.bandwidth, m.rtt, True)
 
     def estimate(self, a: str, b: str) -> LinkEstimate | None:
         d = self.direct(a, b)

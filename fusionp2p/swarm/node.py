@@ -573,12 +573,6 @@ class SwarmNode:
         if now < self._next_refresh or self._refill() < 0:
             return []
         self._next_refresh = now + self.config.probe.interval
-        # refresh rounds also time our direction of the pairs the other side measured first: a probe times
-        # the prober's sending direction only, and the two differ on asymmetric lines (BandwidthTable.direct)
-        mine = set(peers)
-        peers += [p for p in self.members() if p != self.peer_id and p in connected and p not in mine
-                  and self.bandwidth.direct(self.peer_id, p) is not None]
-        self._rng.shuffle(peers)
         return peers[: self.config.probe.sample]
 
     def _pending(self) -> bool:

@@ -101,17 +101,3 @@ def test_each_pair_is_probed_from_one_side_and_the_work_is_shared() -> None:
     assert min(counts.values()) >= 5 and max(counts.values()) <= 14   # about half each, not "the smaller id probes"
     with pytest.raises(ValueError):
         prober_of(ids[0], ids[0])
-
-
-def test_a_link_measured_both_ways_counts_at_its_slower_direction() -> None:
-    """A probe times the prober's sending direction; on an asymmetric line the other can be the bottleneck
-    (benchmarks.wan `slow`: a home host read a DSL host's 19 Mbit/s downlink, its uplink is 8)."""
-    t = BandwidthTable()
-    t.on_report(BandwidthReport(peer=P[0], seq=1, uplink=50.0, downlink=20.0,
-                                measurements=(Measurement(src=P[0], dst=P[1], bandwidth=19.0, rtt=0.002, samples=3),)))
-    assert t.direct(P[1], P[0]).bandwidth == 19.0                       # one direction: it stands for both
-    t.on_report(BandwidthReport(peer=P[1], seq=1, uplink=8.0, downlink=20.0,
-                                measurements=(Measurement(src=P[1], dst=P[0], bandwidth=7.5, rtt=0.004, samples=1),)))
-    for a, b in ((P[0], P[1]), (P[1], P[0])):
-        e = t.direct(a, b)
-        assert e is not None and (e.bandwidth, e.rtt) == (7.5, 0.004)
