@@ -45,8 +45,7 @@ from typing import Any
 
 from benchmarks._common import RESULTS, headline, parser, write
 from fusionp2p.errors import ConfigError
-from fusionp2p.net.identity import KEY_FILE
-from fusionp2p.net.identity import MAGIC as KEY_MAGIC
+from fusionp2p.net.identity import Identity
 from fusionp2p.testbed import netns
 from fusionp2p.testbed.emulator import Testbed, TestbedHost, fusionp2p_command, up
 from fusionp2p.testbed.netns import Proc, TestbedError
@@ -101,13 +100,18 @@ def scenario_spec(name: str) -> TestbedSpec:
     return TestbedSpec(hosts=(*hosts, HostSpec(name=CONTROL)), bootstrap_host=CONTROL, description=spec.description)
 
 
+def _status(tb: Testbed, addr: str) -> tuple[int, str]:
+    """``fusionp2p status --json`` run in the control host: (exit code, output)."""
+    return tb.run(CONTROL, [*fusionp2p_command(), "status", "--bootstrap", addr, "--json"], timeout=60.0)
+
+
 def wait_for_links(tb: Testbed, addr: str, peers: set[str], timeout: float) -> dict[str, Any]:
     """Poll ``fusionp2p status --json`` in the control host until every ordered pair of *peers* is measured."""
     deadline = time.monotonic() + timeout
     status: dict[str, Any] = {}
     while time.monotonic() < deadline:
         # each status call joins the swarm for a few seconds, so this loop paces itself
-        rc, out = tb.run(CONTROL, [*fusionp2p_command(), "status", "--bootstrap", addr, "--json"], timeout=60.0)
+        rc, out = _status(tb, addr)
         if rc == 0:
             status = json.loads(out)
             alive = {m["peer"] for m in status["members"] if m["alive"]}
@@ -123,11 +127,8 @@ def seed_identity(home: Path, scenario: str, host: str) -> None:
     random identities each run drew another placement: on `mixed`, baseline A ran 33.8 samples/s with the
     10 Mbit/s pair in the middle stage (two fences over its links) and 67.8 with it in the last (one),
     and the headline moved by that factor from run to run."""
-    seed = hashlib.sha256(f"fusionp2p benchmarks.wan {scenario} {host}".encode()).digest()
     home.mkdir(parents=True, exist_ok=True)
-    fd = os.open(home / KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(KEY_MAGIC + seed)
+    Identity(hashlib.sha256(f"fusionp2p benchmarks.wan {scenario} {host}".encode()).digest()).save(home)
 
 
 def _links(status: dict[str, Any], peers: dict[str, str]) -> list[dict[str, Any]]:
@@ -142,9 +143,8 @@ def _start_nodes(tb: Testbed, addr: str, hosts: list[TestbedHost], scenario: str
     name} once each printed its address."""
     procs: list[tuple[TestbedHost, Proc]] = []
     for h in hosts:
-        argv = tb.node_argv(h, addr)
-        seed_identity(Path(argv[argv.index("--home") + 1]), scenario, h.name)
-        procs.append((h, tb.spawn(h, argv, label=f"{h.name}-node")))
+        seed_identity(tb.node_home(h), scenario, h.name)
+        procs.append((h, tb.spawn(h, tb.node_argv(h, addr), label=f"{h.name}-node")))
     deadline = time.monotonic() + 180.0
     peers = {}
     for h, p in procs:
@@ -200,7 +200,7 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
         client.wait(120.0)
         # the links as the swarm sees them after the runs (refresh probes run during the jobs, so these
         # read the links under the jobs' load)
-        rc, out = tb.run(CONTROL, [*fusionp2p_command(), "status", "--bootstrap", addr, "--json"], timeout=60.0)
+        rc, out = _status(tb, addr)
         measured_end = _links(json.loads(out), peers) if rc == 0 else None
         for r in results:   # peer ids -> host names, for reading
             if "plan" in r:

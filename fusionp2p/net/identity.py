@@ -49,12 +49,17 @@ class Identity:
         except OSError as exc:
             raise ConfigError(f"cannot create node home {path.parent}: {exc.strerror}; pass --home to a writable directory") from None
         ident = cls.generate()
+        ident.save(path.parent)
+        return ident
+
+    def save(self, home: str | os.PathLike[str]) -> None:
+        """Write ``home/identity.key`` (0600, replacing any there; ``home`` must exist)."""
+        path = Path(home) / KEY_FILE
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + ident.seed)
+            f.write(MAGIC + self.seed)
         os.replace(tmp, path)
-        return ident
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Identity:

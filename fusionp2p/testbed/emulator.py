@@ -213,11 +213,16 @@ class Testbed:
         log.info("testbed %s: bootstrap at %s", self.name, addr)
         return proc, addr
 
+    def node_home(self, host: TestbedHost | str) -> Path:
+        """The ``--home`` of ``host``'s node in :meth:`node_argv` (created)."""
+        home = self.workdir / self._resolve(host).name / "home"
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+
     def node_argv(self, host: TestbedHost | str, bootstrap_addr: str) -> list[str]:
         """The default node command for ``host``: ``fusionp2p node --bootstrap … --listen … --home …``."""
         h = self._resolve(host)
-        home = self.workdir / h.name / "home"
-        home.mkdir(parents=True, exist_ok=True)
+        home = self.node_home(h)
         return [
             *fusionp2p_command(),
             "node",
