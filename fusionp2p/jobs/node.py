@@ -114,6 +114,7 @@ class NodeJobService:
                     trio.open_nursery() as nursery):
             self._dp, self._nursery = dp, nursery
             self.swarm.set_data_addrs(self._data_addrs(dp))   # announced from our next heartbeat on, and checked
+            self.swarm.set_raw_path(dp)   # probes time both directions on raw sockets to this port
             await nursery.start(acc.serve, dp.incoming)
             nursery.start_soon(self._route_incoming, acc)
             nursery.start_soon(self._dispatch_gossip, gossip)

@@ -22,7 +22,14 @@ Theory of operation (ARCHITECTURE.md "Planes", LIBP2P_NOTES.md §9):
    raise :class:`~fusionp2p.errors.PeerUnavailable`; a record failing authentication raises
    :class:`~fusionp2p.errors.RemoteProtocolError` and closes the channel. Reconnect by calling
    ``DataPlane.connect`` again once the peer is back (a fresh ticket, fresh keys).
-5. **Admission** (``fusionp2p.net.admission``). A ticket goes only to a peer that ``admit`` accepts
+5. **Raw probe sockets** (``swarm/probe.py``). A node's bandwidth probe asks the peer's probe server,
+   over the authenticated PROBE stream, for a one-time raw ticket (:meth:`DataPlane.grant_raw`); it
+   dials the same data-plane port and sends the ticket with lane byte ``RAW_LANE``, and the probe server
+   takes the socket (:meth:`DataPlane.take_raw`). Both directions of the link are then timed on plain
+   TCP driven by OS threads, as fast as a tensor channel and not bound by py-libp2p's per-byte cost.
+   Only filler bytes cross it (no key is needed); at most ``MAX_RAW_TICKETS`` are outstanding, one per
+   peer, each for at most ``RAW_WAIT`` seconds.
+6. **Admission** (``fusionp2p.net.admission``). A ticket goes only to a peer that ``admit`` accepts
    (the job service: members of this node's started jobs), within caps on handshakes in progress,
    tickets per peer and channels per peer and in total; every incoming message's announced size is
    claimed from a per-peer and a total byte budget before its buffer exists. A refusal is counted
@@ -36,7 +43,7 @@ import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -57,6 +64,11 @@ from fusionp2p.wire.protocols import BULK_TICKET, TENSOR
 log = logging.getLogger(__name__)
 
 Link = BulkChannel | StreamChannel   # one connection of a tensor channel: direct TCP, or the libp2p fallback
+
+
+RAW_LANE = 0xFF        # the lane byte after a raw probe ticket (tensor channels use 0 .. MAX_LANES - 1)
+MAX_RAW_TICKETS = 4    # raw probe tickets outstanding at once (the probe server grants one at a time)
+RAW_WAIT = 3.0         # seconds a raw ticket waits for its socket
 
 
 class _Unreachable(Exception):
@@ -91,6 +103,7 @@ class DataPlane:
         self.budget = BufferBudget(max_total=cfg.max_buffered, max_peer=cfg.max_peer_buffered)
         self.refusals = refusals if refusals is not None else Refusals()   # the node's, when it has one
         self._tickets: dict[bytes, _Ticket] = {}
+        self._raw: dict[bytes, _RawTicket] = {}
         self._incoming_send, self.incoming = trio.open_memory_channel[Link](cfg.incoming_buffer)
         self._closed = False
         self._direct_failed: dict[str, float] = {}   # peer -> until when its direct dial is not tried again
@@ -219,6 +232,58 @@ class DataPlane:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
+    # -- raw probe sockets (swarm/probe.py) -----------------------------------------------------------
+    def grant_raw(self, peer: str) -> tuple[bytes, str, int] | None:
+        """A one-time ticket for *peer* to dial our port with for a raw probe socket, and the (host, port)
+        to dial; None when the plane is closed, its links are emulated (the probe then runs on the
+        shaped libp2p stream), *peer* holds a ticket already, or ``MAX_RAW_TICKETS`` are outstanding."""
+        now = trio.current_time()
+        for t in [t for t, v in self._raw.items() if v.expires < now and v.sock is None]:
+            del self._raw[t]
+        if (self._closed or self._cfg.emulator is not None or len(self._raw) >= MAX_RAW_TICKETS
+                or any(v.peer == peer for v in self._raw.values())):
+            return None
+        ticket = os.urandom(tf.TICKET_SIZE)
+        self._raw[ticket] = _RawTicket(peer, now + RAW_WAIT)
+        host, port = self.announced
+        return ticket, host, port
+
+    async def take_raw(self, ticket: bytes) -> socket.socket | None:
+        """The socket the peer dialled with *ticket* (blocking mode, ours to close), or None when it did
+        not come within ``RAW_WAIT`` seconds."""
+        entry = self._raw.get(ticket)
+        if entry is None:
+            return None
+        try:
+            with trio.move_on_after(max(0.0, entry.expires - trio.current_time())):
+                await entry.ready.wait()
+        except BaseException:
+            if entry.sock is not None:
+                entry.sock.close()
+            raise
+        finally:
+            self._raw.pop(ticket, None)
+        return entry.sock
+
+    async def dial_raw(self, peer: str, host: str, port: int, ticket: bytes) -> socket.socket:
+        """Dial *peer*'s data-plane port for a raw probe socket with *ticket* (``grant_raw`` on its side);
+        PeerUnavailable when the port cannot be reached within ``direct_timeout``."""
+        if host in ("", "0.0.0.0", "::"):
+            host = _ip_from_multiaddrs(self._transport.peer_addrs(peer)) or "127.0.0.1"
+        try:
+            with trio.fail_after(self._cfg.direct_timeout):
+                stream = await trio.open_tcp_stream(host, port)
+        except (OSError, trio.TooSlowError) as exc:
+            why = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
+            raise PeerUnavailable(peer, f"raw probe port {host}:{port}: {why}") from None
+        try:
+            with trio.fail_after(self._cfg.direct_timeout):
+                await stream.send_all(ticket + bytes([RAW_LANE]))
+        except (OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
+            await trio.aclose_forcefully(stream)
+            raise PeerUnavailable(peer, f"raw probe port {host}:{port}: {exc or 'timed out'}") from None
+        return _detach(stream)
+
     def _refuse(self, peer: str, reason: str, detail: str = "") -> None:
         self.refusals.refuse(peer, reason, now=trio.current_time(), detail=detail)
 
@@ -344,6 +409,14 @@ class DataPlane:
                     hello += data
         finally:
             self.admission.end_handshake()
+        if len(hello) == tf.TICKET_SIZE + 1 and hello[-1] == RAW_LANE:
+            raw = self._raw.get(bytes(hello[: tf.TICKET_SIZE]))
+            if raw is None or raw.sock is not None or self._closed:
+                await trio.aclose_forcefully(stream)
+                return
+            raw.sock = _detach(stream)   # take_raw hands it to the probe server, which closes it
+            raw.ready.set()
+            return
         self._expire()
         entry = self._tickets.get(bytes(hello[: tf.TICKET_SIZE])) if len(hello) == tf.TICKET_SIZE + 1 else None
         lane = hello[-1] if entry is not None else 0
@@ -386,6 +459,16 @@ class _Ticket:
     socks: list[socket.socket | None]
 
 
+@dataclass(slots=True)
+class _RawTicket:
+    """A raw probe ticket: who may use it, until when, and the socket once it arrived."""
+
+    peer: str
+    expires: float
+    sock: socket.socket | None = None
+    ready: trio.Event = field(default_factory=trio.Event)
+
+
 def _tune(stream: trio.SocketStream, cfg: DataPlaneConfig) -> None:
     if cfg.socket_buffer <= 0:
         return
@@ -425,8 +508,11 @@ async def open_data_plane(transport: Transport, *, config: DataPlaneConfig | Non
                 for sock in ticket.socks:
                     if sock is not None:
                         sock.close()
+            for raw in dp._raw.values():   # raw probe sockets their probe server has not taken yet
+                if raw.sock is not None:
+                    raw.sock.close()
             nursery.cancel_scope.cancel()
 
 
-__all__ = ["PATH_DIRECT", "PATH_LIBP2P", "BulkChannel", "DataPlane", "DataPlaneConfig", "Link", "StreamChannel",
+__all__ = ["PATH_DIRECT", "PATH_LIBP2P", "RAW_LANE", "BulkChannel", "DataPlane", "DataPlaneConfig", "Link", "StreamChannel",
            "open_data_plane"]

@@ -151,7 +151,7 @@ class OpsState:
         out["refusals"] = self._refusals()
         c = self.swarm.counters
         out["counters"] = {"bad_records": c.bad_records, "probes_ok": c.probes_ok, "probes_failed": c.probes_failed,
-                           "probes_busy": c.probes_busy, "gossip_dropped": int(getattr(self.swarm.transport, "dropped_gossip", 0)),
+                           "probes_busy": c.probes_busy, "probes_direct": c.probes_direct, "gossip_dropped": int(getattr(self.swarm.transport, "dropped_gossip", 0)),
                            "progress_received": self.book.received}
         self._last = (now, out)
         return out

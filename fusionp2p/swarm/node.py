@@ -42,11 +42,13 @@ from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage, Relaying, Stream, Transport
 from fusionp2p.swarm.membership import BandwidthTable, Change, MemberEvent, MembershipView, ema, prober_of
 from fusionp2p.swarm.probe import (
+    RAW_RETRY,
     ProbeBusy,
     ProbeConfig,
     ProbeResult,
     ProbeServer,
     ProbeSession,
+    RawPath,
     open_probe,
     probe_size,
 )
@@ -124,6 +126,7 @@ class _Link:
     rtt: float | None = None
     samples: int = 0
     next_bytes: int = 0
+    raw_after: float = 0.0   # its raw socket failed: probed on the stream only until then
 
 
 @dataclass
@@ -132,6 +135,7 @@ class Counters:
     probes_ok: int = 0
     probes_failed: int = 0
     probes_busy: int = 0
+    probes_direct: int = 0             # measured both ways on a raw socket to the peer's data-plane port
     probes_inconclusive: int = 0       # no transfer long enough to count (the figure only sizes the next probe)
     early_beats: int = 0               # heartbeats sent early to publish newly measured pairs
     events: list[MemberEvent] = field(default_factory=list)
@@ -175,6 +179,7 @@ class SwarmNode:
         self._probe_now = trio.Event()
         self._beat_now = trio.Event()
         self._probe_server = ProbeServer(refusals=self.refusals)
+        self._raw_path: RawPath | None = None
         self._rng = rng or random.Random()
         self._leaving = False
         self.listeners: list[Callable[[MemberEvent], None]] = []
@@ -221,6 +226,12 @@ class SwarmNode:
             await self._publish_record()
             nursery.start_soon(self._heartbeat_loop)
             task_status.started()
+
+    def set_raw_path(self, raw: RawPath | None) -> None:
+        """The data plane listens (``jobs/node.py``): probes time both directions of a link on raw sockets
+        to its port (``swarm/probe.py``), in both roles."""
+        self._raw_path = raw
+        self._probe_server.raw = raw
 
     def set_data_addrs(self, addrs: tuple[str, ...]) -> None:
         """The data plane listens (``jobs/node.py``): announce *addrs* and check that peers can dial them."""
@@ -670,8 +681,9 @@ class SwarmNode:
                 await trio.sleep(self._rng.uniform(0.1, 0.3))
             async with bulk:
                 try:
+                    raw = self._raw_path if trio.current_time() >= link.raw_after else None
                     with trio.fail_after(self.config.probe.timeout):
-                        res = await session.measure(link.next_bytes)
+                        res = await session.measure(link.next_bytes, raw=raw)
                 except ProbeBusy:
                     self.counters.probes_busy += 1
                     log.debug("probe %s: busy", peer[:16])
@@ -688,13 +700,20 @@ class SwarmNode:
         if not self.view.is_alive(peer):
             return   # it died or left while we measured it
         link = self._link(peer)
-        log.debug("probe %s: %.1f MB/s, rtt %.1f ms, %d bytes in %d transfers, %.3f s%s", peer[:16], res.bandwidth / 1e6,
-                  res.rtt * 1e3, res.sent, res.transfers, res.elapsed, "" if res.measured else " (inconclusive)")
+        if res.raw_failed:
+            link.raw_after = trio.current_time() + RAW_RETRY
+        log.debug("probe %s: %.1f MB/s (%s: ours %.1f, theirs %s), rtt %.1f ms, %d bytes in %d transfers, %.3f s%s",
+                  peer[:16], res.bandwidth / 1e6, res.path, (res.forward or res.bandwidth) / 1e6,
+                  "-" if res.reverse is None else f"{res.reverse / 1e6:.1f}", res.rtt * 1e3, res.sent, res.transfers,
+                  res.elapsed, "" if res.measured else " (inconclusive)")
+        if res.reverse is not None:
+            self._probe_server.record_inbound(peer, res.reverse)   # its direction is our downlink
         if not res.measured:   # a pilot's figure: it sizes the next probe, it is never reported
             self.counters.probes_inconclusive += 1
             link.next_bytes = probe_size(res.bandwidth, lo=self.config.probe.bytes)
             return
         self.counters.probes_ok += 1
+        self.counters.probes_direct += res.path == "direct"
         a = self.config.probe.ema_alpha
         if link.samples == 0:
             self._new_pairs = True

@@ -28,13 +28,33 @@ positive and below ``MAX_BANDWIDTH`` (the bound every node applies to gossiped r
 probe of that pair fails. A liar can so spoil its own pair's figure, never the prober's whole report
 (a rate of 1e300 or inf used to go into it, and every peer then refused the report).
 All frames use the project's framing (wire/framing.py); control frames are small msgpack maps.
+
+**Both directions, on the data plane's path.** A node with a data plane (``RawPath``: ``net/bulk.py``)
+asks first for a raw socket (``raw``): the server, once reserved, grants a one-time ticket and names
+its data-plane port (``dial``); the client dials it and sends the ticket, and the server proves it is
+the peer it dialled by echoing the ticket on the socket before ``raw``. The transfers then run on that
+plain TCP socket, driven by OS threads like a tensor channel's lanes: ``rbulk`` (the client sends, the
+server times and acks, as ``bulk``), then ``rback`` (the server sends, the client times). The link's
+figure is the slower of the two directions, as a pipeline's activations and gradients, and every CO2
+round, cross it both ways. Why: a probe timed only the prober's sending direction, and over
+py-libp2p. A home host probing a DSL host read its 19 Mbit/s downlink, the planner made the DSL host a
+CO2 replica, and rounds over its 8 Mbit/s uplink stalled every replica 7.5-8.1 s of 18.3; and a
+0.165-core host's own sends over py-libp2p read 1.5-61 Mbit/s on 100 Mbit/s links (its per-byte
+Python cost, not the link). Without a raw socket (no data plane, emulated links, a port that cannot be
+reached: then not tried again for ``RAW_RETRY`` seconds) the probe times the prober's direction on
+the stream, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import trio
 
@@ -48,6 +68,7 @@ from fusionp2p.wire.protocols import PROBE
 from fusionp2p.wire.records import MAX_BANDWIDTH
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 MAX_PROBE_BYTES = 64 * 1024 * 1024
 # A transfer whose timed part (after the mark) lasted MEASURE_SECONDS is a measurement, and so is one of
@@ -61,6 +82,78 @@ TARGET_SECONDS = 1.0            # a transfer sized from a known rate lasts about
 MAX_TRANSFERS = 3               # per probe: a pilot, its sized follow-up, one more if that fell short
 _CHUNK = 256 * 1024
 _CTRL = 4096
+RAW_RETRY = 600.0               # seconds a peer whose raw socket failed is probed on the stream only
+ECHO_WAIT = 3.0                 # seconds the prober waits for the ticket echoed on a raw socket
+_TICKET = 16                    # bytes of a raw ticket (wire/tensor_frame.TICKET_SIZE)
+_FILL = b"\x5a" * _CHUNK
+
+
+class RawPath(Protocol):
+    """Where probes get plain TCP sockets to and from peers: the data plane's port (``net/bulk.DataPlane``)."""
+
+    def grant_raw(self, peer: str) -> tuple[bytes, str, int] | None: ...
+    async def take_raw(self, ticket: bytes) -> socket.socket | None: ...
+    async def dial_raw(self, peer: str, host: str, port: int, ticket: bytes) -> socket.socket: ...
+
+
+def _raw_send(sock: socket.socket, n: int, timeout: float) -> None:
+    """(worker thread) Send *n* filler bytes on *sock* within *timeout* seconds."""
+    deadline = time.monotonic() + timeout
+    view = memoryview(_FILL)
+    while n > 0:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("raw probe send timed out")
+        sock.settimeout(left)
+        n -= sock.send(view[: min(n, _CHUNK)])
+
+
+def _raw_recv(sock: socket.socket, n: int, mark: int, timeout: float) -> tuple[int, float, float | None]:
+    """(worker thread) Receive exactly *n* bytes: (bytes, seconds timed after the *mark*-th byte, rate),
+    the rate the smaller of the ones timed after the mark and after the first read (as ``_Framed``)."""
+    deadline = time.monotonic() + timeout
+    buf = bytearray(_CHUNK)
+    got = 0
+    t_first = t_mark = 0.0
+    raw_first = raw_mark = -1
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("raw probe receive timed out")
+        sock.settimeout(left)
+        k = sock.recv_into(buf, min(len(buf), n - got))
+        if k == 0:
+            raise ConnectionError("raw probe socket closed")
+        got += k
+        now = time.monotonic()
+        if raw_first < 0:
+            t_first, raw_first = now, got
+        if raw_mark < 0 and got >= mark:
+            t_mark, raw_mark = now, got
+    t_end = time.monotonic()
+    rates = [(got - r0) / max(t_end - t0, 1e-6) for t0, r0 in ((t_mark, raw_mark), (t_first, raw_first))
+             if r0 >= 0 and got > r0]
+    return got, (t_end - t_mark if raw_mark >= 0 else 0.0), min(rates, default=None)
+
+
+async def _raw_io(peer: str, fn: Callable[..., _T], *args: Any) -> _T:
+    """Run a raw socket function in a worker thread; PeerUnavailable on a socket error or its timeout."""
+    def call() -> _T:
+        return fn(*args)
+
+    try:
+        # trio-typing (a py-libp2p dependency) ships stubs older than abandon_on_cancel (trio 0.23)
+        return await trio.to_thread.run_sync(call, abandon_on_cancel=True)  # type: ignore[call-arg]
+    except OSError as exc:   # TimeoutError and ConnectionError are OSErrors
+        raise PeerUnavailable(peer, f"raw probe socket: {exc}") from None
+
+
+def _close_raw(sock: socket.socket | None) -> None:
+    if sock is None:
+        return
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)   # wakes a worker thread still blocked on it
+    sock.close()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,6 +192,10 @@ class ProbeResult:
     measured: bool = True   # False: no transfer was long enough (bandwidth is a pilot's estimate only)
     sent: int = 0       # bytes of all transfers together
     transfers: int = 1
+    forward: float | None = None   # bytes / s of the prober's direction (None: = bandwidth)
+    reverse: float | None = None   # bytes / s of the peer's direction, measured on a raw socket (None: not timed)
+    path: str = "libp2p"           # "direct": the transfers ran on a raw socket to the data-plane port
+    raw_failed: bool = False       # a raw socket was granted but could not be dialled
 
 
 def mark_of(nbytes: int) -> int:
@@ -209,6 +306,7 @@ class ProbeServer:
         self.until = 0.0                          # the current reservation's deadline
         self._bucket: dict[str, tuple[float, float]] = {}   # peer -> (seconds of holding left, as of when)
         self.inbound: dict[str, float] = {}
+        self.raw: RawPath | None = None           # the data plane's port, once the node has one
 
     def busy(self, now: float) -> bool:
         """Whether some peer holds the server at *now*."""
@@ -278,7 +376,9 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
     f = _Framed(stream, _CHUNK)
     peer = stream.remote_peer
     holding = False   # we reserved the server for this client (its first transfer), until the stream ends
-    transfers = 0
+    transfers = back = 0
+    sock: socket.socket | None = None   # the raw socket, once the client dialled it
+    raw_asked = False
     try:
         while True:
             try:
@@ -291,42 +391,100 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
                 with trio.fail_after(SERVER_IDLE):
                     i = m.get("i", 0)
                     await f.send_ctrl({"op": "pong", "i": i if type(i) is int else 0})
-            elif op == "bulk":
-                n = typed_field(m, "n", int, "probe")
-                if not 0 < n <= MAX_PROBE_BYTES:
-                    raise RemoteProtocolError(f"probe of {n} bytes refused")
-                now = trio.current_time()
-                limit = SERVER_BULK
-                if server is not None:
-                    if holding and (not server.holds(peer, now) or transfers >= MAX_TRANSFERS):
-                        raise RemoteProtocolError("probe reservation used up")   # closes the stream
-                    if not holding and not server.reserve(peer, now):
-                        with trio.fail_after(SERVER_IDLE):
-                            await f.send_ctrl({"op": "busy"})
-                        continue
-                    holding = True
-                    limit = min(limit, server.until - now)
-                transfers += 1
-                mark = m.get("mark", n)
-                mark = mark if isinstance(mark, int) and 0 < mark < n else n
+                continue
+            if op not in ("bulk", "raw", "rbulk", "rback"):
+                raise RemoteProtocolError(f"unknown probe op {str(op)[:32]!r}")
+            now = trio.current_time()
+            limit = SERVER_BULK
+            if server is not None:
+                if holding and not server.holds(peer, now):
+                    raise RemoteProtocolError("probe reservation used up")   # closes the stream
+                if not holding and not server.reserve(peer, now):
+                    with trio.fail_after(SERVER_IDLE):
+                        await f.send_ctrl({"op": "busy"})
+                    continue
+                holding = True
+                limit = min(limit, server.until - now)
+            if op == "raw":
+                if raw_asked:
+                    raise RemoteProtocolError("a second raw socket asked for")
+                raw_asked = True
+                with trio.fail_after(limit):
+                    sock = await _grant_raw(f, server, peer)
+                continue
+            n = typed_field(m, "n", int, "probe")
+            if not 0 < n <= MAX_PROBE_BYTES:
+                raise RemoteProtocolError(f"probe of {n} bytes refused")
+            if op == "rback":
+                back += 1
+                if sock is None or back > MAX_TRANSFERS:
+                    raise RemoteProtocolError("raw transfer refused (no raw socket, or too many)")
                 with trio.fail_after(limit):
                     await f.send_ctrl({"op": "go"})
+                    await _raw_io(peer, _raw_send, sock, n, limit)
+                continue
+            transfers += 1
+            if transfers > MAX_TRANSFERS or (op == "rbulk" and sock is None):
+                raise RemoteProtocolError("probe transfer refused (no raw socket, or too many)")
+            mark = m.get("mark", n)
+            mark = mark if isinstance(mark, int) and 0 < mark < n else n
+            with trio.fail_after(limit):
+                await f.send_ctrl({"op": "go"})
+                if op == "rbulk":
+                    assert sock is not None
+                    got, timed, rate = await _raw_io(peer, _raw_recv, sock, n, mark, limit)
+                else:
                     got, timed, rate = await f.recv_payload(n, mark)
-                    if got != n:
-                        raise RemoteProtocolError("probe payload overran its announced size")
-                    await f.send_ctrl({"op": "ack", "n": got, "timed": timed, "rate": rate or 0.0})
-                # the same figure and the same rule as the client's: a pilot's rate is not a downlink figure
-                if server is not None and rate is not None and conclusive(n, timed):
-                    server.record_inbound(stream.remote_peer, rate)
-            else:
-                raise RemoteProtocolError(f"unknown probe op {str(op)[:32]!r}")
+                if got != n:
+                    raise RemoteProtocolError("probe payload overran its announced size")
+                await f.send_ctrl({"op": "ack", "n": got, "timed": timed, "rate": rate or 0.0})
+            # the same figure and the same rule as the client's: a pilot's rate is not a downlink figure
+            if server is not None and rate is not None and conclusive(n, timed):
+                server.record_inbound(stream.remote_peer, rate)
     except RemoteProtocolError as exc:
         if server is not None:
             server.refusals.refuse(peer, "probe/protocol", now=trio.current_time(), detail=str(exc))
         return
     finally:
+        _close_raw(sock)
         if server is not None and holding:
             server.release(peer, trio.current_time())
+
+
+async def _grant_raw(f: _Framed, server: ProbeServer | None, peer: str) -> socket.socket | None:
+    """Answer ``raw``: a ticket and our data-plane port (``dial``), then, once the client's socket came
+    and our echo of the ticket is on it, ``raw``; ``noraw`` when we have no raw path or it did not come."""
+    grant = server.raw.grant_raw(peer) if server is not None and server.raw is not None else None
+    if grant is None or server is None or server.raw is None:
+        await f.send_ctrl({"op": "noraw"})
+        return None
+    ticket, host, port = grant
+    await f.send_ctrl({"op": "dial", "t": ticket, "h": host, "p": port})
+    sock = await server.raw.take_raw(ticket)
+    if sock is not None:
+        try:
+            await _raw_io(peer, _send_exact, sock, ticket)
+        except PeerUnavailable:
+            _close_raw(sock)
+            sock = None
+    await f.send_ctrl({"op": "raw" if sock is not None else "noraw"})
+    return sock
+
+
+def _send_exact(sock: socket.socket, data: bytes) -> None:
+    sock.settimeout(SERVER_IDLE)
+    sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    out = bytearray()
+    while len(out) < n:
+        part = sock.recv(n - len(out))
+        if not part:
+            raise ConnectionError("raw probe socket closed")
+        out += part
+    return bytes(out)
 
 
 class ProbeSession:
@@ -337,57 +495,135 @@ class ProbeSession:
         self.peer = peer
         self.rtt = rtt
         self._f = _Framed(stream, _CTRL)
+        self._raw_asked = False
+        self._raw_failed = False
+        self._sock: socket.socket | None = None
 
-    async def measure(self, nbytes: int, *, max_bytes: int = MEASURE_BYTES) -> ProbeResult:
+    async def measure(self, nbytes: int, *, max_bytes: int = MEASURE_BYTES, raw: RawPath | None = None) -> ProbeResult:
         """Transfers until one is a measurement (see the module docstring); ProbeBusy before the first one
         if the server is measuring someone else (the session stays usable), PeerUnavailable on failure.
-        No deadline of its own: the caller bounds it."""
+        With *raw*, both directions are timed on a raw socket to the peer's data-plane port when it grants
+        one. No deadline of its own: the caller bounds it."""
         if not 0 < nbytes <= MAX_PROBE_BYTES or not 0 < max_bytes <= MAX_PROBE_BYTES:
             raise ValueError(f"nbytes and max_bytes must be in (0, {MAX_PROBE_BYTES}]")
-        f, stream = self._f, self.stream
-        size = min(nbytes, max_bytes)
-        sent = transfers = 0
-        bulk_time = rate = 0.0
-        measured = False
         try:
-            while True:
-                await f.send_ctrl({"op": "bulk", "n": size, "mark": mark_of(size)})
-                answer = await f.recv_ctrl()
-                if answer.get("op") == "busy" and transfers == 0:
-                    raise ProbeBusy(self.peer)
-                if answer.get("op") != "go":
-                    raise RemoteProtocolError(f"unexpected probe answer {answer.get('op')!r}")
-                chunk = b"\x5a" * min(_CHUNK, size)
-                t0 = trio.current_time()
-                done = 0
-                while done < size:
-                    part = chunk[: size - done]
-                    await stream.send_all(encode_frame(part, max_frame=_CHUNK))
-                    done += len(part)
+            if raw is not None and not self._raw_asked:
+                await self._open_raw(raw)
+            fwd = await self._direction("rbulk" if self._sock is not None else "bulk", min(nbytes, max_bytes), max_bytes)
+            rev = None
+            if self._sock is not None:
+                rev = await self._direction("rback", probe_size(fwd.rate, lo=min(nbytes, max_bytes), hi=max_bytes),
+                                            max_bytes)
+        except RemoteProtocolError as exc:
+            raise PeerUnavailable(self.peer, f"probe failed: {exc}") from None
+        reverse = rev.rate if rev is not None and rev.measured else None
+        return ProbeResult(peer=self.peer, rtt=self.rtt,
+                           bandwidth=fwd.rate if reverse is None else min(fwd.rate, reverse),
+                           nbytes=fwd.size, elapsed=fwd.elapsed + (rev.elapsed if rev else 0.0),
+                           measured=fwd.measured, sent=fwd.sent + (rev.sent if rev else 0),
+                           transfers=fwd.transfers + (rev.transfers if rev else 0), forward=fwd.rate,
+                           reverse=reverse, path="direct" if self._sock is not None else "libp2p",
+                           raw_failed=self._raw_failed)
+
+    async def _open_raw(self, raw: RawPath) -> None:
+        """Ask for a raw socket (ProbeBusy while the server measures someone else; nothing asked then)."""
+        f = self._f
+        await f.send_ctrl({"op": "raw"})
+        answer = await f.recv_ctrl()
+        op = answer.get("op")
+        if op == "busy":
+            raise ProbeBusy(self.peer)
+        self._raw_asked = True
+        if op == "noraw":
+            return
+        if op != "dial":
+            raise RemoteProtocolError(f"unexpected probe answer {str(op)[:32]!r}")
+        ticket, host, port = answer.get("t"), answer.get("h"), answer.get("p")
+        if (not isinstance(ticket, bytes) or len(ticket) != _TICKET or not isinstance(host, str) or len(host) > 255
+                or type(port) is not int or not 0 < port < 65536):
+            raise RemoteProtocolError("malformed raw probe grant")
+        sock: socket.socket | None = None
+        try:
+            try:
+                sock = await raw.dial_raw(self.peer, host, port, ticket)
+            except PeerUnavailable as exc:
+                self._raw_failed = True
+                log.debug("probe %s: no raw socket (%s); timing the stream", self.peer[:16], exc)
+            answer = await f.recv_ctrl()   # "raw" once the server has our socket, "noraw" after RAW_WAIT
+            if answer.get("op") == "raw" and sock is not None:
+                # the listener proves that it is the peer we asked (not whatever the grant named): our ticket
+                if await _raw_io(self.peer, _recv_exact, sock, _TICKET, ECHO_WAIT) != ticket:
+                    raise RemoteProtocolError("raw probe socket did not echo the ticket")
+                self._sock, sock = sock, None
+            elif answer.get("op") not in ("raw", "noraw"):
+                raise RemoteProtocolError(f"unexpected probe answer {str(answer.get('op'))[:32]!r}")
+        finally:
+            _close_raw(sock)
+
+    async def _direction(self, op: str, size: int, max_bytes: int) -> _Transfers:
+        """Transfers of *op* (``bulk``/``rbulk``: we send, the server times; ``rback``: it sends, we time)
+        until one is a measurement, at most ``MAX_TRANSFERS``."""
+        f, stream = self._f, self.stream
+        t = _Transfers(size=size)
+        while True:
+            await f.send_ctrl({"op": op, "n": size, "mark": mark_of(size)})
+            answer = await f.recv_ctrl()
+            if answer.get("op") == "busy" and t.transfers == 0 and op == "bulk":
+                raise ProbeBusy(self.peer)
+            if answer.get("op") != "go":
+                raise RemoteProtocolError(f"unexpected probe answer {str(answer.get('op'))[:32]!r}")
+            t0 = trio.current_time()
+            if op == "rback":
+                assert self._sock is not None
+                _, timed, got_rate = await _raw_io(self.peer, _raw_recv, self._sock, size, mark_of(size), SERVER_BULK)
+                elapsed = trio.current_time() - t0
+                rate = got_rate if got_rate is not None else min(size / max(elapsed, 1e-6), MAX_BANDWIDTH / 2)
+            else:
+                if op == "rbulk":
+                    assert self._sock is not None
+                    await _raw_io(self.peer, _raw_send, self._sock, size, SERVER_BULK)
+                else:
+                    chunk = _FILL[: min(_CHUNK, size)]
+                    done = 0
+                    while done < size:
+                        part = chunk[: size - done]
+                        await stream.send_all(encode_frame(part, max_frame=_CHUNK))
+                        done += len(part)
                 ack = await f.recv_ctrl()
                 elapsed = trio.current_time() - t0   # = n / bandwidth + one round trip (first byte out, ack back)
                 if ack.get("n") != size:
                     raise RemoteProtocolError("probe ack does not match")
-                timed, got_rate = ack.get("timed"), ack.get("rate")
-                timed = float(timed) if isinstance(timed, (int, float)) and 0 < timed < math.inf else 0.0
-                if isinstance(got_rate, bool) or not isinstance(got_rate, (int, float)) or not 0 <= got_rate < MAX_BANDWIDTH:
-                    raise RemoteProtocolError(f"probe ack claims a rate of {got_rate!r} bytes/s")
+                a_timed, a_rate = ack.get("timed"), ack.get("rate")
+                timed = float(a_timed) if isinstance(a_timed, (int, float)) and 0 < a_timed < math.inf else 0.0
+                if isinstance(a_rate, bool) or not isinstance(a_rate, (int, float)) or not 0 <= a_rate < MAX_BANDWIDTH:
+                    raise RemoteProtocolError(f"probe ack claims a rate of {a_rate!r} bytes/s")
                 # the receiver's figure; the sender's whole transfer only where it has none (no time passed)
-                rate = float(got_rate) if got_rate > 0 else min(size / max(elapsed - self.rtt, 1e-6), MAX_BANDWIDTH / 2)
-                sent += size
-                transfers += 1
-                bulk_time += elapsed
-                measured = conclusive(size, timed)
-                if measured or transfers >= MAX_TRANSFERS or size >= max_bytes:
-                    break
-                size = min(max_bytes, max(2 * size, probe_size(rate, lo=size, hi=max_bytes)))
-        except RemoteProtocolError as exc:
-            raise PeerUnavailable(self.peer, f"probe failed: {exc}") from None
-        return ProbeResult(peer=self.peer, rtt=self.rtt, bandwidth=rate, nbytes=size, elapsed=bulk_time,
-                           measured=measured, sent=sent, transfers=transfers)
+                rate = float(a_rate) if a_rate > 0 else min(size / max(elapsed - self.rtt, 1e-6), MAX_BANDWIDTH / 2)
+            t.rate, t.size = min(float(rate), MAX_BANDWIDTH / 2), size
+            t.sent += size
+            t.transfers += 1
+            t.elapsed += elapsed
+            t.measured = conclusive(size, timed)
+            if t.measured or t.transfers >= MAX_TRANSFERS or size >= max_bytes:
+                return t
+            size = min(max_bytes, max(2 * size, probe_size(rate, lo=size, hi=max_bytes)))
 
     async def aclose(self) -> None:
+        _close_raw(self._sock)
+        self._sock = None
         await self.stream.aclose()
+
+
+@dataclass(slots=True)
+class _Transfers:
+    """One direction's transfers within a session."""
+
+    size: int
+    rate: float = 0.0
+    measured: bool = False
+    sent: int = 0
+    transfers: int = 0
+    elapsed: float = 0.0
 
 
 async def open_probe(transport: Transport, peer: str, *, pings: int = 3, phase: list[str] | None = None) -> ProbeSession:
@@ -415,7 +651,8 @@ async def open_probe(transport: Transport, peer: str, *, pings: int = 3, phase: 
 
 
 async def probe(transport: Transport, peer: str, *, nbytes: int, pings: int = 3, timeout: float = 20.0,
-                ctrl_timeout: float | None = None, max_bytes: int = MEASURE_BYTES) -> ProbeResult:
+                ctrl_timeout: float | None = None, max_bytes: int = MEASURE_BYTES,
+                raw: RawPath | None = None) -> ProbeResult:
     """Measure RTT and throughput to *peer* (open a session, measure, close); PeerUnavailable on failure
     or deadline, ProbeBusy if the server is measuring someone else.
 
@@ -423,7 +660,8 @@ async def probe(transport: Transport, peer: str, *, nbytes: int, pings: int = 3,
     next one, sized from its rate, follows at once (at most ``MAX_TRANSFERS``, each at most *max_bytes*).
     *timeout* bounds the whole probe; *ctrl_timeout* (default: *timeout*) bounds the part before the
     first transfer (open, pings): a peer too loaded to answer a ping within it is given up on quickly,
-    rather than holding up the caller's other probes.
+    rather than holding up the caller's other probes. With *raw* (our data plane), both directions are
+    timed on a raw socket when the peer grants one.
     """
     if not 0 < nbytes <= MAX_PROBE_BYTES or not 0 < max_bytes <= MAX_PROBE_BYTES:
         raise ValueError(f"nbytes and max_bytes must be in (0, {MAX_PROBE_BYTES}]")
@@ -434,7 +672,7 @@ async def probe(transport: Transport, peer: str, *, nbytes: int, pings: int = 3,
                 session = await open_probe(transport, peer, pings=pings, phase=phase)
             phase = ["bulk"]
             try:
-                return await session.measure(nbytes, max_bytes=max_bytes)
+                return await session.measure(nbytes, max_bytes=max_bytes, raw=raw)
             finally:
                 await session.aclose()
     except trio.TooSlowError:
