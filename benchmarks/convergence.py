@@ -10,6 +10,8 @@ The same model, data and number of samples for every system; the held-out loss o
   applied one step late, docs/averaging.md);
 * ``co2-stale`` (not in the default set): CO2's original form (``CO2(stream=False)``), the whole vector's
   one-round-stale average overlapped with the next round;
+* ``co2-async-fp32`` (not in the default set): ``co2-async`` with every averaging part in fp32
+  (``CO2(wire="fp32")``; the default sends bf16 differences from the last average);
 * ``co2-async-adatopk``: CO2 async with AdaTopK on an emulated WAN of four sites, one node each, 16 Mbit/s
   between them (``Swarm.local(links=sites(...))``), whose nodes are too small to hold the whole model
   (``WAN_MEMORY`` of what it needs with its optimizer and CO2 state): the model is cut in stages, every
@@ -63,7 +65,7 @@ WAN_MEMORY = 0.6        # the WAN nodes' memory, as a fraction of what the whole
 HELD_BATCHES = 16       # held-out micro-batches evaluated per model
 ASYNC_OR_COMPRESSED = ("co2-async", "co2-async-adatopk", "opfence")
 SYSTEMS = ("adamw", "allreduce", "co2-sync", *ASYNC_OR_COMPRESSED)
-EXTRA = ("co2-stale",)   # selectable with --systems, not run by default
+EXTRA = ("co2-stale", "co2-async-fp32")   # selectable with --systems, not run by default
 
 
 class ByteMLP(nn.Module):
@@ -112,6 +114,7 @@ def system_config(system: str, steps: int, *, dense_finish: float | None = None)
         "co2-sync": {"averaging": CO2(sync=True)},
         "co2-async": {"averaging": CO2()},
         "co2-stale": {"averaging": CO2(stream=False)},
+        "co2-async-fp32": {"averaging": CO2(wire="fp32")},
         "co2-async-adatopk": {"averaging": CO2(), "compression": comp},
         "opfence": {"averaging": CO2(), "compression": comp, "replicas": None},
     }

@@ -61,6 +61,7 @@ class RoundMsg:
     weight: float = 1.0
     scalar: float = 0.0
     fragment: int | None = None   # streaming averaging: which fragment of the vector (lo/hi are within it)
+    base: int | None = None       # on the wire only: the sender's base (a bf16 part is a difference from it)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -213,6 +214,18 @@ class AllReduceRound:
         phase.pending.discard(peer)
         return self._advance()
 
+    def unusable(self, peer: str, phase: str) -> list[Action]:
+        """*peer*'s part of *phase* cannot be used (the shell could not decode it against its own state):
+        like a part of another epoch, it contributes nothing, the round is skipped, the peer stays live."""
+        if phase not in PHASES:
+            raise LocalProtocolError(f"unknown phase {phase!r}")
+        p = self._scatter if phase == "scatter" else self._gather
+        if peer == self.me or peer not in self.peers or peer in p.got or peer in self._lost or self._finished:
+            return []
+        self._mismatch.add(peer)
+        p.pending.discard(peer)
+        return self._advance()
+
     def peer_lost(self, peer: str) -> list[Action]:
         """*peer* is dead or missed the deadline: stop waiting for it in this round."""
         if peer == self.me or peer not in self.peers or self._finished:
@@ -265,7 +278,7 @@ class AllReduceRound:
             if missing:
                 why.append(f"no anchor shard from {', '.join(missing)}")
             if self._mismatch:
-                why.append(f"epoch mismatch with {', '.join(sorted(self._mismatch))}")
+                why.append(f"epoch or base mismatch with {', '.join(sorted(self._mismatch))}")
             return RoundResult(round_id=self.round_id, complete=False, lost=lost, contributors=contributors, reason="; ".join(why))
         vector = torch.cat([shards[p].data for p in self.peers])
         scalar = 0.0

@@ -331,14 +331,19 @@ class NodeJobs:
 
 def planner_config(cfg: TrainConfig) -> PlannerConfig:
     """The planner's cost model for a job: its micro-batches, compression, AdaTopK floor and averaging period
-    (per-step gradient all-reduce without CO2: one step), and whether the averaging hides behind the
-    compute (asynchronous CO2) or blocks the step (the all-reduce, synchronous CO2)."""
+    (per-step gradient all-reduce without CO2: one step), whether the averaging hides behind the
+    compute (asynchronous CO2) or blocks the step (the all-reduce, synchronous CO2), and the bytes of a
+    CO2 round (half with ``CO2.wire="bf16"``)."""
     comp, co2 = cfg.adatopk, cfg.co2
+    bf16 = co2 is not None and co2.wire == "bf16"
     return PlannerConfig(micro_batches=cfg.micro_batches, compression=comp is not None,
                          rho_min=comp.rho_min if comp is not None else PlannerConfig().rho_min,
                          co2_tau=co2.tau if co2 is not None else 1,
                          overlap_averaging=co2 is not None and not co2.sync,
-                         stream_averaging=co2 is not None and co2.stream and not co2.sync)
+                         stream_averaging=co2 is not None and co2.stream and not co2.sync,
+                         averaging_wire=0.5 if bf16 else 1.0,
+                         # the bf16 wire keeps the last average of every fragment: one more fp32 copy
+                         replica_memory_factor=PlannerConfig().replica_memory_factor + (1.0 if bf16 else 0.0))
 
 
 def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile], *,

@@ -95,6 +95,10 @@ class NodeJobService:
         assert self._nursery is not None, "the service is not running"
         return self._nursery
 
+    def training(self) -> bool:
+        """Whether this node runs a stage of a job now (a role in a running job's plan)."""
+        return any(j.role is not None and j.state is JobState.RUNNING for j in self.jobs.values())
+
     @property
     def data_plane(self) -> DataPlane:
         assert self._dp is not None, "the service is not running"
@@ -115,6 +119,7 @@ class NodeJobService:
             self._dp, self._nursery = dp, nursery
             self.swarm.set_data_addrs(self._data_addrs(dp))   # announced from our next heartbeat on, and checked
             self.swarm.set_raw_path(dp)   # probes time both directions on raw sockets to this port
+            self.swarm.set_training(self.training)   # no re-measurement of our links while we train
             await nursery.start(acc.serve, dp.incoming)
             nursery.start_soon(self._route_incoming, acc)
             nursery.start_soon(self._dispatch_gossip, gossip)

@@ -38,6 +38,7 @@ class PlannerConfig:
     overlap_averaging: bool = True          # False: the round blocks the step (per-step all-reduce, CO2 sync)
     balance_micro: bool = True              # data-parallel replicas of unequal speed: micro-batches by speed
     stream_averaging: bool = False          # streaming CO2: a fragment's round every step (its latency each step)
+    averaging_wire: float = 1.0             # bytes a CO2 round sends per fp32 byte of parameters (0.5: CO2.wire "bf16")
     cluster_theta: float = 0.25             # merge clusters while inter-bandwidth >= theta * intra
     exact_search_devices: int = 5           # up to this many devices: search every device order
     skip_window: int = 32                   # cluster order: next stage at most this many devices later
@@ -46,6 +47,8 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
             raise ConfigError("micro_batches must be >= 1")
+        if not 0 < self.averaging_wire <= 1:
+            raise ConfigError("averaging_wire must be in (0, 1]")
         for kind, eff in self.efficiency:
             if not (0 < eff <= 1.0):
                 raise ConfigError(f"efficiency of {kind!r} must be in (0, 1]")

@@ -241,7 +241,7 @@ class CostModel:
         if r == 1:
             return t
         sub = np.ix_(group, group)
-        ring_bytes = 2.0 * (r - 1) / r * params / float(self.bw[sub].min())
+        ring_bytes = 2.0 * (r - 1) / r * params * self.config.averaging_wire / float(self.bw[sub].min())
         ring_lat = 2.0 * (r - 1) * float(self.lat[sub].max())
         tau = self.config.co2_tau
         # streaming CO2 sends 1/tau of the vector every step, in a round of its own: the bytes of one whole

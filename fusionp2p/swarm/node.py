@@ -26,6 +26,7 @@ after one round trip and verify every record itself.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import random
@@ -42,6 +43,7 @@ from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage, Relaying, Stream, Transport
 from fusionp2p.swarm.membership import BandwidthTable, Change, MemberEvent, MembershipView, ema, prober_of
 from fusionp2p.swarm.probe import (
+    OWN,
     RAW_RETRY,
     ProbeBusy,
     ProbeConfig,
@@ -123,10 +125,18 @@ class SwarmConfig:
 @dataclass
 class _Link:
     bandwidth: float | None = None
-    rtt: float | None = None
+    rtt: float | None = None       # the smallest of the recent RTTs (``RTT_WINDOW``)
     samples: int = 0
     next_bytes: int = 0
     raw_after: float = 0.0   # its raw socket failed: probed on the stream only until then
+    rtts: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW))
+
+
+# A link's latency is the smallest RTT of its last RTT_WINDOW probes, not their average: a ping waits
+# for both ends' event loops, and on a host at its CPU quota that wait is most of it. The links of
+# benchmarks.wan's `mixed` hosts (tbf, no added delay) read 1-154 ms, the planner charged streaming
+# CO2 that latency every step, and which hosts a plan took changed from run to run.
+RTT_WINDOW = 8
 
 
 @dataclass
@@ -180,6 +190,7 @@ class SwarmNode:
         self._beat_now = trio.Event()
         self._probe_server = ProbeServer(refusals=self.refusals)
         self._raw_path: RawPath | None = None
+        self._training: Callable[[], bool] = lambda: False   # the job service's, once it runs
         self._rng = rng or random.Random()
         self._leaving = False
         self.listeners: list[Callable[[MemberEvent], None]] = []
@@ -226,6 +237,14 @@ class SwarmNode:
             await self._publish_record()
             nursery.start_soon(self._heartbeat_loop)
             task_status.started()
+
+    def set_training(self, training: Callable[[], bool]) -> None:
+        """The job service says whether this node trains now (``jobs/node.py``): while it does, it runs no
+        refresh probes and its probe server refuses re-measurements (first measurements still run).
+        A transfer that shares a link with a job's traffic reads the job's leftovers, not the link, and
+        the next plan would take that for the link."""
+        self._training = training
+        self._probe_server.quiet = training
 
     def set_raw_path(self, raw: RawPath | None) -> None:
         """The data plane listens (``jobs/node.py``): probes time both directions of a link on raw sockets
@@ -581,7 +600,7 @@ class SwarmNode:
         never = [p for p in peers if not self._measured(p)]
         if never:
             return never[: self.config.probe.first]
-        if now < self._next_refresh or self._refill() < 0:
+        if now < self._next_refresh or self._refill() < 0 or self._training():
             return []
         self._next_refresh = now + self.config.probe.interval
         return peers[: self.config.probe.sample]
@@ -680,6 +699,10 @@ class SwarmNode:
                 # it is measuring someone else, which takes a few hundred ms: let our other peers go first
                 await trio.sleep(self._rng.uniform(0.1, 0.3))
             async with bulk:
+                if not self._probe_server.reserve(OWN, trio.current_time()):
+                    self.counters.probes_busy += 1   # a peer measures its link to us: ours would share it
+                    log.debug("probe %s: our own server is busy", peer[:16])
+                    continue
                 try:
                     raw = self._raw_path if trio.current_time() >= link.raw_after else None
                     with trio.fail_after(self.config.probe.timeout):
@@ -692,6 +715,8 @@ class SwarmNode:
                     self.counters.probes_failed += 1
                     log.debug("probe %s failed: %s", peer[:16], str(exc) or "timed out (bulk)")
                     return None
+                finally:
+                    self._probe_server.release(OWN, trio.current_time())
                 spent[0] += res.elapsed
                 return res
         return None   # still busy: the next round tries again, one heartbeat later
@@ -723,7 +748,8 @@ class SwarmNode:
             if not any(ln.samples for ln in self._links.values()):
                 self._beat_now.set()
         link.bandwidth = ema(link.bandwidth, res.bandwidth, a)
-        link.rtt = ema(link.rtt, res.rtt, a)
+        link.rtts.append(res.rtt)
+        link.rtt = min(link.rtts)
         link.samples += 1
         link.next_bytes = probe_size(link.bandwidth, lo=self.config.probe.bytes)   # one transfer of ~0.25 s next time
         self._bw_dirty = True

@@ -270,6 +270,9 @@ class _Framed:
         await self.s.send_all(encode_frame(packb(m), max_frame=_CTRL))
 
 
+OWN = ""   # ProbeServer.reserve(OWN, ...): the node measures a link itself (no peer id is empty)
+
+
 class ProbeBusy(Exception):
     """The peer is measuring someone else right now; try again later (not a failure)."""
 
@@ -288,7 +291,10 @@ class ProbeServer:
     (whatever the holder's stream does). The time held is drawn from the peer's bucket (``hold`` seconds,
     refilled at ``share`` per second); a peer with an empty bucket is refused like a busy server. The
     server also remembers the rate at which the second half of each peer's probe arrived (EMA): our
-    downlink.
+    downlink. The node reserves it for itself (``OWN``, no share charged) while it measures a link as a
+    client: a peer's transfer into or out of us at the same time would share our link, and both
+    figures would read low (the two 10 Mbit/s hosts of ``benchmarks.wan --scenario mixed`` read their
+    own link at 4.0 and 3.3 Mbit/s in one run, both directions timed, while their peers probed them).
     """
 
     MAX_PEERS = 1024
@@ -307,6 +313,7 @@ class ProbeServer:
         self._bucket: dict[str, tuple[float, float]] = {}   # peer -> (seconds of holding left, as of when)
         self.inbound: dict[str, float] = {}
         self.raw: RawPath | None = None           # the data plane's port, once the node has one
+        self.quiet: Callable[[], bool] = lambda: False   # True while the node trains: no re-measurements
 
     def busy(self, now: float) -> bool:
         """Whether some peer holds the server at *now*."""
@@ -321,7 +328,7 @@ class ProbeServer:
         """Reserve the server for *peer* until ``now + hold``; False while another peer holds it, or while
         *peer*'s own reservations exceed its share of the time."""
         self._expire(now)
-        if self._holder is not None or self._credit(peer, now) <= 0:
+        if self._holder is not None or (peer != OWN and self._credit(peer, now) <= 0):
             return False
         self._holder, self._since, self.until = peer, now, now + self.hold
         return True
@@ -341,6 +348,9 @@ class ProbeServer:
     def _end(self, now: float) -> None:
         peer = self._holder
         assert peer is not None
+        if peer == OWN:   # our own measurement: no share to charge
+            self._holder = None
+            return
         left = self._credit(peer, now) - (now - self._since)
         self._bucket.pop(peer, None)
         self._bucket[peer] = (left, now)
@@ -399,7 +409,9 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
             if server is not None:
                 if holding and not server.holds(peer, now):
                     raise RemoteProtocolError("probe reservation used up")   # closes the stream
-                if not holding and not server.reserve(peer, now):
+                # while we train, a peer that measured us before is refused like a busy server: its figure
+                # would read what our job leaves of the link (a first measurement still runs)
+                if not holding and ((peer in server.inbound and server.quiet()) or not server.reserve(peer, now)):
                     with trio.fail_after(SERVER_IDLE):
                         await f.send_ctrl({"op": "busy"})
                     continue

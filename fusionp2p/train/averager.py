@@ -80,8 +80,11 @@ class AveragerConfig:
     weight: float = 1.0           # this replica's weight in the mean (e.g. its samples per round)
     send_window: int = 8          # queued messages per peer before round tasks block
     max_weight_ratio: float = 4.0  # a peer's weight outside [w / ratio, w * ratio] is refused (w: ours)
+    wire: str = "fp32"            # "bf16": parts as bf16 differences from the last average (CO2.wire)
 
     def __post_init__(self) -> None:
+        if self.wire not in ("bf16", "fp32"):
+            raise ConfigError("AveragerConfig.wire must be 'bf16' or 'fp32'")
         if not (self.round_timeout > 0 and math.isfinite(self.round_timeout)):
             raise ConfigError("round_timeout must be a positive number of seconds")
         if not (self.weight > 0 and math.isfinite(self.weight)):
@@ -234,21 +237,46 @@ def to_message(job: str, stage: int, msg: RoundMsg) -> TensorMessage:
     meta: dict[str, object] = {"epoch": msg.epoch, "lo": msg.lo, "hi": msg.hi, "w": msg.weight, "s": msg.scalar}
     if msg.fragment is not None:   # streaming only: the whole-vector form keeps its bytes
         meta["f"] = msg.fragment
+    if msg.base is not None:       # wire "bf16": the sender's base (fp32 parts without one keep their bytes)
+        meta["b"] = msg.base
     return TensorMessage(job=job, kind=KIND, stage=stage, step=msg.round_id, name=msg.phase, meta=meta, tensors=(msg.data,))
 
 
 def from_message(tm: TensorMessage) -> RoundMsg:
     """Decode a peer's averaging message; anything malformed raises RemoteProtocolError."""
     w = "averaging message"
-    m = as_map(tm.meta, w, required=("epoch", "lo", "hi", "w", "s"), optional=("f",))
+    m = as_map(tm.meta, w, required=("epoch", "lo", "hi", "w", "s"), optional=("f", "b"))
     fragment = as_int(m["f"], f"{w} fragment", lo=0, hi=MAX_FRAGMENTS - 1) if "f" in m else None
+    base = as_int(m["b"], f"{w} base", lo=0, hi=U63) if "b" in m else None
     lo, hi = as_int(m["lo"], f"{w} lo", lo=0, hi=U63), as_int(m["hi"], f"{w} hi", lo=0, hi=U63)
     if len(tm.tensors) != 1 or not lo <= hi:
         raise RemoteProtocolError("averaging message must carry exactly one slice")
+    if tm.tensors[0].dtype == torch.bfloat16 and base is None:
+        raise RemoteProtocolError("averaging message: a bf16 part needs a base")
     # weight and scalar finite here; the round refuses a weight out of proportion to ours
     return RoundMsg(round_id=tm.step, epoch=as_str(m["epoch"], f"{w} epoch", max_len=64), phase=tm.name, lo=lo, hi=hi,
                     data=tm.tensors[0], weight=as_float(m["w"], f"{w} weight"), scalar=as_float(m["s"], f"{w} scalar"),
-                    fragment=fragment)
+                    fragment=fragment, base=base)
+
+
+def _encode(msg: RoundMsg, base: tuple[int, torch.Tensor] | None, scatter_q: torch.Tensor | None,
+            gather_q: torch.Tensor | None, peer_tag: int | None, shared: bool) -> RoundMsg:
+    """A part as it goes to one peer: a bf16 difference from *base* (wire "bf16") where the peer can
+    decode it, else fp32 values. Scatter: our snapshot's difference *scatter_q* (the round went on
+    ``base + q``, so an fp32 part has the same values), to a peer that held the same base as we did in
+    the fragment's last round (*shared*). Gather: our published shard's difference *gather_q* (which we
+    loaded as ``base + q`` ourselves), to a peer whose scatter part named our base; a peer that sent
+    fp32 or another base gets the fp32 shard."""
+    if base is None:
+        return msg
+    tag = base[0]
+    if msg.phase == "scatter":   # names our base even in fp32: the owner learns that we hold it
+        if not shared or scatter_q is None:
+            return dataclasses.replace(msg, base=tag)
+        return dataclasses.replace(msg, data=scatter_q[msg.lo:msg.hi], base=tag)
+    if gather_q is not None and peer_tag == tag:
+        return dataclasses.replace(msg, data=gather_q, base=tag)
+    return msg
 
 
 _Event = tuple[str, str, "RoundMsg | None"]  # ("msg" | "lost", peer, message)
@@ -328,6 +356,12 @@ class ReplicaAverager:
         self.last: BoundaryResult | None = None   # the latest boundary's result (for status/metrics)
         self.stats = AveragingStats()               # finished rounds and their durations (for metrics)
         self.refused: dict[str, int] = {}         # parts refused per peer (NaN, weight out of range...)
+        # wire "bf16": per fragment (None: the whole vector), the last complete round's vector, which every
+        # replica that finished that round holds bit for bit, and the round's id as its tag
+        self._bases: dict[int | None, tuple[int, torch.Tensor]] = {}
+        # ... and the peers that named the same base as ours in that round: they hold the new one too (if
+        # their round completed; one that did not names no base in its next part and leaves the set)
+        self._shared: dict[int | None, frozenset[str]] = {}
 
     def _make_opt(self, flat: torch.Tensor) -> OuterOptimizer:
         lo, hi = shard_bounds(flat.numel(), len(self.alive))[self.alive.index(self.me)]
@@ -511,6 +545,11 @@ class ReplicaAverager:
         sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=n_elems, round_id=rnd.round_id, epoch=self.epoch,
                             weight=self.config.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f)
         result: RoundResult | None = None
+        base = self._bases.get(f) if self.config.wire == "bf16" else None
+        shared = self._shared.get(f, frozenset())  # the peers our scatter parts go to as differences
+        tags: dict[str, int | None] = {}          # the base each peer's scatter part named (None: fp32)
+        gather_q: list[torch.Tensor] = []         # our published shard as a bf16 difference from the base
+        scatter_q: list[torch.Tensor] = []        # our snapshot as a bf16 difference from the base
 
         # NOT recursive on purpose: a closure that calls itself is a reference cycle, and the cycle
         # would keep this round's buffers (snapshot, parts, shards) alive until the cyclic GC runs.
@@ -520,8 +559,10 @@ class ReplicaAverager:
             while todo:
                 a = todo.pop(0)
                 if isinstance(a, Send):
+                    msg = _encode(a.msg, base, scatter_q[0] if scatter_q else None, gather_q[0] if gather_q else None,
+                                  tags.get(a.peer), a.peer in shared)
                     with contextlib.suppress(trio.ClosedResourceError):  # closing down
-                        await self._queues[a.peer].send(to_message(self.config.job, self.config.stage, a.msg))
+                        await self._queues[a.peer].send(to_message(self.config.job, self.config.stage, msg))
                 elif isinstance(a, Reduced):
                     if reinit:  # new epoch: restart the outer state from the survivors' mean
                         sharded = len(self.alive) > 1
@@ -529,20 +570,31 @@ class ReplicaAverager:
                             self._opt = OuterOptimizer(self.config.outer, a.mean, lo=a.lo, sharded=sharded)
                         else:
                             self._fopts[f] = OuterOptimizer(self._frag_outer, a.mean, lo=a.lo, sharded=sharded)
-                        todo.extend(sm.publish(a.mean, 0.0))
+                        shard, scalar = a.mean, 0.0
                     elif rnd.mean_only:
-                        todo.extend(sm.publish(a.mean, 0.0))
+                        shard, scalar = a.mean, 0.0
                     else:
                         step = (self._opt if f is None else self._fopts[f]).step(a.mean, lr=lr)
-                        todo.extend(sm.publish(step.anchor, step.gap_sq_part))
+                        shard, scalar = step.anchor, step.gap_sq_part
+                    if base is not None:
+                        # what every replica will compute from the bf16 difference, we load too: bit for bit
+                        q = (shard.to(torch.float32) - base[1][a.lo:a.hi]).to(torch.bfloat16)
+                        gather_q.append(q)
+                        shard = base[1][a.lo:a.hi] + q.to(torch.float32)
+                    todo.extend(sm.publish(shard, scalar))
                 else:
                     result = a.result
 
+        if base is not None:
+            # our part, rounded the way our peers will read it: the same mean whoever owns a shard (a tied
+            # parameter's copies in two stages, whose shards fall to different owners, stay equal)
+            scatter_q.append((snap - base[1]).to(torch.bfloat16))
+            snap = base[1] + scatter_q[0].to(torch.float32)
         await act(sm.start(snap, self.config.weight))
         for peer in sorted(self._dead & set(self.alive)):
             await act(sm.peer_lost(peer))
         for peer, stashed in self._stash.pop(rnd.round_id, []):
-            await act(self._safe_receive(sm, peer, stashed))
+            await act(self._decoded_receive(sm, peer, stashed, base, tags))
         # One deadline window per phase: at the end of a window whoever is still awaited is lost,
         # and the survivors get a fresh window for the next phase (so that one silent peer does not
         # make every replica also give up on the others, who are busy timing it out too).
@@ -553,7 +605,7 @@ class ReplicaAverager:
                     if kind == "lost":
                         await act(sm.peer_lost(peer))
                     elif msg is not None and msg.round_id == rnd.round_id:
-                        await act(self._safe_receive(sm, peer, msg))
+                        await act(self._decoded_receive(sm, peer, msg, base, tags))
                     elif msg is not None and msg.round_id > rnd.round_id:
                         self._stash[msg.round_id].append((peer, msg))
             if result is None:
@@ -563,11 +615,38 @@ class ReplicaAverager:
                     self._dead.add(peer)
                     await act(sm.peer_lost(peer))
         self._after_round(result, f, mean_only=rnd.mean_only)
+        if self.config.wire == "bf16":
+            if result.complete and result.vector is not None:
+                self._bases[f] = (rnd.round_id, result.vector.detach().clone())
+                ours = base[0] if base is not None else None
+                self._shared[f] = frozenset(p for p, t in tags.items() if t == ours)
+            else:   # some replicas may have it and some not: fp32 until a round completes again
+                self._bases.pop(f, None)
+                self._shared.pop(f, None)
         took, st = trio.current_time() - started, self.stats
         self.stats = AveragingStats(rounds=st.rounds + int(result.complete), skipped=st.skipped + int(not result.complete),
                                     seconds=st.seconds + took, last_s=took)
         rnd.result = result
         rnd.done.set()
+
+    def _decoded_receive(self, sm: AllReduceRound, peer: str, msg: RoundMsg, base: tuple[int, torch.Tensor] | None,
+                         tags: dict[str, int | None]) -> list[Send | Reduced | Finished]:
+        """Hand *msg* to the round, a bf16 difference turned back into fp32 values against our base. A
+        difference from a base we do not hold (another tag, or none) contributes nothing and skips the
+        round (``unusable``); the peer stays live, and the next round of the fragment goes in fp32."""
+        if msg.phase == "scatter":
+            tags[peer] = msg.base
+        if msg.data.dtype == torch.bfloat16:
+            assert msg.base is not None   # from_message
+            if base is None or base[0] != msg.base:
+                log.info("averaging round %d: %s part from %s names base %d, ours is %s; skipped", msg.round_id,
+                         msg.phase, peer, msg.base, "none" if base is None else base[0])
+                return sm.unusable(peer, msg.phase) if msg.phase in ("scatter", "gather") else self._safe_receive(sm, peer, msg)
+            d = msg.data
+            if d.dim() != 1 or not 0 <= msg.lo <= msg.hi <= base[1].numel() or d.numel() != msg.hi - msg.lo:
+                return self._safe_receive(sm, peer, dataclasses.replace(msg, data=d.to(torch.float32)))   # refused there
+            msg = dataclasses.replace(msg, data=base[1][msg.lo:msg.hi] + d.to(torch.float32))
+        return self._safe_receive(sm, peer, msg)
 
     def _safe_receive(self, sm: AllReduceRound, peer: str, msg: RoundMsg) -> list[Send | Reduced | Finished]:
         try:

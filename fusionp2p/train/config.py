@@ -24,6 +24,7 @@ SCHEDULES = ("1f1b", "gpipe")
 NONFINITE = ("fail", "skip")
 LR_KINDS = ("constant", "cosine", "linear")
 PENALTIES = ("none", "constant", "elementwise", "lr_ratio")
+CO2_WIRES = ("bf16", "fp32")   # how a CO2 round's parts travel (CO2.wire)
 PLANNERS = ("opfence", "even_layers", "even_flops")
 
 
@@ -84,6 +85,10 @@ class CO2:
     # streaming (fragmented, one-step-stale) form of the asynchronous average; ignored when sync=True.
     # Left out of the wire map at its default, so older specs keep their bytes and signatures
     stream: bool = field(default=True, metadata={"wire": {"omit_default": True}})
+    # "bf16": a round's parts travel as bf16 differences from the last average every replica holds
+    # (half the bytes; the first round of each fragment, and any after a failed one, in fp32);
+    # "fp32": every part as fp32 values. Left out of the wire map at its default
+    wire: str = field(default="bf16", metadata={"wire": {"choices": CO2_WIRES, "omit_default": True}})
 
     def __post_init__(self) -> None:
         _pos_int("CO2.tau", self.tau)
@@ -98,6 +103,8 @@ class CO2:
             raise ConfigError("CO2.sync must be True or False")
         if not isinstance(self.stream, bool):
             raise ConfigError("CO2.stream must be True or False")
+        if self.wire not in CO2_WIRES:
+            raise ConfigError(f"CO2.wire must be one of {', '.join(CO2_WIRES)}, got {self.wire!r}")
 
     def to_wire(self) -> dict[str, Any]:
         return codec.to_wire(self)

@@ -293,8 +293,10 @@ class StageWorker:
             else:
                 names = await self._replica_names()
                 me = f"r{self.ctx.replica}"
+                co2 = self.ctx.config.co2
                 acfg = AveragerConfig(outer=self._outer, job=self.ctx.job, stage=self.prog.stage,
-                                      round_timeout=self.ctx.recv_timeout or 600.0, weight=float(self._m))
+                                      round_timeout=self.ctx.recv_timeout or 600.0, weight=float(self._m),
+                                      wire=co2.wire if co2 is not None else "fp32")
                 restored = self.ctx.restore
                 momentum = restored.momentum_vector(self._layout()) if restored is not None else None
                 async with open_replica_averager(acfg, peers=sorted([me, *names]), me=me, channels=names,

@@ -62,7 +62,7 @@ async def _train(avg: ReplicaAverager, rank: int, steps: int, *, die_at: int | N
     return model, out
 
 
-def _run(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, int]] | None = None
+def _run(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, int]] | None = None, *, wire: str = "fp32"
          ) -> tuple[list[torch.Tensor], list[list[BoundaryResult]], list[ReplicaAverager]]:
     peers = PEERS[:n]
     finals: dict[str, torch.Tensor] = {}
@@ -70,7 +70,7 @@ def _run(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, int]] |
     avgs: list[ReplicaAverager] = []
 
     async def replica(mesh: Mesh, i: int, p: str) -> None:
-        acfg = AveragerConfig(outer=cfg, job="j", stage=1, round_timeout=5.0)
+        acfg = AveragerConfig(outer=cfg, job="j", stage=1, round_timeout=5.0, wire=wire)
         async with open_replica_averager(acfg, peers=peers, me=p, channels=mesh.ch[p], initial=list(_model().parameters()),
                                          segments=segments) as avg:
             avgs.append(avg)
@@ -206,3 +206,74 @@ def test_peer_dies_mid_run_survivors_drop_it_and_go_on(how: str) -> None:
         assert res[-1].reason == ""                                                # ... and finalize completed
     assert torch.equal(finals["r0"], finals["r1"])
     assert bool(torch.isfinite(finals["r0"]).all())
+
+
+def _sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, torch.dtype, int | None]]:
+    """Record (phase, dtype, base) of every averaging part put on a channel."""
+    from fusionp2p.train import averager as averager_mod
+
+    sent: list[tuple[str, torch.dtype, int | None]] = []
+    real = averager_mod.to_message
+
+    def spy(job: str, stage: int, msg):  # type: ignore[no-untyped-def]
+        sent.append((msg.phase, msg.data.dtype, msg.base))
+        return real(job, stage, msg)
+
+    monkeypatch.setattr(averager_mod, "to_message", spy)
+    return sent
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bf16_wire_sends_differences_and_every_replica_loads_the_same_bits(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """CO2.wire "bf16": after each fragment's first round (fp32: no common base yet) every part is a bf16
+    difference from the last average, half the bytes; the replicas still load identical vectors, and
+    the result stays within bf16's rounding of the differences of the fp32 wire's."""
+    cfg = OuterConfig(tau=3, outer_lr=0.8, outer_momentum=0.5, sync=False, stream=True)
+    steps = 13
+    sent = _sent(monkeypatch)
+    finals, _, avgs = _run(cfg, steps, n, wire="bf16")
+    for f in finals[1:]:
+        assert torch.equal(f, finals[0])
+    bases = [a._bases for a in avgs]                # every round's average: the same bits on every replica
+    assert set(bases[0]) == set(range(3))
+    for b in bases[1:]:
+        assert b.keys() == bases[0].keys()
+        assert all(b[k][0] == bases[0][k][0] and torch.equal(b[k][1], bases[0][k][1]) for k in b)
+    first_rounds = 3 * n * (n - 1) * 2       # tau fragments, each replica to each other, scatter and gather
+    assert all(d == torch.float32 and b is None for _, d, b in sent[:first_rounds])
+    later = sent[first_rounds:]
+    assert later and sum(d == torch.bfloat16 and b is not None for _, d, b in later) >= 0.75 * len(later)
+    fp32, _, _ = _run(cfg, steps, n, wire="fp32")
+    scale = fp32[0].abs().max()
+    assert torch.allclose(finals[0], fp32[0], atol=2e-3 * float(scale), rtol=0)
+
+
+def test_a_replica_without_the_base_is_sent_fp32_and_the_wire_heals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One replica loses its bases (as after a round only it saw fail) or holds a wrong one: its parts and
+    the parts sent to it go in fp32, or a round is skipped; the replicas still end identical and the
+    next rounds are bf16 again."""
+    cfg = OuterConfig(tau=2, outer_lr=0.8, sync=False, stream=True)
+    sent = _sent(monkeypatch)
+    damaged: list[str] = []
+    real_boundary = ReplicaAverager.round_boundary
+
+    async def boundary(self: ReplicaAverager, params, *, lr=None):  # type: ignore[no-untyped-def]
+        if self.me == PEERS[0] and self._boundary == 6:
+            self._bases.clear()                          # lost them
+            damaged.append("cleared")
+        if self.me == PEERS[1] and self._boundary == 9 and 1 in self._bases:
+            tag, vec = self._bases[1]
+            self._bases[1] = (tag + 1000, vec)           # a base nobody else has
+            damaged.append("wrong")
+        return await real_boundary(self, params, lr=lr)
+
+    monkeypatch.setattr(ReplicaAverager, "round_boundary", boundary)
+    finals, results, avgs = _run(cfg, 16, 3, wire="bf16")
+    assert damaged == ["cleared", "wrong"]
+    for f in finals[1:]:
+        assert torch.equal(f, finals[0])
+    skipped = [r for res in results for r in res if r.reason and "mismatch" in r.reason]
+    assert skipped                                         # the wrong base cost a round
+    assert not any(r.reason and "lost" in r.reason for res in results for r in res)   # nobody was dropped
+    assert all(len(a.alive) == 3 for a in avgs)
+    assert sent[-20:] and any(d == torch.bfloat16 for _, d, _ in sent[-20:])   # healed: differences again

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
@@ -15,26 +14,18 @@ import trio.testing
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net import bulk
 from fusionp2p.net.bulk import RAW_LANE, DataPlane, open_data_plane
-from fusionp2p.net.memory import MemoryNetwork, MemoryTransport, memory_network
+from fusionp2p.net.memory import MemoryNetwork, MemoryTransport
 from fusionp2p.net.transport import Stream
 from fusionp2p.swarm import probe as probe_mod
 from fusionp2p.swarm.membership import prober_of
 from fusionp2p.swarm.node import SwarmConfig
-from fusionp2p.swarm.probe import MEASURE_BYTES, ProbeConfig, ProbeServer, probe
-from fusionp2p.testing.swarm import local_swarm
+from fusionp2p.swarm.probe import MEASURE_BYTES, ProbeBusy, ProbeConfig, ProbeServer, probe
+from fusionp2p.testing.swarm import converge, local_swarm
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.msg import packb, unpackb
 from fusionp2p.wire.protocols import PROBE
-
-
-def run(body: Callable[[MemoryNetwork], Awaitable[None]], timeout: float = 20.0) -> None:
-    async def main() -> None:
-        with trio.fail_after(timeout):
-            async with memory_network() as net:
-                await body(net)
-
-    trio.run(main)
+from tests.integration.test_bulk_dataplane import run
 
 
 def _serve_probes(host: MemoryTransport, dp: DataPlane | None) -> ProbeServer:
@@ -234,3 +225,32 @@ def test_a_client_cannot_skip_the_raw_handshake(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(bulk, "RAW_WAIT", 0.2)
     run(body)
+
+
+def test_a_training_node_neither_refreshes_its_links_nor_lets_them_be_remeasured() -> None:
+    """While a node trains, a refresh would time what its job leaves of the link: its own refresh
+    rounds stop, and its probe server refuses peers that measured it before (first probes still run)."""
+    async def main() -> None:
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probe=ProbeConfig(bytes=64 * 1024, interval=1.0, duty=1.0))
+        training = [False]
+        async with local_swarm(2, libp2p=False, config=cfg) as (_boot, nodes):
+            for n in nodes:
+                n.set_training(lambda: training[0])
+            await converge(nodes, bandwidth=True, timeout=30)
+            a, b = nodes
+            await trio.sleep(5)
+            assert a.counters.probes_ok + b.counters.probes_ok >= 3     # refreshes run while idle
+            training[0] = True
+            await trio.sleep(2)                                           # a round under way ends
+            before = a.counters.probes_ok + b.counters.probes_ok
+            await trio.sleep(30)
+            assert a.counters.probes_ok + b.counters.probes_ok == before
+            # the server side: a peer that measured us before is answered busy, a new one is measured
+            prober, served = (a, b) if prober_of(a.peer_id, b.peer_id) == a.peer_id else (b, a)
+            with pytest.raises(ProbeBusy):
+                await probe(prober.transport, served.peer_id, nbytes=64 * 1024, timeout=5.0)
+            training[0] = False
+            await trio.sleep(5)
+            assert a.counters.probes_ok + b.counters.probes_ok > before
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

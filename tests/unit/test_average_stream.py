@@ -150,6 +150,26 @@ def test_co2_stream_validated() -> None:
             CO2.from_wire({**CO2().to_wire(), "stream": bad})
 
 
+def test_co2_wire_defaults_to_bf16_and_is_left_out_of_the_wire_at_its_default() -> None:
+    """CO2.wire: "bf16" (rounds as bf16 differences) unless a job asks for "fp32"; the planner halves the
+    bytes of a round, and counts the kept base in a replica's memory."""
+    from fusionp2p.jobs.build import planner_config
+
+    assert CO2().wire == "bf16" and "wire" not in CO2().to_wire()
+    fp32 = CO2(wire="fp32")
+    assert fp32.to_wire()["wire"] == "fp32" and CO2.from_wire(unpackb(packb(fp32.to_wire()))) == fp32
+    with pytest.raises(ConfigError, match=r"CO2\.wire"):
+        CO2(wire="fp16")
+    for bad in ("fp16", 1, None):
+        with pytest.raises(RemoteProtocolError):
+            CO2.from_wire({**CO2().to_wire(), "wire": bad})
+    bf16_pc = planner_config(TrainConfig(steps=10, averaging=CO2()))
+    fp32_pc = planner_config(TrainConfig(steps=10, averaging=fp32))
+    assert (bf16_pc.averaging_wire, fp32_pc.averaging_wire) == (0.5, 1.0)
+    assert bf16_pc.replica_memory_factor == fp32_pc.replica_memory_factor + 1
+    assert planner_config(TrainConfig(steps=10)).averaging_wire == 1.0      # the per-step all-reduce: fp32
+
+
 def test_read_and_load_slices_across_parameters() -> None:
     params = [torch.arange(3.0).reshape(3, 1), torch.arange(3.0, 7.0), torch.arange(7.0, 9.0).reshape(1, 2)]
     assert torch.equal(read_slice(params, 2, 8), torch.arange(2.0, 8.0))

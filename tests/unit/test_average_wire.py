@@ -52,3 +52,21 @@ def test_malformed_meta_rejected(meta: dict[str, Any], tensors: tuple[torch.Tens
 def test_any_meta_decodes_or_raises_remote_protocol_error(meta: dict[str, Any]) -> None:
     with contextlib.suppress(RemoteProtocolError):
         from_message(TensorMessage(job="j", kind="avg", meta=meta, tensors=(torch.zeros(1),)))
+
+
+def test_a_bf16_part_names_its_base_and_an_fp32_part_may() -> None:
+    """CO2.wire "bf16": a difference travels as bf16 with the base it is a difference from ("b"); an fp32
+    part may name the sender's base too (the owner learns who holds it); a bf16 part without one, or a
+    base that is not a round id, is refused."""
+    diff = RoundMsg(round_id=9, epoch="e", phase="scatter", lo=0, hi=2, data=torch.tensor([1e-3, -2e-3]).bfloat16(), base=5)
+    back = from_message(to_message("job", 0, diff))
+    assert back.base == 5 and back.data.dtype == torch.bfloat16
+    plain = from_message(to_message("job", 0, RoundMsg(round_id=9, epoch="e", phase="scatter", lo=0, hi=2,
+                                                       data=torch.zeros(2), base=5)))
+    assert plain.base == 5 and plain.data.dtype == torch.float32
+    assert "b" not in to_message("job", 0, RoundMsg(round_id=9, epoch="e", phase="gather", lo=0, hi=2,
+                                                    data=torch.zeros(2))).meta   # the fp32 wire keeps its bytes
+    for meta, t in (({**GOOD}, torch.zeros(2).bfloat16()), ({**GOOD, "b": -1}, torch.zeros(2).bfloat16()),
+                    ({**GOOD, "b": "x"}, torch.zeros(2))):
+        with pytest.raises(RemoteProtocolError):
+            from_message(TensorMessage(job="job", kind="avg", stage=0, step=1, name="scatter", meta=meta, tensors=(t,)))

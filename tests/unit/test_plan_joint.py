@@ -230,7 +230,9 @@ def test_the_whole_model_on_one_replica_group_is_always_a_candidate() -> None:
     from fusionp2p.train.config import CO2, TrainConfig
 
     torch.manual_seed(0)
-    cfg = TrainConfig(steps=6, micro_batch=4, micro_batches=2, replicas=2, averaging=CO2(tau=2), compression="adatopk")
+    # fp32 rounds, as when the case was found (bf16 ones, half the bytes, make one stage the faster plan too)
+    cfg = TrainConfig(steps=6, micro_batch=4, micro_batches=2, replicas=2, averaging=CO2(tau=2, wire="fp32"),
+                      compression="adatopk")
     dag = trace_job(GPT2(GPT2Config.tiny(block_size=32)), None, as_dataset(BuiltinCorpus(seq_len=32)), cfg)
     wl = to_workload(coarsen(dag), micro_batch=4)
     snap = snapshot(4, bw=lambda a, b: 1e8 if (a < 2) == (b < 2) else 5e5, flops=lambda i: 5e8)
@@ -300,18 +302,20 @@ def test_data_parallel_on_the_fastest_devices_wherever_they_sit() -> None:
     cfg = TrainConfig(steps=10, micro_batch=8, micro_batches=4, lr=3e-3, replicas=None, averaging="co2", compression="adatopk")
     wl = to_workload(coarsen(trace_job(model, None, as_dataset(BuiltinCorpus(seq_len=64)), cfg)), micro_batch=8)
 
-    def plan_for(act_ratio: float, *, balance: bool = False) -> Plan:
+    def plan_for(act_ratio: float, *, balance: bool = False, wire: float = 1.0) -> Plan:
         members = {h: DeviceProfile(device="cpu", kind="cpu", name=h, flops_fp32=f, flops_bf16=0.0, memory_bytes=8 << 30,
                                     act_rate=f / act_ratio if act_ratio else 0.0) for h, f in flops.items()}
-        pc = dataclasses.replace(planner_config(cfg), balance_micro=balance)
+        pc = dataclasses.replace(planner_config(cfg), balance_micro=balance, averaging_wire=wire)
         return plan_joint(wl, Snapshot(job="j", epoch=0, members=members, links=links), pc)
 
     # lockstep replicas: a 0.33-core host measured ~46 FLOP-equivalents per activation byte (swarm/device.py)
     plan = plan_for(46.0)
     assert plan.how == "fastest" and len(plan.stages) == 1 and plan.micro == ()
     assert set(plan.stages[0].replicas) == {"fast1", "fast2", "slow1", "slow2"}
-    # FLOPs alone (nodes that did not measure act_rate): the step looks too short to hide the averaging
+    # FLOPs alone (nodes that did not measure act_rate): the step looks too short to hide fp32 averaging,
+    # but long enough for bf16 rounds (CO2.wire "bf16", the default: half the bytes)
     assert set(plan_for(0.0).stages[0].replicas) == {"fast1", "fast2"}
+    assert set(plan_for(0.0, wire=0.5).stages[0].replicas) == {"fast1", "fast2", "slow1", "slow2"}
     # micro-batches in proportion to speed (the default): the half-speed hosts add throughput too, with
     # fewer micro-batches a step, and the whole swarm trains
     balanced = plan_for(46.0, balance=True)

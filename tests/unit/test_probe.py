@@ -214,3 +214,41 @@ def test_a_peer_too_busy_to_answer_is_given_up_on_at_the_control_deadline() -> N
             assert trio.current_time() - t0 == pytest.approx(2.0)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_quiet_server_measures_a_new_peer_and_refuses_a_remeasurement() -> None:
+    """``ProbeServer.quiet`` (the node trains): a peer that measured us before gets ``busy``; a first
+    measurement still runs, and once the node is idle the peer is measured again."""
+    async def main() -> None:
+        with trio.fail_after(10):
+            async with memory_network() as net:
+                a, b = net.add_host(), net.add_host()
+                server = _serve_probes(b)
+                quiet = [True]
+                server.quiet = lambda: quiet[0]
+                assert (await probe(a, b.peer_id, nbytes=MEASURE_BYTES)).measured      # new: measured
+                assert a.peer_id in server.inbound
+                with pytest.raises(ProbeBusy):
+                    await probe(a, b.peer_id, nbytes=MEASURE_BYTES)
+                quiet[0] = False
+                assert (await probe(a, b.peer_id, nbytes=MEASURE_BYTES)).measured
+
+    trio.run(main)
+
+
+def test_a_node_measuring_a_link_itself_is_busy_for_its_peers() -> None:
+    """While the node measures one of its links (``reserve(OWN)``), a peer's probe would share that link:
+    it is answered busy; the node's own holds draw on no share, so they never run out."""
+    async def main() -> None:
+        with trio.fail_after(10):
+            async with memory_network() as net:
+                a, b = net.add_host(), net.add_host()
+                server = _serve_probes(b)
+                for _ in range(50):   # far beyond one peer's share of the time
+                    assert server.reserve(probe_mod.OWN, trio.current_time())
+                    with pytest.raises(ProbeBusy):
+                        await probe(a, b.peer_id, nbytes=1024)
+                    server.release(probe_mod.OWN, trio.current_time())
+                assert (await probe(a, b.peer_id, nbytes=MEASURE_BYTES)).measured
+
+    trio.run(main)

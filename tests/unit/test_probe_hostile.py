@@ -154,3 +154,25 @@ def test_one_stream_cannot_keep_the_probe_server_reserved() -> None:
             assert held[0] <= 0.15 * 600   # the attacker's share of the server: at most ~SERVER_SHARE
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_links_latency_is_the_smallest_of_its_recent_rtts() -> None:
+    """A ping waits for both ends' event loops; on a host at its CPU quota that wait dominates (1-88 ms on
+    links with no added delay). The link keeps the smallest of its last RTT_WINDOW RTTs."""
+    from fusionp2p.swarm.node import RTT_WINDOW
+    from fusionp2p.swarm.probe import ProbeResult
+
+    async def main() -> None:
+        async with memory_network() as net:
+            t, other = net.add_host(), net.add_host()
+            node = SwarmNode(t, SwarmConfig(), TEST_PROFILE)
+            node.view.is_alive = lambda peer: True  # type: ignore[method-assign]
+            seen = []
+            for rtt in (0.002, 0.088, 0.040, 0.001, 0.063, *([0.050] * RTT_WINDOW)):
+                node._apply_probe(other.peer_id, ProbeResult(peer=other.peer_id, rtt=rtt, bandwidth=1e6, nbytes=1 << 20,
+                                                             elapsed=1.0))
+                seen.append(node._links[other.peer_id].rtt)
+            assert seen[:5] == [0.002, 0.002, 0.002, 0.001, 0.001]
+            assert seen[-1] == 0.050                    # the fast ones have left the window
+
+    trio.run(main)
