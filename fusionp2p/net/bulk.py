@@ -172,19 +172,12 @@ class DataPlane:
         try:
             with trio.fail_after(cfg.connect_timeout):
                 reply = await self._request_ticket(peer)
-                host = reply["host"]
-                if host in ("", "0.0.0.0", "::"):
-                    host = _ip_from_multiaddrs(self._transport.peer_addrs(peer)) or "127.0.0.1"
+                host = self._dial_host(peer, reply["host"])
                 lanes = reply["lanes"]
                 if lanes > cfg.lanes:
                     raise RemoteProtocolError(f"peer granted {lanes} lanes, {cfg.lanes} were asked for")
                 for i in range(lanes):
-                    try:
-                        with trio.fail_after(cfg.direct_timeout):
-                            stream = await trio.open_tcp_stream(host, reply["port"])
-                    except (OSError, trio.TooSlowError) as exc:
-                        why = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
-                        raise _Unreachable(f"{host}:{reply['port']}: {why}") from None
+                    stream = await self._dial(host, reply["port"])
                     streams.append(stream)
                     _tune(stream, cfg)
                     await stream.send_all(reply["ticket"] + bytes([i]))
@@ -209,6 +202,21 @@ class DataPlane:
                 raise PeerUnavailable(peer, f"bulk channel set-up failed: {exc}") from None
             raise
         return ch
+
+    def _dial_host(self, peer: str, host: str) -> str:
+        """The host to dial for a port *peer* announced on *host* ("the IP you reach me at" when unspecified)."""
+        if host in ("", "0.0.0.0", "::"):
+            return _ip_from_multiaddrs(self._transport.peer_addrs(peer)) or "127.0.0.1"
+        return host
+
+    async def _dial(self, host: str, port: int) -> trio.SocketStream:
+        """One TCP connection to a data-plane port; _Unreachable when it fails or takes ``direct_timeout``."""
+        try:
+            with trio.fail_after(self._cfg.direct_timeout):
+                return await trio.open_tcp_stream(host, port)
+        except (OSError, trio.TooSlowError) as exc:
+            why = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
+            raise _Unreachable(f"{host}:{port}: {why}") from None
 
     async def _request_ticket(self, peer: str) -> dict[str, Any]:
         stream = await self._transport.open_stream(peer, BULK_TICKET)
@@ -268,14 +276,11 @@ class DataPlane:
     async def dial_raw(self, peer: str, host: str, port: int, ticket: bytes) -> socket.socket:
         """Dial *peer*'s data-plane port for a raw probe socket with *ticket* (``grant_raw`` on its side);
         PeerUnavailable when the port cannot be reached within ``direct_timeout``."""
-        if host in ("", "0.0.0.0", "::"):
-            host = _ip_from_multiaddrs(self._transport.peer_addrs(peer)) or "127.0.0.1"
+        host = self._dial_host(peer, host)
         try:
-            with trio.fail_after(self._cfg.direct_timeout):
-                stream = await trio.open_tcp_stream(host, port)
-        except (OSError, trio.TooSlowError) as exc:
-            why = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
-            raise PeerUnavailable(peer, f"raw probe port {host}:{port}: {why}") from None
+            stream = await self._dial(host, port)
+        except _Unreachable as exc:
+            raise PeerUnavailable(peer, f"raw probe port {exc}") from None
         try:
             with trio.fail_after(self._cfg.direct_timeout):
                 await stream.send_all(ticket + bytes([RAW_LANE]))

@@ -96,6 +96,15 @@ class RawPath(Protocol):
     async def dial_raw(self, peer: str, host: str, port: int, ticket: bytes) -> socket.socket: ...
 
 
+def _timed_rate(total: int, t_end: float, mark: tuple[float, int], first: tuple[float, int]) -> tuple[float, float | None]:
+    """(seconds timed after the mark, rate) of a transfer of *total* bytes ending at *t_end*, from the
+    clock readings ``(time, bytes so far)`` at the read that passed the mark and at the first read
+    (``bytes < 0``: none): the rate is the smaller of the two windows' (the module docstring)."""
+    t_mark, raw_mark = mark
+    rates = [(total - r0) / max(t_end - t0, 1e-6) for t0, r0 in (mark, first) if r0 >= 0 and total > r0]
+    return (t_end - t_mark if raw_mark >= 0 else 0.0), min(rates, default=None)
+
+
 def _raw_send(sock: socket.socket, n: int, timeout: float) -> None:
     """(worker thread) Send *n* filler bytes on *sock* within *timeout* seconds."""
     deadline = time.monotonic() + timeout
@@ -130,10 +139,7 @@ def _raw_recv(sock: socket.socket, n: int, mark: int, timeout: float) -> tuple[i
             t_first, raw_first = now, got
         if raw_mark < 0 and got >= mark:
             t_mark, raw_mark = now, got
-    t_end = time.monotonic()
-    rates = [(got - r0) / max(t_end - t0, 1e-6) for t0, r0 in ((t_mark, raw_mark), (t_first, raw_first))
-             if r0 >= 0 and got > r0]
-    return got, (t_end - t_mark if raw_mark >= 0 else 0.0), min(rates, default=None)
+    return got, *_timed_rate(got, time.monotonic(), (t_mark, raw_mark), (t_first, raw_first))
 
 
 async def _raw_io(peer: str, fn: Callable[..., _T], *args: Any) -> _T:
@@ -258,10 +264,7 @@ class _Framed:
             if raw_mark < 0 and raw >= mark:
                 t_mark, raw_mark = trio.current_time(), raw
             got += sum(len(fr) for fr in self.dec.feed(data))
-        t_end = trio.current_time()
-        rates = [(raw - r0) / max(t_end - t0, 1e-6) for t0, r0 in ((t_mark, raw_mark), (t_first, raw_first))
-                 if r0 >= 0 and raw > r0]
-        return got, (t_end - t_mark if raw_mark >= 0 else 0.0), min(rates, default=None)
+        return got, *_timed_rate(raw, trio.current_time(), (t_mark, raw_mark), (t_first, raw_first))
 
     async def recv_ctrl(self) -> dict[str, object]:
         return decode_ctrl(await self.recv())
