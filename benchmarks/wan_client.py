@@ -83,8 +83,9 @@ def training_rate(steps: dict[int, float], replicas: int, run: dict[str, Any]) -
             "samples_timed": samples}
 
 
-WARMUP = {"name": "warmup", "description": "two steps of baseline A's configuration on every node, not reported",
-          "config": {"planner": "even_layers", "compression": None, "averaging": None}}
+WARMUP = {"name": "warmup", "description": "six data-parallel CO2 steps of the whole model on every node, not reported",
+          "config": {"planner": "even_layers", "compression": None, "averaging": "co2"}}
+WARMUP_STEPS = 6
 
 
 def run_system(sw: Swarm, run: dict[str, Any], system: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -155,10 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"members": len(sw.members())}), flush=True)
         # Warm-up, not reported: a node's first job pays one-off costs (lazy imports of torch's tracing
         # stack when it decodes the DAG, first allocations, connections); whichever system ran first paid
-        # them (on `lan` baseline A measured 146 samples/s against 328 for B with the same plan). Two steps
-        # of baseline A's configuration use every node when the node count is even (replica pairs).
+        # them (on `lan` baseline A measured 146 samples/s against 328 for B with the same plan). Six
+        # data-parallel steps of the whole model, one replica per node, pay them for every operator on
+        # every node, and every node announces the speed it trained at (jobs/rebalance.py: figures come
+        # from single-stage plans only), as the nodes of a swarm that has trained before do. With CO2's
+        # rounds running beside the compute, as in the jobs that follow: without them the 0.165-core hosts
+        # measured 0.65-0.74x their benchmark's speed and then trained a CO2 job at 0.42x.
         try:
-            run_system(sw, {**run, "steps": 2}, WARMUP, workdir)
+            run_system(sw, {**run, "steps": WARMUP_STEPS, "replicas": doc["nodes"]}, WARMUP, workdir)
         except Exception as exc:
             print(json.dumps({"warmup_error": f"{type(exc).__name__}: {exc}"}), flush=True)
         for system in doc["systems"]:

@@ -44,7 +44,7 @@ def view_summary(view: dict[str, Any]) -> dict[str, Any]:
     return {
         "members": [
             {"peer": p, "role": r.role, "alive": p in alive, "addrs": list(r.addrs), "data": list(r.data),
-             "reach": r.reach, "profile": r.profile.to_wire() if r.profile else None}
+             "reach": r.reach, "profile": r.profile.to_wire() if r.profile else None, "speed": r.speed or None}
             for p, r in sorted(recs.items()) if not r.leaving
         ],
         "dead": view["dead"],
@@ -174,13 +174,13 @@ def _short(p: str) -> str:
 
 def members_table(out: dict[str, Any]) -> Table:
     t = Table(title="members", title_justify="left")
-    for col in ("peer", "role", "alive", "device", "GFLOP/s fp32", "memory GiB", "data plane", "reach"):
+    for col in ("peer", "role", "alive", "device", "GFLOP/s fp32", "trains at", "memory GiB", "data plane", "reach"):
         t.add_column(col)
     for m in out["members"]:
         p = m["profile"] or {}
         t.add_row(_short(m["peer"]), m["role"], Text("yes", style="green") if m["alive"] else Text("DEAD", style="bold red"),
                   p.get("name", "-"), f"{p['flops_fp32'] / 1e9:.1f}" if p else "-",
-                  f"{p['memory_bytes'] / 2**30:.1f}" if p else "-", " ".join(m.get("data") or ["-"]),
+                  f"{m['speed']:.2f}x" if m.get("speed") else "-", f"{p['memory_bytes'] / 2**30:.1f}" if p else "-", " ".join(m.get("data") or ["-"]),
                   m.get("reach", "unknown"))
     return t
 

@@ -28,13 +28,14 @@ from fusionp2p.jobs.build import AcceptedJob, plan_for_snapshot
 from fusionp2p.jobs.host import JobHost
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
-from fusionp2p.jobs.rebalance import rebalanced, scale_profile, typical
+from fusionp2p.jobs.rebalance import calibrated, rebalanced, scale_profile, typical
 from fusionp2p.jobs.replan import Halted, complete_checkpoint, halt_step, leader_of, plan_resume
 from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
 from fusionp2p.train.worker import StageWorker
+from fusionp2p.types import DeviceProfile
 from fusionp2p.wire.jobrecords import JobStatus, StageFile, encode_record, status_key
 
 log = logging.getLogger(__name__)
@@ -373,7 +374,8 @@ class Leading:
 
     def _snapshot(self, members: list[str], epoch: int) -> Snapshot:
         view = self.svc.swarm.view
-        profiles = []
+        raw: dict[str, DeviceProfile] = {}
+        speeds: dict[str, float] = {}
         for p in members:
             rec = view.records.get(p)
             prof = rec.profile if rec is not None else None
@@ -381,8 +383,12 @@ class Leading:
                 prof = self.svc.swarm.profile
             if prof is None:
                 raise PlanError(f"no device profile for member {p[:12]}")
-            # scaled to the speed it measured while training, or the members' typical ratio (_rebalance)
-            profiles.append((p, scale_profile(prof, self._speeds.get(p, self._speed_typical))))
+            raw[p] = prof
+            speeds[p] = self.svc.swarm.speed if p == self.me else rec.speed if rec is not None else 0.0
+        # scaled to the speeds the members announce from their earlier jobs (jobs/rebalance.py), then to the
+        # speed each measured in this job, or the members' typical ratio (_rebalance)
+        profiles = [(p, scale_profile(prof, self._speeds.get(p, self._speed_typical)))
+                    for p, prof in calibrated(raw, speeds).items()]
         bw = self.svc.swarm.bandwidth
         links = []
         for i, a in enumerate(members):

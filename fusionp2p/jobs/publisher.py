@@ -32,7 +32,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from fusionp2p.jobs.events import (
 )
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
+from fusionp2p.jobs.rebalance import calibrated
 from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
 from fusionp2p.jobs.spec import JobSpec, decode_signed
@@ -106,11 +107,13 @@ class DriverConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SwarmView:
-    """Live training members (with profiles and dialable addresses) and the measured links."""
+    """Live training members (with profiles, the speeds they announce and dialable addresses) and the
+    measured links."""
 
     members: dict[str, DeviceProfile]
     addrs: dict[str, tuple[str, ...]]
     links: list[tuple[str, str, Link]]
+    speeds: dict[str, float] = field(default_factory=dict)   # NodeRecord.speed (0: none measured)
 
 
 async def discover(t: Transport, bootstraps: list[str], *, timeout: float) -> SwarmView:
@@ -140,15 +143,17 @@ async def discover(t: Transport, bootstraps: list[str], *, timeout: float) -> Sw
         raise PeerUnavailable(bootstraps[0] if bootstraps else "bootstrap", f"no view ({last})")
     alive = set(view["alive"])
     members: dict[str, DeviceProfile] = {}
+    speeds: dict[str, float] = {}
     addrs: dict[str, tuple[str, ...]] = {}
     for rec in view["records"]:
         if isinstance(rec, NodeRecord) and rec.role == "node" and rec.peer in alive and not rec.leaving and rec.profile:
             members[rec.peer] = rec.profile
+            speeds[rec.peer] = rec.speed
             addrs[rec.peer] = rec.addrs
     links = [(m.src, m.dst, Link(bandwidth_bps=m.bandwidth, latency_s=max(0.0, m.rtt / 2)))
              for r in view["bw"] if isinstance(r, BandwidthReport) for m in r.measurements
              if m.bandwidth > 0 and math.isfinite(m.bandwidth) and math.isfinite(m.rtt)]
-    return SwarmView(members=members, addrs=addrs, links=links)
+    return SwarmView(members=members, addrs=addrs, links=links, speeds=speeds)
 
 
 class JobDriver:
@@ -254,7 +259,8 @@ class JobDriver:
             why = "; ".join(sorted(set(refused.values())))
             raise JobError(f"no node accepted the job ({why})")
         self.members = set(accepted)
-        snap = snapshot_from_records(self.job, 0, accepted.items(), view.links)
+        # the profiles scaled by the speeds the nodes trained at in earlier jobs (jobs/rebalance.py)
+        snap = snapshot_from_records(self.job, 0, calibrated(accepted, view.speeds).items(), view.links)
         plan = plan_for_snapshot(built.spec, built.dag, snap)
         self._state(JobState.PLANNED, plan.plan_hash())
         self._on_plan(PlanChanged.of(plan, at=time.time()))

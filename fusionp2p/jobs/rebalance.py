@@ -16,6 +16,16 @@ predicted ``gain`` faster than the plan in force under the same profiles (:func:
 members elect the new plan from the leader's snapshot, which carries the scaled profiles, as for any
 re-plan. A member can lie about its speed as it can about its start-up benchmark; the scale is bounded
 (``MAX_SCALE``) so that one answer cannot move a profile by more than that factor either way.
+
+A speed measured in one job also serves the next ones: when a member's job ends on a single-stage plan
+(``JobRun._note_speed`` says why not a pipeline stage), it works out its own factor against its start-up benchmark (:func:`own_speed`) and announces it in its node record
+(``NodeRecord.speed``, a running geometric mean over its jobs: ``SwarmNode.note_speed``). Whoever makes a
+snapshot for a plan (the publisher for epoch 0, a leader for a re-plan) scales each member's profile by
+its announced factor, and the members that announce none by the typical one (:func:`calibrated`). A
+job's first plan then deals micro-batches and stages by the speeds nodes train at, not by a benchmark
+that runs before a node has any services to run; benchmarks.wan's 0.165-core hosts trained at
+0.42-0.58 of what theirs said. One job measures one stage of one model, and the cost model's error is not the same
+for every operator, so the figure carries some of that error into jobs that give the node other work.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.plan import Plan, Snapshot
 from fusionp2p.plan.estimator import CostModel
 from fusionp2p.plan.predict import predict
-from fusionp2p.types import DeviceProfile
+from fusionp2p.types import DeviceProfile, WorkloadGraph
 
 MAX_SCALE = 64.0     # a measured speed moves a member's profile by at most this factor either way
 MAX_FLOPS = 1e20     # the wire's bound of a profile's FLOP/s
@@ -73,22 +83,44 @@ def typical(factors: Mapping[str, float]) -> float:
     return vals[mid] if len(vals) % 2 else math.sqrt(vals[mid - 1] * vals[mid])
 
 
+def calibrated(profiles: Mapping[str, DeviceProfile], speeds: Mapping[str, float]) -> dict[str, DeviceProfile]:
+    """*profiles* scaled by the speeds their nodes announce (``NodeRecord.speed``, measured in their earlier
+    jobs: :func:`own_speed`); those that announce none by the typical factor of those that do (:func:`typical`)."""
+    known = {p: f for p, f in speeds.items() if p in profiles and math.isfinite(f) and f > 0}
+    t = typical(known)
+    return {p: scale_profile(prof, known.get(p, t)) for p, prof in profiles.items()}
+
+
+def _cost_model(spec: JobSpec, dag: OpDAG, snap: Snapshot) -> tuple[CostModel, WorkloadGraph, Snapshot]:
+    """The cost model of *spec* on *snap* as its plan was made (with no link measured, all fast), its
+    workload and that snapshot."""
+    cfg = spec.config
+    wl = to_workload(coarsen(dag), micro_batch=cfg.micro_batch)
+    judged = dataclasses.replace(snap, links=planned_links(snap.members, snap.links))
+    return CostModel(wl, judged, planner_config(cfg)), wl, judged
+
+
+def own_speed(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, me: str, profile: DeviceProfile,
+              micro_s: float) -> float | None:
+    """The factor by which *profile* (this node's start-up benchmark: the snapshot's figure for it may be
+    scaled already) must be scaled for the cost model to predict the *micro_s* it measured in its stage
+    of *plan* (:func:`speed_factors`); None when *plan* gave it no stage."""
+    return speed_factors(_cost_model(spec, dag, snap)[0], plan, {me: profile}, {me: micro_s}).get(me)
+
+
 def rebalanced(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, micro_s: Mapping[str, float],
                ) -> tuple[dict[str, float], Plan, float, float]:
     """The members' speed factors (:func:`speed_factors`, against *snap*'s profiles), the plan for the
     profiles scaled by them, and the predicted throughputs (micro-batches/s) of that plan and of *plan*,
     both under the scaled profiles. ValueError or PlanError when *plan* or the members make no plan."""
-    cfg = spec.config
-    pc = planner_config(cfg)
-    wl = to_workload(coarsen(dag), micro_batch=cfg.micro_batch)
-    links = planned_links(snap.members, snap.links)    # as the plan was made: with no link measured, all fast
-    factors = speed_factors(CostModel(wl, dataclasses.replace(snap, links=links), pc), plan, snap.members, micro_s)
+    cm, wl, judged = _cost_model(spec, dag, snap)
+    factors = speed_factors(cm, plan, snap.members, micro_s)
     adj = dataclasses.replace(snap, members={p: scale_profile(prof, factors.get(p, 1.0))
                                              for p, prof in snap.members.items()})
     trial = plan_for_snapshot(spec, dag, adj, previous=plan)    # choose_plan fills in the links itself
-    judged = dataclasses.replace(adj, links=links)
-    base, new = predict(plan, wl, judged, pc).throughput, predict(trial, wl, judged, pc).throughput
+    judged = dataclasses.replace(judged, members=adj.members)
+    base, new = predict(plan, wl, judged, cm.config).throughput, predict(trial, wl, judged, cm.config).throughput
     return factors, trial, new, base
 
 
-__all__ = ["MAX_SCALE", "rebalanced", "scale_profile", "speed_factors", "typical"]
+__all__ = ["MAX_SCALE", "calibrated", "own_speed", "rebalanced", "scale_profile", "speed_factors", "typical"]

@@ -160,7 +160,7 @@ class OpsState:
         s = self.swarm
         return {"peer": s.peer_id, "role": s.config.role, "uptime_s": max(0.0, self.wall_clock() - self._started),
                 "addrs": s.transport.listen_addrs()[:8], "profile": s.profile.to_wire() if s.profile else None,
-                "heartbeat_s": s.period()}
+                "speed": s.speed or None, "heartbeat_s": s.period()}
 
     def _members(self, now: float) -> dict[str, Any]:
         view = self.swarm.view
@@ -173,7 +173,8 @@ class OpsState:
             seen = view.last_seen.get(p)
             rows.append({"peer": p, "role": rec.role, "alive": p in alive, "self": p == self.swarm.peer_id,
                          "last_seen_s": max(0.0, now - seen) if seen is not None else None,
-                         "period_s": rec.period, "profile": rec.profile.to_wire() if rec.profile else None})
+                         "period_s": rec.period, "profile": rec.profile.to_wire() if rec.profile else None,
+                         "speed": rec.speed or None})
         by_role: dict[str, int] = {}
         for p in alive:
             role = view.records[p].role

@@ -73,6 +73,7 @@ from fusionp2p.wire.records import (
     MAX_BANDWIDTH,
     MAX_RECORD,
     MAX_RTT,
+    MAX_SPEED,
     REACH_DATA,
     REACH_P2P,
     REACH_PRIVATE,
@@ -137,6 +138,9 @@ class _Link:
 # benchmarks.wan's `mixed` hosts (tbf, no added delay) read 1-154 ms, the planner charged streaming
 # CO2 that latency every step, and which hosts a plan took changed from run to run.
 RTT_WINDOW = 8
+# A job's measured speed of this node (note_speed) enters the announced figure with this weight: one job
+# measures one stage, and the cost model's error differs from stage to stage (jobs/rebalance.py).
+SPEED_WEIGHT = 0.5
 
 
 @dataclass
@@ -198,6 +202,9 @@ class SwarmNode:
         # what the bootstrap's dial-back found (swarm/reach.py)
         self.data_addrs: tuple[str, ...] = ()
         self.reach = REACH_UNKNOWN
+        # the speed this node trained at in its last jobs, as a factor of its profile's (0: none measured;
+        # note_speed), announced in our record for the planners of later jobs
+        self.speed = 0.0
         self.reach_detail = ""                      # what the last check found, for logs and status
         self._servers: set[str] = set()             # the bootstraps we joined (dial-back checks, reversal)
         self._reach_now = trio.Event()
@@ -245,6 +252,16 @@ class SwarmNode:
         the next plan would take that for the link."""
         self._training = training
         self._probe_server.quiet = training
+
+    def note_speed(self, factor: float) -> None:
+        """A job measured this node training at *factor* times the speed its profile predicts (``jobs/run.py``):
+        announce the geometric mean of it and the figures before (``SPEED_WEIGHT`` for the new one), at once."""
+        if not (math.isfinite(factor) and factor > 0):
+            return
+        f = min(MAX_SPEED, max(1.0 / MAX_SPEED, factor))
+        self.speed = f if self.speed <= 0 else math.exp(
+            (1.0 - SPEED_WEIGHT) * math.log(self.speed) + SPEED_WEIGHT * math.log(f))
+        self._beat_now.set()
 
     def set_raw_path(self, raw: RawPath | None) -> None:
         """The data plane listens (``jobs/node.py``): probes time both directions of a link on raw sockets
@@ -433,7 +450,7 @@ class SwarmNode:
         addrs += [a.rsplit("/p2p/", 1)[0] for a in circuits][:4]
         return NodeRecord(peer=self.peer_id, role=self.config.role, addrs=tuple(addrs),
                           profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced,
-                          data=self.data_addrs, reach=self.reach)
+                          data=self.data_addrs, reach=self.reach, speed=self.speed)
 
     async def _publish_record(self, leaving: bool = False) -> None:
         self._last_beat = trio.current_time()

@@ -203,6 +203,7 @@ class StageWorker:
         self._deferred: list[tuple[int, TensorMessage]] = []   # training messages an evaluation pass set aside
         self._kept: dict[tuple[int, str], torch.Tensor] = {}   # this step's forward keep-masks of compressed inputs
         self._tied_box: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}   # (param, stage) -> (grad, ok)
+        self._grads_ahead: dict[int, dict[str, torch.Tensor]] = {}   # all-reduce gradients of the next step, by replica
         self.src_of = {r.name: r.src for r in self.prog.recv}
         self._closed_links: set[int] = set()
         self._avg: ReplicaAverager | None = None
@@ -649,15 +650,25 @@ class StageWorker:
             await ch.send(TensorMessage(job=self.ctx.job, kind="grad-avg", stage=self.prog.stage, step=step, name=me,
                                         tensors=(mine,)))
         got = {me: mine}
+        for name, g in self._grads_ahead.pop(step, {}).items():
+            got.setdefault(name, g)
         micro = self.ctx.micro
         weight = {f"g{k}": float(m) for k, m in enumerate(micro)}
+        names = {f"g{k}" for k in range(len(self.ctx.peers) + 1)}
         while len(got) <= len(self.ctx.peers):
             msg = await self._receive(self._avg_recv, f"stage {self.prog.stage}, gradient all-reduce at step {step}")
             self._avg_budget.release(msg)
-            if msg.kind != "grad-avg" or msg.step != step or len(msg.tensors) != 1 or msg.tensors[0].shape != mine.shape:
+            if (msg.kind != "grad-avg" or msg.step not in (step, step + 1) or len(msg.tensors) != 1
+                    or msg.tensors[0].shape != mine.shape):
                 raise RemoteProtocolError(f"stage {self.prog.stage}: bad gradient message {msg.key}")
-            if micro and msg.name not in weight:
+            if msg.name not in names:
                 raise RemoteProtocolError(f"stage {self.prog.stage}: gradient from an unknown replica {msg.name!r}")
+            if msg.step == step + 1:
+                # from 3 replicas on: one that has every gradient of this step went on to the next before a
+                # third replica's gradient of this step reached us. No replica can be two steps ahead (it
+                # would need our gradient of the next step), so one held message per replica at most.
+                self._grads_ahead.setdefault(msg.step, {}).setdefault(msg.name, msg.tensors[0].to(torch.float32))
+                continue
             got.setdefault(msg.name, msg.tensors[0].to(torch.float32))
         if micro:   # each replica's gradient is the mean over its own micro-batches: weigh by their count
             total = sum(weight[k] for k in got)

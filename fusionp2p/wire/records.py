@@ -32,6 +32,7 @@ MAX_BUNDLE_PARTS = 4
 MAX_BANDWIDTH = 1e13    # bytes/s: a measurement or capacity at or above it is refused (80 Tbit/s)
 MAX_RTT = 3600.0        # seconds
 MAX_PERIOD = 3600.0     # a heartbeat period, seconds
+MAX_SPEED = 64.0        # a node's measured training speed against its benchmark: at most this factor either way
 
 # A node's reachability as it learned it (swarm/reach.py): a bootstrap dialled its announced libp2p and
 # data-plane addresses back. "public": both answered; "p2p": only the libp2p one (the data port is
@@ -63,6 +64,8 @@ class NodeRecord:
                                                                  "optional": True}})
     # whether its announced addresses were dialled back from outside (REACHES)
     reach: str = field(default=REACH_UNKNOWN, metadata={"wire": {"choices": REACHES, "optional": True}})
+    # the speed it trained at in its last jobs, as a factor of its profile's (0: not measured yet; jobs/rebalance.py)
+    speed: float = field(default=0.0, metadata={"wire": {"lo": 0.0, "hi": MAX_SPEED, "omit_default": True}})
 
     def body(self) -> dict[str, Any]:
         return to_wire(self)

@@ -594,3 +594,35 @@ def test_no_rebalance_when_the_steps_left_would_not_pay_for_the_halt(tmp_path: P
 
     plans, _ = _check_done(trio.run(main), cfg)
     assert judged == [0] and [p.epoch for p in plans] == [0]
+
+
+def test_the_next_job_is_planned_by_the_speeds_its_nodes_trained_at_in_the_last(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first job on two equal profiles deals its micro-batches evenly; its replica 1 measures 3x slower
+    (re-balancing is off). When the job ends, each node announces the speed it trained at against its
+    benchmark in its record, and the next job's first plan gives the slow node fewer micro-batches."""
+    torch.set_num_threads(1)
+    cfg = dataclasses.replace(REBALANCE_CFG, steps=6)
+    _replica_1_measures_3x_slower(monkeypatch)
+
+    async def main() -> tuple[list[ProgressEvent], list[ProgressEvent], dict[str, float]]:
+        with trio.fail_after(200):
+            async with _swarm(2, tmp_path, jobs=dataclasses.replace(REBALANCE_JOBS, rebalance_max=0)) as (
+                    emb, pub, client):
+                first = await _publish(pub, await _built(client, cfg, b"a"), tmp_path / "a", lambda ev: None)
+                peers = [n.peer_id for n in emb.nodes]
+                recs = emb.bootstrap.view.records
+                await emb.bootstrap.wait_until(lambda: all(recs[p].speed > 0 for p in peers), timeout=30)
+                speeds = {p: recs[p].speed for p in peers}
+                second = await _publish(pub, await _built(client, cfg, b"b"), tmp_path / "b", lambda ev: None)
+                return first, second, speeds
+
+    first, second, speeds = trio.run(main)
+    (plan1,), _ = _check_done(first, cfg)
+    plans2, _ = _check_done(second, cfg)
+    assert plan1.micro == ()
+    fast, slow = plan1.members                       # stage 0's replicas 0 and 1
+    assert speeds[slow] < 0.6 * speeds[fast], speeds
+    plan2 = plans2[0]
+    micro = dict(zip(plan2.members, plan2.micro, strict=True))
+    assert micro[slow] < micro[fast] and sum(micro.values()) == 8, (plan2.members, plan2.micro)

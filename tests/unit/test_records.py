@@ -138,3 +138,16 @@ def test_bundle_carries_several_records_each_verified_on_its_own() -> None:
     forged = encode_bundle([parts[0], encode_signed(rep, B.sign)])   # second part signed by someone else
     with pytest.raises(RemoteProtocolError):
         decode_signed(split_bundle(forged)[1], verify)
+
+
+def test_training_speed_round_trip_bounded_and_absent_in_old_records() -> None:
+    rec = node_record(speed=0.37)
+    assert decode_signed(encode_signed(rec, A.sign), verify).speed == 0.37   # type: ignore[union-attr]
+    body = {k: v for k, v in node_record().body().items() if k != "speed"}    # a node that measured none
+    data = packb({"v": 1, "t": "node", "b": packb(body), "s": A.sign(b"node\x00" + packb(body))})
+    assert decode_signed(data, verify).speed == 0.0   # type: ignore[union-attr]
+    for bad in (-0.5, 65.0, float("inf"), float("nan"), "2"):
+        body = {**node_record().body(), "speed": bad}
+        data = packb({"v": 1, "t": "node", "b": packb(body), "s": A.sign(b"node\x00" + packb(body))})
+        with pytest.raises(RemoteProtocolError):
+            decode_signed(data, verify)
