@@ -42,7 +42,11 @@ def _train(micro: Sequence[int], averaging: CO2 | None = None) -> tuple[list[dic
                                         links={}, peers=[ch], data=data, tokens_per_micro=2, report=report,
                                         recv_timeout=10.0, micro=micro))
                for r, ch in ((0, a), (1, b))]
+    return _run_all(workers), drawn, reports
 
+
+def _run_all(workers: Sequence[StageWorker]) -> list[dict[str, torch.Tensor]]:
+    """Run the replicas' workers to their end (within 60 s); their final parameters."""
     async def main() -> None:
         with trio.fail_after(60):
             async with trio.open_nursery() as n:
@@ -50,7 +54,7 @@ def _train(micro: Sequence[int], averaging: CO2 | None = None) -> tuple[list[dic
                     n.start_soon(w.run)
 
     trio.run(main)
-    return [{k: v.detach().clone() for k, v in w.ex.parameters().items()} for w in workers], drawn, reports
+    return [{k: v.detach().clone() for k, v in w.ex.parameters().items()} for w in workers]
 
 
 def test_a_balanced_step_trains_like_lockstep_on_the_same_samples() -> None:
@@ -125,15 +129,7 @@ def test_a_gradient_of_the_next_step_may_come_before_a_third_replicas_of_this_on
                                             links={}, peers=peers[r], data=data, tokens_per_micro=2, report=report,
                                             recv_timeout=10.0))
                    for r in range(3)]
-
-        async def main() -> None:
-            with trio.fail_after(60):
-                async with trio.open_nursery() as n:
-                    for w in workers:
-                        n.start_soon(w.run)
-
-        trio.run(main)
-        return [{k: v.detach().clone() for k, v in w.ex.parameters().items()} for w in workers]
+        return _run_all(workers)
 
     plain, held = run(False), run(True)
     for params in held:
