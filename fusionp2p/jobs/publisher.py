@@ -107,13 +107,12 @@ class DriverConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SwarmView:
-    """Live training members (with profiles, the speeds they announce and dialable addresses) and the
-    measured links."""
+    """Live training members (with profiles, their records and dialable addresses) and the measured links."""
 
     members: dict[str, DeviceProfile]
     addrs: dict[str, tuple[str, ...]]
     links: list[tuple[str, str, Link]]
-    speeds: dict[str, float] = field(default_factory=dict)   # NodeRecord.speed (0: none measured)
+    records: dict[str, NodeRecord] = field(default_factory=dict)   # the members' records (their speeds)
 
 
 async def discover(t: Transport, bootstraps: list[str], *, timeout: float) -> SwarmView:
@@ -143,17 +142,17 @@ async def discover(t: Transport, bootstraps: list[str], *, timeout: float) -> Sw
         raise PeerUnavailable(bootstraps[0] if bootstraps else "bootstrap", f"no view ({last})")
     alive = set(view["alive"])
     members: dict[str, DeviceProfile] = {}
-    speeds: dict[str, float] = {}
+    records: dict[str, NodeRecord] = {}
     addrs: dict[str, tuple[str, ...]] = {}
     for rec in view["records"]:
         if isinstance(rec, NodeRecord) and rec.role == "node" and rec.peer in alive and not rec.leaving and rec.profile:
             members[rec.peer] = rec.profile
-            speeds[rec.peer] = rec.speed
+            records[rec.peer] = rec
             addrs[rec.peer] = rec.addrs
     links = [(m.src, m.dst, Link(bandwidth_bps=m.bandwidth, latency_s=max(0.0, m.rtt / 2)))
              for r in view["bw"] if isinstance(r, BandwidthReport) for m in r.measurements
              if m.bandwidth > 0 and math.isfinite(m.bandwidth) and math.isfinite(m.rtt)]
-    return SwarmView(members=members, addrs=addrs, links=links, speeds=speeds)
+    return SwarmView(members=members, addrs=addrs, links=links, records=records)
 
 
 class JobDriver:
@@ -259,8 +258,9 @@ class JobDriver:
             why = "; ".join(sorted(set(refused.values())))
             raise JobError(f"no node accepted the job ({why})")
         self.members = set(accepted)
-        # the profiles scaled by the speeds the nodes trained at in earlier jobs (jobs/rebalance.py)
-        snap = snapshot_from_records(self.job, 0, calibrated(accepted, view.speeds).items(), view.links)
+        # the profiles scaled by the speeds the nodes trained at in earlier jobs of this model (jobs/rebalance.py)
+        speeds = {p: r.speed_on(built.spec.model_hash) for p, r in view.records.items()}
+        snap = snapshot_from_records(self.job, 0, calibrated(accepted, speeds).items(), view.links)
         plan = plan_for_snapshot(built.spec, built.dag, snap)
         self._state(JobState.PLANNED, plan.plan_hash())
         self._on_plan(PlanChanged.of(plan, at=time.time()))

@@ -17,15 +17,16 @@ members elect the new plan from the leader's snapshot, which carries the scaled 
 re-plan. A member can lie about its speed as it can about its start-up benchmark; the scale is bounded
 (``MAX_SCALE``) so that one answer cannot move a profile by more than that factor either way.
 
-A speed measured in one job also serves the next ones: when a member's job ends on a single-stage plan
-(``JobRun._note_speed`` says why not a pipeline stage), it works out its own factor against its start-up benchmark (:func:`own_speed`) and announces it in its node record
-(``NodeRecord.speed``, a running geometric mean over its jobs: ``SwarmNode.note_speed``). Whoever makes a
-snapshot for a plan (the publisher for epoch 0, a leader for a re-plan) scales each member's profile by
-its announced factor, and the members that announce none by the typical one (:func:`calibrated`). A
+A speed measured in one job also serves the next ones of the same model: when a member's job ends on a
+single-stage plan (``JobRun._note_speed`` says why not a pipeline stage), it works out its own factor
+against its start-up benchmark (:func:`own_speed`) and announces it in its node record with the job's
+``model_hash`` (``NodeRecord.speed``, a running geometric mean over its jobs of that model:
+``SwarmNode.note_speed``). Whoever makes a snapshot for a plan (the publisher for epoch 0, a leader for a
+re-plan) scales each member's profile by the factor it announces for the job's model, and the members
+that announce none by the typical one (:func:`calibrated`). A
 job's first plan then deals micro-batches and stages by the speeds nodes train at, not by a benchmark
 that runs before a node has any services to run; benchmarks.wan's 0.165-core hosts trained at
-0.42-0.58 of what theirs said. One job measures one stage of one model, and the cost model's error is not the same
-for every operator, so the figure carries some of that error into jobs that give the node other work.
+0.42-0.58 of what theirs said.
 """
 
 from __future__ import annotations

@@ -436,7 +436,7 @@ class JobRun(Leading):
         if f is not None:
             log.info("job %s epoch %d: trained at %.0f ms per micro-batch over %d, %.2fx the speed of the start-up "
                      "benchmark", self.job_id, plan.epoch, 1e3 * micro_s, worker.busy_micros, f)
-            self.svc.swarm.note_speed(f)
+            self.svc.swarm.note_speed(f, self.spec.model_hash)
 
     # ------------------------------------------------------------------ state
     def _names(self, start: int, end: int) -> set[str]:

@@ -202,9 +202,10 @@ class SwarmNode:
         # what the bootstrap's dial-back found (swarm/reach.py)
         self.data_addrs: tuple[str, ...] = ()
         self.reach = REACH_UNKNOWN
-        # the speed this node trained at in its last jobs, as a factor of its profile's (0: none measured;
-        # note_speed), announced in our record for the planners of later jobs
+        # the speed this node trained at in its last jobs of one model, as a factor of its profile's (0: none
+        # measured; note_speed), and that model's hash, announced in our record for the planners of later jobs
         self.speed = 0.0
+        self.speed_model = ""
         self.reach_detail = ""                      # what the last check found, for logs and status
         self._servers: set[str] = set()             # the bootstraps we joined (dial-back checks, reversal)
         self._reach_now = trio.Event()
@@ -253,14 +254,19 @@ class SwarmNode:
         self._training = training
         self._probe_server.quiet = training
 
-    def note_speed(self, factor: float) -> None:
-        """A job measured this node training at *factor* times the speed its profile predicts (``jobs/run.py``):
-        announce the geometric mean of it and the figures before (``SPEED_WEIGHT`` for the new one), at once."""
+    def note_speed(self, factor: float, model: str) -> None:
+        """A job of *model* (its ``model_hash``) measured this node training at *factor* times the speed its
+        profile predicts (``jobs/run.py``): announce the geometric mean of it and the figures before on the
+        same model (``SPEED_WEIGHT`` for the new one), at once. A job of another model starts over: the cost
+        model's error is not the same for every model (the built-in gpt2-tiny read 2.56x on a free core of
+        the 2-core machine, benchmarks.wan's GPT-2 0.78-0.99x on its 0.33-core hosts)."""
         if not (math.isfinite(factor) and factor > 0):
             return
         f = min(MAX_SPEED, max(1.0 / MAX_SPEED, factor))
-        self.speed = f if self.speed <= 0 else math.exp(
-            (1.0 - SPEED_WEIGHT) * math.log(self.speed) + SPEED_WEIGHT * math.log(f))
+        if self.speed <= 0 or model != self.speed_model:
+            self.speed, self.speed_model = f, model
+        else:
+            self.speed = math.exp((1.0 - SPEED_WEIGHT) * math.log(self.speed) + SPEED_WEIGHT * math.log(f))
         self._beat_now.set()
 
     def set_raw_path(self, raw: RawPath | None) -> None:
@@ -450,7 +456,7 @@ class SwarmNode:
         addrs += [a.rsplit("/p2p/", 1)[0] for a in circuits][:4]
         return NodeRecord(peer=self.peer_id, role=self.config.role, addrs=tuple(addrs),
                           profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced,
-                          data=self.data_addrs, reach=self.reach, speed=self.speed)
+                          data=self.data_addrs, reach=self.reach, speed=self.speed, speed_model=self.speed_model)
 
     async def _publish_record(self, leaving: bool = False) -> None:
         self._last_beat = trio.current_time()

@@ -64,8 +64,14 @@ class NodeRecord:
                                                                  "optional": True}})
     # whether its announced addresses were dialled back from outside (REACHES)
     reach: str = field(default=REACH_UNKNOWN, metadata={"wire": {"choices": REACHES, "optional": True}})
-    # the speed it trained at in its last jobs, as a factor of its profile's (0: not measured yet; jobs/rebalance.py)
+    # the speed it trained at in its last jobs, as a factor of its profile's (0: not measured yet; jobs/rebalance.py),
+    # and the model it was measured on (the jobs' model_hash: the cost model's error differs from model to model)
     speed: float = field(default=0.0, metadata={"wire": {"lo": 0.0, "hi": MAX_SPEED, "omit_default": True}})
+    speed_model: str = field(default="", metadata={"wire": {"name": "speed_of", "max_len": 64, "omit_default": True}})
+
+    def speed_on(self, model: str) -> float:
+        """The announced speed if it was measured on *model* (a job's ``model_hash``), else 0 (none)."""
+        return self.speed if model and self.speed_model == model else 0.0
 
     def body(self) -> dict[str, Any]:
         return to_wire(self)

@@ -141,13 +141,16 @@ def test_bundle_carries_several_records_each_verified_on_its_own() -> None:
 
 
 def test_training_speed_round_trip_bounded_and_absent_in_old_records() -> None:
-    rec = node_record(speed=0.37)
-    assert decode_signed(encode_signed(rec, A.sign), verify).speed == 0.37   # type: ignore[union-attr]
-    body = {k: v for k, v in node_record().body().items() if k != "speed"}    # a node that measured none
+    rec = node_record(speed=0.37, speed_model="c" * 64)
+    back = decode_signed(encode_signed(rec, A.sign), verify)
+    assert back == rec and isinstance(back, NodeRecord) and back.speed_on("c" * 64) == 0.37
+    body = node_record().body()    # a node that measured none: neither key is sent
+    assert "speed" not in body and "speed_of" not in body
     data = packb({"v": 1, "t": "node", "b": packb(body), "s": A.sign(b"node\x00" + packb(body))})
     assert decode_signed(data, verify).speed == 0.0   # type: ignore[union-attr]
-    for bad in (-0.5, 65.0, float("inf"), float("nan"), "2"):
-        body = {**node_record().body(), "speed": bad}
+    for key, bad in (("speed", -0.5), ("speed", 65.0), ("speed", float("inf")), ("speed", float("nan")), ("speed", "2"),
+                     ("speed_of", "d" * 65), ("speed_of", 3)):
+        body = {**node_record().body(), key: bad}
         data = packb({"v": 1, "t": "node", "b": packb(body), "s": A.sign(b"node\x00" + packb(body))})
         with pytest.raises(RemoteProtocolError):
             decode_signed(data, verify)

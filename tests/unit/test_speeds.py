@@ -59,23 +59,30 @@ def test_own_speed_is_the_factor_that_makes_the_cost_model_predict_what_was_meas
     assert own_speed(built.spec, built.dag, plan, snap, "nobody", TEST_PROFILE, 0.01) is None
 
 
-def test_a_node_announces_the_running_geometric_mean_of_its_speeds() -> None:
+def test_a_node_announces_the_running_geometric_mean_of_its_speeds_on_one_model() -> None:
+    m1, m2 = "a" * 64, "b" * 64
+
     async def main() -> None:
         async with memory_network() as net:
             t = net.add_host()
             node = SwarmNode(t, SwarmConfig(), TEST_PROFILE)
             assert node.speed == 0.0 and node._record().speed == 0.0
-            node.note_speed(0.25)
+            node.note_speed(0.25, m1)
             assert node.speed == 0.25 and node._beat_now.is_set()     # announced at the next beat, at once
-            node.note_speed(1.0)
+            node.note_speed(1.0, m1)
             assert node.speed == pytest.approx(0.25 ** (1 - SPEED_WEIGHT))
             for bad in (0.0, -1.0, math.nan, math.inf):
-                node.note_speed(bad)
-            assert node.speed == pytest.approx(0.25 ** (1 - SPEED_WEIGHT))
+                node.note_speed(bad, m1)
+            assert node.speed == pytest.approx(0.25 ** (1 - SPEED_WEIGHT)) and node.speed_model == m1
+            rec = decode_signed(encode_signed(node._record(), t.sign), verify)
+            assert isinstance(rec, NodeRecord)
+            assert rec.speed_on(m1) == pytest.approx(node.speed) and rec.speed_on(m2) == 0.0 and rec.speed_on("") == 0.0
+            node.note_speed(2.0, m2)                                   # another model: starts over
+            assert node.speed == 2.0 and node.speed_model == m2
             for _ in range(60):
-                node.note_speed(1e9)                                   # bounded whatever a job measured
+                node.note_speed(1e9, m2)                               # bounded whatever a job measured
             assert node.speed == pytest.approx(MAX_SPEED)
             rec = decode_signed(encode_signed(node._record(), t.sign), verify)
-            assert isinstance(rec, NodeRecord) and rec.speed == pytest.approx(MAX_SPEED)
+            assert isinstance(rec, NodeRecord) and rec.speed_on(m2) == pytest.approx(MAX_SPEED)
 
     trio.run(main)
