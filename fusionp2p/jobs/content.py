@@ -42,6 +42,18 @@ def sha256_hex(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+# Rounds over a blob's providers. Opening a stream fails now and then under load (py-libp2p: a
+# multiselect handshake whose read fails), and a blob often has one provider (a stage file, its trainer):
+# on benchmarks.wan a finished job failed at its download on one such stream. A provider that answered
+# (refused, sent bad bytes) or hung for fetch_timeout is not asked again.
+FETCH_ROUNDS = 3
+FETCH_BACKOFF = 0.5   # seconds before the second round, doubled for each next one
+
+
+class _Refused(PeerUnavailable):
+    """A provider answered that it cannot serve the blob (a reply, not a failed stream)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ContentConfig:
     chunk_bytes: int = 1 * MiB          # data frame size on the wire
@@ -237,7 +249,7 @@ class ContentService:
             raise RemoteProtocolError(f"{peer} closed the content stream without answering")
         size, err = decode_response_head(head)
         if err is not None:
-            raise PeerUnavailable(peer, f"cannot serve {h[:16]}…: {err}"[:200])
+            raise _Refused(peer, f"cannot serve {h[:16]}…: {err}"[:200])
         if size > max_size:
             raise RemoteProtocolError(f"{peer} announced {size} bytes for {h[:16]}…; the cap is {max_size}")
         buf = bytearray()
@@ -263,19 +275,32 @@ class ContentService:
         """
         if self.store.has(h):
             return self.store.get(h)
-        candidates = peers if peers is not None else await self.transport.find_providers(h)
         errors: list[str] = []
-        for peer in candidates:
-            if peer == self.transport.peer_id:
-                continue
-            try:
-                blob = await self.fetch_from(peer, h, max_size=max_size)
-            except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
-                level = logging.WARNING if isinstance(exc, IntegrityError) else logging.INFO
-                log.log(level, "fetch of %s… from %s failed: %s", h[:16], peer, exc)
-                errors.append(f"{peer[:12]}…: {type(exc).__name__}")
-                continue
-            self.store.put(blob)
-            await self.transport.provide(h)
-            return blob
+        done: set[str] = {self.transport.peer_id}   # peers not to ask again: they answered, misbehaved or hung
+        delay = FETCH_BACKOFF
+        for attempt in range(FETCH_ROUNDS):
+            if attempt:
+                await trio.sleep(delay)   # a bounded backoff between rounds (FETCH_ROUNDS)
+                delay *= 2
+            candidates = peers if peers is not None else await self.transport.find_providers(h)
+            again = False
+            for peer in candidates:
+                if peer in done:
+                    continue
+                try:
+                    blob = await self.fetch_from(peer, h, max_size=max_size)
+                except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
+                    level = logging.WARNING if isinstance(exc, IntegrityError) else logging.INFO
+                    log.log(level, "fetch of %s… from %s failed: %s", h[:16], peer, exc)
+                    errors.append(f"{peer[:12]}…: {type(exc).__name__}")
+                    if isinstance(exc, PeerUnavailable) and not isinstance(exc, _Refused):
+                        again = True          # the stream failed: worth another round
+                    else:
+                        done.add(peer)
+                    continue
+                self.store.put(blob)
+                await self.transport.provide(h)
+                return blob
+            if not again:
+                break
         raise PeerUnavailable(f"providers of {h[:16]}…", "; ".join(errors) or "no provider found")
