@@ -138,8 +138,8 @@ class _Link:
 # benchmarks.wan's `mixed` hosts (tbf, no added delay) read 1-154 ms, the planner charged streaming
 # CO2 that latency every step, and which hosts a plan took changed from run to run.
 RTT_WINDOW = 8
-# A job's measured speed of this node (note_speed) enters the announced figure with this weight: one job
-# measures one stage, and the cost model's error differs from stage to stage (jobs/rebalance.py).
+# A job's measured speed of this node (note_speed) enters the announced figure with this weight: one job's
+# figure is noisy (a benchmarks.wan host read 0.65-0.99x on the whole model in four consecutive jobs).
 SPEED_WEIGHT = 0.5
 
 
