@@ -384,11 +384,8 @@ class Leading:
             if prof is None:
                 raise PlanError(f"no device profile for member {p[:12]}")
             raw[p] = prof
-            model = self.spec.model_hash
-            if p == self.me:
-                speeds[p] = self.svc.swarm.speed if self.svc.swarm.speed_model == model else 0.0
-            else:
-                speeds[p] = rec.speed_on(model) if rec is not None else 0.0
+            figures = self.svc.swarm if p == self.me else rec
+            speeds[p] = figures.speed_on(self.spec.model_hash) if figures is not None else 0.0
         # scaled to the speeds the members announce from their earlier jobs (jobs/rebalance.py), then to the
         # speed each measured in this job, or the members' typical ratio (_rebalance)
         profiles = [(p, scale_profile(prof, self._speeds.get(p, self._speed_typical)))

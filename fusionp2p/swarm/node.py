@@ -86,6 +86,7 @@ from fusionp2p.wire.records import (
     decode_signed,
     encode_bundle,
     encode_signed,
+    speed_on,
     split_bundle,
 )
 
@@ -268,6 +269,10 @@ class SwarmNode:
         else:
             self.speed = math.exp((1.0 - SPEED_WEIGHT) * math.log(self.speed) + SPEED_WEIGHT * math.log(f))
         self._beat_now.set()
+
+    def speed_on(self, model: str) -> float:
+        """Our announced speed if it was measured on *model* (a job's ``model_hash``), else 0 (none)."""
+        return speed_on(self.speed, self.speed_model, model)
 
     def set_raw_path(self, raw: RawPath | None) -> None:
         """The data plane listens (``jobs/node.py``): probes time both directions of a link on raw sockets

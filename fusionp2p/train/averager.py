@@ -55,11 +55,12 @@ from dataclasses import dataclass
 import torch
 import trio
 
-from fusionp2p.average.allreduce import AllReduceRound, Finished, Reduced, RoundMsg, RoundResult, Send
+from fusionp2p.average.allreduce import PHASES, AllReduceRound, Finished, Reduced, RoundMsg, RoundResult, Send
 from fusionp2p.average.outer import OuterConfig, OuterOptimizer
 from fusionp2p.average.shard import shard_bounds
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.train.config import CO2_WIRES
 from fusionp2p.types import AveragingStats
 from fusionp2p.wire.check import U63, as_float, as_int, as_map, as_str
 
@@ -83,8 +84,8 @@ class AveragerConfig:
     wire: str = "fp32"            # "bf16": parts as bf16 differences from the last average (CO2.wire)
 
     def __post_init__(self) -> None:
-        if self.wire not in ("bf16", "fp32"):
-            raise ConfigError("AveragerConfig.wire must be 'bf16' or 'fp32'")
+        if self.wire not in CO2_WIRES:
+            raise ConfigError(f"AveragerConfig.wire must be one of {', '.join(CO2_WIRES)}, got {self.wire!r}")
         if not (self.round_timeout > 0 and math.isfinite(self.round_timeout)):
             raise ConfigError("round_timeout must be a positive number of seconds")
         if not (self.weight > 0 and math.isfinite(self.weight)):
@@ -641,7 +642,7 @@ class ReplicaAverager:
             if base is None or base[0] != msg.base:
                 log.info("averaging round %d: %s part from %s names base %d, ours is %s; skipped", msg.round_id,
                          msg.phase, peer, msg.base, "none" if base is None else base[0])
-                return sm.unusable(peer, msg.phase) if msg.phase in ("scatter", "gather") else self._safe_receive(sm, peer, msg)
+                return sm.unusable(peer, msg.phase) if msg.phase in PHASES else self._safe_receive(sm, peer, msg)
             d = msg.data
             if d.dim() != 1 or not 0 <= msg.lo <= msg.hi <= base[1].numel() or d.numel() != msg.hi - msg.lo:
                 return self._safe_receive(sm, peer, dataclasses.replace(msg, data=d.to(torch.float32)))   # refused there

@@ -71,10 +71,16 @@ class NodeRecord:
 
     def speed_on(self, model: str) -> float:
         """The announced speed if it was measured on *model* (a job's ``model_hash``), else 0 (none)."""
-        return self.speed if model and self.speed_model == model else 0.0
+        return speed_on(self.speed, self.speed_model, model)
 
     def body(self) -> dict[str, Any]:
         return to_wire(self)
+
+
+def speed_on(speed: float, measured_on: str, model: str) -> float:
+    """A training speed figure measured on the model *measured_on*, for a job of *model*: 0 (none) for
+    another model (the cost model's error is not the same for every model)."""
+    return speed if model and measured_on == model else 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -77,6 +77,7 @@ def test_a_node_announces_the_running_geometric_mean_of_its_speeds_on_one_model(
             rec = decode_signed(encode_signed(node._record(), t.sign), verify)
             assert isinstance(rec, NodeRecord)
             assert rec.speed_on(m1) == pytest.approx(node.speed) and rec.speed_on(m2) == 0.0 and rec.speed_on("") == 0.0
+            assert node.speed_on(m1) == rec.speed_on(m1) and node.speed_on(m2) == 0.0
             node.note_speed(2.0, m2)                                   # another model: starts over
             assert node.speed == 2.0 and node.speed_model == m2
             for _ in range(60):
