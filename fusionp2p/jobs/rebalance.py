@@ -18,7 +18,7 @@ re-plan. A member can lie about its speed as it can about its start-up benchmark
 (``MAX_SCALE``) so that one answer cannot move a profile by more than that factor either way.
 
 A speed measured in one job also serves the next ones of the same model: when a member's job ends on a
-single-stage plan (``JobRun._note_speed`` says why not a pipeline stage), it works out its own factor
+single-stage plan (:func:`epoch_speed` says why not a pipeline stage), it works out its own factor
 against its start-up benchmark (:func:`own_speed`) and announces it in its node record with the job's
 ``model_hash`` (``NodeRecord.speed``, a running geometric mean over its jobs of that model:
 ``SwarmNode.note_speed``). Whoever makes a snapshot for a plan (the publisher for epoch 0, a leader for a
@@ -109,6 +109,22 @@ def own_speed(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, me: str, pr
     return speed_factors(_cost_model(spec, dag, snap)[0], plan, {me: profile}, {me: micro_s}).get(me)
 
 
+SPEED_MIN_MICROS = 4   # micro-batches an epoch must time (after its first step) to announce a speed
+
+
+def epoch_speed(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, me: str, profile: DeviceProfile,
+                busy_s: float, busy_micros: int) -> float | None:
+    """The speed factor a member announces after an epoch of *plan* that timed *busy_micros* micro-batches in
+    *busy_s* seconds (:func:`own_speed`); None when the epoch gives no figure: under ``SPEED_MIN_MICROS``
+    timed, or a pipeline. A pipeline stage computes in bursts between messages, and under a CPU quota (a
+    container's, benchmarks.wan's hosts') a burst shorter than the quota runs at a whole core's speed:
+    stages of benchmarks.wan's pipelines trained at 1.1-2.6x their benchmark's speed, the same hosts at
+    0.55-0.85x on the whole model; the cost model's error also differs from stage to stage."""
+    if len(plan.stages) != 1 or busy_micros < SPEED_MIN_MICROS:
+        return None
+    return own_speed(spec, dag, plan, snap, me, profile, busy_s / busy_micros)
+
+
 def rebalanced(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, micro_s: Mapping[str, float],
                ) -> tuple[dict[str, float], Plan, float, float]:
     """The members' speed factors (:func:`speed_factors`, against *snap*'s profiles), the plan for the
@@ -124,4 +140,4 @@ def rebalanced(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, micro_s: M
     return factors, trial, new, base
 
 
-__all__ = ["MAX_SCALE", "calibrated", "own_speed", "rebalanced", "scale_profile", "speed_factors", "typical"]
+__all__ = ["MAX_SCALE", "SPEED_MIN_MICROS", "calibrated", "epoch_speed", "own_speed", "rebalanced", "scale_profile", "speed_factors", "typical"]

@@ -66,7 +66,7 @@ from fusionp2p.jobs.host import JobHost
 from fusionp2p.jobs.lead import Leading, _Epoch
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
-from fusionp2p.jobs.rebalance import own_speed
+from fusionp2p.jobs.rebalance import epoch_speed
 from fusionp2p.jobs.replan import (
     Halted,
     Resume,
@@ -91,7 +91,6 @@ if sys.version_info < (3, 11):  # pragma: no cover
 log = logging.getLogger(__name__)
 
 HALT_CLOSE_TIMEOUT = 0.3    # seconds a halted epoch's channel waits for a link to say goodbye on
-SPEED_MIN_MICROS = 4        # micro-batches an epoch must time (after its first step) to announce a speed
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -418,24 +417,18 @@ class JobRun(Leading):
         return False
 
     def _note_speed(self, plan: Plan, snap: Snapshot, worker: StageWorker) -> None:
-        """Announce the speed the job's last epoch trained at against our start-up benchmark (jobs/rebalance.py),
-        for the plans of later jobs: from ``SPEED_MIN_MICROS`` micro-batches after the epoch's first step."""
+        """Announce the speed the job's last epoch trained at against our start-up benchmark, for the plans
+        of later jobs of its model (jobs/rebalance.py: :func:`epoch_speed`)."""
         profile = self.svc.swarm.profile
-        # single-stage plans only: a pipeline stage computes in bursts between messages, and under a CPU quota
-        # (a container's, benchmarks.wan's hosts') a burst shorter than the quota runs at a whole core's speed.
-        # Stages of benchmarks.wan's pipelines trained at 1.1-2.6x their benchmark's speed, the same hosts at
-        # 0.55-0.85x on the whole model; the cost model's error also differs from stage to stage.
-        if len(plan.stages) != 1 or worker.busy_micros < SPEED_MIN_MICROS or profile is None:
-            return
-        micro_s = worker.busy_s / worker.busy_micros
         try:
-            f = own_speed(self.spec, self.accepted.dag, plan, snap, self.me, profile, micro_s)
+            f = None if profile is None else epoch_speed(self.spec, self.accepted.dag, plan, snap, self.me, profile,
+                                                          worker.busy_s, worker.busy_micros)
         except (PlanError, FusionError, ValueError) as exc:
             log.debug("job %s: no speed figure: %s", self.job_id, exc)
             return
         if f is not None:
             log.info("job %s epoch %d: trained at %.0f ms per micro-batch over %d, %.2fx the speed of the start-up "
-                     "benchmark", self.job_id, plan.epoch, 1e3 * micro_s, worker.busy_micros, f)
+                     "benchmark", self.job_id, plan.epoch, 1e3 * worker.busy_s / worker.busy_micros, worker.busy_micros, f)
             self.svc.swarm.note_speed(f, self.spec.model_hash)
 
     # ------------------------------------------------------------------ state
