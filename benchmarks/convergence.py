@@ -106,9 +106,10 @@ def base_config(steps: int) -> TrainConfig:
                        replicas=REPLICAS, seed=0)
 
 
-def system_config(system: str, steps: int, *, dense_finish: float | None = None) -> TrainConfig:
+def system_config(system: str, steps: int, *, dense_finish: float | None = None, rho_min: float | None = None) -> TrainConfig:
     cfg = base_config(steps)
-    comp = AdaTopK() if dense_finish is None else AdaTopK(dense_finish=dense_finish)
+    comp = AdaTopK(**({} if dense_finish is None else {"dense_finish": dense_finish}),
+                   **({} if rho_min is None else {"rho_min": rho_min}))
     table: dict[str, dict[str, Any]] = {
         "allreduce": {"averaging": None},
         "co2-sync": {"averaging": CO2(sync=True)},
@@ -210,6 +211,8 @@ def main() -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS + EXTRA))
     p.add_argument("--dense-finish", type=float, default=None,
                    help="AdaTopK.dense_finish of the compressed systems (default: the product's default)")
+    p.add_argument("--rho-min", type=float, default=None,
+                   help="AdaTopK.rho_min (the floor of a fence's kept fraction) of the compressed systems (default: the product's)")
     args = p.parse_args()
     steps = 40 if args.quick else args.steps
     systems = [s for s in args.systems.split(",") if s]
@@ -226,13 +229,14 @@ def main() -> None:
     results: dict[str, Any] = {"model": args.model, "steps": steps, "replicas": REPLICAS, "nodes": NODES, "wan": WAN,
                                "wan_sites": WAN_SITES, "wan_memory": WAN_MEMORY,
                                "dense_finish": AdaTopK().dense_finish if args.dense_finish is None else args.dense_finish,
+                               "rho_min": AdaTopK().rho_min if args.rho_min is None else args.rho_min,
                                "samples": steps * REPLICAS * base_config(steps).samples_per_step,
                                "systems": {}}
     curves: dict[str, dict[int, float]] = {}
     per_step: dict[str, int] = {}
     for system in systems:
         t0 = time.perf_counter()
-        cfg = base_config(steps) if system == "adamw" else system_config(system, steps, dense_finish=args.dense_finish)
+        cfg = base_config(steps) if system == "adamw" else system_config(system, steps, dense_finish=args.dense_finish, rho_min=args.rho_min)
         info: dict[str, Any] = {}
         if system == "adamw":
             model, curve = run_adamw(args.model, cfg, train)

@@ -104,6 +104,12 @@ class OuterConfig:
     step then uses the fresh average of its own round (the sync form, ``Δ = x̃_t − x̄_t``): the
     staleness is in when the new anchor is applied, not in the pseudo-gradient. Requires
     ``max_staleness == 1``.
+
+    ``lag`` (streaming only): a fragment's round is applied at the boundary ``lag`` local steps after
+    its snapshot, which waits for it if it has not finished (1: the next step). A lag of 2 lets a round
+    take up to two steps on a slow link before the training loop waits for it; it is fixed for the job,
+    so the loss does not depend on timing. At most ``tau`` (a fragment's next snapshot must see its last
+    round applied).
     """
 
     tau: int = 1
@@ -117,6 +123,7 @@ class OuterConfig:
     sync: bool = True
     max_staleness: int = 1
     stream: bool = False
+    lag: int = 1
     penalty_fn: PenaltyFn = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +147,8 @@ class OuterConfig:
             raise ConfigError(f"max_staleness must be >= 1, got {self.max_staleness}")
         if self.stream and not self.sync and self.max_staleness != 1:
             raise ConfigError("streaming averaging waits for every fragment's round: max_staleness must be 1")
+        if not 1 <= self.lag <= self.tau:
+            raise ConfigError(f"lag must be between 1 and tau ({self.tau}), got {self.lag}")
         object.__setattr__(self, "penalty_fn", make_penalty(self.penalty, self.penalty_value))
 
     @property

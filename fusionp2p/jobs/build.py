@@ -56,8 +56,9 @@ from fusionp2p.jobs.spec import (
     sign_spec,
 )
 from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, plan_even_flops, plan_even_layers, plan_joint
+from fusionp2p.plan.estimator import CostModel
 from fusionp2p.train.config import TrainConfig
-from fusionp2p.types import DeviceProfile
+from fusionp2p.types import DeviceProfile, WorkloadGraph
 from fusionp2p.wire.dag import decode_dag, encode_dag
 
 log = logging.getLogger(__name__)
@@ -344,6 +345,25 @@ def planner_config(cfg: TrainConfig) -> PlannerConfig:
                          averaging_wire=0.5 if bf16 else 1.0,
                          # the bf16 wire keeps the last average of every fragment: one more fp32 copy
                          replica_memory_factor=PlannerConfig().replica_memory_factor + (1.0 if bf16 else 0.0))
+
+
+def job_cost_model(spec: JobSpec, dag: OpDAG, snap: Snapshot) -> tuple[CostModel, WorkloadGraph, Snapshot]:
+    """The cost model of *spec* on *snap* as its plan was made (with no link measured, all fast), its
+    workload and that snapshot."""
+    cfg = spec.config
+    wl = to_workload(coarsen(dag), micro_batch=cfg.micro_batch)
+    judged = dataclasses.replace(snap, links=planned_links(snap.members, snap.links))
+    return CostModel(wl, judged, planner_config(cfg)), wl, judged
+
+
+def averaging_lag(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, stage: int) -> int:
+    """``OuterConfig.lag`` of *stage*'s streaming CO2 rounds in *plan* (:meth:`CostModel.averaging_lag`):
+    a pure function of the plan and its snapshot, so every replica of the stage applies each round at
+    the same step and the loss does not depend on timing."""
+    cm = job_cost_model(spec, dag, snap)[0]
+    st = plan.stages[stage]
+    micro = [plan.micro[r] for r in range(len(st.replicas))] if plan.micro else None
+    return cm.averaging_lag(st.start, st.end, [cm.index[p] for p in st.replicas], micro)
 
 
 def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile], *,

@@ -35,13 +35,13 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from fusionp2p.graph import OpDAG, coarsen, to_workload
-from fusionp2p.jobs.build import plan_for_snapshot, planned_links, planner_config
+from fusionp2p.graph import OpDAG
+from fusionp2p.jobs.build import job_cost_model, plan_for_snapshot
 from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.plan import Plan, Snapshot
 from fusionp2p.plan.estimator import CostModel
 from fusionp2p.plan.predict import predict
-from fusionp2p.types import DeviceProfile, WorkloadGraph
+from fusionp2p.types import DeviceProfile
 
 MAX_SCALE = 64.0     # a measured speed moves a member's profile by at most this factor either way
 MAX_FLOPS = 1e20     # the wire's bound of a profile's FLOP/s
@@ -92,21 +92,12 @@ def calibrated(profiles: Mapping[str, DeviceProfile], speeds: Mapping[str, float
     return {p: scale_profile(prof, known.get(p, t)) for p, prof in profiles.items()}
 
 
-def _cost_model(spec: JobSpec, dag: OpDAG, snap: Snapshot) -> tuple[CostModel, WorkloadGraph, Snapshot]:
-    """The cost model of *spec* on *snap* as its plan was made (with no link measured, all fast), its
-    workload and that snapshot."""
-    cfg = spec.config
-    wl = to_workload(coarsen(dag), micro_batch=cfg.micro_batch)
-    judged = dataclasses.replace(snap, links=planned_links(snap.members, snap.links))
-    return CostModel(wl, judged, planner_config(cfg)), wl, judged
-
-
 def own_speed(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, me: str, profile: DeviceProfile,
               micro_s: float) -> float | None:
     """The factor by which *profile* (this node's start-up benchmark: the snapshot's figure for it may be
     scaled already) must be scaled for the cost model to predict the *micro_s* it measured in its stage
     of *plan* (:func:`speed_factors`); None when *plan* gave it no stage."""
-    return speed_factors(_cost_model(spec, dag, snap)[0], plan, {me: profile}, {me: micro_s}).get(me)
+    return speed_factors(job_cost_model(spec, dag, snap)[0], plan, {me: profile}, {me: micro_s}).get(me)
 
 
 SPEED_MIN_MICROS = 4   # micro-batches an epoch must time (after its first step) to announce a speed
@@ -130,7 +121,7 @@ def rebalanced(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, micro_s: M
     """The members' speed factors (:func:`speed_factors`, against *snap*'s profiles), the plan for the
     profiles scaled by them, and the predicted throughputs (micro-batches/s) of that plan and of *plan*,
     both under the scaled profiles. ValueError or PlanError when *plan* or the members make no plan."""
-    cm, wl, judged = _cost_model(spec, dag, snap)
+    cm, wl, judged = job_cost_model(spec, dag, snap)
     factors = speed_factors(cm, plan, snap.members, micro_s)
     adj = dataclasses.replace(snap, members={p: scale_profile(prof, factors.get(p, 1.0))
                                              for p, prof in snap.members.items()})

@@ -47,7 +47,14 @@ from fusionp2p.errors import (
 )
 from fusionp2p.graph import StageExecutor, coarsen, partition, stages_from_fences
 from fusionp2p.jobs import proto as job_proto
-from fusionp2p.jobs.build import AcceptedJob, data_fn, eval_data_fn, plan_for_snapshot, stage_programs
+from fusionp2p.jobs.build import (
+    AcceptedJob,
+    averaging_lag,
+    data_fn,
+    eval_data_fn,
+    plan_for_snapshot,
+    stage_programs,
+)
 from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_state
 from fusionp2p.jobs.election import Adopted, ElectionConfig, fetch_adopted, open_elector
 from fusionp2p.jobs.events import (
@@ -372,8 +379,10 @@ class JobRun(Leading):
                         self.svc.nursery.start_soon(self._gossip, LinksUp(
                             job=self.job_id, epoch=plan.epoch, stage=s, peer=self.me,
                             links=tuple(f"{p}={path}" for p, path in sorted(paths.items())), at=time.time()))
-                        worker = self._worker = StageWorker(self._context(plan, programs, s, r, links, peers,
-                                                                          req.resume, restore))
+                        ctx = self._context(plan, programs, s, r, links, peers, req.resume, restore)
+                        if len(plan.stages[s].replicas) > 1 and self.spec.config.co2 is not None:
+                            ctx.averaging_lag = averaging_lag(self.spec, self.accepted.dag, plan, snap, s)
+                        worker = self._worker = StageWorker(ctx)
                         await worker.run()
                     finally:
                         await self._close_channels()

@@ -29,7 +29,7 @@ class PlannerConfig:
     memory_headroom: float = 0.9            # keep 10% of memory_bytes free
     full_duplex: bool = False               # False: activations and gradients share a link (cost x2)
     compression: bool = True                # AdaTopK on links slower than the compute bottleneck
-    rho_min: float = 0.1                    # AdaTopK floor of the kept fraction (see train/config.py AdaTopK)
+    rho_min: float = 0.3                    # AdaTopK floor of the kept fraction (see train/config.py AdaTopK)
     value_bytes: int = 4                    # fp32 values on the wire
     index_bytes: int = 4                    # int32 indices of sparse payloads (the codec's type for 2^15 < n <= 2^31)
     replicas: bool = True                   # add data-parallel replicas with left-over devices

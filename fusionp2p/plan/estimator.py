@@ -39,6 +39,10 @@ from fusionp2p.types import DeviceProfile, Unit, WorkloadGraph
 
 F64 = npt.NDArray[np.float64]
 T = TypeVar("T", float, F64)
+# a streaming CO2 round predicted to take more than this share of a step's compute is applied two steps
+# after its snapshot, not one (CostModel.averaging_lag): a prediction that close to a whole step leaves
+# no room for the jitter of a shaped link or a busy CPU, and every late round holds the step
+LAG_HEADROOM = 0.5
 
 
 def unit_compute_time(unit: Unit, profile: DeviceProfile, config: PlannerConfig) -> tuple[float, float]:
@@ -250,6 +254,22 @@ class CostModel:
         floor = per_step / (self.config.micro_batches * r)
         t = t * (1.0 + self.config.replica_overhead)
         return np.maximum(t, floor) if self.config.overlap_averaging else t + floor
+
+    def averaging_lag(self, i: int, j: int, group: Sequence[int], micro: Sequence[int] | None = None) -> int:
+        """The lag of stage [i, j)'s streaming CO2 rounds on *group* (``OuterConfig.lag``): 2 when a
+        fragment's round (its ring bytes over the slowest link between the replicas, plus a hop of latency
+        per phase and peer) is predicted to take more than ``LAG_HEADROOM`` of a step's compute on the
+        fastest replica, else 1. The fastest replica starts its next round soonest after the last one, so
+        it is the one that would wait. One replica, fewer than 2 fragments or no streaming: 1."""
+        r, tau = len(group), self.config.co2_tau
+        if r == 1 or tau < 2 or not (self.config.overlap_averaging and self.config.stream_averaging):
+            return 1
+        sub = np.ix_(group, group)
+        round_s = (2.0 * (r - 1) / r * self.range_params(i, j) * self.config.averaging_wire / float(self.bw[sub].min()) / tau
+                   + 2.0 * (r - 1) * float(self.lat[sub].max()))
+        counts = micro if micro else [self.config.micro_batches] * r
+        step_s = self.range_work(i, j) * min(m / float(self.flops[d]) for m, d in zip(counts, group, strict=True))
+        return 2 if round_s > LAG_HEADROOM * step_s else 1
 
 
 def _greedy(ranked: Sequence[tuple[float, float, int, int]]) -> list[tuple[int, int]]:

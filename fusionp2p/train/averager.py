@@ -16,13 +16,16 @@ the averaging ever reads: live parameters keep training while it runs), then
   (:func:`stream_fragments`: contiguous slices, or with *segments* piece ``f`` of every segment, so
   that a tied parameter given its own segment is cut the same way on every stage holding a copy),
   each with its own outer state (sharded over the replicas like the whole-vector state). The loop
-  calls ``round_boundary`` after EVERY local step ``t``: it waits for the round launched one step earlier (fragment ``f' = (t−1) mod τ``) and
-  returns that fragment's new value as a jump that keeps the progress made since the snapshot,
+  calls ``round_boundary`` after EVERY local step ``t``: it waits for the round launched ``L`` steps
+  earlier (``OuterConfig.lag``, 1 by default: fragment ``f' = (t−L) mod τ``) and returns that
+  fragment's new value as a jump that keeps the progress made since the snapshot,
   ``live_f' + (x̃_f' − snap_f')``; then it snapshots fragment ``t mod τ`` and launches its round
   (reduce-scatter → outer step on the fresh mean, the sync form → all-gather) in the background of
-  step ``t+1``. Each fragment is averaged once every τ steps (the bytes of whole-vector CO2), but each
-  average is applied one local step after its snapshot instead of τ. ``finalize(params)`` replaces
-  the last step's boundary: it applies the round in flight, then averages each fragment of the live
+  the next steps. Rounds run one after the other, in launch order (a round starts when the one
+  before it has finished), so with ``L = 2`` a round may take two steps' time, the next one queued
+  behind it. Each fragment is averaged once every τ steps (the bytes of whole-vector CO2), but each
+  average is applied ``L`` local steps after its snapshot instead of τ. ``finalize(params)`` replaces
+  the last step's boundary: it applies the rounds in flight, then averages each fragment of the live
   vector once more (plain mean), one after the other, and returns the whole consensus vector.
 
 The pure round logic is :class:`fusionp2p.average.allreduce.AllReduceRound`; this module only
@@ -47,7 +50,7 @@ import dataclasses
 import hashlib
 import logging
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -348,7 +351,8 @@ class ReplicaAverager:
         self._needs_reinit = False
         self._boundary = 0
         self._next_round = 0
-        self._pending: _Round | None = None
+        self._pending: _Round | None = None       # the whole-vector round in flight
+        self._inflight: deque[_Round] = deque()   # streaming: the fragment rounds in flight, oldest first
         self._dead: set[str] = set()
         self._stash: dict[int, list[tuple[str, RoundMsg]]] = defaultdict(list)
         self._events_send, self._events_recv = trio.open_memory_channel[_Event](1024)
@@ -450,20 +454,22 @@ class ReplicaAverager:
         and launch its round in the background."""
         b = self._boundary
         self._boundary += 1
-        prev, self._pending = self._pending, None
+        prev: _Round | None = None
         new: torch.Tensor | None = None
         res = BoundaryResult(boundary=b, anchor=None, consumed_round=None, launched_round=None, reason="no round in flight")
-        if prev is not None:
+        # one round launched per boundary: the one launched lag boundaries ago is due now
+        if self._inflight and b - self._inflight[0].boundary >= self.config.outer.lag:
+            prev = self._inflight.popleft()
             await prev.done.wait()
             new, res = self._consume_fragment(b, prev, params)
         f = b % self.config.outer.tau
         if f < len(self.fragments) and self._flen[f]:
-            if new is not None and prev is not None and prev.fragment == f:   # tau 1: snapshot after the jump
+            if new is not None and prev is not None and prev.fragment == f:   # lag = tau: snapshot after the jump
                 snap = new.clone()
             else:
                 snap = read_ranges(params, self.fragments[f])   # copied before any await
-            rnd = self._launch_fragment(f, snap, b, lr)
-            self._pending = rnd
+            rnd = self._launch_fragment(f, snap, b, lr, after=self._inflight[-1] if self._inflight else None)
+            self._inflight.append(rnd)
             res = dataclasses.replace(res, launched_round=rnd.round_id)
         return self._record(res)
 
@@ -484,17 +490,25 @@ class ReplicaAverager:
         return new, BoundaryResult(boundary=b, anchor=new, consumed_round=rnd.round_id, launched_round=None,
                                    ranges=ranges, fragment=f)
 
-    def _launch_fragment(self, f: int, snap: torch.Tensor, boundary: int, lr: float | None, *, mean_only: bool = False) -> _Round:
+    def _launch_fragment(self, f: int, snap: torch.Tensor, boundary: int, lr: float | None, *, mean_only: bool = False,
+                         after: _Round | None = None) -> _Round:
+        """Launch fragment *f*'s round, which starts once the round *after* (the one launched before it,
+        still in flight) has finished: one round at a time reads the events and the bases."""
         assert self._nursery is not None, "use open_replica_averager"
         rnd = _Round(self._next_round, boundary, fragment=f, snap=snap, mean_only=mean_only)
         self._next_round += 1
-        self._nursery.start_soon(self._run_round, rnd, snap, lr)
+        self._nursery.start_soon(self._run_round_after, after, rnd, snap, lr)
         return rnd
+
+    async def _run_round_after(self, before: _Round | None, rnd: _Round, snap: torch.Tensor, lr: float | None) -> None:
+        if before is not None:
+            await before.done.wait()
+        await self._run_round(rnd, snap, lr)
 
     async def _stream_finalize(self, params: torch.Tensor | Iterable[torch.Tensor]) -> BoundaryResult:
         live = flatten(params)
-        prev, self._pending = self._pending, None
-        if prev is not None:
+        while self._inflight:   # the rounds in flight, applied in launch order
+            prev = self._inflight.popleft()
             await prev.done.wait()
             new, _ = self._consume_fragment(self._boundary, prev, live)
             if new is not None:

@@ -117,6 +117,9 @@ class StageContext:
     # () = ``config.micro_batches`` each. The step's ``micro_batches x replicas`` micro-batches are dealt
     # out in pipeline order, and the averages weigh each replica by its count.
     micro: Sequence[int] = ()
+    # streaming CO2: apply each fragment's round this many steps after its snapshot (OuterConfig.lag; the
+    # job sets it from the plan: jobs/build.averaging_lag)
+    averaging_lag: int = 1
 
 
 @dataclass(slots=True)
@@ -196,7 +199,8 @@ class StageWorker:
                 tau=co2.tau, outer_lr=co2.outer_lr, outer_momentum=co2.outer_momentum,
                 penalty=co2.penalty, penalty_value=co2.penalty_scale,
                 clip="elementwise" if co2.clip is not None else "none",
-                clip_threshold=co2.clip if co2.clip is not None else math.inf, sync=co2.sync, stream=co2.stream)
+                clip_threshold=co2.clip if co2.clip is not None else math.inf, sync=co2.sync, stream=co2.stream,
+                lag=max(1, min(ctx.averaging_lag, co2.tau)) if co2.stream and not co2.sync else 1)
         self._queue_send, self._queue_recv = trio.open_memory_channel[tuple[int, TensorMessage]](math.inf)
         self._avg_send, self._avg_recv = trio.open_memory_channel[TensorMessage](math.inf)
         self._early: dict[int, list[tuple[int, TensorMessage]]] = {}
@@ -317,6 +321,7 @@ class StageWorker:
         step = self.ctx.start_step
         t_start = time.perf_counter()
         t_steps = t_avg = t_comp = t_wall = 0.0   # where the time goes (logged at the end)
+        t_final = w_max = 0.0                     # of t_avg: the last step's average; the longest other boundary
         while step < self._stop():
             t0 = time.perf_counter()
             compute, wall = await self._train_step(step)
@@ -342,7 +347,12 @@ class StageWorker:
                     final = await avg.finalize()   # the round still in flight (async mode)
                     if final is not None:
                         self._load_anchor(final.anchor, step)
-            t_avg += time.perf_counter() - t1
+            dt = time.perf_counter() - t1
+            t_avg += dt
+            if last:
+                t_final = dt
+            else:
+                w_max = max(w_max, dt)
             self.completed = step + 1
             if self._first_done is None:
                 self._first_done = (time.monotonic(), self.completed)
@@ -354,10 +364,14 @@ class StageWorker:
         n = step - self.ctx.start_step
         if n:
             total = time.perf_counter() - t_start
+            st = avg.stats if avg is not None else None
+            rounds = (f", rounds {st.seconds / st.rounds:.3f} s on average, applied {self._outer.lag if self._outer else 1} "
+                      f"step(s) late" if st is not None and st.rounds else "")
             log.info("stage %d replica %d: %d steps in %.2f s: train steps %.2f s (%d micro-batches each; compute "
-                     "%.2f s, messages and waits %.2f s, progress report %.2f s), averaging boundaries %.2f s, the "
-                     "rest (checkpoints, evaluation) %.2f s", self.prog.stage, self.ctx.replica, n, total, t_steps,
-                     self._m, t_comp, t_wall - t_comp, t_steps - t_wall, t_avg, total - t_steps - t_avg)
+                     "%.2f s, messages and waits %.2f s, progress report %.2f s), averaging boundaries %.2f s (the "
+                     "last step's %.2f s, the longest other %.3f s%s), the rest (checkpoints, evaluation) %.2f s",
+                     self.prog.stage, self.ctx.replica, n, total, t_steps, self._m, t_comp, t_wall - t_comp,
+                     t_steps - t_wall, t_avg, t_final, w_max, rounds, total - t_steps - t_avg)
 
     def _load_anchor(self, anchor: torch.Tensor | None, step: int, *, ranges: Sequence[tuple[int, int]] = ()) -> None:
         """Load the averaged vector, or (streaming) one fragment of it into its flat *ranges*."""

@@ -91,26 +91,25 @@ def _reference(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, i
         frags = tuple(((lo, hi),) for lo, hi in shard_bounds(x0.numel(), min(cfg.tau, x0.numel())))
     else:
         frags = stream_fragments(x0.numel(), cfg.tau, segments)
-    fcfg = dataclasses.replace(cfg, sync=True)
+    fcfg = dataclasses.replace(cfg, sync=True, lag=1)
     outers = [OuterOptimizer(fcfg, read_ranges(x0, fr)) for fr in frags]
-    pending: tuple[int, list[torch.Tensor], torch.Tensor] | None = None
+    pending: list[tuple[int, int, list[torch.Tensor], torch.Tensor]] = []   # (step launched, fragment, snaps, anchor)
 
-    def apply(p: tuple[int, list[torch.Tensor], torch.Tensor]) -> None:
-        f, snaps, anchor = p
+    def apply(p: tuple[int, int, list[torch.Tensor], torch.Tensor]) -> None:
+        _, f, snaps, anchor = p
         for m, snap in zip(models, snaps):
             load_anchor_(list(m.parameters()), read_ranges(_flat(m), frags[f]).add_(anchor - snap), frags[f])
 
     for s in range(steps):
         for i, (m, o) in enumerate(zip(models, opts)):
             _local_step(m, o, i, s)
-        if pending is not None:
-            apply(pending)
-            pending = None
+        while pending and (s + 1 == steps or s - pending[0][0] >= cfg.lag):   # the last step applies every round
+            apply(pending.pop(0))
         if s + 1 < steps:
             f = s % cfg.tau
             if f < len(frags):
                 snaps = [read_ranges(_flat(m), frags[f]) for m in models]
-                pending = (f, snaps, outers[f].step(weighted_mean(snaps, [1.0] * n), lr=LR).anchor)
+                pending.append((s, f, snaps, outers[f].step(weighted_mean(snaps, [1.0] * n), lr=LR).anchor))
     final = _flat(models[0])
     for fr in frags:
         load_anchor_(final, weighted_mean([read_ranges(_flat(m), fr) for m in models], [1.0] * n), fr)
@@ -124,8 +123,10 @@ def _reference(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, i
         (3, OuterConfig(tau=3, outer_lr=0.8, outer_momentum=0.5, sync=False, stream=True)),
         (3, OuterConfig(tau=1, outer_lr=0.9, outer_momentum=0.3, nesterov=True, sync=False, stream=True)),
         (2, OuterConfig(tau=5, outer_momentum=0.4, clip="elementwise", clip_threshold=0.05, sync=False, stream=True)),
+        (3, OuterConfig(tau=4, outer_lr=0.8, outer_momentum=0.5, sync=False, stream=True, lag=2)),
+        (2, OuterConfig(tau=2, outer_momentum=0.3, sync=False, stream=True, lag=2)),
     ],
-    ids=["2-tau4", "3-tau3-momentum", "3-tau1-nesterov", "2-tau5-clip"],
+    ids=["2-tau4", "3-tau3-momentum", "3-tau1-nesterov", "2-tau5-clip", "3-tau4-lag2", "2-tau2-lag2"],
 )
 @pytest.mark.parametrize("segments", [None, [(0, 11), (11, 35), (35, 66)]], ids=["one-segment", "three-segments"])
 def test_replicas_end_identical_and_match_the_simulator(n: int, cfg: OuterConfig, segments: list[tuple[int, int]] | None) -> None:
@@ -136,12 +137,13 @@ def test_replicas_end_identical_and_match_the_simulator(n: int, cfg: OuterConfig
     ref = _reference(cfg, steps, n, segments)
     assert torch.allclose(finals[0], ref[0], atol=1e-6, rtol=0)
     for res in results:
-        # every step but the first applies the previous step's round, of fragment (step - 1) mod tau
+        # every boundary from the lag-th on applies the round launched lag steps before, of fragment
+        # (step - lag) mod tau
         applied = [r for r in res[:-1] if r.anchor is not None]
-        assert len(applied) == steps - 2
+        assert len(applied) == steps - 1 - cfg.lag
         for r in applied:
-            assert r.fragment == (r.boundary - 1) % cfg.tau
-            assert r.consumed_round is not None and r.launched_round == r.consumed_round + 1
+            assert r.fragment == (r.boundary - cfg.lag) % cfg.tau
+            assert r.consumed_round is not None and r.launched_round == r.consumed_round + cfg.lag
         assert res[-1].reason == ""                       # every final fragment round completed
     for a in avgs:
         assert a.stats.rounds == (steps - 1) + len(a.fragments) and a.stats.skipped == 0
@@ -277,3 +279,43 @@ def test_a_replica_without_the_base_is_sent_fp32_and_the_wire_heals(monkeypatch:
     assert not any(r.reason and "lost" in r.reason for res in results for r in res)   # nobody was dropped
     assert all(len(a.alive) == 3 for a in avgs)
     assert sent[-20:] and any(d == torch.bfloat16 for _, d, _ in sent[-20:])   # healed: differences again
+
+
+def test_with_lag_2_a_boundary_does_not_wait_for_the_round_of_the_step_before() -> None:
+    """Replica r1 reaches its first boundary only after r0 has passed its second: with ``lag=2`` r0's
+    second boundary applies nothing (round 0 is due a step later), so it does not wait for round 0,
+    which cannot finish before r1 joins it (with lag 1 it would, and the run would never end). The end
+    state is still the simulator's: the lag is fixed, so timing does not change the loss."""
+    cfg = OuterConfig(tau=4, outer_lr=0.8, sync=False, stream=True, lag=2)
+    peers, steps = PEERS[:2], 7
+    finals: dict[str, torch.Tensor] = {}
+    r0_past_boundary_1 = trio.Event()
+    consumed_at_1: list[int | None] = []
+
+    async def replica(mesh: Mesh, i: int, p: str) -> None:
+        acfg = AveragerConfig(outer=cfg, job="j", stage=1, round_timeout=5.0)
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
+        params = list(model.parameters())
+        async with open_replica_averager(acfg, peers=peers, me=p, channels=mesh.ch[p], initial=params) as avg:
+            for s in range(steps):
+                _local_step(model, opt, i, s)
+                if i == 1 and s == 0:
+                    await r0_past_boundary_1.wait()
+                if s + 1 < steps:
+                    res = await avg.round_boundary(params, lr=LR)
+                    if res.anchor is not None:
+                        load_anchor_(params, res.anchor, res.ranges)
+                    if i == 0 and s == 1:
+                        consumed_at_1.append(res.consumed_round)
+                        r0_past_boundary_1.set()
+                else:
+                    fin = await avg.finalize(params)
+                    assert fin is not None and fin.anchor is not None
+                    load_flat_(params, fin.anchor)
+        finals[p] = _flat(model)
+
+    run_on_mesh(peers, replica, timeout=10.0)
+    assert consumed_at_1 == [None]
+    assert torch.equal(finals["r0"], finals["r1"])
+    assert torch.allclose(finals["r0"], _reference(cfg, steps, 2)[0], atol=1e-6, rtol=0)

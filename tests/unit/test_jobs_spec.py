@@ -213,7 +213,7 @@ def test_any_bit_flip_is_rejected(pos: int, bit: int) -> None:
 
 def test_the_dense_finish_is_left_off_the_wire_at_its_default() -> None:
     # older specs keep their bytes and signatures; a set value round-trips
-    assert AdaTopK().to_wire() == {"rho_min": 0.1}
+    assert AdaTopK().to_wire() == {"rho_min": 0.3}
     wired = AdaTopK(dense_finish=0.25).to_wire()
     assert wired["dense_finish"] == 0.25 and AdaTopK.from_wire(wired) == AdaTopK(dense_finish=0.25)
     assert (AdaTopK().dense_from(400), AdaTopK(dense_finish=0.1).dense_from(400)) == (400, 360)

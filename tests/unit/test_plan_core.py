@@ -100,7 +100,7 @@ def sample_plan() -> Plan:
 
 def _make_sample() -> Plan:
     snap = snapshot(6, bw=lambda a, b: 1.25e9 if (a < 3) == (b < 3) else 1.25e6)
-    return make_plan(chain(20, act=4_000_000), snap, PlannerConfig(replicas=False))
+    return make_plan(chain(20, act=4_000_000), snap, PlannerConfig(replicas=False, rho_min=0.1))   # a compressed fence
 
 
 def test_plan_wire_roundtrip_and_hash_ignores_predictions() -> None:

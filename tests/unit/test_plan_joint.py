@@ -388,3 +388,32 @@ def test_streaming_co2_pays_a_rounds_latency_every_step() -> None:
     whole = CostModel(wl, snap, PlannerConfig(micro_batches=4, co2_tau=8)).stage_time(0, 1, [0, 1])
     stream = CostModel(wl, snap, PlannerConfig(micro_batches=4, co2_tau=8, stream_averaging=True)).stage_time(0, 1, [0, 1])
     assert stream == pytest.approx(8 * whole, rel=1e-3)
+
+
+def test_streaming_co2_rounds_that_take_most_of_a_step_are_applied_two_steps_late() -> None:
+    import dataclasses
+
+    from fusionp2p.plan.estimator import LAG_HEADROOM, CostModel
+
+    wl = chain(1, act=1000, params=4_000_000)
+    cfg = PlannerConfig(micro_batches=4, co2_tau=4, stream_averaging=True)
+
+    def lag(bw: float, group: list[int] | None = None, micro: list[int] | None = None, **kw: object) -> int:
+        cm = CostModel(wl, snapshot(3, bw=lambda a, b: bw, lat=0.0, flops=lambda i: 2e10 if i == 2 else 1e10),
+                       dataclasses.replace(cfg, **kw))
+        return cm.averaging_lag(0, 1, [0, 1, 2] if group is None else group, micro)
+
+    cm = CostModel(wl, snapshot(3), cfg)
+    fastest_step = cm.range_work(0, 1) * 4 / 2e10            # replica 2 computes twice as fast
+    round_bytes = 2 * 2 / 3 * 4_000_000 * cfg.averaging_wire / 4
+    edge = round_bytes / (LAG_HEADROOM * fastest_step)          # the bandwidth at which a round takes the headroom
+    assert lag(edge * 1.2) == 1
+    assert lag(edge / 1.2) == 2
+    # the shortest step among the replicas decides: three times as many micro-batches each, a step three
+    # times as long, and the same round fits
+    assert lag(edge / 1.2, micro=[6, 6, 12]) == 1
+    # nothing to lag: one replica, whole-vector or blocking rounds, one fragment
+    assert lag(edge / 1.2, group=[2]) == 1
+    assert lag(edge / 1.2, stream_averaging=False) == 1
+    assert lag(edge / 1.2, overlap_averaging=False) == 1
+    assert lag(edge / 1.2, co2_tau=1) == 1
