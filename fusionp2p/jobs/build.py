@@ -359,9 +359,11 @@ def job_cost_model(spec: JobSpec, dag: OpDAG, snap: Snapshot) -> tuple[CostModel
 def averaging_lag(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, stage: int) -> int:
     """``OuterConfig.lag`` of *stage*'s streaming CO2 rounds in *plan* (:meth:`CostModel.averaging_lag`):
     a pure function of the plan and its snapshot, so every replica of the stage applies each round at
-    the same step and the loss does not depend on timing."""
-    cm = job_cost_model(spec, dag, snap)[0]
+    the same step and the loss does not depend on timing. 1 without CO2 or replicas (no cost model built)."""
     st = plan.stages[stage]
+    if spec.config.co2 is None or len(st.replicas) < 2:
+        return 1
+    cm = job_cost_model(spec, dag, snap)[0]
     micro = [plan.micro[r] for r in range(len(st.replicas))] if plan.micro else None
     return cm.averaging_lag(st.start, st.end, [cm.index[p] for p in st.replicas], micro)
 

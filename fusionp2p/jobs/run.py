@@ -379,10 +379,8 @@ class JobRun(Leading):
                         self.svc.nursery.start_soon(self._gossip, LinksUp(
                             job=self.job_id, epoch=plan.epoch, stage=s, peer=self.me,
                             links=tuple(f"{p}={path}" for p, path in sorted(paths.items())), at=time.time()))
-                        ctx = self._context(plan, programs, s, r, links, peers, req.resume, restore)
-                        if len(plan.stages[s].replicas) > 1 and self.spec.config.co2 is not None:
-                            ctx.averaging_lag = averaging_lag(self.spec, self.accepted.dag, plan, snap, s)
-                        worker = self._worker = StageWorker(ctx)
+                        worker = self._worker = StageWorker(self._context(plan, snap, programs, s, r, links, peers,
+                                                                          req.resume, restore))
                         await worker.run()
                     finally:
                         await self._close_channels()
@@ -499,7 +497,7 @@ class JobRun(Leading):
                 log.debug("provide %s: %s", h[:12], exc)
 
     # ------------------------------------------------------------------ training
-    def _context(self, plan: Plan, programs: list[Any], s: int, r: int, links: dict[int, TensorChannel],
+    def _context(self, plan: Plan, snap: Snapshot, programs: list[Any], s: int, r: int, links: dict[int, TensorChannel],
                  peers: list[TensorChannel], resume: Resume, restore: StageState | None) -> StageContext:
         cfg = self.spec.config
         n_st = len(plan.stages)
@@ -565,7 +563,7 @@ class JobRun(Leading):
                             rho_out=rho_out, report=report, checkpoint=checkpoint if r == 0 else None,
                             start_step=resume.step, restore=restore, halt=self._halt,
                             recv_timeout=self.svc.config.recv_timeout, eval_data=eval_data_fn(self.accepted),
-                            micro=plan.micro)
+                            micro=plan.micro, averaging_lag=averaging_lag(self.spec, self.accepted.dag, plan, snap, s))
 
     async def _replicate(self, plan: Plan, s: int, h: str, step: int) -> None:
         """Ask one other member (the keeper) to hold a copy of a stage file, so that it survives our death."""

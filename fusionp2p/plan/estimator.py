@@ -234,6 +234,15 @@ class CostModel:
         """
         return float(self.replicated_time(self.range_work(i, j), self.range_params(i, j), group, micro))
 
+    def ring_times(self, params: T, group: Sequence[int]) -> tuple[T, float]:
+        """(bytes term, latency term) in seconds of a CO2 round of *params* bytes among *group*: a ring
+        all-reduce, ``2 (r-1)/r`` of the bytes over the slowest link between them and ``2 (r-1)`` hops of
+        its longest latency."""
+        r = len(group)
+        sub = np.ix_(group, group)
+        return (2.0 * (r - 1) / r * params * self.config.averaging_wire / float(self.bw[sub].min()),
+                2.0 * (r - 1) * float(self.lat[sub].max()))
+
     def replicated_time(self, work: T, params: T, group: Sequence[int], micro: Sequence[int] | None = None) -> T:
         """:meth:`stage_time` from a stage's *work* and *params* (floats, or arrays of them for the
         vectorised searches in opfence.py)."""
@@ -244,9 +253,7 @@ class CostModel:
         r = len(group)
         if r == 1:
             return t
-        sub = np.ix_(group, group)
-        ring_bytes = 2.0 * (r - 1) / r * params * self.config.averaging_wire / float(self.bw[sub].min())
-        ring_lat = 2.0 * (r - 1) * float(self.lat[sub].max())
+        ring_bytes, ring_lat = self.ring_times(params, group)
         tau = self.config.co2_tau
         # streaming CO2 sends 1/tau of the vector every step, in a round of its own: the bytes of one whole
         # round per tau steps, but a round's latency every step
@@ -264,9 +271,8 @@ class CostModel:
         r, tau = len(group), self.config.co2_tau
         if r == 1 or tau < 2 or not (self.config.overlap_averaging and self.config.stream_averaging):
             return 1
-        sub = np.ix_(group, group)
-        round_s = (2.0 * (r - 1) / r * self.range_params(i, j) * self.config.averaging_wire / float(self.bw[sub].min()) / tau
-                   + 2.0 * (r - 1) * float(self.lat[sub].max()))
+        ring_bytes, ring_lat = self.ring_times(self.range_params(i, j), group)
+        round_s = ring_bytes / tau + ring_lat
         counts = micro if micro else [self.config.micro_batches] * r
         step_s = self.range_work(i, j) * min(m / float(self.flops[d]) for m, d in zip(counts, group, strict=True))
         return 2 if round_s > LAG_HEADROOM * step_s else 1

@@ -200,7 +200,7 @@ class StageWorker:
                 penalty=co2.penalty, penalty_value=co2.penalty_scale,
                 clip="elementwise" if co2.clip is not None else "none",
                 clip_threshold=co2.clip if co2.clip is not None else math.inf, sync=co2.sync, stream=co2.stream,
-                lag=max(1, min(ctx.averaging_lag, co2.tau)) if co2.stream and not co2.sync else 1)
+                lag=ctx.averaging_lag)
         self._queue_send, self._queue_recv = trio.open_memory_channel[tuple[int, TensorMessage]](math.inf)
         self._avg_send, self._avg_recv = trio.open_memory_channel[TensorMessage](math.inf)
         self._early: dict[int, list[tuple[int, TensorMessage]]] = {}
