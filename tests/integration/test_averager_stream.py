@@ -9,6 +9,8 @@ product relies on: identical parameters after finalize, no lost progress alone, 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
@@ -40,8 +42,11 @@ def _local_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, s
     opt.step()
 
 
-async def _train(avg: ReplicaAverager, rank: int, steps: int, *, die_at: int | None = None,
-                 on_die: object = None) -> tuple[torch.nn.Module, list[BoundaryResult]]:
+async def _train(avg: ReplicaAverager, rank: int, steps: int, *,
+                 before_boundary: Callable[[int], Awaitable[None]] | None = None
+                 ) -> tuple[torch.nn.Module, list[BoundaryResult]]:
+    """*rank*'s local steps, each followed by its round boundary (the last by finalize); *before_boundary*
+    (the step) is awaited between a step and its boundary."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
     params = list(model.parameters())
@@ -49,6 +54,8 @@ async def _train(avg: ReplicaAverager, rank: int, steps: int, *, die_at: int | N
     for s in range(steps):
         _local_step(model, opt, rank, s)
         await trio.lowlevel.checkpoint()   # the training loop yields between steps; averaging runs meanwhile
+        if before_boundary is not None:
+            await before_boundary(s)
         if s + 1 < steps:
             res = await avg.round_boundary(params, lr=LR)
             out.append(res)
@@ -289,33 +296,22 @@ def test_with_lag_2_a_boundary_does_not_wait_for_the_round_of_the_step_before() 
     cfg = OuterConfig(tau=4, outer_lr=0.8, sync=False, stream=True, lag=2)
     peers, steps = PEERS[:2], 7
     finals: dict[str, torch.Tensor] = {}
+    results: dict[str, list[BoundaryResult]] = {}
     r0_past_boundary_1 = trio.Event()
-    consumed_at_1: list[int | None] = []
+
+    async def hold(i: int, s: int) -> None:
+        if i == 0 and s == 2:     # r0's boundary 1 has returned
+            r0_past_boundary_1.set()
+        elif i == 1 and s == 0:   # r1 holds its first boundary until then
+            await r0_past_boundary_1.wait()
 
     async def replica(mesh: Mesh, i: int, p: str) -> None:
         acfg = AveragerConfig(outer=cfg, job="j", stage=1, round_timeout=5.0)
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
-        params = list(model.parameters())
-        async with open_replica_averager(acfg, peers=peers, me=p, channels=mesh.ch[p], initial=params) as avg:
-            for s in range(steps):
-                _local_step(model, opt, i, s)
-                if i == 1 and s == 0:
-                    await r0_past_boundary_1.wait()
-                if s + 1 < steps:
-                    res = await avg.round_boundary(params, lr=LR)
-                    if res.anchor is not None:
-                        load_anchor_(params, res.anchor, res.ranges)
-                    if i == 0 and s == 1:
-                        consumed_at_1.append(res.consumed_round)
-                        r0_past_boundary_1.set()
-                else:
-                    fin = await avg.finalize(params)
-                    assert fin is not None and fin.anchor is not None
-                    load_flat_(params, fin.anchor)
-        finals[p] = _flat(model)
+        async with open_replica_averager(acfg, peers=peers, me=p, channels=mesh.ch[p], initial=list(_model().parameters())) as avg:
+            m, results[p] = await _train(avg, i, steps, before_boundary=functools.partial(hold, i))
+        finals[p] = _flat(m)
 
     run_on_mesh(peers, replica, timeout=10.0)
-    assert consumed_at_1 == [None]
+    assert results["r0"][1].consumed_round is None
     assert torch.equal(finals["r0"], finals["r1"])
     assert torch.allclose(finals["r0"], _reference(cfg, steps, 2)[0], atol=1e-6, rtol=0)
