@@ -10,12 +10,10 @@ Tasks, all owned by :meth:`SwarmNode.run`'s nursery:
   identical to the one we hold is not verified again);
 * reaper: mark peers dead after ``dead_timeout`` (or ``dead_beats`` of their announced periods, if
   longer) without a heartbeat;
-* prober: measure RTT/throughput to peers, each unordered pair from one side only (``prober_of``):
-  every never-measured peer of ours in one round (at most ``probe.first``), then refresh rounds of a
-  random sample of ``probe.sample``; a busy peer is tried again within the round; EMA-smoothed. A token
-  bucket keeps bulk transfers at ``probe.duty`` of the time (``probe.burst`` seconds at once; refresh
-  rounds wait for it). Our first figure, and the round that completes our share of the matrix, are
-  published at once (early heartbeats, at most one per half period);
+* prober (``swarm/prober.py``, ``SwarmNode.prober``): measure RTT/throughput to peers, each pair from
+  one side only; the node signs its figures into our BandwidthReport and publishes our first figure,
+  and the round that completes our share of the matrix, at once (early heartbeats, at most one per
+  half period);
 * dialer: connect directly to every member we learn of (again if the connection dropped), so gossip
   and probes do not depend on the bootstrap; on joining, one VIEW round trip to the bootstrap tells us
   every live member at once.
@@ -26,7 +24,6 @@ after one round trip and verify every record itself.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import random
@@ -41,19 +38,9 @@ from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.identity import verify
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage, Relaying, Stream, Transport
-from fusionp2p.swarm.membership import BandwidthTable, Change, MemberEvent, MembershipView, ema, prober_of
-from fusionp2p.swarm.probe import (
-    OWN,
-    RAW_RETRY,
-    ProbeBusy,
-    ProbeConfig,
-    ProbeResult,
-    ProbeServer,
-    ProbeSession,
-    RawPath,
-    open_probe,
-    probe_size,
-)
+from fusionp2p.swarm.membership import BandwidthTable, Change, MemberEvent, MembershipView
+from fusionp2p.swarm.probe import ProbeConfig, RawPath
+from fusionp2p.swarm.prober import LinkProber
 from fusionp2p.swarm.reach import (
     ReachConfig,
     ReachService,
@@ -124,21 +111,6 @@ class SwarmConfig:
             raise ConfigError("gossip_rate must be positive")
 
 
-@dataclass
-class _Link:
-    bandwidth: float | None = None
-    rtt: float | None = None       # the smallest of the recent RTTs (``RTT_WINDOW``)
-    samples: int = 0
-    next_bytes: int = 0
-    raw_after: float = 0.0   # its raw socket failed: probed on the stream only until then
-    rtts: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW))
-
-
-# A link's latency is the smallest RTT of its last RTT_WINDOW probes, not their average: a ping waits
-# for both ends' event loops, and on a host at its CPU quota that wait is most of it. The links of
-# benchmarks.wan's `mixed` hosts (tbf, no added delay) read 1-154 ms, the planner charged streaming
-# CO2 that latency every step, and which hosts a plan took changed from run to run.
-RTT_WINDOW = 8
 # A job's measured speed of this node (note_speed) enters the announced figure with this weight: one job's
 # figure is noisy (a benchmarks.wan host read 0.65-0.99x on the whole model in four consecutive jobs).
 SPEED_WEIGHT = 0.5
@@ -175,28 +147,18 @@ class SwarmNode:
         self._started = wall_clock()
         self._seq = 0
         self._bw_seq = 0
-        self._links: dict[str, _Link] = {}
         self._raw: dict[str, bytes] = {}        # latest signed record bytes per peer (for VIEW)
         self._raw_bw: dict[str, bytes] = {}
         self._known_bw: set[bytes] = set()      # = set(_raw_bw.values()): repeats are not verified again
         self._own_bw: bytes | None = None       # our latest signed report, re-signed when it changes
-        self._bw_dirty = False
         self._reported_down = 0.0
         self._announced = config.heartbeat
         self._last_beat = -float("inf")
-        self._known_since: dict[str, float] = {}   # when each live member joined our view (for probe takeover)
-        self._next_refresh = 0.0                    # when the next refresh round (re-measuring peers) is due
-        self._credit = config.probe.burst           # duty-cycle bucket: seconds of bulk transfer we may spend
-        self._credit_t = 0.0
-        self._new_pairs = False                     # this round measured a pair for the first time
         self._dialed: set[str] = set()
         self._changed = trio.Event()
-        self._probe_now = trio.Event()
         self._beat_now = trio.Event()
-        self._probe_server = ProbeServer(refusals=self.refusals)
-        self._raw_path: RawPath | None = None
-        self._training: Callable[[], bool] = lambda: False   # the job service's, once it runs
         self._rng = rng or random.Random()
+        self.prober = LinkProber(self, refusals=self.refusals, rng=self._rng)
         self._leaving = False
         self.listeners: list[Callable[[MemberEvent], None]] = []
         # announced in our record: the data plane's addresses (set by the job service once it listens) and
@@ -219,7 +181,7 @@ class SwarmNode:
     # -- public -----------------------------------------------------------------------------------
     async def run(self, bootstrap: list[str], *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Join through *bootstrap* addresses and serve until cancelled."""
-        self.transport.set_stream_handler(PROBE, self._probe_server)
+        self.transport.set_stream_handler(PROBE, self.prober.server)
         self.transport.set_stream_handler(VIEW, self._serve_view)
         self.transport.set_stream_handler(REACH, self.reach_service)
         members = await self.transport.subscribe(TOPIC_MEMBERS)
@@ -233,7 +195,7 @@ class SwarmNode:
             nursery.start_soon(self._reaper)
             nursery.start_soon(self._dialer)
             if self.config.probing and self.config.role == "node":
-                nursery.start_soon(self._probe_loop)
+                nursery.start_soon(self.prober.run)
             if self.config.role == "node" and self._servers:
                 nursery.start_soon(self._reach_loop)
             if self.config.role == "node" and self.config.relays and isinstance(self.transport, Relaying):
@@ -252,8 +214,7 @@ class SwarmNode:
         refresh probes and its probe server refuses re-measurements (first measurements still run).
         A transfer that shares a link with a job's traffic reads the job's leftovers, not the link, and
         the next plan would take that for the link."""
-        self._training = training
-        self._probe_server.quiet = training
+        self.prober.set_training(training)
 
     def note_speed(self, factor: float, model: str) -> None:
         """A job of *model* (its ``model_hash``) measured this node training at *factor* times the speed its
@@ -270,6 +231,10 @@ class SwarmNode:
             self.speed = math.exp((1.0 - SPEED_WEIGHT) * math.log(self.speed) + SPEED_WEIGHT * math.log(f))
         self._beat_now.set()
 
+    def beat_soon(self) -> None:
+        """Publish our records early (newly measured pairs, a new speed): at most one per half period."""
+        self._beat_now.set()
+
     def speed_on(self, model: str) -> float:
         """Our announced speed if it was measured on *model* (a job's ``model_hash``), else 0 (none)."""
         return speed_on(self.speed, self.speed_model, model)
@@ -277,8 +242,7 @@ class SwarmNode:
     def set_raw_path(self, raw: RawPath | None) -> None:
         """The data plane listens (``jobs/node.py``): probes time both directions of a link on raw sockets
         to its port (``swarm/probe.py``), in both roles."""
-        self._raw_path = raw
-        self._probe_server.raw = raw
+        self.prober.set_raw_path(raw)
 
     def set_data_addrs(self, addrs: tuple[str, ...]) -> None:
         """The data plane listens (``jobs/node.py``): announce *addrs* and check that peers can dial them."""
@@ -588,11 +552,9 @@ class SwarmNode:
         for ev in events:
             if ev.change in (Change.DEAD, Change.LEFT):
                 self._dialed.discard(ev.peer)
-                self._links.pop(ev.peer, None)
-                self._known_since.pop(ev.peer, None)
+                self.prober.on_gone(ev.peer)
             if ev.change in (Change.JOINED, Change.REVIVED):
-                self._known_since[ev.peer] = trio.current_time()
-                self._probe_now.set()
+                self.prober.on_joined(ev.peer)
             if ev.change is not Change.UPDATED:
                 log.info("member %s %s", ev.peer[:16], ev.change.value)
                 self.counters.events.append(ev)
@@ -604,189 +566,13 @@ class SwarmNode:
         self._changed.set()
         self._changed = trio.Event()
 
-    # -- probes -----------------------------------------------------------------------------------
-    def _measured(self, peer: str) -> bool:
-        return peer in self._links and self._links[peer].samples > 0
-
-    def _ours(self, peer: str, now: float) -> bool:
-        """Whether we probe *peer*: the pair is ours (``prober_of``), or its prober has left it unmeasured
-        for ``probe.takeover`` seconds (a peer that does not probe, or cannot reach us)."""
-        if prober_of(self.peer_id, peer) == self.peer_id:
-            return True
-        since = self._known_since.get(peer)
-        return (since is not None and now - since > self.config.probe.takeover
-                and self.bandwidth.direct(self.peer_id, peer) is None)
-
-    def _probe_targets(self) -> list[str]:
-        """This round's peers: every never-measured one of ours (at most ``probe.first``; their first probe
-        starts with a small pilot), otherwise, once ``probe.interval`` has passed since the last refresh,
-        a random sample of ``probe.sample`` of ours."""
-        connected = set(self.transport.connected_peers())
-        now = trio.current_time()
-        peers = [p for p in self.members() if p != self.peer_id and p in connected and self._ours(p, now)]
-        self._rng.shuffle(peers)   # every node walking the same sorted list would pile onto one target
-        never = [p for p in peers if not self._measured(p)]
-        if never:
-            return never[: self.config.probe.first]
-        if now < self._next_refresh or self._refill() < 0 or self._training():
-            return []
-        self._next_refresh = now + self.config.probe.interval
-        return peers[: self.config.probe.sample]
-
-    def _pending(self) -> bool:
-        """Some peer of ours is not measured yet (not connected yet, busy, or its probe failed)."""
-        now = trio.current_time()
-        return any(not self._measured(p) and self._ours(p, now) for p in self.members() if p != self.peer_id)
-
-    async def _probe_round(self) -> float:
-        """Probe this round's peers; the seconds of bulk transfer spent.
-
-        Up to ``probe.parallel`` sessions open and ping at once (a peer too loaded to answer then holds up
-        only its own slot, for ``probe.ctrl_timeout``), but the transfers go one at a time, so that they
-        never share our link. A busy peer is tried again within the round, its session kept open."""
-        spent = [0.0]
-        bulk = trio.Lock()
-        slots = trio.CapacityLimiter(self.config.probe.parallel)
-        async with trio.open_nursery() as nursery:
-            for peer in self._probe_targets():
-                nursery.start_soon(self._probe_one, peer, bulk, slots, spent)
-        return spent[0]
-
-    def _refill(self) -> float:
-        """The duty-cycle bucket (seconds of bulk transfer we may spend), refilled up to now."""
-        now = trio.current_time()
-        self._credit = min(self.config.probe.burst, self._credit + self.config.probe.duty * (now - self._credit_t))
-        self._credit_t = now
-        return self._credit
-
-    async def _probe_loop(self) -> None:
-        self._credit, self._credit_t = self.config.probe.burst, trio.current_time()
-        while True:
-            spent = await self._probe_round()
-            if self._new_pairs and not self._pending():
-                # our share of the matrix is complete: publish it now, not up to a period later (not after
-                # every round: each gossip message costs the swarm ~N x D RPCs, which a forming swarm feels)
-                self._new_pairs = False
-                self._beat_now.set()
-            # Our bulk transfers take at most probe_duty of the time in the long run (they load the peer's link
-            # and, on one machine, its CPU: py-libp2p streams cost ~3 CPU-s per GB on each side): a token bucket
-            # refills at probe_duty seconds per second up to probe_burst, and every transfer draws from it. A
-            # refresh round waits until it is not overdrawn; the first measurement of a new peer does not (it
-            # is one probe per pair, at most MEASURE_BYTES and a pilot). Peers of ours not measured yet (a dial
-            # under way, a busy peer, a failed probe) are tried again after one heartbeat; a member joining or
-            # coming back starts a round at once.
-            self._refill()
-            self._credit -= spent
-            if self._pending():
-                wait = self.config.heartbeat
-            else:
-                wait = max(self.config.heartbeat, self._next_refresh - trio.current_time(), -self._credit / self.config.probe.duty)
-            with trio.move_on_after(wait):
-                await self._probe_now.wait()
-            self._probe_now = trio.Event()
-
-    async def _probe_one(self, peer: str, bulk: trio.Lock, slots: trio.CapacityLimiter, spent: list[float]) -> None:
-        """Probe *peer* once (within a round): add the seconds its transfers took to ``spent[0]``."""
-        async with slots:
-            if not self.view.is_alive(peer):
-                return
-            try:
-                with trio.fail_after(self.config.probe.ctrl_timeout):
-                    session = await open_probe(self.transport, peer)
-            except (PeerUnavailable, trio.TooSlowError) as exc:
-                self.counters.probes_failed += 1
-                log.debug("probe %s failed: %s", peer[:16], str(exc) or "timed out (open/ping)")
-                return
-            try:
-                res = await self._measure(session, bulk, spent)
-            finally:
-                await session.aclose()
-        if res is not None:
-            self._apply_probe(peer, res)
-
-    def _link(self, peer: str) -> _Link:
-        """Our probe state for *peer*, created on first use."""
-        link = self._links.get(peer)
-        if link is None:
-            link = self._links[peer] = self._new_link(peer)
-        return link
-
-    def _new_link(self, peer: str) -> _Link:
-        """A never-measured link: its first transfer is sized from the pair's capacity estimate (our uplink,
-        its downlink) when there is one, else it is a small pilot. Too long an estimate only costs a longer
-        transfer (at most MEASURE_BYTES), too short a one a follow-up transfer."""
-        est = self.bandwidth.estimate(self.peer_id, peer)
-        size = probe_size(est.bandwidth, lo=self.config.probe.bytes) if est is not None else self.config.probe.bytes
-        return _Link(next_bytes=size)
-
-    async def _measure(self, session: ProbeSession, bulk: trio.Lock, spent: list[float]) -> ProbeResult | None:
-        peer = session.peer
-        link = self._link(peer)
-        for attempt in range(self.config.probe.busy_retries + 1):
-            if attempt:
-                # it is measuring someone else, which takes a few hundred ms: let our other peers go first
-                await trio.sleep(self._rng.uniform(0.1, 0.3))
-            async with bulk:
-                if not self._probe_server.reserve(OWN, trio.current_time()):
-                    self.counters.probes_busy += 1   # a peer measures its link to us: ours would share it
-                    log.debug("probe %s: our own server is busy", peer[:16])
-                    continue
-                try:
-                    raw = self._raw_path if trio.current_time() >= link.raw_after else None
-                    with trio.fail_after(self.config.probe.timeout):
-                        res = await session.measure(link.next_bytes, raw=raw)
-                except ProbeBusy:
-                    self.counters.probes_busy += 1
-                    log.debug("probe %s: busy", peer[:16])
-                    continue
-                except (PeerUnavailable, trio.TooSlowError) as exc:
-                    self.counters.probes_failed += 1
-                    log.debug("probe %s failed: %s", peer[:16], str(exc) or "timed out (bulk)")
-                    return None
-                finally:
-                    self._probe_server.release(OWN, trio.current_time())
-                spent[0] += res.elapsed
-                return res
-        return None   # still busy: the next round tries again, one heartbeat later
-
-    def _apply_probe(self, peer: str, res: ProbeResult) -> None:
-        if not self.view.is_alive(peer):
-            return   # it died or left while we measured it
-        link = self._link(peer)
-        if res.raw_failed:
-            link.raw_after = trio.current_time() + RAW_RETRY
-        log.debug("probe %s: %.1f MB/s (%s: ours %.1f, theirs %s), rtt %.1f ms, %d bytes in %d transfers, %.3f s%s",
-                  peer[:16], res.bandwidth / 1e6, res.path, (res.forward or res.bandwidth) / 1e6,
-                  "-" if res.reverse is None else f"{res.reverse / 1e6:.1f}", res.rtt * 1e3, res.sent, res.transfers,
-                  res.elapsed, "" if res.measured else " (inconclusive)")
-        if res.reverse is not None:
-            self._probe_server.record_inbound(peer, res.reverse)   # its direction is our downlink
-        if not res.measured:   # a pilot's figure: it sizes the next probe, it is never reported
-            self.counters.probes_inconclusive += 1
-            link.next_bytes = probe_size(res.bandwidth, lo=self.config.probe.bytes)
-            return
-        self.counters.probes_ok += 1
-        self.counters.probes_direct += res.path == "direct"
-        a = self.config.probe.ema_alpha
-        if link.samples == 0:
-            self._new_pairs = True
-            # fresh figures need no refresh for a while; our very first one goes out at once (with it, our
-            # capacity estimate: a figure for every pair we are part of), the rest once our share is complete
-            self._next_refresh = max(self._next_refresh, trio.current_time() + self.config.probe.interval)
-            if not any(ln.samples for ln in self._links.values()):
-                self._beat_now.set()
-        link.bandwidth = ema(link.bandwidth, res.bandwidth, a)
-        link.rtts.append(res.rtt)
-        link.rtt = min(link.rtts)
-        link.samples += 1
-        link.next_bytes = probe_size(link.bandwidth, lo=self.config.probe.bytes)   # one transfer of ~0.25 s next time
-        self._bw_dirty = True
-
+    # -- bandwidth reports -------------------------------------------------------------------------
     def _signed_report(self) -> bytes | None:
         """Our latest BandwidthReport, signed; re-signed only when a measurement changed."""
-        if self._bw_dirty or self._own_bw is None or self._probe_server.best_inbound() != self._reported_down:
+        pr = self.prober
+        if pr.dirty or self._own_bw is None or pr.server.best_inbound() != self._reported_down:
             rep = self._report()
-            self._bw_dirty = False
+            pr.dirty = False
             if rep is not None:
                 self._own_bw = encode_signed(rep, self.transport.sign)
                 self._apply_record(rep, self._own_bw)
@@ -797,8 +583,8 @@ class SwarmNode:
         # must not make the whole signed report unacceptable (a peer's 1e300 once did)
         ms = tuple(Measurement(src=self.peer_id, dst=p, bandwidth=_in_range(ln.bandwidth, MAX_BANDWIDTH),
                                rtt=_in_range(ln.rtt, MAX_RTT), samples=ln.samples)
-                   for p, ln in sorted(self._links.items()) if ln.samples)
-        inbound = _in_range(self._probe_server.best_inbound(), MAX_BANDWIDTH)
+                   for p, ln in sorted(self.prober.links.items()) if ln.samples)
+        inbound = _in_range(self.prober.server.best_inbound(), MAX_BANDWIDTH)
         if not ms and not inbound:
             return None
         self._bw_seq += 1

@@ -199,7 +199,7 @@ def test_nodes_with_a_data_plane_measure_their_links_both_ways() -> None:
                     b.set_raw_path(db)
                     prober = a if prober_of(a.peer_id, b.peer_id) == a.peer_id else b
                     await prober.wait_until(lambda: prober.counters.probes_direct > 0, timeout=20)
-                    link = prober._links[(b if prober is a else a).peer_id]
+                    link = prober.prober.links[(b if prober is a else a).peer_id]
                     assert link.samples >= 1 and link.bandwidth is not None and link.bandwidth > 0
 
     trio.run(main)

@@ -41,7 +41,7 @@ def test_eight_libp2p_nodes_converge_on_members_and_bandwidth() -> None:
                 # each pair was probed from one side only, the one prober_of names
                 for n in nodes:
                     mine = {p for p in ids if p != n.peer_id and prober_of(n.peer_id, p) == n.peer_id}
-                    assert {p for p, ln in n._links.items() if ln.samples} == mine
+                    assert {p for p, ln in n.prober.links.items() if ln.samples} == mine
 
     trio.run(main)
 
@@ -168,7 +168,7 @@ def test_large_swarm_probes_a_bounded_sample_and_publishes_its_first_figure_at_o
             rounds: list[int] = []
             first_probe: dict[str, float] = {}
             for n in nodes:
-                targets, one = n._probe_targets, n._probe_one
+                targets, one = n.prober._probe_targets, n.prober._probe_one
 
                 def recording(targets=targets) -> list[str]:  # type: ignore[no-untyped-def]
                     out = targets()
@@ -180,8 +180,8 @@ def test_large_swarm_probes_a_bounded_sample_and_publishes_its_first_figure_at_o
                     if n.counters.probes_ok and n.peer_id not in first_probe:
                         first_probe[n.peer_id] = trio.current_time()
 
-                n._probe_targets = recording  # type: ignore[method-assign]
-                n._probe_one = timed  # type: ignore[method-assign]
+                n.prober._probe_targets = recording  # type: ignore[method-assign]
+                n.prober._probe_one = timed  # type: ignore[method-assign]
             report_at: dict[str, float] = {}
             apply = boot._apply_record
 
@@ -280,13 +280,13 @@ def test_refresh_probes_keep_to_the_duty_cycle() -> None:
             nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
             spent: list[float] = []
             for n in nodes:
-                apply = n._apply_probe
+                apply = n.prober._apply_probe
 
                 def counting(peer, res, apply=apply):  # type: ignore[no-untyped-def]
                     spent.append(res.elapsed)
                     apply(peer, res)
 
-                n._apply_probe = counting  # type: ignore[method-assign]
+                n.prober._apply_probe = counting  # type: ignore[method-assign]
             async with trio.open_nursery() as nursery:
                 await _start(nursery, boot, nodes, hosts[0])
                 await converge(nodes, bandwidth=True, timeout=30)

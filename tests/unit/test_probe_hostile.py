@@ -12,7 +12,8 @@ from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net.identity import verify
 from fusionp2p.net.memory import memory_network
 from fusionp2p.net.transport import Stream
-from fusionp2p.swarm.node import SwarmConfig, SwarmNode, _Link
+from fusionp2p.swarm.node import SwarmConfig, SwarmNode
+from fusionp2p.swarm.prober import _Link
 from fusionp2p.swarm.probe import MEASURE_BYTES, ProbeBusy, ProbeServer, probe
 from fusionp2p.testing.swarm import TEST_PROFILE
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
@@ -73,10 +74,10 @@ def test_our_signed_report_stays_acceptable_whatever_the_figures() -> None:
         async with memory_network() as net:
             t = net.add_host()
             node = SwarmNode(t, SwarmConfig(), TEST_PROFILE)
-            node._links = {"p-inf": _Link(bandwidth=math.inf, rtt=1e9, samples=1),
+            node.prober.links = {"p-inf": _Link(bandwidth=math.inf, rtt=1e9, samples=1),
                            "p-nan": _Link(bandwidth=math.nan, rtt=math.nan, samples=1),
                            "p-ok": _Link(bandwidth=1.25e8, rtt=0.01, samples=3)}
-            node._probe_server.record_inbound("x", 1e300)
+            node.prober.server.record_inbound("x", 1e300)
             rep = node._report()
             assert rep is not None
             back = decode_signed(encode_signed(rep, t.sign), verify)
@@ -159,7 +160,7 @@ def test_one_stream_cannot_keep_the_probe_server_reserved() -> None:
 def test_a_links_latency_is_the_smallest_of_its_recent_rtts() -> None:
     """A ping waits for both ends' event loops; on a host at its CPU quota that wait dominates (1-88 ms on
     links with no added delay). The link keeps the smallest of its last RTT_WINDOW RTTs."""
-    from fusionp2p.swarm.node import RTT_WINDOW
+    from fusionp2p.swarm.prober import RTT_WINDOW
     from fusionp2p.swarm.probe import ProbeResult
 
     async def main() -> None:
@@ -169,9 +170,9 @@ def test_a_links_latency_is_the_smallest_of_its_recent_rtts() -> None:
             node.view.is_alive = lambda peer: True  # type: ignore[method-assign]
             seen = []
             for rtt in (0.002, 0.088, 0.040, 0.001, 0.063, *([0.050] * RTT_WINDOW)):
-                node._apply_probe(other.peer_id, ProbeResult(peer=other.peer_id, rtt=rtt, bandwidth=1e6, nbytes=1 << 20,
+                node.prober._apply_probe(other.peer_id, ProbeResult(peer=other.peer_id, rtt=rtt, bandwidth=1e6, nbytes=1 << 20,
                                                              elapsed=1.0))
-                seen.append(node._links[other.peer_id].rtt)
+                seen.append(node.prober.links[other.peer_id].rtt)
             assert seen[:5] == [0.002, 0.002, 0.002, 0.001, 0.001]
             assert seen[-1] == 0.050                    # the fast ones have left the window
 

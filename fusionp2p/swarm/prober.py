@@ -1,0 +1,273 @@
+"""A swarm node's bandwidth prober: it measures RTT and throughput to peers (``swarm/probe.py`` sessions).
+
+Each unordered pair is measured from one side only (``prober_of``), or from ours once its prober has
+left it unmeasured for ``probe.takeover`` seconds. Rounds: every never-measured peer of ours at once
+(at most ``probe.first``; a first probe starts with a small pilot), then refresh rounds of a random
+sample of ``probe.sample`` every ``probe.interval``, none while this node trains. A busy peer is tried
+again within the round; figures are EMA-smoothed, RTTs the smallest of the last ``RTT_WINDOW``. A token
+bucket keeps bulk transfers at ``probe.duty`` of the time (``probe.burst`` seconds at once; refresh
+rounds wait for it). The node publishes our first figure, and the round that completes our share of
+the matrix, at once (``SwarmNode.beat_soon``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from fusionp2p.errors import PeerUnavailable
+from fusionp2p.swarm.membership import ema, prober_of
+from fusionp2p.swarm.probe import (
+    OWN,
+    RAW_RETRY,
+    ProbeBusy,
+    ProbeResult,
+    ProbeServer,
+    ProbeSession,
+    RawPath,
+    open_probe,
+    probe_size,
+)
+
+if TYPE_CHECKING:
+    from fusionp2p.net.refusals import Refusals
+    from fusionp2p.swarm.node import SwarmNode
+
+log = logging.getLogger("fusionp2p.swarm.node")   # the node's log, as before the prober had a module of its own
+
+# A link's latency is the smallest RTT of its last RTT_WINDOW probes, not their average: a ping waits
+# for both ends' event loops, and on a host at its CPU quota that wait is most of it. The links of
+# benchmarks.wan's `mixed` hosts (tbf, no added delay) read 1-154 ms, the planner charged streaming
+# CO2 that latency every step, and which hosts a plan took changed from run to run.
+RTT_WINDOW = 8
+
+
+@dataclass
+class _Link:
+    bandwidth: float | None = None
+    rtt: float | None = None       # the smallest of the recent RTTs (``RTT_WINDOW``)
+    samples: int = 0
+    next_bytes: int = 0
+    raw_after: float = 0.0   # its raw socket failed: probed on the stream only until then
+    rtts: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW))
+
+
+class LinkProber:
+    """The probe state of one node (``SwarmNode.prober``): our links, our probe server, the duty bucket
+    and the refresh clock. ``dirty`` says a figure changed since the node last signed its report."""
+
+    def __init__(self, node: SwarmNode, *, refusals: Refusals, rng: random.Random) -> None:
+        self.node = node
+        self.config = node.config.probe
+        self.rng = rng
+        self.links: dict[str, _Link] = {}
+        self.server = ProbeServer(refusals=refusals)
+        self.known_since: dict[str, float] = {}   # when each live member joined our view (for probe takeover)
+        self.next_refresh = 0.0                    # when the next refresh round (re-measuring peers) is due
+        self.credit = self.config.burst            # duty-cycle bucket: seconds of bulk transfer we may spend
+        self.credit_t = 0.0
+        self.new_pairs = False                     # this round measured a pair for the first time
+        self.dirty = False                         # a figure changed since the node signed its report
+        self.raw_path: RawPath | None = None
+        self.training: Callable[[], bool] = lambda: False   # the job service's, once it runs
+        self.wake = trio.Event()                   # a member joined or came back: probe now
+
+    def set_training(self, training: Callable[[], bool]) -> None:
+        self.training = training
+        self.server.quiet = training
+
+    def set_raw_path(self, raw: RawPath | None) -> None:
+        self.raw_path = raw
+        self.server.raw = raw
+
+    def on_joined(self, peer: str) -> None:
+        self.known_since[peer] = trio.current_time()
+        self.wake.set()
+
+    def on_gone(self, peer: str) -> None:
+        self.links.pop(peer, None)
+        self.known_since.pop(peer, None)
+
+    def _measured(self, peer: str) -> bool:
+        return peer in self.links and self.links[peer].samples > 0
+
+    def _ours(self, peer: str, now: float) -> bool:
+        """Whether we probe *peer*: the pair is ours (``prober_of``), or its prober has left it unmeasured
+        for ``probe.takeover`` seconds (a peer that does not probe, or cannot reach us)."""
+        if prober_of(self.node.peer_id, peer) == self.node.peer_id:
+            return True
+        since = self.known_since.get(peer)
+        return (since is not None and now - since > self.config.takeover
+                and self.node.bandwidth.direct(self.node.peer_id, peer) is None)
+
+    def _probe_targets(self) -> list[str]:
+        """This round's peers: every never-measured one of ours (at most ``probe.first``; their first probe
+        starts with a small pilot), otherwise, once ``probe.interval`` has passed since the last refresh,
+        a random sample of ``probe.sample`` of ours."""
+        connected = set(self.node.transport.connected_peers())
+        now = trio.current_time()
+        peers = [p for p in self.node.members() if p != self.node.peer_id and p in connected and self._ours(p, now)]
+        self.rng.shuffle(peers)   # every node walking the same sorted list would pile onto one target
+        never = [p for p in peers if not self._measured(p)]
+        if never:
+            return never[: self.config.first]
+        if now < self.next_refresh or self._refill() < 0 or self.training():
+            return []
+        self.next_refresh = now + self.config.interval
+        return peers[: self.config.sample]
+
+    def _pending(self) -> bool:
+        """Some peer of ours is not measured yet (not connected yet, busy, or its probe failed)."""
+        now = trio.current_time()
+        return any(not self._measured(p) and self._ours(p, now) for p in self.node.members() if p != self.node.peer_id)
+
+    async def _probe_round(self) -> float:
+        """Probe this round's peers; the seconds of bulk transfer spent.
+
+        Up to ``probe.parallel`` sessions open and ping at once (a peer too loaded to answer then holds up
+        only its own slot, for ``probe.ctrl_timeout``), but the transfers go one at a time, so that they
+        never share our link. A busy peer is tried again within the round, its session kept open."""
+        spent = [0.0]
+        bulk = trio.Lock()
+        slots = trio.CapacityLimiter(self.config.parallel)
+        async with trio.open_nursery() as nursery:
+            for peer in self._probe_targets():
+                nursery.start_soon(self._probe_one, peer, bulk, slots, spent)
+        return spent[0]
+
+    def _refill(self) -> float:
+        """The duty-cycle bucket (seconds of bulk transfer we may spend), refilled up to now."""
+        now = trio.current_time()
+        self.credit = min(self.config.burst, self.credit + self.config.duty * (now - self.credit_t))
+        self.credit_t = now
+        return self.credit
+
+    async def run(self) -> None:
+        """Probe rounds until cancelled (the node's nursery)."""
+        self.credit, self.credit_t = self.config.burst, trio.current_time()
+        while True:
+            spent = await self._probe_round()
+            if self.new_pairs and not self._pending():
+                # our share of the matrix is complete: publish it now, not up to a period later (not after
+                # every round: each gossip message costs the swarm ~N x D RPCs, which a forming swarm feels)
+                self.new_pairs = False
+                self.node.beat_soon()
+            # Our bulk transfers take at most probe_duty of the time in the long run (they load the peer's link
+            # and, on one machine, its CPU: py-libp2p streams cost ~3 CPU-s per GB on each side): a token bucket
+            # refills at probe_duty seconds per second up to probe_burst, and every transfer draws from it. A
+            # refresh round waits until it is not overdrawn; the first measurement of a new peer does not (it
+            # is one probe per pair, at most MEASURE_BYTES and a pilot). Peers of ours not measured yet (a dial
+            # under way, a busy peer, a failed probe) are tried again after one heartbeat; a member joining or
+            # coming back starts a round at once.
+            self._refill()
+            self.credit -= spent
+            if self._pending():
+                wait = self.node.config.heartbeat
+            else:
+                wait = max(self.node.config.heartbeat, self.next_refresh - trio.current_time(), -self.credit / self.config.duty)
+            with trio.move_on_after(wait):
+                await self.wake.wait()
+            self.wake = trio.Event()
+
+    async def _probe_one(self, peer: str, bulk: trio.Lock, slots: trio.CapacityLimiter, spent: list[float]) -> None:
+        """Probe *peer* once (within a round): add the seconds its transfers took to ``spent[0]``."""
+        async with slots:
+            if not self.node.view.is_alive(peer):
+                return
+            try:
+                with trio.fail_after(self.config.ctrl_timeout):
+                    session = await open_probe(self.node.transport, peer)
+            except (PeerUnavailable, trio.TooSlowError) as exc:
+                self.node.counters.probes_failed += 1
+                log.debug("probe %s failed: %s", peer[:16], str(exc) or "timed out (open/ping)")
+                return
+            try:
+                res = await self._measure(session, bulk, spent)
+            finally:
+                await session.aclose()
+        if res is not None:
+            self._apply_probe(peer, res)
+
+    def _link(self, peer: str) -> _Link:
+        """Our probe state for *peer*, created on first use."""
+        link = self.links.get(peer)
+        if link is None:
+            link = self.links[peer] = self._new_link(peer)
+        return link
+
+    def _new_link(self, peer: str) -> _Link:
+        """A never-measured link: its first transfer is sized from the pair's capacity estimate (our uplink,
+        its downlink) when there is one, else it is a small pilot. Too long an estimate only costs a longer
+        transfer (at most MEASURE_BYTES), too short a one a follow-up transfer."""
+        est = self.node.bandwidth.estimate(self.node.peer_id, peer)
+        size = probe_size(est.bandwidth, lo=self.config.bytes) if est is not None else self.config.bytes
+        return _Link(next_bytes=size)
+
+    async def _measure(self, session: ProbeSession, bulk: trio.Lock, spent: list[float]) -> ProbeResult | None:
+        peer = session.peer
+        link = self._link(peer)
+        for attempt in range(self.config.busy_retries + 1):
+            if attempt:
+                # it is measuring someone else, which takes a few hundred ms: let our other peers go first
+                await trio.sleep(self.rng.uniform(0.1, 0.3))
+            async with bulk:
+                if not self.server.reserve(OWN, trio.current_time()):
+                    self.node.counters.probes_busy += 1   # a peer measures its link to us: ours would share it
+                    log.debug("probe %s: our own server is busy", peer[:16])
+                    continue
+                try:
+                    raw = self.raw_path if trio.current_time() >= link.raw_after else None
+                    with trio.fail_after(self.config.timeout):
+                        res = await session.measure(link.next_bytes, raw=raw)
+                except ProbeBusy:
+                    self.node.counters.probes_busy += 1
+                    log.debug("probe %s: busy", peer[:16])
+                    continue
+                except (PeerUnavailable, trio.TooSlowError) as exc:
+                    self.node.counters.probes_failed += 1
+                    log.debug("probe %s failed: %s", peer[:16], str(exc) or "timed out (bulk)")
+                    return None
+                finally:
+                    self.server.release(OWN, trio.current_time())
+                spent[0] += res.elapsed
+                return res
+        return None   # still busy: the next round tries again, one heartbeat later
+
+    def _apply_probe(self, peer: str, res: ProbeResult) -> None:
+        if not self.node.view.is_alive(peer):
+            return   # it died or left while we measured it
+        link = self._link(peer)
+        if res.raw_failed:
+            link.raw_after = trio.current_time() + RAW_RETRY
+        log.debug("probe %s: %.1f MB/s (%s: ours %.1f, theirs %s), rtt %.1f ms, %d bytes in %d transfers, %.3f s%s",
+                  peer[:16], res.bandwidth / 1e6, res.path, (res.forward or res.bandwidth) / 1e6,
+                  "-" if res.reverse is None else f"{res.reverse / 1e6:.1f}", res.rtt * 1e3, res.sent, res.transfers,
+                  res.elapsed, "" if res.measured else " (inconclusive)")
+        if res.reverse is not None:
+            self.server.record_inbound(peer, res.reverse)   # its direction is our downlink
+        if not res.measured:   # a pilot's figure: it sizes the next probe, it is never reported
+            self.node.counters.probes_inconclusive += 1
+            link.next_bytes = probe_size(res.bandwidth, lo=self.config.bytes)
+            return
+        self.node.counters.probes_ok += 1
+        self.node.counters.probes_direct += res.path == "direct"
+        a = self.config.ema_alpha
+        if link.samples == 0:
+            self.new_pairs = True
+            # fresh figures need no refresh for a while; our very first one goes out at once (with it, our
+            # capacity estimate: a figure for every pair we are part of), the rest once our share is complete
+            self.next_refresh = max(self.next_refresh, trio.current_time() + self.config.interval)
+            if not any(ln.samples for ln in self.links.values()):
+                self.node.beat_soon()
+        link.bandwidth = ema(link.bandwidth, res.bandwidth, a)
+        link.rtts.append(res.rtt)
+        link.rtt = min(link.rtts)
+        link.samples += 1
+        link.next_bytes = probe_size(link.bandwidth, lo=self.config.bytes)   # one transfer of ~0.25 s next time
+        self.dirty = True
