@@ -23,9 +23,13 @@ hint or a bound, never part of the baseline's handicap). Samples/s counts every 
 Per system: samples/s from the job's step events and the held-out loss of the downloaded model
 (definitions in ``benchmarks/wan_client.py``). Headline: samples/s of ``OPF+TopK+CO2`` over ``A``.
 
-A host's ``slowdown`` in the spec becomes a CPU cap that many times smaller (the node itself does
-not read ``FUSIONP2P_COMPUTE_SLOWDOWN``), so the nodes measure their slower compute with their own
-device benchmark. Needs root and iproute2; without them it says so and exits 0.
+A host's ``slowdown`` reaches its node as ``FUSIONP2P_COMPUTE_SLOWDOWN`` (``fusionp2p node
+--emulate-slowdown``): the node sleeps after every forward, backward and optimizer step for that many
+times its duration, and divides its device benchmark by it, the way a slower accelerator leaves the
+host's CPU (its ``cpus``) to the node's networking. ``--slowdown-as-cap`` is the emulation of the runs
+before 2026-11-28: the host's CPU cap divided by its slowdown, which slows the node's control plane
+(libp2p, gossip, CO2 rounds) along with its compute. Needs root and iproute2; without them it says so
+and exits 0.
 """
 
 from __future__ import annotations
@@ -90,13 +94,16 @@ class RunConfig:
     system_timeout: float = 900.0
 
 
-def scenario_spec(name: str) -> TestbedSpec:
-    """The scenario's hosts (slowdown turned into a smaller CPU cap) plus the unshaped control host."""
+def scenario_spec(name: str, *, slowdown_as_cap: bool = False) -> TestbedSpec:
+    """The scenario's hosts plus the unshaped control host; with *slowdown_as_cap* a host's slowdown
+    divides its CPU cap instead of reaching its node (see the module docstring)."""
     if name not in SCENARIOS:
         raise ConfigError(f"unknown scenario {name!r}; choose one of {SCENARIOS}")
     spec = load_spec(SPECS / f"wan_{name}.json")
-    hosts = tuple(dataclasses.replace(h, cpus=(h.cpus / h.slowdown) if h.cpus is not None else None, slowdown=1.0)
-                  for h in spec.hosts)
+    hosts = spec.hosts
+    if slowdown_as_cap:
+        hosts = tuple(dataclasses.replace(h, cpus=(h.cpus / h.slowdown) if h.cpus is not None else None, slowdown=1.0)
+                      for h in spec.hosts)
     return TestbedSpec(hosts=(*hosts, HostSpec(name=CONTROL)), bootstrap_host=CONTROL, description=spec.description)
 
 
@@ -154,14 +161,14 @@ def _start_nodes(tb: Testbed, addr: str, hosts: list[TestbedHost], scenario: str
 
 
 def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link_timeout: float = 240.0,
-        keep_logs: bool = False) -> dict[str, Any]:
+        keep_logs: bool = False, slowdown_as_cap: bool = False) -> dict[str, Any]:
     """Run the systems (default all five) once on *scenario*; the summary (raises on a failure of the
     machinery; a failed job is reported in its system's entry). Logs are kept only on a failure, or
     with *keep_logs* (each stage replica logs where its time went: ``grep 'steps in'``)."""
     chosen = [s for s in SYSTEMS if systems is None or s["name"] in systems]
     if not chosen:
         raise ConfigError(f"no system among {systems}; known: {[s['name'] for s in SYSTEMS]}")
-    spec = scenario_spec(scenario)
+    spec = scenario_spec(scenario, slowdown_as_cap=slowdown_as_cap)
     workdir = Path(tempfile.mkdtemp(prefix=f"wan-{scenario}-"))
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with ExitStack() as stack:
@@ -211,8 +218,9 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
                 "swarm_up_s": swarm_s, "measured_links": measured, "measured_links_end": measured_end,
                 "node_flops": profiles, "node_act_rate": act_rates,
                 "systems": results,
-                "hosts": [{"name": h.name, "up_bps": h.up_bps, "down_bps": h.down_bps, "cpus": h.cpus}
-                          for h in spec.hosts]}
+                "hosts": [{"name": h.name, "up_bps": h.up_bps, "down_bps": h.down_bps, "cpus": h.cpus,
+                           "slowdown": h.slowdown} for h in spec.hosts],
+                "slowdown": "cpu cap" if slowdown_as_cap else "node"}
 
 
 def speedup(res: dict[str, Any]) -> float:
@@ -253,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-timeout", type=float, default=900.0)
     p.add_argument("--systems", default="", help="comma-separated subset of A,B,OPF,OPF+TopK,OPF+TopK+CO2 (default all)")
     p.add_argument("--keep-logs", action="store_true", help="keep the hosts' logs (the path is printed)")
+    p.add_argument("--slowdown-as-cap", action="store_true",
+                   help="emulate a host's slowdown by a smaller CPU cap (the runs before 2026-11-28) instead of in its node")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -265,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     print(f"scenario {a.scenario} (testbed, tc tbf): {cfg.steps} steps per system, load {load0[0]:.2f}", flush=True)
     t0 = time.monotonic()
-    res = run(a.scenario, cfg, systems=a.systems.split(",") if a.systems else None, keep_logs=a.keep_logs)
+    res = run(a.scenario, cfg, systems=a.systems.split(",") if a.systems else None, keep_logs=a.keep_logs,
+              slowdown_as_cap=a.slowdown_as_cap)
     res["wall_s"] = time.monotonic() - t0
     res["loadavg_start"], res["loadavg_end"] = list(load0), list(os.getloadavg())
     print(table(res))

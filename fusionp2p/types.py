@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -38,6 +38,13 @@ class DeviceProfile:
             raise ValueError("memory_bytes must be positive")
         if not self.act_rate >= 0:
             raise ValueError("act_rate must not be negative")
+
+    def slowed(self, factor: float) -> DeviceProfile:
+        """This profile of a device *factor* times slower (``--emulate-slowdown``; ``factor`` 1: itself)."""
+        if factor == 1.0:
+            return self
+        return replace(self, flops_fp32=self.flops_fp32 / factor, flops_bf16=self.flops_bf16 / factor,
+                       act_rate=self.act_rate / factor)
 
     def to_wire(self) -> dict[str, Any]:
         """The map in signed node records and snapshots (decoded by ``wire.records.decode_profile``)."""

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--gossip-rate", type=float, default=5.0, help=_GOSSIP_RATE_HELP)
     n.add_argument("--probe-interval", type=float, default=10.0, help="seconds between bandwidth probe rounds")
     n.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    n.add_argument("--emulate-slowdown", type=float, default=None, metavar="FACTOR",
+                   help="testbeds: run every forward, backward and optimizer step FACTOR times slower (a sleep "
+                        "after each, as a slower accelerator would; default: $FUSIONP2P_COMPUTE_SLOWDOWN, else 1)")
     n.add_argument("--progress-interval", type=float, default=1.0, metavar="SECONDS",
                    help="gossip a job's training progress at most this often, the steps between in one message "
                         "(0: every step; default 1)")
@@ -236,15 +239,16 @@ def _run_daemon(args: argparse.Namespace) -> int:
         if not args.relay_rate > 0:
             raise ConfigError("--relay-rate must be positive (MB/s)")
         relay = RelayLimits(rate=args.relay_rate * 1e6)
+    slowdown = _slowdown(args) if role == "node" else 1.0
     cfg = DaemonConfig(role=role, home=home, listen=listen, bootstrap=tuple(args.bootstrap), announce=tuple(args.announce_addr),
                        device=getattr(args, "device", "cpu"), swarm=swarm, relay=relay,
-                       hole_punch=bool(getattr(args, "hole_punch", False)))
+                       hole_punch=bool(getattr(args, "hole_punch", False)), compute_slowdown=slowdown)
     job_cfg = None
     if role == "node":
         from fusionp2p.jobs.node import NodeJobConfig
 
-        job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce,   # checks all three
-                                progress_interval=args.progress_interval)
+        job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce,   # checks all four
+                                progress_interval=args.progress_interval, compute_slowdown=slowdown)
         if args.data_listen is not None:
             from fusionp2p.net.addrs import tcp_endpoint
 
@@ -284,6 +288,18 @@ def _run_daemon(args: argparse.Namespace) -> int:
 
     trio.run(lambda: run_daemon(cfg, on_ready=ready, extra_services=services))
     return 0
+
+
+def _slowdown(args: argparse.Namespace) -> float:
+    """``--emulate-slowdown``, else ``$FUSIONP2P_COMPUTE_SLOWDOWN`` (set by the testbed for a host's
+    ``slowdown``), else 1."""
+    if args.emulate_slowdown is not None:
+        return float(args.emulate_slowdown)
+    env = os.environ.get("FUSIONP2P_COMPUTE_SLOWDOWN", "").strip()
+    try:
+        return float(env) if env else 1.0
+    except ValueError:
+        raise ConfigError(f"FUSIONP2P_COMPUTE_SLOWDOWN={env!r} is not a number; unset it or give a factor like 2") from None
 
 
 def _check_bindable(host: str, port: int, flag: str) -> None:

@@ -70,8 +70,13 @@ class NodeJobConfig:
     # address; None: the bound one). Multiaddrs, the rules of --listen / --announce-addr (docs/networking.md).
     data_listen: str | None = None
     data_announce: str | None = None
+    # emulation of a slower accelerator (``--emulate-slowdown``, the testbed's ``slowdown``): every forward,
+    # backward and optimizer step takes this many times its measured time (StageContext.compute_slowdown)
+    compute_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 1.0 <= self.compute_slowdown <= 1000.0:
+            raise ConfigError("--emulate-slowdown must be in 1..1000 (1 = full speed)")
         if self.data_listen is not None:
             tcp_endpoint(self.data_listen, "--data-listen")
         if self.data_announce is not None:

@@ -35,8 +35,13 @@ class DaemonConfig:
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     relay: RelayLimits | None = None   # offer circuit relay v2 within these limits (net/relay.py)
     hole_punch: bool = False           # try DCUtR on relayed connections (experimental)
+    # emulation of a slower accelerator (--emulate-slowdown): the device benchmark's rates divided by it
+    # (the job service sleeps the compute to match: NodeJobConfig.compute_slowdown)
+    compute_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 1.0 <= self.compute_slowdown <= 1000.0:
+            raise ConfigError("--emulate-slowdown must be in 1..1000 (1 = full speed)")
         for b in self.bootstrap:
             parse_peer_addr(b)
         if self.role == "node":
@@ -54,7 +59,7 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
     if cfg.role == "node":  # the bootstrap never imports torch
         from fusionp2p.swarm.device import measure_profile
 
-        profile = await trio.to_thread.run_sync(measure_profile, cfg.device)
+        profile = (await trio.to_thread.run_sync(measure_profile, cfg.device)).slowed(cfg.compute_slowdown)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce,
                                                                     relay=cfg.relay, hole_punch=cfg.hole_punch)) as t:

@@ -34,7 +34,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import trio
@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 
 # Marker queued by a reader when its channel ends (compared by identity).
 _CLOSED = TensorMessage(job="", kind="closed")
+_T = TypeVar("_T")
 
 DataFn = Callable[[int, int], Mapping[str, torch.Tensor]]   # (global step, micro) -> data inputs by DAG name
 ProgressFn = Callable[[dict[str, Any]], Awaitable[None]]
@@ -120,6 +121,10 @@ class StageContext:
     # streaming CO2: apply each fragment's round this many steps after its snapshot (OuterConfig.lag; the
     # job sets it from the plan: jobs/build.averaging_lag)
     averaging_lag: int = 1
+    # emulation (the testbed's ``slowdown``, ``fusionp2p node --emulate-slowdown``): every forward, backward
+    # and optimizer step takes this many times its measured time, the extra as a sleep in the compute
+    # thread, the way a slower accelerator keeps the host's CPU free for the node's networking
+    compute_slowdown: float = 1.0
 
 
 @dataclass(slots=True)
@@ -509,7 +514,7 @@ class StageWorker:
                 act = actions.pop(0)
                 if isinstance(act, RunForward):
                     t = time.perf_counter()
-                    outs[act.micro] = await trio.to_thread.run_sync(ex.forward, act.micro, ready_in.pop(act.micro))
+                    outs[act.micro] = await trio.to_thread.run_sync(self._slowed(ex.forward), act.micro, ready_in.pop(act.micro))
                     dt = time.perf_counter() - t
                     compute, fb = compute + dt, fb + dt
                     if prog.loss is not None:
@@ -523,8 +528,8 @@ class StageWorker:
                     await self._send_acts(step, act.micro, outs.pop(act.micro))
                 elif isinstance(act, RunBackward):
                     t = time.perf_counter()
-                    backs[act.micro] = await trio.to_thread.run_sync(
-                        lambda mu=act.micro: ex.backward(mu, ready_grad.pop(mu, {}), loss_scale=scale))
+                    backs[act.micro] = await trio.to_thread.run_sync(self._slowed(
+                        lambda mu=act.micro: ex.backward(mu, ready_grad.pop(mu, {}), loss_scale=scale)))
                     dt = time.perf_counter() - t
                     compute, fb = compute + dt, fb + dt
                     actions += sched.handle(BackwardDone(micro=act.micro))
@@ -536,7 +541,7 @@ class StageWorker:
                         await self._sum_tied(step)          # tied weights: one logical parameter (TiedParam)
                     if self._outer is None and self.ctx.peers:
                         await self._allreduce_grads(step)   # replicas without CO2: synchronous data parallelism
-                    await trio.to_thread.run_sync(self._optimizer_step, step)
+                    await trio.to_thread.run_sync(self._slowed(self._optimizer_step), step)
                     compute += time.perf_counter() - t
                     actions += sched.handle(OptimizerDone())
                     finished = True
@@ -696,6 +701,19 @@ class StageWorker:
                 n = g.numel()
                 p.grad = avg[off:off + n].view_as(g).to(g.dtype).clone()
                 off += n
+
+    def _slowed(self, fn: Callable[..., _T]) -> Callable[..., _T]:
+        """*fn*, followed in its thread by a sleep of ``compute_slowdown - 1`` times its own duration."""
+        factor = self.ctx.compute_slowdown
+        if factor == 1.0:
+            return fn
+
+        def run(*args: Any) -> _T:
+            t = time.perf_counter()
+            out = fn(*args)
+            time.sleep((factor - 1.0) * (time.perf_counter() - t))
+            return out
+        return run
 
     def _optimizer_step(self, step: int) -> None:
         cfg = self.ctx.config

@@ -12,14 +12,19 @@ from benchmarks.wan_client import make_config, training_rate
 from fusionp2p.errors import ConfigError
 
 
-def test_scenarios_add_an_unshaped_control_host_and_turn_slowdown_into_a_cpu_cap() -> None:
+def test_scenarios_add_an_unshaped_control_host_and_hand_the_slowdown_to_the_node() -> None:
+    """A host's slowdown reaches its node (FUSIONP2P_COMPUTE_SLOWDOWN) at the spec's CPU cap; the older
+    emulation (``--slowdown-as-cap``) divides the cap instead."""
     spec = scenario_spec("mixed")
     assert spec.bootstrap == CONTROL
     ctl = spec.hosts[-1]
     assert ctl.name == CONTROL and ctl.up_bps is None and ctl.cpus is None
-    caps = {h.name: h.cpus for h in spec.hosts}
-    assert caps["fast1"] == pytest.approx(0.33) and caps["mid1"] == pytest.approx(0.165)
-    assert all(h.slowdown == 1.0 for h in spec.hosts)
+    by = {h.name: h for h in spec.hosts}
+    assert by["fast1"].cpus == pytest.approx(0.33) and by["mid1"].cpus == pytest.approx(0.33)
+    assert by["mid1"].slowdown == 2.0 and by["fast1"].slowdown == 1.0
+    capped = {h.name: h for h in scenario_spec("mixed", slowdown_as_cap=True).hosts}
+    assert capped["fast1"].cpus == pytest.approx(0.33) and capped["mid1"].cpus == pytest.approx(0.165)
+    assert all(h.slowdown == 1.0 for h in capped.values())
     with pytest.raises(ConfigError):
         scenario_spec("moon")
 
