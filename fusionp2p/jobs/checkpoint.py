@@ -184,6 +184,12 @@ def decode_state(blob: bytes, *, job: str | None = None) -> tuple[StageCheckpoin
                             momentum={k: tuple(v) for k, v in momentum.items()})
 
 
+def state_from_checkpoint(blob: bytes, job: str) -> tuple[int, int, Mapping[str, torch.Tensor]]:
+    """(stage, step, tensors) of a stage file; for tools that read what a job left in the swarm."""
+    meta, st = decode_state(blob, job=job)
+    return meta.stage, meta.step, st.tensors
+
+
 def read_meta(path: str | os.PathLike[str]) -> StageCheckpointMeta:
     """Only the metadata (reads the header, not the tensors)."""
     try:

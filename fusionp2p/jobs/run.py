@@ -30,7 +30,6 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -796,11 +795,5 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000]
 
 
-def state_from_checkpoint(blob: bytes, job: str) -> tuple[int, int, Mapping[str, torch.Tensor]]:
-    """(stage, step, tensors) of a stage file; for tools that read what a job left in the swarm."""
-    meta, st = decode_state(blob, job=job)
-    return meta.stage, meta.step, st.tensors
-
-
-__all__ = ["JobRun", "StartRequest", "describe", "state_from_checkpoint"]
+__all__ = ["JobRun", "StartRequest", "describe"]
 
