@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--probe-interval", type=float, default=10.0, help="seconds between bandwidth probe rounds")
     n.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     n.add_argument("--emulate-slowdown", type=float, default=None, metavar="FACTOR",
-                   help="testbeds: run every forward, backward and optimizer step FACTOR times slower (a sleep "
-                        "after each, as a slower accelerator would; default: $FUSIONP2P_COMPUTE_SLOWDOWN, else 1)")
+                   help="testbeds: run every forward, backward and optimizer step FACTOR times slower than at this "
+                        "host's CPU share (a sleep after each, as a slower accelerator would; default: "
+                        "$FUSIONP2P_COMPUTE_SLOWDOWN, else 1)")
     n.add_argument("--progress-interval", type=float, default=1.0, metavar="SECONDS",
                    help="gossip a job's training progress at most this often, the steps between in one message "
                         "(0: every step; default 1)")
@@ -247,8 +248,9 @@ def _run_daemon(args: argparse.Namespace) -> int:
     if role == "node":
         from fusionp2p.jobs.node import NodeJobConfig
 
-        job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce,   # checks all four
-                                progress_interval=args.progress_interval, compute_slowdown=slowdown)
+        job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce,   # checks them all
+                                progress_interval=args.progress_interval, compute_slowdown=slowdown,
+                                compute_cpus=_cpu_share() if slowdown != 1.0 else None)
         if args.data_listen is not None:
             from fusionp2p.net.addrs import tcp_endpoint
 
@@ -300,6 +302,21 @@ def _slowdown(args: argparse.Namespace) -> float:
         return float(env) if env else 1.0
     except ValueError:
         raise ConfigError(f"FUSIONP2P_COMPUTE_SLOWDOWN={env!r} is not a number; unset it or give a factor like 2") from None
+
+
+def _cpu_share() -> float | None:
+    """This host's CPU share in cores, for ``--emulate-slowdown``: ``$FUSIONP2P_TESTBED_CPUS`` (the
+    testbed's ``cpus``; a namespace's processes may not see their cgroup), else our cgroup quota."""
+    env = os.environ.get("FUSIONP2P_TESTBED_CPUS", "").strip()
+    if env:
+        try:
+            return float(env)
+        except ValueError:
+            raise ConfigError(f"FUSIONP2P_TESTBED_CPUS={env!r} is not a number of cores; unset it") from None
+    from fusionp2p.swarm.device import own_cpu_quota
+
+    quota = own_cpu_quota()
+    return quota[0] if quota is not None else None
 
 
 def _check_bindable(host: str, port: int, flag: str) -> None:

@@ -71,12 +71,16 @@ class NodeJobConfig:
     data_listen: str | None = None
     data_announce: str | None = None
     # emulation of a slower accelerator (``--emulate-slowdown``, the testbed's ``slowdown``): every forward,
-    # backward and optimizer step takes this many times its measured time (StageContext.compute_slowdown)
+    # backward and optimizer step takes this many times what it takes at the host's CPU share of
+    # ``compute_cpus`` cores (None: unknown, its wall time; StageContext.compute_slowdown)
     compute_slowdown: float = 1.0
+    compute_cpus: float | None = None
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.compute_slowdown <= 1000.0:
             raise ConfigError("--emulate-slowdown must be in 1..1000 (1 = full speed)")
+        if self.compute_cpus is not None and not 0.0 < self.compute_cpus <= 1024.0:
+            raise ConfigError("the CPU share of an emulated slowdown must be in (0, 1024] cores")
         if self.data_listen is not None:
             tcp_endpoint(self.data_listen, "--data-listen")
         if self.data_announce is not None:

@@ -563,7 +563,7 @@ class JobRun(Leading):
                             start_step=resume.step, restore=restore, halt=self._halt,
                             recv_timeout=self.svc.config.recv_timeout, eval_data=eval_data_fn(self.accepted),
                             micro=plan.micro, averaging_lag=averaging_lag(self.spec, self.accepted.dag, plan, snap, s),
-                            compute_slowdown=self.svc.config.compute_slowdown)
+                            compute_slowdown=self.svc.config.compute_slowdown, compute_cpus=self.svc.config.compute_cpus)
 
     async def _replicate(self, plan: Plan, s: int, h: str, step: int) -> None:
         """Ask one other member (the keeper) to hold a copy of a stage file, so that it survives our death."""

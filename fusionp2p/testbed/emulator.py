@@ -88,7 +88,8 @@ class TestbedHost:
         """Environment added to processes started in this host (heterogeneous compute).
 
         ``FUSIONP2P_TORCH_THREADS`` / ``OMP_NUM_THREADS`` cap torch's threads;
-        ``FUSIONP2P_COMPUTE_SLOWDOWN`` asks the node to run its compute that many times slower;
+        ``FUSIONP2P_COMPUTE_SLOWDOWN`` asks the node to run its compute that many times slower, than
+        at ``FUSIONP2P_TESTBED_CPUS`` cores (the host's ``cpus``, when it has a cap);
         ``FUSIONP2P_TESTBED_HOST`` / ``FUSIONP2P_TESTBED_ADDR`` are the host's name and address.
         """
         env = {
@@ -96,6 +97,8 @@ class TestbedHost:
             "FUSIONP2P_TESTBED_HOST": self.name,
             "FUSIONP2P_TESTBED_ADDR": self.address,
         }
+        if self.spec.cpus is not None:
+            env["FUSIONP2P_TESTBED_CPUS"] = repr(self.spec.cpus)   # the cgroup is out of sight in the namespace
         if self.spec.torch_threads is not None:
             n = str(self.spec.torch_threads)
             env |= {"FUSIONP2P_TORCH_THREADS": n, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}

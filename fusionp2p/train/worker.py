@@ -122,9 +122,11 @@ class StageContext:
     # job sets it from the plan: jobs/build.averaging_lag)
     averaging_lag: int = 1
     # emulation (the testbed's ``slowdown``, ``fusionp2p node --emulate-slowdown``): every forward, backward
-    # and optimizer step takes this many times its measured time, the extra as a sleep in the compute
-    # thread, the way a slower accelerator keeps the host's CPU free for the node's networking
+    # and optimizer step takes this many times what it takes at the host's CPU share (``compute_cpus``
+    # cores, None: its wall time), the extra as a sleep in the compute thread, the way a slower
+    # accelerator keeps the host's CPU free for the node's networking
     compute_slowdown: float = 1.0
+    compute_cpus: float | None = None
 
 
 @dataclass(slots=True)
@@ -703,15 +705,20 @@ class StageWorker:
                 off += n
 
     def _slowed(self, fn: Callable[..., _T]) -> Callable[..., _T]:
-        """*fn*, followed in its thread by a sleep of ``compute_slowdown - 1`` times its own duration."""
-        factor = self.ctx.compute_slowdown
+        """*fn*, then a sleep in its thread, so that it lasts ``compute_slowdown`` times what it takes at
+        the host's CPU share: its CPU time over ``compute_cpus``, or its wall time if that is longer.
+        (The wall time alone is not it: under a CFS quota a short op that sleeps after itself never
+        spends its quota, runs at full speed, and a slowdown of 2 at half a core would read as none.)"""
+        factor, cpus = self.ctx.compute_slowdown, self.ctx.compute_cpus
         if factor == 1.0:
             return fn
 
         def run(*args: Any) -> _T:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             out = fn(*args)
-            time.sleep((factor - 1.0) * (time.perf_counter() - t))
+            wall, cpu = time.perf_counter() - t, time.thread_time() - c
+            at_share = max(wall, cpu / cpus) if cpus else wall
+            time.sleep(max(0.0, factor * at_share - wall))
             return out
         return run
 

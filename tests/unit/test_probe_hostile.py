@@ -13,8 +13,8 @@ from fusionp2p.net.identity import verify
 from fusionp2p.net.memory import memory_network
 from fusionp2p.net.transport import Stream
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
-from fusionp2p.swarm.prober import _Link
 from fusionp2p.swarm.probe import MEASURE_BYTES, ProbeBusy, ProbeServer, probe
+from fusionp2p.swarm.prober import _Link
 from fusionp2p.testing.swarm import TEST_PROFILE
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.msg import packb, unpackb
@@ -160,8 +160,8 @@ def test_one_stream_cannot_keep_the_probe_server_reserved() -> None:
 def test_a_links_latency_is_the_smallest_of_its_recent_rtts() -> None:
     """A ping waits for both ends' event loops; on a host at its CPU quota that wait dominates (1-88 ms on
     links with no added delay). The link keeps the smallest of its last RTT_WINDOW RTTs."""
-    from fusionp2p.swarm.prober import RTT_WINDOW
     from fusionp2p.swarm.probe import ProbeResult
+    from fusionp2p.swarm.prober import RTT_WINDOW
 
     async def main() -> None:
         async with memory_network() as net:
