@@ -88,8 +88,8 @@ class TestbedHost:
         """Environment added to processes started in this host (heterogeneous compute).
 
         ``FUSIONP2P_TORCH_THREADS`` / ``OMP_NUM_THREADS`` cap torch's threads;
-        ``FUSIONP2P_COMPUTE_SLOWDOWN`` asks the node to run its compute that many times slower, than
-        at ``FUSIONP2P_TESTBED_CPUS`` cores (the host's ``cpus``, when it has a cap);
+        ``FUSIONP2P_COMPUTE_SLOWDOWN`` asks the node to run its compute that many times slower than it
+        runs at ``FUSIONP2P_TESTBED_CPUS`` cores (the host's ``cpus``, when it has a cap);
         ``FUSIONP2P_TESTBED_HOST`` / ``FUSIONP2P_TESTBED_ADDR`` are the host's name and address.
         """
         env = {

@@ -708,7 +708,8 @@ class StageWorker:
         """*fn*, then a sleep in its thread, so that it lasts ``compute_slowdown`` times what it takes at
         the host's CPU share: its CPU time over ``compute_cpus``, or its wall time if that is longer.
         (The wall time alone is not it: under a CFS quota a short op that sleeps after itself never
-        spends its quota, runs at full speed, and a slowdown of 2 at half a core would read as none.)"""
+        spends its quota, runs at full speed, and a slowdown of 2 at half a core would read as none.)
+        The CPU time is this thread's: exact with one torch thread, as the testbed's hosts run."""
         factor, cpus = self.ctx.compute_slowdown, self.ctx.compute_cpus
         if factor == 1.0:
             return fn
