@@ -220,7 +220,13 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
                 "systems": results,
                 "hosts": [{"name": h.name, "up_bps": h.up_bps, "down_bps": h.down_bps, "cpus": h.cpus,
                            "slowdown": h.slowdown} for h in spec.hosts],
-                "slowdown": "cpu cap" if slowdown_as_cap else "node"}
+                "slowdown": "cpu cap" if slowdown_as_cap else "node",
+                "caps_cores": caps_sum(spec), "machine_cores": os.cpu_count()}
+
+
+def caps_sum(spec: TestbedSpec) -> float:
+    """The cores the scenario's hosts may use together (their caps; an uncapped host counts as none)."""
+    return sum(h.cpus for h in spec.hosts if h.cpus is not None)
 
 
 def speedup(res: dict[str, Any]) -> float:
@@ -274,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out if a.out != RESULTS / "wan.json" or a.scenario == "mixed" else RESULTS / f"wan_{a.scenario}.json"
     load0 = os.getloadavg()
     print(f"scenario {a.scenario} (testbed, tc tbf): {cfg.steps} steps per system, load {load0[0]:.2f}", flush=True)
+    caps, cores = caps_sum(scenario_spec(a.scenario, slowdown_as_cap=a.slowdown_as_cap)), os.cpu_count() or 1
+    if caps > 0.8 * cores:
+        # the hosts' caps are not reservations: near the machine's cores, every host gets less than its cap
+        print(f"warning: the hosts' CPU caps sum to {caps:.2f} cores on a {cores}-core machine; with the "
+              "bootstrap, the publisher and the shaping, the run is bound by the machine's CPUs, not the caps", flush=True)
     t0 = time.monotonic()
     res = run(a.scenario, cfg, systems=a.systems.split(",") if a.systems else None, keep_logs=a.keep_logs,
               slowdown_as_cap=a.slowdown_as_cap)

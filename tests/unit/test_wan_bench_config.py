@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.wan import CONTROL, SYSTEMS, RunConfig, scenario_spec, speedup
+from benchmarks.wan import CONTROL, SYSTEMS, RunConfig, caps_sum, scenario_spec, speedup
 from benchmarks.wan_client import make_config, training_rate
 from fusionp2p.errors import ConfigError
 
@@ -25,6 +25,8 @@ def test_scenarios_add_an_unshaped_control_host_and_hand_the_slowdown_to_the_nod
     capped = {h.name: h for h in scenario_spec("mixed", slowdown_as_cap=True).hosts}
     assert capped["fast1"].cpus == pytest.approx(0.33) and capped["mid1"].cpus == pytest.approx(0.165)
     assert all(h.slowdown == 1.0 for h in capped.values())
+    # what the hosts may use together (the benchmark warns when it nears the machine's cores)
+    assert caps_sum(spec) == pytest.approx(6 * 0.33) and caps_sum(scenario_spec("mixed", slowdown_as_cap=True)) == pytest.approx(1.65)
     with pytest.raises(ConfigError):
         scenario_spec("moon")
 
