@@ -25,20 +25,29 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     return p
 
 
+def _loadavg() -> tuple[float, float, float]:
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (0.0, 0.0, 0.0)
+
+
+# every benchmark imports this module before it starts: the load then is the load at its start (machine()
+# runs when the result is written, after the run)
+_LOAD_AT_START = _loadavg()
+
+
 def machine() -> dict[str, Any]:
     import torch
 
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = (0.0, 0.0, 0.0)
     return {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "loadavg_at_start": [round(x, 2) for x in load],
+        "loadavg_at_start": [round(x, 2) for x in _LOAD_AT_START],
+        "loadavg_at_end": [round(x, 2) for x in _loadavg()],
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
