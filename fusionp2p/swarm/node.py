@@ -158,7 +158,9 @@ class SwarmNode:
         self._changed = trio.Event()
         self._beat_now = trio.Event()
         self._rng = rng or random.Random()
-        self.prober = LinkProber(self, refusals=self.refusals, rng=self._rng)
+        self.prober = LinkProber(transport, config.probe, heartbeat=config.heartbeat, view=self.view,
+                                 bandwidth=self.bandwidth, members=self.members, counters=self.counters,
+                                 beat_soon=self.beat_soon, refusals=self.refusals, rng=self._rng)
         self._leaving = False
         self.listeners: list[Callable[[MemberEvent], None]] = []
         # announced in our record: the data plane's addresses (set by the job service once it listens) and

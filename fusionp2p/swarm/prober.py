@@ -17,16 +17,19 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
 from fusionp2p.errors import PeerUnavailable
-from fusionp2p.swarm.membership import ema, prober_of
+from fusionp2p.net.refusals import Refusals
+from fusionp2p.net.transport import Transport
+from fusionp2p.swarm.membership import BandwidthTable, MembershipView, ema, prober_of
 from fusionp2p.swarm.probe import (
     OWN,
     RAW_RETRY,
     ProbeBusy,
+    ProbeConfig,
     ProbeResult,
     ProbeServer,
     ProbeSession,
@@ -34,10 +37,6 @@ from fusionp2p.swarm.probe import (
     open_probe,
     probe_size,
 )
-
-if TYPE_CHECKING:
-    from fusionp2p.net.refusals import Refusals
-    from fusionp2p.swarm.node import SwarmNode
 
 log = logging.getLogger("fusionp2p.swarm.node")   # the node's log, as before the prober had a module of its own
 
@@ -58,13 +57,35 @@ class _Link:
     rtts: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW))
 
 
+class ProbeCounters(Protocol):
+    """The probe counters of the node's ``Counters`` (``swarm/node.py``), which the prober counts in."""
+
+    probes_ok: int
+    probes_failed: int
+    probes_busy: int
+    probes_direct: int
+    probes_inconclusive: int
+
+
 class LinkProber:
     """The probe state of one node (``SwarmNode.prober``): our links, our probe server, the duty bucket
-    and the refresh clock. ``dirty`` says a figure changed since the node last signed its report."""
+    and the refresh clock. ``dirty`` says a figure changed since the node last signed its report.
 
-    def __init__(self, node: SwarmNode, *, refusals: Refusals, rng: random.Random) -> None:
-        self.node = node
-        self.config = node.config.probe
+    It reads the node's view, bandwidth table and live members, counts in its counters, and asks it to
+    publish early (*beat_soon*); it does not know the node itself (swarm/node.py imports this module)."""
+
+    def __init__(self, transport: Transport, config: ProbeConfig, *, heartbeat: float, view: MembershipView,
+                 bandwidth: BandwidthTable, members: Callable[[], list[str]], counters: ProbeCounters,
+                 beat_soon: Callable[[], None], refusals: Refusals, rng: random.Random) -> None:
+        self.transport = transport
+        self.peer_id = transport.peer_id
+        self.config = config
+        self.heartbeat = heartbeat
+        self.view = view
+        self.bandwidth = bandwidth
+        self.members = members
+        self.counters = counters
+        self.beat_soon = beat_soon
         self.rng = rng
         self.links: dict[str, _Link] = {}
         self.server = ProbeServer(refusals=refusals)
@@ -100,19 +121,19 @@ class LinkProber:
     def _ours(self, peer: str, now: float) -> bool:
         """Whether we probe *peer*: the pair is ours (``prober_of``), or its prober has left it unmeasured
         for ``probe.takeover`` seconds (a peer that does not probe, or cannot reach us)."""
-        if prober_of(self.node.peer_id, peer) == self.node.peer_id:
+        if prober_of(self.peer_id, peer) == self.peer_id:
             return True
         since = self.known_since.get(peer)
         return (since is not None and now - since > self.config.takeover
-                and self.node.bandwidth.direct(self.node.peer_id, peer) is None)
+                and self.bandwidth.direct(self.peer_id, peer) is None)
 
     def _probe_targets(self) -> list[str]:
         """This round's peers: every never-measured one of ours (at most ``probe.first``; their first probe
         starts with a small pilot), otherwise, once ``probe.interval`` has passed since the last refresh,
         a random sample of ``probe.sample`` of ours."""
-        connected = set(self.node.transport.connected_peers())
+        connected = set(self.transport.connected_peers())
         now = trio.current_time()
-        peers = [p for p in self.node.members() if p != self.node.peer_id and p in connected and self._ours(p, now)]
+        peers = [p for p in self.members() if p != self.peer_id and p in connected and self._ours(p, now)]
         self.rng.shuffle(peers)   # every node walking the same sorted list would pile onto one target
         never = [p for p in peers if not self._measured(p)]
         if never:
@@ -125,7 +146,7 @@ class LinkProber:
     def _pending(self) -> bool:
         """Some peer of ours is not measured yet (not connected yet, busy, or its probe failed)."""
         now = trio.current_time()
-        return any(not self._measured(p) and self._ours(p, now) for p in self.node.members() if p != self.node.peer_id)
+        return any(not self._measured(p) and self._ours(p, now) for p in self.members() if p != self.peer_id)
 
     async def _probe_round(self) -> float:
         """Probe this round's peers; the seconds of bulk transfer spent.
@@ -157,7 +178,7 @@ class LinkProber:
                 # our share of the matrix is complete: publish it now, not up to a period later (not after
                 # every round: each gossip message costs the swarm ~N x D RPCs, which a forming swarm feels)
                 self.new_pairs = False
-                self.node.beat_soon()
+                self.beat_soon()
             # Our bulk transfers take at most probe_duty of the time in the long run (they load the peer's link
             # and, on one machine, its CPU: py-libp2p streams cost ~3 CPU-s per GB on each side): a token bucket
             # refills at probe_duty seconds per second up to probe_burst, and every transfer draws from it. A
@@ -168,9 +189,9 @@ class LinkProber:
             self._refill()
             self.credit -= spent
             if self._pending():
-                wait = self.node.config.heartbeat
+                wait = self.heartbeat
             else:
-                wait = max(self.node.config.heartbeat, self.next_refresh - trio.current_time(), -self.credit / self.config.duty)
+                wait = max(self.heartbeat, self.next_refresh - trio.current_time(), -self.credit / self.config.duty)
             with trio.move_on_after(wait):
                 await self.wake.wait()
             self.wake = trio.Event()
@@ -178,13 +199,13 @@ class LinkProber:
     async def _probe_one(self, peer: str, bulk: trio.Lock, slots: trio.CapacityLimiter, spent: list[float]) -> None:
         """Probe *peer* once (within a round): add the seconds its transfers took to ``spent[0]``."""
         async with slots:
-            if not self.node.view.is_alive(peer):
+            if not self.view.is_alive(peer):
                 return
             try:
                 with trio.fail_after(self.config.ctrl_timeout):
-                    session = await open_probe(self.node.transport, peer)
+                    session = await open_probe(self.transport, peer)
             except (PeerUnavailable, trio.TooSlowError) as exc:
-                self.node.counters.probes_failed += 1
+                self.counters.probes_failed += 1
                 log.debug("probe %s failed: %s", peer[:16], str(exc) or "timed out (open/ping)")
                 return
             try:
@@ -205,7 +226,7 @@ class LinkProber:
         """A never-measured link: its first transfer is sized from the pair's capacity estimate (our uplink,
         its downlink) when there is one, else it is a small pilot. Too long an estimate only costs a longer
         transfer (at most MEASURE_BYTES), too short a one a follow-up transfer."""
-        est = self.node.bandwidth.estimate(self.node.peer_id, peer)
+        est = self.bandwidth.estimate(self.peer_id, peer)
         size = probe_size(est.bandwidth, lo=self.config.bytes) if est is not None else self.config.bytes
         return _Link(next_bytes=size)
 
@@ -218,7 +239,7 @@ class LinkProber:
                 await trio.sleep(self.rng.uniform(0.1, 0.3))
             async with bulk:
                 if not self.server.reserve(OWN, trio.current_time()):
-                    self.node.counters.probes_busy += 1   # a peer measures its link to us: ours would share it
+                    self.counters.probes_busy += 1   # a peer measures its link to us: ours would share it
                     log.debug("probe %s: our own server is busy", peer[:16])
                     continue
                 try:
@@ -226,11 +247,11 @@ class LinkProber:
                     with trio.fail_after(self.config.timeout):
                         res = await session.measure(link.next_bytes, raw=raw)
                 except ProbeBusy:
-                    self.node.counters.probes_busy += 1
+                    self.counters.probes_busy += 1
                     log.debug("probe %s: busy", peer[:16])
                     continue
                 except (PeerUnavailable, trio.TooSlowError) as exc:
-                    self.node.counters.probes_failed += 1
+                    self.counters.probes_failed += 1
                     log.debug("probe %s failed: %s", peer[:16], str(exc) or "timed out (bulk)")
                     return None
                 finally:
@@ -240,7 +261,7 @@ class LinkProber:
         return None   # still busy: the next round tries again, one heartbeat later
 
     def _apply_probe(self, peer: str, res: ProbeResult) -> None:
-        if not self.node.view.is_alive(peer):
+        if not self.view.is_alive(peer):
             return   # it died or left while we measured it
         link = self._link(peer)
         if res.raw_failed:
@@ -252,11 +273,11 @@ class LinkProber:
         if res.reverse is not None:
             self.server.record_inbound(peer, res.reverse)   # its direction is our downlink
         if not res.measured:   # a pilot's figure: it sizes the next probe, it is never reported
-            self.node.counters.probes_inconclusive += 1
+            self.counters.probes_inconclusive += 1
             link.next_bytes = probe_size(res.bandwidth, lo=self.config.bytes)
             return
-        self.node.counters.probes_ok += 1
-        self.node.counters.probes_direct += res.path == "direct"
+        self.counters.probes_ok += 1
+        self.counters.probes_direct += res.path == "direct"
         a = self.config.ema_alpha
         if link.samples == 0:
             self.new_pairs = True
@@ -264,7 +285,7 @@ class LinkProber:
             # capacity estimate: a figure for every pair we are part of), the rest once our share is complete
             self.next_refresh = max(self.next_refresh, trio.current_time() + self.config.interval)
             if not any(ln.samples for ln in self.links.values()):
-                self.node.beat_soon()
+                self.beat_soon()
         link.bandwidth = ema(link.bandwidth, res.bandwidth, a)
         link.rtts.append(res.rtt)
         link.rtt = min(link.rtts)
