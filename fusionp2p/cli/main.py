@@ -297,26 +297,29 @@ def _slowdown(args: argparse.Namespace) -> float:
     ``slowdown``), else 1."""
     if args.emulate_slowdown is not None:
         return float(args.emulate_slowdown)
-    env = os.environ.get("FUSIONP2P_COMPUTE_SLOWDOWN", "").strip()
-    try:
-        return float(env) if env else 1.0
-    except ValueError:
-        raise ConfigError(f"FUSIONP2P_COMPUTE_SLOWDOWN={env!r} is not a number; unset it or give a factor like 2") from None
+    env = _env_float("FUSIONP2P_COMPUTE_SLOWDOWN", "unset it or give a factor like 2")
+    return 1.0 if env is None else env
 
 
 def _cpu_share() -> float | None:
     """This host's CPU share in cores, for ``--emulate-slowdown``: ``$FUSIONP2P_TESTBED_CPUS`` (the
     testbed's ``cpus``; a namespace's processes may not see their cgroup), else our cgroup quota."""
-    env = os.environ.get("FUSIONP2P_TESTBED_CPUS", "").strip()
-    if env:
-        try:
-            return float(env)
-        except ValueError:
-            raise ConfigError(f"FUSIONP2P_TESTBED_CPUS={env!r} is not a number of cores; unset it") from None
+    env = _env_float("FUSIONP2P_TESTBED_CPUS", "unset it or give a number of cores")
+    if env is not None:
+        return env
     from fusionp2p.swarm.device import own_cpu_quota
 
     quota = own_cpu_quota()
     return quota[0] if quota is not None else None
+
+
+def _env_float(name: str, fix: str) -> float | None:
+    """The number in ``$name`` (None: unset or empty); a one-line ConfigError saying *fix* otherwise."""
+    env = os.environ.get(name, "").strip()
+    try:
+        return float(env) if env else None
+    except ValueError:
+        raise ConfigError(f"{name}={env!r} is not a number; {fix}") from None
 
 
 def _check_bindable(host: str, port: int, flag: str) -> None:

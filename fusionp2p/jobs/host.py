@@ -19,6 +19,7 @@ from fusionp2p.net.addrs import tcp_endpoint
 from fusionp2p.net.bulk import DataPlane, DataPlaneConfig
 from fusionp2p.net.resilient import ResilientChannel, ResilientConfig
 from fusionp2p.net.transport import Transport
+from fusionp2p.swarm.device import check_slowdown
 from fusionp2p.swarm.node import SwarmNode
 
 
@@ -77,8 +78,7 @@ class NodeJobConfig:
     compute_cpus: float | None = None
 
     def __post_init__(self) -> None:
-        if not 1.0 <= self.compute_slowdown <= 1000.0:
-            raise ConfigError("--emulate-slowdown must be in 1..1000 (1 = full speed)")
+        check_slowdown(self.compute_slowdown)
         if self.compute_cpus is not None and not 0.0 < self.compute_cpus <= 1024.0:
             raise ConfigError("the CPU share of an emulated slowdown must be in (0, 1024] cores")
         if self.data_listen is not None:

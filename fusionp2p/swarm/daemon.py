@@ -40,14 +40,13 @@ class DaemonConfig:
     compute_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 1.0 <= self.compute_slowdown <= 1000.0:
-            raise ConfigError("--emulate-slowdown must be in 1..1000 (1 = full speed)")
         for b in self.bootstrap:
             parse_peer_addr(b)
         if self.role == "node":
-            from fusionp2p.swarm.device import parse_device
+            from fusionp2p.swarm.device import check_slowdown, parse_device
 
             parse_device(self.device)
+            check_slowdown(self.compute_slowdown)
         Libp2pConfig(listen=self.listen, announce=self.announce)  # validates the addresses
 
 

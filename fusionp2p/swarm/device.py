@@ -147,6 +147,13 @@ def own_cpu_quota() -> tuple[float, float] | None:
     return cpu_quota(text, _read) if text else None
 
 
+def check_slowdown(factor: float) -> None:
+    """A ConfigError unless *factor* is a compute slowdown a node may emulate (``--emulate-slowdown``:
+    ``DeviceProfile.slowed`` and the stage workers' sleeps; 1 = full speed)."""
+    if not 1.0 <= factor <= 1000.0:
+        raise ConfigError("--emulate-slowdown must be in 1..1000 (1 = full speed)")
+
+
 def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfile:
     """A short benchmark of the device (blocking: call it in a worker thread)."""
     dev = parse_device(device)
