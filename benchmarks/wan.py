@@ -169,6 +169,11 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
     if not chosen:
         raise ConfigError(f"no system among {systems}; known: {[s['name'] for s in SYSTEMS]}")
     spec = scenario_spec(scenario, slowdown_as_cap=slowdown_as_cap)
+    caps, cores = caps_sum(spec), os.cpu_count() or 1
+    if caps > 0.8 * cores:
+        # the hosts' caps are not reservations: near the machine's cores, every host gets less than its cap
+        log.warning("warning: the hosts' CPU caps sum to %.2f cores on a %d-core machine; with the bootstrap, the "
+                    "publisher and the shaping, the run is bound by the machine's CPUs, not the caps", caps, cores)
     workdir = Path(tempfile.mkdtemp(prefix=f"wan-{scenario}-"))
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with ExitStack() as stack:
@@ -221,7 +226,7 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
                 "hosts": [{"name": h.name, "up_bps": h.up_bps, "down_bps": h.down_bps, "cpus": h.cpus,
                            "slowdown": h.slowdown} for h in spec.hosts],
                 "slowdown": "cpu cap" if slowdown_as_cap else "node",
-                "caps_cores": caps_sum(spec), "machine_cores": os.cpu_count()}
+                "caps_cores": caps, "machine_cores": cores}
 
 
 def caps_sum(spec: TestbedSpec) -> float:
@@ -280,11 +285,6 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out if a.out != RESULTS / "wan.json" or a.scenario == "mixed" else RESULTS / f"wan_{a.scenario}.json"
     load0 = os.getloadavg()
     print(f"scenario {a.scenario} (testbed, tc tbf): {cfg.steps} steps per system, load {load0[0]:.2f}", flush=True)
-    caps, cores = caps_sum(scenario_spec(a.scenario, slowdown_as_cap=a.slowdown_as_cap)), os.cpu_count() or 1
-    if caps > 0.8 * cores:
-        # the hosts' caps are not reservations: near the machine's cores, every host gets less than its cap
-        print(f"warning: the hosts' CPU caps sum to {caps:.2f} cores on a {cores}-core machine; with the "
-              "bootstrap, the publisher and the shaping, the run is bound by the machine's CPUs, not the caps", flush=True)
     t0 = time.monotonic()
     res = run(a.scenario, cfg, systems=a.systems.split(",") if a.systems else None, keep_logs=a.keep_logs,
               slowdown_as_cap=a.slowdown_as_cap)
