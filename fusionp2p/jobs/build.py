@@ -342,7 +342,7 @@ def planner_config(cfg: TrainConfig) -> PlannerConfig:
                          co2_tau=co2.tau if co2 is not None else 1,
                          overlap_averaging=co2 is not None and not co2.sync,
                          stream_averaging=co2 is not None and co2.stream and not co2.sync,
-                         averaging_wire=0.5 if bf16 else 1.0,
+                         averaging_wire=0.5 if bf16 else 1.0, gradient_exchange=co2 is None,
                          # the bf16 wire keeps the last average of every fragment: one more fp32 copy
                          replica_memory_factor=PlannerConfig().replica_memory_factor + (1.0 if bf16 else 0.0))
 

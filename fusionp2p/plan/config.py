@@ -39,6 +39,9 @@ class PlannerConfig:
     balance_micro: bool = True              # data-parallel replicas of unequal speed: micro-batches by speed
     stream_averaging: bool = False          # streaming CO2: a fragment's round every step (its latency each step)
     averaging_wire: float = 1.0             # bytes a CO2 round sends per fp32 byte of parameters (0.5: CO2.wire "bf16")
+    # no CO2: the per-step gradient all-reduce, in which every replica sends its whole gradient to every other
+    # (train/worker.py _allreduce_grads): r-1 times the bytes in one hop, not CO2's butterfly
+    gradient_exchange: bool = False
     cluster_theta: float = 0.25             # merge clusters while inter-bandwidth >= theta * intra
     exact_search_devices: int = 5           # up to this many devices: search every device order
     skip_window: int = 32                   # cluster order: next stage at most this many devices later

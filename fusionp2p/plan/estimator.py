@@ -222,10 +222,10 @@ class CostModel:
 
         Compute is ``work / group_speed`` (``r x`` the slowest replica: lockstep); a replicated stage
         is charged ``replica_overhead`` on top and can never be faster than its CO2 averaging round
-        (a ring all-reduce of the stage's parameters, ``2 (r-1)/r * bytes / bandwidth``) amortised over
-        the ``tau * M * r`` micro-batches the group computes between two rounds: each replica's
+        (an all-reduce of the stage's parameters, ``2 (r-1)/r * bytes / bandwidth + 2 alpha``, :meth:`round_times`)
+        amortised over the ``tau * M * r`` micro-batches the group computes between two rounds: each replica's
         ``tau * M`` micro-batches must take at least one round (streaming CO2, a fragment's round every
-        step: its latency ``2 (r-1) alpha`` every step, its bytes amortised as before). A round that blocks the step
+        step: its latency ``2 alpha`` every step, its bytes amortised as before). A round that blocks the step
         (``overlap_averaging=False``: the per-step gradient all-reduce, synchronous CO2) adds to it.
 
         With *micro* (micro-batches per replica, :meth:`split_micro`) the replicas are not in lockstep:
@@ -234,14 +234,20 @@ class CostModel:
         """
         return float(self.replicated_time(self.range_work(i, j), self.range_params(i, j), group, micro))
 
-    def ring_times(self, params: T, group: Sequence[int]) -> tuple[T, float]:
-        """(bytes term, latency term) in seconds of a CO2 round of *params* bytes among *group*: a ring
-        all-reduce, ``2 (r-1)/r`` of the bytes over the slowest link between them and ``2 (r-1)`` hops of
-        its longest latency."""
+    def round_times(self, params: T, group: Sequence[int]) -> tuple[T, float]:
+        """(bytes term, latency term) in seconds of a CO2 round of *params* bytes among *group*: the
+        averager's butterfly (average/allreduce.py: a reduce-scatter, then an all-gather, each an all-to-all
+        of shards) moves ``2 (r-1)/r`` of the bytes over the slowest link between them, as a ring would, but
+        in one hop of the longest latency per phase, not ``r-1`` (charging a ring's ``2 (r-1)`` hops, a
+        probe's RTT inflated by a loaded uplink kept a fourth replica out of benchmarks.wan's ``slow``).
+        Without CO2 (``gradient_exchange``) every replica sends its whole gradient to every other: ``r-1``
+        times the bytes, in one hop."""
         r = len(group)
         sub = np.ix_(group, group)
-        return (2.0 * (r - 1) / r * params * self.config.averaging_wire / float(self.bw[sub].min()),
-                2.0 * (r - 1) * float(self.lat[sub].max()))
+        bw, lat = float(self.bw[sub].min()), float(self.lat[sub].max())
+        if self.config.gradient_exchange:
+            return (r - 1) * params * self.config.averaging_wire / bw, lat
+        return 2.0 * (r - 1) / r * params * self.config.averaging_wire / bw, 2.0 * lat
 
     def replicated_time(self, work: T, params: T, group: Sequence[int], micro: Sequence[int] | None = None) -> T:
         """:meth:`stage_time` from a stage's *work* and *params* (floats, or arrays of them for the
@@ -253,7 +259,7 @@ class CostModel:
         r = len(group)
         if r == 1:
             return t
-        ring_bytes, ring_lat = self.ring_times(params, group)
+        ring_bytes, ring_lat = self.round_times(params, group)
         tau = self.config.co2_tau
         # streaming CO2 sends 1/tau of the vector every step, in a round of its own: the bytes of one whole
         # round per tau steps, but a round's latency every step
@@ -264,14 +270,14 @@ class CostModel:
 
     def averaging_lag(self, i: int, j: int, group: Sequence[int], micro: Sequence[int] | None = None) -> int:
         """The lag of stage [i, j)'s streaming CO2 rounds on *group* (``OuterConfig.lag``): 2 when a
-        fragment's round (its ring bytes over the slowest link between the replicas, plus a hop of latency
-        per phase and peer) is predicted to take more than ``LAG_HEADROOM`` of a step's compute on the
+        fragment's round (its bytes over the slowest link between the replicas, plus a hop of latency
+        per phase) is predicted to take more than ``LAG_HEADROOM`` of a step's compute on the
         fastest replica, else 1. The fastest replica starts its next round soonest after the last one, so
         it is the one that would wait. One replica, fewer than 2 fragments or no streaming: 1."""
         r, tau = len(group), self.config.co2_tau
         if r == 1 or tau < 2 or not (self.config.overlap_averaging and self.config.stream_averaging):
             return 1
-        ring_bytes, ring_lat = self.ring_times(self.range_params(i, j), group)
+        ring_bytes, ring_lat = self.round_times(self.range_params(i, j), group)
         round_s = ring_bytes / tau + ring_lat
         counts = micro if micro else [self.config.micro_batches] * r
         step_s = self.range_work(i, j) * min(m / float(self.flops[d]) for m, d in zip(counts, group, strict=True))

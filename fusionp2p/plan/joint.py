@@ -25,7 +25,7 @@ module searches that grid and keeps OP-Fence as the inner solver:
      one stage on the ``r`` fastest devices wherever they sit (``how = "fastest"``).
 
 2. *Ratios and score.* Each candidate layout is refined under the real cost model (replica groups,
-   the CO2 ring all-reduce floor), gets its AdaTopK ratios from the policy (``predict.choose_ratios``)
+   the averaging round's floor), gets its AdaTopK ratios from the policy (``predict.choose_ratios``)
    and is scored by its predicted step time per ``M`` micro-batches of data
    (``Plan.step_time_s``: stage and fence times are throughput-equivalent, so ``r`` pipelines that
    each run ``M`` micro-batches per step count ``r`` times the data).

@@ -393,6 +393,25 @@ def test_streaming_co2_pays_a_rounds_latency_every_step() -> None:
     assert stream == pytest.approx(8 * whole, rel=1e-3)
 
 
+def test_a_round_pays_one_hop_of_latency_per_phase_whatever_the_replica_count() -> None:
+    """The averager's round is a butterfly (average/allreduce.py): a reduce-scatter and an all-gather, each
+    one all-to-all hop. A ring's 2 (r-1) hops were charged, so on benchmarks.wan's ``slow`` a probe's RTT
+    of 54 ms between the DSL hosts (a loaded 8 Mbit/s uplink) made four replicas look averaging-bound."""
+    from fusionp2p.plan.estimator import CostModel
+
+    alpha, m = 0.02, 4
+    wl = chain(1, act=1000, params=1000)
+    cfg = PlannerConfig(micro_batches=m, co2_tau=8, stream_averaging=True)
+    for r in (2, 3, 4):
+        cm = CostModel(wl, snapshot(r, bw=lambda a, b: 1e12, lat=alpha, flops=lambda i: 1e15), cfg)
+        # throughput-equivalent time per micro-batch x the r x M micro-batches of a step: one round's latency
+        assert cm.stage_time(0, 1, list(range(r))) * r * m == pytest.approx(2 * alpha, rel=1e-3)
+        assert cm.round_times(1000.0, list(range(r)))[1] == pytest.approx(2 * alpha)
+        # without CO2 every replica sends its whole gradient to every other, in one hop
+        exchange = CostModel(wl, snapshot(r, bw=lambda a, b: 1e6, lat=alpha),
+                             dataclasses.replace(cfg, gradient_exchange=True, co2_tau=1, overlap_averaging=False))
+        assert exchange.round_times(1000.0, list(range(r))) == pytest.approx(((r - 1) * 1000.0 / 1e6, alpha))
+
 def test_streaming_co2_rounds_that_take_most_of_a_step_are_applied_two_steps_late() -> None:
     import dataclasses
 
