@@ -35,6 +35,7 @@ over that of the per-step all-reduce at the same replica count and samples, targ
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tempfile
 import time
@@ -66,6 +67,7 @@ HELD_BATCHES = 16       # held-out micro-batches evaluated per model
 ASYNC_OR_COMPRESSED = ("co2-async", "co2-async-adatopk", "opfence")
 SYSTEMS = ("adamw", "allreduce", "co2-sync", *ASYNC_OR_COMPRESSED)
 EXTRA = ("co2-stale", "co2-async-fp32")   # selectable with --systems, not run by default
+CARRIED = ("adamw", "allreduce")   # --reference: the dense references, untouched by the averager and the compression
 
 
 class ByteMLP(nn.Module):
@@ -204,6 +206,22 @@ def plot(path: Path, curves: dict[str, dict[int, float]], samples_per_step: dict
     plt.close(fig)
 
 
+def carry_reference(path: Path, results: dict[str, Any], curves: dict[str, dict[int, float]],
+                    per_step: dict[str, int]) -> None:
+    """Take the dense references this run did not repeat (``CARRIED``: no CO2, so nothing of the averager or
+    the compression reaches them) from an earlier results JSON of the same model and steps."""
+    old = json.loads(path.read_text())["results"]
+    if (old["model"], old["steps"], old["replicas"]) != (results["model"], results["steps"], results["replicas"]):
+        raise SystemExit(f"{path}: another model, step count or replica count than this run")
+    for name, entry in old["systems"].items():
+        if name in results["systems"] or name not in CARRIED:
+            continue
+        results["systems"][name] = {**entry, "from": str(path)}
+        if name in old.get("curves", {}):
+            per_step[name] = entry["samples"] // entry["steps"]
+            curves[name] = dict(enumerate(old["curves"][name]))
+
+
 def main() -> None:
     p = parser("convergence", __doc__)
     p.add_argument("--steps", type=int, default=2000, help="steps of R=2 replicas (every system sees the same samples)")
@@ -213,6 +231,9 @@ def main() -> None:
                    help="AdaTopK.dense_finish of the compressed systems (default: the product's default)")
     p.add_argument("--rho-min", type=float, default=None,
                    help="AdaTopK.rho_min (the floor of a fence's kept fraction) of the compressed systems (default: the product's)")
+    p.add_argument("--reference", type=Path, default=None,
+                   help="a results JSON of the same model and steps: the dense references (" + ", ".join(CARRIED) +
+                        ") this run does not repeat are taken from it, marked with where they came from")
     args = p.parse_args()
     steps = 40 if args.quick else args.steps
     systems = [s for s in args.systems.split(",") if s]
@@ -272,6 +293,8 @@ def main() -> None:
         curves[system] = curve
         per_step[system] = r * cfg.samples_per_step
         print(f"{system:>18}: held-out loss {loss:.4f}  ({cfg.steps} steps x {r} replicas, {took:.0f} s)", flush=True)
+    if args.reference is not None:
+        carry_reference(args.reference, results, curves, per_step)
     res = results["systems"]
     # each async/compressed system over its reference: the all-reduce at its own replica count
     ratios = {}

@@ -212,8 +212,11 @@ def test_any_bit_flip_is_rejected(pos: int, bit: int) -> None:
 
 
 def test_the_dense_finish_is_left_off_the_wire_at_its_default() -> None:
-    # older specs keep their bytes and signatures; a set value round-trips
+    # a spec at the defaults keeps its bytes and signature; a set value (none, too) round-trips
     assert AdaTopK().to_wire() == {"rho_min": 0.3}
-    wired = AdaTopK(dense_finish=0.25).to_wire()
-    assert wired["dense_finish"] == 0.25 and AdaTopK.from_wire(wired) == AdaTopK(dense_finish=0.25)
-    assert (AdaTopK().dense_from(400), AdaTopK(dense_finish=0.1).dense_from(400)) == (400, 360)
+    for f in (0.0, 0.25):
+        wired = AdaTopK(dense_finish=f).to_wire()
+        assert wired["dense_finish"] == f and AdaTopK.from_wire(wired) == AdaTopK(dense_finish=f)
+    assert AdaTopK().dense_finish == 0.05
+    assert (AdaTopK().dense_from(400), AdaTopK(dense_finish=0.1).dense_from(400), AdaTopK(dense_finish=0.0).dense_from(400)) \
+        == (380, 360, 400)
