@@ -210,13 +210,14 @@ def carry_reference(path: Path, results: dict[str, Any], curves: dict[str, dict[
                     per_step: dict[str, int]) -> None:
     """Take the dense references this run did not repeat (``CARRIED``: no CO2, so nothing of the averager or
     the compression reaches them) from an earlier results JSON of the same model and steps."""
-    old = json.loads(path.read_text())["results"]
+    doc = json.loads(path.read_text())
+    old, when = doc["results"], doc.get("time", "?")
     if (old["model"], old["steps"], old["replicas"]) != (results["model"], results["steps"], results["replicas"]):
         raise SystemExit(f"{path}: another model, step count or replica count than this run")
     for name, entry in old["systems"].items():
         if name in results["systems"] or name not in CARRIED:
             continue
-        results["systems"][name] = {**entry, "from": str(path)}
+        results["systems"][name] = {**entry, "from": f"{path} ({when})"}   # the run's time: the file may be overwritten
         if name in old.get("curves", {}):
             per_step[name] = entry["samples"] // entry["steps"]
             curves[name] = dict(enumerate(old["curves"][name]))

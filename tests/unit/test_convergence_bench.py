@@ -18,7 +18,7 @@ def _old(tmp_path: Path, **over: Any) -> Path:
                "curves": {"allreduce": [3.0, 2.0, 1.5], "co2-async": [3.0, 2.1, 1.4]}}
     results.update(over)
     path = tmp_path / "old.json"
-    path.write_text(json.dumps({"results": results}))
+    path.write_text(json.dumps({"results": results, "time": "2026-11-28T08:50:33"}))
     return path
 
 
@@ -30,7 +30,7 @@ def test_only_the_dense_references_are_carried_and_say_where_from(tmp_path: Path
     per_step: dict[str, int] = {"opfence": 64}
     carry_reference(path, results, curves, per_step)
     assert sorted(results["systems"]) == ["allreduce", "opfence"]      # co2-async ran on other code: not carried
-    assert results["systems"]["allreduce"]["from"] == str(path)
+    assert results["systems"]["allreduce"]["from"] == f"{path} (2026-11-28T08:50:33)"
     assert curves["allreduce"] == {0: 3.0, 1: 2.0, 2: 1.5} and per_step["allreduce"] == 64
 
 
