@@ -259,11 +259,11 @@ class CostModel:
         r = len(group)
         if r == 1:
             return t
-        ring_bytes, ring_lat = self.round_times(params, group)
+        round_bytes, round_lat = self.round_times(params, group)
         tau = self.config.co2_tau
         # streaming CO2 sends 1/tau of the vector every step, in a round of its own: the bytes of one whole
         # round per tau steps, but a round's latency every step
-        per_step = ring_bytes / tau + (ring_lat if self.config.stream_averaging else ring_lat / tau)
+        per_step = round_bytes / tau + (round_lat if self.config.stream_averaging else round_lat / tau)
         floor = per_step / (self.config.micro_batches * r)
         t = t * (1.0 + self.config.replica_overhead)
         return np.maximum(t, floor) if self.config.overlap_averaging else t + floor
@@ -277,8 +277,8 @@ class CostModel:
         r, tau = len(group), self.config.co2_tau
         if r == 1 or tau < 2 or not (self.config.overlap_averaging and self.config.stream_averaging):
             return 1
-        ring_bytes, ring_lat = self.round_times(self.range_params(i, j), group)
-        round_s = ring_bytes / tau + ring_lat
+        round_bytes, round_lat = self.round_times(self.range_params(i, j), group)
+        round_s = round_bytes / tau + round_lat
         counts = micro if micro else [self.config.micro_batches] * r
         step_s = self.range_work(i, j) * min(m / float(self.flops[d]) for m, d in zip(counts, group, strict=True))
         return 2 if round_s > LAG_HEADROOM * step_s else 1
