@@ -330,6 +330,9 @@ class NodeJobs:
         return await self.content.fetch(h, max_size=max_size)
 
 
+MICRO_PERIOD = 8   # asynchronous CO2: replicas' micro-batches per step in eighths (Plan.micro_period)
+
+
 def planner_config(cfg: TrainConfig) -> PlannerConfig:
     """The planner's cost model for a job: its micro-batches, compression, AdaTopK floor and averaging period
     (per-step gradient all-reduce without CO2: one step), whether the averaging hides behind the
@@ -343,6 +346,8 @@ def planner_config(cfg: TrainConfig) -> PlannerConfig:
                          overlap_averaging=co2 is not None and not co2.sync,
                          stream_averaging=co2 is not None and co2.stream and not co2.sync,
                          averaging_wire=0.5 if bf16 else 1.0, gradient_exchange=co2 is None,
+                         # replicas of unequal speed: fractional micro-batches a step where no round blocks it
+                         micro_period=MICRO_PERIOD if co2 is not None and not co2.sync else 1,
                          # the bf16 wire keeps the last average of every fragment: one more fp32 copy
                          replica_memory_factor=PlannerConfig().replica_memory_factor + (1.0 if bf16 else 0.0))
 

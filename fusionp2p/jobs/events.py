@@ -76,8 +76,9 @@ class PlanChanged:
     (1.0 = dense), ``link_bps`` the bandwidth of the link it was chosen for (bytes/s, the replica pairs
     together), ``fence_s`` / ``dense_s`` the predicted seconds per micro-batch with / without that ratio;
     ``step_s`` the predicted step time and ``how`` the layout that won (``fusionp2p.plan.joint``);
-    ``micro`` the micro-batches each pipeline runs a step when they differ in speed (by speed; empty:
-    every pipeline runs the job's ``micro_batches``).
+    ``micro`` the micro-batches each pipeline runs a step on average when they differ in speed (by speed,
+    ``Plan.micro_share``: 4.75 is 5, 5, 5 and 4 over four steps; empty: every pipeline runs the job's
+    ``micro_batches``).
     """
 
     KIND: ClassVar[str] = "plan"
@@ -93,7 +94,7 @@ class PlanChanged:
     dense_s: tuple[float, ...] = field(default=(), metadata=_PEERS)
     step_s: float = 0.0
     how: str = field(default="", metadata={"wire": {"max_len": 64}})
-    micro: tuple[int, ...] = field(default=(), metadata={"wire": {"max_len": 4096, "omit_default": True}})  # per pipeline
+    micro: tuple[float, ...] = field(default=(), metadata={"wire": {"max_len": 4096, "omit_default": True}})  # per pipeline
 
     @classmethod
     def of(cls, plan: Plan, *, at: float) -> PlanChanged:
@@ -104,7 +105,7 @@ class PlanChanged:
                    members=tuple(p for s in plan.stages for p in s.replicas), at=at,
                    rho=tuple(f.rho for f in fs), link_bps=tuple(f.bandwidth_bps for f in fs),
                    fence_s=tuple(f.time_s for f in fs), dense_s=tuple(f.dense_time_s for f in fs),
-                   step_s=plan.step_time_s, how=plan.how, micro=plan.micro)
+                   step_s=plan.step_time_s, how=plan.how, micro=plan.micro_share)
 
     def describe(self) -> str:
         """One line per fence: ``fence 0: kept 0.027 on 4.0 MB/s (0.282 s -> 0.034 s per micro-batch)``."""
@@ -116,7 +117,7 @@ class PlanChanged:
             what = "dense" if rho >= 1.0 else f"AdaTopK keeps {rho:.4g}"
             lines.append(f"fence {k}: {what}{bw}{t}")
         if self.micro:
-            lines.append(f"micro-batches per replica, by speed: {', '.join(str(m) for m in self.micro)}")
+            lines.append(f"micro-batches per replica a step, by speed: {', '.join(f'{m:g}' for m in self.micro)}")
         return "\n".join(lines)
 
 

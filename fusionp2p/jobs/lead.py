@@ -293,7 +293,7 @@ class Leading:
         if not new > base * (1.0 + REBALANCE_GAIN):
             log.info("job %s: measured per micro-batch %s; a plan by them (micro %s) is predicted at %.3g "
                      "micro-batches/s against %.3g, under %.0f%% faster: keeping the plan", self.job_id, measured,
-                     list(trial.micro) or "even", new, base, 100 * REBALANCE_GAIN)
+                     list(trial.micro_share) or "even", new, base, 100 * REBALANCE_GAIN)
             return
         at = self._planned_halt(plan, w, states)
         if at is None:
@@ -306,7 +306,7 @@ class Leading:
         if saved < cfg.replan_min_saving:
             log.info("job %s: measured per micro-batch %s; a plan by them (micro %s) would save %.1f s of the %d "
                      "steps left, under %.0f s: keeping the plan", self.job_id, measured,
-                     list(trial.micro) or "even", saved, self.spec.config.steps - at, cfg.replan_min_saving)
+                     list(trial.micro_share) or "even", saved, self.spec.config.steps - at, cfg.replan_min_saving)
             return
         # from now on this leader plans every member with its measured speed, and the nodes not measured yet
         # with the members' typical ratio of training to start-up speed
@@ -315,7 +315,7 @@ class Leading:
         self._speed_typical = typical(self._speeds)
         self._rebalances += 1
         await self._lead(plan, at=at, why=f"measured per micro-batch {measured}: predicted {new:.3g} micro-batches/s "
-                                          f"against {base:.3g} (micro {list(trial.micro) or 'even'})")
+                                          f"against {base:.3g} (micro {list(trial.micro_share) or 'even'})")
 
     async def _offer_to(self, peer: str) -> None:
         try:

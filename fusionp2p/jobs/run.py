@@ -562,7 +562,8 @@ class JobRun(Leading):
                             rho_out=rho_out, report=report, checkpoint=checkpoint if r == 0 else None,
                             start_step=resume.step, restore=restore, halt=self._halt,
                             recv_timeout=self.svc.config.recv_timeout, eval_data=eval_data_fn(self.accepted),
-                            micro=plan.micro, averaging_lag=averaging_lag(self.spec, self.accepted.dag, plan, snap, s),
+                            micro=plan.micro, micro_period=plan.micro_period,
+                            averaging_lag=averaging_lag(self.spec, self.accepted.dag, plan, snap, s),
                             compute_slowdown=self.svc.config.compute_slowdown, compute_cpus=self.svc.config.compute_cpus)
 
     async def _replicate(self, plan: Plan, s: int, h: str, step: int) -> None:

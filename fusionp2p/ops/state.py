@@ -73,7 +73,7 @@ def plan_json(plan: Plan, limits: OpsLimits) -> dict[str, Any]:
     """The plan as the dashboard draws it: stages with their replicas, fences with their kept ratios."""
     return {
         "epoch": plan.epoch, "plan_hash": plan.plan_hash(), "algorithm": plan.algorithm,
-        "micro_batches": plan.micro_batches, "micro": list(plan.micro), "step_time_s": plan.step_time_s, "bottleneck_s": plan.bottleneck_s,
+        "micro_batches": plan.micro_batches, "micro": list(plan.micro), "micro_period": plan.micro_period, "step_time_s": plan.step_time_s, "bottleneck_s": plan.bottleneck_s,
         "stages": [{"index": i, "units": [s.start, s.end], "replicas": list(s.replicas[: limits.replicas]),
                     "replicas_total": len(s.replicas), "compute_s": s.compute_s, "memory_bytes": s.memory_bytes}
                    for i, s in enumerate(plan.stages[: limits.stages])],

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.plan.plan import MAX_MICRO_PERIOD
 from fusionp2p.plan.snapshot import Link
 from fusionp2p.plan.wirebytes import dense_ratio
 
@@ -37,6 +38,9 @@ class PlannerConfig:
     co2_tau: int = 48                       # local steps between CO2 averaging rounds
     overlap_averaging: bool = True          # False: the round blocks the step (per-step all-reduce, CO2 sync)
     balance_micro: bool = True              # data-parallel replicas of unequal speed: micro-batches by speed
+    # ... dealt over this many steps (Plan.micro_period): a replica may run 4.75 a step (5, 5, 5, 4) where the
+    # averaging does not block the step; 1 where it does (each step lasts as long as its slowest replica)
+    micro_period: int = 1
     stream_averaging: bool = False          # streaming CO2: a fragment's round every step (its latency each step)
     averaging_wire: float = 1.0             # bytes a CO2 round sends per fp32 byte of parameters (0.5: CO2.wire "bf16")
     # no CO2: the per-step gradient all-reduce, in which every replica sends its whole gradient to every other
@@ -50,6 +54,8 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
             raise ConfigError("micro_batches must be >= 1")
+        if not 1 <= self.micro_period <= MAX_MICRO_PERIOD:
+            raise ConfigError(f"micro_period must be in [1, {MAX_MICRO_PERIOD}]")
         if not 0 < self.averaging_wire <= 1:
             raise ConfigError("averaging_wire must be in (0, 1]")
         for kind, eff in self.efficiency:

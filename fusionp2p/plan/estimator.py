@@ -191,19 +191,19 @@ class CostModel:
         return len(group) * float(self.flops[list(group)].min())
 
     def split_micro(self, group: Sequence[int]) -> tuple[int, ...] | None:
-        """Micro-batches per replica of *group* (in its order) for one step, in proportion to speed: the
-        step's ``M x r`` micro-batches given one at a time to the replica that would finish it first
-        (earliest finish: the shortest makespan for equal jobs on devices of different speeds), each
-        replica at least one and at most ``MAX_MICRO_RATIO`` x the fewest. None when that is
-        ``M`` each (lockstep)."""
-        r, m = len(group), self.config.micro_batches
+        """Micro-batches per replica of *group* (in its order) per ``micro_period`` steps (``P``), in
+        proportion to speed: the ``M x r x P`` of those steps given one at a time to the replica that
+        would finish it first (earliest finish: the shortest makespan for equal jobs on devices of
+        different speeds), each replica at least one a step and at most ``MAX_MICRO_RATIO`` x the fewest.
+        None when that is ``M`` a step each (lockstep)."""
+        r, m, p = len(group), self.config.micro_batches, self.config.micro_period
         if r < 2:
             return None
         speed = [float(self.flops[d]) for d in group]
-        counts = [1] * r
-        heap = [(2.0 / speed[k], k) for k in range(r)]
+        counts = [p] * r
+        heap = [((p + 1) / speed[k], k) for k in range(r)]
         heapq.heapify(heap)
-        for _ in range(m * r - r):
+        for _ in range((m - 1) * r * p):
             held: list[tuple[float, int]] = []
             while True:
                 t, k = heapq.heappop(heap)
@@ -214,7 +214,7 @@ class CostModel:
             heapq.heappush(heap, ((counts[k] + 1) / speed[k], k))
             for item in held:
                 heapq.heappush(heap, item)
-        return None if all(c == m for c in counts) else tuple(counts)
+        return None if all(c == m * p for c in counts) else tuple(counts)
 
     def stage_time(self, i: int, j: int, group: Sequence[int], micro: Sequence[int] | None = None) -> float:
         """Seconds per micro-batch of stage [i, j) served by *group* (throughput-equivalent: the group's
@@ -280,7 +280,8 @@ class CostModel:
         round_bytes, round_lat = self.round_times(self.range_params(i, j), group)
         round_s = round_bytes / tau + round_lat
         counts = micro if micro else [self.config.micro_batches] * r
-        step_s = self.range_work(i, j) * min(m / float(self.flops[d]) for m, d in zip(counts, group, strict=True))
+        per_step = self.config.micro_batches * r / sum(counts)     # micro counts a period of steps (micro_period)
+        step_s = self.range_work(i, j) * min(m * per_step / float(self.flops[d]) for m, d in zip(counts, group, strict=True))
         return 2 if round_s > LAG_HEADROOM * step_s else 1
 
 

@@ -40,6 +40,7 @@ PLAN_VERSION = 1
 MAX_PLAN_BYTES = DEFAULT_LIMITS.max_control_frame
 MAX_STAGES = 4096
 MAX_MICRO_RATIO = 4  # most / fewest micro-batches of two pipelines (the averager refuses weights further apart)
+MAX_MICRO_PERIOD = 64  # steps over which the micro-batches per pipeline repeat (Plan.micro_period)
 RHO_GRID = 10_000  # kept ratios are multiples of 1/RHO_GRID, so that they hash identically everywhere
 
 
@@ -108,13 +109,18 @@ class Plan:
     step_time_s: float = 0.0
     how: str = ""                                   # which candidate won (plan/joint.py), "" for other planners
     considered: tuple[Candidate, ...] = ()          # every candidate scored, best first
-    # Micro-batches of each pipeline (replica index r) per step, in proportion to its speed; () = every
-    # pipeline runs ``micro_batches`` (lockstep). They sum to ``micro_batches x replicas``, so a step sees
-    # the same samples either way, and the averages weigh each replica by its count.
+    # Micro-batches of each pipeline (replica index r) per ``micro_period`` steps, in proportion to its
+    # speed; () = every pipeline runs ``micro_batches`` (lockstep). They sum to ``micro_batches x replicas
+    # x micro_period``, and every step deals out ``micro_batches x replicas`` of them (:meth:`micro_at`), so
+    # a step sees the same samples either way, and the averages weigh each replica by its share. A period
+    # above 1 gives a replica a fractional number per step (4.75 = 5, 5, 5, 4), which whole micro-batches
+    # per step cannot (a step of 16 among 4 replicas is split in 16ths of it, the speeds are not).
     micro: tuple[int, ...] = ()
+    micro_period: int = 1
 
     MAX_CANDIDATES: ClassVar[int] = 64
     MAX_MICRO_RATIO: ClassVar[int] = MAX_MICRO_RATIO
+    MAX_MICRO_PERIOD: ClassVar[int] = MAX_MICRO_PERIOD
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -136,12 +142,15 @@ class Plan:
             seen.update(s.replicas)
         if self.micro_batches < 1:
             raise ValueError("micro_batches must be >= 1")
+        if not 1 <= self.micro_period <= self.MAX_MICRO_PERIOD or (self.micro_period > 1 and not self.micro):
+            raise ValueError(f"micro_period must be in [1, {self.MAX_MICRO_PERIOD}], and 1 without micro")
         if self.micro:
-            r = len(self.stages[0].replicas)
+            r, p = len(self.stages[0].replicas), self.micro_period
             if any(len(st.replicas) != r for st in self.stages):
                 raise ValueError("micro-batches per pipeline need the same replica count on every stage")
-            if len(self.micro) != r or min(self.micro) < 1 or sum(self.micro) != self.micro_batches * r:
-                raise ValueError(f"micro-batches per pipeline must be {r} counts >= 1 summing to {self.micro_batches * r}")
+            if len(self.micro) != r or min(self.micro) < p or sum(self.micro) != self.micro_batches * r * p:
+                raise ValueError(f"micro-batches per pipeline must be {r} counts >= {p} summing to "
+                                 f"{self.micro_batches * r * p}")
             if max(self.micro) > self.MAX_MICRO_RATIO * min(self.micro):
                 raise ValueError(f"micro-batches per pipeline differ by more than {self.MAX_MICRO_RATIO}x")
 
@@ -150,6 +159,15 @@ class Plan:
     def throughput(self) -> float:
         """Micro-batches per second over a whole step (M / step_time)."""
         return self.micro_batches / self.step_time_s if self.step_time_s > 0 else math.inf
+
+    def micro_at(self, step: int) -> tuple[int, ...]:
+        """Micro-batches of each pipeline at *step* (() when in lockstep): :func:`micro_schedule`."""
+        return micro_schedule(self.micro, self.micro_period, step)
+
+    @property
+    def micro_share(self) -> tuple[float, ...]:
+        """Micro-batches of each pipeline per step on average (() when in lockstep)."""
+        return tuple(m / self.micro_period for m in self.micro)
 
     @property
     def peers(self) -> tuple[str, ...]:
@@ -170,6 +188,7 @@ class Plan:
             "stages": [[s.start, s.end, list(s.replicas)] for s in self.stages],
             "rho": [round(f.rho * RHO_GRID) for f in self.fences],
             **({"micro": [int(m) for m in self.micro]} if self.micro else {}),   # absent: lockstep (same hash as before)
+            **({"micro_period": int(self.micro_period)} if self.micro_period > 1 else {}),
         }
 
     def plan_hash(self) -> str:
@@ -235,7 +254,7 @@ class Plan:
             if not isinstance(raw_micro, list) or len(raw_micro) > len(stages[0].replicas):
                 raise TypeError("bad micro-batches per pipeline")
             return cls(
-                micro=tuple(_int(x) for x in raw_micro),
+                micro=tuple(_int(x) for x in raw_micro), micro_period=_int(m.get("micro_period", 1)),
                 job=as_str(m.get("job"), "plan job"), epoch=as_int(m.get("epoch"), "plan epoch", lo=0, hi=U63),
                 snapshot_hash=as_str(m.get("snapshot"), "plan snapshot"), algorithm=as_str(m.get("algorithm"), "plan algorithm"),
                 seed=as_int(m.get("seed"), "plan seed"), n_units=as_int(m.get("n_units"), "plan n_units", lo=1, hi=1 << 24),
@@ -246,6 +265,32 @@ class Plan:
             )
         except (ValueError, TypeError, OverflowError, AttributeError) as exc:
             raise RemoteProtocolError(f"plan: invalid content: {exc}") from exc
+
+
+def micro_schedule(micro: tuple[int, ...], period: int, step: int) -> tuple[int, ...]:
+    """Micro-batches of each pipeline at *step*, from their counts *micro* per *period* steps (sum
+    ``M x r x period``, each at least *period*): every pipeline runs ``micro[k] // period`` and the step's
+    other micro-batches go to the pipelines with the most credit, each pipeline earning ``micro[k] %
+    period`` a step and paying ``period`` for a micro-batch (a smooth weighted round robin, ties to the
+    lower index). Every step deals out the same total; over each *period* steps from a multiple of it a
+    pipeline runs exactly ``micro[k]``, and at no step is it more than one micro-batch from its share.
+    The same on every member: a pure function of the plan and the step. () for ().
+    """
+    if not micro:
+        return ()
+    if period == 1:
+        return micro
+    base = [m // period for m in micro]
+    frac = [m % period for m in micro]
+    extra = sum(frac) // period
+    credit = [0] * len(micro)
+    picked: list[int] = []
+    for _ in range(step % period + 1):
+        credit = [c + f for c, f in zip(credit, frac)]
+        picked = sorted(range(len(micro)), key=lambda k: (-credit[k], k))[:extra]
+        for k in picked:
+            credit[k] -= period
+    return tuple(b + (k in picked) for k, b in enumerate(base))
 
 
 def _int(v: Any) -> int:

@@ -92,13 +92,18 @@ def build_plan(
 ) -> Plan:
     """A :class:`Plan` for *layout* with every prediction computed under *cm*. With *balance*, a
     one-stage layout whose replicas differ in speed gives each replica micro-batches in proportion to
-    its speed (``Plan.micro``, :meth:`CostModel.split_micro`) instead of running them in lockstep."""
+    its speed (``Plan.micro`` per ``Plan.micro_period`` steps, :meth:`CostModel.split_micro`) instead of
+    running them in lockstep."""
     order = pipeline_order(cm, layout)
     micro = cm.split_micro(order[0]) if balance and len(layout) == 1 else None
     if micro is not None:
         i, j, g = layout[0][0], layout[0][1], order[0]
         if cm.stage_time(i, j, g, micro) > (1.0 - BALANCE_MIN_GAIN) * cm.stage_time(i, j, g):
             micro = None     # within the noise of measured speeds: lockstep (equal machines stay equal)
+    period = cm.config.micro_period if micro is not None else 1
+    if micro is not None:       # in lowest terms: (16, 16, 48, 48) a period of 8 steps is (2, 2, 6, 6) a step
+        g_all = math.gcd(period, *micro)
+        micro, period = tuple(x // g_all for x in micro), period // g_all
     stages = []
     for (i, j, _), g in zip(layout, order):
         reps = tuple(cm.peers[d] for d in g)
@@ -113,7 +118,8 @@ def build_plan(
     bottleneck, step = step_time([s.compute_s for s in stages], [f.time_s for f in fences], cm.config.micro_batches)
     return Plan(job=job, epoch=epoch, snapshot_hash=snapshot_hash, algorithm=algorithm, seed=seed,
                 n_units=cm.n_units, micro_batches=cm.config.micro_batches, stages=tuple(stages),
-                fences=tuple(fences), bottleneck_s=bottleneck, step_time_s=step, micro=micro or ())
+                fences=tuple(fences), bottleneck_s=bottleneck, step_time_s=step, micro=micro or (),
+                micro_period=period)
 
 
 def pipeline_order(cm: CostModel, layout: Layout) -> list[tuple[int, ...]]:

@@ -46,6 +46,7 @@ from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, RemoteProto
 from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.plan.plan import MAX_MICRO_PERIOD, micro_schedule
 from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, load_anchor_, open_replica_averager
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
@@ -114,10 +115,12 @@ class StageContext:
     halt: Halt | None = None                       # set by the job while training: stop at a step boundary
     recv_timeout: float | None = None              # seconds to wait for any one message (None: forever)
     eval_data: DataFn | None = None                # the held-out examples (for the final evaluation)
-    # micro-batches per step of every pipeline (replica index), in proportion to speed (``Plan.micro``);
-    # () = ``config.micro_batches`` each. The step's ``micro_batches x replicas`` micro-batches are dealt
-    # out in pipeline order, and the averages weigh each replica by its count.
+    # micro-batches per ``micro_period`` steps of every pipeline (replica index), in proportion to speed
+    # (``Plan.micro``); () = ``config.micro_batches`` a step each. Each step's ``micro_batches x replicas``
+    # micro-batches are dealt out in pipeline order by ``plan.micro_schedule``, and the averages weigh
+    # each replica by its share.
     micro: Sequence[int] = ()
+    micro_period: int = 1
     # streaming CO2: apply each fragment's round this many steps after its snapshot (OuterConfig.lag; the
     # job sets it from the plan: jobs/build.averaging_lag)
     averaging_lag: int = 1
@@ -221,19 +224,24 @@ class StageWorker:
         # hostile peers (train/guard.py): bounded queues, and no non-finite value reaches the parameters
         self._guard = StepGuard(stage=self.prog.stage)
         self._skipped = ""
-        if ctx.micro and (len(ctx.micro) != ctx.replicas or sum(ctx.micro) != ctx.config.micro_batches * ctx.replicas
-                          or min(ctx.micro) < 1):
-            raise ConfigError(f"micro-batches per pipeline {tuple(ctx.micro)} do not deal out "
-                              f"{ctx.config.micro_batches} x {ctx.replicas}")
-        self._m = ctx.micro[ctx.replica] if ctx.micro else ctx.config.micro_batches   # this pipeline's count
+        period = ctx.micro_period
+        if not 1 <= period <= MAX_MICRO_PERIOD or (ctx.micro and (
+                len(ctx.micro) != ctx.replicas or sum(ctx.micro) != ctx.config.micro_batches * ctx.replicas * period
+                or min(ctx.micro) < period)):
+            raise ConfigError(f"micro-batches per pipeline {tuple(ctx.micro)} over {period} step(s) do not deal out "
+                              f"{ctx.config.micro_batches} x {ctx.replicas} a step")
+        self._micro = tuple(ctx.micro)
+        # this pipeline's micro-batches a step on average (its weight in the averages), and at most
+        self._share = ctx.micro[ctx.replica] / period if ctx.micro else float(ctx.config.micro_batches)
+        self._m_most = max(micro_schedule(self._micro, period, t)[ctx.replica] for t in range(period)) \
+            if ctx.micro else ctx.config.micro_batches
         # forward + backward seconds and micro-batches of this epoch's steps after its first (which warms up):
         # the speed this replica trains at, which the job's leader may re-balance the micro-batches by
         # (jobs/rebalance.py). Not the optimizer step nor the all-reduce: they do not scale with the count
         self.busy_s = 0.0
         self.busy_micros = 0
         self._first_done: tuple[float, int] | None = None   # (when, completed) at the end of this epoch's first step
-        self._m_first = sum(ctx.micro[:ctx.replica]) if ctx.micro else ctx.replica * ctx.config.micro_batches
-        self._pipe_budget = pipeline_budget(self.prog, self._m)
+        self._pipe_budget = pipeline_budget(self.prog, self._m_most)
         self._avg_budget = replica_budget(self.prog, len(ctx.peers), sum(p.numel() for p in self._params))
 
     def seconds_left(self) -> float | None:
@@ -307,7 +315,7 @@ class StageWorker:
                 me = f"r{self.ctx.replica}"
                 co2 = self.ctx.config.co2
                 acfg = AveragerConfig(outer=self._outer, job=self.ctx.job, stage=self.prog.stage,
-                                      round_timeout=self.ctx.recv_timeout or 600.0, weight=float(self._m),
+                                      round_timeout=self.ctx.recv_timeout or 600.0, weight=self._share,
                                       wire=co2.wire if co2 is not None else "fp32")
                 restored = self.ctx.restore
                 momentum = restored.momentum_vector(self._layout()) if restored is not None else None
@@ -374,10 +382,10 @@ class StageWorker:
             st = avg.stats if avg is not None else None
             rounds = (f", rounds {st.seconds / st.rounds:.3f} s on average, applied {self._outer.lag if self._outer else 1} "
                       f"step(s) late" if st is not None and st.rounds else "")
-            log.info("stage %d replica %d: %d steps in %.2f s: train steps %.2f s (%d micro-batches each; compute "
+            log.info("stage %d replica %d: %d steps in %.2f s: train steps %.2f s (%.4g micro-batches each; compute "
                      "%.2f s, messages and waits %.2f s, progress report %.2f s), averaging boundaries %.2f s (the "
                      "last step's %.2f s, the longest other %.3f s%s), the rest (checkpoints, evaluation) %.2f s",
-                     self.prog.stage, self.ctx.replica, n, total, t_steps, self._m, t_comp, t_wall - t_comp,
+                     self.prog.stage, self.ctx.replica, n, total, t_steps, self._share, t_comp, t_wall - t_comp,
                      t_steps - t_wall, t_avg, t_final, w_max, rounds, total - t_steps - t_avg)
 
     def _load_anchor(self, anchor: torch.Tensor | None, step: int, *, ranges: Sequence[tuple[int, int]] = ()) -> None:
@@ -478,10 +486,17 @@ class StageWorker:
     def _gstep(self, step: int) -> int:
         return step * self.ctx.replicas + self.ctx.replica
 
+    def _micro_at(self, step: int) -> tuple[int, int]:
+        """(micro-batches of this pipeline at *step*, how many of the step's the pipelines before it run)."""
+        if not self._micro:
+            return self.ctx.config.micro_batches, self.ctx.replica * self.ctx.config.micro_batches
+        counts = micro_schedule(self._micro, self.ctx.micro_period, step)
+        return counts[self.ctx.replica], sum(counts[:self.ctx.replica])
+
     def _sample(self, step: int, mu: int) -> tuple[int, int]:
         """The data index (sampler step, micro) of this pipeline's micro-batch *mu* of *step*: micro-batch
         ``first + mu`` of the step's ``M x R`` (``(step * R + r, mu)`` when every pipeline runs ``M``)."""
-        m, k = self.ctx.config.micro_batches, self._m_first + mu
+        m, k = self.ctx.config.micro_batches, self._micro_at(step)[1] + mu
         return step * self.ctx.replicas + k // m, k % m
 
     async def _train_step(self, step: int) -> tuple[float, float]:
@@ -489,7 +504,7 @@ class StageWorker:
         cfg, prog, ex = self.ctx.config, self.prog, self.ex
         t0 = time.perf_counter()
         compute = fb = 0.0                 # fb: forward and backward only
-        m_count = self._m
+        m_count = self._micro_at(step)[0]
         sched = StageSchedule(ScheduleConfig(kind=cfg.schedule, stages=prog.num_stages, micro_batches=m_count,
                                              stage=prog.stage))
         inbox = Inbox(prog)
@@ -673,7 +688,7 @@ class StageWorker:
         got = {me: mine}
         for name, g in self._grads_ahead.pop(step, {}).items():
             got.setdefault(name, g)
-        micro = self.ctx.micro
+        micro = micro_schedule(self._micro, self.ctx.micro_period, step)
         weight = {f"g{k}": float(m) for k, m in enumerate(micro)}
         names = {f"g{k}" for k in range(len(self.ctx.peers) + 1)}
         while len(got) <= len(self.ctx.peers):

@@ -18,7 +18,7 @@ from fusionp2p.train.worker import StageContext, StageReport, StageWorker
 from tests.integration.test_hostile_training import _Net
 
 
-def _train(micro: Sequence[int], averaging: CO2 | None = None) -> tuple[list[dict[str, torch.Tensor]],
+def _train(micro: Sequence[int], averaging: CO2 | None = None, *, period: int = 1) -> tuple[list[dict[str, torch.Tensor]],
                                                                       set[tuple[int, int]], list[StageReport]]:
     torch.manual_seed(0)
     dag = trace(_Net(), (torch.randn(2, 4), torch.tensor([0, 2])))
@@ -40,7 +40,7 @@ def _train(micro: Sequence[int], averaging: CO2 | None = None) -> tuple[list[dic
     a, b = memory_channel_pair("r0", "r1", window=8)
     workers = [StageWorker(StageContext(job="j", executor=StageExecutor(prog), config=cfg, replica=r, replicas=2,
                                         links={}, peers=[ch], data=data, tokens_per_micro=2, report=report,
-                                        recv_timeout=10.0, micro=micro))
+                                        recv_timeout=10.0, micro=micro, micro_period=period))
                for r, ch in ((0, a), (1, b))]
     return _run_all(workers), drawn, reports
 
@@ -77,9 +77,31 @@ def test_balanced_replicas_under_co2_end_at_one_consensus() -> None:
     assert {(r.replica, r.tokens) for r in reports if not r.eval} == {(0, 6), (1, 2)}
 
 
+def test_fractional_shares_deal_each_step_out_and_train_like_lockstep() -> None:
+    # 2.5 and 1.5 micro-batches a step (5 and 3 over a period of 2 steps): 3 + 1, then 2 + 2, then 3 + 1.
+    # Each step is dealt out whole and the per-step all-reduce weighs each replica by that step's count,
+    # so the weights are those of lockstep
+    lock, lock_drawn, _ = _train(())
+    bal, bal_drawn, reports = _train((5, 3), period=2)
+    assert bal_drawn == lock_drawn
+    for params in bal:
+        for k, v in params.items():
+            torch.testing.assert_close(v, lock[0][k], rtol=1e-5, atol=1e-6)
+    assert {(r.replica, r.step, r.tokens) for r in reports if not r.eval} == {
+        (0, 0, 6), (1, 0, 2), (0, 1, 4), (1, 1, 4), (0, 2, 6), (1, 2, 2)}
+
+
+def test_fractional_shares_under_co2_end_at_one_consensus() -> None:
+    params, _, _ = _train((5, 3), averaging=CO2(tau=1), period=2)
+    for k in params[0]:
+        torch.testing.assert_close(params[0][k], params[1][k])
+
+
 def test_micro_batches_that_do_not_deal_out_the_step_are_refused() -> None:
     with pytest.raises(Exception, match="do not deal out"):
         _train((3, 2))
+    with pytest.raises(Exception, match="do not deal out"):
+        _train((7, 1), period=2)        # under one micro-batch a step for replica 1
 
 
 class _Held:

@@ -19,7 +19,15 @@ from fusionp2p.net.transport import Stream
 from fusionp2p.swarm import probe as probe_mod
 from fusionp2p.swarm.membership import prober_of
 from fusionp2p.swarm.node import SwarmConfig
-from fusionp2p.swarm.probe import MEASURE_BYTES, ProbeBusy, ProbeConfig, ProbeServer, probe
+from fusionp2p.swarm.probe import (
+    MEASURE_BYTES,
+    ProbeBusy,
+    ProbeConfig,
+    ProbeServer,
+    open_probe,
+    probe,
+    tcp_min_rtt,
+)
 from fusionp2p.testing.swarm import converge, local_swarm
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
@@ -50,6 +58,38 @@ def test_a_probe_times_both_directions_on_a_raw_socket_to_the_data_plane_port() 
             assert not db._raw and not server.busy(trio.current_time())   # the ticket is used up, the server free
 
     run(body)
+
+
+def test_the_rtt_is_the_kernels_smallest_when_the_pings_queued() -> None:
+    """Pings on the stream wait behind whatever the uplinks queue (benchmarks.wan's 8 Mbit/s links read
+    50-110 ms with no delay added); with a raw socket the RTT is also the kernel's smallest of it."""
+    async def body(net: MemoryNetwork) -> None:
+        a, b = net.add_host(), net.add_host()
+        async with open_data_plane(a) as da, open_data_plane(b) as db:
+            _serve_probes(b, db)
+            session = await open_probe(a, b.peer_id)
+            try:
+                session.rtt = 0.5                               # as if each ping waited behind a full queue
+                res = await session.measure(MEASURE_BYTES, raw=da)
+            finally:
+                await session.aclose()
+            assert res.path == "direct" and 0 < res.rtt < 0.05 and session.rtt == res.rtt
+            res = await probe(a, b.peer_id, nbytes=MEASURE_BYTES)   # no raw socket: the pings' figure
+            assert res.path == "libp2p"
+
+    run(body)
+
+
+def test_the_kernels_smallest_rtt_of_a_socket() -> None:
+    lst = socket.create_server(("127.0.0.1", 0))
+    with lst, socket.create_connection(lst.getsockname()) as c:
+        s, _ = lst.accept()
+        with s:
+            c.sendall(b"x" * 4096)
+            s.recv(4096)
+            rtt = tcp_min_rtt(c)
+            assert rtt is not None and 0 < rtt < 0.05
+        assert tcp_min_rtt(lst) is None                         # a listener has no round trips
 
 
 def test_the_link_figure_is_the_slower_direction(monkeypatch: pytest.MonkeyPatch) -> None:
