@@ -46,6 +46,7 @@ from fusionp2p.average.shard import shard_bounds, weighted_mean
 from fusionp2p.errors import LocalProtocolError, RemoteProtocolError
 
 PHASES = ("scatter", "gather")
+MAX_SPEED_S = 1e6   # a speed (seconds per micro-batch) beyond this is a lie
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +61,7 @@ class RoundMsg:
     data: torch.Tensor
     weight: float = 1.0
     scalar: float = 0.0
+    speed: float = 0.0            # gather: the owner's seconds per micro-batch (0: not measured; re-dealing)
     fragment: int | None = None   # streaming averaging: which fragment of the vector (lo/hi are within it)
     base: int | None = None       # on the wire only: the sender's base (a bf16 part is a difference from it)
 
@@ -90,6 +92,9 @@ class RoundResult:
     lost: frozenset[str] = frozenset()
     contributors: tuple[str, ...] = ()       # whose snapshot entered THIS replica's shard
     reason: str = ""
+    # when complete: every owner's speed as it published its shard, in rank order (the same on every
+    # replica whose round completed: the replicas re-deal micro-batches by them, train/worker.py)
+    speeds: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -202,8 +207,9 @@ class AllReduceRound:
             raise RemoteProtocolError(f"{msg.phase} part [{msg.lo},{msg.hi}) from {peer}, expected {list(want)}")
         if msg.data.dtype != torch.float32 or msg.data.dim() != 1 or msg.data.numel() != msg.hi - msg.lo:
             raise RemoteProtocolError(f"{msg.phase} part from {peer} has the wrong dtype or shape")
-        if not (msg.weight > 0 and math.isfinite(msg.weight)) or not math.isfinite(msg.scalar):
-            raise RemoteProtocolError(f"{msg.phase} part from {peer} has a bad weight or scalar")
+        if not (msg.weight > 0 and math.isfinite(msg.weight)) or not math.isfinite(msg.scalar) \
+                or not 0 <= msg.speed <= MAX_SPEED_S:
+            raise RemoteProtocolError(f"{msg.phase} part from {peer} has a bad weight, scalar or speed")
         r = self.max_weight_ratio
         if msg.phase == "scatter" and not self.weight / r <= msg.weight <= self.weight * r:
             raise RemoteProtocolError(f"scatter part from {peer} has weight {msg.weight:g}, not within a factor "
@@ -235,8 +241,11 @@ class AllReduceRound:
         self._gather.pending.discard(peer)
         return self._advance()
 
-    def publish(self, shard: torch.Tensor, scalar: float = 0.0) -> list[Action]:
-        """Send this replica's new anchor shard (the outer step's result) to every live peer."""
+    def publish(self, shard: torch.Tensor, scalar: float = 0.0, speed: float = 0.0) -> list[Action]:
+        """Send this replica's new anchor shard (the outer step's result) to every live peer, with its
+        *speed* (seconds per micro-batch; 0: not measured)."""
+        if not 0 <= speed <= MAX_SPEED_S:
+            raise LocalProtocolError(f"speed {speed} out of [0, {MAX_SPEED_S}]")
         if not self._reduced:
             raise LocalProtocolError("publish before the owned shard was reduced")
         if self._own_shard is not None:
@@ -245,7 +254,7 @@ class AllReduceRound:
         if shard.dim() != 1 or shard.numel() != hi - lo:
             raise LocalProtocolError("published shard has the wrong size")
         msg = RoundMsg(round_id=self.round_id, epoch=self.epoch, phase="gather", lo=lo, hi=hi, data=shard.to(torch.float32), scalar=scalar,
-                       fragment=self.fragment)
+                       speed=speed, fragment=self.fragment)
         self._own_shard = msg
         sends: list[Action] = [Send(peer=p, msg=msg) for p in self.peers if p != self.me and p not in self._lost]
         return sends + self._advance()
@@ -284,4 +293,5 @@ class AllReduceRound:
         scalar = 0.0
         for p in self.peers:  # rank order: every replica gets the same float
             scalar += shards[p].scalar
-        return RoundResult(round_id=self.round_id, complete=True, vector=vector, scalar_sum=scalar, lost=lost, contributors=contributors)
+        return RoundResult(round_id=self.round_id, complete=True, vector=vector, scalar_sum=scalar, lost=lost, contributors=contributors,
+                           speeds=tuple((p, shards[p].speed) for p in self.peers))

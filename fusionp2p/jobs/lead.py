@@ -28,7 +28,14 @@ from fusionp2p.jobs.build import AcceptedJob, plan_for_snapshot
 from fusionp2p.jobs.host import JobHost
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
-from fusionp2p.jobs.rebalance import calibrated, rebalanced, scale_profile, typical
+from fusionp2p.jobs.rebalance import (
+    calibrated,
+    rebalanced,
+    redeals_in_band,
+    same_layout,
+    scale_profile,
+    typical,
+)
 from fusionp2p.jobs.replan import Halted, complete_checkpoint, halt_step, leader_of, plan_resume
 from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.net.transport import Transport
@@ -290,6 +297,10 @@ class Leading:
             log.info("job %s: no plan by the measured speeds: %s", self.job_id, exc)
             return
         measured = ", ".join(f"{p[:12]} {1e3 * t:.0f} ms" for p, t in sorted(micro_s.items()))
+        if redeals_in_band(self.spec.config, plan) and same_layout(trial, plan):
+            log.info("job %s: measured per micro-batch %s; a plan by them differs only in micro-batches per "
+                     "replica, which the replicas re-deal themselves: keeping the plan", self.job_id, measured)
+            return
         if not new > base * (1.0 + REBALANCE_GAIN):
             log.info("job %s: measured per micro-batch %s; a plan by them (micro %s) is predicted at %.3g "
                      "micro-batches/s against %.3g, under %.0f%% faster: keeping the plan", self.job_id, measured,

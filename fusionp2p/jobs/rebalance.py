@@ -41,6 +41,7 @@ from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.plan import Plan, Snapshot
 from fusionp2p.plan.estimator import CostModel
 from fusionp2p.plan.predict import predict
+from fusionp2p.train.config import TrainConfig
 from fusionp2p.types import DeviceProfile
 
 MAX_SCALE = 64.0     # a measured speed moves a member's profile by at most this factor either way
@@ -116,6 +117,20 @@ def epoch_speed(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, me: str, 
     return own_speed(spec, dag, plan, snap, me, profile, busy_s / busy_micros)
 
 
+def redeals_in_band(cfg: TrainConfig, plan: Plan) -> bool:
+    """Whether *plan*'s replicas re-deal their micro-batches among themselves by the speeds their streaming
+    CO2 rounds carry (``StageWorker._redeal``): a one-stage plan with micro-batches by speed under
+    streaming CO2. A re-plan that would change only those counts is then not worth its halt."""
+    co2 = cfg.co2
+    return bool(plan.micro) and len(plan.stages) == 1 and co2 is not None and co2.stream and not co2.sync
+
+
+def same_layout(a: Plan, b: Plan) -> bool:
+    """The same stages served by the same peers (micro-batches per replica aside)."""
+    return [(s.start, s.end, sorted(s.replicas)) for s in a.stages] == [(s.start, s.end, sorted(s.replicas))
+                                                                         for s in b.stages]
+
+
 def rebalanced(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, micro_s: Mapping[str, float],
                ) -> tuple[dict[str, float], Plan, float, float]:
     """The members' speed factors (:func:`speed_factors`, against *snap*'s profiles), the plan for the
@@ -131,4 +146,5 @@ def rebalanced(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, micro_s: M
     return factors, trial, new, base
 
 
-__all__ = ["MAX_SCALE", "SPEED_MIN_MICROS", "calibrated", "epoch_speed", "own_speed", "rebalanced", "scale_profile", "speed_factors", "typical"]
+__all__ = ["MAX_SCALE", "SPEED_MIN_MICROS", "calibrated", "epoch_speed", "own_speed", "rebalanced", "redeals_in_band",
+           "same_layout", "scale_profile", "speed_factors", "typical"]

@@ -23,7 +23,6 @@ so that the cost of any contiguous range ``[i, j)`` is O(1) (that is what keeps 
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 from typing import TypeVar
@@ -32,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fusionp2p.plan.config import PlannerConfig
-from fusionp2p.plan.plan import MAX_MICRO_RATIO
+from fusionp2p.plan.plan import split_by_speed
 from fusionp2p.plan.snapshot import Link, Snapshot
 from fusionp2p.plan.wirebytes import bytes_per_element, wire_bytes
 from fusionp2p.types import DeviceProfile, Unit, WorkloadGraph
@@ -199,22 +198,8 @@ class CostModel:
         r, m, p = len(group), self.config.micro_batches, self.config.micro_period
         if r < 2:
             return None
-        speed = [float(self.flops[d]) for d in group]
-        counts = [p] * r
-        heap = [((p + 1) / speed[k], k) for k in range(r)]
-        heapq.heapify(heap)
-        for _ in range((m - 1) * r * p):
-            held: list[tuple[float, int]] = []
-            while True:
-                t, k = heapq.heappop(heap)
-                if counts[k] + 1 <= MAX_MICRO_RATIO * min(counts):
-                    break
-                held.append((t, k))
-            counts[k] += 1
-            heapq.heappush(heap, ((counts[k] + 1) / speed[k], k))
-            for item in held:
-                heapq.heappush(heap, item)
-        return None if all(c == m * p for c in counts) else tuple(counts)
+        counts = split_by_speed([float(self.flops[d]) for d in group], m, p)
+        return None if all(c == m * p for c in counts) else counts
 
     def stage_time(self, i: int, j: int, group: Sequence[int], micro: Sequence[int] | None = None) -> float:
         """Seconds per micro-batch of stage [i, j) served by *group* (throughput-equivalent: the group's

@@ -27,7 +27,9 @@ they travel with the plan but are not hashed.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -265,6 +267,35 @@ class Plan:
             )
         except (ValueError, TypeError, OverflowError, AttributeError) as exc:
             raise RemoteProtocolError(f"plan: invalid content: {exc}") from exc
+
+
+def split_by_speed(speed: Sequence[float], micro_batches: int, period: int = 1) -> tuple[int, ...]:
+    """Micro-batches per pipeline per *period* steps for pipelines of relative *speed* (micro-batches a
+    second, all positive): the ``M x r x period`` of those steps given one at a time to the pipeline that
+    would finish it first (earliest finish: the shortest makespan for equal jobs on machines of
+    different speeds), each at least one a step and at most ``MAX_MICRO_RATIO`` x the fewest."""
+    r, p = len(speed), period
+    counts = [p] * r
+    heap = [((p + 1) / speed[k], k) for k in range(r)]
+    heapq.heapify(heap)
+    for _ in range((micro_batches - 1) * r * p):
+        held: list[tuple[float, int]] = []
+        while True:
+            t, k = heapq.heappop(heap)
+            if counts[k] + 1 <= MAX_MICRO_RATIO * min(counts):
+                break
+            held.append((t, k))
+        counts[k] += 1
+        heapq.heappush(heap, ((counts[k] + 1) / speed[k], k))
+        for item in held:
+            heapq.heappush(heap, item)
+    return tuple(counts)
+
+
+def lowest_terms(micro: Sequence[int], period: int) -> tuple[tuple[int, ...], int]:
+    """*micro* per *period* steps in lowest terms: (16, 16, 48, 48) over 8 steps is (2, 2, 6, 6) over 1."""
+    g = math.gcd(period, *micro)
+    return tuple(m // g for m in micro), period // g
 
 
 def micro_schedule(micro: tuple[int, ...], period: int, step: int) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from fusionp2p.plan.config import PlannerConfig
 from fusionp2p.plan.estimator import CostModel, compressed_bytes
-from fusionp2p.plan.plan import Fence, Plan, Stage, quantize_rho
+from fusionp2p.plan.plan import Fence, Plan, Stage, lowest_terms, quantize_rho
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.plan.wirebytes import max_ratio, sends_dense
 from fusionp2p.types import WorkloadGraph
@@ -102,8 +102,7 @@ def build_plan(
             micro = None     # within the noise of measured speeds: lockstep (equal machines stay equal)
     period = cm.config.micro_period if micro is not None else 1
     if micro is not None:       # in lowest terms: (16, 16, 48, 48) a period of 8 steps is (2, 2, 6, 6) a step
-        g_all = math.gcd(period, *micro)
-        micro, period = tuple(x // g_all for x in micro), period // g_all
+        micro, period = lowest_terms(micro, period)
     stages = []
     for (i, j, _), g in zip(layout, order):
         reps = tuple(cm.peers[d] for d in g)

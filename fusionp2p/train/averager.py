@@ -117,6 +117,7 @@ class BoundaryResult:
     reason: str = ""
     ranges: tuple[tuple[int, int], ...] = ()
     fragment: int | None = None
+    speeds: tuple[tuple[str, float], ...] = ()   # the consumed round's owners' speeds (RoundResult.speeds)
 
 
 def flatten(params: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor:
@@ -239,6 +240,8 @@ def epoch_id(peers: Sequence[str]) -> str:
 
 def to_message(job: str, stage: int, msg: RoundMsg) -> TensorMessage:
     meta: dict[str, object] = {"epoch": msg.epoch, "lo": msg.lo, "hi": msg.hi, "w": msg.weight, "s": msg.scalar}
+    if msg.speed:                  # re-dealing replicas only: other parts keep their bytes
+        meta["v"] = msg.speed
     if msg.fragment is not None:   # streaming only: the whole-vector form keeps its bytes
         meta["f"] = msg.fragment
     if msg.base is not None:       # wire "bf16": the sender's base (fp32 parts without one keep their bytes)
@@ -249,7 +252,7 @@ def to_message(job: str, stage: int, msg: RoundMsg) -> TensorMessage:
 def from_message(tm: TensorMessage) -> RoundMsg:
     """Decode a peer's averaging message; anything malformed raises RemoteProtocolError."""
     w = "averaging message"
-    m = as_map(tm.meta, w, required=("epoch", "lo", "hi", "w", "s"), optional=("f", "b"))
+    m = as_map(tm.meta, w, required=("epoch", "lo", "hi", "w", "s"), optional=("f", "b", "v"))
     fragment = as_int(m["f"], f"{w} fragment", lo=0, hi=MAX_FRAGMENTS - 1) if "f" in m else None
     base = as_int(m["b"], f"{w} base", lo=0, hi=U63) if "b" in m else None
     lo, hi = as_int(m["lo"], f"{w} lo", lo=0, hi=U63), as_int(m["hi"], f"{w} hi", lo=0, hi=U63)
@@ -260,7 +263,7 @@ def from_message(tm: TensorMessage) -> RoundMsg:
     # weight and scalar finite here; the round refuses a weight out of proportion to ours
     return RoundMsg(round_id=tm.step, epoch=as_str(m["epoch"], f"{w} epoch", max_len=64), phase=tm.name, lo=lo, hi=hi,
                     data=tm.tensors[0], weight=as_float(m["w"], f"{w} weight"), scalar=as_float(m["s"], f"{w} scalar"),
-                    fragment=fragment, base=base)
+                    speed=as_float(m["v"], f"{w} speed") if "v" in m else 0.0, fragment=fragment, base=base)
 
 
 def _encode(msg: RoundMsg, base: tuple[int, torch.Tensor] | None, scatter_q: torch.Tensor | None,
@@ -325,6 +328,10 @@ class ReplicaAverager:
         self.config = config
         self.me = me
         self.alive: tuple[str, ...] = tuple(peers)
+        # this replica's weight in the rounds it launches from now on, and its speed (seconds per
+        # micro-batch, 0: not measured) in the shards it publishes: the worker updates both as it re-deals
+        self.weight = config.weight
+        self.speed = 0.0
         self.epoch = epoch_id(self.alive)
         self._channels = dict(channels)
         self._on_other = on_other
@@ -488,7 +495,7 @@ class ReplicaAverager:
             return None, BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=None,
                                         reason="not finite", ranges=ranges, fragment=f)
         return new, BoundaryResult(boundary=b, anchor=new, consumed_round=rnd.round_id, launched_round=None,
-                                   ranges=ranges, fragment=f)
+                                   ranges=ranges, fragment=f, speeds=r.speeds)
 
     def _launch_fragment(self, f: int, snap: torch.Tensor, boundary: int, lr: float | None, *, mean_only: bool = False,
                          after: _Round | None = None) -> _Round:
@@ -542,7 +549,8 @@ class ReplicaAverager:
         assert r is not None
         if not r.complete or r.vector is None:
             return BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=launched, reason=r.reason or "skipped")
-        return BoundaryResult(boundary=b, anchor=r.vector, consumed_round=rnd.round_id, launched_round=launched)
+        return BoundaryResult(boundary=b, anchor=r.vector, consumed_round=rnd.round_id, launched_round=launched,
+                              speeds=r.speeds)
 
     def _launch(self, snap: torch.Tensor, boundary: int, lr: float | None) -> _Round:
         assert self._nursery is not None, "use open_replica_averager"
@@ -558,7 +566,7 @@ class ReplicaAverager:
         started = trio.current_time()
         n_elems = self.n_elems if f is None else self._flen[f]
         sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=n_elems, round_id=rnd.round_id, epoch=self.epoch,
-                            weight=self.config.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f)
+                            weight=self.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f)
         result: RoundResult | None = None
         base = self._bases.get(f) if self.config.wire == "bf16" else None
         shared = self._shared.get(f, frozenset())  # the peers our scatter parts go to as differences
@@ -596,7 +604,7 @@ class ReplicaAverager:
                         q = (shard.to(torch.float32) - base[1][a.lo:a.hi]).to(torch.bfloat16)
                         gather_q.append(q)
                         shard = base[1][a.lo:a.hi] + q.to(torch.float32)
-                    todo.extend(sm.publish(shard, scalar))
+                    todo.extend(sm.publish(shard, scalar, self.speed))
                 else:
                     result = a.result
 
@@ -605,7 +613,7 @@ class ReplicaAverager:
             # parameter's copies in two stages, whose shards fall to different owners, stay equal)
             scatter_q.append((snap - base[1]).to(torch.bfloat16))
             snap = base[1] + scatter_q[0].to(torch.float32)
-        await act(sm.start(snap, self.config.weight))
+        await act(sm.start(snap, self.weight))
         for peer in sorted(self._dead & set(self.alive)):
             await act(sm.peer_lost(peer))
         for peer, stashed in self._stash.pop(rnd.round_id, []):

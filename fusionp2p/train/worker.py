@@ -46,7 +46,7 @@ from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, RemoteProto
 from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
-from fusionp2p.plan.plan import MAX_MICRO_PERIOD, micro_schedule
+from fusionp2p.plan.plan import MAX_MICRO_PERIOD, lowest_terms, micro_schedule, split_by_speed
 from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, load_anchor_, open_replica_averager
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
@@ -68,6 +68,11 @@ from fusionp2p.train.state import StageState, load_optimizer_tensors, momentum_s
 from fusionp2p.types import AveragingStats
 
 log = logging.getLogger(__name__)
+
+# Re-dealing micro-batches by measured speed (StageWorker._redeal): in eighths of a micro-batch a step,
+# when predicted at least 5% faster than the deal in force (the speeds move by about that under load)
+REDEAL_PERIOD = 8
+REDEAL_GAIN = 0.05
 
 # Marker queued by a reader when its channel ends (compared by identity).
 _CLOSED = TensorMessage(job="", kind="closed")
@@ -231,6 +236,7 @@ class StageWorker:
             raise ConfigError(f"micro-batches per pipeline {tuple(ctx.micro)} over {period} step(s) do not deal out "
                               f"{ctx.config.micro_batches} x {ctx.replicas} a step")
         self._micro = tuple(ctx.micro)
+        self._period = period
         # this pipeline's micro-batches a step on average (its weight in the averages), and at most
         self._share = ctx.micro[ctx.replica] / period if ctx.micro else float(ctx.config.micro_batches)
         self._m_most = max(micro_schedule(self._micro, period, t)[ctx.replica] for t in range(period)) \
@@ -240,6 +246,7 @@ class StageWorker:
         # (jobs/rebalance.py). Not the optimizer step nor the all-reduce: they do not scale with the count
         self.busy_s = 0.0
         self.busy_micros = 0
+        self.redeals = 0          # times this replica re-dealt the micro-batches by measured speeds (_redeal)
         self._first_done: tuple[float, int] | None = None   # (when, completed) at the end of this epoch's first step
         self._pipe_budget = pipeline_budget(self.prog, self._m_most)
         self._avg_budget = replica_budget(self.prog, len(ctx.peers), sum(p.numel() for p in self._params))
@@ -353,8 +360,11 @@ class StageWorker:
                     if final_all is not None:
                         self._load_anchor(final_all.anchor, step)
                 else:
+                    avg.speed = self.busy_s / self.busy_micros if self._redeals and self.busy_micros else 0.0
                     res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
                     self._load_anchor(res.anchor, step, ranges=res.ranges)
+                    if self._redeals and res.speeds:
+                        self._redeal(res.speeds, step + 1, avg)
             elif avg is not None and self._outer is not None and ((step + 1) % self._outer.tau == 0 or last):
                 res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
                 self._load_anchor(res.anchor, step)
@@ -486,11 +496,49 @@ class StageWorker:
     def _gstep(self, step: int) -> int:
         return step * self.ctx.replicas + self.ctx.replica
 
+    @property
+    def _redeals(self) -> bool:
+        """Whether this replica re-deals micro-batches by the speeds its streaming CO2 rounds carry: a
+        one-stage plan that deals them by speed (``Plan.micro``). Every replica consumes a round at the
+        same step there (``OuterConfig.lag``), so every one switches at the same step."""
+        o = self._outer
+        return bool(self._micro) and self.prog.num_stages == 1 and o is not None and o.streaming
+
+    def _redeal(self, speeds: Sequence[tuple[str, float]], step: int, avg: ReplicaAverager) -> None:
+        """Micro-batches a step from *step* on by the seconds per micro-batch every replica measured
+        (a consumed round's ``speeds``, the same on every replica), when that is predicted
+        ``REDEAL_GAIN`` faster than the deal in force; a pure function of the round and the deal, so every
+        replica deals the same samples without a message. Nothing while a replica has not measured."""
+        r, m = self.ctx.replicas, self.ctx.config.micro_batches
+        secs: dict[int, float] = {}
+        for name, s in speeds:
+            if name.startswith("r") and name[1:].isdigit():
+                secs[int(name[1:])] = s
+        if sorted(secs) != list(range(r)) or not all(s > 0 for s in secs.values()):
+            return
+        v = [secs[k] for k in range(r)]
+        new = split_by_speed([1.0 / x for x in v], m, REDEAL_PERIOD)
+
+        def step_s(micro: Sequence[int], period: int) -> float:
+            return max(c / period * x for c, x in zip(micro, v, strict=True))
+
+        if step_s(new, REDEAL_PERIOD) > (1.0 - REDEAL_GAIN) * step_s(self._micro, self._period):
+            return
+        old = self._share
+        self._micro, self._period = lowest_terms(new, REDEAL_PERIOD)
+        self._share = self._micro[self.ctx.replica] / self._period
+        avg.weight = self._share
+        self.redeals += 1
+        log.info("stage %d replica %d: from step %d, %s micro-batches a step by the measured %s ms per "
+                 "micro-batch (this replica %.4g -> %.4g)", self.prog.stage, self.ctx.replica, step,
+                 ", ".join(f"{c / self._period:.4g}" for c in self._micro), ", ".join(f"{1e3 * x:.0f}" for x in v),
+                 old, self._share)
+
     def _micro_at(self, step: int) -> tuple[int, int]:
         """(micro-batches of this pipeline at *step*, how many of the step's the pipelines before it run)."""
         if not self._micro:
             return self.ctx.config.micro_batches, self.ctx.replica * self.ctx.config.micro_batches
-        counts = micro_schedule(self._micro, self.ctx.micro_period, step)
+        counts = micro_schedule(self._micro, self._period, step)
         return counts[self.ctx.replica], sum(counts[:self.ctx.replica])
 
     def _sample(self, step: int, mu: int) -> tuple[int, int]:
@@ -688,7 +736,7 @@ class StageWorker:
         got = {me: mine}
         for name, g in self._grads_ahead.pop(step, {}).items():
             got.setdefault(name, g)
-        micro = micro_schedule(self._micro, self.ctx.micro_period, step)
+        micro = micro_schedule(self._micro, self._period, step)
         weight = {f"g{k}": float(m) for k, m in enumerate(micro)}
         names = {f"g{k}" for k in range(len(self.ctx.peers) + 1)}
         while len(got) <= len(self.ctx.peers):

@@ -18,8 +18,9 @@ from fusionp2p.train.worker import StageContext, StageReport, StageWorker
 from tests.integration.test_hostile_training import _Net
 
 
-def _train(micro: Sequence[int], averaging: CO2 | None = None, *, period: int = 1) -> tuple[list[dict[str, torch.Tensor]],
-                                                                      set[tuple[int, int]], list[StageReport]]:
+def _train(micro: Sequence[int], averaging: CO2 | None = None, *, period: int = 1, steps: int = 3,
+           slowdown: float = 1.0, workers_out: list[StageWorker] | None = None,
+           ) -> tuple[list[dict[str, torch.Tensor]], set[tuple[int, int]], list[StageReport]]:
     torch.manual_seed(0)
     dag = trace(_Net(), (torch.randn(2, 4), torch.tensor([0, 2])))
     c = coarsen(dag)
@@ -29,6 +30,7 @@ def _train(micro: Sequence[int], averaging: CO2 | None = None, *, period: int = 
     reports: list[StageReport] = []
 
     def data(step: int, mu: int) -> dict[str, torch.Tensor]:
+        assert (step, mu) not in drawn, f"micro-batch {(step, mu)} dealt twice"
         drawn.add((step, mu))
         g = torch.Generator().manual_seed(step * 10 + mu)
         return {names[0]: torch.randn(2, 4, generator=g), names[1]: torch.randint(0, 3, (2,), generator=g)}
@@ -36,12 +38,15 @@ def _train(micro: Sequence[int], averaging: CO2 | None = None, *, period: int = 
     async def report(rep: StageReport) -> None:
         reports.append(rep)
 
-    cfg = TrainConfig(steps=3, micro_batch=2, micro_batches=2, lr=0.1, replicas=2, averaging=averaging)
+    cfg = TrainConfig(steps=steps, micro_batch=2, micro_batches=2, lr=0.1, replicas=2, averaging=averaging)
     a, b = memory_channel_pair("r0", "r1", window=8)
     workers = [StageWorker(StageContext(job="j", executor=StageExecutor(prog), config=cfg, replica=r, replicas=2,
                                         links={}, peers=[ch], data=data, tokens_per_micro=2, report=report,
-                                        recv_timeout=10.0, micro=micro, micro_period=period))
+                                        recv_timeout=10.0, micro=micro, micro_period=period,
+                                        compute_slowdown=slowdown if r == 1 else 1.0))
                for r, ch in ((0, a), (1, b))]
+    if workers_out is not None:
+        workers_out.extend(workers)
     return _run_all(workers), drawn, reports
 
 
@@ -93,6 +98,30 @@ def test_fractional_shares_deal_each_step_out_and_train_like_lockstep() -> None:
 
 def test_fractional_shares_under_co2_end_at_one_consensus() -> None:
     params, _, _ = _train((5, 3), averaging=CO2(tau=1), period=2)
+    for k in params[0]:
+        torch.testing.assert_close(params[0][k], params[1][k])
+
+
+def test_replicas_re_deal_by_the_speeds_their_rounds_carry() -> None:
+    """Streaming CO2 (the default): each round's shards carry their owners' measured seconds per
+    micro-batch, and at the step a round is applied every replica re-deals the micro-batches by them.
+    Replica 1 computes 50x slower (``compute_slowdown``): both replicas move to the same deal at the same
+    step, replica 0 takes the larger share (at most 4x), no micro-batch is dealt twice or left out, and
+    the replicas end at one consensus."""
+    workers: list[StageWorker] = []
+    lock_drawn = _train((), steps=12)[1]
+    params, drawn, reports = _train((2, 2), averaging=CO2(tau=2), period=1, steps=12, slowdown=50.0,
+                                    workers_out=workers)
+    assert drawn == lock_drawn
+    w0, w1 = workers
+    assert w0.redeals >= 1 and w1.redeals == w0.redeals
+    assert (w0._micro, w0._period) == (w1._micro, w1._period)
+    assert w0._share > 2 > w1._share and w0._share <= 4 * w1._share and w0._share + w1._share == 4
+    by_step: dict[int, int] = {}
+    for r in reports:
+        if not r.eval:
+            by_step[r.step] = by_step.get(r.step, 0) + r.tokens
+    assert set(by_step.values()) == {8}                   # every step trained on its 4 micro-batches of 2
     for k in params[0]:
         torch.testing.assert_close(params[0][k], params[1][k])
 

@@ -25,6 +25,45 @@ def test_round_trip() -> None:
     assert torch.equal(back.data, msg.data)
 
 
+def test_a_gather_part_carries_its_owners_speed_and_a_round_gathers_them() -> None:
+    """Re-dealing replicas (train/worker.py ``_redeal``): an owner's anchor shard carries its seconds per
+    micro-batch ("v", left out at 0), and a complete round hands every owner's figure over in rank order.
+    A speed that is negative, not finite or absurd is a bad part."""
+    from fusionp2p.average.allreduce import MAX_SPEED_S, AllReduceRound, Finished, Reduced, Send
+
+    msg = RoundMsg(round_id=1, epoch="e", phase="gather", lo=0, hi=2, data=torch.zeros(2), speed=0.052)
+    assert to_message("j", 0, msg).meta["v"] == 0.052 and from_message(to_message("j", 0, msg)).speed == 0.052
+    assert "v" not in to_message("j", 0, RoundMsg(round_id=1, epoch="e", phase="gather", lo=0, hi=2,
+                                                  data=torch.zeros(2))).meta
+    peers = ["r0", "r1"]
+    rounds = {p: AllReduceRound(peers=peers, me=p, n_elems=4, round_id=1, epoch="e") for p in peers}
+    inbox: list[tuple[str, str, RoundMsg]] = []
+    done: dict[str, Finished] = {}
+
+    def act(me: str, actions: list[Any]) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                inbox.append((me, a.peer, from_message(to_message("j", 0, a.msg))))
+            elif isinstance(a, Reduced):
+                act(me, rounds[me].publish(a.mean, 0.0, {"r0": 0.05, "r1": 0.12}[me]))
+            elif isinstance(a, Finished):
+                done[me] = a
+
+    for p in peers:
+        act(p, rounds[p].start(torch.ones(4), 1.0))
+    while inbox:
+        src, dst, m = inbox.pop(0)
+        act(dst, rounds[dst].receive(src, m))
+    assert {p: f.result.speeds for p, f in done.items()} == dict.fromkeys(peers, (("r0", 0.05), ("r1", 0.12)))
+    for bad in (-1.0, MAX_SPEED_S * 2):
+        r = AllReduceRound(peers=peers, me="r0", n_elems=4, round_id=1, epoch="e")
+        r.start(torch.ones(4), 1.0)
+        with pytest.raises(RemoteProtocolError, match="speed"):
+            r.receive("r1", RoundMsg(round_id=1, epoch="e", phase="scatter", lo=0, hi=2, data=torch.ones(2), speed=bad))
+    with pytest.raises(RemoteProtocolError):
+        from_message(TensorMessage(job="j", kind="avg", meta={**GOOD, "v": float("nan")}, tensors=(torch.zeros(2),)))
+
+
 GOOD: dict[str, Any] = {"epoch": "e", "lo": 0, "hi": 2, "w": 1.0, "s": 0.0}
 
 
@@ -47,7 +86,7 @@ def test_malformed_meta_rejected(meta: dict[str, Any], tensors: tuple[torch.Tens
 
 
 @settings(max_examples=60, deadline=None)
-@given(meta=st.dictionaries(st.sampled_from(["epoch", "lo", "hi", "w", "s", "x"]),
+@given(meta=st.dictionaries(st.sampled_from(["epoch", "lo", "hi", "w", "s", "v", "x"]),
                             st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=3))))
 def test_any_meta_decodes_or_raises_remote_protocol_error(meta: dict[str, Any]) -> None:
     with contextlib.suppress(RemoteProtocolError):

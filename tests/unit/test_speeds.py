@@ -87,3 +87,25 @@ def test_a_node_announces_the_running_geometric_mean_of_its_speeds_on_one_model(
             assert isinstance(rec, NodeRecord) and rec.speed_on(m2) == pytest.approx(MAX_SPEED)
 
     trio.run(main)
+
+
+def test_a_re_plan_that_changes_only_the_deal_is_left_to_the_replicas() -> None:
+    """A one-stage plan with micro-batches by speed under streaming CO2 re-deals them in its rounds
+    (StageWorker._redeal): the leader's re-balance keeps such a plan when the better one differs only
+    in those counts (``same_layout``); a plan in lockstep, a pipeline or synchronous CO2 does not re-deal."""
+    import dataclasses
+
+    from fusionp2p.jobs.rebalance import redeals_in_band, same_layout
+    from fusionp2p.plan.plan import Plan, Stage
+    from fusionp2p.train.config import CO2, TrainConfig
+
+    one = Plan(job="j", epoch=0, snapshot_hash="s", algorithm="op-fence", seed=0, n_units=2, micro_batches=4,
+               stages=(Stage(start=0, end=2, replicas=("a", "b")),), fences=(), micro=(11, 5), micro_period=2)
+    cfg = TrainConfig(steps=4, replicas=2, averaging=CO2(tau=2))
+    assert redeals_in_band(cfg, one)
+    assert not redeals_in_band(cfg, dataclasses.replace(one, micro=(), micro_period=1))
+    assert not redeals_in_band(dataclasses.replace(cfg, averaging=CO2(tau=2, sync=True)), one)
+    other = dataclasses.replace(one, micro=(5, 3), micro_period=1,
+                                stages=(Stage(start=0, end=2, replicas=("b", "a")),))
+    assert same_layout(one, other)
+    assert not same_layout(one, dataclasses.replace(other, stages=(Stage(start=0, end=2, replicas=("a", "c")),)))
