@@ -73,6 +73,9 @@ log = logging.getLogger(__name__)
 # when predicted at least 5% faster than the deal in force (the speeds move by about that under load)
 REDEAL_PERIOD = 8
 REDEAL_GAIN = 0.05
+# ... once every replica has measured this many micro-batches (benchmarks.wan's `slow`: a deal by the first
+# two steps' figures gave a DSL replica 3.125 a step, and the next two deals took it back to 2.5)
+REDEAL_MIN_MICROS = 8
 
 # Marker queued by a reader when its channel ends (compared by identity).
 _CLOSED = TensorMessage(job="", kind="closed")
@@ -360,10 +363,11 @@ class StageWorker:
                     if final_all is not None:
                         self._load_anchor(final_all.anchor, step)
                 else:
-                    avg.speed = self.busy_s / self.busy_micros if self._redeals and self.busy_micros else 0.0
+                    measured = self._redealing and self.busy_micros >= REDEAL_MIN_MICROS
+                    avg.speed = self.busy_s / self.busy_micros if measured else 0.0
                     res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
                     self._load_anchor(res.anchor, step, ranges=res.ranges)
-                    if self._redeals and res.speeds:
+                    if self._redealing and res.speeds:
                         self._redeal(res.speeds, step + 1, avg)
             elif avg is not None and self._outer is not None and ((step + 1) % self._outer.tau == 0 or last):
                 res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
@@ -497,7 +501,7 @@ class StageWorker:
         return step * self.ctx.replicas + self.ctx.replica
 
     @property
-    def _redeals(self) -> bool:
+    def _redealing(self) -> bool:
         """Whether this replica re-deals micro-batches by the speeds its streaming CO2 rounds carry: a
         one-stage plan that deals them by speed (``Plan.micro``). Every replica consumes a round at the
         same step there (``OuterConfig.lag``), so every one switches at the same step."""
