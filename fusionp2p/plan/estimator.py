@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fusionp2p.plan.config import PlannerConfig
-from fusionp2p.plan.plan import split_by_speed
+from fusionp2p.plan.plan import deal_period, split_by_speed
 from fusionp2p.plan.snapshot import Link, Snapshot
 from fusionp2p.plan.wirebytes import bytes_per_element, wire_bytes
 from fusionp2p.types import DeviceProfile, Unit, WorkloadGraph
@@ -195,9 +195,10 @@ class CostModel:
         would finish it first (earliest finish: the shortest makespan for equal jobs on devices of
         different speeds), each replica at least one a step and at most ``MAX_MICRO_RATIO`` x the fewest.
         None when that is ``M`` a step each (lockstep)."""
-        r, m, p = len(group), self.config.micro_batches, self.config.micro_period
+        r, m = len(group), self.config.micro_batches
         if r < 2:
             return None
+        p = deal_period(self.config.micro_period, m, r)
         counts = split_by_speed([float(self.flops[d]) for d in group], m, p)
         return None if all(c == m * p for c in counts) else counts
 

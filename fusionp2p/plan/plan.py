@@ -43,6 +43,7 @@ MAX_PLAN_BYTES = DEFAULT_LIMITS.max_control_frame
 MAX_STAGES = 4096
 MAX_MICRO_RATIO = 4  # most / fewest micro-batches of two pipelines (the averager refuses weights further apart)
 MAX_MICRO_PERIOD = 64  # steps over which the micro-batches per pipeline repeat (Plan.micro_period)
+MAX_DEALT = 4096       # micro-batches split_by_speed deals per period at most (deal_period)
 RHO_GRID = 10_000  # kept ratios are multiples of 1/RHO_GRID, so that they hash identically everywhere
 
 
@@ -290,6 +291,15 @@ def split_by_speed(speed: Sequence[float], micro_batches: int, period: int = 1) 
         for item in held:
             heapq.heappush(heap, item)
     return tuple(counts)
+
+
+def deal_period(period: int, micro_batches: int, replicas: int) -> int:
+    """*period*, halved while a period's ``M x r x period`` micro-batches exceed ``MAX_DEALT`` (dealing
+    them one at a time costs that many heap steps per candidate plan; with that many a step the
+    fraction matters little)."""
+    while period > 1 and micro_batches * replicas * period > MAX_DEALT:
+        period //= 2
+    return period
 
 
 def lowest_terms(micro: Sequence[int], period: int) -> tuple[tuple[int, ...], int]:

@@ -46,7 +46,7 @@ from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, RemoteProto
 from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
-from fusionp2p.plan.plan import MAX_MICRO_PERIOD, lowest_terms, micro_schedule, split_by_speed
+from fusionp2p.plan.plan import MAX_MICRO_PERIOD, deal_period, lowest_terms, micro_schedule, split_by_speed
 from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, load_anchor_, open_replica_averager
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
@@ -521,15 +521,16 @@ class StageWorker:
         if sorted(secs) != list(range(r)) or not all(s > 0 for s in secs.values()):
             return
         v = [secs[k] for k in range(r)]
-        new = split_by_speed([1.0 / x for x in v], m, REDEAL_PERIOD)
+        period = deal_period(REDEAL_PERIOD, m, r)
+        new = split_by_speed([1.0 / x for x in v], m, period)
 
         def step_s(micro: Sequence[int], period: int) -> float:
             return max(c / period * x for c, x in zip(micro, v, strict=True))
 
-        if step_s(new, REDEAL_PERIOD) > (1.0 - REDEAL_GAIN) * step_s(self._micro, self._period):
+        if step_s(new, period) > (1.0 - REDEAL_GAIN) * step_s(self._micro, self._period):
             return
         old = self._share
-        self._micro, self._period = lowest_terms(new, REDEAL_PERIOD)
+        self._micro, self._period = lowest_terms(new, period)
         self._share = self._micro[self.ctx.replica] / self._period
         avg.weight = self._share
         self.redeals += 1

@@ -373,6 +373,11 @@ def test_micro_batches_a_step_in_fractions_where_whole_ones_cannot_follow_speed(
     assert shares is not None and sum(shares) == 16 * 8
     assert [round(x / 8, 3) for x in shares] == [5.5, 5.5, 2.5, 2.5]
     assert eighths.stage_time(0, 1, [0, 1, 2, 3], shares) < 0.93 * whole.stage_time(0, 1, [0, 1, 2, 3], (6, 6, 2, 2))
+    # a swarm with many micro-batches a step deals them in coarser fractions (each one a heap step per
+    # candidate plan): 64 x 16 x 8 would be 8,192; 64 x 16 x 4 is 4,096
+    from fusionp2p.plan.plan import deal_period
+
+    assert (deal_period(8, 4, 4), deal_period(8, 64, 16), deal_period(8, 4096, 2), deal_period(1, 4096, 2)) == (8, 4, 1, 1)
     # the plan holds them in lowest terms: 44/8 = 11/2
     plan = plan_joint(wl, snap, PlannerConfig(micro_batches=4, micro_period=8, co2_tau=4), replicas=4)
     assert (plan.micro_period, sorted(plan.micro), plan.micro_share) == (2, [5, 5, 11, 11], tuple(
