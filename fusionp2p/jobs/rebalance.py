@@ -41,6 +41,7 @@ from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.plan import Plan, Snapshot
 from fusionp2p.plan.estimator import CostModel
 from fusionp2p.plan.predict import predict
+from fusionp2p.train import deal
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.types import DeviceProfile
 
@@ -119,10 +120,9 @@ def epoch_speed(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, me: str, 
 
 def redeals_in_band(cfg: TrainConfig, plan: Plan) -> bool:
     """Whether *plan*'s replicas re-deal their micro-batches among themselves by the speeds their streaming
-    CO2 rounds carry (``StageWorker._redeal``): a one-stage plan with micro-batches by speed under
-    streaming CO2. A re-plan that would change only those counts is then not worth its halt."""
-    co2 = cfg.co2
-    return bool(plan.micro) and len(plan.stages) == 1 and co2 is not None and co2.stream and not co2.sync
+    CO2 rounds carry (:func:`train.deal.redeals_in_band`). A re-plan that would change only those counts
+    is then not worth its halt."""
+    return deal.redeals_in_band(cfg.co2, plan.micro, len(plan.stages))
 
 
 def same_layout(a: Plan, b: Plan) -> bool:

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fusionp2p.plan.config import PlannerConfig
-from fusionp2p.plan.plan import deal_period, split_by_speed
+from fusionp2p.plan.plan import deal_by_speed
 from fusionp2p.plan.snapshot import Link, Snapshot
 from fusionp2p.plan.wirebytes import bytes_per_element, wire_bytes
 from fusionp2p.types import DeviceProfile, Unit, WorkloadGraph
@@ -189,18 +189,18 @@ class CostModel:
         slowest), so a slow replica holds the fast ones back; speeds do not add up."""
         return len(group) * float(self.flops[list(group)].min())
 
-    def split_micro(self, group: Sequence[int]) -> tuple[int, ...] | None:
-        """Micro-batches per replica of *group* (in its order) per ``micro_period`` steps (``P``), in
-        proportion to speed: the ``M x r x P`` of those steps given one at a time to the replica that
-        would finish it first (earliest finish: the shortest makespan for equal jobs on devices of
-        different speeds), each replica at least one a step and at most ``MAX_MICRO_RATIO`` x the fewest.
-        None when that is ``M`` a step each (lockstep)."""
+    def split_micro(self, group: Sequence[int]) -> tuple[tuple[int, ...], int] | None:
+        """Micro-batches per replica of *group* (in its order) per period of steps, and the period (in
+        lowest terms, at most ``micro_period``), in proportion to speed: the ``M x r x P`` of ``P`` steps
+        given one at a time to the replica that would finish it first (earliest finish: the shortest
+        makespan for equal jobs on devices of different speeds), each replica at least one a step and at
+        most ``MAX_MICRO_RATIO`` x the fewest (:func:`plan.deal_by_speed`). None when that is ``M`` a step
+        each (lockstep)."""
         r, m = len(group), self.config.micro_batches
         if r < 2:
             return None
-        p = deal_period(self.config.micro_period, m, r)
-        counts = split_by_speed([float(self.flops[d]) for d in group], m, p)
-        return None if all(c == m * p for c in counts) else counts
+        micro, period = deal_by_speed([float(self.flops[d]) for d in group], m, self.config.micro_period)
+        return None if period == 1 and all(c == m for c in micro) else (micro, period)
 
     def stage_time(self, i: int, j: int, group: Sequence[int], micro: Sequence[int] | None = None) -> float:
         """Seconds per micro-batch of stage [i, j) served by *group* (throughput-equivalent: the group's

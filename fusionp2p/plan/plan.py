@@ -308,6 +308,13 @@ def lowest_terms(micro: Sequence[int], period: int) -> tuple[tuple[int, ...], in
     return tuple(m // g for m in micro), period // g
 
 
+def deal_by_speed(speed: Sequence[float], micro_batches: int, period: int) -> tuple[tuple[int, ...], int]:
+    """``(micro, micro_period)`` of a plan for pipelines of relative *speed*: :func:`split_by_speed` over
+    *period* steps (:func:`deal_period` bounds it), in lowest terms."""
+    p = deal_period(period, micro_batches, len(speed))
+    return lowest_terms(split_by_speed(speed, micro_batches, p), p)
+
+
 def micro_schedule(micro: tuple[int, ...], period: int, step: int) -> tuple[int, ...]:
     """Micro-batches of each pipeline at *step*, from their counts *micro* per *period* steps (sum
     ``M x r x period``, each at least *period*): every pipeline runs ``micro[k] // period`` and the step's

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from fusionp2p.plan.config import PlannerConfig
 from fusionp2p.plan.estimator import CostModel, compressed_bytes
-from fusionp2p.plan.plan import Fence, Plan, Stage, deal_period, lowest_terms, quantize_rho
+from fusionp2p.plan.plan import Fence, Plan, Stage, quantize_rho
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.plan.wirebytes import max_ratio, sends_dense
 from fusionp2p.types import WorkloadGraph
@@ -95,14 +95,12 @@ def build_plan(
     its speed (``Plan.micro`` per ``Plan.micro_period`` steps, :meth:`CostModel.split_micro`) instead of
     running them in lockstep."""
     order = pipeline_order(cm, layout)
-    micro = cm.split_micro(order[0]) if balance and len(layout) == 1 else None
+    dealt = cm.split_micro(order[0]) if balance and len(layout) == 1 else None
+    micro, period = dealt if dealt is not None else (None, 1)
     if micro is not None:
         i, j, g = layout[0][0], layout[0][1], order[0]
         if cm.stage_time(i, j, g, micro) > (1.0 - BALANCE_MIN_GAIN) * cm.stage_time(i, j, g):
-            micro = None     # within the noise of measured speeds: lockstep (equal machines stay equal)
-    period = deal_period(cm.config.micro_period, cm.config.micro_batches, len(order[0])) if micro is not None else 1
-    if micro is not None:       # in lowest terms: (16, 16, 48, 48) a period of 8 steps is (2, 2, 6, 6) a step
-        micro, period = lowest_terms(micro, period)
+            micro, period = None, 1     # within the noise of measured speeds: lockstep (equal machines stay equal)
     stages = []
     for (i, j, _), g in zip(layout, order):
         reps = tuple(cm.peers[d] for d in g)

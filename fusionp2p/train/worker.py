@@ -42,13 +42,13 @@ import trio
 from fusionp2p.average.outer import OuterConfig
 from fusionp2p.compress.adatopk import TopKLink
 from fusionp2p.compress.codec import decode, kept_mask
-from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.errors import JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
-from fusionp2p.plan.plan import MAX_MICRO_PERIOD, deal_period, lowest_terms, micro_schedule, split_by_speed
 from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, load_anchor_, open_replica_averager
 from fusionp2p.train.config import TrainConfig
+from fusionp2p.train.deal import REDEAL_MIN_MICROS, Deal, redeals_in_band
 from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
 from fusionp2p.train.schedule import (
     ActivationArrived,
@@ -68,14 +68,6 @@ from fusionp2p.train.state import StageState, load_optimizer_tensors, momentum_s
 from fusionp2p.types import AveragingStats
 
 log = logging.getLogger(__name__)
-
-# Re-dealing micro-batches by measured speed (StageWorker._redeal): in eighths of a micro-batch a step,
-# when predicted at least 5% faster than the deal in force (the speeds move by about that under load)
-REDEAL_PERIOD = 8
-REDEAL_GAIN = 0.05
-# ... once every replica has measured this many micro-batches (benchmarks.wan's `slow`: a deal by the first
-# two steps' figures gave a DSL replica 3.125 a step, and the next two deals took it back to 2.5)
-REDEAL_MIN_MICROS = 8
 
 # Marker queued by a reader when its channel ends (compared by identity).
 _CLOSED = TensorMessage(job="", kind="closed")
@@ -232,26 +224,18 @@ class StageWorker:
         # hostile peers (train/guard.py): bounded queues, and no non-finite value reaches the parameters
         self._guard = StepGuard(stage=self.prog.stage)
         self._skipped = ""
-        period = ctx.micro_period
-        if not 1 <= period <= MAX_MICRO_PERIOD or (ctx.micro and (
-                len(ctx.micro) != ctx.replicas or sum(ctx.micro) != ctx.config.micro_batches * ctx.replicas * period
-                or min(ctx.micro) < period)):
-            raise ConfigError(f"micro-batches per pipeline {tuple(ctx.micro)} over {period} step(s) do not deal out "
-                              f"{ctx.config.micro_batches} x {ctx.replicas} a step")
-        self._micro = tuple(ctx.micro)
-        self._period = period
-        # this pipeline's micro-batches a step on average (its weight in the averages), and at most
-        self._share = ctx.micro[ctx.replica] / period if ctx.micro else float(ctx.config.micro_batches)
-        self._m_most = max(micro_schedule(self._micro, period, t)[ctx.replica] for t in range(period)) \
-            if ctx.micro else ctx.config.micro_batches
+        # which of each step's micro-batches this pipeline runs (train/deal.py), and whether the replicas
+        # re-deal them by the speeds their averaging rounds carry
+        self._deal = Deal(ctx.micro, ctx.micro_period, replica=ctx.replica, replicas=ctx.replicas,
+                          micro_batches=ctx.config.micro_batches)
+        self._redealing = self._outer is not None and redeals_in_band(ctx.config.co2, ctx.micro, self.prog.num_stages)
         # forward + backward seconds and micro-batches of this epoch's steps after its first (which warms up):
         # the speed this replica trains at, which the job's leader may re-balance the micro-batches by
         # (jobs/rebalance.py). Not the optimizer step nor the all-reduce: they do not scale with the count
         self.busy_s = 0.0
         self.busy_micros = 0
-        self.redeals = 0          # times this replica re-dealt the micro-batches by measured speeds (_redeal)
         self._first_done: tuple[float, int] | None = None   # (when, completed) at the end of this epoch's first step
-        self._pipe_budget = pipeline_budget(self.prog, self._m_most)
+        self._pipe_budget = pipeline_budget(self.prog, self._deal.most)
         self._avg_budget = replica_budget(self.prog, len(ctx.peers), sum(p.numel() for p in self._params))
 
     def seconds_left(self) -> float | None:
@@ -325,7 +309,7 @@ class StageWorker:
                 me = f"r{self.ctx.replica}"
                 co2 = self.ctx.config.co2
                 acfg = AveragerConfig(outer=self._outer, job=self.ctx.job, stage=self.prog.stage,
-                                      round_timeout=self.ctx.recv_timeout or 600.0, weight=self._share,
+                                      round_timeout=self.ctx.recv_timeout or 600.0, weight=self._deal.share,
                                       wire=co2.wire if co2 is not None else "fp32")
                 restored = self.ctx.restore
                 momentum = restored.momentum_vector(self._layout()) if restored is not None else None
@@ -399,7 +383,7 @@ class StageWorker:
             log.info("stage %d replica %d: %d steps in %.2f s: train steps %.2f s (%.4g micro-batches each; compute "
                      "%.2f s, messages and waits %.2f s, progress report %.2f s), averaging boundaries %.2f s (the "
                      "last step's %.2f s, the longest other %.3f s%s), the rest (checkpoints, evaluation) %.2f s",
-                     self.prog.stage, self.ctx.replica, n, total, t_steps, self._share, t_comp, t_wall - t_comp,
+                     self.prog.stage, self.ctx.replica, n, total, t_steps, self._deal.share, t_comp, t_wall - t_comp,
                      t_steps - t_wall, t_avg, t_final, w_max, rounds, total - t_steps - t_avg)
 
     def _load_anchor(self, anchor: torch.Tensor | None, step: int, *, ranges: Sequence[tuple[int, int]] = ()) -> None:
@@ -500,56 +484,24 @@ class StageWorker:
     def _gstep(self, step: int) -> int:
         return step * self.ctx.replicas + self.ctx.replica
 
-    @property
-    def _redealing(self) -> bool:
-        """Whether this replica re-deals micro-batches by the speeds its streaming CO2 rounds carry: a
-        one-stage plan that deals them by speed (``Plan.micro``). Every replica consumes a round at the
-        same step there (``OuterConfig.lag``), so every one switches at the same step."""
-        o = self._outer
-        return bool(self._micro) and self.prog.num_stages == 1 and o is not None and o.streaming
-
     def _redeal(self, speeds: Sequence[tuple[str, float]], step: int, avg: ReplicaAverager) -> None:
-        """Micro-batches a step from *step* on by the seconds per micro-batch every replica measured
-        (a consumed round's ``speeds``, the same on every replica), when that is predicted
-        ``REDEAL_GAIN`` faster than the deal in force; a pure function of the round and the deal, so every
-        replica deals the same samples without a message. Nothing while a replica has not measured."""
-        r, m = self.ctx.replicas, self.ctx.config.micro_batches
-        secs: dict[int, float] = {}
-        for name, s in speeds:
-            if name.startswith("r") and name[1:].isdigit():
-                secs[int(name[1:])] = s
-        if sorted(secs) != list(range(r)) or not all(s > 0 for s in secs.values()):
+        """From *step* on, the deal for the speeds a consumed round carried (:meth:`Deal.redeal`), with this
+        replica's new share as its weight in the rounds it launches."""
+        old = self._deal.share
+        v = self._deal.redeal(speeds)
+        if v is None:
             return
-        v = [secs[k] for k in range(r)]
-        period = deal_period(REDEAL_PERIOD, m, r)
-        new = split_by_speed([1.0 / x for x in v], m, period)
-
-        def step_s(micro: Sequence[int], period: int) -> float:
-            return max(c / period * x for c, x in zip(micro, v, strict=True))
-
-        if step_s(new, period) > (1.0 - REDEAL_GAIN) * step_s(self._micro, self._period):
-            return
-        old = self._share
-        self._micro, self._period = lowest_terms(new, period)
-        self._share = self._micro[self.ctx.replica] / self._period
-        avg.weight = self._share
-        self.redeals += 1
+        deal = self._deal
+        avg.weight = deal.share
         log.info("stage %d replica %d: from step %d, %s micro-batches a step by the measured %s ms per "
                  "micro-batch (this replica %.4g -> %.4g)", self.prog.stage, self.ctx.replica, step,
-                 ", ".join(f"{c / self._period:.4g}" for c in self._micro), ", ".join(f"{1e3 * x:.0f}" for x in v),
-                 old, self._share)
+                 ", ".join(f"{c / deal.period:.4g}" for c in deal.micro), ", ".join(f"{1e3 * x:.0f}" for x in v),
+                 old, deal.share)
 
-    def _micro_at(self, step: int) -> tuple[int, int]:
-        """(micro-batches of this pipeline at *step*, how many of the step's the pipelines before it run)."""
-        if not self._micro:
-            return self.ctx.config.micro_batches, self.ctx.replica * self.ctx.config.micro_batches
-        counts = micro_schedule(self._micro, self._period, step)
-        return counts[self.ctx.replica], sum(counts[:self.ctx.replica])
-
-    def _sample(self, step: int, mu: int) -> tuple[int, int]:
-        """The data index (sampler step, micro) of this pipeline's micro-batch *mu* of *step*: micro-batch
-        ``first + mu`` of the step's ``M x R`` (``(step * R + r, mu)`` when every pipeline runs ``M``)."""
-        m, k = self.ctx.config.micro_batches, self._micro_at(step)[1] + mu
+    def _sample(self, step: int, k: int) -> tuple[int, int]:
+        """The data index (sampler step, micro) of micro-batch *k* of *step*'s ``M x R`` (this pipeline's
+        micro-batch ``mu`` is ``first + mu``: ``(step * R + r, mu)`` when every pipeline runs ``M``)."""
+        m = self.ctx.config.micro_batches
         return step * self.ctx.replicas + k // m, k % m
 
     async def _train_step(self, step: int) -> tuple[float, float]:
@@ -557,7 +509,7 @@ class StageWorker:
         cfg, prog, ex = self.ctx.config, self.prog, self.ex
         t0 = time.perf_counter()
         compute = fb = 0.0                 # fb: forward and backward only
-        m_count = self._micro_at(step)[0]
+        m_count, first = self._deal.at(step)
         sched = StageSchedule(ScheduleConfig(kind=cfg.schedule, stages=prog.num_stages, micro_batches=m_count,
                                              stage=prog.stage))
         inbox = Inbox(prog)
@@ -569,7 +521,7 @@ class StageWorker:
         backs: dict[int, dict[str, torch.Tensor]] = {}
         losses: dict[int, float] = {}
         for mu in range(m_count):
-            data = self.ctx.data(*self._sample(step, mu))
+            data = self.ctx.data(*self._sample(step, first + mu))
             done = None
             for r in prog.recv:
                 if r.src == DATA:
@@ -741,7 +693,7 @@ class StageWorker:
         got = {me: mine}
         for name, g in self._grads_ahead.pop(step, {}).items():
             got.setdefault(name, g)
-        micro = micro_schedule(self._micro, self._period, step)
+        micro = self._deal.counts(step)
         weight = {f"g{k}": float(m) for k, m in enumerate(micro)}
         names = {f"g{k}" for k in range(len(self.ctx.peers) + 1)}
         while len(got) <= len(self.ctx.peers):

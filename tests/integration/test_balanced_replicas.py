@@ -113,10 +113,10 @@ def test_replicas_re_deal_by_the_speeds_their_rounds_carry() -> None:
     params, drawn, reports = _train((2, 2), averaging=CO2(tau=2), period=1, steps=12, slowdown=50.0,
                                     workers_out=workers)
     assert drawn == lock_drawn
-    w0, w1 = workers
-    assert w0.redeals >= 1 and w1.redeals == w0.redeals
-    assert (w0._micro, w0._period) == (w1._micro, w1._period)
-    assert w0._share > 2 > w1._share and w0._share <= 4 * w1._share and w0._share + w1._share == 4
+    d0, d1 = (w._deal for w in workers)
+    assert d0.redeals >= 1 and d1.redeals == d0.redeals
+    assert (d0.micro, d0.period) == (d1.micro, d1.period)
+    assert d0.share > 2 > d1.share and d0.share <= 4 * d1.share and d0.share + d1.share == 4
     by_step: dict[int, int] = {}
     for r in reports:
         if not r.eval:

@@ -26,7 +26,7 @@ def test_round_trip() -> None:
 
 
 def test_a_gather_part_carries_its_owners_speed_and_a_round_gathers_them() -> None:
-    """Re-dealing replicas (train/worker.py ``_redeal``): an owner's anchor shard carries its seconds per
+    """Re-dealing replicas (train/deal.py ``Deal.redeal``): an owner's anchor shard carries its seconds per
     micro-batch ("v", left out at 0), and a complete round hands every owner's figure over in rank order.
     A speed that is negative, not finite or absurd is a bad part."""
     from fusionp2p.average.allreduce import MAX_SPEED_S, AllReduceRound, Finished, Reduced, Send

@@ -349,11 +349,11 @@ def test_micro_batches_follow_speed_within_four_times() -> None:
     cm = CostModel(chain(1, act=1000, params=1000), snap, PlannerConfig(micro_batches=4))
     # the 40x slower device gets 2 of 16: with 1, the others could take at most 4 each (4x apart) and the
     # step's 16 would not be dealt out
-    assert cm.split_micro([0, 1, 2, 3]) == (6, 4, 4, 2)
+    assert cm.split_micro([0, 1, 2, 3]) == ((6, 4, 4, 2), 1)
     snap = snapshot(4, bw=lambda a, b: 1.25e8, flops=lambda i: [4e10, 2e10, 1e10, 1e10][i])
     cm = CostModel(chain(1, act=1000, params=1000), snap, PlannerConfig(micro_batches=4))
-    assert cm.split_micro([0, 1, 2, 3]) == (8, 4, 2, 2)    # in proportion to speed
-    assert cm.split_micro([1, 0]) == (3, 5)                 # in the group's order
+    assert cm.split_micro([0, 1, 2, 3]) == ((8, 4, 2, 2), 1)    # in proportion to speed
+    assert cm.split_micro([1, 0]) == ((3, 5), 1)                 # in the group's order
     equal = snapshot(3, bw=lambda a, b: 1.25e8, flops=lambda i: 1e10)
     assert CostModel(chain(1, act=1000, params=1000), equal, PlannerConfig(micro_batches=4)).split_micro([0, 1, 2]) is None
 
@@ -368,10 +368,12 @@ def test_micro_batches_a_step_in_fractions_where_whole_ones_cannot_follow_speed(
     wl = chain(1, act=1000, params=1000)
     whole = CostModel(wl, snap, PlannerConfig(micro_batches=4))
     eighths = CostModel(wl, snap, PlannerConfig(micro_batches=4, micro_period=8))
-    assert whole.split_micro([0, 1, 2, 3]) == (6, 6, 2, 2)
-    shares = eighths.split_micro([0, 1, 2, 3])
-    assert shares is not None and sum(shares) == 16 * 8
-    assert [round(x / 8, 3) for x in shares] == [5.5, 5.5, 2.5, 2.5]
+    assert whole.split_micro([0, 1, 2, 3]) == ((6, 6, 2, 2), 1)
+    dealt = eighths.split_micro([0, 1, 2, 3])
+    assert dealt is not None
+    shares, period = dealt                                  # in lowest terms: 44/8 = 11/2
+    assert period == 2 and sum(shares) == 16 * period
+    assert [round(x / period, 3) for x in shares] == [5.5, 5.5, 2.5, 2.5]
     assert eighths.stage_time(0, 1, [0, 1, 2, 3], shares) < 0.93 * whole.stage_time(0, 1, [0, 1, 2, 3], (6, 6, 2, 2))
     # a swarm with many micro-batches a step deals them in coarser fractions (each one a heap step per
     # candidate plan): 64 x 16 x 8 would be 8,192; 64 x 16 x 4 is 4,096

@@ -91,7 +91,7 @@ def test_a_node_announces_the_running_geometric_mean_of_its_speeds_on_one_model(
 
 def test_a_re_plan_that_changes_only_the_deal_is_left_to_the_replicas() -> None:
     """A one-stage plan with micro-batches by speed under streaming CO2 re-deals them in its rounds
-    (StageWorker._redeal): the leader's re-balance keeps such a plan when the better one differs only
+    (train/deal.py): the leader's re-balance keeps such a plan when the better one differs only
     in those counts (``same_layout``); a plan in lockstep, a pipeline or synchronous CO2 does not re-deal."""
     import dataclasses
 
