@@ -161,10 +161,11 @@ def _start_nodes(tb: Testbed, addr: str, hosts: list[TestbedHost], scenario: str
 
 
 def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link_timeout: float = 240.0,
-        keep_logs: bool = False, slowdown_as_cap: bool = False) -> dict[str, Any]:
+        keep_logs: bool = False, slowdown_as_cap: bool = False, ceiling: bool = True) -> dict[str, Any]:
     """Run the systems (default all five) once on *scenario*; the summary (raises on a failure of the
     machinery; a failed job is reported in its system's entry). Logs are kept only on a failure, or
-    with *keep_logs* (each stage replica logs where its time went: ``grep 'steps in'``)."""
+    with *keep_logs* (each stage replica logs where its time went: ``grep 'steps in'``). With *ceiling*,
+    first the hosts' compute ceiling (:func:`compute_ceiling`)."""
     chosen = [s for s in SYSTEMS if systems is None or s["name"] in systems]
     if not chosen:
         raise ConfigError(f"no system among {systems}; known: {[s['name'] for s in SYSTEMS]}")
@@ -195,6 +196,7 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
         job_file.write_text(json.dumps({
             "run": dataclasses.asdict(cfg), "systems": chosen, "bootstrap": addr, "nodes": len(nodes),
             "listen": f"/ip4/{tb.host(CONTROL).address}/tcp/0", "workdir": str(workdir)}))
+        limit = compute_ceiling(tb, nodes, job_file, cfg, env) if ceiling else None
         client = tb.spawn(CONTROL, [sys.executable, "-m", "benchmarks.wan_client", "--job", str(job_file)],
                           label="publisher", env=env)
         client.read_line(180.0, match=lambda s: s.startswith('{"members"'))
@@ -222,11 +224,42 @@ def run(scenario: str, cfg: RunConfig, *, systems: list[str] | None = None, link
         return {"scenario": scenario, "spec": spec.description, "run": dataclasses.asdict(cfg),
                 "swarm_up_s": swarm_s, "measured_links": measured, "measured_links_end": measured_end,
                 "node_flops": profiles, "node_act_rate": act_rates,
-                "systems": results,
+                "systems": results, "ceiling": limit,
                 "hosts": [{"name": h.name, "up_bps": h.up_bps, "down_bps": h.down_bps, "cpus": h.cpus,
                            "slowdown": h.slowdown} for h in spec.hosts],
                 "slowdown": "cpu cap" if slowdown_as_cap else "node",
                 "caps_cores": caps, "machine_cores": cores}
+
+
+CEILING_WARMUP_S = 30.0   # start-up of a worker on a 0.25-0.5 core host: imports, tracing, the first steps
+CEILING_S = 15.0
+
+
+def compute_ceiling(tb: Testbed, hosts: list[TestbedHost], job_file: Path, cfg: RunConfig,
+                    env: dict[str, str]) -> dict[str, Any]:
+    """Every scenario host trains the benchmark's model at once with nothing else to do
+    (``benchmarks/wan_ceiling.py``: no network, no averaging, no gossip; its node idles beside it, in
+    the same CPU cgroup, slowed by the host's ``slowdown`` as the node slows itself), for
+    ``CEILING_S`` seconds. The sum of their rates bounds the samples/s of any plan of whole-model
+    replicas on this machine with these caps: the full system's ceiling. Per host: micro-batches a
+    second; ``samples_per_s`` the sum times ``micro_batch``."""
+    start = time.time() + CEILING_WARMUP_S
+    procs = [(h, tb.spawn(h, [sys.executable, "-m", "benchmarks.wan_ceiling", "--run", str(job_file),
+                              "--start", repr(start), "--seconds", str(CEILING_S), "--cpus", str(h.spec.cpus or 1.0),
+                              "--slowdown", str(h.spec.slowdown)], label=f"{h.name}-ceiling", env=env))
+             for h in hosts]
+    per_host: dict[str, float] = {}
+    for h, p in procs:
+        line = p.read_line(CEILING_WARMUP_S + CEILING_S + 120.0, match=lambda s: s.startswith('{"micro"'))
+        p.wait(30.0)
+        got = json.loads(line)
+        if not got["seconds"] > 0:
+            raise TestbedError(f"{h.name}: the ceiling worker completed no micro-batch in its window ({got})")
+        per_host[h.name] = got["micro"] / got["seconds"]
+    total = sum(per_host.values())
+    log.info("compute ceiling: %.1f samples/s (%s micro-batches/s)", total * cfg.micro_batch,
+             ", ".join(f"{n} {r:.1f}" for n, r in per_host.items()))
+    return {"micro_per_s": per_host, "samples_per_s": total * cfg.micro_batch, "seconds": CEILING_S}
 
 
 def caps_sum(spec: TestbedSpec) -> float:
@@ -254,6 +287,13 @@ def table(res: dict[str, Any]) -> str:
                     f"{s['predicted_samples_per_s'] or 0:10.1f} {s['held_out_loss']:9.3f} {s['replicas']:>8}  "
                     f"{'|'.join('+'.join(s['plan']['hosts'][i:i + n]) for i, n in _spans(s['plan']['stage_sizes']))} "
                     f"rho {[round(x, 3) for x in s['plan']['rho']]}")
+    lim = res.get("ceiling")
+    if lim:
+        top = lim["samples_per_s"]
+        full = next((s.get("samples_per_s") for s in res["systems"] if s["system"] == "OPF+TopK+CO2"), None)
+        share = f"the full system at {full / top:.0%} of it" if full else "the full system not run"
+        rows.append(f"{'ceiling':<13} {top:10.1f} {top / base if base else 0:6.2f}  "
+                    f"(every host computing at once, nothing else; {share})")
     return "\n".join(rows)
 
 
@@ -272,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-timeout", type=float, default=900.0)
     p.add_argument("--systems", default="", help="comma-separated subset of A,B,OPF,OPF+TopK,OPF+TopK+CO2 (default all)")
     p.add_argument("--keep-logs", action="store_true", help="keep the hosts' logs (the path is printed)")
+    p.add_argument("--no-ceiling", action="store_true",
+                   help="skip the hosts' compute ceiling (on by default except with --quick; 45 s)")
     p.add_argument("--slowdown-as-cap", action="store_true",
                    help="emulate a host's slowdown by a smaller CPU cap (the runs before 2026-11-28) instead of in its node")
     a = p.parse_args(argv)
@@ -287,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"scenario {a.scenario} (testbed, tc tbf): {cfg.steps} steps per system, load {load0[0]:.2f}", flush=True)
     t0 = time.monotonic()
     res = run(a.scenario, cfg, systems=a.systems.split(",") if a.systems else None, keep_logs=a.keep_logs,
-              slowdown_as_cap=a.slowdown_as_cap)
+              slowdown_as_cap=a.slowdown_as_cap, ceiling=not (a.quick or a.no_ceiling))
     res["wall_s"] = time.monotonic() - t0
     res["loadavg_start"], res["loadavg_end"] = list(load0), list(os.getloadavg())
     print(table(res))

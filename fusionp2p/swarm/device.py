@@ -17,11 +17,14 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 from fusionp2p.errors import ConfigError
 from fusionp2p.types import DeviceProfile
+
+T = TypeVar("T")
 
 
 def parse_device(spec: str) -> torch.device:
@@ -152,6 +155,25 @@ def check_slowdown(factor: float) -> None:
     ``DeviceProfile.slowed`` and the stage workers' sleeps; 1 = full speed)."""
     if not 1.0 <= factor <= 1000.0:
         raise ConfigError("--emulate-slowdown must be in 1..1000 (1 = full speed)")
+
+
+def slowed(fn: Callable[..., T], factor: float, cpus: float | None) -> Callable[..., T]:
+    """*fn*, then a sleep in its thread, so that it lasts *factor* times what it takes at the host's CPU
+    share: its CPU time over *cpus*, or its wall time if that is longer (*cpus* None: its wall time).
+    (The wall time alone is not it: under a CFS quota a short op that sleeps after itself never spends its
+    quota, runs at full speed, and a slowdown of 2 at half a core would read as none.) The CPU time is
+    the calling thread's: exact with one torch thread, as the testbed's hosts run. *fn* itself at 1."""
+    if factor == 1.0:
+        return fn
+
+    def run(*args: Any, **kw: Any) -> T:
+        t, c = time.perf_counter(), time.thread_time()
+        out = fn(*args, **kw)
+        wall, cpu = time.perf_counter() - t, time.thread_time() - c
+        at_share = max(wall, cpu / cpus) if cpus else wall
+        time.sleep(max(0.0, factor * at_share - wall))
+        return out
+    return run
 
 
 def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfile:

@@ -29,6 +29,7 @@ gradients backward; everything else is sent dense with the identity codec.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -42,14 +43,16 @@ import trio
 from fusionp2p.average.outer import OuterConfig
 from fusionp2p.compress.adatopk import TopKLink
 from fusionp2p.compress.codec import decode, kept_mask
-from fusionp2p.errors import JobError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.swarm.device import slowed
 from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, load_anchor_, open_replica_averager
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.train.deal import REDEAL_MIN_MICROS, Deal, redeals_in_band
 from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
+from fusionp2p.train.local_step import is_local, local_actions, nonfinite_loss, run_local
 from fusionp2p.train.schedule import (
     ActivationArrived,
     BackwardDone,
@@ -188,6 +191,7 @@ class StageWorker:
         self.ctx = ctx
         self.ex = ctx.executor
         self.prog = ctx.executor.program
+        self._local = is_local(self.prog)
         params = self.ex.parameters()
         self._names = list(self.prog.param_names)
         self._params = [params[n] for n in self._names if n in params]
@@ -528,9 +532,11 @@ class StageWorker:
                     done = inbox.put_activation(mu, r.name, data[r.name])
             if done is not None:
                 ready_in[mu] = done
-        actions = list(sched.start())
         scale = 1.0 / m_count
-        finished = False
+        finished = self._local   # a stage that talks to no other one: the step in one thread call
+        if finished:
+            compute, fb, losses = await self._local_step(step, sched.config, ready_in, scale)
+        actions = [] if finished else list(sched.start())
         while not finished:
             while actions:
                 act = actions.pop(0)
@@ -542,9 +548,7 @@ class StageWorker:
                     if prog.loss is not None:
                         losses[act.micro] = float(outs[act.micro][prog.loss])
                         if not math.isfinite(losses[act.micro]) and cfg.on_nonfinite == "fail":
-                            raise JobError(f"stage {prog.stage}, step {step}, micro-batch {act.micro}: the loss is "
-                                           f"{losses[act.micro]}; training diverged (lower lr, set grad_clip) or the "
-                                           "data holds values the model cannot take; on_nonfinite='skip' skips such steps")
+                            raise nonfinite_loss(f"stage {prog.stage}, step {step}", act.micro, losses[act.micro])
                     actions += sched.handle(ForwardDone(micro=act.micro))
                 elif isinstance(act, SendActivation):
                     await self._send_acts(step, act.micro, outs.pop(act.micro))
@@ -558,13 +562,7 @@ class StageWorker:
                 elif isinstance(act, SendGradient):
                     await self._send_grads(step, act.micro, backs.pop(act.micro))
                 elif isinstance(act, OptimizerStep):
-                    t = time.perf_counter()
-                    if prog.tied:
-                        await self._sum_tied(step)          # tied weights: one logical parameter (TiedParam)
-                    if self._outer is None and self.ctx.peers:
-                        await self._allreduce_grads(step)   # replicas without CO2: synchronous data parallelism
-                    await trio.to_thread.run_sync(self._slowed(self._optimizer_step), step)
-                    compute += time.perf_counter() - t
+                    compute += await self._step_optimizer(step)
                     actions += sched.handle(OptimizerDone())
                     finished = True
             if finished:
@@ -601,6 +599,28 @@ class StageWorker:
                                           averaging=self._avg.stats if self._avg is not None else None,
                                           skipped=self._skipped))
         return compute, wall
+
+    async def _step_optimizer(self, step: int) -> float:
+        """Tied sums, the all-reduce (replicas without CO2) and the optimizer step; their seconds."""
+        t = time.perf_counter()
+        if self.prog.tied:
+            await self._sum_tied(step)          # tied weights: one logical parameter (TiedParam)
+        if self._outer is None and self.ctx.peers:
+            await self._allreduce_grads(step)   # replicas without CO2: synchronous data parallelism
+        await trio.to_thread.run_sync(self._slowed(self._optimizer_step), step)
+        return time.perf_counter() - t
+
+    async def _local_step(self, step: int, sched: ScheduleConfig, inputs: dict[int, dict[str, torch.Tensor]],
+                          scale: float) -> tuple[float, float, dict[int, float]]:
+        """A local stage's step (train/local_step.py): compute seconds, forward and backward seconds, losses.
+        The optimizer step runs in the same call unless tied sums or the all-reduce must come first."""
+        alone = not self.prog.tied and not (self._outer is None and self.ctx.peers)
+        res = await trio.to_thread.run_sync(functools.partial(
+            run_local, self.ex, self.prog, local_actions(sched), inputs, scale=scale, slowed=self._slowed,
+            fail_nonfinite=self.ctx.config.on_nonfinite == "fail", where=f"stage {self.prog.stage}, step {step}",
+            optimizer=functools.partial(self._optimizer_step, step) if alone else None))
+        extra = 0.0 if res.stepped else await self._step_optimizer(step)
+        return res.fb_s + res.optimizer_s + extra, res.fb_s, res.losses
 
     async def _send_acts(self, step: int, micro: int, out: Mapping[str, torch.Tensor], *, dense: bool = False,
                          kind: str = "act") -> None:
@@ -725,23 +745,8 @@ class StageWorker:
                 off += n
 
     def _slowed(self, fn: Callable[..., _T]) -> Callable[..., _T]:
-        """*fn*, then a sleep in its thread, so that it lasts ``compute_slowdown`` times what it takes at
-        the host's CPU share: its CPU time over ``compute_cpus``, or its wall time if that is longer.
-        (The wall time alone is not it: under a CFS quota a short op that sleeps after itself never
-        spends its quota, runs at full speed, and a slowdown of 2 at half a core would read as none.)
-        The CPU time is this thread's: exact with one torch thread, as the testbed's hosts run."""
-        factor, cpus = self.ctx.compute_slowdown, self.ctx.compute_cpus
-        if factor == 1.0:
-            return fn
-
-        def run(*args: Any) -> _T:
-            t, c = time.perf_counter(), time.thread_time()
-            out = fn(*args)
-            wall, cpu = time.perf_counter() - t, time.thread_time() - c
-            at_share = max(wall, cpu / cpus) if cpus else wall
-            time.sleep(max(0.0, factor * at_share - wall))
-            return out
-        return run
+        """*fn* slowed by the emulated slowdown (``swarm.device.slowed``)."""
+        return slowed(fn, self.ctx.compute_slowdown, self.ctx.compute_cpus)
 
     def _optimizer_step(self, step: int) -> None:
         cfg = self.ctx.config
