@@ -245,8 +245,9 @@ def compute_ceiling(tb: Testbed, hosts: list[TestbedHost], job_file: Path, cfg: 
     second; ``samples_per_s`` the sum times ``micro_batch``."""
     start = time.time() + CEILING_WARMUP_S
     procs = [(h, tb.spawn(h, [sys.executable, "-m", "benchmarks.wan_ceiling", "--run", str(job_file),
-                              "--start", repr(start), "--seconds", str(CEILING_S), "--cpus", str(h.spec.cpus or 1.0),
-                              "--slowdown", str(h.spec.slowdown)], label=f"{h.name}-ceiling", env=env))
+                              "--start", repr(start), "--seconds", str(CEILING_S), "--slowdown", str(h.spec.slowdown),
+                              *(["--cpus", str(h.spec.cpus)] if h.spec.cpus is not None else [])],
+                          label=f"{h.name}-ceiling", env=env))
              for h in hosts]
     per_host: dict[str, float] = {}
     for h, p in procs:

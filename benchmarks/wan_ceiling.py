@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", required=True, help="the benchmark's run.json (model and batch sizes)")
     p.add_argument("--start", type=float, required=True, help="wall-clock time (time.time()) the count starts")
     p.add_argument("--seconds", type=float, required=True)
-    p.add_argument("--cpus", type=float, default=1.0, help="the host's CPU share (the slowdown's reference)")
+    p.add_argument("--cpus", type=float, default=None,
+                   help="the host's CPU share, the slowdown's reference (none: the wall time, as the node)")
     p.add_argument("--slowdown", type=float, default=1.0)
     a = p.parse_args(argv)
     torch.set_num_threads(1)   # as the testbed's nodes (torch_threads 1)
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     end = a.start + a.seconds
     first: float | None = None   # the first completion in the window; the rate counts those after it
     done, last, i = 0, 0.0, 0
-    while (now := time.time()) < end:
+    while time.time() < end:
         fwd(i % m, feed)
         bwd(i % m, {}, loss_scale=1.0 / m)
         i += 1

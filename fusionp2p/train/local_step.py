@@ -29,7 +29,6 @@ from fusionp2p.train.schedule import (
     OptimizerStep,
     RunBackward,
     RunForward,
-    ScheduleConfig,
     StageSchedule,
 )
 
@@ -41,10 +40,9 @@ def is_local(prog: StageProgram) -> bool:
     return prog.num_stages == 1 and not prog.send and all(r.src == DATA for r in prog.recv)
 
 
-def local_actions(config: ScheduleConfig) -> list[RunForward | RunBackward | OptimizerStep]:
-    """The schedule's actions for a local stage, in the order it emits them (every forward and backward
-    done as soon as asked)."""
-    sched = StageSchedule(config)
+def local_actions(sched: StageSchedule) -> list[RunForward | RunBackward | OptimizerStep]:
+    """A local stage's (unstarted) schedule driven to its end, every forward and backward done as soon as
+    asked: its actions in the order it emits them."""
     pending, out = list(sched.start()), []
     while pending:
         act = pending.pop(0)
@@ -72,12 +70,12 @@ class LocalResult:
     stepped: bool = False       # whether the optimizer step ran
 
 
-def run_local(ex: StageExecutor, prog: StageProgram, actions: list[RunForward | RunBackward | OptimizerStep],
+def run_local(ex: StageExecutor, actions: list[RunForward | RunBackward | OptimizerStep],
               inputs: dict[int, dict[str, torch.Tensor]], *, scale: float, slowed: Slowed, fail_nonfinite: bool,
               where: str, optimizer: Callable[[], None] | None) -> LocalResult:
     """Run *actions* (:func:`local_actions`) in this thread. The optimizer step runs here only when
     *optimizer* is given (otherwise the caller runs it: tied sums and the all-reduce come first)."""
-    res = LocalResult()
+    res, prog = LocalResult(), ex.program
     fwd, bwd = slowed(ex.forward), slowed(ex.backward)
     for act in actions:
         t = time.perf_counter()

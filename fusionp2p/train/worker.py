@@ -533,10 +533,11 @@ class StageWorker:
             if done is not None:
                 ready_in[mu] = done
         scale = 1.0 / m_count
-        finished = self._local   # a stage that talks to no other one: the step in one thread call
-        if finished:
-            compute, fb, losses = await self._local_step(step, sched.config, ready_in, scale)
-        actions = [] if finished else list(sched.start())
+        if self._local:   # a stage that talks to no other one: the step in one thread call
+            compute, fb, losses = await self._local_step(step, sched, ready_in, scale)
+            actions, finished = [], True
+        else:
+            actions, finished = list(sched.start()), False
         while not finished:
             while actions:
                 act = actions.pop(0)
@@ -610,13 +611,13 @@ class StageWorker:
         await trio.to_thread.run_sync(self._slowed(self._optimizer_step), step)
         return time.perf_counter() - t
 
-    async def _local_step(self, step: int, sched: ScheduleConfig, inputs: dict[int, dict[str, torch.Tensor]],
+    async def _local_step(self, step: int, sched: StageSchedule, inputs: dict[int, dict[str, torch.Tensor]],
                           scale: float) -> tuple[float, float, dict[int, float]]:
         """A local stage's step (train/local_step.py): compute seconds, forward and backward seconds, losses.
         The optimizer step runs in the same call unless tied sums or the all-reduce must come first."""
         alone = not self.prog.tied and not (self._outer is None and self.ctx.peers)
         res = await trio.to_thread.run_sync(functools.partial(
-            run_local, self.ex, self.prog, local_actions(sched), inputs, scale=scale, slowed=self._slowed,
+            run_local, self.ex, local_actions(sched), inputs, scale=scale, slowed=self._slowed,
             fail_nonfinite=self.ctx.config.on_nonfinite == "fail", where=f"stage {self.prog.stage}, step {step}",
             optimizer=functools.partial(self._optimizer_step, step) if alone else None))
         extra = 0.0 if res.stepped else await self._step_optimizer(step)

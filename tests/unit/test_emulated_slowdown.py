@@ -13,10 +13,10 @@ import pytest
 from fusionp2p.cli.main import _cpu_share, _slowdown, build_parser
 from fusionp2p.errors import ConfigError
 from fusionp2p.jobs.host import NodeJobConfig
+from fusionp2p.swarm import device as device_mod
 from fusionp2p.swarm.daemon import DaemonConfig
 from fusionp2p.testbed.emulator import TestbedHost
 from fusionp2p.testbed.spec import HostSpec
-from fusionp2p.train import worker as worker_mod
 from fusionp2p.train.worker import StageWorker
 from fusionp2p.types import DeviceProfile
 
@@ -45,9 +45,9 @@ def test_the_slowed_compute_sleeps_the_extra_in_its_own_thread(cpus: float | Non
     sleep of 0.95 s). At factor 1 the function itself runs, unwrapped."""
     wall, cpu = iter([10.0, 10.25]), iter([1.0, 1.2])
     slept: list[float] = []
-    monkeypatch.setattr(worker_mod.time, "perf_counter", lambda: next(wall))
-    monkeypatch.setattr(worker_mod.time, "thread_time", lambda: next(cpu))
-    monkeypatch.setattr(worker_mod.time, "sleep", slept.append)
+    monkeypatch.setattr(device_mod.time, "perf_counter", lambda: next(wall))
+    monkeypatch.setattr(device_mod.time, "thread_time", lambda: next(cpu))
+    monkeypatch.setattr(device_mod.time, "sleep", slept.append)
 
     def forward(micro: int, inputs: dict[str, int]) -> str:
         return f"out {micro} {inputs}"

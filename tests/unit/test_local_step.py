@@ -13,7 +13,7 @@ from fusionp2p.errors import JobError
 from fusionp2p.graph import StageExecutor, coarsen, partition, single_stage, stages_from_fences, trace
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
 from fusionp2p.train.local_step import is_local, local_actions, run_local
-from fusionp2p.train.schedule import OptimizerStep, RunBackward, RunForward, ScheduleConfig
+from fusionp2p.train.schedule import OptimizerStep, RunBackward, RunForward, ScheduleConfig, StageSchedule
 
 
 def _unslowed(fn: Any) -> Any:
@@ -31,7 +31,7 @@ def _setup(m: int) -> tuple[StageExecutor, list[dict[str, torch.Tensor]], Any]:
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_the_actions_are_the_schedules_with_the_optimizer_last(kind: str) -> None:
-    acts = local_actions(ScheduleConfig(kind=kind, stages=1, micro_batches=3, stage=0))
+    acts = local_actions(StageSchedule(ScheduleConfig(kind=kind, stages=1, micro_batches=3, stage=0)))
     assert isinstance(acts[-1], OptimizerStep) and sum(isinstance(a, OptimizerStep) for a in acts) == 1
     assert [a.micro for a in acts if isinstance(a, RunForward)] == [0, 1, 2]
     assert [a.micro for a in acts if isinstance(a, RunBackward)] == [0, 1, 2]
@@ -60,7 +60,7 @@ def test_one_call_gives_the_gradients_and_losses_of_one_micro_batch_at_a_time() 
         ref_losses.append(float(out[loss]))
         ref.backward(mu, {}, loss_scale=1 / m)
     stepped: list[int] = []
-    res = run_local(ex, ex.program, local_actions(ScheduleConfig(kind="1f1b", stages=1, micro_batches=m, stage=0)),
+    res = run_local(ex, local_actions(StageSchedule(ScheduleConfig(kind="1f1b", stages=1, micro_batches=m, stage=0))),
                     {mu: dict(f) for mu, f in enumerate(feeds)}, scale=1 / m, slowed=_unslowed, fail_nonfinite=True,
                     where="stage 0, step 0", optimizer=lambda: stepped.append(1))
     assert [res.losses[mu] for mu in range(m)] == ref_losses
@@ -71,15 +71,15 @@ def test_one_call_gives_the_gradients_and_losses_of_one_micro_batch_at_a_time() 
 
 def test_without_an_optimizer_the_caller_steps_and_a_nonfinite_loss_fails() -> None:
     ex, feeds, _ = _setup(2)
-    acts = local_actions(ScheduleConfig(kind="gpipe", stages=1, micro_batches=2, stage=0))
-    res = run_local(ex, ex.program, acts, {mu: dict(f) for mu, f in enumerate(feeds)}, scale=0.5, slowed=_unslowed,
+    acts = local_actions(StageSchedule(ScheduleConfig(kind="gpipe", stages=1, micro_batches=2, stage=0)))
+    res = run_local(ex, acts, {mu: dict(f) for mu, f in enumerate(feeds)}, scale=0.5, slowed=_unslowed,
                     fail_nonfinite=True, where="stage 0, step 0", optimizer=None)
     assert not res.stepped and res.optimizer_s == 0.0
     with torch.no_grad():
         next(iter(ex.parameters().values())).fill_(float("nan"))
-    res = run_local(ex, ex.program, acts, {mu: dict(f) for mu, f in enumerate(feeds)}, scale=0.5, slowed=_unslowed,
+    res = run_local(ex, acts, {mu: dict(f) for mu, f in enumerate(feeds)}, scale=0.5, slowed=_unslowed,
                     fail_nonfinite=False, where="stage 0, step 1", optimizer=None)
     assert all(v != v for v in res.losses.values())   # nan, reported for the guard to skip the step
     with pytest.raises(JobError, match="stage 0, step 2, micro-batch 0: the loss is nan"):
-        run_local(ex, ex.program, acts, {mu: dict(f) for mu, f in enumerate(feeds)}, scale=0.5, slowed=_unslowed,
+        run_local(ex, acts, {mu: dict(f) for mu, f in enumerate(feeds)}, scale=0.5, slowed=_unslowed,
                   fail_nonfinite=True, where="stage 0, step 2", optimizer=None)
