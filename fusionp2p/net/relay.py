@@ -14,9 +14,8 @@ node carry one's libp2p connection to the other:
 
 py-libp2p 0.8.1 ships the protocol (``libp2p.relay.circuit_v2``); a loopback experiment (three hosts
 configured as ours, 32 MiB echoed over a circuit) showed the relay side and the message formats work.
-We use its protobufs, its length-delimited reads (64 KiB bound) and its relaying core
-(``CircuitV2Protocol._handle_reserve`` / ``_handle_connect`` / ``_relay_data``), and replace what is
-unsafe or unbounded there:
+We use its protobufs, its length-delimited reads (64 KiB bound) and its reservations
+(``CircuitV2Protocol._handle_reserve``, signed vouchers), and replace what is unsafe or unbounded there:
 
 * its hop handler reads any number of messages per stream and logs every end of stream as an error:
   ours reads one message per stream, with a deadline;
@@ -25,8 +24,13 @@ unsafe or unbounded there:
   remote peer;
 * reservations of peers that disconnected keep their slot until the TTL; ours are pruned first;
 * it has no limit on concurrent circuits across reservations, per source IP, or on the bytes per
-  second relayed: ours has all three (:class:`RelayLimits`), and a hard deadline per circuit (its own
+  second relayed: ours has all three (:class:`RelayLimits`), each counted before the first await of
+  a request (concurrent requests cannot all pass one check), and a hard deadline per circuit (its own
   duration check runs only when bytes arrive);
+* its circuits are keyed by peer id (``_active_relays``): the end of one circuit closes whichever
+  circuit to the same peer was stored last, a refused circuit leaves its entry behind, and at its
+  deadline only the source half is closed. Ours (:meth:`RelayService._circuit`) owns its two streams
+  and closes both, whatever ends it;
 * its ``STOP`` handler accepts a circuit from any connected peer: ours only from relays we reserved on;
 * its client (``CircuitV2Transport``) reserves a slot on the relay before every *dial*, and py-libp2p's
   swarm drops ``/p2p-circuit`` addresses from every dial: ours dials circuits itself (:meth:`dial`).
@@ -34,6 +38,7 @@ unsafe or unbounded there:
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import logging
 import time
@@ -47,7 +52,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
-from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, StopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, Limit, StopMessage
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
@@ -68,7 +73,8 @@ class RelayLimits:
     """What a relay carries for strangers at most (docs/security.md, "Relay").
 
     Whatever peers do, a relay holds at most ``reservations`` slots (``per_ip`` from one address) and
-    ``circuits`` open circuits (``circuits_per_peer`` to one reserved node); a circuit lives at most
+    ``circuits`` open circuits (``circuits_per_peer`` to one reserved node, ``circuits_per_ip`` from one
+    source address); a circuit lives at most
     ``duration`` seconds and carries at most ``circuit_bytes`` bytes (both directions together); all
     circuits together move at most ``rate`` bytes per second."""
 
@@ -77,12 +83,13 @@ class RelayLimits:
     reservation_ttl: int = 600            # seconds; clients refresh at half of it
     circuits: int = 64
     circuits_per_peer: int = 8
+    circuits_per_ip: int = 8
     duration: int = 3600                  # seconds per circuit
     circuit_bytes: int = 1 << 30          # per circuit, both directions
     rate: float = 10e6                    # bytes/s over all circuits (token bucket, one second of burst)
 
     def __post_init__(self) -> None:
-        if min(self.reservations, self.per_ip, self.circuits, self.circuits_per_peer) < 1:
+        if min(self.reservations, self.per_ip, self.circuits, self.circuits_per_peer, self.circuits_per_ip) < 1:
             raise ConfigError("relay limits on reservations and circuits must be >= 1")
         if min(self.reservation_ttl, self.duration, self.circuit_bytes) < 1 or not self.rate > 0:
             raise ConfigError("relay ttl, duration, bytes and rate must be positive")
@@ -119,8 +126,10 @@ class RelayService(CircuitV2Protocol):
                          close_timeout=int(timeout))
         self.config = limits
         self.timeout = timeout
-        self._ips: dict[ID, str] = {}           # reserved peer -> the IP it reserved from
+        self._ips: dict[ID, str] = {}           # reserved (or being reserved) peer -> the IP it reserved from
         self._circuits = 0
+        self._to_peer: collections.Counter[ID] = collections.Counter()      # open circuits by destination
+        self._from_ip: collections.Counter[str] = collections.Counter()     # open circuits by source IP
         self._bucket: _Bucket | None = None
         self.stats: dict[str, int] = {"reserved": 0, "refused": 0, "circuits": 0, "relayed_bytes": 0}
 
@@ -179,16 +188,21 @@ class RelayService(CircuitV2Protocol):
         self._prune()
         ip = _remote_ip(stream)
         known = peer in self.resource_manager._reservations
-        if not known and (len(self.resource_manager._reservations) >= self.config.reservations
+        pending = peer in self._ips and not known           # this peer's other RESERVE is under way
+        if not known and (pending or len(self._ips) >= self.config.reservations
                           or sum(1 for v in self._ips.values() if v == ip) >= self.config.per_ip):
             await self._deny(stream, StatusCode.RESERVATION_REFUSED)
             return
-        await self._handle_reserve(stream, msg)
-        if peer in self.resource_manager._reservations:
-            self._ips[peer] = ip
-            if not known:
-                self.stats["reserved"] += 1
-                log.info("relay: reserved a slot for %s (%d held)", peer, len(self._ips))
+        # counted before the first await: concurrent RESERVEs from one IP see each other's slots
+        self._ips[peer] = ip
+        try:
+            await self._handle_reserve(stream, msg)
+        finally:
+            if peer not in self.resource_manager._reservations:
+                self._ips.pop(peer, None)
+        if not known and peer in self._ips:
+            self.stats["reserved"] += 1
+            log.info("relay: reserved a slot for %s (%d held)", peer, len(self._ips))
         await self._close_stream(stream)
 
     async def _connect(self, stream: Any, msg: Any) -> None:
@@ -197,25 +211,80 @@ class RelayService(CircuitV2Protocol):
         except Exception:
             await self._deny(stream, StatusCode.MALFORMED_MESSAGE)
             return
-        # refused at once, before py-libp2p's handler (which pauses half a second before each refusal)
+        source: ID = stream.muxed_conn.peer_id
+        ip = _remote_ip(stream)
+        # every limit checked and counted here, before any await: concurrent CONNECTs see each other
         self._prune()
-        slot = self.resource_manager.get_reservation(dest)
-        if slot is None:
+        if self.resource_manager.get_reservation(dest) is None:
             await self._deny(stream, StatusCode.NO_RESERVATION)
             return
-        if self._circuits >= self.config.circuits or not slot.can_accept_connection():
+        cfg = self.config
+        if (self._circuits >= cfg.circuits or self._to_peer[dest] >= cfg.circuits_per_peer
+                or self._from_ip[ip] >= cfg.circuits_per_ip):
             await self._deny(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED)
             return
         self._circuits += 1
+        self._to_peer[dest] += 1
+        self._from_ip[ip] += 1
         self.stats["circuits"] += 1
         try:
-            # py-libp2p checks the duration only when bytes arrive: an idle circuit is cut here
-            with trio.move_on_after(self.config.duration + self.timeout):
-                await self._handle_connect(stream, msg)
+            await self._circuit(stream, source, dest)
         finally:
             self._circuits -= 1
+            self._to_peer -= collections.Counter({dest: 1})    # (drops keys that reach zero)
+            self._from_ip -= collections.Counter({ip: 1})
+
+    async def _circuit(self, src: Any, source: ID, dest: ID) -> None:
+        """One circuit, which owns its two halves: STOP to *dest*, OK to the source, then bytes both ways
+        until either side ends, a limit is passed or the deadline; both halves are closed whatever ends it
+        (py-libp2p's ``_handle_connect`` keys circuits by peer, so one circuit's end closed another's)."""
+        cfg = self.config
+        dst: Any = None
+        limit = Limit(duration=cfg.duration, data=cfg.circuit_bytes)
+        try:
+            with trio.move_on_after(cfg.duration + self.timeout):
+                try:
+                    with trio.fail_after(self.timeout):
+                        dst = await self.host.new_stream(dest, [STOP])
+                        await write_delimited_msg(dst, StopMessage(type=StopMessage.CONNECT,
+                                                                   peer=CircuitPeerId(id=source.to_bytes()), limit=limit))
+                        resp = await read_delimited_msg(dst, StopMessage)
+                    code = resp.status if resp.HasField("status") else StatusCode.UNUSED
+                except Exception as exc:
+                    log.debug("relay: circuit to %s: %s", dest, exc)
+                    code = StatusCode.CONNECTION_FAILED
+                if code != StatusCode.OK:
+                    await self._deny(src, StatusCode.CONNECTION_FAILED)
+                    return
+                with trio.fail_after(self.timeout):
+                    await write_delimited_msg(src, HopMessage(type=HopMessage.STATUS,
+                                                              status=to_proto_status(StatusCode.OK), limit=limit))
+                budget = [cfg.circuit_bytes]          # both directions together
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._pipe, src, dst, budget, nursery.cancel_scope)
+                    nursery.start_soon(self._pipe, dst, src, budget, nursery.cancel_scope)
+        except Exception as exc:
+            log.debug("relay: circuit %s -> %s: %s", source, dest, exc)
+        finally:
             with trio.CancelScope(shield=True):
-                await self._close_stream(stream)
+                for half in (src, dst):
+                    if half is not None:
+                        await self._close_stream(half)
+
+    async def _pipe(self, src: Any, dst: Any, budget: list[int], circuit: trio.CancelScope) -> None:
+        """Copy *src* to *dst*; the circuit ends (both directions) when *src* ends or the budget is spent."""
+        try:
+            while data := await self._read_stream_with_retry(src):
+                budget[0] -= len(data)
+                if budget[0] < 0:
+                    log.debug("relay: a circuit passed its %d bytes", self.config.circuit_bytes)
+                    return
+                with trio.fail_after(self.timeout):
+                    await dst.write(data)
+        except Exception as exc:
+            log.debug("relay: circuit write: %s", exc)
+        finally:
+            circuit.cancel()
 
     async def _read_stream_with_retry(self, stream: Any, max_retries: int = 0) -> bytes | None:
         """One read of a circuit's half (py-libp2p's relay loop calls it per chunk), paced by the rate

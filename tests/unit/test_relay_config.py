@@ -17,7 +17,7 @@ from fusionp2p.swarm.node import SwarmConfig
 
 def test_limits_are_validated() -> None:
     assert RelayLimits().rate == 10e6
-    for bad in ({"reservations": 0}, {"per_ip": 0}, {"circuits": 0}, {"circuits_per_peer": 0},
+    for bad in ({"reservations": 0}, {"per_ip": 0}, {"circuits": 0}, {"circuits_per_peer": 0}, {"circuits_per_ip": 0},
                 {"reservation_ttl": 0}, {"duration": 0}, {"circuit_bytes": 0}, {"rate": 0.0}, {"rate": float("nan")}):
         with pytest.raises(ConfigError):
             RelayLimits(**bad)  # type: ignore[arg-type]
