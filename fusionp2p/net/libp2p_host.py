@@ -132,8 +132,11 @@ class Libp2pStream:
     @property
     def remote_ip(self) -> str | None:
         """The IP address the connection under this stream comes from (as seen here: behind a NAT, the
-        NAT's public address), or None if unknown."""
+        NAT's public address), or None if unknown; None over a relayed connection, where the address
+        seen is the relay's, not the peer's."""
         try:
+            if any("/p2p-circuit" in str(a) for a in self._s.muxed_conn.get_transport_addresses() or ()):
+                return None
             addr = self._s.get_remote_address()
         except Exception:
             return None

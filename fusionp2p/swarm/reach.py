@@ -136,10 +136,13 @@ async def _request(transport: Transport, server: str, payload: bytes, timeout: f
 
 async def check_reach(transport: Transport, server: str, *, p2p: list[str], data: list[str],
                       timeout: float) -> tuple[bool, bool, str]:
-    """Ask *server* to dial our addresses back: (libp2p dialable, data plane dialable, our observed IP)."""
-    reply = await _request(transport, server, wr.encode("check", p2p=p2p[: wr.MAX_ADDRS], data=data[: wr.MAX_ADDRS]),
-                           timeout)
-    return wr.decode_check_reply(reply)
+    """Ask *server* to dial our addresses back: (libp2p dialable, data plane dialable, our observed IP).
+    PeerUnavailable if it refuses (busy, rate-limited): a refusal tells nothing about our reachability."""
+    reply = wr.decode_check_reply(await _request(
+        transport, server, wr.encode("check", p2p=p2p[: wr.MAX_ADDRS], data=data[: wr.MAX_ADDRS]), timeout))
+    if reply.refused:
+        raise PeerUnavailable(server, f"refused the reachability check: {reply.refused}"[:600])
+    return reply.p2p, reply.data, reply.ip
 
 
 async def request_reversal(transport: Transport, server: str, target: str, *, timeout: float) -> tuple[bool, str]:
@@ -170,6 +173,12 @@ def install_reversal(transport: Transport, servers: Callable[[], list[str]], *, 
         return False
 
     setter(reverse)
+
+
+def _refusal(why: str) -> bytes:
+    """A request not served. No ``p2p``/``data`` fields: a node before issue 43 read ``false`` there as
+    "not dialable" and went private; without them it finds the reply malformed and keeps its reach."""
+    return wr.encode("reply", ok=False, why=why)
 
 
 class ReachService:
@@ -207,7 +216,7 @@ class ReachService:
                 why = self._admit(f"{op}:{peer}:{f.get('peer') or f.get('target') or ''}")
                 if why:
                     self.served["refused"] += 1
-                    reply = wr.encode("reply", ok=False, why=why, p2p=False, data=False, ip="")
+                    reply = _refusal(why)
                 else:
                     self._busy += 1
                     try:
@@ -223,9 +232,11 @@ class ReachService:
         if op == "dial":
             return await self._dial(stream.remote_peer, f["peer"], f["addrs"])
         if not self._serve_checks:
-            return wr.encode("reply", ok=False, why="not a bootstrap", p2p=False, data=False, ip="")
+            return _refusal("not a bootstrap")
         if ip is None:
-            return wr.encode("reply", ok=False, why="cannot see your address", p2p=False, data=False, ip="")
+            # among others a request over a relayed connection: the IP seen is the relay's, and dialling
+            # it back would probe the relay's host (Libp2pStream.remote_ip)
+            return _refusal("cannot see your address (is your connection to this bootstrap relayed?)")
         self.served[op] += 1
         if op == "check":
             p2p, data = await self._any_dialable(ip, f["p2p"]), await self._any_dialable(ip, f["data"])

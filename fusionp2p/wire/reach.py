@@ -4,7 +4,8 @@ One msgpack map per frame, ``{"v": 1, "op": ...}``:
 
 * ``check`` (node -> bootstrap): ``{"p2p": [multiaddr], "data": [multiaddr]}``, the addresses the node
   announces; answered ``{"p2p": bool, "data": bool, "ip": observed IP}``: whether a TCP connection to
-  any of them could be opened from the bootstrap.
+  any of them could be opened from the bootstrap; or refused, ``{"ok": false, "why": str}`` (busy,
+  rate-limited, not a bootstrap, the address not seen), which says nothing about reachability.
 * ``reverse`` (a peer that cannot dial a target -> bootstrap): ``{"target": peer id}``; the bootstrap
   asks the target to dial the requester (``dial``) and answers ``{"ok": bool, "why": str}``.
 * ``dial`` (bootstrap -> target): ``{"peer": peer id, "addrs": [multiaddr]}``; answered ``{"ok": bool,
@@ -16,7 +17,7 @@ Every list and string is bounded here (by the generic codec), before anything el
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.wire import codec
@@ -106,10 +107,25 @@ def _reply(data: bytes, *need: str) -> Reply:
     return r
 
 
-def decode_check_reply(data: bytes) -> tuple[bool, bool, str]:
-    """(libp2p address dialable, data-plane address dialable, the IP the server saw us at)."""
+class CheckReply(NamedTuple):
+    """A check's answer: whether the libp2p and the data-plane addresses could be dialled, the IP the
+    server saw us at; or, with ``refused`` set (why), no answer at all: the server was busy,
+    rate-limited, not a bootstrap or could not see our address, and nothing was learned."""
+
+    p2p: bool
+    data: bool
+    ip: str
+    refused: str = ""
+
+
+def decode_check_reply(data: bytes) -> CheckReply:
+    """The answer to a ``check``. A refusal (``ok`` false; servers before issue 43 also sent
+    ``p2p``/``data`` false beside it) is told apart from an answer that found nothing dialable."""
+    r = _reply(data)
+    if r.ok is False:
+        return CheckReply(False, False, "", str(r.why or "refused"))
     r = _reply(data, "p2p", "data", "ip")
-    return bool(r.p2p), bool(r.data), str(r.ip)
+    return CheckReply(bool(r.p2p), bool(r.data), str(r.ip))
 
 
 def decode_ok_reply(data: bytes) -> tuple[bool, str]:
@@ -118,5 +134,5 @@ def decode_ok_reply(data: bytes) -> tuple[bool, str]:
     return bool(r.ok), str(r.why)
 
 
-__all__ = ["MAX_ADDRS", "CheckRequest", "DialRequest", "Reply", "ReverseRequest", "decode_check_reply", "decode_ok_reply",
+__all__ = ["MAX_ADDRS", "CheckReply", "CheckRequest", "DialRequest", "Reply", "ReverseRequest", "decode_check_reply", "decode_ok_reply",
            "decode_request", "encode"]

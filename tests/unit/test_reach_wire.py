@@ -19,7 +19,7 @@ def test_round_trips() -> None:
         ("check", {"p2p": ["/ip4/1.2.3.4/tcp/4001"], "data": []})
     assert wr.decode_request(wr.encode("reverse", target="12D3KooWx")) == ("reverse", {"target": "12D3KooWx"})
     assert wr.decode_request(wr.encode("dial", peer="p", addrs=["/ip4/1.2.3.4/tcp/1"]))[1]["addrs"] == ["/ip4/1.2.3.4/tcp/1"]
-    assert wr.decode_check_reply(wr.encode("reply", p2p=True, data=False, ip="1.2.3.4")) == (True, False, "1.2.3.4")
+    assert wr.decode_check_reply(wr.encode("reply", p2p=True, data=False, ip="1.2.3.4")) == (True, False, "1.2.3.4", "")
     assert wr.decode_ok_reply(wr.encode("reply", ok=False, why="busy")) == (False, "busy")
 
 
@@ -76,9 +76,12 @@ def test_the_codec_encodes_the_same_bytes() -> None:
     assert codec.encode(wr.ReverseRequest(v=1, op="reverse", target="p")) == wr.encode("reverse", target="p")
     assert codec.encode(wr.DialRequest(v=1, op="dial", peer="p", addrs=("/ip4/1.2.3.4/tcp/1",))) == \
         wr.encode("dial", peer="p", addrs=["/ip4/1.2.3.4/tcp/1"])
-    # a refusal carries both sets of reply fields, and both askers read it
-    refusal = wr.encode("reply", ok=False, why="busy", p2p=False, data=False, ip="")
-    assert wr.decode_check_reply(refusal) == (False, False, "")
-    assert wr.decode_ok_reply(refusal) == (False, "busy")
+    # a refusal is read as one by both askers, not as "nothing dialable" (issue 43: a busy server made
+    # every node it refused announce itself private); servers before issue 43 sent p2p/data false beside it
+    for refusal in (wr.encode("reply", ok=False, why="busy", p2p=False, data=False, ip=""),
+                    wr.encode("reply", ok=False, why="busy")):
+        assert wr.decode_check_reply(refusal).refused == "busy"
+        assert wr.decode_ok_reply(refusal) == (False, "busy")
+    assert not wr.decode_check_reply(wr.encode("reply", p2p=False, data=False, ip="1.2.3.4")).refused
     with pytest.raises(RemoteProtocolError):
         wr.decode_ok_reply(wr.encode("reply", p2p=True, data=True, ip="1.2.3.4"))   # not an ok reply

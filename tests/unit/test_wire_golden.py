@@ -208,7 +208,7 @@ def _examples_issue_18_20_21() -> dict[str, tuple[Callable[[], bytes], Callable[
         "reach_dial": (lambda: wr.encode("dial", peer=ALICE.peer_id, addrs=["/ip4/203.0.113.7/tcp/4001"]), wr.decode_request,
                        ("dial", {"peer": ALICE.peer_id, "addrs": ["/ip4/203.0.113.7/tcp/4001"]})),
         "reach_check_reply": (lambda: wr.encode("reply", p2p=True, data=False, ip="203.0.113.7"), wr.decode_check_reply,
-                              (True, False, "203.0.113.7")),
+                              (True, False, "203.0.113.7", "")),
         "reach_ok_reply": (lambda: wr.encode("reply", ok=False, why="busy"), wr.decode_ok_reply, (False, "busy")),
         "stream_hello": (lambda: tf.record_header(tf.HELLO, 0), None, None),
         "tied_gradient": (lambda: tf.message_bytes(tied),

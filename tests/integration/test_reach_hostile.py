@@ -1,0 +1,118 @@
+"""The reachability service's limits, pushed past one by one, and its refusals read as refusals (issue 43).
+
+A refusal (busy, rate-limited, not a bootstrap, the requester's address not seen) must leave the asker's
+reachability as it was: before, it read as "nothing dialable", and sixteen strangers holding the service's
+slots made every honest node checked meanwhile announce itself private. A check that arrives over a
+relayed connection is refused: the IP seen there is the relay's, and the bootstrap would probe its host."""
+
+from __future__ import annotations
+
+import functools
+import socket
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+
+import pytest
+import trio
+
+from fusionp2p.errors import PeerUnavailable
+from fusionp2p.net.identity import Identity
+from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
+from fusionp2p.net.memory import memory_network
+from fusionp2p.net.relay import RelayLimits
+from fusionp2p.swarm.node import SwarmConfig, SwarmNode
+from fusionp2p.swarm.reach import ReachConfig, ReachService, check_reach
+from fusionp2p.testing.swarm import TEST_PROFILE
+from fusionp2p.wire.protocols import REACH
+from fusionp2p.wire.records import REACH_DATA
+
+
+async def _until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not pred():  # noqa: ASYNC110 (a counter of the service: no event to wait on)
+            await trio.sleep(0.01)
+
+
+def test_busy_rate_limited_and_wrong_server_refusals_are_not_verdicts() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with memory_network() as net, trio.open_nursery() as nursery:
+                cfg = ReachConfig(max_concurrent=1, min_interval=60.0)
+                boot = SwarmNode(net.add_host(), SwarmConfig(role="bootstrap", heartbeat=0.2, dead_timeout=5.0,
+                                                             reach=cfg), None)
+                await nursery.start(boot.run, [])
+                addr = boot.transport.listen_addrs()[0]
+                svc = boot.reach_service
+                # one slot, held by a check whose dials are slow (they wait on an event here)
+                release = trio.Event()
+                dial = svc._any_dialable
+
+                async def slow(ip: str, addrs: list[str]) -> bool:
+                    await release.wait()
+                    return await dial(ip, addrs)
+
+                svc._any_dialable = slow  # type: ignore[method-assign]
+                hog, asker = net.add_host(), net.add_host()
+                for t in (hog, asker):
+                    await t.connect(addr)
+                nursery.start_soon(functools.partial(check_reach, hog, boot.peer_id, p2p=[], data=[], timeout=20))
+                await _until(lambda: svc._busy == 1)
+                with pytest.raises(PeerUnavailable, match="busy"):
+                    await check_reach(asker, boot.peer_id, p2p=[], data=[], timeout=5)
+                release.set()
+                await _until(lambda: svc._busy == 0)
+                svc._any_dialable = dial  # type: ignore[method-assign]
+
+                # a node checked once learns its reach (its data port answers; in-memory libp2p addresses
+                # cannot be dialled); its next check within min_interval is refused, and the node keeps
+                # what it learned (before: it went "private")
+                node = SwarmNode(net.add_host(), SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probing=False, reach=cfg),
+                                 TEST_PROFILE)
+                await nursery.start(node.run, [addr])
+                node.set_data_addrs((f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}",))
+                await node.wait_until(lambda: node.reach == REACH_DATA, 10)
+                refused = svc.served["refused"]
+                node.set_data_addrs(node.data_addrs)                    # check again, at once
+                await _until(lambda: svc.served["refused"] == refused + 1)
+                with pytest.raises(trio.TooSlowError):                  # the node's verdict does not move
+                    await node.wait_until(lambda: node.reach != REACH_DATA, 1.0)
+                with pytest.raises(PeerUnavailable, match="one request every"):
+                    await check_reach(node.transport, boot.peer_id, p2p=[], data=[], timeout=5)
+
+                # a node is not a bootstrap: it refuses checks, and says so
+                with pytest.raises(PeerUnavailable, match="not a bootstrap"):
+                    await check_reach(asker, node.peer_id, p2p=[], data=[], timeout=5)
+                nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        listener.close()
+
+
+def test_a_check_over_a_relayed_connection_is_refused() -> None:
+    """Before: the bootstrap dialled the requester's ports at the IP it saw, the relay's."""
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with AsyncExitStack() as st:
+                relay = await st.enter_async_context(open_libp2p_transport(
+                    Identity.generate(), Libp2pConfig(relay=RelayLimits())))
+                boot, asker = [await st.enter_async_context(open_libp2p_transport(Identity.generate())) for _ in range(2)]
+                svc = ReachService(boot, serve_checks=True, servers=set)
+                boot.set_stream_handler(REACH, svc)
+                await boot.connect(relay.listen_addrs()[0])
+                await boot.reserve(relay.peer_id)
+                [circuit] = [c for c in boot.circuit_addrs() if "/ip4/127.0.0.1/" in c]
+                await asker.connect(circuit)
+                assert asker.is_relayed(boot.peer_id)
+                # the asker listens on the relay's IP: dialled there, the check would "succeed"
+                mine = [a.rsplit("/p2p/", 1)[0] for a in asker.listen_addrs()]
+                with pytest.raises(PeerUnavailable, match="cannot see your address"):
+                    await check_reach(asker, boot.peer_id, p2p=mine, data=[], timeout=10)
+                assert svc.served["check"] == 0
+
+    trio.run(main)
