@@ -49,6 +49,7 @@ the stream, as before.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import math
 import socket
@@ -527,6 +528,16 @@ def _recv_exact(sock: socket.socket, n: int, timeout: float) -> bytes:
     return bytes(out)
 
 
+def _at_peer(host: str, seen: str | None) -> bool:
+    """A raw grant's host may be dialled: unspecified ("the IP you reach me at") or the IP the peer's
+    stream comes from; never a name or another IP, which the peer does not prove it owns."""
+    try:
+        ip = ipaddress.ip_address(host)
+        return ip.is_unspecified or (seen is not None and ip == ipaddress.ip_address(seen))
+    except ValueError:
+        return False
+
+
 class ProbeSession:
     """A client's open PROBE stream with its RTT; :meth:`measure` runs the bulk transfers."""
 
@@ -588,6 +599,9 @@ class ProbeSession:
         sock: socket.socket | None = None
         try:
             try:
+                if not _at_peer(host, getattr(self.stream, "remote_ip", None)):
+                    # issue 43: otherwise any probed peer could make us connect to any host and port
+                    raise PeerUnavailable(self.peer, f"the grant names {host[:64]!r}, not the IP the peer is seen at")
                 sock = await raw.dial_raw(self.peer, host, port, ticket)
             except PeerUnavailable as exc:
                 self._raw_failed = True

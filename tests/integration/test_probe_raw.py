@@ -4,6 +4,7 @@ bytes at a third party (real TCP on loopback, the in-memory transport for PROBE)
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -222,6 +223,47 @@ def test_a_grant_cannot_aim_our_probe_at_a_third_party() -> None:
                 await probe(a, b.peer_id, nbytes=MEASURE_BYTES, raw=da, timeout=5.0)
             n.cancel_scope.cancel()
         assert len(received) <= tf.TICKET_SIZE + 1
+
+    run(body)
+
+
+def test_a_grant_naming_another_host_is_not_dialled() -> None:
+    """Issue 43: a grant may name only the IP the peer is seen at (or none): before, the prober connected
+    to whatever host and port it named (here 127.0.0.2, another loopback address) and sent its ticket."""
+    received = bytearray()
+
+    async def third_party(stream: trio.SocketStream) -> None:
+        while data := await stream.receive_some(65536):
+            received.extend(data)
+
+    async def body(net: MemoryNetwork) -> None:
+        a, b = net.add_host(), net.add_host()
+        async with trio.open_nursery() as n, open_data_plane(a) as da:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.2")
+            port = listeners[0].socket.getsockname()[1]
+            await n.start(trio.serve_listeners, third_party, listeners)
+
+            async def liar(stream: Stream) -> None:
+                dec = FrameDecoder(max_frame=1 << 20)
+                while data := await stream.receive_some():
+                    for fr in dec.feed(data):
+                        m = unpackb(fr)
+                        if m["op"] == "ping":
+                            answer = [{"op": "pong", "i": m["i"]}]
+                        elif m["op"] == "raw":
+                            answer = [{"op": "dial", "t": b"\x01" * tf.TICKET_SIZE, "h": "127.0.0.2", "p": port},
+                                      {"op": "noraw"}]
+                        else:
+                            answer = [{"op": "go"}]
+                        for msg in answer:
+                            await stream.send_all(encode_frame(packb(msg), max_frame=4096))
+
+            b.set_stream_handler(PROBE, liar)
+            with contextlib.suppress(PeerUnavailable):
+                await probe(a, b.peer_id, nbytes=MEASURE_BYTES, raw=da, timeout=5.0)
+            await trio.testing.wait_all_tasks_blocked()
+            n.cancel_scope.cancel()
+        assert not received
 
     run(body)
 
