@@ -60,6 +60,7 @@ from fusionp2p.jobs.rebalance import calibrated
 from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
 from fusionp2p.jobs.spec import JobSpec, decode_signed
+from fusionp2p.net.addrs import GLOBAL, LOOPBACK, PRIVATE, peer_dial_addrs
 from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Link
@@ -233,7 +234,8 @@ class JobDriver:
         async def offer(peer: str) -> None:
             try:
                 if peer not in self.transport.connected_peers():
-                    for a in view.addrs.get(peer, ()):
+                    # a member's claim: a few TCP addresses at IPs, never link-local or reserved (net/addrs.py)
+                    for a in peer_dial_addrs(view.addrs.get(peer, ()), (GLOBAL, PRIVATE, LOOPBACK)):
                         try:
                             await self.transport.connect(f"{a}/p2p/{peer}")
                             break

@@ -35,6 +35,7 @@ from typing import Any
 import trio
 
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.net.addrs import addr_ip, dial_scopes, peer_dial_addrs
 from fusionp2p.net.identity import verify
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage, Relaying, Stream, Transport
@@ -172,6 +173,8 @@ class SwarmNode:
         self.speed = 0.0
         self.speed_model = ""
         self.reach_detail = ""                      # what the last check found, for logs and status
+        self.seen_ip = ""                           # the IP the last check saw us at (announced: hole punching)
+        self._boot_ips: set[str] = set()            # the IPs of the bootstrap addresses we were given
         self._servers: set[str] = set()             # the bootstraps we joined (dial-back checks, reversal)
         self._reach_now = trio.Event()
         self._relay_now = trio.Event()
@@ -187,6 +190,7 @@ class SwarmNode:
         self.transport.set_stream_handler(VIEW, self._serve_view)
         self.transport.set_stream_handler(REACH, self.reach_service)
         members = await self.transport.subscribe(TOPIC_MEMBERS)
+        self._boot_ips = {ip for a in bootstrap if (ip := addr_ip(a.split("/p2p/", 1)[0])) is not None}
         joined = await self._join(bootstrap)
         self._servers = set(joined)
         install_reversal(self.transport, lambda: sorted(self._servers & set(self.transport.connected_peers())))
@@ -267,6 +271,9 @@ class SwarmNode:
                 except (PeerUnavailable, RemoteProtocolError) as exc:
                     log.debug("reach check via %s: %s", server[:16], exc)
                     continue
+                if ip != self.seen_ip and addr_ip(f"/ip{6 if ':' in ip else 4}/{ip}/tcp/1") is not None:
+                    self.seen_ip = ip
+                    self._beat_now.set()
                 reach = verdict(ok_p2p, ok_data) if self.data_addrs else (REACH_P2P if ok_p2p else REACH_PRIVATE)
                 self.reach_detail = (f"seen at {ip}; libp2p {'dialable' if ok_p2p else 'NOT dialable'} at "
                                      f"{' '.join(p2p) or '-'}; data plane {'dialable' if ok_data else 'NOT dialable'} "
@@ -427,7 +434,8 @@ class SwarmNode:
         addrs += [a.rsplit("/p2p/", 1)[0] for a in circuits][:4]
         return NodeRecord(peer=self.peer_id, role=self.config.role, addrs=tuple(addrs),
                           profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced,
-                          data=self.data_addrs, reach=self.reach, speed=self.speed, speed_model=self.speed_model)
+                          data=self.data_addrs, reach=self.reach, speed=self.speed, speed_model=self.speed_model,
+                          seen=self.seen_ip)
 
     async def _publish_record(self, leaving: bool = False) -> None:
         self._last_beat = trio.current_time()
@@ -528,6 +536,12 @@ class SwarmNode:
         self.bandwidth.forget(peer)
         self._known_bw.discard(self._raw_bw.pop(peer, b""))
 
+    def dial_scopes(self) -> frozenset[str]:
+        """Where we dial peers' announced addresses (``net/addrs.py``): public addresses, and the private or
+        loopback ranges that we listen on, reached a bootstrap on, or were seen at ourselves."""
+        own = {ip for a in self.transport.listen_addrs() if (ip := addr_ip(a.split("/p2p/", 1)[0])) is not None}
+        return dial_scopes(own | self._boot_ips | ({self.seen_ip} if self.seen_ip else set()))
+
     def _spawn_dial(self, rec: NodeRecord) -> None:
         try:
             self._dial_send.send_nowait(rec)
@@ -539,7 +553,12 @@ class SwarmNode:
             try:
                 if rec.peer in self.transport.connected_peers() or not self.view.is_alive(rec.peer):
                     continue
-                for addr in rec.addrs:
+                # a record's addresses are its sender's claim: a few, in our scopes (net/addrs.py, issue 43)
+                addrs = peer_dial_addrs(rec.addrs, self.dial_scopes())
+                if len(addrs) < len(rec.addrs):
+                    log.debug("dial %s: %d of its %d addresses left out", rec.peer[:16], len(rec.addrs) - len(addrs),
+                              len(rec.addrs))
+                for addr in addrs:
                     try:
                         await self.transport.connect(f"{addr}/p2p/{rec.peer}")
                         break

@@ -68,6 +68,9 @@ class NodeRecord:
     # and the model it was measured on (the jobs' model_hash: the cost model's error differs from model to model)
     speed: float = field(default=0.0, metadata={"wire": {"lo": 0.0, "hi": MAX_SPEED, "omit_default": True}})
     speed_model: str = field(default="", metadata={"wire": {"name": "speed_of", "max_len": 64, "omit_default": True}})
+    # the IP a bootstrap's dial-back check saw it at (its NAT's public address when behind one): hole punching
+    # (net/holepunch.py) dials a member only at an IP its record names, this one or those of its addrs
+    seen: str = field(default="", metadata={"wire": {"max_len": 64, "omit_default": True}})
 
     def speed_on(self, model: str) -> float:
         """The announced speed if it was measured on *model* (a job's ``model_hash``), else 0 (none)."""
