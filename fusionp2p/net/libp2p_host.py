@@ -29,7 +29,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import libp2p.pubsub.gossipsub as _gossipsub_mod
@@ -56,6 +56,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from fusionp2p.errors import ConfigError, PeerUnavailable
+from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits, HolePunchPolicy
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.relay import RelayClient, RelayLimits, RelayService, is_circuit
 from fusionp2p.net.traffic import Traffic
@@ -86,8 +87,9 @@ class Libp2pConfig:
     state_topics: tuple[str, ...] = (TOPIC_MEMBERS,)
     # offer circuit relay v2 to peers that cannot be dialled, within these limits (None: do not relay)
     relay: RelayLimits | None = None
-    # try DCUtR hole punching on relayed connections (py-libp2p's libp2p.relay.circuit_v2.dcutr; experimental)
+    # try DCUtR hole punching on relayed connections (net/holepunch.py, around py-libp2p's; experimental)
     hole_punch: bool = False
+    hole_punch_limits: HolePunchLimits = field(default_factory=HolePunchLimits)
 
     def __post_init__(self) -> None:
         for a in (*self.listen, *self.announce):
@@ -386,12 +388,12 @@ class Libp2pTransport:
         if self.relay_service is not None:
             self.relay_service.install()
         self._circuits: dict[str, list[str]] = {}   # peer -> circuit addresses it was reached at (bounded)
-        self.dcutr: Any = None
+        # hole punching within our limits (net/holepunch.py): members only, once the swarm names them
+        self.dcutr: GuardedDCUtR | None = None
         if config.hole_punch:
-            from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
-
-            self.dcutr = DCUtRProtocol(self.host, read_timeout=int(config.stream_timeout),
-                                       write_timeout=int(config.stream_timeout), dial_timeout=int(config.dial_timeout))
+            self.dcutr = GuardedDCUtR(self.host, config.hole_punch_limits, read_timeout=max(1, int(config.stream_timeout)),
+                                      write_timeout=max(1, int(config.stream_timeout)),
+                                      dial_timeout=max(1, int(config.dial_timeout)))
 
     def _network(self) -> Any:
         return self.host.get_network()
@@ -433,6 +435,12 @@ class Libp2pTransport:
 
     def forget_relay(self, relay: str) -> None:
         self.relay_client.forget(relay)
+
+    def set_hole_punch_policy(self, policy: HolePunchPolicy) -> None:
+        """*policy(peer)*: the IPs *peer* may be dialled at for hole punching, None if it is not a member
+        (``net/holepunch.py``); without one, nobody is punched. A no-op without ``hole_punch``."""
+        if self.dcutr is not None:
+            self.dcutr.policy = policy
 
     def is_relayed(self, peer: str) -> bool:
         try:

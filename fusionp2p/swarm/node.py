@@ -35,7 +35,7 @@ from typing import Any
 import trio
 
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
-from fusionp2p.net.addrs import addr_ip, dial_scopes, peer_dial_addrs
+from fusionp2p.net.addrs import addr_ip, dial_scopes, ip_scope, peer_dial_addrs
 from fusionp2p.net.identity import verify
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage, Relaying, Stream, Transport
@@ -194,6 +194,9 @@ class SwarmNode:
         joined = await self._join(bootstrap)
         self._servers = set(joined)
         install_reversal(self.transport, lambda: sorted(self._servers & set(self.transport.connected_peers())))
+        punch = getattr(self.transport, "set_hole_punch_policy", None)
+        if punch is not None:
+            punch(self.punch_ips)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._listen, members)
             pulled = trio.Event()
@@ -541,6 +544,16 @@ class SwarmNode:
         loopback ranges that we listen on, reached a bootstrap on, or were seen at ourselves."""
         own = {ip for a in self.transport.listen_addrs() if (ip := addr_ip(a.split("/p2p/", 1)[0])) is not None}
         return dial_scopes(own | self._boot_ips | ({self.seen_ip} if self.seen_ip else set()))
+
+    def punch_ips(self, peer: str) -> set[str] | None:
+        """Where hole punching may dial *peer* (``net/holepunch.py``): the IPs its signed record names (its
+        direct addresses, the IP a bootstrap saw it at) within our scopes; None if it is no live member."""
+        rec = self.view.records.get(peer)
+        if rec is None or rec.leaving or not self.view.is_alive(peer):
+            return None
+        scopes = self.dial_scopes()
+        ips = {addr_ip(a) for a in rec.addrs if "/p2p-circuit" not in a} | {rec.seen}
+        return {ip for ip in ips if ip and ip_scope(ip) in scopes}
 
     def _spawn_dial(self, rec: NodeRecord) -> None:
         try:
