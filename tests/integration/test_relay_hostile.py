@@ -180,3 +180,48 @@ def test_refused_circuits_leave_nothing_and_the_deadline_closes_both_halves() ->
                 assert svc.open_circuits == 0 and not svc._active_relays
 
     trio.run(main)
+
+
+def test_a_reservation_lapses_after_its_ttl() -> None:
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with AsyncExitStack() as st:
+                relay, (a, b) = await _hosts(st, RelayLimits(reservation_ttl=1), 2)
+                svc = relay.relay_service
+                assert svc is not None
+                assert await b.reserve(relay.peer_id) <= 1.0
+                assert svc.reservations() == [b.peer_id]
+                await _until(lambda: svc.reservations() == [], 10)      # not refreshed: gone after 1 s
+                assert await _hop(a, relay, _connect_msg(b)) == StatusCode.NO_RESERVATION
+
+    trio.run(main)
+
+
+def test_all_circuits_together_keep_to_the_rate() -> None:
+    """768 KiB each way through a relay limited to 512 KiB/s (one second of burst): at least two seconds,
+    where loopback without the limit takes a fraction of one."""
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with AsyncExitStack() as st:
+                relay, (a, b) = await _hosts(st, RelayLimits(rate=float(512 << 10)), 2)
+                await b.reserve(relay.peer_id)
+                [circuit] = [c for c in b.circuit_addrs() if "/ip4/127.0.0.1/" in c]
+                await a.connect(circuit)
+                svc = relay.relay_service
+                assert svc is not None
+                payload = bytes(768 << 10)
+                s = await a.open_stream(b.peer_id, ECHO)
+                t0 = trio.current_time()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(s.send_all, payload)
+                    got = 0
+                    while got < len(payload):
+                        chunk = await s.receive_some()
+                        assert chunk
+                        got += len(chunk)
+                elapsed = trio.current_time() - t0
+                await s.aclose()
+                assert svc.stats["relayed_bytes"] >= 2 * len(payload)
+                assert elapsed >= 1.9, elapsed          # (1.5 MiB - 0.5 MiB of burst) / 0.5 MiB/s
+
+    trio.run(main)
