@@ -9,6 +9,7 @@ import logging
 import os
 
 import pytest
+import torch
 
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.wire.msg import packb, unpackb
@@ -28,9 +29,10 @@ def _run(name: str, cases: int) -> FuzzReport:
     finally:
         logging.disable(logging.NOTSET)
     print(f"{t.name}: {rep.cases} cases in {rep.seconds:.1f} s, decoded {rep.decoded}, refused {rep.refused}, "
-          f"slowest {rep.slowest * 1e3:.0f} ms, peak {rep.peak_bytes >> 10} KiB")
+          f"skipped by the harness {rep.skipped}, slowest {rep.slowest * 1e3:.0f} ms, peak {rep.peak_bytes >> 10} KiB "
+          f"(Python), {rep.peak_rss >> 10} KiB (resident)")
     assert not rep.failures, f"{len(rep.failures)} contract violations, first: {rep.failures[:3]}"
-    assert rep.decoded + rep.refused == cases
+    assert rep.decoded + rep.refused + rep.skipped == cases
     assert rep.refused > 0 or name == "dht_rankers"   # the rankers never raise: a bad value ranks None
     return rep
 
@@ -57,6 +59,11 @@ def test_the_fuzzer_finds_a_planted_bug() -> None:
 
     rep = fuzz("careless", careless, (packb({"job": 1, "x": [1, 2]}),), cases=300)
     assert rep.failures and any("KeyError" in f or "TypeError" in f for f in rep.failures)
+    # a memory bomb made of a tensor: tracemalloc sees a few bytes of it, the resident peak all 80 MB
+    bomb = fuzz("bomb", lambda b: torch.ones(20_000_000).sum().item(), (packb({"a": 1}),), cases=60,
+                memory_bound=32 << 20)
+    assert any("peak resident memory" in f for f in bomb.failures), bomb.failures[:3]
+    assert bomb.peak_bytes < 32 << 20 <= bomb.peak_rss
     slow = fuzz("slow", lambda b: sum(range(10**6)) if b"\xff" in b else None, (packb({"a": 1}),), cases=200,
                 case_timeout=1e-4)
     assert any(f.startswith("took") for f in slow.failures)
