@@ -23,6 +23,7 @@ from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.graph.dag import InputSpec, OpDAG, OpNode, Ref, TensorMeta
 from fusionp2p.wire.dag import decode_dag, encode_dag
 from fusionp2p.wire.limits import GiB, Limits, MiB
+from tests.unit.fuzz import peak_rss, reset_peak_rss
 
 F32 = torch.float32
 X = InputSpec(name="x", kind="input", meta=TensorMeta(shape=(1,), dtype=F32))
@@ -172,4 +173,10 @@ def test_an_explicit_real_device_is_still_inferred_on_meta() -> None:
     n = 2**26   # 256 MiB if it ran for real
     node = OpNode(name="z", op="aten.zeros.default", args=([n],), kwargs=(("device", torch.device("cpu")),),
                   out=(TensorMeta(shape=(n,), dtype=F32),))
+    small = OpNode(name="z", op="aten.zeros.default", args=([4],), kwargs=(("device", torch.device("cpu")),),
+                   out=(TensorMeta(shape=(4,), dtype=F32),))
+    decode_dag(encode_dag(OpDAG(inputs=(X,), nodes=(small,), outputs=("z",))))   # torch's first call costs ~70 MiB
+    rss0 = reset_peak_rss()
     decode_dag(encode_dag(OpDAG(inputs=(X,), nodes=(node,), outputs=("z",))))
+    if rss0 is not None:   # measured where a tensor would live (tracemalloc does not see torch's allocations)
+        assert peak_rss() - rss0 < 32 << 20

@@ -41,7 +41,7 @@ class HarnessSkip(Exception):
     """Raised by a target's harness for input it cannot hand to the decoder (counted as ``skipped``)."""
 
 
-def _reset_peak_rss() -> int | None:
+def reset_peak_rss() -> int | None:
     """Reset this process's peak RSS (VmHWM) to its current RSS, and return that (bytes); None where
     Linux's ``clear_refs`` is not available."""
     try:
@@ -53,7 +53,7 @@ def _reset_peak_rss() -> int | None:
         return None
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     with open("/proc/self/status") as f:
         m = re.search(r"VmHWM:\s+(\d+) kB", f.read())
     return int(m.group(1)) * 1024 if m else 0
@@ -325,7 +325,7 @@ def fuzz(name: str, decode: Decoder, seeds: Sequence[bytes], *, cases: int, seed
         trace = i % memory_every == 0
         rss0 = None
         if trace:
-            rss0 = _reset_peak_rss()
+            rss0 = reset_peak_rss()
             tracemalloc.start()
         t0 = time.perf_counter()
         try:
@@ -345,7 +345,7 @@ def fuzz(name: str, decode: Decoder, seeds: Sequence[bytes], *, cases: int, seed
             if peak > memory_bound:
                 rep.failures.append(f"peak of {peak} bytes on {data[:300].hex()}")
             if rss0 is not None:
-                rise = _peak_rss() - rss0
+                rise = peak_rss() - rss0
                 rep.peak_rss = max(rep.peak_rss, rise)
                 if rise > memory_bound:
                     rep.failures.append(f"peak resident memory rose {rise} bytes on {data[:300].hex()}")
