@@ -161,6 +161,37 @@ def test_a_killed_replica_hands_over_live_and_nothing_is_lost(tmp_path: Path) ->
     _check_download(tmp_path, built, cfg, events, len(_plans(events)[-1].stage_sizes and _stage_peers(_plans(events)[-1], len(_plans(events)[-1].stage_sizes) - 1)))
 
 
+def test_the_leader_dies_and_the_next_lowest_id_carries_the_job_on(tmp_path: Path) -> None:
+    """Issue 43: the other kill tests kill the highest peer id, never the leader (the lowest live id of the
+    plan, ``replan.leader_of``). Here the leader dies without a goodbye mid-training: the next lowest id
+    leads the re-plan, the survivors take the live replicas' state, and the job ends DONE."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=24, micro_batch=4, micro_batches=2, lr=3e-3, replicas=2, averaging=CO2(tau=2),
+                      compression="adatopk", checkpoint_every=0, seed=3)
+    killed: list[str] = []
+
+    async def main() -> list[ProgressEvent]:
+        with trio.fail_after(150):
+            async with _swarm(4, tmp_path) as (emb, pub, client):
+                built = await _built(client, cfg, b"L")
+                plan0: list[PlanChanged] = []
+
+                def on_event(ev: ProgressEvent) -> None:
+                    if isinstance(ev, PlanChanged) and not plan0:
+                        plan0.append(ev)
+                    if isinstance(ev, StepProgress) and ev.step == 8 and not killed:
+                        killed.append(min(plan0[0].members))        # the leader
+                        emb.kill(_node(emb, killed[0]))
+
+                return await _publish(pub, built, tmp_path, on_event)
+
+    events = trio.run(main)
+    plans, steps = _check_done(events, cfg)
+    assert killed and killed[0] not in plans[-1].members and plans[-1].epoch >= 1
+    assert min(s for s, e in steps.items() if e.epoch >= 1) >= 8     # live hand-off: nothing trained is lost
+    assert steps[cfg.steps - 1].loss < steps[0].loss - 1.0   # type: ignore[operator]
+
+
 def test_a_member_that_leaves_is_replanned_around(tmp_path: Path) -> None:
     """A stage-0 node announces its departure (SIGTERM): the others re-plan at once and finish."""
     torch.set_num_threads(1)
@@ -330,6 +361,39 @@ def test_a_job_left_with_too_few_members_takes_in_a_newcomer(tmp_path: Path, mon
                         nursery.start_soon(join_when_alone)
 
                 return await _publish(pub, await _built(client, cfg, b"n"), tmp_path, on_event)
+
+    events = trio.run(main)
+    plans, _ = _check_done(events, cfg)
+    assert plans[0].stage_sizes == (1, 1)
+    assert joined and joined[0] in plans[-1].members and killed[0] not in plans[-1].members
+
+
+def test_a_joiner_arriving_while_a_member_dies_is_taken_in(tmp_path: Path) -> None:
+    """Issue 43: a member dies and, at the same step, a fresh node joins the swarm (the joiner's offer and
+    the re-plan around the dead member race). Two nodes hold half the model each, so the job can go on
+    only with the joiner: it is taken in, and the job ends DONE without the dead member."""
+    torch.set_num_threads(1)
+    small = dataclasses.replace(TEST_PROFILE, memory_bytes=4 << 20)   # 1 node: no plan; 2 nodes: 2 stages
+    cfg = TrainConfig(steps=24, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
+                      compression="none", checkpoint_every=4, seed=7)
+    killed: list[str] = []
+    joined: list[str] = []
+
+    async def main() -> list[ProgressEvent]:
+        with trio.fail_after(150):
+            async with _swarm(2, tmp_path, profile=small) as (emb, pub, client), trio.open_nursery() as nursery:
+                async def join() -> None:
+                    joined.append((await emb.add_node(small)).peer_id)
+
+                def on_event(ev: ProgressEvent) -> None:
+                    if isinstance(ev, PlanChanged) and ev.epoch == 0 and not killed:
+                        killed.append(min(ev.members))           # the leader, for good measure
+                    if isinstance(ev, StepProgress) and ev.step == 6 and len(killed) == 1:
+                        killed.append("")
+                        nursery.start_soon(join)
+                        emb.kill(_node(emb, killed[0]))
+
+                return await _publish(pub, await _built(client, cfg, b"r"), tmp_path, on_event)
 
     events = trio.run(main)
     plans, _ = _check_done(events, cfg)
