@@ -21,8 +21,9 @@ from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
 from fusionp2p.net.memory import memory_network
 from fusionp2p.net.relay import RelayLimits
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
-from fusionp2p.swarm.reach import ReachConfig, ReachService, check_reach
+from fusionp2p.swarm.reach import ReachConfig, ReachService, _request, check_reach
 from fusionp2p.testing.swarm import TEST_PROFILE
+from fusionp2p.wire import reach as wr
 from fusionp2p.wire.protocols import REACH
 from fusionp2p.wire.records import REACH_DATA
 
@@ -86,6 +87,12 @@ def test_busy_rate_limited_and_wrong_server_refusals_are_not_verdicts() -> None:
                 # a node is not a bootstrap: it refuses checks, and says so
                 with pytest.raises(PeerUnavailable, match="not a bootstrap"):
                     await check_reach(asker, node.peer_id, p2p=[], data=[], timeout=5)
+                # nor does it dial anyone on a stranger's word: "dial" is taken from its bootstraps only
+                before = node.reach_service.served["dial"]
+                reply = await _request(asker, node.peer_id, wr.encode("dial", peer=hog.peer_id,
+                                                                      addrs=["/ip4/127.0.0.1/tcp/1"]), 5)
+                ok, why = wr.decode_ok_reply(reply)
+                assert not ok and "bootstraps only" in why and node.reach_service.served["dial"] == before
                 nursery.cancel_scope.cancel()
 
     try:

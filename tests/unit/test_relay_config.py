@@ -7,6 +7,7 @@ import pytest
 import trio
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.net.holepunch import HolePunchLimits
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, Libp2pTransport
 from fusionp2p.net.memory import MemoryNetwork
@@ -24,6 +25,10 @@ def test_limits_are_validated() -> None:
     with pytest.raises(ConfigError):
         SwarmConfig(relays=-1)
     assert Libp2pConfig(relay=RelayLimits(circuits=2)).relay is not None
+    for bad_punch in ({"addrs": 0}, {"dials": 0}, {"window": 0.0}, {"window": float("nan")}):
+        with pytest.raises(ConfigError):
+            HolePunchLimits(**bad_punch)  # type: ignore[arg-type]
+    assert Libp2pConfig(hole_punch=True).hole_punch_limits == HolePunchLimits()
 
 
 def test_circuit_addresses_are_recognised() -> None:
