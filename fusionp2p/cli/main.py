@@ -250,6 +250,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
 
         job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce,   # checks them all
                                 progress_interval=args.progress_interval, compute_slowdown=slowdown,
+                                device=cfg.device,
                                 compute_cpus=_cpu_share() if slowdown != 1.0 else None)
         if args.data_listen is not None:
             from fusionp2p.net.addrs import tcp_endpoint

@@ -1,0 +1,84 @@
+"""A StageWorker whose executor is on another device than the host (issue 39), without a GPU: stage 0
+of a two-stage model runs on the ``meta`` device (no data; like CUDA, it refuses host tensors in its
+kernels) behind a compressed fence, against a hand-written stage 1 on the host. Received activations
+and gradients, AdaTopK's selection and keep-masks, the optimizer step, the evaluation pass and the state
+export all cross between host and device through ``fusionp2p.device``; a path that forgot to would
+raise here as it would on a GPU.
+
+Meta tensors hold no values, so the finiteness checks (which read a value) are told to trust them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from fusionp2p.graph import StageExecutor
+from fusionp2p.graph.program import StageProgram
+from fusionp2p.net.channel import TensorMessage
+from fusionp2p.testing.channels import memory_channel_pair
+from fusionp2p.train import guard, worker
+from fusionp2p.train.config import TrainConfig
+from fusionp2p.train.worker import StageContext, StageReport, StageWorker
+from tests.integration.test_hostile_training import _programs
+
+META = torch.device("meta")
+
+
+def _finite_unless_known(tensors: object) -> bool:
+    ts = [t for t in tensors if t is not None and t.is_floating_point()]  # type: ignore[attr-defined]
+    return all(t.device.type == "meta" or bool(torch.isfinite(t).all()) for t in ts)
+
+
+async def _stage1(ch: object, p1: StageProgram, seen: list[TensorMessage]) -> None:
+    """Answers every activation with a host gradient of its full shape."""
+    while True:
+        msg: TensorMessage = await ch.receive()  # type: ignore[attr-defined]
+        seen.append(msg)
+        if msg.kind != "act":
+            continue
+        # the shape from the codec's header: a meta tensor's host copy is zeros, no valid top-k payload
+        shape = msg.meta["shape"] if msg.meta else msg.tensors[0].shape
+        await ch.send(TensorMessage(job="j", kind="grad", stage=0, step=msg.step, micro=msg.micro,  # type: ignore[attr-defined]
+                                    name=msg.name, tensors=(torch.full(shape, 0.01),)))
+
+
+def test_a_stage_on_a_device_trains_behind_a_compressed_fence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(guard, "all_finite", _finite_unless_known)
+    monkeypatch.setattr(worker, "all_finite", _finite_unless_known)
+    p0, p1 = _programs()
+    names = [r.name for r in p0.recv]
+    reports: list[StageReport] = []
+    seen: list[TensorMessage] = []
+    ex = StageExecutor(p0, device="meta")
+
+    def data(step: int, micro: int) -> dict[str, torch.Tensor]:   # host tensors, as a data loader gives
+        g = torch.Generator().manual_seed(step * 10 + micro)
+        return {names[0]: torch.randn(2, 4, generator=g), **{n: torch.tensor([0, 1]) for n in names[1:]}}
+
+    async def report(rep: StageReport) -> None:
+        reports.append(rep)
+
+    cfg = TrainConfig(steps=3, micro_batch=2, micro_batches=2, lr=0.1)
+    a, b = memory_channel_pair("s0", "s1", window=8)
+    ctx = StageContext(job="j", executor=ex, config=cfg, replica=0, replicas=1, links={1: a}, data=data,
+                       tokens_per_micro=2, report=report, recv_timeout=10.0, rho_out={1: 0.5})
+    w = StageWorker(ctx)
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(_stage1, b, p1, seen)
+                await w.run()
+                n.cancel_scope.cancel()
+
+    trio.run(main)
+    assert sorted(r.step for r in reports if not r.eval) == [0, 1, 2] and not any(r.skipped for r in reports)
+    acts = [m for m in seen if m.kind == "act"]
+    assert len(acts) == 6 and all(m.meta.get("codec") == "topk" for m in acts)   # selected on the device
+    assert all(t.device.type == "cpu" for m in seen for t in m.tensors)           # sent from the host
+    assert all(p.device == META for p in ex.parameters().values())
+    assert all(v.device == META for st in w.opt.state.values() for k, v in st.items() if k != "step")
+    st = w.export_state()                                                          # hand-offs, checkpoints
+    assert st.step == 3 and all(t.device.type == "cpu" for t in [*st.tensors.values(), *st.optimizer.values()])
