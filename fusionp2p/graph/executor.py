@@ -99,6 +99,13 @@ class StageExecutor:
         self.device = dev.resolve(device)
         self.precision = precision
         self.compute_dtype = COMPUTE_DTYPES[precision]
+        self.wire_half = self.compute_dtype   # what fp32 boundary tensors travel in (None: fp32)
+        if self.compute_dtype == torch.bfloat16 and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            # a GPU without bf16 (before Ampere) computes this stage in fp32 but keeps the job's bf16 wire;
+            # fp16 would need the job-wide loss scale of precision="fp16", which its neighbours do not apply
+            log.warning("%s has no bf16: stage %d computes in fp32 (precision='fp16' for a whole job on such GPUs)",
+                        self.device, program.stage)
+            self.compute_dtype = None
         self.grad_scale = FP16_SCALE if precision == "fp16" else 1.0
         self.synced = synced
         self._module = build_module(program, self.device)
@@ -154,7 +161,7 @@ class StageExecutor:
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a boundary tensor of the program's *dtype* travels in: the compute dtype for fp32
         under mixed precision, else *dtype* itself."""
-        return self.compute_dtype if self.compute_dtype is not None and dtype == torch.float32 else dtype
+        return self.wire_half if self.wire_half is not None and dtype == torch.float32 else dtype
 
     def _accepts(self, got: torch.dtype, want: torch.dtype) -> bool:
         # a data loader feeds the program's own dtype, a peer stage the wire dtype
