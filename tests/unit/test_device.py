@@ -12,12 +12,14 @@ import torch
 from fusionp2p import device as dev
 from fusionp2p.compress.codec import TopKCodec, decode, kept_mask
 from fusionp2p.compress.select import _select_torch, pack_bits, select_topk
+from fusionp2p.errors import LocalProtocolError
 from fusionp2p.graph import StageExecutor, coarsen, partition, stages_from_fences, trace
 from fusionp2p.graph.executor import tied_sum
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
 from fusionp2p.train.averager import flatten
 from fusionp2p.train.boundary import encode_boundary
+from fusionp2p.wire.tensor import encode_tensor
 
 META = torch.device("meta")
 
@@ -45,6 +47,8 @@ def test_the_helpers_move_check_and_copy_back() -> None:
     assert dev.same(torch.device("cuda"), torch.device("cuda:0")) and not dev.same(torch.device("cuda:1"), torch.device("cuda:0"))
     assert dev.resolve("cuda") == torch.device("cuda:0") or torch.cuda.is_available()
     dev.sync(META)   # no-op off CUDA
+    with pytest.raises(LocalProtocolError, match="reached the wire encoder"):
+        encode_tensor(m)   # never a blocking copy per tensor on the event loop
 
 
 def test_a_stage_on_a_device_keeps_everything_there() -> None:
@@ -111,3 +115,13 @@ def test_the_averaging_state_lives_on_the_host() -> None:
     params = [torch.ones(3, device="meta"), torch.ones(2, 2, device="meta")]
     flat = flatten(params)
     assert flat.device.type == "cpu" and flat.shape == (7,)
+
+
+def test_the_node_job_config_takes_the_node_device() -> None:
+    from fusionp2p.errors import ConfigError
+    from fusionp2p.jobs.node import NodeJobConfig
+
+    assert NodeJobConfig().device == "cpu" and NodeJobConfig(device="cuda:1").device == "cuda:1"
+    for bad in ("tpu", "meta", "cuda:x"):
+        with pytest.raises(ConfigError, match="device must be cpu or cuda:N"):
+            NodeJobConfig(device=bad)
