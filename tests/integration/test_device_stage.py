@@ -44,14 +44,27 @@ async def _stage1(ch: object, p1: StageProgram, seen: list[TensorMessage]) -> No
                                     name=msg.name, tensors=(torch.full(shape, 0.01),)))
 
 
-def test_a_stage_on_a_device_trains_behind_a_compressed_fence(monkeypatch: pytest.MonkeyPatch) -> None:
+async def _replica(ch: object, n: int, steps: int, seen: list[TensorMessage]) -> None:
+    """The other replica of the stage in the per-step gradient all-reduce: sends a zero gradient (host)."""
+    for step in range(steps):
+        await ch.send(TensorMessage(job="j", kind="grad-avg", stage=0, step=step, name="g1",  # type: ignore[attr-defined]
+                                    tensors=(torch.zeros(n),)))
+        seen.append(await ch.receive())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("allreduce", [False, True])
+def test_a_stage_on_a_device_trains_behind_a_compressed_fence(monkeypatch: pytest.MonkeyPatch, allreduce: bool) -> None:
+    """Alone, or with a second replica that all-reduces gradients every step (averaged on the host, the
+    result moved back to the device)."""
     monkeypatch.setattr(guard, "all_finite", _finite_unless_known)
     monkeypatch.setattr(worker, "all_finite", _finite_unless_known)
     p0, p1 = _programs()
     names = [r.name for r in p0.recv]
     reports: list[StageReport] = []
     seen: list[TensorMessage] = []
+    averaged: list[TensorMessage] = []
     ex = StageExecutor(p0, device="meta")
+    n = sum(p.numel() for p in ex.parameters().values())
 
     def data(step: int, micro: int) -> dict[str, torch.Tensor]:   # host tensors, as a data loader gives
         g = torch.Generator().manual_seed(step * 10 + micro)
@@ -62,22 +75,27 @@ def test_a_stage_on_a_device_trains_behind_a_compressed_fence(monkeypatch: pytes
 
     cfg = TrainConfig(steps=3, micro_batch=2, micro_batches=2, lr=0.1)
     a, b = memory_channel_pair("s0", "s1", window=8)
-    ctx = StageContext(job="j", executor=ex, config=cfg, replica=0, replicas=1, links={1: a}, data=data,
-                       tokens_per_micro=2, report=report, recv_timeout=10.0, rho_out={1: 0.5})
+    r0, r1 = memory_channel_pair("r0", "r1", window=8)
+    ctx = StageContext(job="j", executor=ex, config=cfg, replica=0, replicas=2 if allreduce else 1, links={1: a},
+                       peers=[r0] if allreduce else [], data=data, tokens_per_micro=2, report=report,
+                       recv_timeout=10.0, rho_out={1: 0.5})
     w = StageWorker(ctx)
 
     async def main() -> None:
         with trio.fail_after(60):
-            async with trio.open_nursery() as n:
-                n.start_soon(_stage1, b, p1, seen)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_stage1, b, p1, seen)
+                if allreduce:
+                    nursery.start_soon(_replica, r1, n, cfg.steps, averaged)
                 await w.run()
-                n.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()
 
     trio.run(main)
     assert sorted(r.step for r in reports if not r.eval) == [0, 1, 2] and not any(r.skipped for r in reports)
     acts = [m for m in seen if m.kind == "act"]
     assert len(acts) == 6 and all(m.meta.get("codec") == "topk" for m in acts)   # selected on the device
-    assert all(t.device.type == "cpu" for m in seen for t in m.tensors)           # sent from the host
+    assert all(t.device.type == "cpu" for m in seen + averaged for t in m.tensors)   # sent from the host
+    assert len(averaged) == (3 if allreduce else 0) and all(m.tensors[0].shape == (n,) for m in averaged)
     assert all(p.device == META for p in ex.parameters().values())
     assert all(v.device == META for st in w.opt.state.values() for k, v in st.items() if k != "step")
     st = w.export_state()                                                          # hand-offs, checkpoints
