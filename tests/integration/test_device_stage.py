@@ -14,8 +14,9 @@ import pytest
 import torch
 import trio
 
-from fusionp2p.graph import StageExecutor
+from fusionp2p.graph import StageExecutor, coarsen, partition, stages_from_fences, trace
 from fusionp2p.graph.program import StageProgram
+from fusionp2p.models.gpt2 import GPT2, GPT2Config
 from fusionp2p.net.channel import TensorMessage
 from fusionp2p.testing.channels import memory_channel_pair
 from fusionp2p.train import guard, worker
@@ -100,3 +101,58 @@ def test_a_stage_on_a_device_trains_behind_a_compressed_fence(monkeypatch: pytes
     assert all(v.device == META for st in w.opt.state.values() for k, v in st.items() if k != "step")
     st = w.export_state()                                                          # hand-offs, checkpoints
     assert st.step == 3 and all(t.device.type == "cpu" for t in [*st.tensors.values(), *st.optimizer.values()])
+
+
+def test_a_tied_embedding_on_a_device_sums_with_its_host_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2 with tied embeddings: stage 0 (the input embedding) on meta, a hand-written stage 1 (the
+    head, which holds the other copy) on the host. Every step the copies' gradients are exchanged: ours
+    leaves as a host tensor, theirs is moved to the device before the sum."""
+    monkeypatch.setattr(guard, "all_finite", _finite_unless_known)
+    monkeypatch.setattr(worker, "all_finite", _finite_unless_known)
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16, tie_weights=True))
+    x = torch.randint(0, 64, (2, 8))
+    dag = trace(model, example_inputs=(x, torch.randint(0, 64, (2, 8))))
+    c = coarsen(dag)
+    p0, _ = partition(c, stages_from_fences(len(c.units), [len(c.units) // 2]))
+    (tied,) = p0.tied
+    shape = tuple(p0.tensors[tied.name].shape)
+    got: list[TensorMessage] = []
+
+    async def stage1(ch: object) -> None:
+        grads: dict[int, int] = {}
+        while True:
+            msg: TensorMessage = await ch.receive()  # type: ignore[attr-defined]
+            got.append(msg)
+            if msg.kind != "act":
+                continue
+            await ch.send(TensorMessage(job="j", kind="grad", stage=0, step=msg.step, micro=msg.micro,  # type: ignore[attr-defined]
+                                        name=msg.name, tensors=(torch.full(msg.meta["shape"], 0.01),)))
+            grads[msg.step] = grads.get(msg.step, 0) + 1
+            if grads[msg.step] == 2:   # after this step's backward: our copy's gradient
+                await ch.send(TensorMessage(job="j", kind="tied", stage=0, step=msg.step, name=tied.name,  # type: ignore[attr-defined]
+                                            tensors=(torch.full(shape, 0.001), torch.ones(1))))
+
+    async def report(rep: StageReport) -> None:
+        pass
+
+    ex = StageExecutor(p0, device="meta")
+    cfg = TrainConfig(steps=2, micro_batch=2, micro_batches=2, lr=0.1)
+    a, b = memory_channel_pair("s0", "s1", window=8)
+    ctx = StageContext(job="j", executor=ex, config=cfg, replica=0, replicas=1, links={1: a},
+                       data=lambda step, micro: {"idx_BT": x}, tokens_per_micro=16, report=report,
+                       recv_timeout=10.0, rho_out={1: 0.5})
+    w = StageWorker(ctx)
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stage1, b)
+                await w.run()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    sent_tied = [m for m in got if m.kind == "tied"]
+    assert len(sent_tied) == 2 and all(m.tensors[0].device.type == "cpu" and tuple(m.tensors[0].shape) == shape
+                                       for m in sent_tied)
+    assert w.completed == 2 and ex.parameters()[tied.name].device == META
