@@ -26,8 +26,8 @@ META = torch.device("meta")
 
 def _two_stages() -> tuple[list[StageProgram], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = GPT2(GPT2Config.tiny(n_layer=2, n_embd=32, block_size=16))
-    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    model = GPT2(GPT2Config.tiny(vocab_size=64, n_layer=1, n_embd=16, block_size=8))
+    x, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
     dag = trace(model, example_inputs=(x, y))
     c = coarsen(dag)
     return partition(c, stages_from_fences(len(c.units), [len(c.units) // 2])), dict(zip(dag.data_inputs, (x, y)))
