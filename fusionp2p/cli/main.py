@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-plane address peers should dial, e.g. /ip4/PUBLIC_IP/tcp/4002 "
                         "(behind NAT or in a container: the forwarded or published port; docs/networking.md)")
     n.add_argument("--home", default=None, help="directory for the identity key, checkpoints and logs")
-    n.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    n.add_argument("--device", default="cpu", help="where this node's stages train: cpu or cuda:N (docs/gpu.md)")
     n.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat period, seconds")
     n.add_argument("--dead-timeout", type=float, default=5.0, help="seconds without heartbeat before a peer is dead")
     n.add_argument("--gossip-rate", type=float, default=5.0, help=_GOSSIP_RATE_HELP)
@@ -250,6 +250,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
 
         job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce,   # checks them all
                                 progress_interval=args.progress_interval, compute_slowdown=slowdown,
+                                device=cfg.device,
                                 compute_cpus=_cpu_share() if slowdown != 1.0 else None)
         if args.data_listen is not None:
             from fusionp2p.net.addrs import tcp_endpoint

@@ -29,6 +29,12 @@ threshold may add more only when they are all equal to it). So the reconstructio
 ``||x - x̂||`` is never larger than exact top-``k``'s, and the payload is at most ``1+tol`` times the
 exact one. ``exact_k=True`` trims ``S`` to exactly ``k`` with a top-k over the candidates only.
 NaN is never selected by the fast path (inputs are expected finite).
+
+**Off the host** (a CUDA stage; ``meta`` in tests) the selection runs in torch on the tensor's device
+(:func:`_select_torch`): exact ``torch.topk`` (on a GPU it is a few ms even at tens of millions of
+elements, so the sampled threshold, which exists to spare a CPU's memory bandwidth, is not needed), the
+bitmap packed by torch ops, and the results left on the device for the caller to copy to the host in
+one go. Never a ``.numpy()`` on a device tensor.
 """
 
 from __future__ import annotations
@@ -54,9 +60,9 @@ def k_for(ratio: float, n: int) -> int:
 
 
 def exact_topk_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (int64, ascending) of the ``k`` largest entries of the 1-D tensor *mag*."""
+    """Indices (int64, ascending, on *mag*'s device) of the ``k`` largest entries of the 1-D tensor *mag*."""
     if k >= mag.numel():
-        return torch.arange(mag.numel(), dtype=torch.int64)
+        return torch.arange(mag.numel(), dtype=torch.int64, device=mag.device)
     idx = torch.topk(mag, k, sorted=False).indices
     return torch.sort(idx).values
 
@@ -152,6 +158,8 @@ def select_topk(
     if not 0.0 <= tolerance <= 1.0:
         raise ValueError("tolerance must be in [0, 1]")
     flat = flat.detach().contiguous()
+    if flat.device.type != "cpu":
+        return _select_torch(flat, max(0, min(k, n)), index_dtype=index_dtype, bitmap=bitmap)
     np_idx = None if index_dtype is None else torch.empty((), dtype=index_dtype).numpy().dtype
     k = max(0, min(k, n))
     picked: tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None = None
@@ -169,6 +177,30 @@ def select_topk(
     return (from_raw(vals_np, flat.dtype),
             None if idx_np is None else torch.from_numpy(idx_np),
             None if bits_np is None else torch.from_numpy(bits_np))
+
+
+_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)   # LSB first
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """``np.packbits(mask, bitorder="little")`` in torch, on *mask*'s device: ``⌈n/8⌉`` uint8 bytes."""
+    n = mask.numel()
+    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
+    padded[:n] = mask.reshape(-1).to(torch.uint8)
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask.device)
+    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _select_torch(flat: torch.Tensor, k: int, *, index_dtype: torch.dtype | None,
+                  bitmap: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`select_topk`'s exact path in torch on *flat*'s device (see the module docstring)."""
+    idx = exact_topk_indices(flat.abs(), k) if k > 0 else torch.zeros(0, dtype=torch.int64, device=flat.device)
+    bits = None
+    if bitmap:
+        mask = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+        mask[idx] = True
+        bits = pack_bits(mask)
+    return flat[idx], None if index_dtype is None else idx.to(index_dtype), bits
 
 
 def _approx(

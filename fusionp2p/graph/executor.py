@@ -21,6 +21,7 @@ equal to within rounding whatever the order).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,12 +29,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusionp2p import device as dev
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.graph.dag import Arg, Ref
 from fusionp2p.graph.ops import resolve
 from fusionp2p.graph.program import DATA, StageProgram
 
 log = logging.getLogger(__name__)
+
+# TrainConfig.precision -> the dtype autocast computes in (None: fp32 throughout)
+COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp16's static loss scale: the loss gradient is multiplied by it, the parameter gradients divided by it
+# before the optimizer step (unscale_grads); an overflow makes them non-finite and the step is skipped
+FP16_SCALE = 2.0**12
 
 
 def build_module(program: StageProgram, device: torch.device, *, evaluate: bool = False) -> torch.fx.GraphModule:
@@ -69,11 +77,37 @@ def _fx_arg(a: Arg, env: Mapping[str, torch.fx.Node], device: torch.device) -> A
 
 
 class StageExecutor:
-    """Runs a StageProgram; owns its parameters (``nn.Parameter``, grads accumulate) and buffers."""
+    """Runs a StageProgram; owns its parameters (``nn.Parameter``, grads accumulate) and buffers.
 
-    def __init__(self, program: StageProgram, *, device: str | torch.device = "cpu") -> None:
+    Everything lives on *device*: parameters, buffers and the stash; received tensors are moved there
+    (``fusionp2p.device``), and what forward and backward return stays there (the caller compresses it
+    there and copies it to the host in a worker thread). With *precision* ``"bf16"`` or ``"fp16"`` the
+    forward runs under autocast: parameters, their gradients and so the optimizer state stay fp32
+    (master weights), and the floating boundary tensors of fp32 programs travel in the compute dtype
+    (half the bytes), which this executor accepts beside the program's own dtype and widens on
+    receipt. ``"fp16"`` scales the loss by ``FP16_SCALE`` (see ``unscale_grads``).
+
+    With *synced* (the default) forward and backward return once the device has finished them, so
+    that the caller's timings (step, stage and re-deal speeds) measure the kernels, not their launch;
+    what they return is copied to the host right after anyway, which would wait for the same."""
+
+    def __init__(self, program: StageProgram, *, device: str | torch.device = "cpu", precision: str = "fp32",
+                 synced: bool = True) -> None:
+        if precision not in COMPUTE_DTYPES:
+            raise ValueError(f"precision must be one of {', '.join(COMPUTE_DTYPES)}, got {precision!r}")
         self.program = program
-        self.device = torch.device(device)
+        self.device = dev.resolve(device)
+        self.precision = precision
+        self.compute_dtype = COMPUTE_DTYPES[precision]
+        self.wire_half = self.compute_dtype   # what fp32 boundary tensors travel in (None: fp32)
+        if self.compute_dtype == torch.bfloat16 and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            # a GPU without bf16 (before Ampere) computes this stage in fp32 but keeps the job's bf16 wire;
+            # fp16 would need the job-wide loss scale of precision="fp16", which its neighbours do not apply
+            log.warning("%s has no bf16: stage %d computes in fp32 (precision='fp16' for a whole job on such GPUs)",
+                        self.device, program.stage)
+            self.compute_dtype = None
+        self.grad_scale = FP16_SCALE if precision == "fp16" else 1.0
+        self.synced = synced
         self._module = build_module(program, self.device)
         self._eval_module: torch.fx.GraphModule | None = None
         self._params: dict[str, nn.Parameter] = {}
@@ -116,12 +150,50 @@ class StageExecutor:
         args = []
         for r in self.program.recv:
             t = inputs.get(r.name)
-            if t is None or tuple(t.shape) != r.meta.shape or t.dtype != r.meta.dtype:
+            if t is None or tuple(t.shape) != r.meta.shape or not self._accepts(t.dtype, r.meta.dtype):
                 raise RemoteProtocolError(f"stage {self.program.stage}: boundary tensor {r.name!r} missing or misshapen")
-            args.append(t.detach().to(self.device))
-        with torch.no_grad():
+            args.append(dev.to_device(t.detach(), self.device, dtype=r.meta.dtype))
+        with torch.no_grad(), self._autocast():
             outs: tuple[torch.Tensor, ...] = self._eval_module(*args, *self._state)
-        return dict(zip(self.program.outputs, outs))
+        return self._outputs(outs)
+
+    # ---------------------------------------------------------------- precision
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a boundary tensor of the program's *dtype* travels in: the compute dtype for fp32
+        under mixed precision, else *dtype* itself."""
+        return self.wire_half if self.wire_half is not None and dtype == torch.float32 else dtype
+
+    def _accepts(self, got: torch.dtype, want: torch.dtype) -> bool:
+        # a data loader feeds the program's own dtype, a peer stage the wire dtype
+        return got == want or got == self.wire_dtype(want)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def _outputs(self, outs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Detached outputs by name, floating ones (not the loss) in their wire dtype."""
+        sent = {o.name: o.meta.dtype for o in self.program.send}
+        res: dict[str, torch.Tensor] = {}
+        for name, o in zip(self.program.outputs, outs):
+            o = o.detach()
+            if name in sent and o.is_floating_point():
+                o = o.to(self.wire_dtype(sent[name]))
+            elif name == self.program.loss:
+                o = o.float()
+            res[name] = o
+        return res
+
+    def unscale_grads(self) -> None:
+        """Divide the accumulated parameter gradients by the loss scale (fp16; a no-op otherwise). Call it
+        once per step, before the optimizer step and any norm clipping or averaging."""
+        if self.grad_scale == 1.0:
+            return
+        with torch.no_grad():
+            for p in self._params.values():
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / self.grad_scale)
 
     @property
     def in_flight(self) -> tuple[int, ...]:
@@ -143,18 +215,23 @@ class StageExecutor:
             t = inputs.get(r.name)
             if t is None:
                 raise RemoteProtocolError(f"stage {self.program.stage}: boundary tensor {r.name!r} missing")
-            if tuple(t.shape) != r.meta.shape or t.dtype != r.meta.dtype:
+            if tuple(t.shape) != r.meta.shape or not self._accepts(t.dtype, r.meta.dtype):
                 raise RemoteProtocolError(f"stage {self.program.stage}: {r.name!r} has {tuple(t.shape)} {t.dtype}, "
-                                          f"expected {r.meta.shape} {r.meta.dtype}")
-            x = t.detach().to(self.device)
+                                          f"expected {r.meta.shape} {self.wire_dtype(r.meta.dtype)}")
+            # a fresh leaf in the program's dtype (a bf16 activation is widened: autocast narrows it again
+            # where a kernel wants it, and the gradient it gets back is fp32 like the parameters')
+            x = dev.to_device(t.detach(), self.device, dtype=r.meta.dtype)
             if r.needs_grad:
                 x = x.requires_grad_(True)
             leaves[r.name] = x
             args.append(x)
-        with torch.enable_grad():
+        with torch.enable_grad(), self._autocast():
             outs: tuple[torch.Tensor, ...] = self._module(*args, *self._state)
         self._stash[micro] = (leaves, outs)
-        return {name: o.detach() for name, o in zip(self.program.outputs, outs)}
+        res = self._outputs(outs)
+        if self.synced:
+            dev.sync(self.device)
+        return res
 
     def backward(self, micro: int, grad_outputs: Mapping[str, torch.Tensor], *,
                  loss_scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -175,17 +252,18 @@ class StageExecutor:
             g = grad_outputs.get(o.name)
             if g is None:
                 raise RemoteProtocolError(f"stage {self.program.stage}: gradient of {o.name!r} missing")
-            if tuple(g.shape) != o.meta.shape or g.dtype != o.meta.dtype:
+            if tuple(g.shape) != o.meta.shape or not self._accepts(g.dtype, o.meta.dtype):
                 raise RemoteProtocolError(f"stage {self.program.stage}: gradient of {o.name!r} has shape "
-                                          f"{tuple(g.shape)} {g.dtype}, expected {o.meta.shape} {o.meta.dtype}")
+                                          f"{tuple(g.shape)} {g.dtype}, expected {o.meta.shape} "
+                                          f"{self.wire_dtype(o.meta.dtype)}")
             if t.requires_grad:
                 roots.append(t)
-                grads.append(g.to(self.device))
+                grads.append(dev.to_device(g, self.device, dtype=t.dtype))
         if self.program.loss is not None:
             loss = outs[-1]
             if loss.requires_grad:
                 roots.append(loss)
-                grads.append(torch.full_like(loss, loss_scale))
+                grads.append(torch.full_like(loss, loss_scale * self.grad_scale))
         del self._stash[micro]
         if roots:
             torch.autograd.backward(roots, grads)
@@ -193,7 +271,10 @@ class StageExecutor:
         for r in self.program.recv:
             if r.needs_grad:
                 x = leaves[r.name]
-                out[r.name] = x.grad if x.grad is not None else torch.zeros_like(x)
+                g = x.grad if x.grad is not None else torch.zeros_like(x)
+                out[r.name] = g.to(self.wire_dtype(g.dtype)) if g.is_floating_point() else g
+        if self.synced:
+            dev.sync(self.device)
         return out
 
     def drop(self, micro: int) -> None:
@@ -210,7 +291,7 @@ def tied_sum(grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
         return None
     total = present[0].clone()
     for g in present[1:]:
-        total += g
+        total += dev.check(g, total.device, "a tied gradient")   # an in-place add would take a host part
     return total
 
 

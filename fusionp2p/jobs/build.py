@@ -349,7 +349,9 @@ def planner_config(cfg: TrainConfig) -> PlannerConfig:
                          # replicas of unequal speed: fractional micro-batches a step where no round blocks it
                          micro_period=MICRO_PERIOD if co2 is not None and not co2.sync else 1,
                          # the bf16 wire keeps the last average of every fragment: one more fp32 copy
-                         replica_memory_factor=PlannerConfig().replica_memory_factor + (1.0 if bf16 else 0.0))
+                         replica_memory_factor=PlannerConfig().replica_memory_factor + (1.0 if bf16 else 0.0),
+                         # mixed precision: compute at the bf16 rate, activations in 2-byte values
+                         half_precision=cfg.precision != "fp32", value_bytes=2 if cfg.precision != "fp32" else 4)
 
 
 def job_cost_model(spec: JobSpec, dag: OpDAG, snap: Snapshot) -> tuple[CostModel, WorkloadGraph, Snapshot]:

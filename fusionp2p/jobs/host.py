@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
 import trio
 
 from fusionp2p.errors import ConfigError
@@ -76,8 +77,17 @@ class NodeJobConfig:
     # ``compute_cpus`` cores (None: unknown, its wall time; StageContext.compute_slowdown)
     compute_slowdown: float = 1.0
     compute_cpus: float | None = None
+    # where this node's stages compute (``--device``: "cpu" or "cuda:N"; the executor, its optimizer and
+    # the parameters live there; fusionp2p/device.py moves what crosses to the host and back)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        try:
+            kind = torch.device(self.device).type
+        except (RuntimeError, ValueError):
+            kind = ""
+        if kind not in ("cpu", "cuda"):
+            raise ConfigError(f"NodeJobConfig.device must be cpu or cuda:N, got {self.device!r}")
         check_slowdown(self.compute_slowdown)
         if self.compute_cpus is not None and not 0.0 < self.compute_cpus <= 1024.0:
             raise ConfigError("the CPU share of an emulated slowdown must be in (0, 1024] cores")

@@ -39,7 +39,7 @@ from fusionp2p.graph import OpDAG
 from fusionp2p.jobs.build import job_cost_model, plan_for_snapshot
 from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.plan import Plan, Snapshot
-from fusionp2p.plan.estimator import CostModel
+from fusionp2p.plan.estimator import CostModel, compute_rate
 from fusionp2p.plan.predict import predict
 from fusionp2p.train import deal
 from fusionp2p.train.config import TrainConfig
@@ -72,7 +72,7 @@ def speed_factors(cm: CostModel, plan: Plan, members: Mapping[str, DeviceProfile
         for peer in st.replicas:
             t, prof = micro_s.get(peer), members.get(peer)
             if prof is not None and t is not None and t > 0 and math.isfinite(t) and work > 0:
-                out[peer] = min(MAX_SCALE, max(1.0 / MAX_SCALE, work * over / prof.flops_fp32 / t))
+                out[peer] = min(MAX_SCALE, max(1.0 / MAX_SCALE, work * over / compute_rate(prof, cm.config) / t))
     return out
 
 

@@ -556,7 +556,8 @@ class JobRun(Leading):
                                                start=units[0], end=units[1], at=time.time()))
             self.svc.nursery.start_soon(self._replicate, plan, s, h, step)
 
-        return StageContext(job=self.job_id, executor=StageExecutor(programs[s]), config=cfg, replica=r,
+        ex = StageExecutor(programs[s], device=self.svc.config.device, precision=cfg.precision)   # docs/gpu.md
+        return StageContext(job=self.job_id, executor=ex, config=cfg, replica=r,
                             replicas=len(plan.stages[s].replicas), links=links, peers=peers,
                             data=data_fn(self.accepted), tokens_per_micro=cfg.micro_batch * self.spec.dataset.seq_len,
                             rho_out=rho_out, report=report, checkpoint=checkpoint if r == 0 else None,

@@ -92,7 +92,7 @@ def measure_config(shape: GridShape | ProcessGrid, layers: Sequence[LinearSpec],
 
     for _ in range(trial.warmup):
         step()
-    times = torch.zeros(trial.steps, dtype=torch.float64)
+    times = torch.zeros(trial.steps, dtype=torch.float64, device=device)   # NCCL reduces device tensors only
     for i in range(trial.steps):
         _sync(device)
         dist.barrier()
@@ -137,6 +137,6 @@ def measure_bandwidth(nbytes: int = 1 << 24, *, repeats: int = 3, device: torch.
         if buf.is_cuda:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
-    t = torch.tensor([best], dtype=torch.float64)
+    t = torch.tensor([best], dtype=torch.float64, device=buf.device)   # NCCL reduces device tensors only
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return 2 * (p - 1) / p * buf.numel() * 4 / float(t.item())

@@ -32,6 +32,9 @@ class PlannerConfig:
     compression: bool = True                # AdaTopK on links slower than the compute bottleneck
     rho_min: float = 0.3                    # AdaTopK floor of the kept fraction (see train/config.py AdaTopK)
     value_bytes: int = 4                    # fp32 values on the wire
+    # TrainConfig.precision bf16/fp16: compute priced at the devices' measured flops_bf16 (flops_fp32 where
+    # they measured none), and the boundary tensors, traced in fp32, cross the fences at half their bytes
+    half_precision: bool = False
     index_bytes: int = 4                    # int32 indices of sparse payloads (the codec's type for 2^15 < n <= 2^31)
     replicas: bool = True                   # add data-parallel replicas with left-over devices
     replica_overhead: float = 0.05          # compute slowdown charged to a replicated stage (CO2 overlap)

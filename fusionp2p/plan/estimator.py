@@ -44,18 +44,28 @@ T = TypeVar("T", float, F64)
 LAG_HEADROOM = 0.5
 
 
+def compute_rate(profile: DeviceProfile, config: PlannerConfig) -> float:
+    """The matmul FLOP/s a job's stages get on *profile*: its bf16 rate under mixed precision (where
+    measured), else its fp32 rate."""
+    if config.half_precision and profile.flops_bf16 > 0:
+        return profile.flops_bf16
+    return profile.flops_fp32
+
+
 def unit_compute_time(unit: Unit, profile: DeviceProfile, config: PlannerConfig) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch of *unit* on *profile*; the element-wise part
     (``act_bytes / act_rate``, where measured) split a third forward, two thirds backward."""
-    rate = profile.flops_fp32 * config.efficiency_of(unit.kind)
+    rate = compute_rate(profile, config) * config.efficiency_of(unit.kind)
     act = unit.act_bytes / profile.act_rate if profile.act_rate > 0 else 0.0
     return unit.fwd_flops / rate + act / 3.0, unit.bwd_flops / rate + 2.0 * act / 3.0
 
 
-def act_flops(profiles: Sequence[DeviceProfile]) -> float:
+def act_flops(profiles: Sequence[DeviceProfile], config: PlannerConfig | None = None) -> float:
     """FLOP-equivalents of one activation byte for a set of devices: the median of
-    ``flops_fp32 / act_rate`` over those that measured ``act_rate`` (0.0 when none did)."""
-    ratios = sorted(p.flops_fp32 / p.act_rate for p in profiles if p.act_rate > 0)
+    ``flops / act_rate`` (:func:`compute_rate`, fp32 without *config*) over those that measured
+    ``act_rate`` (0.0 when none did)."""
+    ratios = sorted((p.flops_fp32 if config is None else compute_rate(p, config)) / p.act_rate
+                    for p in profiles if p.act_rate > 0)
     if not ratios:
         return 0.0
     mid = len(ratios) // 2
@@ -94,7 +104,7 @@ class CostModel:
         units = workload.units
         self.n_units = len(units)
         profs = list(snapshot.members.values())
-        self.act_flops = act_flops(profs)
+        self.act_flops = act_flops(profs, config)
         work = np.array([(u.fwd_flops + u.bwd_flops) / config.efficiency_of(u.kind) + self.act_flops * u.act_bytes
                          for u in units], dtype=np.float64)
         params = np.array([u.param_bytes for u in units], dtype=np.float64)
@@ -108,7 +118,9 @@ class CostModel:
             diff[e.dst + 1] -= e.nbytes
         self.cut: F64 = np.cumsum(diff)[: self.n_units + 1]
         self.cut[0] = 0.0
-        self.flops: F64 = np.array([p.flops_fp32 for p in profs], dtype=np.float64)
+        if config.half_precision:
+            self.cut *= 0.5   # activations and gradients travel in the compute dtype
+        self.flops: F64 = np.array([compute_rate(p, config) for p in profs], dtype=np.float64)
         self.mem_cap: F64 = np.array([p.memory_bytes * config.memory_headroom for p in profs], dtype=np.float64)
         d = len(self.peers)
         self.bw: F64 = np.full((d, d), config.missing_link.bandwidth_bps, dtype=np.float64)

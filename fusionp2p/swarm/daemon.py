@@ -56,8 +56,9 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
     identity = Identity.load_or_create(cfg.home)
     profile = None
     if cfg.role == "node":  # the bootstrap never imports torch
-        from fusionp2p.swarm.device import measure_profile
+        from fusionp2p.swarm.device import enable_tf32, measure_profile
 
+        enable_tf32(cfg.device)   # before the benchmark: the fp32 rate it announces is the one stages get
         profile = (await trio.to_thread.run_sync(measure_profile, cfg.device)).slowed(cfg.compute_slowdown)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce,

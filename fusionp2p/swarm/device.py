@@ -79,7 +79,8 @@ def _act_rate(dev: torch.device, seconds: float, *, stalled_seconds: float = 0.0
     fp32 tensor), forward and backward; the bytes are the forward outputs, which is how the workload
     counts a unit's ``act_bytes`` (graph/workload.py). On a CPU thread these ops run at a few GB/s,
     dispatch included, not at matmul speed: for small models they take most of a step
-    (plan/estimator.py)."""
+    (plan/estimator.py). A GPU needs millions of elements an op before launches stop dominating:
+    :func:`measure_profile` passes ``ACT_SHAPE_CUDA`` there."""
     x = torch.randn(rows, width, device=dev, requires_grad=True)
     shape = (-1, width, width) if rows % width == 0 else (1, rows, width)
 
@@ -93,6 +94,9 @@ def _act_rate(dev: torch.device, seconds: float, *, stalled_seconds: float = 0.0
     return _rate(once, 6 * rows * width * 4, dev, seconds, stalled_seconds)
 
 
+# the element-wise benchmark's tensor on a GPU: 8,192 x 1,024 fp32 (32 MiB an op), the activations of a
+# GPT-2 small block at 8 sequences of 1,024 tokens; launch overhead is then a small part of each op
+ACT_SHAPE_CUDA = (8192, 1024)
 QUOTA_PERIODS = 10
 STALLED = 2 / 3          # this thread's CPU time / wall time below which the benchmark runs longer
 _CGROUP_ROOTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
@@ -176,6 +180,15 @@ def slowed(fn: Callable[..., T], factor: float, cpus: float | None) -> Callable[
     return run
 
 
+def enable_tf32(device: str) -> None:
+    """On a CUDA node, let fp32 matmuls and convolutions use TF32 tensor cores (Ampere and later; 10 bits
+    of mantissa in the products, fp32 accumulation, the trade every GPU training stack makes). A process
+    setting: the node's daemon calls it once, before it measures the device."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
 def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfile:
     """A short benchmark of the device (blocking: call it in a worker thread)."""
     dev = parse_device(device)
@@ -189,7 +202,10 @@ def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfi
         # got much less CPU than wall time is throttled or crowded, and is measured over 10 periods
         stalled = QUOTA_PERIODS * 0.1
     fp32 = _matmul_rate(dev, torch.float32, seconds, n, stalled_seconds=stalled)
-    act = _act_rate(dev, seconds, stalled_seconds=stalled)
+    if dev.type == "cpu":
+        act = _act_rate(dev, seconds, stalled_seconds=stalled)
+    else:
+        act = _act_rate(dev, seconds, rows=ACT_SHAPE_CUDA[0], width=ACT_SHAPE_CUDA[1])
     try:
         bf16 = _matmul_rate(dev, torch.bfloat16, seconds / 2, n)
     except RuntimeError:

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 import trio
 
+from fusionp2p import device as dev
 from fusionp2p.average.allreduce import PHASES, AllReduceRound, Finished, Reduced, RoundMsg, RoundResult, Send
 from fusionp2p.average.outer import OuterConfig, OuterOptimizer
 from fusionp2p.average.shard import shard_bounds
@@ -121,10 +122,11 @@ class BoundaryResult:
 
 
 def flatten(params: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor:
-    """A NEW flat fp32 copy of *params* (never a view of live memory)."""
+    """A NEW flat fp32 copy of *params* (never a view of live memory), in host memory: the averaging
+    state lives on the host, where the peers' parts arrive, whatever device the parameters are on."""
     if isinstance(params, torch.Tensor):
-        return params.detach().reshape(-1).to(torch.float32, copy=True)
-    return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+        return dev.to_host([params])[0].reshape(-1).to(torch.float32, copy=True)
+    return torch.cat([p.reshape(-1).to(torch.float32) for p in dev.to_host(list(params))])
 
 
 def load_flat_(params: Iterable[torch.Tensor], flat: torch.Tensor) -> None:

@@ -31,8 +31,14 @@ log = logging.getLogger(__name__)
 
 
 def all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
-    """True when no tensor holds a NaN or an infinity (None entries are skipped)."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t is not None and t.is_floating_point())
+    """True when no tensor holds a NaN or an infinity (None entries are skipped). The flags of tensors on
+    one device are read at once: one device sync a check, not one a tensor."""
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None and t.is_floating_point()]
+    if not flags:
+        return True
+    if all(f.device == flags[0].device for f in flags):
+        return bool(torch.stack(flags).all())
+    return all(bool(f) for f in flags)
 
 
 @dataclass(slots=True)

@@ -40,15 +40,16 @@ from typing import Any, TypeVar
 import torch
 import trio
 
+from fusionp2p import device as dev
 from fusionp2p.average.outer import OuterConfig
-from fusionp2p.compress.adatopk import TopKLink
-from fusionp2p.compress.codec import decode, kept_mask
+from fusionp2p.compress.codec import kept_mask
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
 from fusionp2p.graph.program import DATA
 from fusionp2p.net.channel import TensorChannel, TensorMessage
 from fusionp2p.swarm.device import slowed
 from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, load_anchor_, open_replica_averager
+from fusionp2p.train.boundary import check_tied_message, decode_boundary, encoded
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.train.deal import REDEAL_MIN_MICROS, Deal, redeals_in_band
 from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
@@ -153,37 +154,6 @@ def make_optimizer(params: Sequence[torch.nn.Parameter], cfg: TrainConfig) -> to
     return torch.optim.AdamW(list(params), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
-def _encode(x: torch.Tensor, rho: float) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
-    if rho >= 1.0:
-        return {}, (x.contiguous(),)
-    payload, meta = TopKLink(ratio=rho).encode_act(x)
-    return dict(meta), tuple(payload)
-
-
-def check_tied_message(msg: TensorMessage, *, src: int, stage: int = -1,
-                       holders: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gradient, finite flag) of a peer stage's tied-weight message (kind ``tied``), checked against
-    ``holders`` (parameter name -> (holder stages, shape, dtype)); RemoteProtocolError otherwise. The flag
-    is read by the caller (one element equal to 1.0: finite; anything else makes the step skip)."""
-    held = holders.get(msg.name)
-    if held is None or src not in held[0] or len(msg.tensors) != 2 or msg.meta:
-        raise RemoteProtocolError(f"stage {stage}: unexpected tied gradient {msg.name[:64]!r} from stage {src}")
-    g, flag = msg.tensors
-    if tuple(g.shape) != held[1] or g.dtype != held[2]:
-        raise RemoteProtocolError(f"stage {stage}: tied gradient {msg.name!r} from stage {src} "
-                                  f"has {tuple(g.shape)} {g.dtype}, expected {held[1]} {held[2]}")
-    return g, flag
-
-
-def _decode(msg: TensorMessage) -> torch.Tensor:
-    if not msg.meta:
-        if len(msg.tensors) != 1:
-            raise RemoteProtocolError(f"{msg.kind} {msg.name!r}: expected one tensor")
-        return msg.tensors[0]
-    return decode(msg.tensors, msg.meta)
-
-
 class StageWorker:
     """Runs ``config.steps`` training steps of one stage replica, then a final evaluation pass."""
 
@@ -282,8 +252,9 @@ class StageWorker:
         for lo, shard in self._momentum or ():   # one slice per fragment in streaming mode
             for name, sl in momentum_slices(self._layout(), lo, shard).items():
                 momentum[name] = momentum.get(name, ()) + sl
-        return StageState(step=self.completed, tensors={k: v.clone() for k, v in self.ex.state_dict().items()},
-                          optimizer={k: v.clone() for k, v in opt.items()}, optimizer_groups=groups,
+        own = self.ex.state_dict()
+        return StageState(step=self.completed, tensors={k: v.clone() for k, v in zip(own, dev.to_host(list(own.values())))},
+                          optimizer={k: v.clone() for k, v in zip(opt, dev.to_host(list(opt.values())))}, optimizer_groups=groups,
                           momentum=momentum)
 
     def _stop(self) -> int:
@@ -297,7 +268,7 @@ class StageWorker:
     def _flat(self) -> torch.Tensor:
         if not self._params:
             return torch.zeros(0)
-        return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self._params])
+        return torch.cat([p.reshape(-1).to(torch.float32) for p in dev.to_host(self._params)])   # CO2 runs on the host
 
     # ------------------------------------------------------------------ main
     async def run(self) -> None:
@@ -572,7 +543,7 @@ class StageWorker:
             if msg.kind == "tied":
                 self._keep_tied(src, msg)   # a holder that finished its backward first (not a coded tensor)
                 continue
-            t_in = _decode(msg)
+            t_in = decode_boundary(msg)
             if msg.kind == "act":
                 if not has_remote_in:
                     raise RemoteProtocolError(f"stage {prog.stage} receives no activations")
@@ -627,7 +598,7 @@ class StageWorker:
                          kind: str = "act") -> None:
         for o in self.prog.send:
             for d in o.dsts:
-                meta, tensors = _encode(out[o.name], 1.0 if dense else self._rho_at(step, self.ctx.rho_out.get(d, 1.0)))
+                meta, tensors = await encoded(out[o.name], 1.0 if dense else self._rho_at(step, self.ctx.rho_out.get(d, 1.0)))
                 await self.ctx.links[d].send(TensorMessage(job=self.ctx.job, kind=kind, stage=d, step=step,
                                                            micro=micro, name=o.name, meta=meta, tensors=tensors))
 
@@ -642,8 +613,8 @@ class StageWorker:
             # (benchmarks.convergence, 2,000 steps; docs/averaging.md)
             mask = self._kept.pop((micro, name), None)
             if mask is not None:
-                g = g * mask
-            meta, tensors = _encode(g, self._rho_at(step, self._rho_in(src)))
+                g = g * dev.to_device(mask, g.device)
+            meta, tensors = await encoded(g, self._rho_at(step, self._rho_in(src)))
             await self.ctx.links[src].send(TensorMessage(job=self.ctx.job, kind="grad", stage=src, step=step,
                                                          micro=micro, name=name, meta=meta, tensors=tensors))
 
@@ -676,10 +647,11 @@ class StageWorker:
         for tp in prog.tied:
             p = params[tp.name]
             mine[tp.name] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            _, (host,) = await encoded(mine[tp.name], 1.0)
             for other in tp.stages:
                 if other != prog.stage:
                     await self.ctx.links[other].send(TensorMessage(job=self.ctx.job, kind="tied", stage=other, step=step,
-                                                                   name=tp.name, tensors=(mine[tp.name], ok)))
+                                                                   name=tp.name, tensors=(host, ok)))
         need = {(tp.name, o) for tp in prog.tied for o in tp.stages if o != prog.stage}
         while not need <= set(self._tied_box):
             src, msg = await self._next_message(step)
@@ -697,7 +669,7 @@ class StageWorker:
                         healthy = healthy and bool(ok.item() == 1.0)
                         continue
                     g, flag = self._tied_box.pop((tp.name, o))   # shape and dtype checked at receipt
-                    parts.append(g)
+                    parts.append(dev.to_device(g, p.device))
                     healthy = healthy and flag.numel() == 1 and bool(flag.item() == 1.0)
                 total = tied_sum(parts)
                 assert total is not None
@@ -707,6 +679,7 @@ class StageWorker:
         """Average parameter gradients with the other replicas of this stage (every step, blocking)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
         mine = torch.cat([g.reshape(-1).to(torch.float32) for g in grads]) if grads else torch.zeros(0)
+        _, (mine,) = await encoded(mine, 1.0)   # averaged on the host, where the peers' parts arrive
         me = f"g{self.ctx.replica}"
         for ch in self.ctx.peers:
             await ch.send(TensorMessage(job=self.ctx.job, kind="grad-avg", stage=self.prog.stage, step=step, name=me,
@@ -742,7 +715,7 @@ class StageWorker:
         with torch.no_grad():
             for p, g in zip(self._params, grads, strict=True):
                 n = g.numel()
-                p.grad = avg[off:off + n].view_as(g).to(g.dtype).clone()
+                p.grad = dev.to_device(avg[off:off + n].view_as(g), g.device, dtype=g.dtype).clone()
                 off += n
 
     def _slowed(self, fn: Callable[..., _T]) -> Callable[..., _T]:
@@ -751,6 +724,7 @@ class StageWorker:
 
     def _optimizer_step(self, step: int) -> None:
         cfg = self.ctx.config
+        self.ex.unscale_grads()   # fp16's loss scale (train/config.py precision)
         self._skipped = self._guard.check(step, [p.grad for p in self._params])
         if self._skipped:
             self.ex.zero_grad()
@@ -766,6 +740,7 @@ class StageWorker:
             g["lr"] = lr
         self.opt.step()
         self.ex.zero_grad()
+        dev.sync(self.ex.device)   # the step's timing covers the kernels, not their launches
 
     async def _eval_pass(self, step: int) -> None:
         """Forward only (dropout off) with the weights after *step* steps (at the end: the final,
@@ -791,7 +766,7 @@ class StageWorker:
                     continue
                 if msg.kind != "eval":
                     raise RemoteProtocolError(f"unexpected {msg.kind!r} message in the evaluation pass")
-                ready = inbox.put_activation(msg.micro, msg.name, _decode(msg))
+                ready = inbox.put_activation(msg.micro, msg.name, decode_boundary(msg))
             out = await trio.to_thread.run_sync(ex.evaluate, ready)
             if prog.loss is not None:
                 losses.append(float(out[prog.loss]))

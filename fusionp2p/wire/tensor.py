@@ -43,10 +43,12 @@ def tensor_header(t: torch.Tensor) -> dict[str, Any]:
 
 
 def encode_tensor(t: torch.Tensor) -> tuple[dict[str, Any], memoryview]:
-    """Header and a zero-copy view of the contiguous CPU bytes of *t*."""
+    """Header and a zero-copy view of the contiguous CPU bytes of *t*. A tensor on another device is
+    refused: its copy would block the event loop here, one tensor at a time; ``fusionp2p.device.to_host``
+    copies a message's tensors in a worker thread before they are framed."""
     t = t.detach()
     if t.device.type != "cpu":
-        t = t.cpu()
+        raise LocalProtocolError(f"a {t.device} tensor reached the wire encoder: copy it with fusionp2p.device.to_host")
     t = t.contiguous()
     header = tensor_header(t)
     if t.numel() == 0:

@@ -127,6 +127,28 @@ def test_sent_tensors_are_never_modified_after_send(swarm: Swarm, monkeypatch: p
     assert changed == [], f"{len(changed)} of {len(sent)} sent tensors were modified after send: {changed[:5]}"
 
 
+def test_a_bf16_job_trains_with_bf16_on_the_wire(swarm: Swarm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TrainConfig(precision="bf16")`` end to end (issue 39): planned, trained through compressed fences
+    and CO2 to the end; activations and gradients cross the fences in bf16, the averaging in fp32 and bf16
+    differences (CO2.wire), and the downloaded weights are fp32 (master weights)."""
+    sent: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    open_links = JobRun._open_links
+
+    async def audited(self: JobRun, *args: Any, **kwargs: Any) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:
+        links, peers = await open_links(self, *args, **kwargs)
+        return ({s: _AuditedChannel(c, sent) for s, c in links.items()}, [_AuditedChannel(c, sent) for c in peers])
+
+    monkeypatch.setattr(JobRun, "_open_links", audited)
+    cfg = TrainConfig(steps=5, micro_batch=2, micro_batches=2, lr=3e-3, replicas=2, averaging="co2",
+                      compression="adatopk", seed=5, precision="bf16")
+    job = swarm.publish(model=_model(), dataset=BuiltinCorpus(seq_len=SEQ), config=cfg)
+    job.wait(timeout=TIMEOUT)
+    assert len(job.losses) == cfg.steps and all(np.isfinite(v) for v in job.losses.values())
+    fence = {t.dtype for k, t, _ in sent if k in ("act", "grad") and t.is_floating_point()}
+    assert fence == {torch.bfloat16}, fence
+    assert all(t.dtype == torch.float32 for t in job.state_dict().values() if t.is_floating_point())
+
+
 def test_tampered_spec_is_refused(swarm: Swarm) -> None:
     cfg = TrainConfig(steps=2, micro_batch=2, micro_batches=1)
     built = build_job(_model(), None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=swarm.publisher_id, sign=swarm.sign,
