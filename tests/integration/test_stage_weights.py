@@ -10,6 +10,7 @@ each node fetched exactly the weight pieces of its own stage's tensors and nothi
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 from fusionp2p.data import BuiltinCorpus
 from fusionp2p.jobs.build import build_job, job_cost_model, stage_programs
+from fusionp2p.jobs.download import INDEX, load_download
 from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.weights import stage_memory
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
@@ -70,8 +72,20 @@ def test_a_model_no_node_can_hold_is_cut_and_each_node_fetches_only_its_stage(tm
             fetched |= mine
         assert fetched == set(man)                         # together the stages hold the whole model
         state = job.state_dict()
+        single = job.download(tmp_path / "one")
+        sharded = job.download(tmp_path / "shards", single_file_bytes=1)
     ref = GPT2(GPT2Config.tiny(block_size=SEQ))
-    ref.load_state_dict(state, strict=True)               # the download reloads strictly
+    ref.load_state_dict(state, strict=True)               # the trained model reloads strictly
+    # the download: one model.safetensors when small, else one shard per stage and the Hugging Face index
+    assert single.name == "model.safetensors" and sharded.name == INDEX
+    index = json.loads(sharded.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == [f"model-{k:05d}-of-{len(plan.stages):05d}.safetensors" for k in range(1, len(plan.stages) + 1)]
+    assert set(index["weight_map"]) == set(state)
+    for path in (single, sharded, sharded.parent):
+        got = load_download(path)
+        assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state)
+        GPT2(GPT2Config.tiny(block_size=SEQ)).load_state_dict(got, strict=True)
 
 
 def test_a_node_refuses_a_stage_over_its_memory(tmp_path: Path) -> None:
@@ -136,3 +150,31 @@ def test_a_piece_with_wrong_bytes_is_counted_against_its_server_and_fetched_else
                 assert not any(client.store.has(h) for h in man.by_name()["b"].pieces)   # never fetched
 
     trio.run(main)
+
+
+def test_a_manifest_that_does_not_match_the_dag_is_refused_and_counted_against_the_offerer(tmp_path: Path) -> None:
+    from fusionp2p.errors import JobError
+    from fusionp2p.jobs.spec import sign_spec
+    from fusionp2p.wire.pieces import WeightManifest
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=1, micro_batch=2, micro_batches=1, replicas=1, averaging="none", compression="none")
+    with Swarm.local(n_nodes=2, home=tmp_path) as sw:
+        built = _built(sw, cfg)
+        torch.manual_seed(0)
+        other = build_job(GPT2(GPT2Config.tiny(block_size=SEQ, n_layer=1)), None, BuiltinCorpus(seq_len=SEQ), cfg,
+                          publisher=sw.publisher_id, sign=sw.sign, now=1.0, nonce=b"o" * 16)
+        # a correctly signed spec whose weight manifest (a smaller model's, served under its own hash) does
+        # not name the DAG's tensors: refused at intake, before any piece is fetched
+        spec = dataclasses.replace(built.spec, weights_hash=other.spec.weights_hash)
+        blobs = {**built.blobs, other.spec.weights_hash: other.blobs[other.spec.weights_hash]}
+        job = sw.publish_built(dataclasses.replace(built, spec=spec, envelope=sign_spec(spec, sw.sign), blobs=blobs))
+        with pytest.raises(JobError, match=r"no node accepted the job .*weight manifest does not match"):
+            job.wait(timeout=TIMEOUT)
+        assert sw.embedded is not None
+        man = WeightManifest.decode(built.blobs[built.spec.weights_hash])
+        pieces = {h for t in man.tensors for h in t.pieces}
+        for n in sw.embedded.nodes:
+            assert n.swarm.refusals.by_reason["job/content"] >= 1
+            assert n.jobs.content.store.has(spec.weights_hash)
+            assert not any(n.jobs.content.store.has(h) for h in pieces)   # no weight piece was fetched
