@@ -365,7 +365,7 @@ class JobRun(Leading):
                 if self._broken:
                     scope.cancel()
                 t0 = trio.current_time()
-                why = stage_fit(self.accepted, plan, snap, s, self.svc.swarm.profile)
+                why = stage_fit(self.accepted, plan, snap, s, self.svc.swarm.profile, programs[s])
                 if why:   # the plan is ours too, so only a profile changed since: refuse, with the reason
                     raise JobError(f"this node refuses its stage: {why}")
                 restore = await self._gather_state(programs[s], req.resume)

@@ -48,19 +48,28 @@ class WeightFetches:
     bytes: int = 0
 
 
-def stage_memory(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int) -> float:
-    """The planner's figure of the memory *stage* of *plan* needs on each of its replicas, in bytes."""
+def stage_memory(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, prog: StageProgram | None = None) -> float:
+    """The memory *stage* of *plan* needs on each of its replicas, in bytes: the planner's figure, plus,
+    with the stage's program *prog*, the parameters it holds that the planner counts in another stage's
+    units (a tied weight's copy: GPT-2's ``lm_head`` reads the embedding's ``wte``), at the same factor."""
     st = plan.stages[stage]
     cm = job_cost_model(accepted.spec, accepted.dag, snap)[0]
-    return cm.range_memory(st.start, st.end, replicated=len(st.replicas) > 1)
+    replicated = len(st.replicas) > 1
+    need = cm.range_memory(st.start, st.end, replicated=replicated)
+    if prog is not None:
+        held = sum(s.meta.nbytes for s in prog.inputs if s.kind == "param")
+        factor = cm.config.param_memory_factor + (cm.config.replica_memory_factor if replicated else 0.0)
+        need += factor * max(0.0, held - cm.range_params(st.start, st.end))
+    return need
 
 
-def stage_fit(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, profile: DeviceProfile | None) -> str:
+def stage_fit(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, profile: DeviceProfile | None,
+              prog: StageProgram | None = None) -> str:
     """Why this node (*profile*) cannot hold *stage* of *plan* within its memory ("" when it can)."""
     if profile is None:
         return ""
     memory_bytes = profile.memory_bytes
-    need = stage_memory(accepted, plan, snap, stage)
+    need = stage_memory(accepted, plan, snap, stage, prog)
     if need <= memory_bytes:
         return ""
     return (f"stage {stage} needs {need / 2**20:.0f} MiB (parameters, gradients, optimizer state and activations), "

@@ -67,7 +67,7 @@ def test_a_model_no_node_can_hold_is_cut_and_each_node_fetches_only_its_stage(tm
             assert run.weights.pieces == sum(len(man[n].pieces) for n in mine) < every_piece
             assert run.weights.bytes == sum(man[n].nbytes for n in mine)
             # the stage fits the memory the node offers; the accepted DAG holds declarations only
-            assert stage_memory(run.accepted, plan, snap, s) <= MEMORY
+            assert stage_memory(run.accepted, plan, snap, s, programs[s]) <= MEMORY
             assert all(t.device.type == "meta" for t in run.accepted.dag.tensors.values())
             fetched |= mine
         assert fetched == set(man)                         # together the stages hold the whole model
@@ -118,6 +118,19 @@ def test_stage_fit_refuses_a_stage_over_the_nodes_offer_with_the_reason(tmp_path
     smaller = dataclasses.replace(small, memory_bytes=int(need) - 1)
     why = [stage_fit(acc, plan, snap, s, smaller) for s in range(len(plan.stages))]
     assert any("more than the" in w and "--memory" in w for w in why)
+    # the head stage holds a copy of the tied embedding, which the planner counts in the embedding's unit:
+    # the node's own check adds it (weights, gradients and Adam's two moments: 4x)
+    torch.manual_seed(0)
+    tied = build_job(GPT2(dataclasses.replace(GPT2Config.tiny(block_size=SEQ), tie_weights=True)), None, BuiltinCorpus(seq_len=SEQ), cfg,
+                     publisher=me.peer_id, sign=me.sign, now=1.0, nonce=b"t" * 16)
+    plan = choose_plan(tied.spec, tied.dag, members)
+    acc = AcceptedJob(spec=tied.spec, dag=tied.dag, tokens=None)
+    progs = stage_programs(tied.dag, plan)
+    first, last = ({i.name for i in p.inputs if i.kind == "param"} for p in (progs[0], progs[-1]))
+    (shared,) = first & last                                                      # the tied embedding
+    k = len(plan.stages) - 1
+    extra = 4 * tied.dag.tensors[shared].numel() * 4   # fp32 weights, gradients and Adam's two moments
+    assert stage_memory(acc, plan, snap, k, progs[k]) == pytest.approx(stage_memory(acc, plan, snap, k) + extra)
 
 
 def test_a_piece_with_wrong_bytes_is_counted_against_its_server_and_fetched_elsewhere() -> None:
