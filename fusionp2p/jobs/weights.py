@@ -70,6 +70,8 @@ def stage_fit(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, pro
         return ""
     memory_bytes = profile.memory_bytes
     need = stage_memory(accepted, plan, snap, stage, prog)
+    log.info("job %s epoch %d: stage %d needs %.1f MiB of the %.1f MiB this node offers", accepted.spec.job_id,
+             plan.epoch, stage, need / 2**20, memory_bytes / 2**20)
     if need <= memory_bytes:
         return ""
     return (f"stage {stage} needs {need / 2**20:.0f} MiB (parameters, gradients, optimizer state and activations), "
@@ -136,7 +138,11 @@ async def prepare_stage(content: ContentService, accepted: AcceptedJob, prog: St
     else:
         if accepted.weights is None:
             raise JobError(f"job {accepted.spec.job_id}: no weight manifest to fetch stage {prog.stage}'s tensors by")
-        tensors = await fetch_tensors(content, accepted.weights, names, peers=peers, fetches=fetches)
+        got = fetches if fetches is not None else WeightFetches()
+        before = (got.pieces, got.bytes)
+        tensors = await fetch_tensors(content, accepted.weights, names, peers=peers, fetches=got)
+        log.info("job %s: stage %d's %d tensors from %d published pieces, %.1f MB", accepted.spec.job_id, prog.stage,
+                 len(names), got.pieces - before[0], (got.bytes - before[1]) / 1e6)
     return dataclasses.replace(prog, tensors=tensors)
 
 
