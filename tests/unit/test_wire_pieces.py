@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
+from fusionp2p.graph import OpDAG
 from fusionp2p.wire.msg import packb, unpackb
 from fusionp2p.wire.pieces import (
     MAX_MANIFEST_BYTES,
@@ -140,3 +141,42 @@ def test_every_prefix_of_a_manifest_is_refused_and_the_whole_decodes() -> None:
         with pytest.raises(RemoteProtocolError):
             WeightManifest.decode(data[:i])
     WeightManifest.decode(data)
+
+
+def _mlp_dag() -> OpDAG:
+    from fusionp2p.graph import trace
+    from fusionp2p.models import MLP, MLPConfig
+
+    torch.manual_seed(0)
+    return trace(MLP(MLPConfig(in_features=4, hidden=(3,), out_features=2)), (torch.randn(2, 4),))
+
+
+def test_a_dag_without_weights_decodes_to_declarations_only() -> None:
+    from fusionp2p.wire.dag import decode_dag, encode_dag
+
+    dag = _mlp_dag()
+    blob = encode_dag(dag, weights=False)
+    assert len(blob) < len(encode_dag(dag))
+    back = decode_dag(blob)
+    assert set(back.tensors) == set(dag.tensors)
+    for name, t in back.tensors.items():
+        assert t.device.type == "meta" and t.shape == dag.tensors[name].shape and t.dtype == dag.tensors[name].dtype
+    assert [n.name for n in back.nodes] == [n.name for n in dag.nodes]
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"weights": 0}, "must be a boolean"),
+    ({"weights": False, "tensors": [["layers.0.weight", 48]]}, "lists tensors"),
+])
+def test_a_malformed_weightless_header_is_refused(change: dict, match: str) -> None:  # type: ignore[type-arg]
+    import struct
+
+    from fusionp2p.wire.dag import decode_dag, encode_dag
+
+    blob = encode_dag(_mlp_dag(), weights=False)
+    magic, version, kind, hlen = struct.unpack_from(">4sBBI", blob, 0)
+    head = unpackb(blob[10:10 + hlen], max_size=1 << 22)
+    head.update(change)
+    h = packb(head)
+    with pytest.raises(RemoteProtocolError, match=match):
+        decode_dag(struct.pack(">4sBBI", magic, version, kind, len(h)) + h)
