@@ -13,7 +13,8 @@ tensors; ``jobs/build.py``). Once an epoch's plan names its stage, :func:`prepar
    size and checked against its hash. No tensor of another stage is fetched or built.
 
 A peer that serves a piece of the wrong size or bytes is counted against it (``Refusals``) and
-the piece is asked of the next holder.
+the piece is asked of the next holder. Pieces fetched from the publisher are not kept in the content
+store, whose in-memory copy would double the stage's weights on the node.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ async def fetch_piece(content: ContentService, h: str, size: int, peers: Sequenc
             continue
         if len(blob) != size:   # the right hash of the wrong size: the manifest is the publisher's mistake
             raise RemoteProtocolError(f"piece {h[:16]}… has {len(blob)} bytes, the manifest says {size}")
-        store.put(blob)
+        # not kept in the content store: its in-memory copy would double the stage's weights on this node
+        # for as long as the node runs (the publisher serves them; the tensors live in the stage's program)
         return blob
     blob = await content.fetch(h, max_size=size)
     if len(blob) != size:

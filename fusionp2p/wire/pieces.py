@@ -32,7 +32,7 @@ from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
 from fusionp2p.wire.check import as_shape
 from fusionp2p.wire.limits import MiB
 from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
-from fusionp2p.wire.tensor import DTYPES, decode_tensor, dtype_name, encode_tensor
+from fusionp2p.wire.tensor import DTYPES, check_header, dtype_name, encode_tensor
 
 VERSION = 1
 MAX_PIECE_BYTES = 64 * MiB           # no piece over this: far under the content fetch's 2 GiB cap
@@ -194,7 +194,11 @@ def join_pieces(manifest: WeightManifest, entry: TensorPieces, pieces: Sequence[
             raise RemoteProtocolError(f"tensor {entry.name[:80]!r}: piece {i} has {len(p)} bytes, expected {n}")
         buf[off:off + n] = p
         off += n
-    return decode_tensor({"dtype": entry.dtype, "shape": list(entry.shape)}, memoryview(buf))
+    dtype, shape, nbytes = check_header({"dtype": entry.dtype, "shape": list(entry.shape)})
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)   # the tensor owns *buf*: no second copy of it
+    return raw.to(torch.bool).reshape(shape) if dtype == torch.bool else raw.view(dtype).reshape(shape)
 
 
 __all__ = ["DEFAULT_PIECE_BYTES", "MAX_MANIFEST_BYTES", "MAX_PIECE_BYTES", "TensorPieces", "WeightManifest",

@@ -161,6 +161,7 @@ def test_a_piece_with_wrong_bytes_is_counted_against_its_server_and_fetched_else
                 assert got.tensors == {"w"} and got.pieces == len(man.by_name()["w"].pieces)
                 assert client.refusals.by_reason["weights/piece"] >= 1   # counted against the liar
                 assert not any(client.store.has(h) for h in man.by_name()["b"].pieces)   # never fetched
+                assert good.served >= 1
 
     trio.run(main)
 
