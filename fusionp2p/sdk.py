@@ -44,9 +44,10 @@ import trio
 from torch import nn
 
 from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable
-from fusionp2p.jobs.build import BuiltJob, Dataset, LossFn, build_job, module_state, save_module_state
+from fusionp2p.jobs.build import BuiltJob, Dataset, LossFn, build_job, module_state
 from fusionp2p.jobs.checkpoint import assemble, latest_complete_step
 from fusionp2p.jobs.content import ContentService, ContentStore
+from fusionp2p.jobs.download import SINGLE_FILE_BYTES, write_download
 from fusionp2p.jobs.embedded import EmbeddedConfig, EmbeddedSwarm, LinkRate, open_embedded_swarm, sites
 from fusionp2p.jobs.events import EvalProgress, JobStateChanged, MetricsWriter, ProgressEvent, StepProgress
 from fusionp2p.jobs.lifecycle import JobState
@@ -135,9 +136,13 @@ class Job:
             raise JobError(f"job {self.id}: no complete checkpoint yet")
         return module_state(self.dag, assemble(root, self.id, step))
 
-    def download(self, directory: str | os.PathLike[str]) -> Path:
-        """Write ``model.safetensors`` (load with ``safetensors.torch.load_file`` + ``load_state_dict``)."""
-        return save_module_state(Path(directory) / "model.safetensors", self.state_dict())
+    def download(self, directory: str | os.PathLike[str], *, single_file_bytes: int = SINGLE_FILE_BYTES) -> Path:
+        """Write the trained model under *directory*: ``model.safetensors`` up to *single_file_bytes*, else one
+        shard per stage and ``model.safetensors.index.json`` (the Hugging Face layout), written stage by
+        stage. Returns the path to load (``fusionp2p.jobs.download.load_download``, or
+        ``safetensors.torch.load_file`` for the single file)."""
+        return write_download(directory, self.home / "checkpoints", self.id, self.dag,
+                              single_file_bytes=single_file_bytes)
 
     def load_into(self, module: nn.Module) -> nn.Module:
         """Copy the trained weights into *module* (the module that was published, or one like it);

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(behind NAT or in a container: the forwarded or published port; docs/networking.md)")
     n.add_argument("--home", default=None, help="directory for the identity key, checkpoints and logs")
     n.add_argument("--device", default="cpu", help="where this node's stages train: cpu or cuda:N (docs/gpu.md)")
+    n.add_argument("--memory", default=None, metavar="SIZE",
+                   help="memory this node offers to jobs, e.g. 3GiB (default: what it measures as available, less "
+                        "10%% and at least 512 MiB); the planner keeps this node's stage within it")
     n.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat period, seconds")
     n.add_argument("--dead-timeout", type=float, default=5.0, help="seconds without heartbeat before a peer is dead")
     n.add_argument("--gossip-rate", type=float, default=5.0, help=_GOSSIP_RATE_HELP)
@@ -243,7 +246,8 @@ def _run_daemon(args: argparse.Namespace) -> int:
     slowdown = _slowdown(args) if role == "node" else 1.0
     cfg = DaemonConfig(role=role, home=home, listen=listen, bootstrap=tuple(args.bootstrap), announce=tuple(args.announce_addr),
                        device=getattr(args, "device", "cpu"), swarm=swarm, relay=relay,
-                       hole_punch=bool(getattr(args, "hole_punch", False)), compute_slowdown=slowdown)
+                       hole_punch=bool(getattr(args, "hole_punch", False)), compute_slowdown=slowdown,
+                       memory=_memory(args))
     job_cfg = None
     if role == "node":
         from fusionp2p.jobs.node import NodeJobConfig
@@ -291,6 +295,16 @@ def _run_daemon(args: argparse.Namespace) -> int:
 
     trio.run(lambda: run_daemon(cfg, on_ready=ready, extra_services=services))
     return 0
+
+
+def _memory(args: argparse.Namespace) -> int | None:
+    """--memory in bytes (a node's), or None (measured)."""
+    text = getattr(args, "memory", None)
+    if text is None:
+        return None
+    from fusionp2p.swarm.device import parse_size
+
+    return parse_size(text, "--memory")
 
 
 def _slowdown(args: argparse.Namespace) -> float:

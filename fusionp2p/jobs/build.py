@@ -24,7 +24,6 @@ import numpy as np
 import safetensors.torch
 import torch
 import trio
-from safetensors.torch import load as load_safetensors_bytes  # safetensors: no pickle, bounded header
 from torch import nn
 
 from fusionp2p.data import (
@@ -60,6 +59,16 @@ from fusionp2p.plan.estimator import CostModel
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.types import DeviceProfile, WorkloadGraph
 from fusionp2p.wire.dag import decode_dag, encode_dag
+from fusionp2p.wire.limits import DEFAULT_LIMITS
+from fusionp2p.wire.pieces import (
+    DEFAULT_PIECE_BYTES,
+    WeightManifest,
+    check_against,
+    make_manifest,
+)
+from fusionp2p.wire.pieces import (
+    MAX_MANIFEST_BYTES as MAX_WEIGHT_MANIFEST_BYTES,
+)
 
 log = logging.getLogger(__name__)
 
@@ -212,48 +221,55 @@ def check_vocab(dag: OpDAG, dataset: Dataset) -> None:
 
 def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset | str | os.PathLike[str], cfg: TrainConfig, *, publisher: str,
               sign: Callable[[bytes], bytes], now: float, nonce: bytes, resources: Resources | None = None,
-              name: str = "") -> BuiltJob:
-    """Trace, encode and sign a job (the publisher's side). ConfigError on a model that cannot be traced."""
+              name: str = "", piece_bytes: int = DEFAULT_PIECE_BYTES) -> BuiltJob:
+    """Trace, encode and sign a job (the publisher's side). ConfigError on a model that cannot be traced.
+
+    The DAG travels without its tensors; they travel as content-addressed pieces of at most
+    *piece_bytes* (``wire/pieces.py``), named in the weight manifest whose hash the spec signs
+    (``weights_hash``), so that each node fetches only the pieces of its own stage."""
     dataset = as_dataset(dataset)
     dag = trace_job(model, loss, dataset, cfg)
     if dag.loss is None:
         raise ConfigError("the model returns no loss: return (output, loss) or pass loss=fn(output, target)")
-    dag_blob = encode_dag(dag)
-    weights = safetensors.torch.save({k: v.detach().contiguous().clone() for k, v in dag.tensors.items()})
+    dag_blob = encode_dag(dag, weights=False)
+    manifest, pieces = make_manifest(dag.tensors, piece_bytes)
+    man_blob = manifest.encode()
     ref, _manifest, data_blobs = prepare_dataset(dataset)
-    blobs = {sha256_hex(dag_blob): dag_blob, sha256_hex(weights): weights, **data_blobs}
+    blobs = {sha256_hex(dag_blob): dag_blob, manifest.content_hash: man_blob, **pieces, **data_blobs}
     spec = JobSpec(job_id=new_job_id(publisher, now, nonce), publisher=publisher, created=now,
-                   model_hash=sha256_hex(dag_blob), weights_hash=sha256_hex(weights), dataset=ref, config=cfg,
+                   model_hash=sha256_hex(dag_blob), weights_hash=manifest.content_hash, dataset=ref, config=cfg,
                    resources=resources or Resources(), name=name)
     return BuiltJob(spec=spec, envelope=sign_spec(spec, sign), blobs=blobs, dag=dag)
 
 
 @dataclass(kw_only=True)
 class AcceptedJob:
-    """What a node holds after verifying a job: the spec, the DAG with the published weights, the data."""
+    """What a node holds after verifying a job: the spec, the DAG (its tensors on the ``meta`` device
+    until a stage's are fetched), the weight manifest naming their pieces, the data."""
 
     spec: JobSpec
     dag: OpDAG
     tokens: Any       # np.ndarray, ShardedTokens or ShardedExamples
     envelope: bytes = b""   # the publisher-signed spec (offered on to joiners)
+    weights: WeightManifest | None = None
 
 
 MAX_MANIFEST_BYTES = 16 << 20   # a ShardManifest of MAX_SHARDS (1e5) hashes is about 7 MB
 EXAMPLE_MANIFEST_BYTES = 8 << 20
 
 
-def _weights_cap(dag: OpDAG) -> int:
-    """The largest safetensors blob that can hold exactly the DAG's tensors (data + a JSON header)."""
-    data = sum(t.numel() * t.element_size() for t in dag.tensors.values())
-    return data + 8 + (64 << 10) + 1024 * len(dag.tensors)
+# a job's DAG travels without tensors: its header and the fixed head (wire/dag.py)
+MAX_DAG_BLOB = DEFAULT_LIMITS.max_dag_header + 64
 
 
 class NodeJobs:
     """A node's job intake: verify, fetch by hash, check fit. Raises on anything wrong (never hangs).
 
     Every fetch is bounded by what is known before it (issue 15, item 8: each blob could be up to
-    2 GiB): the DAG by the node's memory, the weights by the DAG's own tensors, the manifest by its
-    format, each shard by its exact size in the manifest, and the dataset by the node's memory.
+    2 GiB): the DAG (without tensors) by its header's limit, the weight manifest by its format, each
+    shard by its exact size in the manifest, and the dataset by the node's memory. No weight piece is
+    fetched here: the node fetches its stage's once the plan names it (``jobs/weights.py``), and its
+    memory is held against that stage, not the whole model (issue 37).
     """
 
     def __init__(self, content: ContentService, profile: DeviceProfile) -> None:
@@ -268,17 +284,18 @@ class NodeJobs:
             raise JobError(f"job {spec.job_id}: needs {spec.resources}, this node has {self.profile.kind} "
                            f"with {self.profile.memory_bytes} bytes")
         memory = self.profile.memory_bytes
-        dag_blob = await self._fetch(spec.model_hash, peers, max_size=min(self.max_blob, memory))
-        # RemoteProtocolError on a non-whitelisted operator, or a DAG whose tensors exceed this node's memory.
+        dag_blob = await self._fetch(spec.model_hash, peers, max_size=MAX_DAG_BLOB)
+        # RemoteProtocolError on a non-whitelisted operator or a graph over the structure limits; its memory
+        # is checked per stage once the plan names one (jobs/weights.py: stage_fit).
         # In a worker thread: the first validation in a process imports torch's meta kernels (800 modules,
         # 1.6 CPU-s), which on the event loop held up the node's heartbeats and gossip long enough, on a
         # loaded machine, for it to declare every peer dead and be declared dead (a spurious re-plan)
-        dag = await trio.to_thread.run_sync(lambda: decode_dag(dag_blob, memory_bytes=memory))
-        weights_blob = await self._fetch(spec.weights_hash, peers, max_size=_weights_cap(dag))
-        weights = await trio.to_thread.run_sync(load_safetensors_bytes, weights_blob)
-        if set(weights) != set(dag.tensors):
-            raise JobError(f"job {spec.job_id}: the weights do not match the model's tensors")
-        dag = dataclasses.replace(dag, tensors={**dag.tensors, **weights})
+        dag = await trio.to_thread.run_sync(lambda: decode_dag(dag_blob))
+        if any(t.device.type != "meta" for t in dag.tensors.values()):
+            raise RemoteProtocolError(f"job {spec.job_id}: its graph carries tensors; a job's travel as pieces")
+        weights = WeightManifest.decode(await self._fetch(spec.weights_hash, peers, max_size=MAX_WEIGHT_MANIFEST_BYTES),
+                                        expected_hash=spec.weights_hash)
+        check_against(weights, {s.name: (s.meta.dtype, s.meta.shape) for s in dag.inputs if s.kind != "input"})
         ref = spec.dataset
         tokens: Any
         if ref.kind == "builtin":
@@ -308,7 +325,7 @@ class NodeJobs:
             for i, h in enumerate(manifest.shards):
                 lo, hi = manifest.shard_range(i)
                 tokens.add(i, await self._fetch(h, peers, max_size=(hi - lo) * itemsize))
-        return AcceptedJob(spec=spec, dag=dag, tokens=tokens, envelope=bytes(envelope))
+        return AcceptedJob(spec=spec, dag=dag, tokens=tokens, envelope=bytes(envelope), weights=weights)
 
     async def _fetch(self, h: str, peers: Sequence[str], *, max_size: int) -> bytes:
         """At most *max_size* bytes: from *peers* first (verified, stored; announcing it on the DHT is left
@@ -502,7 +519,7 @@ def module_state(dag: OpDAG, values: Mapping[str, torch.Tensor]) -> dict[str, to
     out: dict[str, torch.Tensor] = {}
     for name in dag.module_names:
         v = values.get(name, dag.tensors.get(name))
-        if v is None:
+        if v is None or v.device.type == "meta":   # a node's DAG holds declarations only (issue 37)
             continue
         for target in dag.module_names[name]:
             out[target] = v.detach().contiguous().clone()

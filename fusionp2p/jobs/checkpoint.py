@@ -249,6 +249,14 @@ def _complete(job: str, step: int, files: Mapping[int, Path]) -> list[Path] | No
     return [files[s] for s in range(n)]
 
 
+def complete_files(root: str | os.PathLike[str], job: str, step: int) -> list[Path]:
+    """The stage files of *step* in stage order; CheckpointError when they are not a complete set."""
+    files = _complete(job, step, list_steps(root, job).get(step, {}))
+    if files is None:
+        raise CheckpointError(f"step {step} of job {job} is incomplete under {root}: a stage file is missing or differs")
+    return files
+
+
 def latest_complete_step(root: str | os.PathLike[str], job: str) -> int | None:
     """The newest step whose stage files are all present and agree (where to resume), or None."""
     steps = list_steps(root, job)

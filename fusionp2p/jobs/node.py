@@ -338,6 +338,9 @@ class NodeJobService:
         except trio.TooSlowError:
             return {"ok": False, "error": f"fetching the job's content took over {self.config.accept_timeout:.0f} s"}
         except (FusionError, ValueError) as exc:
+            if isinstance(exc, RemoteProtocolError) and self.refusals is not None:
+                # malformed content of the job (a DAG, a weight manifest that does not match it): the offerer's
+                self.refusals.refuse(peer, "job/content", now=trio.current_time(), detail=str(exc)[:200])
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
         job_id = acc.spec.job_id
         old = self.jobs.get(job_id)

@@ -80,6 +80,7 @@ from fusionp2p.jobs.replan import (
     leader_of,
 )
 from fusionp2p.jobs.status import StepStats
+from fusionp2p.jobs.weights import WeightFetches, prepare_stage, stage_fit
 from fusionp2p.net.channel import TensorChannel
 from fusionp2p.net.dataplane_config import PATH_LIBP2P, PATH_RELAY
 from fusionp2p.net.resilient import ResilientChannel, open_resilient_channel
@@ -136,6 +137,7 @@ class JobRun(Leading):
         self.book = ProgressBook(job=self.job_id, steps=self.spec.config.steps)
         self.final: dict[int, tuple[str, tuple[str, ...]]] = {}   # stage -> final state file (hash, holders)
         self.final_losses: dict[int, float] = {}                  # replica -> its final evaluation loss
+        self.weights = WeightFetches()                            # the published weight pieces this node fetched
         self.losses: dict[int, float] = {}                        # this node's per-step losses (loss stage)
         self.last: StepStats | None = None                        # this node's latest step (status, metrics)
         self.joiners: set[str] = set()                            # accepted the job, no role yet
@@ -363,7 +365,12 @@ class JobRun(Leading):
                 if self._broken:
                     scope.cancel()
                 t0 = trio.current_time()
+                why = stage_fit(self.accepted, plan, snap, s, self.svc.swarm.profile, programs[s])
+                if why:   # the plan is ours too, so only a profile changed since: refuse, with the reason
+                    raise JobError(f"this node refuses its stage: {why}")
                 restore = await self._gather_state(programs[s], req.resume)
+                programs[s] = await prepare_stage(self.svc.content, self.accepted, programs[s], restore,
+                                                  peers=[self.publisher], fetches=self.weights)
                 log.info("job %s epoch %d: state of stage %d from %d files in %.1f s", self.job_id, plan.epoch, s,
                          len(req.resume.sources), trio.current_time() - t0)
                 self.to(JobState.RUNNING, f"epoch {plan.epoch}: stage {s} replica {r} from step {req.resume.step}")

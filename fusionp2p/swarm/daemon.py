@@ -38,8 +38,13 @@ class DaemonConfig:
     # emulation of a slower accelerator (--emulate-slowdown): the device benchmark's rates divided by it
     # (the job service sleeps the compute to match: NodeJobConfig.compute_slowdown)
     compute_slowdown: float = 1.0
+    # the memory this node offers, in bytes (--memory; in its signed profile: the planner keeps its stage
+    # within it and the node refuses a stage over it); None: measured as available, less a headroom
+    memory: int | None = None
 
     def __post_init__(self) -> None:
+        if self.memory is not None and self.memory < 1:
+            raise ConfigError("--memory must be positive")
         for b in self.bootstrap:
             parse_peer_addr(b)
         if self.role == "node":
@@ -60,6 +65,11 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
 
         enable_tf32(cfg.device)   # before the benchmark: the fp32 rate it announces is the one stages get
         profile = (await trio.to_thread.run_sync(measure_profile, cfg.device)).slowed(cfg.compute_slowdown)
+        if cfg.memory is not None:
+            if cfg.memory > profile.memory_bytes:
+                log.warning("--memory %d bytes is more than this node measures free less its headroom (%d)",
+                            cfg.memory, profile.memory_bytes)
+            profile = replace(profile, memory_bytes=cfg.memory)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce,
                                                                     relay=cfg.relay, hole_punch=cfg.hole_punch)) as t:

@@ -180,6 +180,32 @@ def slowed(fn: Callable[..., T], factor: float, cpus: float | None) -> Callable[
     return run
 
 
+MEMORY_HEADROOM = 0.10             # of the memory measured as available, left to the OS and the node itself
+MEMORY_HEADROOM_MIN = 512 << 20    # ... and at least this much (Python, torch, libp2p and the content store)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def offered_memory(available: int) -> int:
+    """The memory a node offers by default: what it measured as available less the headroom
+    (``MEMORY_HEADROOM`` of it, at least ``MEMORY_HEADROOM_MIN``), never under half of it."""
+    return max(available // 2, available - max(int(available * MEMORY_HEADROOM), MEMORY_HEADROOM_MIN))
+
+
+def parse_size(text: str, flag: str = "--memory") -> int:
+    """``"3GiB"``, ``"512MiB"``, ``"2.5GB"`` or a byte count -> bytes; ConfigError saying what to write."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num) * _SIZE_UNITS[unit]
+    except (KeyError, ValueError):
+        raise ConfigError(f"{flag} {text!r}: give a size such as 3GiB, 512MiB or 2.5GB") from None
+    if not 1 <= value < 2**63:
+        raise ConfigError(f"{flag} {text!r}: the size must be positive")
+    return int(value)
+
+
 def enable_tf32(device: str) -> None:
     """On a CUDA node, let fp32 matmuls and convolutions use TF32 tensor cores (Ampere and later; 10 bits
     of mantissa in the products, fp32 accumulation, the trade every GPU training stack makes). A process
@@ -190,7 +216,8 @@ def enable_tf32(device: str) -> None:
 
 
 def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfile:
-    """A short benchmark of the device (blocking: call it in a worker thread)."""
+    """A short benchmark of the device (blocking: call it in a worker thread). Its ``memory_bytes`` is
+    what the node offers by default: the available memory less the headroom (:func:`offered_memory`)."""
     dev = parse_device(device)
     n = 512 if dev.type == "cpu" else 4096
     stalled = 0.0
@@ -218,4 +245,5 @@ def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfi
         name = f"{platform.machine()} ({torch.get_num_threads()} threads)"
     versions = (("python", platform.python_version()), ("torch", torch.__version__))
     return DeviceProfile(device=str(dev), kind=dev.type, name=name, flops_fp32=fp32, flops_bf16=bf16,
-                         act_rate=act, memory_bytes=mem, threads=torch.get_num_threads(), versions=versions)
+                         act_rate=act, memory_bytes=offered_memory(mem), threads=torch.get_num_threads(),
+                         versions=versions)

@@ -34,7 +34,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import trio
 
 from fusionp2p.data import BuiltinCorpus
@@ -55,6 +54,7 @@ from fusionp2p.types import DeviceProfile
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.framing import encode_frame
 from fusionp2p.wire.msg import packb
+from fusionp2p.wire.pieces import DEFAULT_PIECE_BYTES, WeightManifest
 from fusionp2p.wire.protocols import BULK_TICKET, PROBE, TOPIC_JOBS, TOPIC_MEMBERS
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -155,7 +155,7 @@ class Attacker:
     # ----------------------------------------------------------------------------------------- DAGs
     def _bomb_offers(self) -> list[bytes]:
         dataset, _, _ = prepare_dataset(BuiltinCorpus(seq_len=32))
-        weights = safetensors.torch.save({})
+        weights = WeightManifest(piece_bytes=DEFAULT_PIECE_BYTES, tensors=()).encode()   # the bombs hold no tensors
         self.content.store.put(weights)
         envelopes = []
         order = ["zeros1T", "split", "mm", "zeros8"]   # the refused ones first

@@ -5,6 +5,10 @@ Layout (version 1)::
     b"FPDG" | u8 version | u8 kind (1 = OpDAG, 2 = StageProgram) | u32 BE header length
     | msgpack header | tensor bytes, concatenated in header["tensors"] order
 
+A job's DAG is encoded without its tensors (header ``"weights": false``, no tensor bytes): it decodes
+with every parameter, buffer and constant as a ``meta`` tensor of its declared shape, and a node
+fills in only its own stage's from the job's weight pieces (``wire/pieces.py``, issue 37).
+
 The header names operators as strings; arguments are msgpack scalars, lists, or one-key maps for
 non-scalar constants: ``{"r": name}`` a reference, ``{"t": "f32"}`` a dtype, ``{"d": "cpu"}`` a device,
 ``{"l": "strided"}`` a layout, ``{"mf": "contiguous_format"}`` a memory format. Tensor dtypes/shapes come
@@ -91,12 +95,15 @@ def _enc_node(n: OpNode) -> dict[str, Any]:
 
 
 def _enc_common(inputs: tuple[InputSpec, ...], nodes: tuple[OpNode, ...], outputs: tuple[str, ...],
-                loss: str | None, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], list[bytes]]:
-    order = [s.name for s in inputs if s.kind != "input"]
+                loss: str | None, tensors: Mapping[str, torch.Tensor], weights: bool = True
+                ) -> tuple[dict[str, Any], list[bytes]]:
+    order = [s.name for s in inputs if s.kind != "input"] if weights else []
     blobs = [_tensor_bytes(tensors[name]) for name in order]
-    head = {"inputs": [[s.name, s.kind, *_enc_meta(s.meta)] for s in inputs],
-            "nodes": [_enc_node(n) for n in nodes], "outputs": list(outputs), "loss": loss,
-            "tensors": [[name, len(b)] for name, b in zip(order, blobs)]}
+    head: dict[str, Any] = {"inputs": [[s.name, s.kind, *_enc_meta(s.meta)] for s in inputs],
+                            "nodes": [_enc_node(n) for n in nodes], "outputs": list(outputs), "loss": loss,
+                            "tensors": [[name, len(b)] for name, b in zip(order, blobs)]}
+    if not weights:
+        head["weights"] = False   # the tensors travel as pieces (wire/pieces.py); decoded as meta tensors
     return head, blobs
 
 
@@ -114,9 +121,10 @@ def _pack(kind: int, head: dict[str, Any], blobs: list[bytes]) -> bytes:
     return b"".join([_HEAD.pack(MAGIC, VERSION, kind, len(h)), h, *blobs])
 
 
-def encode_dag(dag: OpDAG) -> bytes:
-    """Serialize an OpDAG with its parameters, buffers and constants."""
-    head, blobs = _enc_common(dag.inputs, dag.nodes, dag.outputs, dag.loss, dag.tensors)
+def encode_dag(dag: OpDAG, *, weights: bool = True) -> bytes:
+    """Serialize an OpDAG with its parameters, buffers and constants; with ``weights=False`` without
+    them (a job's DAG: its tensors travel as pieces named in a ``wire.pieces.WeightManifest``)."""
+    head, blobs = _enc_common(dag.inputs, dag.nodes, dag.outputs, dag.loss, dag.tensors, weights)
     head |= {"module_names": {k: list(v) for k, v in dag.module_names.items()},
              "scope_types": dict(dag.scope_types), "batch_size": dag.batch_size}
     return _pack(KIND_DAG, head, blobs)
@@ -228,8 +236,21 @@ def _dec_common(head: dict[str, Any], payload: memoryview, limits: Limits, budge
         raise RemoteProtocolError("graph: loss must be a string or nil")
     specs = {s.name: s for s in inputs}
     tensors: dict[str, torch.Tensor] = {}
+    weights = head.get("weights", True)
+    if weights is not True and weights is not False:
+        raise RemoteProtocolError("graph: 'weights' must be a boolean")
+    raw_tensors = typed_field(head, "tensors", list, "graph")
+    if not weights:
+        if raw_tensors:
+            raise RemoteProtocolError("graph: a graph without weights lists tensors")
+        # declarations only, on the meta device: no memory; the node fills in its stage's from pieces
+        try:
+            tensors = {s.name: torch.empty(s.meta.shape, dtype=s.meta.dtype, device="meta")
+                       for s in inputs if s.kind != "input"}
+        except RuntimeError as exc:
+            raise RemoteProtocolError(f"graph: a declared tensor cannot be built: {str(exc)[:120]}") from exc
     off = 0
-    for t in typed_field(head, "tensors", list, "graph"):
+    for t in raw_tensors:
         if not isinstance(t, list) or len(t) != 2 or not isinstance(t[0], str) or type(t[1]) is not int:
             raise RemoteProtocolError("graph: bad tensor entry")
         name, n = t

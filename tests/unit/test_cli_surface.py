@@ -14,7 +14,7 @@ PINNED: dict[str, tuple[set[str], list[str]]] = {
     "bootstrap": ({"--announce-addr", "--bootstrap", "--gossip-rate", "--home", "--http", "--listen", "--log-level"}, []),
     "node": ({"--announce-addr", "--bootstrap", "--dead-timeout", "--device", "--gossip-rate", "--heartbeat", "--home",
               "--http", "--listen", "--log-level", "--probe-interval", "--torch-threads", "--data-listen",
-              "--data-announce"}, []),
+              "--data-announce", "--memory"}, []),
     "status": ({"--bootstrap", "--json", "--log-level", "--timeout", "--watch"}, []),
     "demo": ({"--log-level", "--nodes", "--out", "--steps"}, []),
     "job": ({"--log-level"}, []),

@@ -190,6 +190,12 @@ def _examples_issue_18_20_21() -> dict[str, tuple[Callable[[], bytes], Callable[
                                       members=(ALICE.peer_id, BOB.peer_id), at=1.7e9, rho=(0.25,), link_bps=(1.25e8,),
                                       fence_s=(0.1,), dense_s=(0.4,), step_s=1.5, how="joint:1x2"),
     }
+    from fusionp2p.wire.pieces import TensorPieces, WeightManifest
+
+    weights = WeightManifest(piece_bytes=1024, tensors=(
+        TensorPieces(name="wte", dtype="f32", shape=(2, 300), pieces=("a" * 64, "b" * 64, "c" * 64)),
+        TensorPieces(name="ln.b", dtype="bf16", shape=(4,), pieces=("d" * 64,)),
+        TensorPieces(name="empty", dtype="i64", shape=(0,), pieces=())))
     tied = TensorMessage(job="job1", kind="tied", stage=0, step=3, name="wte",
                          tensors=(torch.ones(2, 2), torch.tensor([1.0])))
     holders = {"wte": ((0, 1), (2, 2), torch.float32)}
@@ -201,6 +207,8 @@ def _examples_issue_18_20_21() -> dict[str, tuple[Callable[[], bytes], Callable[
                               lambda b: rec.decode_signed(b, verify), dataclasses.replace(node, speed=0.5, speed_model="e" * 64)),
         "plan_rationale": (plan.to_wire, Plan.from_wire, plan),
         "example_manifest": (manifest.encode, ExampleManifest.decode, manifest),
+        # a job's initial tensors as pieces (issue 37: wire/pieces.py)
+        "weight_manifest": (weights.encode, WeightManifest.decode, weights),
         "reach_check": (lambda: wr.encode("check", p2p=["/ip4/203.0.113.7/tcp/4001"], data=["/ip4/0.0.0.0/tcp/5001"]),
                         wr.decode_request, ("check", {"p2p": ["/ip4/203.0.113.7/tcp/4001"], "data": ["/ip4/0.0.0.0/tcp/5001"]})),
         "reach_reverse": (lambda: wr.encode("reverse", target=BOB.peer_id), wr.decode_request,
@@ -520,6 +528,15 @@ GOLDEN: dict[str, str] = {
         "656565656565656565656565656565656565656565656565656565656565656565656565656565656565656565656565"
         "65656565656565656565d940666666666666666666666666666666666666666666666666666666666666666666666666"
         "66666666666666666666666666666666666666666666666666666666"
+    ),
+    "weight_manifest": (
+        "83a17601a57069656365cd0400a774656e736f72739394a3777465a36633329202cd012c93d940616161616161616161"
+        "616161616161616161616161616161616161616161616161616161616161616161616161616161616161616161616161"
+        "61616161616161d940626262626262626262626262626262626262626262626262626262626262626262626262626262"
+        "62626262626262626262626262626262626262626262626262d940636363636363636363636363636363636363636363"
+        "6363636363636363636363636363636363636363636363636363636363636363636363636363636363636394a46c6e2e"
+        "62a462663136910491d94064646464646464646464646464646464646464646464646464646464646464646464646464"
+        "64646464646464646464646464646464646464646464646464646494a5656d707479a3693634910090"
     ),
     "reach_check": (
         "84a17601a26f70a5636865636ba370327091b92f6970342f3230332e302e3131332e372f7463702f34303031a4646174"

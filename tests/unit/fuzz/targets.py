@@ -137,6 +137,27 @@ def _dag() -> Target:
     return Target("wire.dag", lambda b: decode_dag(b, memory_bytes=1 << 30), (encode_dag(_small_dag()),), 256 << 20)
 
 
+def _dag_weightless() -> Target:
+    from fusionp2p.wire.dag import decode_dag, encode_dag
+
+    return Target("wire.dag.weightless", decode_dag, (encode_dag(_small_dag(), weights=False),), 256 << 20)
+
+
+def _weight_manifest() -> Target:
+    from fusionp2p.wire.pieces import WeightManifest, check_against, make_manifest
+
+    dag = _small_dag()
+    declared = {s.name: (s.meta.dtype, s.meta.shape) for s in dag.inputs if s.kind != "input"}
+
+    def dec(b: bytes) -> object:
+        man = WeightManifest.decode(b)
+        check_against(man, declared)   # the manifest is held to the DAG before any piece is fetched
+        return man
+
+    return Target("wire.pieces.manifest", dec, (make_manifest(dag.tensors, 1024)[0].encode(),
+                                                make_manifest(dag.tensors, 1 << 20)[0].encode()))
+
+
 def _stage() -> Target:
     from fusionp2p.graph import single_stage
     from fusionp2p.wire.dag import decode_stage, encode_stage
@@ -632,6 +653,6 @@ TARGETS: dict[str, Callable[[], Target]] = {
         _record_reader, _spec, _events, _votes, _plan_record, _plan_wire, _snapshot_wire, _replan, _resilient, _shards,
         _codec, _averaging, _checkpoint_state, _spec_body, _probe_ctrl, _content, _view, _job_message,
         _dht_rankers, _example_manifest, _example_shards, _events_new, _plan_rationale, _reach, _stream_channel,
-        _tied_gradient, _node_record, _spec_examples,
+        _tied_gradient, _node_record, _spec_examples, _dag_weightless, _weight_manifest,
     )
 }
