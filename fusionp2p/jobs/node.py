@@ -304,6 +304,7 @@ class NodeJobService:
         as cache (its final stage files, for its publisher to download) until room is needed."""
         self._subs.pop(run.job_id, None)
         self._offers.pop(run.job_id, None)
+        self.drop_arrived(run.job_id, older_than=1 << 62)   # channels a member opened that the job never claimed
         run.release()
         self.content.store.release(run.job_id)
         _trim_heap()
