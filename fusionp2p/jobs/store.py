@@ -77,11 +77,12 @@ class StoreFull(FusionError):
 class StoreConfig:
     """Caps of a content store (docs/operations.md "What a node keeps")."""
 
-    disk_bytes: int = 20 * GiB      # everything held (on disk, or in memory for a store without a root)
+    # everything held (on disk, or in memory for a store without a root); None: no cap
+    disk_bytes: int | None = 20 * GiB
     memory_bytes: int = 64 * MiB    # copies in memory in front of the disk (a store with a root)
 
     def __post_init__(self) -> None:
-        if self.disk_bytes < 1 or self.memory_bytes < 0:
+        if (self.disk_bytes is not None and self.disk_bytes < 1) or self.memory_bytes < 0:
             raise ConfigError("the store's disk cap must be positive and its memory cap >= 0")
 
 
@@ -89,11 +90,13 @@ class ContentStore:
     """Blobs by sha256 within :class:`StoreConfig`'s caps, on disk (with *root*) as ``root/<h[:2]>/<h>``.
 
     See the module docstring for the eviction policy. A store with a root finds the blobs a previous
-    run left there (they count as cached, oldest by modification time first).
+    run left there (they count as cached, oldest by modification time first). Without a config, a store
+    with a root has the default caps and one without (a publisher's: what it published, for the life of
+    the process) none.
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, config: StoreConfig | None = None) -> None:
-        self.config = config or StoreConfig()
+        self.config = config or (StoreConfig() if root is not None else StoreConfig(disk_bytes=None))
         self._root = Path(root) if root is not None else None
         self._held: OrderedDict[str, int] = OrderedDict()    # hash -> size, least recently used first
         self._held_bytes = 0
@@ -179,7 +182,7 @@ class ContentStore:
     def _make_room(self, n: int) -> None:
         """Evict cached blobs, oldest first, until *n* more bytes fit; StoreFull if pins leave no room."""
         cap = self.config.disk_bytes
-        if self._held_bytes + n <= cap:
+        if cap is None or self._held_bytes + n <= cap:
             return
         if self._pinned_bytes + n > cap:
             raise StoreFull(f"a blob of {n} bytes does not fit in the content store: running jobs pin "

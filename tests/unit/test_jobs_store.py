@@ -129,3 +129,5 @@ def test_sizes_and_config() -> None:
             parse_size(bad, "--disk")
     with pytest.raises(ConfigError):
         StoreConfig(disk_bytes=0)
+    assert ContentStore().config.disk_bytes is None                     # a publisher's store: no cap
+    assert ContentStore(Path("/nonexistent")).config == StoreConfig()   # a node's: the defaults
