@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--progress-interval", type=float, default=1.0, metavar="SECONDS",
                    help="gossip a job's training progress at most this often, the steps between in one message "
                         "(0: every step; default 1)")
+    n.add_argument("--disk", default="20G", metavar="SIZE",
+                   help="the most the node's content store keeps on disk: the data, weights, stage states and "
+                        "checkpoints of its jobs; what running jobs use is kept, the rest goes oldest first "
+                        "(e.g. 500M, 20G; default 20G; docs/operations.md)")
     n.add_argument("--http", default=None, metavar="ADDR", help=_HTTP_HELP)
     n.add_argument("--relay", action="store_true",
                    help="also relay connections of nodes that cannot be dialled (needs a public address; docs/networking.md)")
@@ -251,11 +255,13 @@ def _run_daemon(args: argparse.Namespace) -> int:
     job_cfg = None
     if role == "node":
         from fusionp2p.jobs.node import NodeJobConfig
+        from fusionp2p.jobs.store import StoreConfig, parse_size
 
         job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce,   # checks them all
                                 progress_interval=args.progress_interval, compute_slowdown=slowdown,
                                 device=cfg.device,
-                                compute_cpus=_cpu_share() if slowdown != 1.0 else None)
+                                compute_cpus=_cpu_share() if slowdown != 1.0 else None,
+                                store=StoreConfig(disk_bytes=parse_size(args.disk, "--disk")))
         if args.data_listen is not None:
             from fusionp2p.net.addrs import tcp_endpoint
 

@@ -5,7 +5,8 @@ the ``CONTENT`` protocol and announces it with ``transport.provide(hash)``; a no
 asks ``find_providers(hash)`` and fetches from them in turn, checking the size against its cap
 *before* receiving and the hash *after*. Whatever a peer sends, the fetcher either gets the exact
 bytes promised or raises (RemoteProtocolError for a broken exchange, IntegrityError for the wrong
-bytes); it never buffers more than its cap.
+bytes); it never buffers more than its cap. The store itself, its caps and what it evicts:
+:mod:`fusionp2p.jobs.store`.
 
 Wire (framed with :mod:`fusionp2p.wire.framing`, maps with :mod:`fusionp2p.wire.msg`)::
 
@@ -17,16 +18,14 @@ Wire (framed with :mod:`fusionp2p.wire.framing`, maps with :mod:`fusionp2p.wire.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import trio
 
 from fusionp2p.data.shards import is_sha256_hex
 from fusionp2p.errors import ConfigError, IntegrityError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.jobs.store import ContentStore, sha256_hex
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import Stream, Transport
 from fusionp2p.wire.check import U63, as_bool, as_int, as_map, as_str
@@ -36,10 +35,6 @@ from fusionp2p.wire.msg import packb, unpackb
 from fusionp2p.wire.protocols import CONTENT
 
 log = logging.getLogger(__name__)
-
-
-def sha256_hex(data: bytes | bytearray | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 # Rounds over a blob's providers. Opening a stream fails now and then under load (py-libp2p: a
@@ -66,61 +61,6 @@ class ContentConfig:
             raise ConfigError(f"chunk_bytes must lie in [1024, {DEFAULT_LIMITS.max_frame}]")
         if self.max_blob_bytes < 1 or self.request_timeout <= 0 or self.fetch_timeout <= 0:
             raise ConfigError("max_blob_bytes and timeouts must be positive")
-
-
-class ContentStore:
-    """Blobs by sha256, in memory and (with *root*) on disk as ``root/<h[:2]>/<h>``."""
-
-    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
-        self._mem: dict[str, bytes] = {}
-        self._root = Path(root) if root is not None else None
-
-    def _path(self, h: str) -> Path:
-        assert self._root is not None
-        return self._root / h[:2] / h
-
-    def put(self, data: bytes | bytearray | memoryview) -> str:
-        """Store *data*; return its hash (idempotent)."""
-        blob = bytes(data)
-        h = sha256_hex(blob)
-        self._mem[h] = blob
-        if self._root is not None:
-            p = self._path(h)
-            if not p.exists():
-                p.parent.mkdir(parents=True, exist_ok=True)
-                tmp = p.with_name(p.name + ".tmp")
-                tmp.write_bytes(blob)
-                os.replace(tmp, p)
-        return h
-
-    def put_verified(self, h: str, data: bytes | bytearray | memoryview) -> None:
-        """Store *data* only if it hashes to *h* (IntegrityError otherwise)."""
-        if sha256_hex(data) != h:
-            raise IntegrityError(f"content does not match its hash {h[:16]}…")
-        self.put(data)
-
-    def has(self, h: str) -> bool:
-        return h in self._mem or (self._root is not None and is_sha256_hex(h) and self._path(h).is_file())
-
-    def get(self, h: str) -> bytes:
-        """The blob named *h*; KeyError if absent; IntegrityError if its file on disk was corrupted."""
-        blob = self._mem.get(h)
-        if blob is not None:
-            return blob
-        if self._root is None or not is_sha256_hex(h) or not self._path(h).is_file():
-            raise KeyError(h)
-        blob = self._path(h).read_bytes()
-        if sha256_hex(blob) != h:
-            raise IntegrityError(f"stored blob {h[:16]}… is corrupted on disk; delete {self._path(h)}")
-        self._mem[h] = blob
-        return blob
-
-    def size(self, h: str) -> int:
-        if h in self._mem:
-            return len(self._mem[h])
-        if self._root is not None and is_sha256_hex(h) and self._path(h).is_file():
-            return self._path(h).stat().st_size
-        raise KeyError(h)
 
 
 def decode_request(frame: bytes) -> tuple[str, int]:
@@ -304,3 +244,7 @@ class ContentService:
             if not again:
                 break
         raise PeerUnavailable(f"providers of {h[:16]}…", "; ".join(errors) or "no provider found")
+
+
+__all__ = ["FETCH_BACKOFF", "FETCH_ROUNDS", "ContentConfig", "ContentService", "ContentStore", "decode_request",
+           "decode_response_head", "sha256_hex"]

@@ -30,7 +30,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from fusionp2p.errors import (
     RemoteProtocolError,
     leaf_errors,
 )
-from fusionp2p.graph import StageExecutor, coarsen, partition, stages_from_fences
+from fusionp2p.graph import OpDAG, StageExecutor, coarsen, partition, stages_from_fences
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import (
     AcceptedJob,
@@ -163,6 +163,7 @@ class JobRun(Leading):
         self._wake = trio.Event()
         self._done_from: dict[tuple[int, int], dict[str, Any]] = {}   # leader: (stage, replica) -> done report
         self._ended_by_leader = False
+        self._released: dict[str, Any] | None = None   # progress() once the job ended here and let go (release)
 
     # ------------------------------------------------------------------ public (called by the service)
     @property
@@ -225,7 +226,15 @@ class JobRun(Leading):
             if self.scope is not None:
                 self.scope.cancel()
 
+    def release(self) -> None:
+        """The job ended here: drop its model, optimizer, weights and data; the small record stays (status, halts)."""
+        self._released = self.progress()
+        self._worker = None
+        self.accepted = replace(self.accepted, dag=OpDAG(inputs=(), nodes=(), outputs=()), tokens=None, envelope=b"")
+
     def progress(self) -> dict[str, Any]:
+        if self._released is not None:
+            return self._released
         w = self._worker
         out: dict[str, Any] = {"epoch": self.epoch, "step": w.completed if w is not None else -1,
                                "stage": self.role[0] if self.role else -1}

@@ -14,7 +14,7 @@ PINNED: dict[str, tuple[set[str], list[str]]] = {
     "bootstrap": ({"--announce-addr", "--bootstrap", "--gossip-rate", "--home", "--http", "--listen", "--log-level"}, []),
     "node": ({"--announce-addr", "--bootstrap", "--dead-timeout", "--device", "--gossip-rate", "--heartbeat", "--home",
               "--http", "--listen", "--log-level", "--probe-interval", "--torch-threads", "--data-listen",
-              "--data-announce", "--memory"}, []),
+               "--data-announce", "--memory", "--disk"}, []),
     "status": ({"--bootstrap", "--json", "--log-level", "--timeout", "--watch"}, []),
     "demo": ({"--log-level", "--nodes", "--out", "--steps"}, []),
     "job": ({"--log-level"}, []),
@@ -66,7 +66,8 @@ def test_bad_data_plane_addresses_are_one_line_user_errors(capsys: pytest.Captur
                               ("--data-listen", "/ip4/0.0.0.0/udp/4002", "expected a TCP multiaddr"),
                               ("--data-announce", "/ip4/0.0.0.0/tcp/4002", "announce the address peers dial"),
                               ("--data-announce", "/ip4/1.2.3.4/tcp/0", "port must be between 1"),
-                              ("--data-announce", "/ip4/nope/tcp/4002", "not an IP address")):
+                              ("--data-announce", "/ip4/nope/tcp/4002", "not an IP address"),
+                              ("--disk", "ten", "give a size like 20G")):
         assert main(["node", "--bootstrap", boot, "--home", "/nonexistent/fp2p-test", flag, value]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and flag in err and says in err, err

@@ -1,0 +1,286 @@
+"""A node's content store: blobs by sha256, on disk within a cap, with a bounded memory cache in front.
+
+Theory of operation. A node that runs for weeks stores, job after job, DAGs, weights, data shards,
+stage states and checkpoints. Without a bound it grows until the machine kills it (issue 42), so
+every blob the store holds is either
+
+* **pinned** by an owner (a job this node has accepted or runs: ``pin``/``pinned_to``), and never
+  evicted while any owner holds it; or
+* **cached**: held only because it may be asked for again (a finished job's final stage files that
+  its publisher downloads, a checkpoint this node replicated, weights a later job reuses). Cached
+  blobs go oldest first (least recently used) when room is needed.
+
+Two caps, one :class:`StoreConfig`:
+
+* ``disk_bytes`` (``fusionp2p node --disk``) bounds everything the store holds: on disk with a root,
+  in memory without one (the publisher's and the tests' stores). A put that would need more than
+  the cap once every cached blob is gone raises :class:`StoreFull`, so what pinned blobs add up to
+  stays under the cap too: a job that does not fit is refused (at its offer) or fails, the node does not.
+* ``memory_bytes`` bounds the copies kept in memory in front of the disk, and only blobs that an owner
+  pins get one (least recently used go first). When an owner releases its pins, its blobs leave memory
+  at once and stay on disk as cache, newest in the eviction order; a cached blob is read from disk
+  whenever it is asked for (served to a peer), without taking memory.
+
+Pinning is done by scope: ``with store.pinned_to(owner):`` pins every blob put or read within the
+scope to *owner*, in the task that entered it and in every task it starts (a ``ContextVar``: trio
+copies the context into each new task). The intake's fetches and a job's state and checkpoint
+writes run deep in other modules; the scope lets them stay unaware of pins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusionp2p.data.shards import is_sha256_hex
+from fusionp2p.errors import ConfigError, FusionError, IntegrityError
+from fusionp2p.wire.limits import GiB, MiB
+
+log = logging.getLogger(__name__)
+
+_OWNER: contextvars.ContextVar[str | None] = contextvars.ContextVar("fusionp2p_store_owner", default=None)
+
+
+def sha256_hex(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """``"20G"``, ``"512M"``, ``"1.5T"`` or plain bytes -> bytes (powers of 1024; an optional trailing
+    ``B``/``iB``); a one-line ConfigError naming *flag* otherwise."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1e18 or value != value:
+        raise ConfigError(f"{flag} {text!r}: give a size like 20G, 512M or 1.5T")
+    return int(value * _UNITS[unit])
+
+
+class StoreFull(FusionError):
+    """A blob does not fit: what running jobs pin plus the blob would pass the store's cap (``--disk``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoreConfig:
+    """Caps of a content store (docs/operations.md "What a node keeps")."""
+
+    # everything held (on disk, or in memory for a store without a root); None: no cap
+    disk_bytes: int | None = 20 * GiB
+    memory_bytes: int = 64 * MiB    # copies in memory in front of the disk (a store with a root)
+
+    def __post_init__(self) -> None:
+        if (self.disk_bytes is not None and self.disk_bytes < 1) or self.memory_bytes < 0:
+            raise ConfigError("the store's disk cap must be positive and its memory cap >= 0")
+
+
+class ContentStore:
+    """Blobs by sha256 within :class:`StoreConfig`'s caps, on disk (with *root*) as ``root/<h[:2]>/<h>``.
+
+    See the module docstring for the eviction policy. A store with a root finds the blobs a previous
+    run left there (they count as cached, oldest by modification time first). Without a config, a store
+    with a root has the default caps and one without (a publisher's: what it published, for the life of
+    the process) none.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, config: StoreConfig | None = None) -> None:
+        self.config = config or (StoreConfig() if root is not None else StoreConfig(disk_bytes=None))
+        self._root = Path(root) if root is not None else None
+        self._held: OrderedDict[str, int] = OrderedDict()    # hash -> size, least recently used first
+        self._held_bytes = 0
+        self._mem: OrderedDict[str, bytes] = OrderedDict()   # the memory copies, least recently used first
+        self._mem_bytes = 0
+        self._pins: dict[str, set[str]] = {}                 # owner -> the hashes it pins
+        self._pinned: dict[str, int] = {}                    # hash -> how many owners pin it
+        self._pinned_bytes = 0
+        self.evicted = 0                                     # blobs evicted so far (for the operator)
+        if self._root is not None:
+            self._scan()
+
+    def _path(self, h: str) -> Path:
+        assert self._root is not None
+        return self._root / h[:2] / h
+
+    def _scan(self) -> None:
+        assert self._root is not None
+        found: list[tuple[float, str, int]] = []
+        if self._root.is_dir():
+            for p in self._root.glob("??/*"):
+                if p.name.endswith(".tmp"):
+                    p.unlink(missing_ok=True)   # a write cut short by a crash
+                elif is_sha256_hex(p.name) and p.is_file():
+                    st = p.stat()
+                    found.append((st.st_mtime, p.name, st.st_size))
+        for _, h, n in sorted(found):
+            self._held[h] = n
+            self._held_bytes += n
+        self._make_room(0)   # a smaller --disk than the last run's: evict down to it now
+
+    # ------------------------------------------------------------------ caps and pins
+    def stats(self) -> dict[str, int]:
+        """What the store holds now, in bytes and blobs (the soak benchmark and the operator read it)."""
+        return {"held_bytes": self._held_bytes, "memory_bytes": self._mem_bytes, "pinned_bytes": self._pinned_bytes,
+                "blobs": len(self._held), "pinned_blobs": len(self._pinned), "owners": len(self._pins),
+                "evicted": self.evicted}
+
+    def pinned_by(self, owner: str) -> frozenset[str]:
+        return frozenset(self._pins.get(owner, ()))
+
+    def pin(self, owner: str, h: str) -> None:
+        """Keep *h* until *owner* releases it (KeyError if the store does not hold it)."""
+        if h not in self._held:
+            raise KeyError(h)
+        hashes = self._pins.setdefault(owner, set())
+        if h in hashes:
+            return
+        hashes.add(h)
+        count = self._pinned.get(h, 0)
+        self._pinned[h] = count + 1
+        if count == 0:
+            self._pinned_bytes += self._held[h]
+
+    def release(self, owner: str) -> None:
+        """Drop every pin of *owner*: its blobs leave memory (with a root) and stay as the newest cache."""
+        for h in self._pins.pop(owner, ()):
+            count = self._pinned[h] - 1
+            if count:
+                self._pinned[h] = count
+                continue
+            del self._pinned[h]
+            self._pinned_bytes -= self._held[h]
+            self._held.move_to_end(h)
+            if self._root is not None:
+                self._drop_mem(h)
+
+    def transfer(self, src: str, dst: str) -> None:
+        """Move *src*'s pins to *dst* (an offer's pins become its job's once the job id is known)."""
+        for h in list(self._pins.get(src, ())):
+            self.pin(dst, h)
+        self.release(src)
+
+    @contextlib.contextmanager
+    def pinned_to(self, owner: str) -> Iterator[None]:
+        """Pin every blob put or read in this scope (and in the tasks started from it) to *owner*."""
+        token = _OWNER.set(owner)
+        try:
+            yield
+        finally:
+            _OWNER.reset(token)
+
+    def _make_room(self, n: int) -> None:
+        """Evict cached blobs, oldest first, until *n* more bytes fit; StoreFull if pins leave no room."""
+        cap = self.config.disk_bytes
+        if cap is None or self._held_bytes + n <= cap:
+            return
+        if self._pinned_bytes + n > cap:
+            raise StoreFull(f"a blob of {n} bytes does not fit in the content store: running jobs pin "
+                            f"{self._pinned_bytes} of its {cap} bytes (raise --disk or run fewer jobs)")
+        for h in list(self._held):
+            if self._held_bytes + n <= cap:
+                break
+            if h not in self._pinned:
+                self._evict(h)
+
+    def _evict(self, h: str) -> None:
+        self._held_bytes -= self._held.pop(h)
+        self._drop_mem(h)
+        self.evicted += 1
+        if self._root is not None:
+            self._path(h).unlink(missing_ok=True)
+
+    def _drop_mem(self, h: str) -> None:
+        blob = self._mem.pop(h, None)
+        if blob is not None:
+            self._mem_bytes -= len(blob)
+
+    def _cache(self, h: str, blob: bytes) -> None:
+        if h in self._mem:
+            self._mem.move_to_end(h)
+            return
+        if self._root is not None:
+            if h not in self._pinned or len(blob) > self.config.memory_bytes:
+                return   # only what running jobs use is worth memory; a large blob would push all else out
+            while self._mem and self._mem_bytes + len(blob) > self.config.memory_bytes:
+                _, old = self._mem.popitem(last=False)
+                self._mem_bytes -= len(old)
+        self._mem[h] = blob
+        self._mem_bytes += len(blob)
+
+    def _used(self, h: str) -> None:
+        self._held.move_to_end(h)
+        owner = _OWNER.get()
+        if owner is not None:
+            self.pin(owner, h)
+
+    # ------------------------------------------------------------------ blobs
+    def put(self, data: bytes | bytearray | memoryview) -> str:
+        """Store *data*; return its hash (idempotent). StoreFull when it does not fit beside the pins."""
+        blob = bytes(data)
+        h = sha256_hex(blob)
+        if h not in self._held:
+            self._make_room(len(blob))
+            if self._root is not None:
+                p = self._path(h)
+                p.parent.mkdir(parents=True, exist_ok=True)
+                tmp = p.with_name(p.name + ".tmp")
+                tmp.write_bytes(blob)
+                os.replace(tmp, p)
+            self._held[h] = len(blob)
+            self._held_bytes += len(blob)
+        self._used(h)
+        self._cache(h, blob)
+        return h
+
+    def put_verified(self, h: str, data: bytes | bytearray | memoryview) -> None:
+        """Store *data* only if it hashes to *h* (IntegrityError otherwise)."""
+        if sha256_hex(data) != h:
+            raise IntegrityError(f"content does not match its hash {h[:16]}…")
+        self.put(data)
+
+    def has(self, h: str) -> bool:
+        return h in self._held
+
+    def get(self, h: str) -> bytes:
+        """The blob named *h*; KeyError if absent; IntegrityError if its file on disk was corrupted."""
+        blob = self._mem.get(h)
+        if blob is None:
+            if h not in self._held:
+                raise KeyError(h)
+            try:
+                blob = self._path(h).read_bytes()
+            except FileNotFoundError:   # removed under us (by hand): forget it
+                self._forget(h)
+                raise KeyError(h) from None
+            if sha256_hex(blob) != h:
+                raise IntegrityError(f"stored blob {h[:16]}… is corrupted on disk; delete {self._path(h)}")
+        self._used(h)
+        self._cache(h, blob)
+        return blob
+
+    def _forget(self, h: str) -> None:
+        n = self._held.pop(h)
+        self._held_bytes -= n
+        if self._pinned.pop(h, 0):
+            self._pinned_bytes -= n
+        for hashes in self._pins.values():
+            hashes.discard(h)
+
+    def size(self, h: str) -> int:
+        if h not in self._held:
+            raise KeyError(h)
+        return self._held[h]
+
+
+__all__ = ["ContentStore", "StoreConfig", "StoreFull", "parse_size", "sha256_hex"]
