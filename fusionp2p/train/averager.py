@@ -60,7 +60,7 @@ import trio
 
 from fusionp2p.average.allreduce import PHASES, AllReduceRound, Finished, Reduced, RoundMsg, RoundResult, Send
 from fusionp2p.average.outer import OuterConfig, OuterOptimizer
-from fusionp2p.average.shard import shard_bounds
+from fusionp2p.average.shard import all_finite, shard_bounds
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.channel import TensorChannel, TensorMessage
 from fusionp2p.train.config import CO2_WIRES
@@ -490,7 +490,7 @@ class ReplicaAverager:
             return None, BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=None,
                                         reason=r.reason or "skipped", ranges=ranges, fragment=f)
         new = read_ranges(params, ranges).add_(r.vector - rnd.snap)
-        if not bool(torch.isfinite(new).all()):   # the round refuses non-finite parts; our own may not be
+        if not all_finite(new):   # the round refuses non-finite parts; our own may not be
             log.warning("averaging: fragment %d's new value is not finite; not loaded", f)
             return None, BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=None,
                                         reason="not finite", ranges=ranges, fragment=f)
