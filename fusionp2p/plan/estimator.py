@@ -45,8 +45,10 @@ LAG_HEADROOM = 0.5
 
 # CPU seconds the bf16 wire of a CO2 round (CO2.wire "bf16") costs per element it sends: the differences
 # from the kept base and their rounding, the decoding of the peers' parts, the base's copy; net of the
-# AEAD and socket work on the bytes it saves. Measured on the development VM with benchmarks.averaging
-# --allreduce-only (25M fp32 x 4 replicas: bf16 minus fp32 CPU per round over the elements sent), rounded up.
+# AEAD and socket work on the bytes it saves. benchmarks.averaging --allreduce-only on the development VM
+# (bf16 minus fp32 CPU a round over the elements sent): 1.8 ns at 25M fp32 x 4 replicas, 1.6 ns at 5.3M;
+# doubled, as that work runs on the event loop's thread, in the round's critical path, where the AEAD
+# work it saves ran on the channels' threads (loopback: bf16 rounds' median 1.4x the fp32 ones').
 BF16_WIRE_CPU_S = 4e-9
 
 
