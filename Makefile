@@ -9,7 +9,7 @@ TORCH_SPEC  := torch==2.13.0
 PIP_FLAGS   := --disable-pip-version-check --quiet
 STAMP       := $(VENV)/.installed
 
-.PHONY: setup test test-all demo bench lint clean chromium iptables
+.PHONY: setup test test-all demo bench lint clean chromium iptables hivemind-venv
 
 setup: $(STAMP)
 
@@ -46,5 +46,20 @@ chromium:
 iptables:
 	command -v iptables >/dev/null || { apt-get update && apt-get install -y --no-install-recommends iptables; }
 
+# hivemind 1.1.12 in a venv of its own: the anchor of benchmarks.averaging (--hivemind) runs its
+# DecentralizedAverager beside ours. A benchmark-only dependency, never the product's; torch first, alone,
+# so that hivemind's own torch requirement is already met by the CPU build.
+HM_VENV     := .venv-hivemind
+HM_STAMP    := $(HM_VENV)/.installed
+
+hivemind-venv: $(HM_STAMP)
+
+$(HM_STAMP):
+	test -x $(HM_VENV)/bin/python || $(PYTHON) -m venv $(HM_VENV)
+	$(HM_VENV)/bin/python -m pip install $(PIP_FLAGS) --upgrade pip
+	$(HM_VENV)/bin/python -m pip install $(PIP_FLAGS) $(TORCH_SPEC)
+	$(HM_VENV)/bin/python -m pip install $(PIP_FLAGS) hivemind==1.1.12
+	touch $(HM_STAMP)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(HM_VENV) build *.egg-info

@@ -12,11 +12,20 @@ Phases, in one run and on the same model:
   sync      synchronous all-reduce after every step (tau = 1)            -> t_sync per step
   co2       one-step-stale CO2 with tau = suggest_tau(T_allreduce, t_none, margin)
 Headline: t_co2 / t_none on the TCP set (target <= 1.05: full overlap).
+
+``--hivemind`` adds the anchor: hivemind 1.1.12's DecentralizedAverager (``make hivemind-venv``; four
+processes on loopback, benchmarks/anchors/) averages the same vector in the same run, after our own
+all-reduce of it in fp32 and in bf16 (one process) and in fp32 with one process per replica
+(benchmarks/allreduce_procs.py, as hivemind runs); the headline is then hivemind's median round over
+ours in one process, the all-reduce figure of this benchmark (target >= 4); the ratio to ours in
+processes is recorded beside it.
+``--allreduce-only`` skips the training phases: only the all-reduces (and the anchor).
 """
 
 from __future__ import annotations
 
 import ctypes
+import statistics
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
@@ -32,6 +41,7 @@ from fusionp2p.train.averager import AveragerConfig, load_flat_, open_replica_av
 
 NAME = "averaging"
 REPLICAS = 4
+AR_ROUNDS = 7   # all-reduce rounds; the first is left out of best and median
 
 
 def make_model(width: int, depth: int) -> torch.nn.Module:
@@ -179,10 +189,16 @@ async def run_phase(mode: str, mesh: Mapping[str, Mapping[str, TensorChannel]], 
             "boundary_wait_s_mean": sum(waits) / len(waits) if waits else 0.0}
 
 
-async def allreduce_throughput(mesh: Mapping[str, Mapping[str, TensorChannel]], n_elems: int, rounds: int, timeout: float) -> dict[str, Any]:
+async def allreduce_throughput(mesh: Mapping[str, Mapping[str, TensorChannel]], n_elems: int, rounds: int, timeout: float,
+                               *, wire: str = "fp32") -> dict[str, Any]:
+    """*rounds* synchronous rounds of a flat *n_elems* vector; the first (buffers, pools) is left out of best and median.
+
+    The heap is trimmed once before the rounds, not after each: a node keeps its freed round buffers in
+    glibc's heap (net/bulk_channel.py ``_keep_freed_heap``), and a trim after every round made each round
+    fault in all its buffers again (a third of the round's CPU at 25M floats), which no node pays."""
     peers = [f"r{i}" for i in range(REPLICAS)]
     times: list[float] = []
-    cfg = AveragerConfig(outer=OuterConfig(), job="bench-ar", stage=0, round_timeout=timeout)
+    cfg = AveragerConfig(outer=OuterConfig(), job="bench-ar", stage=0, round_timeout=timeout, wire=wire)
 
     async def one(p: str, rank: int) -> None:
         vec = torch.full((n_elems,), float(rank))
@@ -195,15 +211,19 @@ async def allreduce_throughput(mesh: Mapping[str, Mapping[str, TensorChannel]], 
                 if res.anchor is None or abs(float(res.anchor[-1]) - 1.5) > 1e-6:
                     raise RuntimeError(f"all-reduce gave a wrong mean: {res}")
                 del res
-                if rank == 0:
-                    trim_heap()
 
+    trim_heap()
+    c0 = time.process_time()
     async with trio.open_nursery() as nursery:
         for i, p in enumerate(peers):
             nursery.start_soon(one, p, i)
-    best = min(times[1:] if len(times) > 1 else times)
+    cpu = time.process_time() - c0
+    trim_heap()
+    timed = times[1:] if len(times) > 1 else times
+    best, median = min(timed), statistics.median(timed)
     size = n_elems * 4
-    return {"n_elems": n_elems, "rounds": rounds, "t_allreduce_s": best, "t_allreduce_all_s": times,
+    return {"n_elems": n_elems, "rounds": rounds, "wire": wire, "t_allreduce_s": best, "t_allreduce_median_s": median,
+            "t_allreduce_all_s": times, "cpu_per_round_s": cpu / rounds,
             "algbw_GBps": size / best / 1e9, "busbw_GBps": 2 * (REPLICAS - 1) / REPLICAS * size / best / 1e9}
 
 
@@ -212,8 +232,8 @@ async def run_set(label: str, mesh: Mapping[str, Mapping[str, TensorChannel]], r
     n = sum(p.numel() for p in reps[0].model.parameters())
     await run_phase("none", mesh, reps, 2, 1, 120)  # warm-up
     none = await run_phase("none", mesh, reps, steps, 1, 120)
-    ar = await allreduce_throughput(mesh, ar_elems, 3, 600)
-    ar_model = ar if ar_elems == n else await allreduce_throughput(mesh, n, 3, 600)
+    ar = await allreduce_throughput(mesh, ar_elems, AR_ROUNDS, 600)
+    ar_model = ar if ar_elems == n else await allreduce_throughput(mesh, n, AR_ROUNDS, 600)
     sync = await run_phase("sync", mesh, reps, max(3, steps // 4), 1, 600)
     tau = suggest_tau(ar_model["t_allreduce_s"], none["step_s"], margin=margin)
     long_tau = 4 * tau  # amortises whatever CPU the averaging itself takes (this box has 2 cores)
@@ -242,11 +262,37 @@ async def run_set(label: str, mesh: Mapping[str, Mapping[str, TensorChannel]], r
         wait = "-" if r["mode"] == "none" else f"{r['boundary_wait_s_mean']:.3f}"
         print(f"{name:32} {r['step_s']:8.3f} {r['cpu_step_s']:10.3f} {r['tau']:4d} {wait:>16}")
     for a in (ar, ar_model) if ar is not ar_model else (ar,):
-        print(f"all-reduce of {a['n_elems'] / 1e6:.1f}M floats among {REPLICAS}: {a['t_allreduce_s']:.3f} s, "
+        print(f"all-reduce of {a['n_elems'] / 1e6:.1f}M floats among {REPLICAS}: {a['t_allreduce_s']:.3f} s (median {a['t_allreduce_median_s']:.3f}), "
               f"algbw {a['algbw_GBps']:.3f} GB/s, busbw {a['busbw_GBps']:.3f} GB/s")
     print(f"best CO2 / best none = {res['ratio_co2_vs_none']:.3f} (tau={tau}), {res['ratio_co2_long_tau_vs_none']:.3f} (tau={long_tau}); "
           f"sync / best none = {res['ratio_sync_vs_none']:.3f}; CPU per step CO2/none = {res['cpu_ratio_co2_vs_none']:.3f} "
           f"(tau={tau}), {res['cpu_ratio_co2_long_tau_vs_none']:.3f} (tau={long_tau})")
+    return res
+
+
+async def anchor_set(peers: list[str], n_elems: int, *, hivemind: bool) -> dict[str, Any]:
+    """Our all-reduce of *n_elems* over encrypted loopback TCP in fp32 and bf16, then (*hivemind*)
+    hivemind's DecentralizedAverager on the same vector, one after the other in this run."""
+    res: dict[str, Any] = {"n_elems": n_elems}
+    for wire in ("fp32", "bf16"):
+        async with tcp_mesh(peers) as mesh:
+            res[wire] = a = await allreduce_throughput(mesh, n_elems, AR_ROUNDS, 600, wire=wire)
+        print(f"ours, {wire}: all-reduce of {n_elems / 1e6:.1f}M floats among {REPLICAS}: best {a['t_allreduce_s']:.3f} s, "
+              f"median {a['t_allreduce_median_s']:.3f} s, CPU {a['cpu_per_round_s']:.3f} s a round (all replicas)")
+    if hivemind:
+        from benchmarks.allreduce_procs import run_procs
+        from benchmarks.anchors import run_hivemind
+
+        # ours as hivemind runs: one process per replica (and as nodes run: one replica each)
+        res["fp32_processes"] = a = await trio.to_thread.run_sync(lambda: run_procs(n_elems, replicas=REPLICAS, rounds=AR_ROUNDS))
+        print(f"ours, fp32, {REPLICAS} processes: best {a['t_allreduce_s']:.3f} s, median {a['t_allreduce_median_s']:.3f} s, "
+              f"CPU {a['cpu_per_round_s']:.3f} s a round (all processes)")
+        res["hivemind"] = h = await trio.to_thread.run_sync(lambda: run_hivemind(n_elems, peers=REPLICAS, rounds=AR_ROUNDS))
+        res["hivemind_over_ours"] = h["t_median_s"] / res["fp32"]["t_allreduce_median_s"]
+        res["hivemind_over_ours_processes"] = h["t_median_s"] / a["t_allreduce_median_s"]
+        print(f"hivemind 1.1.12 DecentralizedAverager, same vector, {REPLICAS} processes: best {h['t_best_s']:.3f} s, "
+              f"median {h['t_median_s']:.3f} s; hivemind / ours (medians, fp32): {res['hivemind_over_ours']:.2f}x "
+              f"(ours in one process), {res['hivemind_over_ours_processes']:.2f}x (ours in {REPLICAS})")
     return res
 
 
@@ -262,6 +308,10 @@ async def main_async(args: Any) -> dict[str, Any]:
                            "margin": args.margin, "mbps": args.mbps, "latency_ms": args.latency_ms}
     print(f"model: {n / 1e6:.1f}M parameters x {REPLICAS} replicas in one process, torch threads={torch.get_num_threads()}")
     ar_elems = n if quick else 25_000_000
+    if args.hivemind or args.allreduce_only:
+        out["anchor"] = await anchor_set(peers, ar_elems, hivemind=args.hivemind)
+    if args.allreduce_only:
+        return out
     if args.links in ("tcp", "both"):
         async with tcp_mesh(peers) as mesh:
             out["tcp"] = await run_set("encrypted TCP on loopback (fusionp2p.net.bulk)", mesh, reps, steps=steps, ar_elems=ar_elems, margin=args.margin)
@@ -278,12 +328,25 @@ def main() -> None:
     p.add_argument("--mbps", type=float, default=100.0, help="shaped links: bandwidth per link and direction")
     p.add_argument("--latency-ms", type=float, default=5.0, help="shaped links: one-way latency")
     p.add_argument("--margin", type=float, default=1.5, help="tau = suggest_tau(T_allreduce, t_step, margin)")
+    p.add_argument("--hivemind", action="store_true",
+                   help="anchor: hivemind's DecentralizedAverager on the same vector (make hivemind-venv); headline ours over it")
+    p.add_argument("--allreduce-only", action="store_true", help="only the all-reduces (fp32, bf16 and any anchor)")
     args = p.parse_args()
     torch.set_num_threads(1)
     res = trio.run(main_async, args)
-    main_set = res["tcp"] if "tcp" in res else res["shaped"]
-    head = headline("co2_step_time_over_no_averaging", main_set["ratio_co2_vs_none"], "x", 1.05, "lower",
-                    f"no averaging, same run, {main_set['links']}")
+    if "hivemind_over_ours" in res.get("anchor", {}):
+        a = res["anchor"]
+        head = headline("hivemind_allreduce_over_ours", a["hivemind_over_ours"], "x", 4.0, "higher",
+                        f"hivemind 1.1.12 DecentralizedAverager, {a['n_elems']} fp32 x {REPLICAS} peers on loopback, same run "
+                        f"(medians; ours in one process; in {REPLICAS}: {a['hivemind_over_ours_processes']:.2f}x)")
+    elif args.allreduce_only:
+        a = res["anchor"]
+        head = headline("allreduce_median_s", a["fp32"]["t_allreduce_median_s"], "s", 0.6 if a["n_elems"] >= 25_000_000 else 0.14,
+                        "lower", f"{a['n_elems']} fp32 x {REPLICAS} replicas, encrypted TCP on loopback")
+    else:
+        main_set = res["tcp"] if "tcp" in res else res["shaped"]
+        head = headline("co2_step_time_over_no_averaging", main_set["ratio_co2_vs_none"], "x", 1.05, "lower",
+                        f"no averaging, same run, {main_set['links']}")
     write(NAME, args.out, res, head, quick=args.quick)
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusionp2p.average.shard import shard_bounds, weighted_mean
+from fusionp2p.average.shard import all_finite, shard_bounds, weighted_mean
 from fusionp2p.errors import LocalProtocolError, RemoteProtocolError
 
 PHASES = ("scatter", "gather")
@@ -214,7 +214,7 @@ class AllReduceRound:
         if msg.phase == "scatter" and not self.weight / r <= msg.weight <= self.weight * r:
             raise RemoteProtocolError(f"scatter part from {peer} has weight {msg.weight:g}, not within a factor "
                                       f"{r:g} of this replica's {self.weight:g}")
-        if not bool(torch.isfinite(msg.data).all()):
+        if not all_finite(msg.data):
             raise RemoteProtocolError(f"{msg.phase} part from {peer} holds NaN or infinite values")
         phase.got[peer] = msg
         phase.pending.discard(peer)

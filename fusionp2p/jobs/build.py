@@ -55,7 +55,7 @@ from fusionp2p.jobs.spec import (
     sign_spec,
 )
 from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, plan_even_flops, plan_even_layers, plan_joint
-from fusionp2p.plan.estimator import CostModel
+from fusionp2p.plan.estimator import CostModel, bf16_pays
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.types import DeviceProfile, WorkloadGraph
 from fusionp2p.wire.dag import decode_dag, encode_dag
@@ -390,6 +390,21 @@ def averaging_lag(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, stage: 
     cm = job_cost_model(spec, dag, snap)[0]
     micro = [plan.micro[r] for r in range(len(st.replicas))] if plan.micro else None
     return cm.averaging_lag(st.start, st.end, [cm.index[p] for p in st.replicas], micro)
+
+
+def averaging_bf16(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, stage: int, replica: int) -> frozenset[int] | None:
+    """The replicas of *stage* (indices) to which replica *replica*'s CO2 rounds send bf16 differences
+    (``AveragerConfig.bf16_peers``): with ``CO2.wire="bf16"``, those whose link to it is slow enough for
+    the halved bytes to outweigh the bf16 wire's CPU (:func:`~fusionp2p.plan.estimator.bf16_pays`, on the
+    links the plan was made with). A pure function of the plan and its snapshot, symmetric in the two ends
+    of a link, so both sides of a link agree. None without the bf16 wire or replicas (the config's wire)."""
+    st = plan.stages[stage]
+    co2 = spec.config.co2
+    if co2 is None or co2.wire != "bf16" or len(st.replicas) < 2:
+        return None
+    cm = job_cost_model(spec, dag, snap)[0]
+    me = cm.index[st.replicas[replica]]
+    return frozenset(k for k, p in enumerate(st.replicas) if k != replica and bf16_pays(float(cm.bw[me, cm.index[p]])))
 
 
 def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile], *,

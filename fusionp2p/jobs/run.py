@@ -48,6 +48,7 @@ from fusionp2p.graph import OpDAG, StageExecutor, coarsen, partition, stages_fro
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import (
     AcceptedJob,
+    averaging_bf16,
     averaging_lag,
     data_fn,
     eval_data_fn,
@@ -581,6 +582,7 @@ class JobRun(Leading):
                             recv_timeout=self.svc.config.recv_timeout, eval_data=eval_data_fn(self.accepted),
                             micro=plan.micro, micro_period=plan.micro_period,
                             averaging_lag=averaging_lag(self.spec, self.accepted.dag, plan, snap, s),
+                            averaging_bf16=averaging_bf16(self.spec, self.accepted.dag, plan, snap, s, r),
                             compute_slowdown=self.svc.config.compute_slowdown, compute_cpus=self.svc.config.compute_cpus)
 
     async def _replicate(self, plan: Plan, s: int, h: str, step: int) -> None:

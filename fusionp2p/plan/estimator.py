@@ -43,6 +43,21 @@ T = TypeVar("T", float, F64)
 # no room for the jitter of a shaped link or a busy CPU, and every late round holds the step
 LAG_HEADROOM = 0.5
 
+# CPU seconds the bf16 wire of a CO2 round (CO2.wire "bf16") costs per element it sends: the differences
+# from the kept base and their rounding, the decoding of the peers' parts, the base's copy; net of the
+# AEAD and socket work on the bytes it saves. benchmarks.averaging --allreduce-only on the development VM
+# (bf16 minus fp32 CPU a round over the elements sent): 1.8 ns at 25M fp32 x 4 replicas, 1.6 ns at 5.3M;
+# doubled, as that work runs on the event loop's thread, in the round's critical path, where the AEAD
+# work it saves ran on the channels' threads (loopback: bf16 rounds' median 1.4x the fp32 ones').
+BF16_WIRE_CPU_S = 4e-9
+
+
+def bf16_pays(bandwidth_bps: float) -> bool:
+    """Whether the bf16 wire pays on a link of *bandwidth_bps* bytes/s: the 2 bytes an element saves take
+    longer to send than the CPU the bf16 wire spends on it (below about 500 MB/s: WAN links, not loopback
+    or a LAN's 10 Gbit/s)."""
+    return 2.0 / bandwidth_bps > BF16_WIRE_CPU_S
+
 
 def compute_rate(profile: DeviceProfile, config: PlannerConfig) -> float:
     """The matmul FLOP/s a job's stages get on *profile*: its bf16 rate under mixed precision (where
@@ -245,7 +260,9 @@ class CostModel:
         bw, lat = float(self.bw[sub].min()), float(self.lat[sub].max())
         if self.config.gradient_exchange:
             return (r - 1) * params * self.config.averaging_wire / bw, lat
-        return 2.0 * (r - 1) / r * params * self.config.averaging_wire / bw, 2.0 * lat
+        # a link where the bf16 wire does not pay carries fp32 (jobs/build.averaging_bf16)
+        wire = self.config.averaging_wire if bf16_pays(bw) else 1.0
+        return 2.0 * (r - 1) / r * params * wire / bw, 2.0 * lat
 
     def replicated_time(self, work: T, params: T, group: Sequence[int], micro: Sequence[int] | None = None) -> T:
         """:meth:`stage_time` from a stage's *work* and *params* (floats, or arrays of them for the

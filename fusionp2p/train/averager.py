@@ -61,7 +61,7 @@ import trio
 from fusionp2p import device as dev
 from fusionp2p.average.allreduce import PHASES, AllReduceRound, Finished, Reduced, RoundMsg, RoundResult, Send
 from fusionp2p.average.outer import OuterConfig, OuterOptimizer
-from fusionp2p.average.shard import shard_bounds
+from fusionp2p.average.shard import all_finite, shard_bounds
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.channel import TensorChannel, TensorMessage
 from fusionp2p.train.config import CO2_WIRES
@@ -86,6 +86,11 @@ class AveragerConfig:
     send_window: int = 8          # queued messages per peer before round tasks block
     max_weight_ratio: float = 4.0  # a peer's weight outside [w / ratio, w * ratio] is refused (w: ours)
     wire: str = "fp32"            # "bf16": parts as bf16 differences from the last average (CO2.wire)
+    # wire "bf16": the peers whose links carry the differences (None: all). The job prices the bf16 wire
+    # per link (plan/estimator.bf16_pays: its CPU against the bytes it saves, jobs/build.averaging_bf16),
+    # the same on both ends of a link; other links carry fp32, and with none the rounds run as plain fp32
+    # (no base kept, nothing rounded): on fast links the conversions cost more than the halved bytes save
+    bf16_peers: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         if self.wire not in CO2_WIRES:
@@ -269,9 +274,9 @@ def from_message(tm: TensorMessage) -> RoundMsg:
 
 
 def _encode(msg: RoundMsg, base: tuple[int, torch.Tensor] | None, scatter_q: torch.Tensor | None,
-            gather_q: torch.Tensor | None, peer_tag: int | None, shared: bool) -> RoundMsg:
+            gather_q: torch.Tensor | None, peer_tag: int | None, shared: bool, bf16: bool = True) -> RoundMsg:
     """A part as it goes to one peer: a bf16 difference from *base* (wire "bf16") where the peer can
-    decode it, else fp32 values. Scatter: our snapshot's difference *scatter_q* (the round went on
+    decode it and its link carries bf16 (*bf16*), else fp32 values. Scatter: our snapshot's difference *scatter_q* (the round went on
     ``base + q``, so an fp32 part has the same values), to a peer that held the same base as we did in
     the fragment's last round (*shared*). Gather: our published shard's difference *gather_q* (which we
     loaded as ``base + q`` ourselves), to a peer whose scatter part named our base; a peer that sent
@@ -280,10 +285,10 @@ def _encode(msg: RoundMsg, base: tuple[int, torch.Tensor] | None, scatter_q: tor
         return msg
     tag = base[0]
     if msg.phase == "scatter":   # names our base even in fp32: the owner learns that we hold it
-        if not shared or scatter_q is None:
+        if not shared or scatter_q is None or not bf16:
             return dataclasses.replace(msg, base=tag)
         return dataclasses.replace(msg, data=scatter_q[msg.lo:msg.hi], base=tag)
-    if gather_q is not None and peer_tag == tag:
+    if gather_q is not None and peer_tag == tag and bf16:
         return dataclasses.replace(msg, data=gather_q, base=tag)
     return msg
 
@@ -492,7 +497,7 @@ class ReplicaAverager:
             return None, BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=None,
                                         reason=r.reason or "skipped", ranges=ranges, fragment=f)
         new = read_ranges(params, ranges).add_(r.vector - rnd.snap)
-        if not bool(torch.isfinite(new).all()):   # the round refuses non-finite parts; our own may not be
+        if not all_finite(new):   # the round refuses non-finite parts; our own may not be
             log.warning("averaging: fragment %d's new value is not finite; not loaded", f)
             return None, BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=None,
                                         reason="not finite", ranges=ranges, fragment=f)
@@ -570,7 +575,9 @@ class ReplicaAverager:
         sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=n_elems, round_id=rnd.round_id, epoch=self.epoch,
                             weight=self.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f)
         result: RoundResult | None = None
-        base = self._bases.get(f) if self.config.wire == "bf16" else None
+        bf16 = self._bf16_wire()
+        base = self._bases.get(f) if bf16 else None
+        links = self.config.bf16_peers
         shared = self._shared.get(f, frozenset())  # the peers our scatter parts go to as differences
         tags: dict[str, int | None] = {}          # the base each peer's scatter part named (None: fp32)
         gather_q: list[torch.Tensor] = []         # our published shard as a bf16 difference from the base
@@ -585,7 +592,7 @@ class ReplicaAverager:
                 a = todo.pop(0)
                 if isinstance(a, Send):
                     msg = _encode(a.msg, base, scatter_q[0] if scatter_q else None, gather_q[0] if gather_q else None,
-                                  tags.get(a.peer), a.peer in shared)
+                                  tags.get(a.peer), a.peer in shared, links is None or a.peer in links)
                     with contextlib.suppress(trio.ClosedResourceError):  # closing down
                         await self._queues[a.peer].send(to_message(self.config.job, self.config.stage, msg))
                 elif isinstance(a, Reduced):
@@ -640,19 +647,23 @@ class ReplicaAverager:
                     self._dead.add(peer)
                     await act(sm.peer_lost(peer))
         self._after_round(result, f, mean_only=rnd.mean_only)
-        if self.config.wire == "bf16":
-            if result.complete and result.vector is not None:
-                self._bases[f] = (rnd.round_id, result.vector.detach().clone())
-                ours = base[0] if base is not None else None
-                self._shared[f] = frozenset(p for p, t in tags.items() if t == ours)
-            else:   # some replicas may have it and some not: fp32 until a round completes again
-                self._bases.pop(f, None)
-                self._shared.pop(f, None)
+        if bf16 and result.complete and result.vector is not None:
+            self._bases[f] = (rnd.round_id, result.vector.detach().clone())
+            ours = base[0] if base is not None else None
+            self._shared[f] = frozenset(p for p, t in tags.items() if t == ours)
+        else:   # some replicas may have it and some not (or no bf16 link is left): fp32 until a round completes again
+            self._bases.pop(f, None)
+            self._shared.pop(f, None)
         took, st = trio.current_time() - started, self.stats
         self.stats = AveragingStats(rounds=st.rounds + int(result.complete), skipped=st.skipped + int(not result.complete),
                                     seconds=st.seconds + took, last_s=took)
         rnd.result = result
         rnd.done.set()
+
+    def _bf16_wire(self) -> bool:
+        """Whether this round runs the bf16 wire: configured, and some live peer's link carries it."""
+        links = self.config.bf16_peers
+        return self.config.wire == "bf16" and (links is None or any(p in links for p in self.alive if p != self.me))
 
     def _decoded_receive(self, sm: AllReduceRound, peer: str, msg: RoundMsg, base: tuple[int, torch.Tensor] | None,
                          tags: dict[str, int | None]) -> list[Send | Reduced | Finished]:

@@ -128,6 +128,8 @@ class StageContext:
     # streaming CO2: apply each fragment's round this many steps after its snapshot (OuterConfig.lag; the
     # job sets it from the plan: jobs/build.averaging_lag)
     averaging_lag: int = 1
+    # CO2.wire "bf16": the replicas whose links carry it, priced per link (jobs/build.averaging_bf16; None: all)
+    averaging_bf16: frozenset[int] | None = None
     # emulation (the testbed's ``slowdown``, ``fusionp2p node --emulate-slowdown``): every forward, backward
     # and optimizer step takes this many times what it takes at the host's CPU share (``compute_cpus``
     # cores, None: its wall time), the extra as a sleep in the compute thread, the way a slower
@@ -282,10 +284,11 @@ class StageWorker:
             else:
                 names = await self._replica_names()
                 me = f"r{self.ctx.replica}"
-                co2 = self.ctx.config.co2
+                co2, bf16 = self.ctx.config.co2, self.ctx.averaging_bf16
                 acfg = AveragerConfig(outer=self._outer, job=self.ctx.job, stage=self.prog.stage,
                                       round_timeout=self.ctx.recv_timeout or 600.0, weight=self._deal.share,
-                                      wire=co2.wire if co2 is not None else "fp32")
+                                      wire=co2.wire if co2 is not None else "fp32", bf16_peers=None if bf16 is None
+                                      else frozenset(f"r{k}" for k in bf16))
                 restored = self.ctx.restore
                 momentum = restored.momentum_vector(self._layout()) if restored is not None else None
                 async with open_replica_averager(acfg, peers=sorted([me, *names]), me=me, channels=names,

@@ -69,7 +69,8 @@ async def _train(avg: ReplicaAverager, rank: int, steps: int, *,
     return model, out
 
 
-def _run(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, int]] | None = None, *, wire: str = "fp32"
+def _run(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, int]] | None = None, *, wire: str = "fp32",
+         bf16_peers: dict[str, frozenset[str]] | None = None
          ) -> tuple[list[torch.Tensor], list[list[BoundaryResult]], list[ReplicaAverager]]:
     peers = PEERS[:n]
     finals: dict[str, torch.Tensor] = {}
@@ -77,7 +78,8 @@ def _run(cfg: OuterConfig, steps: int, n: int, segments: list[tuple[int, int]] |
     avgs: list[ReplicaAverager] = []
 
     async def replica(mesh: Mesh, i: int, p: str) -> None:
-        acfg = AveragerConfig(outer=cfg, job="j", stage=1, round_timeout=5.0, wire=wire)
+        acfg = AveragerConfig(outer=cfg, job="j", stage=1, round_timeout=5.0, wire=wire,
+                              bf16_peers=None if bf16_peers is None else bf16_peers[p])
         async with open_replica_averager(acfg, peers=peers, me=p, channels=mesh.ch[p], initial=list(_model().parameters()),
                                          segments=segments) as avg:
             avgs.append(avg)
@@ -255,6 +257,36 @@ def test_bf16_wire_sends_differences_and_every_replica_loads_the_same_bits(monke
     fp32, _, _ = _run(cfg, steps, n, wire="fp32")
     scale = fp32[0].abs().max()
     assert torch.allclose(finals[0], fp32[0], atol=2e-3 * float(scale), rtol=0)
+
+
+def test_bf16_wire_on_no_link_is_the_fp32_wire_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CO2.wire "bf16" where no link pays for it (fast links, jobs/build.averaging_bf16): every part goes in
+    fp32, no base is kept, nothing is rounded, and the replicas end exactly where the fp32 wire does."""
+    cfg = OuterConfig(tau=3, outer_lr=0.8, outer_momentum=0.5, sync=False, stream=True)
+    sent = _sent(monkeypatch)
+    none = dict.fromkeys(PEERS[:3], frozenset[str]())
+    finals, _, avgs = _run(cfg, 10, 3, wire="bf16", bf16_peers=none)
+    assert sent and all(d == torch.float32 and b is None for _, d, b in sent)
+    assert all(not a._bases for a in avgs)
+    fp32, _, _ = _run(cfg, 10, 3, wire="fp32")
+    assert all(torch.equal(f, g) for f, g in zip(finals, fp32, strict=True))
+
+
+def test_bf16_wire_on_one_link_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the r0-r1 link carries bf16 differences (a slow link; both ends priced it the same), r2's links
+    fp32: the replicas still load identical vectors, and only that link's parts (a third of them) are bf16."""
+    cfg = OuterConfig(tau=3, outer_lr=0.8, outer_momentum=0.5, sync=False, stream=True)
+    sent = _sent(monkeypatch)
+    links = {"r0": frozenset({"r1"}), "r1": frozenset({"r0"}), "r2": frozenset[str]()}
+    finals, _, avgs = _run(cfg, 13, 3, wire="bf16", bf16_peers=links)
+    for f in finals[1:]:
+        assert torch.equal(f, finals[0])
+    bf16 = sum(d == torch.bfloat16 for _, d, _ in sent)
+    assert 0 < bf16 <= len(sent) // 3
+    by = {a.me: a for a in avgs}   # avgs is in the order the replicas opened their averagers
+    assert not by["r2"]._bases and by["r0"]._bases.keys() == by["r1"]._bases.keys() == set(range(3))
+    fp32, _, _ = _run(cfg, 13, 3, wire="fp32")
+    assert torch.allclose(finals[0], fp32[0], atol=2e-3 * float(fp32[0].abs().max()), rtol=0)
 
 
 def test_a_replica_without_the_base_is_sent_fp32_and_the_wire_heals(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,10 +11,30 @@ from hypothesis import strategies as st
 
 from fusionp2p.average.allreduce import AllReduceRound, Finished, Reduced, RoundMsg, RoundResult, Send
 from fusionp2p.average.outer import OuterConfig, OuterOptimizer
-from fusionp2p.average.shard import ShardedOuter, shard_bounds, weighted_mean
+from fusionp2p.average.shard import ShardedOuter, all_finite, shard_bounds, weighted_mean
 from fusionp2p.errors import ConfigError, RemoteProtocolError
 
 torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("at", [0, 5, 999])
+def test_all_finite_finds_one_bad_value_anywhere(bad: float, at: int) -> None:
+    x = torch.randn(1000)
+    assert all_finite(x)
+    x[at] = bad
+    assert not all_finite(x)
+
+
+def test_all_finite_is_exact_where_the_sum_overflows() -> None:
+    # finite values whose fp32 sum is inf (the fast path's sum) are still finite
+    big = torch.full((8,), 3e38)
+    assert not torch.isfinite(big.sum())
+    assert all_finite(big)
+    assert all_finite(torch.cat([big, -big]))
+    assert all_finite(torch.zeros(0))
+    big[3] = float("nan")
+    assert not all_finite(big)
 
 
 @settings(max_examples=50, deadline=None)

@@ -1,0 +1,39 @@
+"""benchmarks.averaging's all-reduce measurements: ours in one process and in one process per replica
+(benchmarks/allreduce_procs.py), and the hivemind anchor's runner (benchmarks/anchors/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from benchmarks import anchors
+from benchmarks.allreduce_procs import run_procs
+from benchmarks.averaging import REPLICAS, allreduce_throughput, tcp_mesh
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
+def test_allreduce_throughput_over_encrypted_tcp_checks_every_mean(wire: str) -> None:
+    async def main() -> dict[str, object]:
+        with trio.fail_after(60):
+            async with tcp_mesh([f"r{i}" for i in range(REPLICAS)]) as mesh:
+                return await allreduce_throughput(mesh, 10_000, 3, 30, wire=wire)
+
+    res = trio.run(main)
+    assert res["wire"] == wire and len(res["t_allreduce_all_s"]) == 3  # type: ignore[arg-type]
+    assert 0 < res["t_allreduce_s"] <= res["t_allreduce_median_s"]  # type: ignore[operator]
+
+
+@pytest.mark.slow
+def test_allreduce_in_one_process_per_replica() -> None:
+    res = run_procs(10_000, replicas=3, rounds=3, timeout=120)
+    assert res["processes"] == 3 and len(res["t_allreduce_all_s"]) == 3
+    assert 0 < res["t_allreduce_s"] <= res["t_allreduce_median_s"]
+
+
+def test_the_hivemind_anchor_says_which_make_target_installs_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(anchors, "HIVEMIND_PYTHON", tmp_path / ".venv-hivemind" / "bin" / "python")
+    monkeypatch.setattr(anchors, "ROOT", tmp_path)
+    with pytest.raises(anchors.AnchorUnavailable, match="make hivemind-venv"):
+        anchors.run_hivemind(1000)
