@@ -257,7 +257,7 @@ class Swarm:
                 try:
                     self._boot_peers.append(await transport.connect(addr))
                 except PeerUnavailable as exc:
-                    errors.append(str(exc))
+                    errors.append(exc.reason or str(exc))
             if not self._boot_peers:
                 raise PeerUnavailable(self._bootstrap[0].rsplit("/p2p/", 1)[-1], "; ".join(errors))
             # nodes behind NATs are reached by connection reversal through the bootstraps (swarm/reach.py)

@@ -107,7 +107,8 @@ async def _first_view(t: Any, args: argparse.Namespace) -> tuple[str, dict[str, 
             return peer, await fetch_view(t, peer, timeout=args.timeout)
         except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
             last = exc
-    raise PeerUnavailable(args.bootstrap[0].rsplit("/p2p/", 1)[-1], f"no bootstrap answered ({last})")
+    why = last.reason if isinstance(last, PeerUnavailable) and last.reason else str(last)
+    raise PeerUnavailable(args.bootstrap[0].rsplit("/p2p/", 1)[-1], f"no bootstrap answered: {why}")
 
 
 async def _watch(args: argparse.Namespace) -> None:

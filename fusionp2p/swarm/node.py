@@ -35,6 +35,7 @@ from typing import Any
 import trio
 
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.net.dial_errors import is_final
 from fusionp2p.net.identity import verify
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage, Relaying, Stream, Transport
@@ -49,7 +50,7 @@ from fusionp2p.swarm.reach import (
     should_dial,
     verdict,
 )
-from fusionp2p.types import DeviceProfile
+from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.check import as_bytes, as_list, as_map, as_str
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.limits import DEFAULT_LIMITS
@@ -376,19 +377,26 @@ class SwarmNode:
         if not bootstrap:
             return []
         delay = self.config.join_backoff
-        last: Exception | None = None
-        for _attempt in range(self.config.join_attempts):
+        attempts = self.config.join_attempts
+        causes: dict[str, str] = {}
+        for attempt in range(1, attempts + 1):
             ok = []
             for addr in bootstrap:
                 try:
                     ok.append(await self.transport.connect(addr))
                 except PeerUnavailable as exc:
-                    last = exc
+                    causes[addr] = exc.reason or str(exc)
+                    log.warning("bootstrap %s, attempt %d/%d: %s", short_peer(exc.peer), attempt, attempts, causes[addr])
             if ok:
                 return ok
+            # a port that answers with another peer id (or another protocol) answers so again: stop now
+            if attempt == attempts or all(is_final(c) for c in causes.values()):
+                break
             await trio.sleep(delay)  # backoff between join attempts, not a readiness wait
             delay *= 2
-        raise PeerUnavailable(bootstrap[0].rsplit("/p2p/", 1)[-1], f"no bootstrap reachable after {self.config.join_attempts} attempts ({last})")
+        raise PeerUnavailable(bootstrap[0].rsplit("/p2p/", 1)[-1],
+                              f"no bootstrap reachable after {attempt} attempt{'s' * (attempt > 1)}: "
+                              + "; ".join(dict.fromkeys(causes.values())))
 
     async def _pull_views(self, peers: list[str], done: trio.Event) -> None:
         async with trio.open_nursery() as nursery:
