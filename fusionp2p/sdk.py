@@ -89,13 +89,12 @@ class Job:
 
     # -------------------------------------------------- called in the trio thread
     def _emit(self, ev: ProgressEvent) -> None:
-        if isinstance(ev, StepProgress) and ev.loss is not None:
-            if ev.step >= self.spec.config.steps:
-                self.final_loss = ev.loss
-            else:
-                self.losses[ev.step] = ev.loss
+        if isinstance(ev, StepProgress) and ev.loss is not None and ev.step < self.spec.config.steps:
+            self.losses[ev.step] = ev.loss
         if isinstance(ev, EvalProgress):
             self.eval_losses[ev.step] = ev.loss
+            if ev.step >= self.spec.config.steps and not ev.peer:   # the publisher's mean over the pipelines
+                self.final_loss = ev.loss
         if isinstance(ev, JobStateChanged):
             self.state = JobState(ev.state)
             if self.state in (JobState.FAILED, JobState.CANCELLED):

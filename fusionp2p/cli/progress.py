@@ -85,7 +85,8 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
             elif isinstance(ev, StepSkipped):
                 bar.console.print(f"warning: {ev.reason}")
             elif isinstance(ev, EvalProgress):
-                bar.console.print(f"held-out loss after step {ev.step}: {ev.loss:.4f}")
+                final = " (final, mean over the pipelines)" if not ev.peer else ""
+                bar.console.print(f"held-out loss after step {ev.step}: {ev.loss:.4f}{final}")
             elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
                 seen.losses.append(ev.loss)
                 seen.tokens_per_s.append(ev.tokens_per_s)

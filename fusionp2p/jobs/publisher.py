@@ -423,8 +423,9 @@ class JobDriver:
         for f in st.final:
             await self._fetch_stage(f.holders, f.hash, f.stage, self.steps)
         if st.final_loss is not None:
-            self._emit(StepProgress(job=self.job, step=self.steps, epoch=st.epoch, stage=len(st.final) - 1,
-                                    loss=st.final_loss, at=time.time()))
+            # the final weights' held-out loss, averaged over the pipelines (peer "": the job's, no one node's);
+            # an EvalProgress, not a StepProgress of a step past the last
+            self._emit(EvalProgress(job=self.job, step=self.steps, epoch=st.epoch, loss=st.final_loss, at=time.time()))
         self._state(JobState.DONE)
 
     async def _fetch_stage(self, holders: tuple[str, ...], h: str, stage: int, step: int) -> None:

@@ -509,7 +509,7 @@ class JobRun(Leading):
 
         # the losses of this replica's steps not gossiped yet (consecutive steps, oldest first): one message
         # carries every step of the last progress_interval (StepProgress.earlier)
-        held: list[tuple[int, float]] = []
+        held: list[tuple[int, float, float, float]] = []   # (step, loss, tokens/s, wall time) not gossiped yet
         sent_at = -math.inf
 
         async def report(rep: StageReport) -> None:
@@ -535,16 +535,19 @@ class JobRun(Leading):
             now = trio.current_time()
             # the epoch's last step (the job's end or a planned halt) goes out at once, with what is held
             last = rep.step + 1 >= cfg.steps or (self._halt.at is not None and rep.step + 1 >= self._halt.at)
+            tps = rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0
             if not last and now - sent_at < self.svc.config.progress_interval and len(held) < MAX_EARLIER:
-                held.append((rep.step, rep.loss))
+                held.append((rep.step, rep.loss, tps, time.time()))
                 return
-            earlier = tuple(loss for _, loss in held)
+            earlier = tuple(h[1] for h in held)
+            earlier_tps, earlier_at = tuple(h[2] for h in held), tuple(h[3] for h in held)
             held.clear()
             sent_at = now
             await self._gossip(StepProgress(job=self.job_id, step=rep.step, epoch=plan.epoch, stage=s, peer=self.me,
-                                            loss=rep.loss, tokens_per_s=rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0,
+                                            loss=rep.loss, tokens_per_s=tps,
                                             compute_util=min(1.0, rep.compute_s / rep.wall_s) if rep.wall_s > 0 else None,
-                                            at=time.time(), earlier=earlier))
+                                            at=time.time(), earlier=earlier, earlier_tokens_per_s=earlier_tps,
+                                            earlier_at=earlier_at))
 
         async def checkpoint(step: int, _: dict[str, torch.Tensor]) -> None:
             if step >= cfg.steps or self._worker is None:
