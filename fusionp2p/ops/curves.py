@@ -30,6 +30,7 @@ from fusionp2p.jobs.election import VOTE_KIND
 from fusionp2p.jobs.events import CheckpointSaved, EvalProgress, StepProgress, event_from_dict, expand_steps
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage
+from fusionp2p.types import short_peer
 from fusionp2p.wire.limits import DEFAULT_LIMITS
 from fusionp2p.wire.msg import unpackb
 
@@ -87,7 +88,7 @@ class LossCurves:
             return
         if isinstance(ev, StepProgress | CheckpointSaved | EvalProgress):
             if ev.peer != msg.sender:
-                self._refuse(msg.sender, "jobs/progress-sender", f"{ev.peer[:16]} reported by another", now)
+                self._refuse(msg.sender, "jobs/progress-sender", f"{short_peer(ev.peer)} reported by another", now)
                 return
             self.received += 1
             for one in expand_steps(ev) if isinstance(ev, StepProgress) else [ev]:

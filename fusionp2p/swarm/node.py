@@ -266,7 +266,7 @@ class SwarmNode:
                     ok_p2p, ok_data, ip = await check_reach(self.transport, server, p2p=p2p, data=list(self.data_addrs),
                                                             timeout=cfg.request_timeout)
                 except (PeerUnavailable, RemoteProtocolError) as exc:
-                    log.debug("reach check via %s: %s", server[:16], exc)
+                    log.debug("reach check via %s: %s", short_peer(server), exc)
                     continue
                 reach = verdict(ok_p2p, ok_data) if self.data_addrs else (REACH_P2P if ok_p2p else REACH_PRIVATE)
                 self.reach_detail = (f"seen at {ip}; libp2p {'dialable' if ok_p2p else 'NOT dialable'} at "
@@ -415,7 +415,7 @@ class SwarmNode:
             with trio.fail_after(self.config.probe.timeout):
                 raw = await _fetch_view_raw(self.transport, peer)
         except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
-            log.debug("view from %s: %s", peer[:16], exc)
+            log.debug("view from %s: %s", short_peer(peer), exc)
             return
         alive = set(raw["alive"])
         for data in [*raw["records"], *raw["bw"]]:
@@ -507,7 +507,7 @@ class SwarmNode:
             try:
                 self._apply_record(rec, raw)
             except Exception as exc:   # a bug of ours that a peer's valid record reached: log it, keep listening
-                log.exception("applying a %s record of %s failed", type(rec).__name__, rec.peer[:16])
+                log.exception("applying a %s record of %s failed", type(rec).__name__, short_peer(rec.peer))
                 self._refuse(sender, "gossip/apply", exc)
 
     def _apply_record(self, rec: Record, raw: bytes) -> None:
@@ -552,7 +552,7 @@ class SwarmNode:
                         await self.transport.connect(f"{addr}/p2p/{rec.peer}")
                         break
                     except (PeerUnavailable, ConfigError) as exc:
-                        log.debug("dial %s at %s: %s", rec.peer[:16], addr, exc)
+                        log.debug("dial %s at %s: %s", short_peer(rec.peer), addr, exc)
             finally:
                 self._dialed.discard(rec.peer)   # _dialed = dials queued or under way
 
@@ -566,7 +566,7 @@ class SwarmNode:
             if ev.change in (Change.JOINED, Change.REVIVED):
                 self.prober.on_joined(ev.peer)
             if ev.change is not Change.UPDATED:
-                log.info("member %s %s", ev.peer[:16], ev.change.value)
+                log.info("member %s %s", short_peer(ev.peer), ev.change.value)
                 self.counters.events.append(ev)
             for fn in self.listeners:
                 fn(ev)
