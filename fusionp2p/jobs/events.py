@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, ClassVar
@@ -120,12 +121,19 @@ class PlanChanged:
     step_s: float = 0.0
     how: str = field(default="", metadata={"wire": {"max_len": 64}})
     micro: tuple[float, ...] = field(default=(), metadata={"wire": {"max_len": 4096, "omit_default": True}})  # per pipeline
+    # members that accepted the job but have no role in this plan, and why (the publisher fills these in for
+    # the plan it makes; they stay standbys, used at a re-plan)
+    idle: tuple[str, ...] = field(default=(), metadata={"wire": {"max_len": 4096, "omit_default": True}})
+    idle_why: str = field(default="", metadata={"wire": {"max_len": 1024, "omit_default": True}})
 
     @classmethod
-    def of(cls, plan: Plan, *, at: float) -> PlanChanged:
-        """The event of an adopted *plan*."""
+    def of(cls, plan: Plan, *, at: float, accepted: Iterable[str] = (), replicas_hint: int | None = None) -> PlanChanged:
+        """The event of an adopted *plan*; with the peers that *accepted* the job, those it leaves idle, and why."""
         fs = plan.fences
-        return cls(job=plan.job, epoch=plan.epoch, plan_hash=plan.plan_hash(),
+        used = {p for s in plan.stages for p in s.replicas}
+        idle = tuple(sorted(set(accepted) - used))
+        return cls(job=plan.job, epoch=plan.epoch, plan_hash=plan.plan_hash(), idle=idle,
+                   idle_why=idle_reason(plan, len(used), replicas_hint) if idle else "",
                    stage_sizes=tuple(len(s.replicas) for s in plan.stages),
                    members=tuple(p for s in plan.stages for p in s.replicas), at=at,
                    rho=tuple(f.rho for f in fs), link_bps=tuple(f.bandwidth_bps for f in fs),
@@ -161,6 +169,9 @@ class PlanChanged:
         fences = "; ".join(squeezed) or ("fences dense" if self.rho else "")
         if self.micro:
             fences += f"; micro-batches a step by speed {', '.join(f'{m:g}' for m in self.micro)}"
+        if self.idle:
+            fences += (f"; idle {', '.join(short_peer(p) for p in self.idle)}"
+                       + (f" ({self.idle_why})" if self.idle_why else ""))
         return (f"job {self.job} plan {self.plan_hash[:8]} (epoch {self.epoch}): {len(self.stage_sizes)} stage"
                 f"{'s' * (len(self.stage_sizes) != 1)} x replicas {tuple(self.stage_sizes)} on {len(set(self.members))} "
                 f"nodes [{layout}]{pred}" + (f"; {fences}" if fences else ""))
@@ -268,6 +279,18 @@ class EvalProgress:
     def __str__(self) -> str:
         by = f" [on {short_peer(self.peer)}]" if self.peer else ""
         return f"job {self.job} held-out loss {_loss(self.loss)} after step {self.step} (epoch {self.epoch}){by}"
+
+
+def idle_reason(plan: Plan, used: int, replicas_hint: int | None) -> str:
+    """Why a plan leaves accepted nodes idle, from the layouts the planner scored (``plan.considered``)."""
+    bigger = [c for c in plan.considered if c.replicas * c.stages > used and c.step_time_s > 0]
+    if bigger:
+        best = min(bigger, key=lambda c: c.step_time_s)
+        return (f"standby: the best plan with more nodes, {best.stages} stage(s) x {best.replicas} replica(s), "
+                f"was predicted at {best.step_time_s:.3g} s/step")
+    if replicas_hint is not None:
+        return f"standby: replicas={replicas_hint} caps the replicas per stage and more stages were not predicted faster"
+    return "standby: no plan with more nodes was predicted faster"
 
 
 def _where(stage: int, peer: str) -> str:

@@ -263,7 +263,7 @@ class JobDriver:
         snap = snapshot_from_records(self.job, 0, calibrated(accepted, speeds).items(), view.links)
         plan = plan_for_snapshot(built.spec, built.dag, snap)
         self._state(JobState.PLANNED, plan.plan_hash())
-        self._on_plan(PlanChanged.of(plan, at=time.time()))
+        self._on_plan(PlanChanged.of(plan, at=time.time(), accepted=accepted, replicas_hint=built.spec.config.replicas))
         start = {"op": "start", "job": self.job, "snapshot": snap.to_wire(),
                  "resume": Resume(step=0, sources=()).to_wire()}
         failures: list[str] = []

@@ -72,3 +72,20 @@ def test_aggregated_steps_name_their_replicas_and_end_time() -> None:
     (ev,) = book.add(B, StepProgress(job="j", step=0, stage=1, peer=B, loss=4.0, tokens_per_s=20.0, at=51.0), now=99.0)
     assert (ev.peer, ev.loss, ev.tokens_per_s, ev.at) == (",".join(sorted([A, B])), 3.0, 30.0, 51.0)
     assert str(ev).endswith("[stage 1 on MjaB4JeV, 9H8u1xWS]")
+
+
+def test_idle_nodes_are_named_with_the_reason() -> None:
+    from types import SimpleNamespace
+
+    from fusionp2p.jobs.events import idle_reason
+    from fusionp2p.plan.plan import Candidate
+
+    ev = PlanChanged(job="j1", epoch=0, plan_hash="ab" * 32, stage_sizes=(1, 1), members=(A, B), step_s=0.5,
+                     idle=(C,), idle_why="standby: replicas=1 caps the replicas per stage")
+    assert str(ev).endswith("; idle rfMrrrTT (standby: replicas=1 caps the replicas per stage)")
+    plan: object = SimpleNamespace(considered=(Candidate(replicas=1, stages=2, how="pipeline", step_time_s=0.5),
+                                               Candidate(replicas=1, stages=3, how="pipeline", step_time_s=0.9)))
+    assert idle_reason(plan, 2, 2) == ("standby: the best plan with more nodes, 3 stage(s) x 1 replica(s), was "  # type: ignore[arg-type]
+                                       "predicted at 0.9 s/step")
+    lone: object = SimpleNamespace(considered=(Candidate(replicas=2, stages=1, how="replicas", step_time_s=0.5),))
+    assert "replicas=2 caps" in idle_reason(lone, 2, 2)  # type: ignore[arg-type]
