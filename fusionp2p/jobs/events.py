@@ -163,18 +163,19 @@ class PlanChanged:
             k += n
         layout = " | ".join(stages)
         pred = f", predicted {self.step_s:.3g} s/step" + (f" ({self.how})" if self.how else "") if self.step_s > 0 else ""
-        squeezed = [f"fence {k} AdaTopK keeps {rho:.3g}" + (f" on {self.link_bps[k] / 1e6:,.1f} MB/s"
-                                                             if k < len(self.link_bps) and self.link_bps[k] > 0 else "")
-                    for k, rho in enumerate(self.rho) if rho < 1.0]
-        fences = "; ".join(squeezed) or ("fences dense" if self.rho else "")
+        notes = [f"fence {k} AdaTopK keeps {rho:.3g}" + (f" on {self.link_bps[k] / 1e6:,.1f} MB/s"
+                                                          if k < len(self.link_bps) and self.link_bps[k] > 0 else "")
+                 for k, rho in enumerate(self.rho) if rho < 1.0]
+        if self.rho and not notes:
+            notes.append("fences dense")
         if self.micro:
-            fences += f"; micro-batches a step by speed {', '.join(f'{m:g}' for m in self.micro)}"
+            notes.append(f"micro-batches a step by speed {', '.join(f'{m:g}' for m in self.micro)}")
         if self.idle:
-            fences += (f"; idle {', '.join(short_peer(p) for p in self.idle)}"
-                       + (f" ({self.idle_why})" if self.idle_why else ""))
+            notes.append(f"idle {', '.join(short_peer(p) for p in self.idle)}"
+                         + (f" ({self.idle_why})" if self.idle_why else ""))
         return (f"job {self.job} plan {self.plan_hash[:8]} (epoch {self.epoch}): {len(self.stage_sizes)} stage"
                 f"{'s' * (len(self.stage_sizes) != 1)} x replicas {tuple(self.stage_sizes)} on {len(set(self.members))} "
-                f"nodes [{layout}]{pred}" + (f"; {fences}" if fences else ""))
+                f"nodes [{layout}]{pred}" + "".join(f"; {n}" for n in notes))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -82,7 +82,7 @@ def test_idle_nodes_are_named_with_the_reason() -> None:
 
     ev = PlanChanged(job="j1", epoch=0, plan_hash="ab" * 32, stage_sizes=(1, 1), members=(A, B), step_s=0.5,
                      idle=(C,), idle_why="standby: replicas=1 caps the replicas per stage")
-    assert str(ev).endswith("; idle rfMrrrTT (standby: replicas=1 caps the replicas per stage)")
+    assert str(ev).endswith("s/step; idle rfMrrrTT (standby: replicas=1 caps the replicas per stage)")
     plan: object = SimpleNamespace(considered=(Candidate(replicas=1, stages=2, how="pipeline", step_time_s=0.5),
                                                Candidate(replicas=1, stages=3, how="pipeline", step_time_s=0.9)))
     assert idle_reason(plan, 2, 2) == ("standby: the best plan with more nodes, 3 stage(s) x 1 replica(s), was "  # type: ignore[arg-type]
