@@ -88,7 +88,6 @@ from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.train.state import StageState, merge_states
 from fusionp2p.train.worker import Halt, StageContext, StageReport, StageWorker
-from fusionp2p.types import short_peer
 from fusionp2p.wire.jobrecords import StageFile
 from fusionp2p.wire.protocols import TOPIC_JOBS
 
@@ -536,19 +535,16 @@ class JobRun(Leading):
             now = trio.current_time()
             # the epoch's last step (the job's end or a planned halt) goes out at once, with what is held
             last = rep.step + 1 >= cfg.steps or (self._halt.at is not None and rep.step + 1 >= self._halt.at)
-            tps = rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0
             if not last and now - sent_at < self.svc.config.progress_interval and len(held) < MAX_EARLIER:
-                held.append((rep.step, rep.loss, tps, time.time()))
+                held.append((rep.step, rep.loss, rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0, time.time()))
                 return
-            earlier = tuple(h[1] for h in held)
-            earlier_tps, earlier_at = tuple(h[2] for h in held), tuple(h[3] for h in held)
+            earlier, earlier_tps, earlier_at = (tuple(h[i] for h in held) for i in (1, 2, 3))
             held.clear()
             sent_at = now
             await self._gossip(StepProgress(job=self.job_id, step=rep.step, epoch=plan.epoch, stage=s, peer=self.me,
-                                            loss=rep.loss, tokens_per_s=tps,
+                                            loss=rep.loss, tokens_per_s=rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0,
                                             compute_util=min(1.0, rep.compute_s / rep.wall_s) if rep.wall_s > 0 else None,
-                                            at=time.time(), earlier=earlier, earlier_tokens_per_s=earlier_tps,
-                                            earlier_at=earlier_at))
+                                            at=time.time(), earlier=earlier, earlier_tokens_per_s=earlier_tps, earlier_at=earlier_at))
 
         async def checkpoint(step: int, _: dict[str, torch.Tensor]) -> None:
             if step >= cfg.steps or self._worker is None:
@@ -585,7 +581,7 @@ class JobRun(Leading):
                                                              "units": [st.start, st.end]},
                                     timeout=self.svc.config.accept_timeout)
         except (PeerUnavailable, RemoteProtocolError) as exc:
-            log.info("checkpoint %s of stage %d not replicated to %s: %s", h[:12], s, short_peer(keeper), exc)
+            log.info("checkpoint %s of stage %d not replicated to %s: %s", h[:12], s, keeper[:12], exc)
 
     async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str) -> None:
         """Hold a copy of another member's stage file (we are its keeper) and announce it."""
@@ -749,7 +745,7 @@ class JobRun(Leading):
             except (PeerUnavailable, BaseExceptionGroup) as exc:
                 if not all(isinstance(e, PeerUnavailable) for e in leaf_errors(exc)):
                     raise
-                log.info("data plane to %s: %s; retrying", short_peer(peer), describe(exc))
+                log.info("data plane to %s: %s; retrying", peer[:12], describe(exc))
                 await trio.sleep(delay)     # retry backoff, bounded by link_timeout
                 delay = min(2.0, delay * 2)
         got[name] = ch
