@@ -4,8 +4,12 @@
 PYTHON      ?= python3
 VENV        := .venv
 PY          := $(VENV)/bin/python
-# torch is installed on its own first, so that no other requirement pulls a CUDA build of it.
+# torch is installed on its own first, so that no other requirement pulls another build of it.
+# TORCH_INDEX picks the build: e.g. `make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128` for
+# CUDA 12.8, .../whl/cpu for the CPU-only one (default: your pip's index; PyPI's Linux wheel has CUDA).
 TORCH_SPEC  := torch==2.13.0
+TORCH_INDEX ?=
+TORCH_FROM  := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 PIP_FLAGS   := --disable-pip-version-check --quiet
 STAMP       := $(VENV)/.installed
 
@@ -16,7 +20,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
-	$(PY) -m pip install $(PIP_FLAGS) $(TORCH_SPEC)
+	$(PY) -m pip install $(PIP_FLAGS) $(TORCH_FROM) $(TORCH_SPEC)
 	$(PY) -m pip install $(PIP_FLAGS) -e '.[dev]'
 	touch $(STAMP)
 

@@ -90,13 +90,12 @@ class Job:
 
     # -------------------------------------------------- called in the trio thread
     def _emit(self, ev: ProgressEvent) -> None:
-        if isinstance(ev, StepProgress) and ev.loss is not None:
-            if ev.step >= self.spec.config.steps:
-                self.final_loss = ev.loss
-            else:
-                self.losses[ev.step] = ev.loss
+        if isinstance(ev, StepProgress) and ev.loss is not None and ev.step < self.spec.config.steps:
+            self.losses[ev.step] = ev.loss
         if isinstance(ev, EvalProgress):
             self.eval_losses[ev.step] = ev.loss
+            if ev.step >= self.spec.config.steps and not ev.peer:   # the publisher's mean over the pipelines
+                self.final_loss = ev.loss
         if isinstance(ev, JobStateChanged):
             self.state = JobState(ev.state)
             if self.state in (JobState.FAILED, JobState.CANCELLED):
@@ -262,7 +261,7 @@ class Swarm:
                 try:
                     self._boot_peers.append(await transport.connect(addr))
                 except PeerUnavailable as exc:
-                    errors.append(str(exc))
+                    errors.append(exc.reason or str(exc))
             if not self._boot_peers:
                 raise PeerUnavailable(self._bootstrap[0].rsplit("/p2p/", 1)[-1], "; ".join(errors))
             # nodes behind NATs are reached by connection reversal through the bootstraps (swarm/reach.py)

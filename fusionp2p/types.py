@@ -111,3 +111,10 @@ class WorkloadGraph:
     def cut_bytes(self, fence: int) -> int:
         """Bytes per micro-batch crossing a fence placed before unit *fence* (skip edges included)."""
         return sum(e.nbytes for e in self.edges if e.src < fence <= e.dst)
+
+
+def short_peer(peer: str) -> str:
+    """A peer id as logs, status and events print it: its last 8 characters. Every libp2p Ed25519 id
+    starts with the same ``12D3KooW``, so the end is what tells peers apart; one form everywhere lets
+    a reader match a peer in ``status`` to the same peer in a node's log by eye."""
+    return peer[-8:] if len(peer) > 8 else peer

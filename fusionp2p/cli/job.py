@@ -23,6 +23,9 @@ def _job_from_file(path: str) -> dict[str, Any]:
     """``make_job()`` of a user's Python file: a dict with model, dataset, config and optionally loss."""
     import runpy
 
+    if not Path(path).is_file():
+        raise ConfigError(f"job file {path} not found; write one defining make_job() (docs/jobs.md), "
+                          "or try --builtin gpt2-tiny")
     ns = runpy.run_path(path)     # the user's own file, run locally (never anything from a peer)
     make = ns.get("make_job")
     if not callable(make):

@@ -15,7 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable
+from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, leaf_errors
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger("fusionp2p.cli")
 
@@ -183,17 +186,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)
-    except ConfigError as exc:
-        print(f"fusionp2p: error: {exc}", file=sys.stderr)
-        return 2
-    except PeerUnavailable as exc:
-        print(f"fusionp2p: error: {exc}", file=sys.stderr)
-        return 3
     except FusionError as exc:
-        print(f"fusionp2p: error: {exc}", file=sys.stderr)
-        return 1
+        return _fail(exc)
+    except BaseExceptionGroup as group:
+        # trio wraps an error raised inside a nursery (the daemon's join) in a group: report the error itself
+        ours = [e for e in leaf_errors(group) if isinstance(e, FusionError)]
+        if not ours:
+            raise
+        return _fail(ours[0])
     except KeyboardInterrupt:
         return 130
+
+
+def _fail(exc: FusionError) -> int:
+    """One line on stderr; exit status 2 for a user mistake, 3 for an unreachable peer, 1 otherwise."""
+    print(f"fusionp2p: error: {exc}", file=sys.stderr)
+    if isinstance(exc, ConfigError):
+        return 2
+    return 3 if isinstance(exc, PeerUnavailable) else 1
 
 
 def _dispatch(args: argparse.Namespace) -> int:

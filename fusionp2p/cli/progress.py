@@ -22,6 +22,7 @@ from fusionp2p.jobs.events import (
     StepSkipped,
 )
 from fusionp2p.sdk import Job
+from fusionp2p.types import short_peer
 
 
 @dataclass
@@ -59,19 +60,23 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
         task = bar.add_task("training", total=steps, info="")
         for ev in job.events(timeout=timeout):
             if isinstance(ev, PlanChanged):
-                bar.console.print(f"plan {ev.plan_hash[:12]}: {len(ev.stage_sizes)} stages, replicas per stage "
+                bar.console.print(f"plan {ev.plan_hash[:8]}: {len(ev.stage_sizes)} stages, replicas per stage "
                                   f"{ev.stage_sizes} on {len(set(ev.members))} nodes"
-                                  + (f" ({ev.how}, predicted {ev.step_s:.3g} s per step)" if ev.how else ""))
+                                  + (f" ({ev.how}; predicted {ev.step_s:.3g} s per step from the nodes' start-up "
+                                     "benchmarks, not counting nodes that share a host's cores: docs/planning.md)"
+                                     if ev.how else ""))
+                if ev.idle:
+                    bar.console.print(f"idle: {', '.join(short_peer(p) for p in ev.idle)} ({ev.idle_why})")
                 if ev.rho:
                     bar.console.print(ev.describe())
             elif isinstance(ev, LinksUp):
-                slow = sorted(p[-8:] for p, path in ev.paths().items() if path == "libp2p")
-                relayed = sorted(p[-8:] for p, path in ev.paths().items() if path == "relay")
+                slow = sorted(short_peer(p) for p, path in ev.paths().items() if path == "libp2p")
+                relayed = sorted(short_peer(p) for p, path in ev.paths().items() if path == "relay")
                 if slow:   # only news: direct links are the normal case
-                    bar.console.print(f"stage {ev.stage} on {ev.peer[-8:]}: tensors to {', '.join(slow)} go over the "
+                    bar.console.print(f"stage {ev.stage} on {short_peer(ev.peer)}: tensors to {', '.join(slow)} go over the "
                                       "libp2p connection (their data ports are unreachable; slower, see docs/networking.md)")
                 if relayed:
-                    bar.console.print(f"stage {ev.stage} on {ev.peer[-8:]}: tensors to {', '.join(relayed)} go over the "
+                    bar.console.print(f"stage {ev.stage} on {short_peer(ev.peer)}: tensors to {', '.join(relayed)} go over the "
                                       "libp2p connection through a relay (both sides behind NATs; slowest, see "
                                       "docs/networking.md)")
             elif isinstance(ev, JobStateChanged):
@@ -85,7 +90,8 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
             elif isinstance(ev, StepSkipped):
                 bar.console.print(f"warning: {ev.reason}")
             elif isinstance(ev, EvalProgress):
-                bar.console.print(f"held-out loss after step {ev.step}: {ev.loss:.4f}")
+                final = " (final, mean over the pipelines)" if not ev.peer else ""
+                bar.console.print(f"held-out loss after step {ev.step}: {ev.loss:.4f}{final}")
             elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
                 seen.losses.append(ev.loss)
                 seen.tokens_per_s.append(ev.tokens_per_s)

@@ -23,6 +23,7 @@ from rich.text import Text
 
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.ops.curves import LossCurves
+from fusionp2p.types import short_peer
 
 SPARK = "▁▂▃▄▅▆▇█"
 MAX_MATRIX = 16   # nodes shown in the terminal's bandwidth grid
@@ -107,7 +108,8 @@ async def _first_view(t: Any, args: argparse.Namespace) -> tuple[str, dict[str, 
             return peer, await fetch_view(t, peer, timeout=args.timeout)
         except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
             last = exc
-    raise PeerUnavailable(args.bootstrap[0].rsplit("/p2p/", 1)[-1], f"no bootstrap answered ({last})")
+    why = last.reason if isinstance(last, PeerUnavailable) and last.reason else str(last)
+    raise PeerUnavailable(args.bootstrap[0].rsplit("/p2p/", 1)[-1], f"no bootstrap answered: {why}")
 
 
 async def _watch(args: argparse.Namespace) -> None:
@@ -168,25 +170,29 @@ def _dial_nodes(nursery: trio.Nursery, t: Any, summary: dict[str, Any], dialed: 
 
 
 # ---------------------------------------------------------------------------------------- rendering
-def _short(p: str) -> str:
-    return p[-12:]
+_short = short_peer   # the same short form as the nodes' logs and str(event): the id's last 8 characters
 
 
 def members_table(out: dict[str, Any]) -> Table:
-    t = Table(title="members", title_justify="left")
-    for col in ("peer", "role", "alive", "device", "GFLOP/s fp32", "trains at", "memory GiB", "data plane", "reach"):
+    t = Table(title="members", title_justify="left",
+              caption="peer: last 8 characters of its id, as in logs. start-up GFLOP/s: fp32 matmul benchmark. "
+                      "trains at: the speed it trained at in its last job of a model, over what that benchmark "
+                      "predicted (2.00x: twice as fast; -: no job yet). reach: public, or behind a NAT (relayed)",
+              caption_justify="left")
+    for col in ("peer", "role", "alive", "device", "start-up GFLOP/s", "trains at", "memory GiB", "data plane", "reach"):
         t.add_column(col)
     for m in out["members"]:
         p = m["profile"] or {}
         t.add_row(_short(m["peer"]), m["role"], Text("yes", style="green") if m["alive"] else Text("DEAD", style="bold red"),
                   p.get("name", "-"), f"{p['flops_fp32'] / 1e9:.1f}" if p else "-",
-                  f"{m['speed']:.2f}x" if m.get("speed") else "-", f"{p['memory_bytes'] / 2**30:.1f}" if p else "-", " ".join(m.get("data") or ["-"]),
+                  f"{m['speed']:.2f}x benchmark" if m.get("speed") else "-", f"{p['memory_bytes'] / 2**30:.1f}" if p else "-", " ".join(m.get("data") or ["-"]),
                   m.get("reach", "unknown"))
     return t
 
 
 def bandwidth_table(out: dict[str, Any]) -> Table:
-    bw = Table(title="bandwidth (MB/s, rtt ms)", title_justify="left")
+    bw = Table(title="bandwidth between members (MB/s of the data-plane path, round-trip ms; est.: not probed yet)",
+               title_justify="left")
     for col in ("src", "dst", "MB/s", "rtt ms", "measured"):
         bw.add_column(col)
     for e in out["bandwidth"]:
@@ -204,10 +210,10 @@ def bandwidth_grid(out: dict[str, Any]) -> Table:
     g = Table(title="bandwidth matrix, MB/s (row sends to column; * estimated)", title_justify="left")
     g.add_column("")
     for p in nodes:
-        g.add_column(p[-6:], justify="right")
+        g.add_column(_short(p), justify="right")
     palette = ["red", "dark_orange", "yellow", "green_yellow", "green"]
     for a in nodes:
-        row: list[RenderableType] = [Text(a[-6:], style="bold")]
+        row: list[RenderableType] = [Text(_short(a), style="bold")]
         for b in nodes:
             e = cells.get((a, b))
             if a == b or e is None:

@@ -230,12 +230,11 @@ def _from_exported(ep: torch.export.ExportedProgram, model: nn.Module, names: li
         inputs.append(InputSpec(name=name, kind=kind, meta=TensorMeta.of(value)))
 
     nodes: list[OpNode] = []
-    unsupported: set[str] = set()
+    unsupported: dict[str, str] = {}
     scope_types: dict[str, str] = {}
     _Emitter(nodes, unsupported, scope_types, rename).graph(ep.graph, ep.graph_module, no_grad=False)
     if unsupported:
-        raise ConfigError(f"the model uses operators outside the whitelist: {sorted(unsupported)}; rewrite "
-                          "those parts with supported operations or ask for the whitelist to be extended")
+        raise ConfigError(unsupported_message(unsupported))
     (out_node,) = [n for n in ep.graph.nodes if n.op == "output"]
     flat_out = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else (out_node.args[0],)
     outputs = tuple(rename[a.name] for a in flat_out if isinstance(a, torch.fx.Node))
@@ -269,7 +268,7 @@ class _Emitter:
     values and gradients). A region that enables grad is inlined as it is.
     """
 
-    def __init__(self, nodes: list[OpNode], unsupported: set[str], scope_types: dict[str, str],
+    def __init__(self, nodes: list[OpNode], unsupported: dict[str, str], scope_types: dict[str, str],
                  rename: dict[str, str]) -> None:
         self.nodes = nodes
         self.unsupported = unsupported
@@ -346,7 +345,7 @@ class _Emitter:
         if name in DROPPED:
             return
         if name not in WHITELIST:
-            self.unsupported.add(name)
+            self.unsupported.setdefault(name, _user_line(fx_node))
             rename[fx_node.name] = fx_node.name  # keep collecting: report every unsupported op at once
             return
         if not prefix and fx_node.name in self.taken:
@@ -363,6 +362,33 @@ class _Emitter:
             args=tuple(_arg(a, rename) for a in fx_node.args),
             kwargs=tuple((k, _arg(v, rename)) for k, v in fx_node.kwargs.items()),
             out=out, multi=multi, scope=_scope_of(fx_node) or scope))
+
+
+def _user_line(fx_node: torch.fx.Node) -> str:
+    """``file:line: code`` of the innermost frame of the user's own code that made *fx_node* (frames
+    inside torch left out), from the trace's stack; "" when the trace kept none."""
+    lines = str(fx_node.meta.get("stack_trace") or "").splitlines()
+    found = ""
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if line.startswith("File ") and ", line " in line and f"{os.sep}torch{os.sep}" not in line:
+            path, _, rest = line[5:].partition(", line ")
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            found = f"{os.path.basename(path.strip(chr(34)))}:{rest.split(',')[0]}: {code}"
+    return found
+
+
+def unsupported_message(unsupported: Mapping[str, str]) -> str:
+    """One line naming the operators outside the whitelist and the user's line that made each.
+    Symbolic-shape bookkeeping that torch.export adds after a data-dependent op (``aten.sym_size.int``,
+    Python's ``ge``/``le`` on sizes) is left out when a real operator explains it: the user never wrote it."""
+    def internal(op: str) -> bool:
+        return op.startswith("aten.sym_") or not op.startswith(("aten.", "prims."))
+
+    real = {op: where for op, where in unsupported.items() if not internal(op)} or dict(unsupported)
+    ops = "; ".join(f"{op} (from {where})" if where else op for op, where in sorted(real.items()))
+    return (f"the model uses operators outside the whitelist: {ops}. Rewrite that code with supported "
+            "operations (docs/operators.md lists the supported ones), or extend the whitelist in fusionp2p/graph/ops.py")
 
 
 def _scope_of(fx_node: torch.fx.Node) -> str:

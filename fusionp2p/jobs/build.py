@@ -57,7 +57,7 @@ from fusionp2p.jobs.spec import (
 from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, plan_even_flops, plan_even_layers, plan_joint
 from fusionp2p.plan.estimator import CostModel, bf16_pays
 from fusionp2p.train.config import TrainConfig
-from fusionp2p.types import DeviceProfile, WorkloadGraph
+from fusionp2p.types import DeviceProfile, WorkloadGraph, short_peer
 from fusionp2p.wire.dag import decode_dag, encode_dag
 from fusionp2p.wire.limits import DEFAULT_LIMITS
 from fusionp2p.wire.pieces import (
@@ -339,7 +339,7 @@ class NodeJobs:
             try:
                 blob = await self.content.fetch_from(peer, h, max_size=max_size)
             except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
-                log.info("fetch of %s from %s failed: %s", h[:16], peer[:12], exc)
+                log.info("fetch of %s from %s failed: %s", h[:16], short_peer(peer), exc)
                 continue
             store.put(blob)
             self.fetched.append(h)

@@ -28,6 +28,7 @@ from fusionp2p.errors import ConfigError, IntegrityError, PeerUnavailable, Remot
 from fusionp2p.jobs.store import ContentStore, sha256_hex
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import Stream, Transport
+from fusionp2p.types import short_peer
 from fusionp2p.wire.check import U63, as_bool, as_int, as_map, as_str
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.limits import DEFAULT_LIMITS, GiB, MiB
@@ -232,7 +233,7 @@ class ContentService:
                 except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
                     level = logging.WARNING if isinstance(exc, IntegrityError) else logging.INFO
                     log.log(level, "fetch of %s… from %s failed: %s", h[:16], peer, exc)
-                    errors.append(f"{peer[:12]}…: {type(exc).__name__}")
+                    errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
                     if isinstance(exc, PeerUnavailable) and not isinstance(exc, _Refused):
                         again = True          # the stream failed: worth another round
                     else:

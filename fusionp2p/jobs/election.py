@@ -61,6 +61,7 @@ from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import GossipMessage, Transport
 from fusionp2p.plan.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
+from fusionp2p.types import short_peer
 from fusionp2p.wire.check import U63, as_int
 from fusionp2p.wire.limits import DEFAULT_LIMITS
 from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
@@ -260,7 +261,7 @@ class Election:
             f"plan {h[:12]} from snapshots {sorted({self.votes[p].snapshot_hash[:12] for p in peers})} by {peers}"
             for h, peers in sorted(groups.items()))
         log.warning("election %s/%d: members disagree (adopted %s): %s", self.job, self.epoch,
-                    winner[:12] if winner else "none", detail)
+                    short_peer(winner) if winner else "none", detail)
 
 
 # -- trio shell ---------------------------------------------------------------------------------------

@@ -12,13 +12,16 @@ Times (``at``) are injected by the caller (wall clock in seconds), never read he
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from fusionp2p.errors import ConfigError, RemoteProtocolError
 from fusionp2p.plan import Plan
+from fusionp2p.types import short_peer
 from fusionp2p.wire import codec
 from fusionp2p.wire.check import as_map, as_str
 from fusionp2p.wire.limits import DEFAULT_LIMITS
@@ -48,7 +51,7 @@ class StepProgress:
     step: int
     epoch: int = 0
     stage: int = 0
-    peer: str = ""
+    peer: str = ""      # the reporting node; in the SDK's per-step events, the loss replicas averaged (a,b,...)
     loss: float | None = field(default=None, metadata=_LOSS)
     tokens_per_s: float = 0.0
     compute_util: float | None = None
@@ -56,6 +59,24 @@ class StepProgress:
     at: float = 0.0
     earlier: tuple[float, ...] = field(default=(), metadata={"wire": {"max_len": MAX_EARLIER, "omit_default": True,
                                                                        "item": {"finite": False}}})
+    # each earlier step's own tokens/s and wall time (older senders leave them out: then those steps carry
+    # no throughput of their own and the report's time)
+    earlier_tokens_per_s: tuple[float, ...] = field(default=(), metadata={"wire": {"max_len": MAX_EARLIER,
+                                                                                   "omit_default": True}})
+    earlier_at: tuple[float, ...] = field(default=(), metadata={"wire": {"max_len": MAX_EARLIER, "omit_default": True}})
+
+    def __str__(self) -> str:
+        """``job 1a2b… step 12 (epoch 0): loss 4.213, 1,450 tokens/s, compute 85% [stage 1 on 9H8u1xWS]``."""
+        parts = [f"loss {_loss(self.loss)}" if self.loss is not None else "no loss (not the loss stage)"]
+        if self.tokens_per_s > 0:
+            parts.append(f"{self.tokens_per_s:,.0f} tokens/s")
+        if self.compute_util is not None:
+            parts.append(f"compute {100 * self.compute_util:.0f}%")
+        if self.link_util is not None:
+            parts.append(f"links {100 * self.link_util:.0f}%")
+        if self.earlier:
+            parts.append(f"+{len(self.earlier)} earlier steps")
+        return f"job {self.job} step {self.step} (epoch {self.epoch}): {', '.join(parts)} [{_where(self.stage, self.peer)}]"
 
 
 def expand_steps(ev: StepProgress) -> list[StepProgress]:
@@ -63,9 +84,14 @@ def expand_steps(ev: StepProgress) -> list[StepProgress]:
     if not ev.earlier:
         return [ev]
     n = len(ev.earlier)
-    out = [replace(ev, step=ev.step - n + i, loss=loss, earlier=()) for i, loss in enumerate(ev.earlier)
-           if ev.step - n + i >= 0]
-    return [*out, replace(ev, earlier=())]
+    # each step keeps its own throughput and time where the sender sent them; an older sender's steps get
+    # no throughput (0.0, "not measured") rather than a copy of the last step's
+    tps = ev.earlier_tokens_per_s if len(ev.earlier_tokens_per_s) == n else (0.0,) * n
+    at = ev.earlier_at if len(ev.earlier_at) == n else (ev.at,) * n
+    out = [replace(ev, step=ev.step - n + i, loss=loss, tokens_per_s=tps[i], at=at[i],
+                   compute_util=ev.compute_util if tps[i] > 0 else None, earlier=(), earlier_tokens_per_s=(),
+                   earlier_at=()) for i, loss in enumerate(ev.earlier) if ev.step - n + i >= 0]
+    return [*out, replace(ev, earlier=(), earlier_tokens_per_s=(), earlier_at=())]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,12 +121,19 @@ class PlanChanged:
     step_s: float = 0.0
     how: str = field(default="", metadata={"wire": {"max_len": 64}})
     micro: tuple[float, ...] = field(default=(), metadata={"wire": {"max_len": 4096, "omit_default": True}})  # per pipeline
+    # members that accepted the job but have no role in this plan, and why (the publisher fills these in for
+    # the plan it makes; they stay standbys, used at a re-plan)
+    idle: tuple[str, ...] = field(default=(), metadata={"wire": {"max_len": 4096, "omit_default": True}})
+    idle_why: str = field(default="", metadata={"wire": {"max_len": 1024, "omit_default": True}})
 
     @classmethod
-    def of(cls, plan: Plan, *, at: float) -> PlanChanged:
-        """The event of an adopted *plan*."""
+    def of(cls, plan: Plan, *, at: float, accepted: Iterable[str] = (), replicas_hint: int | None = None) -> PlanChanged:
+        """The event of an adopted *plan*; with the peers that *accepted* the job, those it leaves idle, and why."""
         fs = plan.fences
-        return cls(job=plan.job, epoch=plan.epoch, plan_hash=plan.plan_hash(),
+        used = {p for s in plan.stages for p in s.replicas}
+        idle = tuple(sorted(set(accepted) - used))
+        return cls(job=plan.job, epoch=plan.epoch, plan_hash=plan.plan_hash(), idle=idle,
+                   idle_why=idle_reason(plan, len(used), replicas_hint) if idle else "",
                    stage_sizes=tuple(len(s.replicas) for s in plan.stages),
                    members=tuple(p for s in plan.stages for p in s.replicas), at=at,
                    rho=tuple(f.rho for f in fs), link_bps=tuple(f.bandwidth_bps for f in fs),
@@ -119,6 +152,30 @@ class PlanChanged:
         if self.micro:
             lines.append(f"micro-batches per replica a step, by speed: {', '.join(f'{m:g}' for m in self.micro)}")
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        """``job 1a2b… plan 3c4d5e6f (epoch 0): 2 stages x replicas (2, 2) on 4 nodes [9H8u1xWS, MjaB4JeV |
+        …], predicted 0.87 s/step (pipeline); fences dense``: one line, peers by :func:`short_peer`, stages
+        apart by ``|`` (:meth:`describe` has the fences in full)."""
+        stages, k = [], 0
+        for n in self.stage_sizes:
+            stages.append(", ".join(short_peer(p) for p in self.members[k:k + n]))
+            k += n
+        layout = " | ".join(stages)
+        pred = f", predicted {self.step_s:.3g} s/step" + (f" ({self.how})" if self.how else "") if self.step_s > 0 else ""
+        notes = [f"fence {k} AdaTopK keeps {rho:.3g}" + (f" on {self.link_bps[k] / 1e6:,.1f} MB/s"
+                                                          if k < len(self.link_bps) and self.link_bps[k] > 0 else "")
+                 for k, rho in enumerate(self.rho) if rho < 1.0]
+        if self.rho and not notes:
+            notes.append("fences dense")
+        if self.micro:
+            notes.append(f"micro-batches a step by speed {', '.join(f'{m:g}' for m in self.micro)}")
+        if self.idle:
+            notes.append(f"idle {', '.join(short_peer(p) for p in self.idle)}"
+                         + (f" ({self.idle_why})" if self.idle_why else ""))
+        return (f"job {self.job} plan {self.plan_hash[:8]} (epoch {self.epoch}): {len(self.stage_sizes)} stage"
+                f"{'s' * (len(self.stage_sizes) != 1)} x replicas {tuple(self.stage_sizes)} on {len(set(self.members))} "
+                f"nodes [{layout}]{pred}" + "".join(f"; {n}" for n in notes))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -139,6 +196,10 @@ class LinksUp:
         """peer id -> path."""
         return dict(x.split("=", 1) for x in self.links if "=" in x)
 
+    def __str__(self) -> str:
+        links = ", ".join(f"{short_peer(p)} {path}" for p, path in sorted(self.paths().items())) or "none"
+        return f"job {self.job} links up (epoch {self.epoch}) [{_where(self.stage, self.peer)}]: {links}"
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MembersChanged:
@@ -149,6 +210,11 @@ class MembersChanged:
     left: tuple[str, ...] = field(default=(), metadata=_PEERS)
     at: float = 0.0
 
+    def __str__(self) -> str:
+        joined = f"joined {', '.join(short_peer(p) for p in self.joined)}" if self.joined else ""
+        left = f"left {', '.join(short_peer(p) for p in self.left)}" if self.left else ""
+        return f"job {self.job} members (epoch {self.epoch}): {'; '.join(x for x in (joined, left) if x) or 'no change'}"
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobStateChanged:
@@ -157,6 +223,12 @@ class JobStateChanged:
     state: str          # a fusionp2p.jobs.lifecycle.JobState value
     reason: str = field(default="", metadata=_REASON)
     at: float = 0.0
+
+    def __str__(self) -> str:
+        reason = self.reason
+        if _is_hash(reason):
+            reason = f"plan {reason[:8]}"   # a leader's PLANNED carries the plan hash: shown as PlanChanged shows it
+        return f"job {self.job} {self.state}" + (f": {reason}" if reason else "")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,6 +243,10 @@ class CheckpointSaved:
     start: int = -1         # the coarse units the stage file covers: [start, end)
     end: int = -1
 
+    def __str__(self) -> str:
+        held = f" [{_where(self.stage, self.peer)}]" if self.peer else f" [stage {self.stage}]"
+        return f"job {self.job} checkpoint of step {self.step} saved{held}" + (f", hash {self.hash[:8]}" if self.hash else "")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepSkipped:
@@ -183,6 +259,9 @@ class StepSkipped:
     peer: str = ""
     reason: str = field(default="", metadata=_REASON)
     at: float = 0.0
+
+    def __str__(self) -> str:
+        return f"job {self.job} step {self.step}: optimizer step skipped [{_where(self.stage, self.peer)}]: {self.reason}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -197,6 +276,35 @@ class EvalProgress:
     peer: str = ""
     loss: float = field(default=0.0, metadata=_LOSS)   # NaN or inf: the weights diverged, which the operator must see
     at: float = 0.0
+
+    def __str__(self) -> str:
+        by = f" [on {short_peer(self.peer)}]" if self.peer else ""
+        return f"job {self.job} held-out loss {_loss(self.loss)} after step {self.step} (epoch {self.epoch}){by}"
+
+
+def idle_reason(plan: Plan, used: int, replicas_hint: int | None) -> str:
+    """Why a plan leaves accepted nodes idle, from the layouts the planner scored (``plan.considered``)."""
+    bigger = [c for c in plan.considered if c.replicas * c.stages > used and c.step_time_s > 0]
+    if bigger:
+        best = min(bigger, key=lambda c: c.step_time_s)
+        return (f"standby: the best plan with more nodes, {best.stages} stage(s) x {best.replicas} replica(s), "
+                f"was predicted at {best.step_time_s:.3g} s/step")
+    if replicas_hint is not None:
+        return f"standby: replicas={replicas_hint} caps the replicas per stage and more stages were not predicted faster"
+    return "standby: no plan with more nodes was predicted faster"
+
+
+def _where(stage: int, peer: str) -> str:
+    """``stage 1 on 9H8u1xWS`` (an aggregated step's *peer* lists its loss replicas, comma-separated)."""
+    return f"stage {stage} on {', '.join(short_peer(p) for p in peer.split(','))}" if peer else f"stage {stage}"
+
+
+def _loss(v: float) -> str:
+    return f"{v:.4f}" if math.isfinite(v) else f"{v} (diverged)"
+
+
+def _is_hash(s: str) -> bool:
+    return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
 
 
 ProgressEvent = (StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved | StepSkipped

@@ -42,7 +42,7 @@ from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
 from fusionp2p.train.worker import StageWorker
-from fusionp2p.types import DeviceProfile
+from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.jobrecords import JobStatus, StageFile, encode_record, status_key
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class Leading:
                 if (self._led == self.epoch and now - self._led_at < cfg.replan_retry and (stalled or self._broken)
                         and not (stalled and fresh)):
                     continue   # the epoch we proposed is still taking off
-                why = (f"members gone: {[p[:12] for p in gone]}" if gone else
+                why = (f"members gone: {[short_peer(p) for p in gone]}" if gone else
                        "pipeline broken" if self._broken else f"epoch {self.epoch} did not take off")
                 await self._lead(plan, at=None, why=why)
             elif self.svc.swarm.config.role == "node" and self._replan_may_pay():
@@ -179,7 +179,7 @@ class Leading:
             for p in answers:
                 self._answered[p] = now
                 log.info("job %s: member %s is dead to the membership view but answered: no re-plan", self.job_id,
-                         p[:12])
+                         short_peer(p))
         return [p for p in peers if p in left or now - self._answered.get(p, -math.inf) > cfg.confirm_ttl]
 
     def on_replan(self, peer: str, epoch: int) -> None:
@@ -187,7 +187,7 @@ class Leading:
         if epoch < self.epoch:
             # stale: that epoch was re-planned already (a member's word arriving after the new epoch began
             # broke the new epoch before it trained, and the next one, every replan_retry)
-            log.debug("job %s: replan for epoch %d from %s ignored in epoch %d", self.job_id, epoch, peer[:12],
+            log.debug("job %s: replan for epoch %d from %s ignored in epoch %d", self.job_id, epoch, short_peer(peer),
                       self.epoch)
             return
         if self.plan is not None and peer in self.plan.peers:
@@ -246,7 +246,7 @@ class Leading:
         predicted = base is not None and base.step_time_s > 0 and trial.step_time_s > 0
         if base is not None and predicted and not trial.throughput > base.throughput * (1.0 + JOIN_GAIN):
             log.debug("job %s: joiners %s would gain under %.0f%% (%.3g vs %.3g micro-batches/s): not re-planning",
-                      self.job_id, [p[:12] for p in usable], 100 * JOIN_GAIN, trial.throughput, base.throughput)
+                      self.job_id, [short_peer(p) for p in usable], 100 * JOIN_GAIN, trial.throughput, base.throughput)
             return
         w = self._worker
         if w is None:
@@ -256,12 +256,12 @@ class Leading:
             saved = left * (1.0 - base.throughput / trial.throughput)
             if saved < self.svc.config.replan_min_saving:
                 log.debug("job %s: joiners %s would save %.1f s of the %.0f s left, under %.0f s: not re-planning",
-                          self.job_id, [p[:12] for p in usable], saved, left, self.svc.config.replan_min_saving)
+                          self.job_id, [short_peer(p) for p in usable], saved, left, self.svc.config.replan_min_saving)
                 return
         states = await self._ask_all(list(plan.peers), {"op": "status", "job": self.job_id})
         at = self._planned_halt(plan, w, states)
         if at is not None:
-            await self._lead(plan, at=at, why=f"joiners {[p[:12] for p in usable]} get a role")
+            await self._lead(plan, at=at, why=f"joiners {[short_peer(p) for p in usable]} get a role")
 
     def _planned_halt(self, plan: Plan, w: StageWorker, states: dict[str, dict[str, Any]]) -> int | None:
         """The step boundary of a planned re-plan (``halt_step``) from the members' ``status`` answers; None
@@ -296,7 +296,7 @@ class Leading:
         except (PlanError, FusionError, ValueError) as exc:
             log.info("job %s: no plan by the measured speeds: %s", self.job_id, exc)
             return
-        measured = ", ".join(f"{p[:12]} {1e3 * t:.0f} ms" for p, t in sorted(micro_s.items()))
+        measured = ", ".join(f"{short_peer(p)} {1e3 * t:.0f} ms" for p, t in sorted(micro_s.items()))
         if redeals_in_band(self.spec.config, plan) and same_layout(trial, plan):
             log.info("job %s: measured per micro-batch %s; a plan by them differs only in micro-batches per "
                      "replica, which the replicas re-deal themselves: keeping the plan", self.job_id, measured)
@@ -335,11 +335,11 @@ class Leading:
                                             timeout=self.svc.config.accept_timeout)
         except (PeerUnavailable, RemoteProtocolError) as exc:
             # not a refusal: a node that just joined may not serve jobs yet; ask again soon
-            log.info("offer of %s to joiner %s: %s", self.job_id, peer[:12], exc)
+            log.info("offer of %s to joiner %s: %s", self.job_id, short_peer(peer), exc)
             self._offered[peer] = trio.current_time() - self.svc.config.offer_retry + OFFER_AGAIN
             return
         if reply.get("ok"):
-            log.info("job %s: %s accepted as a joiner", self.job_id, peer[:12])
+            log.info("job %s: %s accepted as a joiner", self.job_id, short_peer(peer))
             self.joiners.add(peer)
             self._poke()
 
@@ -359,7 +359,7 @@ class Leading:
             try:
                 h = Halted.from_wire(m.get("halted", {}))
             except RemoteProtocolError as exc:
-                log.info("job %s: %s's halt answer: %s", self.job_id, peer[:12], exc)
+                log.info("job %s: %s's halt answer: %s", self.job_id, short_peer(peer), exc)
                 continue
             if h.peer == peer:
                 halted.append(h)
@@ -378,7 +378,7 @@ class Leading:
         start = {"op": "start", "job": self.job_id, "snapshot": snap.to_wire(), "resume": resume.to_wire(),
                  "previous": plan.to_wire()}
         replies = await self._ask_all(members, start, timeout=cfg.report_timeout)
-        refused = {p[:12]: m.get("error") for p, m in replies.items() if not m.get("ok")}
+        refused = {short_peer(p): m.get("error") for p, m in replies.items() if not m.get("ok")}
         if refused or len(replies) < len(members):
             log.warning("job %s: epoch %d start refused or unanswered: %s", self.job_id, nxt, refused)
         self.joiners -= set(members)
@@ -393,7 +393,7 @@ class Leading:
             if p == self.me:
                 prof = self.svc.swarm.profile
             if prof is None:
-                raise PlanError(f"no device profile for member {p[:12]}")
+                raise PlanError(f"no device profile for member {short_peer(p)}")
             raw[p] = prof
             figures = self.svc.swarm if p == self.me else rec
             speeds[p] = figures.speed_on(self.spec.model_hash) if figures is not None else 0.0
@@ -424,7 +424,7 @@ class Leading:
                 else:
                     out[peer] = await job_proto.request(self.transport, peer, msg, timeout=t)
             except (PeerUnavailable, RemoteProtocolError, FusionError, trio.TooSlowError) as exc:
-                log.info("job %s: %s to %s: %s", self.job_id, msg.get("op"), peer[:12], exc)
+                log.info("job %s: %s to %s: %s", self.job_id, msg.get("op"), short_peer(peer), exc)
 
         async with trio.open_nursery() as nursery:
             for p in peers:

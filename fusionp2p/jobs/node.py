@@ -58,6 +58,7 @@ from fusionp2p.net.resilient import (
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.swarm.node import SwarmNode
+from fusionp2p.types import short_peer
 from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
 
 log = logging.getLogger(__name__)
@@ -380,7 +381,7 @@ class NodeJobService:
             # job (checked above against the adopted plan): the member that leads may have changed since
             run.offerers.add(peer)
         self.nursery.start_soon(self._provide, intake.fetched)   # we can serve these blobs to others now
-        log.info("accepted job %s from %s", job_id, peer[:12])
+        log.info("accepted job %s from %s", job_id, short_peer(peer))
         return {"ok": True, "job": job_id}
 
     async def _expire_offers(self) -> None:
@@ -432,7 +433,7 @@ class NodeJobService:
                 try:
                     self._route_one(ch)
                 except RemoteProtocolError as exc:
-                    log.info("data-plane channel from %s dropped: %s", ch.remote_peer[:12], exc)
+                    log.info("data-plane channel from %s dropped: %s", short_peer(ch.remote_peer), exc)
                     nursery.start_soon(ch.aclose)
 
     def _route_one(self, ch: ResilientChannel) -> None:

@@ -112,9 +112,12 @@ class ProgressBook:
             self._emitted[step] = epoch
             self.history[step] = loss
             utils = [e.compute_util for e in evs if e.compute_util is not None]
-            out.append(StepProgress(job=self.job, step=step, epoch=epoch, stage=self._stage, loss=loss,
+            # the replicas that reported (peer: comma-separated) and when the step ended, not when it was emitted
+            reporters = ",".join(sorted(p for p in got if not p.startswith("report")))
+            ended = max((e.at for e in evs), default=0.0)
+            out.append(StepProgress(job=self.job, step=step, epoch=epoch, stage=self._stage, peer=reporters, loss=loss,
                                     tokens_per_s=sum(e.tokens_per_s for e in evs),
-                                    compute_util=max(utils) if utils else None, at=now))
+                                    compute_util=max(utils) if utils else None, at=ended if ended > 0 else now))
         return out
 
     def recent(self, n: int) -> tuple[tuple[int, float], ...]:

@@ -23,6 +23,7 @@ import trio
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import Stream, Transport
+from fusionp2p.types import short_peer
 from fusionp2p.wire.check import as_map
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.limits import DEFAULT_LIMITS
@@ -68,14 +69,14 @@ async def request(transport: Transport, peer: str, msg: dict[str, Any], *, timeo
             try:
                 await stream.send_all(encode_frame(packb(msg), max_frame=MAX_JOB_FRAME))
                 await stream.send_eof()
-                reply = await _read_one(stream, f"job reply from {peer[:12]}")
+                reply = await _read_one(stream, f"job reply from {short_peer(peer)}")
             finally:
                 with trio.CancelScope(shield=True, deadline=trio.current_time() + 2):
                     await stream.aclose()
     except trio.TooSlowError:
         raise PeerUnavailable(peer, f"no answer to {msg['op']} within {timeout:.0f} s") from None
     if not isinstance(reply.get("ok"), bool):
-        raise RemoteProtocolError(f"job reply from {peer[:12]} has no ok field")
+        raise RemoteProtocolError(f"job reply from {short_peer(peer)} has no ok field")
     return reply
 
 
@@ -96,7 +97,7 @@ def serve(handler: Handler, *, timeout: float = 30.0, refusals: Refusals | None 
             return
         try:
             with trio.fail_after(timeout):
-                req = await _read_one(stream, f"job request from {peer[:12]}")
+                req = await _read_one(stream, f"job request from {short_peer(peer)}")
                 op = req.get("op")
                 if op not in OPS:
                     raise RemoteProtocolError(f"unknown job op {str(op)[:32]!r}")
@@ -108,14 +109,14 @@ def serve(handler: Handler, *, timeout: float = 30.0, refusals: Refusals | None 
                 except ValueError as exc:
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
                 except Exception as exc:   # the node keeps running; the publisher gets the reason
-                    log.exception("job %s request from %s failed", op, peer[:12])
+                    log.exception("job %s request from %s failed", op, short_peer(peer))
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
                 await stream.send_all(encode_frame(packb(reply), max_frame=MAX_JOB_FRAME))
                 await stream.send_eof()
         except RemoteProtocolError as exc:
             table.refuse(peer, "job/request", now=trio.current_time(), detail=str(exc))
         except (PeerUnavailable, trio.TooSlowError) as exc:
-            log.info("job request from %s dropped: %s", peer[:12], exc)
+            log.info("job request from %s dropped: %s", short_peer(peer), exc)
 
     return handle
 

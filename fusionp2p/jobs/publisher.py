@@ -66,7 +66,7 @@ from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Link
 from fusionp2p.plan.snapshot import snapshot_from_records
 from fusionp2p.swarm.node import fetch_view
-from fusionp2p.types import DeviceProfile
+from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.jobrecords import (
     MAX_INDEX,
     JobIndex,
@@ -240,7 +240,7 @@ class JobDriver:
                             await self.transport.connect(f"{a}/p2p/{peer}")
                             break
                         except (PeerUnavailable, FusionError) as exc:
-                            log.debug("dial %s at %s: %s", peer[:12], a, exc)
+                            log.debug("dial %s at %s: %s", short_peer(peer), a, exc)
                 reply = await job_proto.request(self.transport, peer, {"op": "offer", "envelope": built.envelope},
                                                 timeout=cfg.offer_timeout)
             except (PeerUnavailable, RemoteProtocolError) as exc:
@@ -255,7 +255,7 @@ class JobDriver:
             for peer in sorted(view.members):
                 nursery.start_soon(offer, peer)
         for peer, why in sorted(refused.items()):
-            log.warning("node %s refused job %s: %s", peer[:12], self.job, why)
+            log.warning("node %s refused job %s: %s", short_peer(peer), self.job, why)
         if not accepted:
             why = "; ".join(sorted(set(refused.values())))
             raise JobError(f"no node accepted the job ({why})")
@@ -265,7 +265,7 @@ class JobDriver:
         snap = snapshot_from_records(self.job, 0, calibrated(accepted, speeds).items(), view.links)
         plan = plan_for_snapshot(built.spec, built.dag, snap)
         self._state(JobState.PLANNED, plan.plan_hash())
-        self._on_plan(PlanChanged.of(plan, at=time.time()))
+        self._on_plan(PlanChanged.of(plan, at=time.time(), accepted=accepted, replicas_hint=built.spec.config.replicas))
         start = {"op": "start", "job": self.job, "snapshot": snap.to_wire(),
                  "resume": Resume(step=0, sources=()).to_wire()}
         failures: list[str] = []
@@ -274,9 +274,9 @@ class JobDriver:
             try:
                 reply = await job_proto.request(self.transport, peer, start, timeout=cfg.start_timeout)
                 if not reply["ok"]:
-                    failures.append(f"{peer[:12]}: {reply.get('error')}")
+                    failures.append(f"{short_peer(peer)}: {reply.get('error')}")
             except (PeerUnavailable, RemoteProtocolError) as exc:
-                failures.append(f"{peer[:12]}: {exc}")
+                failures.append(f"{short_peer(peer)}: {exc}")
 
         async with trio.open_nursery() as nursery:
             for peer in sorted(accepted):
@@ -329,7 +329,7 @@ class JobDriver:
             adopted = await fetch_latest(self.transport, self.job, known=self.members)   # voted by one we know
             if adopted is None or rec.peer not in adopted[1].peers:
                 log.info("status record of %s signed by %s, who is no member of its plan: ignored",
-                         self.job, rec.peer[:12])
+                         self.job, short_peer(rec.peer))
                 return None
         return rec
 
@@ -425,8 +425,9 @@ class JobDriver:
         for f in st.final:
             await self._fetch_stage(f.holders, f.hash, f.stage, self.steps)
         if st.final_loss is not None:
-            self._emit(StepProgress(job=self.job, step=self.steps, epoch=st.epoch, stage=len(st.final) - 1,
-                                    loss=st.final_loss, at=time.time()))
+            # the final weights' held-out loss, averaged over the pipelines (peer "": the job's, no one node's);
+            # an EvalProgress, not a StepProgress of a step past the last
+            self._emit(EvalProgress(job=self.job, step=self.steps, epoch=st.epoch, loss=st.final_loss, at=time.time()))
         self._state(JobState.DONE)
 
     async def _fetch_stage(self, holders: tuple[str, ...], h: str, stage: int, step: int) -> None:
@@ -479,7 +480,7 @@ class JobDriver:
             try:
                 await job_proto.request(self.transport, peer, {"op": "cancel", "job": self.job}, timeout=10)
             except (PeerUnavailable, RemoteProtocolError) as exc:
-                log.info("cancel of %s on %s: %s", self.job, peer[:12], exc)
+                log.info("cancel of %s on %s: %s", self.job, short_peer(peer), exc)
 
         async with trio.open_nursery() as nursery:
             for peer in sorted(self.members):
@@ -494,7 +495,7 @@ async def read_index(t: Transport, publisher: str) -> list[tuple[str, str, float
     try:
         rec = decode_record(data, verify)
     except RemoteProtocolError as exc:
-        log.info("job index of %s ignored: %s", publisher[:12], exc)
+        log.info("job index of %s ignored: %s", short_peer(publisher), exc)
         return []
     if not isinstance(rec, JobIndex) or rec.peer != publisher:
         return []

@@ -526,7 +526,7 @@ class JobRun(Leading):
 
         # the losses of this replica's steps not gossiped yet (consecutive steps, oldest first): one message
         # carries every step of the last progress_interval (StepProgress.earlier)
-        held: list[tuple[int, float]] = []
+        held: list[tuple[int, float, float, float]] = []   # (step, loss, tokens/s, wall time) not gossiped yet
         sent_at = -math.inf
 
         async def report(rep: StageReport) -> None:
@@ -553,15 +553,15 @@ class JobRun(Leading):
             # the epoch's last step (the job's end or a planned halt) goes out at once, with what is held
             last = rep.step + 1 >= cfg.steps or (self._halt.at is not None and rep.step + 1 >= self._halt.at)
             if not last and now - sent_at < self.svc.config.progress_interval and len(held) < MAX_EARLIER:
-                held.append((rep.step, rep.loss))
+                held.append((rep.step, rep.loss, rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0, time.time()))
                 return
-            earlier = tuple(loss for _, loss in held)
+            earlier, earlier_tps, earlier_at = (tuple(h[i] for h in held) for i in (1, 2, 3))
             held.clear()
             sent_at = now
             await self._gossip(StepProgress(job=self.job_id, step=rep.step, epoch=plan.epoch, stage=s, peer=self.me,
                                             loss=rep.loss, tokens_per_s=rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0,
                                             compute_util=min(1.0, rep.compute_s / rep.wall_s) if rep.wall_s > 0 else None,
-                                            at=time.time(), earlier=earlier))
+                                            at=time.time(), earlier=earlier, earlier_tokens_per_s=earlier_tps, earlier_at=earlier_at))
 
         async def checkpoint(step: int, _: dict[str, torch.Tensor]) -> None:
             if step >= cfg.steps or self._worker is None:

@@ -57,6 +57,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from fusionp2p.errors import ConfigError, PeerUnavailable
 from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits, HolePunchPolicy
+from fusionp2p.net.dial_errors import dial_cause
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.relay import RelayClient, RelayLimits, RelayService, is_circuit
 from fusionp2p.net.traffic import Traffic
@@ -111,7 +112,11 @@ def parse_multiaddr(addr: str) -> multiaddr.Multiaddr:
 
 def parse_peer_addr(addr: str) -> tuple[str, multiaddr.Multiaddr]:
     """Split a full ``.../p2p/<id>`` address; ConfigError if it is not one."""
-    ma = parse_multiaddr(addr)
+    try:
+        ma = multiaddr.Multiaddr(addr)
+    except Exception:
+        raise ConfigError(f"malformed multiaddr {addr!r}; expected the full address a bootstrap prints, "
+                          "e.g. /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW...") from None
     try:
         info = info_from_p2p_addr(ma)
     except Exception:
@@ -484,9 +489,12 @@ class Libp2pTransport:
             with trio.fail_after(self._config.dial_timeout):
                 await self.host.connect(info)
         except trio.TooSlowError:
-            raise PeerUnavailable(peer, "dial timed out") from None
+            where = addr.split("/p2p/", 1)[0]
+            raise PeerUnavailable(peer, f"no answer from {where} within {self._config.dial_timeout:g} s: "
+                                        "wrong host, or a firewall in the way?") from None
         except Exception as exc:
-            raise PeerUnavailable(peer, f"dial failed: {exc}") from None
+            # py-libp2p's "no addresses established a successful connection" hides the cause a user acts on
+            raise PeerUnavailable(peer, dial_cause(exc, addr)) from None
         try:
             with trio.move_on_after(self._config.dht_timeout):
                 await self.dht.add_peer(info.peer_id)

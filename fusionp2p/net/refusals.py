@@ -23,6 +23,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from fusionp2p.types import short_peer
+
 log = logging.getLogger(__name__)
 
 
@@ -63,11 +65,11 @@ class Refusals:
         s.value += weight
         if not s.banned and s.value >= self.config.ban_score:
             s.banned = True
-            log.warning("peer %s banned for %.0f s: %d refused messages (last: %s %s)", peer[:16],
+            log.warning("peer %s banned for %.0f s: %d refused messages (last: %s %s)", short_peer(peer),
                         self.config.half_life, sum(c for (p, _), c in self.by_peer.items() if p == peer),
                         reason, detail[:200])
         else:
-            log.info("refused %s from %s: %s", reason, peer[:16], detail[:200])
+            log.info("refused %s from %s: %s", reason, short_peer(peer), detail[:200])
         if len(self._scores) > self.config.max_peers:
             self._forget(now)
 

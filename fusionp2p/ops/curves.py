@@ -26,9 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.jobs.events import CheckpointSaved, EvalProgress, StepProgress, decode_event, expand_steps
+from fusionp2p.jobs.election import VOTE_KIND
+from fusionp2p.jobs.events import CheckpointSaved, EvalProgress, StepProgress, event_from_dict, expand_steps
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage
+from fusionp2p.types import short_peer
+from fusionp2p.wire.limits import DEFAULT_LIMITS
+from fusionp2p.wire.msg import unpackb
 
 
 @dataclass(slots=True)
@@ -75,13 +79,16 @@ class LossCurves:
     def on_gossip(self, msg: GossipMessage, *, now: float) -> None:
         """Take one message of the jobs topic; a bad one is refused and dropped, never raised."""
         try:
-            ev = decode_event(msg.data)
+            m = unpackb(msg.data, max_size=DEFAULT_LIMITS.max_gossip)
+            if isinstance(m, dict) and m.get("t") == VOTE_KIND:
+                return   # plan votes share the topic: the election checks them; they are not progress
+            ev = event_from_dict(m)
         except RemoteProtocolError as exc:
             self._refuse(msg.sender, "jobs/progress-decode", str(exc), now)
             return
         if isinstance(ev, StepProgress | CheckpointSaved | EvalProgress):
             if ev.peer != msg.sender:
-                self._refuse(msg.sender, "jobs/progress-sender", f"{ev.peer[:16]} reported by another", now)
+                self._refuse(msg.sender, "jobs/progress-sender", f"{short_peer(ev.peer)} reported by another", now)
                 return
             self.received += 1
             for one in expand_steps(ev) if isinstance(ev, StepProgress) else [ev]:

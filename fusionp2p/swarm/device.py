@@ -35,7 +35,10 @@ def parse_device(spec: str) -> torch.device:
         raise ConfigError(f"unknown device {spec!r}; use cpu or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"device {spec} requested but CUDA is not available here; use --device cpu")
+            why = ("this torch is a CPU-only build: install a CUDA one with `make clean setup "
+                   "TORCH_INDEX=https://download.pytorch.org/whl/cu128` (README.md, \"Run a node\")"
+                   if torch.version.cuda is None else "torch sees no CUDA device (check the driver and nvidia-smi)")
+            raise ConfigError(f"device {spec} requested but CUDA is not available here: {why}; or use --device cpu")
         if (dev.index or 0) >= torch.cuda.device_count():
             raise ConfigError(f"device {spec} does not exist; this machine has {torch.cuda.device_count()} GPU(s)")
     elif dev.type != "cpu":

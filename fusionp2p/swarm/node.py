@@ -36,6 +36,7 @@ import trio
 
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.addrs import addr_ip, dial_scopes, ip_scope, peer_dial_addrs
+from fusionp2p.net.dial_errors import is_final
 from fusionp2p.net.identity import verify
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage, Relaying, Stream, Transport
@@ -50,7 +51,7 @@ from fusionp2p.swarm.reach import (
     should_dial,
     verdict,
 )
-from fusionp2p.types import DeviceProfile
+from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.check import as_bytes, as_list, as_map, as_str
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.limits import DEFAULT_LIMITS
@@ -272,7 +273,7 @@ class SwarmNode:
                     ok_p2p, ok_data, ip = await check_reach(self.transport, server, p2p=p2p, data=list(self.data_addrs),
                                                             timeout=cfg.request_timeout)
                 except (PeerUnavailable, RemoteProtocolError) as exc:
-                    log.debug("reach check via %s: %s", server[:16], exc)
+                    log.debug("reach check via %s: %s", short_peer(server), exc)
                     continue
                 if ip != self.seen_ip and addr_ip(f"/ip{6 if ':' in ip else 4}/{ip}/tcp/1") is not None:
                     self.seen_ip = ip
@@ -386,19 +387,26 @@ class SwarmNode:
         if not bootstrap:
             return []
         delay = self.config.join_backoff
-        last: Exception | None = None
-        for _attempt in range(self.config.join_attempts):
+        attempts = self.config.join_attempts
+        causes: dict[str, str] = {}
+        for attempt in range(1, attempts + 1):
             ok = []
             for addr in bootstrap:
                 try:
                     ok.append(await self.transport.connect(addr))
                 except PeerUnavailable as exc:
-                    last = exc
+                    causes[addr] = exc.reason or str(exc)
+                    log.warning("bootstrap %s, attempt %d/%d: %s", short_peer(exc.peer), attempt, attempts, causes[addr])
             if ok:
                 return ok
+            # a port that answers with another peer id (or another protocol) answers so again: stop now
+            if attempt == attempts or all(is_final(c) for c in causes.values()):
+                break
             await trio.sleep(delay)  # backoff between join attempts, not a readiness wait
             delay *= 2
-        raise PeerUnavailable(bootstrap[0].rsplit("/p2p/", 1)[-1], f"no bootstrap reachable after {self.config.join_attempts} attempts ({last})")
+        raise PeerUnavailable(bootstrap[0].rsplit("/p2p/", 1)[-1],
+                              f"no bootstrap reachable after {attempt} attempt{'s' * (attempt > 1)}: "
+                              + "; ".join(dict.fromkeys(causes.values())))
 
     async def _pull_views(self, peers: list[str], done: trio.Event) -> None:
         async with trio.open_nursery() as nursery:
@@ -417,7 +425,7 @@ class SwarmNode:
             with trio.fail_after(self.config.probe.timeout):
                 raw = await _fetch_view_raw(self.transport, peer)
         except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
-            log.debug("view from %s: %s", peer[:16], exc)
+            log.debug("view from %s: %s", short_peer(peer), exc)
             return
         alive = set(raw["alive"])
         for data in [*raw["records"], *raw["bw"]]:
@@ -510,7 +518,7 @@ class SwarmNode:
             try:
                 self._apply_record(rec, raw)
             except Exception as exc:   # a bug of ours that a peer's valid record reached: log it, keep listening
-                log.exception("applying a %s record of %s failed", type(rec).__name__, rec.peer[:16])
+                log.exception("applying a %s record of %s failed", type(rec).__name__, short_peer(rec.peer))
                 self._refuse(sender, "gossip/apply", exc)
 
     def _apply_record(self, rec: Record, raw: bytes) -> None:
@@ -576,7 +584,7 @@ class SwarmNode:
                         await self.transport.connect(f"{addr}/p2p/{rec.peer}")
                         break
                     except (PeerUnavailable, ConfigError) as exc:
-                        log.debug("dial %s at %s: %s", rec.peer[:16], addr, exc)
+                        log.debug("dial %s at %s: %s", short_peer(rec.peer), addr, exc)
             finally:
                 self._dialed.discard(rec.peer)   # _dialed = dials queued or under way
 
@@ -590,7 +598,7 @@ class SwarmNode:
             if ev.change in (Change.JOINED, Change.REVIVED):
                 self.prober.on_joined(ev.peer)
             if ev.change is not Change.UPDATED:
-                log.info("member %s %s", ev.peer[:16], ev.change.value)
+                log.info("member %s %s", short_peer(ev.peer), ev.change.value)
                 self.counters.events.append(ev)
             for fn in self.listeners:
                 fn(ev)

@@ -64,6 +64,7 @@ import trio
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import Stream, Transport
+from fusionp2p.types import short_peer
 from fusionp2p.wire.check import as_map, as_str
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.msg import packb, typed_field, unpackb
@@ -605,7 +606,7 @@ class ProbeSession:
                 sock = await raw.dial_raw(self.peer, host, port, ticket)
             except PeerUnavailable as exc:
                 self._raw_failed = True
-                log.debug("probe %s: no raw socket (%s); timing the stream", self.peer[:16], exc)
+                log.debug("probe %s: no raw socket (%s); timing the stream", short_peer(self.peer), exc)
             answer = await f.recv_ctrl()   # "raw" once the server has our socket, "noraw" after RAW_WAIT
             if answer.get("op") == "raw" and sock is not None:
                 # the listener proves that it is the peer we asked (not whatever the grant named): our ticket
@@ -689,7 +690,7 @@ async def open_probe(transport: Transport, peer: str, *, pings: int = 3, phase: 
     *phase*, if given, is set to ``["ping"]`` once the stream is open (for the caller's error message)."""
     t_open = trio.current_time()
     stream = await transport.open_stream(peer, PROBE)
-    log.debug("probe %s: stream open in %.0f ms", peer[:16], 1e3 * (trio.current_time() - t_open))
+    log.debug("probe %s: stream open in %.0f ms", short_peer(peer), 1e3 * (trio.current_time() - t_open))
     if phase is not None:
         phase[:] = ["ping"]
     f = _Framed(stream, _CTRL)

@@ -37,6 +37,7 @@ from fusionp2p.swarm.probe import (
     open_probe,
     probe_size,
 )
+from fusionp2p.types import short_peer
 
 log = logging.getLogger("fusionp2p.swarm.node")   # the node's log, as before the prober had a module of its own
 
@@ -206,7 +207,7 @@ class LinkProber:
                     session = await open_probe(self.transport, peer)
             except (PeerUnavailable, trio.TooSlowError) as exc:
                 self.counters.probes_failed += 1
-                log.debug("probe %s failed: %s", peer[:16], str(exc) or "timed out (open/ping)")
+                log.debug("probe %s failed: %s", short_peer(peer), str(exc) or "timed out (open/ping)")
                 return
             try:
                 res = await self._measure(session, bulk, spent)
@@ -240,7 +241,7 @@ class LinkProber:
             async with bulk:
                 if not self.server.reserve(OWN, trio.current_time()):
                     self.counters.probes_busy += 1   # a peer measures its link to us: ours would share it
-                    log.debug("probe %s: our own server is busy", peer[:16])
+                    log.debug("probe %s: our own server is busy", short_peer(peer))
                     continue
                 try:
                     raw = self.raw_path if trio.current_time() >= link.raw_after else None
@@ -248,11 +249,11 @@ class LinkProber:
                         res = await session.measure(link.next_bytes, raw=raw)
                 except ProbeBusy:
                     self.counters.probes_busy += 1
-                    log.debug("probe %s: busy", peer[:16])
+                    log.debug("probe %s: busy", short_peer(peer))
                     continue
                 except (PeerUnavailable, trio.TooSlowError) as exc:
                     self.counters.probes_failed += 1
-                    log.debug("probe %s failed: %s", peer[:16], str(exc) or "timed out (bulk)")
+                    log.debug("probe %s failed: %s", short_peer(peer), str(exc) or "timed out (bulk)")
                     return None
                 finally:
                     self.server.release(OWN, trio.current_time())
@@ -267,7 +268,7 @@ class LinkProber:
         if res.raw_failed:
             link.raw_after = trio.current_time() + RAW_RETRY
         log.debug("probe %s: %.1f MB/s (%s: ours %.1f, theirs %s), rtt %.1f ms, %d bytes in %d transfers, %.3f s%s",
-                  peer[:16], res.bandwidth / 1e6, res.path, (res.forward or res.bandwidth) / 1e6,
+                  short_peer(peer), res.bandwidth / 1e6, res.path, (res.forward or res.bandwidth) / 1e6,
                   "-" if res.reverse is None else f"{res.reverse / 1e6:.1f}", res.rtt * 1e3, res.sent, res.transfers,
                   res.elapsed, "" if res.measured else " (inconclusive)")
         if res.reverse is not None:

@@ -24,7 +24,7 @@ from fusionp2p.data import BuiltinCorpus
 from fusionp2p.jobs.build import build_job, module_state
 from fusionp2p.jobs.checkpoint import assemble
 from fusionp2p.jobs.content import ContentService, ContentStore
-from fusionp2p.jobs.events import JobStateChanged, PlanChanged, ProgressEvent, StepProgress
+from fusionp2p.jobs.events import EvalProgress, JobStateChanged, PlanChanged, ProgressEvent, StepProgress
 from fusionp2p.jobs.node import NodeJobConfig, NodeJobService
 from fusionp2p.jobs.publisher import DriverConfig, Publisher
 from fusionp2p.jobs.spec import Resources
@@ -117,7 +117,8 @@ def test_two_by_two_over_the_data_plane(tmp_path: Path) -> None:
     steps = [e for e in events if isinstance(e, StepProgress) and e.step < cfg.steps]
     assert [e.step for e in steps] == list(range(cfg.steps))
     assert float(np.mean([e.loss for e in steps[-3:]])) < float(np.mean([e.loss for e in steps[:3]])) - 0.5
-    final = next(e for e in events if isinstance(e, StepProgress) and e.step == cfg.steps)
+    assert not [e for e in events if isinstance(e, StepProgress) and e.step >= cfg.steps]   # no step past the last
+    final = next(e for e in events if isinstance(e, EvalProgress) and e.step == cfg.steps and not e.peer)
     # the stage checkpoints fetched by hash assemble into the user's module and reproduce the final loss
     state = module_state(built.dag, assemble(tmp_path / "pub" / "checkpoints", built.spec.job_id))  # type: ignore[attr-defined]
     fresh = _model(seed=9)
@@ -210,7 +211,8 @@ def test_a_cut_data_plane_connection_does_not_change_the_training(tmp_path: Path
     assert cut[0].session == cut[1].session        # one session throughout: resumed, not reopened
 
     def losses(evs: list[ProgressEvent]) -> dict[int, float]:
-        return {e.step: e.loss for e in evs if isinstance(e, StepProgress) and e.loss is not None}
+        final = {e.step: e.loss for e in evs if isinstance(e, EvalProgress) and not e.peer}   # the final evaluation
+        return {e.step: e.loss for e in evs if isinstance(e, StepProgress) and e.loss is not None} | final
 
     want, got = losses(plain), losses(events)
     assert sorted(want) == sorted(got) == list(range(cfg.steps + 1))   # every step and the final evaluation
@@ -266,7 +268,7 @@ def test_a_dead_member_is_replanned_around_and_the_job_ends_done(tmp_path: Path)
     assert [p.epoch for p in plans][:1] == [0] and plans[-1].epoch >= 1
     assert len(set(plans[-1].members)) == 1                  # the survivor holds both stages' parameters now
     steps = {e.step: e for e in events if isinstance(e, StepProgress) and e.loss is not None}
-    assert set(range(cfg.steps + 1)) <= set(steps)
+    assert set(range(cfg.steps)) <= set(steps) and any(isinstance(e, EvalProgress) and not e.peer for e in events)
     resumed = min(e.step for e in steps.values() if e.epoch >= 1)
     assert resumed == 8            # the newest complete checkpoint before the death (every 4 steps)
 

@@ -23,7 +23,7 @@ from fusionp2p.jobs.build import BuiltJob, build_job, module_state
 from fusionp2p.jobs.checkpoint import assemble
 from fusionp2p.jobs.content import ContentService, ContentStore
 from fusionp2p.jobs.embedded import EmbeddedConfig, EmbeddedNode, EmbeddedSwarm, open_embedded_swarm
-from fusionp2p.jobs.events import JobStateChanged, PlanChanged, ProgressEvent, StepProgress
+from fusionp2p.jobs.events import EvalProgress, JobStateChanged, PlanChanged, ProgressEvent, StepProgress
 from fusionp2p.jobs.node import NodeJobConfig
 from fusionp2p.jobs.publisher import DriverConfig, Publisher
 from fusionp2p.jobs.run import JobRun
@@ -86,15 +86,17 @@ def _plans(events: list[ProgressEvent]) -> list[PlanChanged]:
     return [e for e in events if isinstance(e, PlanChanged)]
 
 
-def _losses(events: list[ProgressEvent]) -> dict[int, StepProgress]:
-    out: dict[int, StepProgress] = {}
+def _losses(events: list[ProgressEvent]) -> dict[int, StepProgress | EvalProgress]:
+    """Per step its event with a loss; at ``steps``, the final evaluation (the publisher's, peer "")."""
+    out: dict[int, StepProgress | EvalProgress] = {}
     for e in events:
-        if isinstance(e, StepProgress) and e.loss is not None:
+        if (isinstance(e, StepProgress) and e.loss is not None) or (isinstance(e, EvalProgress) and not e.peer):
             out[e.step] = e
     return out
 
 
-def _check_done(events: list[ProgressEvent], cfg: TrainConfig) -> tuple[list[PlanChanged], dict[int, StepProgress]]:
+def _check_done(events: list[ProgressEvent], cfg: TrainConfig) -> tuple[list[PlanChanged],
+                                                                          dict[int, StepProgress | EvalProgress]]:
     states = [e.state for e in events if isinstance(e, JobStateChanged)]
     assert states[-1] == "done", [e for e in events if isinstance(e, JobStateChanged)]
     plans = [e for e in events if isinstance(e, PlanChanged)]

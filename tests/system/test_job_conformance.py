@@ -16,7 +16,7 @@ import trio
 
 from fusionp2p.cli.cluster import LocalCluster, wait_until
 from fusionp2p.data import BuiltinCorpus
-from fusionp2p.jobs.events import JobStateChanged, PlanChanged, StepProgress
+from fusionp2p.jobs.events import EvalProgress, JobStateChanged, PlanChanged, StepProgress
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
 from fusionp2p.sdk import Swarm
 from fusionp2p.testing.evaluation import final_eval_loss
@@ -119,6 +119,7 @@ def test_a_member_killed_mid_training_the_job_replans_and_ends_done(kind: _Kind,
     job.wait(timeout=10)
     assert plans[-1].epoch >= 1 and killed not in plans[-1].members
     steps = {e.step for e in job.history if isinstance(e, StepProgress) and e.loss is not None}
-    assert set(range(cfg.steps + 1)) <= steps
+    assert set(range(cfg.steps)) <= steps and job.final_loss is not None   # every step, and the final evaluation
+    assert any(isinstance(e, EvalProgress) and e.step == cfg.steps and not e.peer for e in job.history)
     fresh = _model(seed=7)
     fresh.load_state_dict(safetensors.torch.load_file(str(job.download(tmp_path))), strict=True)

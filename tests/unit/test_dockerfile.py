@@ -127,7 +127,7 @@ def test_install_steps_mirror_make_setup(docker: list[tuple[str, str]], args: di
     assert steps[2] == "."
     recipe = makefile.split("$(STAMP): pyproject.toml", 1)[1].split("\n\n", 1)[0]
     make_steps = [re.sub(r"\$\(PIP_FLAGS\)\s*", "", s) for s in _pip_installs(recipe.splitlines())]
-    assert make_steps == ["--upgrade pip", "$(TORCH_SPEC)", "-e '.[dev]'"]
+    assert make_steps == ["--upgrade pip", "$(TORCH_FROM) $(TORCH_SPEC)", "-e '.[dev]'"]   # TORCH_INDEX: the build
 
 
 def test_libp2p_is_pinned_exactly(pyproject: dict[str, Any]) -> None:

@@ -146,6 +146,27 @@ def test_operator_outside_whitelist_is_rejected_at_trace_time() -> None:
         trace(Sorts(), (torch.randn(2, 4),))
 
 
+def test_whitelist_error_names_the_users_op_and_line_not_torch_internals() -> None:
+    """A data-dependent op drags symbolic-size bookkeeping (aten.sym_size.int, ge, le) into the trace; the
+    message names only what the user wrote, the line that wrote it, and where the supported ops are listed."""
+    class Picks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            idx = torch.nonzero(y > 0)  # the line the message must point at
+            return y.sum() + idx.sum()
+
+    with pytest.raises(ConfigError) as info:
+        trace(Picks(), (torch.randn(2, 4),))
+    msg = str(info.value)
+    assert "aten.nonzero.default" in msg and "docs/operators.md" in msg and "\n" not in msg
+    assert "test_graph_trace.py:" in msg and "idx = torch.nonzero(y > 0)" in msg
+    assert "sym_size" not in msg and " ge" not in msg and " le" not in msg
+
+
 def test_trace_records_meta_flops_and_mapping() -> None:
     torch.manual_seed(0)
     m = MLP(MLPConfig(in_features=8, hidden=(16,), out_features=4))

@@ -71,6 +71,18 @@ def test_bad_and_spoofed_messages_are_refused_not_raised() -> None:
     assert refusals.by_peer[("mallory", "jobs/progress-sender")] == 1
 
 
+def test_plan_votes_on_the_jobs_topic_are_not_refused_as_bad_progress() -> None:
+    """A normal job's plan votes share the jobs topic; they once counted as jobs/progress-decode refusals."""
+    from fusionp2p.jobs.election import Vote
+
+    refusals = Refusals()
+    book = LossCurves(refusals=refusals)
+    vote = Vote.make(job="j", epoch=0, plan_hash="ab" * 32, snapshot_hash="cd" * 32, peer="alice",
+                     sign=lambda b: b"sig")
+    book.on_gossip(GossipMessage(TOPIC_JOBS, "alice", vote.encode()), now=0.0)
+    assert refusals.by_reason == {} and book.jobs == {}
+
+
 def test_nan_loss_is_shown_as_missing() -> None:
     book = LossCurves()
     book.on_gossip(msg(step("j", 0, loss=float("nan"))), now=0.0)
