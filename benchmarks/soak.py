@@ -30,8 +30,8 @@ from fusionp2p.cli.cluster import LocalCluster, wait_until
 from fusionp2p.cli.demo import SEQ_LEN, demo_config, demo_model
 from fusionp2p.data import BuiltinCorpus
 from fusionp2p.jobs.events import JobStateChanged, PlanChanged, StepProgress
-from fusionp2p.jobs.store import parse_size
 from fusionp2p.sdk import Swarm
+from fusionp2p.sizes import parse_size
 
 MB = 1e6
 

@@ -265,7 +265,8 @@ def _run_daemon(args: argparse.Namespace) -> int:
     job_cfg = None
     if role == "node":
         from fusionp2p.jobs.node import NodeJobConfig
-        from fusionp2p.jobs.store import StoreConfig, parse_size
+        from fusionp2p.jobs.store import StoreConfig
+        from fusionp2p.sizes import parse_size
 
         job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce,   # checks them all
                                 progress_interval=args.progress_interval, compute_slowdown=slowdown,
@@ -318,7 +319,7 @@ def _memory(args: argparse.Namespace) -> int | None:
     text = getattr(args, "memory", None)
     if text is None:
         return None
-    from fusionp2p.swarm.device import parse_size
+    from fusionp2p.sizes import parse_size
 
     return parse_size(text, "--memory")
 

@@ -52,23 +52,6 @@ def sha256_hex(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str, flag: str) -> int:
-    """``"20G"``, ``"512M"``, ``"1.5T"`` or plain bytes -> bytes (powers of 1024; an optional trailing
-    ``B``/``iB``); a one-line ConfigError naming *flag* otherwise."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1:] if t[-1:] in _UNITS else ""
-    try:
-        value = float(t[: len(t) - len(unit)])
-    except ValueError:
-        value = -1.0
-    if not 0 < value < 1e18 or value != value:
-        raise ConfigError(f"{flag} {text!r}: give a size like 20G, 512M or 1.5T")
-    return int(value * _UNITS[unit])
-
-
 class StoreFull(FusionError):
     """A blob does not fit: what running jobs pin plus the blob would pass the store's cap (``--disk``)."""
 
@@ -283,4 +266,4 @@ class ContentStore:
         return self._held[h]
 
 
-__all__ = ["ContentStore", "StoreConfig", "StoreFull", "parse_size", "sha256_hex"]
+__all__ = ["ContentStore", "StoreConfig", "StoreFull", "sha256_hex"]

@@ -56,8 +56,8 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from fusionp2p.errors import ConfigError, PeerUnavailable
-from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits, HolePunchPolicy
 from fusionp2p.net.dial_errors import dial_cause
+from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits, HolePunchPolicy
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.relay import RelayClient, RelayLimits, RelayService, is_circuit
 from fusionp2p.net.traffic import Traffic

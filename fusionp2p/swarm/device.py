@@ -185,8 +185,6 @@ def slowed(fn: Callable[..., T], factor: float, cpus: float | None) -> Callable[
 
 MEMORY_HEADROOM = 0.10             # of the memory measured as available, left to the OS and the node itself
 MEMORY_HEADROOM_MIN = 512 << 20    # ... and at least this much (Python, torch, libp2p and the content store)
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
 def offered_memory(available: int) -> int:
@@ -194,19 +192,6 @@ def offered_memory(available: int) -> int:
     (``MEMORY_HEADROOM`` of it, at least ``MEMORY_HEADROOM_MIN``), never under half of it."""
     return max(available // 2, available - max(int(available * MEMORY_HEADROOM), MEMORY_HEADROOM_MIN))
 
-
-def parse_size(text: str, flag: str = "--memory") -> int:
-    """``"3GiB"``, ``"512MiB"``, ``"2.5GB"`` or a byte count -> bytes; ConfigError saying what to write."""
-    t = text.strip().lower().replace(" ", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    try:
-        value = float(num) * _SIZE_UNITS[unit]
-    except (KeyError, ValueError):
-        raise ConfigError(f"{flag} {text!r}: give a size such as 3GiB, 512MiB or 2.5GB") from None
-    if not 1 <= value < 2**63:
-        raise ConfigError(f"{flag} {text!r}: the size must be positive")
-    return int(value)
 
 
 def enable_tf32(device: str) -> None:

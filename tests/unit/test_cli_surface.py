@@ -67,7 +67,7 @@ def test_bad_data_plane_addresses_are_one_line_user_errors(capsys: pytest.Captur
                               ("--data-announce", "/ip4/0.0.0.0/tcp/4002", "announce the address peers dial"),
                               ("--data-announce", "/ip4/1.2.3.4/tcp/0", "port must be between 1"),
                               ("--data-announce", "/ip4/nope/tcp/4002", "not an IP address"),
-                              ("--disk", "ten", "give a size like 20G")):
+                              ("--disk", "ten", "give a size such as 3GiB, 20G")):
         assert main(["node", "--bootstrap", boot, "--home", "/nonexistent/fp2p-test", flag, value]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and flag in err and says in err, err

@@ -9,7 +9,8 @@ import pytest
 import trio
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.jobs.store import ContentStore, StoreConfig, StoreFull, parse_size
+from fusionp2p.jobs.store import ContentStore, StoreConfig, StoreFull
+from fusionp2p.sizes import parse_size
 
 
 def _blob(i: int, n: int = 100) -> bytes:

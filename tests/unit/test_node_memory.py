@@ -6,14 +6,15 @@ import pytest
 
 from fusionp2p.cli.main import build_parser, main
 from fusionp2p.errors import ConfigError
-from fusionp2p.swarm.device import MEMORY_HEADROOM_MIN, offered_memory, parse_size
+from fusionp2p.sizes import parse_size
+from fusionp2p.swarm.device import MEMORY_HEADROOM_MIN, offered_memory
 
 BOOT = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWLK6ngBJz8BZrs3HnzCXQJdQbadX7z2iqbp7crfMrrrTT"
 
 
 @pytest.mark.parametrize(("text", "size"), [
     ("3GiB", 3 * 2**30), ("3gib", 3 * 2**30), ("512MiB", 512 * 2**20), ("2.5GB", 2_500_000_000), ("1e9", 10**9),
-    ("4096", 4096), ("1 TiB", 2**40), ("64k", 64_000), ("100b", 100),
+    ("4096", 4096), ("1 TiB", 2**40), ("64k", 64 << 10), ("20G", 20 << 30), ("1.5t", int(1.5 * (1 << 40))), ("100b", 100),
 ])
 def test_sizes_parse(text: str, size: int) -> None:
     assert parse_size(text) == size
