@@ -69,6 +69,7 @@ from fusionp2p.jobs.events import (
     StepSkipped,
     encode_event,
 )
+from fusionp2p.jobs.failures import describe, split_cancelled
 from fusionp2p.jobs.host import JobHost
 from fusionp2p.jobs.lead import Leading, _Epoch
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
@@ -80,7 +81,7 @@ from fusionp2p.jobs.replan import (
     Source,
     leader_of,
 )
-from fusionp2p.jobs.status import StepStats
+from fusionp2p.jobs.status import ProgressBatch, StepStats
 from fusionp2p.jobs.weights import WeightFetches, prepare_stage, stage_fit
 from fusionp2p.net.channel import TensorChannel
 from fusionp2p.net.dataplane_config import PATH_LIBP2P, PATH_RELAY
@@ -281,7 +282,7 @@ class JobRun(Leading):
                     nursery.cancel_scope.cancel()
                 state = JobState.DONE
         except BaseException as exc:   # any failure ends this job, never the node
-            cancelled, failure = _split_cancelled(exc)
+            cancelled, failure = split_cancelled(exc)
             if failure is None:
                 raise
             if trio.current_effective_deadline() == -math.inf:
@@ -524,13 +525,9 @@ class JobRun(Leading):
             if s > 0:
                 rho_out[-1 - (s - 1)] = plan.fences[s - 1].rho
 
-        # the losses of this replica's steps not gossiped yet (consecutive steps, oldest first): one message
-        # carries every step of the last progress_interval (StepProgress.earlier)
-        held: list[tuple[int, float, float, float]] = []   # (step, loss, tokens/s, wall time) not gossiped yet
-        sent_at = -math.inf
+        batch = ProgressBatch(self.svc.config.progress_interval, MAX_EARLIER)   # gossip stays small
 
         async def report(rep: StageReport) -> None:
-            nonlocal sent_at
             if rep.skipped:   # the worker skipped a step with non-finite gradients (train/guard.py): say so
                 await self._gossip(StepSkipped(job=self.job_id, step=rep.step, stage=s, peer=self.me,
                                                reason=rep.skipped, at=time.time()))
@@ -547,21 +544,15 @@ class JobRun(Leading):
             if rep.loss is None:
                 return   # only the loss stage publishes per-step progress (gossip stays small)
             self.losses[rep.step] = rep.loss
-            if held and held[-1][0] != rep.step - 1:
-                held.clear()   # not the steps just before this one: the members' final reports fill them in
-            now = trio.current_time()
             # the epoch's last step (the job's end or a planned halt) goes out at once, with what is held
             last = rep.step + 1 >= cfg.steps or (self._halt.at is not None and rep.step + 1 >= self._halt.at)
-            if not last and now - sent_at < self.svc.config.progress_interval and len(held) < MAX_EARLIER:
-                held.append((rep.step, rep.loss, rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0, time.time()))
-                return
-            earlier, earlier_tps, earlier_at = (tuple(h[i] for h in held) for i in (1, 2, 3))
-            held.clear()
-            sent_at = now
-            await self._gossip(StepProgress(job=self.job_id, step=rep.step, epoch=plan.epoch, stage=s, peer=self.me,
-                                            loss=rep.loss, tokens_per_s=rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0,
-                                            compute_util=min(1.0, rep.compute_s / rep.wall_s) if rep.wall_s > 0 else None,
-                                            at=time.time(), earlier=earlier, earlier_tokens_per_s=earlier_tps, earlier_at=earlier_at))
+            tps = rep.tokens / rep.wall_s if rep.wall_s > 0 else 0.0
+            held = batch.add(rep.step, rep.loss, tps, time.time(), now=trio.current_time(), last=last)
+            if held is not None:
+                await self._gossip(StepProgress(job=self.job_id, step=rep.step, epoch=plan.epoch, stage=s, peer=self.me,
+                                                loss=rep.loss, tokens_per_s=tps, at=time.time(), earlier=held[0],
+                                                compute_util=min(1.0, rep.compute_s / rep.wall_s) if rep.wall_s > 0 else None,
+                                                earlier_tokens_per_s=held[1], earlier_at=held[2]))
 
         async def checkpoint(step: int, _: dict[str, torch.Tensor]) -> None:
             if step >= cfg.steps or self._worker is None:
@@ -794,25 +785,6 @@ class JobRun(Leading):
             self.channels.clear()
             self.closed.set()
             self.svc.drop_arrived(self.job_id, older_than=self.epoch + 1)
-
-
-def _split_cancelled(exc: BaseException) -> tuple[BaseException | None, BaseException | None]:
-    """(the cancellation, everything else) of *exc*, either part None when empty."""
-    if isinstance(exc, trio.Cancelled):
-        return exc, None
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.split(trio.Cancelled)
-    return None, exc
-
-
-def describe(exc: BaseException) -> str:
-    """One line for the publisher: the first real error inside (possibly nested) exception groups."""
-    while isinstance(exc, BaseExceptionGroup):
-        inner = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
-        if not inner:
-            break
-        exc = inner[0]
-    return f"{type(exc).__name__}: {exc}"[:2000]
 
 
 __all__ = ["JobRun", "StartRequest", "describe"]

@@ -50,3 +50,31 @@ class JobView:
 
 
 __all__ = ["JobView", "StepStats"]
+
+
+class ProgressBatch:
+    """The loss stage's per-step progress, batched for gossip (pure: the caller passes the clock).
+
+    Steps are held while they are consecutive, younger than *interval* and fewer than *limit*; the next
+    step that is not held goes out carrying them (``StepProgress.earlier``, with their tokens/s and
+    times). A gap in the steps drops what was held: the members' final reports fill those steps in."""
+
+    def __init__(self, interval: float, limit: int) -> None:
+        self.interval = interval
+        self.limit = limit
+        self._held: list[tuple[int, float, float, float]] = []   # (step, loss, tokens/s, wall time)
+        self._sent_at = float("-inf")
+
+    def add(self, step: int, loss: float, tokens_per_s: float, at: float, *, now: float,
+            last: bool) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None:
+        """None: *step* is held; else send it now with these (losses, tokens/s, times) of the held steps
+        before it. *last*: the epoch's last step, which goes out at once."""
+        if self._held and self._held[-1][0] != step - 1:
+            self._held.clear()
+        if not last and now - self._sent_at < self.interval and len(self._held) < self.limit:
+            self._held.append((step, loss, tokens_per_s, at))
+            return None
+        earlier = (tuple(h[1] for h in self._held), tuple(h[2] for h in self._held), tuple(h[3] for h in self._held))
+        self._held.clear()
+        self._sent_at = now
+        return earlier
