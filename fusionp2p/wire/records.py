@@ -32,6 +32,7 @@ MAX_BUNDLE_PARTS = 4
 MAX_BANDWIDTH = 1e13    # bytes/s: a measurement or capacity at or above it is refused (80 Tbit/s)
 MAX_RTT = 3600.0        # seconds
 MAX_PERIOD = 3600.0     # a heartbeat period, seconds
+MAX_GONE = 8            # peers one record may announce dead (NodeRecord.gone)
 MAX_SPEED = 64.0        # a node's measured training speed against its benchmark: at most this factor either way
 
 # A node's reachability as it learned it (swarm/reach.py): a bootstrap dialled its announced libp2p and
@@ -68,6 +69,9 @@ class NodeRecord:
     # and the model it was measured on (the jobs' model_hash: the cost model's error differs from model to model)
     speed: float = field(default=0.0, metadata={"wire": {"lo": 0.0, "hi": MAX_SPEED, "omit_default": True}})
     speed_model: str = field(default="", metadata={"wire": {"name": "speed_of", "max_len": 64, "omit_default": True}})
+    # peers this node, one of their watchers, just found dead (swarm/watch.py): a notice that spreads at once
+    gone: tuple[str, ...] = field(default=(), metadata={"wire": {"max_len": MAX_GONE, "item": {"max_len": 128},
+                                                                 "omit_default": True}})
 
     def speed_on(self, model: str) -> float:
         """The announced speed if it was measured on *model* (a job's ``model_hash``), else 0 (none)."""
