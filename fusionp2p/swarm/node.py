@@ -170,7 +170,7 @@ class SwarmNode:
                                  bandwidth=self.bandwidth, members=self.members, counters=self.counters,
                                  beat_soon=self.beat_soon, refusals=self.refusals, rng=self._rng)
         self.watcher = Watcher(transport, k=config.watch, heartbeat=config.heartbeat, dead_after=config.dead_timeout,
-                               members=self.members, declare=self._declare_gone)
+                               members=self.members, heard=self.view.last_seen.get, declare=self._declare_gone)
         self._urgent = False                        # the next early beat goes out at once (we were declared dead)
         self._leaving = False
         self.listeners: list[Callable[[MemberEvent], None]] = []

@@ -5,8 +5,10 @@ Heartbeat records reach every node by gossip, so their period stretches with the
 with it (``dead_beats`` periods: some 1,000 s at 1,000 members). Liveness therefore does not wait for
 them: each node watches the few members it chose (``membership.chosen``, ``SwarmConfig.watch`` of them;
 each node is so watched by as many on average, and by all the others in a swarm that small). It pings
-each one every heartbeat on a PROBE stream it keeps open; one that has answered nothing for
-``dead_timeout``, after two tries at least, is declared dead: the watcher marks it so and publishes its
+each one once it has heard nothing of it for half ``dead_timeout`` (a record or an answer: a small swarm's
+records are beats enough, and cost no pings), then every heartbeat, on a PROBE stream kept open while
+in use; one that has answered nothing and sent no
+record for ``dead_timeout``, after two tries at least, is declared dead: the watcher marks it so and publishes its
 own record at once with the peer in ``gone`` (``NodeRecord.gone``). A node takes such a notice from a
 watcher of the peer by its own view (:func:`watches`), and an accused node that is alive answers with a
 record at once, which revives it everywhere: a lying watcher costs its victims one flap, not their
@@ -28,9 +30,10 @@ import trio
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net.transport import Transport
 from fusionp2p.swarm.membership import chosen
-from fusionp2p.swarm.probe import ProbeSession, open_probe
+from fusionp2p.swarm.probe import SERVER_IDLE, ProbeSession, open_probe
 
 log = logging.getLogger("fusionp2p.swarm.node")   # the node's log
+SESSION_IDLE = SERVER_IDLE / 2   # a watch stream unused this long is opened anew before the next ping
 
 
 def watches(watcher: str, peer: str, members: list[str], k: int) -> bool:
@@ -63,13 +66,15 @@ class Watcher:
     """Watch the members this node chose (``SwarmNode.watcher``); *declare* is called for each found dead."""
 
     def __init__(self, transport: Transport, *, k: int, heartbeat: float, dead_after: float,
-                 members: Callable[[], list[str]], declare: Callable[[str], Awaitable[None]]) -> None:
+                 members: Callable[[], list[str]], heard: Callable[[str], float | None],
+                 declare: Callable[[str], Awaitable[None]]) -> None:
         self.transport = transport
         self.peer_id = transport.peer_id
         self.k = k
         self.heartbeat = heartbeat
         self.dead_after = dead_after
         self.members = members
+        self.heard = heard            # when the peer's last record came (None: none held)
         self.declare = declare
         self.scopes: dict[str, trio.CancelScope] = {}   # the peers watched now, each its task's scope
         self.pings = 0
@@ -97,10 +102,23 @@ class Watcher:
     async def _watch(self, peer: str, scope: trio.CancelScope) -> None:
         w = Watch(dead_after=self.dead_after, last_ok=trio.current_time())
         session: ProbeSession | None = None
+        used = 0.0   # when the session last carried a ping
         with scope:
             try:
                 while True:
                     due = trio.current_time() + self.heartbeat
+                    seen = self.heard(peer)
+                    if seen is not None and seen > w.last_ok:
+                        w.ok(seen)
+                    now = trio.current_time()
+                    if now - w.last_ok < self.dead_after / 2:
+                        await trio.sleep_until(due)   # heard of it lately: no ping needed
+                        continue
+                    if session is not None and now - used > SESSION_IDLE:
+                        # the peer's server closes a silent stream (probe.SERVER_IDLE): a new one, not a failure
+                        with trio.CancelScope(shield=True):
+                            await session.aclose()
+                        session = None
                     try:
                         with trio.fail_after(self.dead_after):
                             if session is None:
@@ -108,7 +126,8 @@ class Watcher:
                             else:
                                 await session.ping()
                         self.pings += 1
-                        w.ok(trio.current_time())
+                        used = trio.current_time()
+                        w.ok(used)
                     except (PeerUnavailable, trio.TooSlowError) as exc:
                         w.failed()
                         log.debug("watch %s: no answer (%s)", peer[:16], str(exc) or "timed out")
