@@ -95,6 +95,9 @@ class SwarmConfig:
     dead_beats: float = 5.0
     gossip_rate: float = 5.0           # swarm-wide heartbeat messages / s: period = max(heartbeat, members / rate)
     watch: int = 8                     # members each node pings every heartbeat (swarm/watch.py; 0: none)
+    # a watched member silent this long (or dead_timeout, if longer) is declared dead: twice dead_timeout, as
+    # a busy node (a long step on its event loop) was not declared dead by 20 nodes' records before (5 x 4 s)
+    watch_timeout: float = 10.0
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     probing: bool = True               # measure bandwidth to peers (off on bootstraps)
     join_attempts: int = 5
@@ -114,8 +117,8 @@ class SwarmConfig:
             raise ConfigError("dead_beats must be larger than 1")
         if self.gossip_rate <= 0:
             raise ConfigError("gossip_rate must be positive")
-        if self.watch < 0:
-            raise ConfigError("watch must be >= 0")
+        if self.watch < 0 or not self.watch_timeout > 0:
+            raise ConfigError("watch must be >= 0 and watch_timeout positive")
 
 
 # A job's measured speed of this node (note_speed) enters the announced figure with this weight: one job's
@@ -169,7 +172,7 @@ class SwarmNode:
         self.prober = LinkProber(transport, config.probe, heartbeat=config.heartbeat, view=self.view,
                                  bandwidth=self.bandwidth, members=self.members, counters=self.counters,
                                  beat_soon=self.beat_soon, refusals=self.refusals, rng=self._rng)
-        self.watcher = Watcher(transport, k=config.watch, heartbeat=config.heartbeat, dead_after=config.dead_timeout,
+        self.watcher = Watcher(transport, k=config.watch, heartbeat=config.heartbeat, dead_after=max(config.watch_timeout, config.dead_timeout),
                                members=self.members, heard=self.view.last_seen.get, declare=self._declare_gone)
         self._urgent = False                        # the next early beat goes out at once (we were declared dead)
         self._leaving = False

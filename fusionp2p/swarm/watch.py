@@ -5,14 +5,14 @@ Heartbeat records reach every node by gossip, so their period stretches with the
 with it (``dead_beats`` periods: some 1,000 s at 1,000 members). Liveness therefore does not wait for
 them: each node watches the few members it chose (``membership.chosen``, ``SwarmConfig.watch`` of them;
 each node is so watched by as many on average, and by all the others in a swarm that small). It pings
-each one once it has heard nothing of it for half ``dead_timeout`` (a record or an answer: a small swarm's
+each one once it has heard nothing of it for half ``watch_timeout`` (10 s) (a record or an answer: a small swarm's
 records are beats enough, and cost no pings), then every heartbeat, on a PROBE stream kept open while
 in use; one that has answered nothing and sent no
-record for ``dead_timeout``, after two tries at least, is declared dead: the watcher marks it so and publishes its
+record for ``watch_timeout``, after two tries at least, is declared dead: the watcher marks it so and publishes its
 own record at once with the peer in ``gone`` (``NodeRecord.gone``). A node takes such a notice from a
 watcher of the peer by its own view (:func:`watches`), and an accused node that is alive answers with a
 record at once, which revives it everywhere: a lying watcher costs its victims one flap, not their
-membership. So a death is known everywhere within ``dead_timeout`` + one heartbeat + one gossip hop,
+membership. So a death is known everywhere within ``watch_timeout`` + one heartbeat + one gossip hop,
 whatever the swarm's size; the timeout on records stays as the backstop (a peer none of whose watchers
 is alive).
 

@@ -28,7 +28,8 @@ def _swarm(n: int) -> tuple[float, float, list[int], list[float]]:
     swarm of *n* nodes. Probing itself is off (its transfers are not what is measured here); the probe
     sets are the prober's own choice over the same view."""
     clock = trio.testing.MockClock(autojump_threshold=0)
-    cfg = SwarmConfig(heartbeat=1.0, dead_timeout=4.0, gossip_rate=5.0, probing=False, probe=ProbeConfig(peers=K))
+    cfg = SwarmConfig(heartbeat=1.0, dead_timeout=4.0, watch_timeout=4.0, gossip_rate=5.0, probing=False,
+                      probe=ProbeConfig(peers=K))
     out: list[tuple[float, float, list[int], list[float]]] = []
 
     async def main() -> None:
@@ -54,7 +55,7 @@ def _swarm(n: int) -> tuple[float, float, list[int], list[float]]:
                     for node in nodes:
                         if node is not victim:
                             await node.wait_until(lambda node=node: victim.peer_id in node.view.dead, 60)
-                out.append((trio.current_time() - t0, cfg.dead_timeout + 2 * cfg.heartbeat, sizes, periods))
+                out.append((trio.current_time() - t0, cfg.watch_timeout + 2 * cfg.heartbeat, sizes, periods))
                 nursery.cancel_scope.cancel()
 
     trio.run(main, clock=clock)

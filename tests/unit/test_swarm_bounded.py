@@ -97,7 +97,7 @@ def test_a_false_death_notice_costs_its_victim_one_flap() -> None:
     with a record at once, and everyone holds it alive again within a moment. A notice from a node that
     does not watch the peer is ignored."""
     async def main() -> None:
-        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=4.0, gossip_rate=0.5, probing=False, watch=1)
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=4.0, watch_timeout=4.0, gossip_rate=0.5, probing=False, watch=1)
         async with memory_network() as net:
             hosts = [net.add_host() for _ in range(7)]
             boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=4.0), None)
