@@ -100,8 +100,11 @@ class LinkProber:
         self.raw_path: RawPath | None = None
         self.training: Callable[[], bool] = lambda: False   # the job service's, once it runs
         self.wake = trio.Event()                   # a member joined or came back: probe now
-        # (members, the peers we chose, the ones of them we measure), recomputed when the members change
+        # (members, the peers we chose, the ones of them we measure), recomputed when the members change, at
+        # most once a heartbeat: it costs probe.peers passes over the members (25,000 hashes at 1,000), and a
+        # forming swarm changes its members with every node that joins
         self._sets: tuple[tuple[str, ...], list[str], set[str]] = ((), [], set())
+        self._sets_at = -float("inf")
 
     def set_training(self, training: Callable[[], bool]) -> None:
         self.training = training
@@ -126,7 +129,9 @@ class LinkProber:
         """The live members we chose (``membership.chosen``, at most ``probe.peers``), and those of them
         whose link we measure (``membership.probes_of``)."""
         members = tuple(self.members())
-        if members != self._sets[0]:
+        now = trio.current_time()
+        if members != self._sets[0] and (now - self._sets_at >= self.heartbeat or not self._sets[1]):
+            self._sets_at = now
             k = self.config.peers
             self._sets = (members, chosen(self.peer_id, list(members), k), set(probes_of(self.peer_id, list(members), k)))
         return self._sets[1], self._sets[2]
@@ -159,9 +164,12 @@ class LinkProber:
         return peers[: self.config.sample]
 
     def _pending(self) -> bool:
-        """Some peer of ours is not measured yet (not connected yet, busy, or its probe failed)."""
+        """Some peer of ours is not measured yet (not connected yet, busy, or its probe failed), or the
+        members changed since we chose ours."""
         now = trio.current_time()
         peers, mine = self.chosen()
+        if tuple(self.members()) != self._sets[0]:
+            return True
         return any(not self._measured(p) and self._ours(p, now, mine) for p in peers)
 
     async def _probe_round(self) -> float:
