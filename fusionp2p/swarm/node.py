@@ -175,6 +175,7 @@ class SwarmNode:
         self.watcher = Watcher(transport, k=config.watch, heartbeat=config.heartbeat, dead_after=max(config.watch_timeout, config.dead_timeout),
                                members=self.members, heard=self.view.last_seen.get, declare=self._declare_gone)
         self._urgent = False                        # the next early beat goes out at once (we were declared dead)
+        self._pulling = False                       # the records being applied come from a VIEW, not gossip
         self._leaving = False
         self.listeners: list[Callable[[MemberEvent], None]] = []
         # announced in our record: the data plane's addresses (set by the job service once it listens) and
@@ -426,8 +427,12 @@ class SwarmNode:
             log.debug("view from %s: %s", peer[:16], exc)
             return
         alive = set(raw["alive"])
-        for data in [*raw["records"], *raw["bw"]]:
-            self._ingest(data, peer, only=alive)
+        self._pulling = True   # a death notice in a pulled record is old news: the peer may have revived since
+        try:
+            for data in [*raw["records"], *raw["bw"]]:
+                self._ingest(data, peer, only=alive)
+        finally:
+            self._pulling = False
 
     # -- heartbeats and records -------------------------------------------------------------------
     def period(self) -> float:
@@ -552,7 +557,7 @@ class SwarmNode:
             events = self.view.on_record(rec, trio.current_time())
             if events:
                 self._raw[rec.peer] = raw
-                if rec.gone and self.config.watch:
+                if rec.gone and not self._pulling and self.config.watch:
                     self._on_notice(rec)
             if rec.leaving:
                 self._forget_bw(rec.peer)
