@@ -95,9 +95,10 @@ class SwarmConfig:
     dead_beats: float = 5.0
     gossip_rate: float = 5.0           # swarm-wide heartbeat messages / s: period = max(heartbeat, members / rate)
     watch: int = 8                     # members each node pings every heartbeat (swarm/watch.py; 0: none)
-    # a watched member silent this long (or dead_timeout, if longer) is declared dead: twice dead_timeout, as
-    # a busy node (a long step on its event loop) was not declared dead by 20 nodes' records before (5 x 4 s)
-    watch_timeout: float = 10.0
+    # a watched member silent this long (or dead_timeout, if longer) is declared dead, where the records' own
+    # timeout is longer (more than ~20 members): 12 processes on the loaded 2-core machine opened streams in
+    # 8 s (median), and a 10 s watch declared live nodes dead 14 times in 2 minutes
+    watch_timeout: float = 20.0
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     probing: bool = True               # measure bandwidth to peers (off on bootstraps)
     join_attempts: int = 5
@@ -173,7 +174,8 @@ class SwarmNode:
                                  bandwidth=self.bandwidth, members=self.members, counters=self.counters,
                                  beat_soon=self.beat_soon, refusals=self.refusals, rng=self._rng)
         self.watcher = Watcher(transport, k=config.watch, heartbeat=config.heartbeat, dead_after=max(config.watch_timeout, config.dead_timeout),
-                               members=self.members, heard=self.view.last_seen.get, declare=self._declare_gone)
+                               members=self.members, heard=self.view.last_seen.get, timeout_of=self.view.timeout_of,
+                               declare=self._declare_gone)
         self._urgent = False                        # the next early beat goes out at once (we were declared dead)
         self._pulling = False                       # the records being applied come from a VIEW, not gossip
         self._leaving = False

@@ -14,7 +14,8 @@ watcher of the peer by its own view (:func:`watches`), and an accused node that 
 record at once, which revives it everywhere: a lying watcher costs its victims one flap, not their
 membership. So a death is known everywhere within ``watch_timeout`` + one heartbeat + one gossip hop,
 whatever the swarm's size; the timeout on records stays as the backstop (a peer none of whose watchers
-is alive).
+is alive), and is all there is while it is as quick (``dead_beats`` periods at most ``watch_timeout``: up
+to about 20 members by default, where the watchers stand by and send nothing).
 
 The decision per watched peer is the pure :class:`Watch`; :class:`Watcher` is the trio shell.
 """
@@ -67,6 +68,7 @@ class Watcher:
 
     def __init__(self, transport: Transport, *, k: int, heartbeat: float, dead_after: float,
                  members: Callable[[], list[str]], heard: Callable[[str], float | None],
+                 timeout_of: Callable[[str], float],
                  declare: Callable[[str], Awaitable[None]]) -> None:
         self.transport = transport
         self.peer_id = transport.peer_id
@@ -75,6 +77,7 @@ class Watcher:
         self.dead_after = dead_after
         self.members = members
         self.heard = heard            # when the peer's last record came (None: none held)
+        self.timeout_of = timeout_of  # after how long the records' own timeout declares it dead
         self.declare = declare
         self.scopes: dict[str, trio.CancelScope] = {}   # the peers watched now, each its task's scope
         self.pings = 0
@@ -111,6 +114,8 @@ class Watcher:
                     if seen is not None and seen > w.last_ok:
                         w.ok(seen)
                     now = trio.current_time()
+                    if self.timeout_of(peer) <= self.dead_after:
+                        w.ok(now)   # a small swarm: its records' own timeout is as quick, the watcher stands by
                     if now - w.last_ok < self.dead_after / 2:
                         await trio.sleep_until(due)   # heard of it lately: no ping needed
                         continue
