@@ -5,9 +5,12 @@ watches the bootstrap's view (the VIEW protocol, every record verified) until it
 alive and every pair has a direct bandwidth measurement. Two clocks are reported: from spawning the
 processes (includes Python + torch start-up and the device benchmark of every node on 2 shared cores)
 and from the moment the last node printed its listen address (the protocol's own convergence time).
-Headline: the time after listen until the bootstrap's view holds all N nodes alive and a direct
-measurement for every pair (the last size run, 20 by default), target 15 s; the table also shows the
-time until every pair has a figure, measured or from the nodes' capacity estimates.
+A node now listens before it imports torch and runs its device benchmark (issue 40), so "after listen"
+includes them (20 processes on 2 cores: some 60 CPU-seconds); the protocol's own convergence is timed
+from the moment the bootstrap's view first holds all N nodes (each joins once its benchmark is done).
+Headline: the time from then until every pair a node measures has a direct measurement (the last size
+run, 20 by default; at most ``probe.peers`` + 1 = 25 nodes that is every pair), target 15 s; the table
+also shows the time after listen, and until every pair has a figure, measured or estimated.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ def run_one(n: int, timeout: float, log_dir: str | None = None) -> dict[str, Any
             for f in logs:
                 f.close()
     return {"n": n, "spawn_to_listen_s": t_listen - t_spawn, "members_after_listen_s": t_members,
+            "matrix_after_members_s": None if t_matrix is None or t_members is None else t_matrix - t_members,
             "estimated_matrix_after_listen_s": t_estimated,
             "matrix_after_listen_s": t_matrix, "members_after_spawn_s": None if t_members is None else t_members + t_listen - t_spawn,
             "matrix_after_spawn_s": None if t_matrix is None else t_matrix + t_listen - t_spawn}
@@ -122,20 +126,23 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([4, 8] if args.quick else [4, 8, 16, 20])
     rows = []
-    print(f"{'N':>4} {'spawn->listen s':>16} {'members s':>10} {'all pairs s':>12} {'measured s':>11}  (after listen)")
+    print(f"{'N':>4} {'spawn->listen s':>16} {'members s':>10} {'all pairs s':>12} {'measured s':>11}  (after listen)"
+          f" {'measured s':>11} (after all members)")
     for n in sizes:
         r = run_one(n, timeout=args.timeout, log_dir=args.log_dir)
         rows.append(r)
         f = lambda x: "timeout" if x is None else f"{x:.2f}"  # noqa: E731
         print(f"{n:>4} {r['spawn_to_listen_s']:>16.2f} {f(r['members_after_listen_s']):>10} "
-              f"{f(r['estimated_matrix_after_listen_s']):>12} {f(r['matrix_after_listen_s']):>11}")
+              f"{f(r['estimated_matrix_after_listen_s']):>12} {f(r['matrix_after_listen_s']):>11}"
+              f"                {f(r['matrix_after_members_s']):>11}")
     big = rows[-1]
     # not converged: report the deadline itself (JSON has no infinity), flagged in the results
-    value = big["matrix_after_listen_s"] if big["matrix_after_listen_s"] is not None else args.timeout
+    value = big["matrix_after_members_s"] if big["matrix_after_members_s"] is not None else args.timeout
     write("membership", args.out, rows,
-          headline(f"convergence time of {big['n']} processes (all members alive + every pair measured directly, after listen)",
+          headline(f"convergence time of {big['n']} processes (every pair measured directly, after all members joined)",
                    value, "s", 15.0, "lower",
-                   "absolute time; the same run reports the spawn-to-listen start-up cost"), quick=args.quick)
+                   "absolute time; the same run reports spawn-to-listen and the time after listen, which now "
+                   "includes each node's torch import and device benchmark"), quick=args.quick)
 
 if __name__ == "__main__":
     main()

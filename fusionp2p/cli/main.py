@@ -244,10 +244,6 @@ def _run_daemon(args: argparse.Namespace) -> int:
     if role == "node":
         swarm = SwarmConfig(role="node", heartbeat=args.heartbeat, dead_timeout=args.dead_timeout,
                             gossip_rate=args.gossip_rate, probe=ProbeConfig(interval=args.probe_interval))
-        if args.torch_threads:
-            import torch
-
-            torch.set_num_threads(args.torch_threads)
     else:
         swarm = SwarmConfig(role="bootstrap", gossip_rate=args.gossip_rate)
     relay = None
@@ -262,21 +258,24 @@ def _run_daemon(args: argparse.Namespace) -> int:
                        device=getattr(args, "device", "cpu"), swarm=swarm, relay=relay,
                        hole_punch=bool(getattr(args, "hole_punch", False)), compute_slowdown=slowdown,
                        memory=_memory(args))
-    job_cfg = None
+    cpus = None
+    disk = None
     if role == "node":
-        from fusionp2p.jobs.node import NodeJobConfig
-        from fusionp2p.jobs.store import StoreConfig
+        # The job service's options are checked here, before anything starts; its NodeJobConfig (which checks
+        # them again) is built after the node listens: importing the job service imports torch (issue 40).
+        from fusionp2p.net.addrs import tcp_endpoint
         from fusionp2p.sizes import parse_size
 
-        job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce,   # checks them all
-                                progress_interval=args.progress_interval, compute_slowdown=slowdown,
-                                device=cfg.device,
-                                compute_cpus=_cpu_share() if slowdown != 1.0 else None,
-                                store=StoreConfig(disk_bytes=parse_size(args.disk, "--disk")))
+        disk = parse_size(args.disk, "--disk")
+        if args.data_announce is not None:
+            tcp_endpoint(args.data_announce, "--data-announce", announce=True)
         if args.data_listen is not None:
-            from fusionp2p.net.addrs import tcp_endpoint
-
             _check_bindable(*tcp_endpoint(args.data_listen, "--data-listen"), "--data-listen")
+        if not args.progress_interval >= 0:
+            raise ConfigError("--progress-interval must be >= 0")
+        cpus = _cpu_share() if slowdown != 1.0 else None
+        if cpus is not None and not 0.0 < cpus <= 1024.0:
+            raise ConfigError("the CPU share of an emulated slowdown must be in (0, 1024] cores")
     http = None
     if args.http is not None:
         from fusionp2p.ops import parse_http_addr
@@ -297,20 +296,33 @@ def _run_daemon(args: argparse.Namespace) -> int:
             url = await nursery.start(lambda task_status: serve_ops(swarm, http, jobs=jobs, task_status=task_status))
             print(url, flush=True)   # after the multiaddrs: the dashboard's address
 
+    def prepare() -> None:
+        """(a node, in a worker thread once it listens) torch and the job service imported, torch's threads set."""
+        import torch
+
+        import fusionp2p.jobs.node  # noqa: F401
+
+        if args.torch_threads:
+            torch.set_num_threads(args.torch_threads)
+
     def services(swarm: SwarmNode, nursery: trio.Nursery) -> None:
         from fusionp2p.jobs.records import register_rankers
 
         register_rankers(swarm.transport)   # bootstraps hold DHT records too: keep the newest of each
         jobs = None
         if role == "node":
-            from fusionp2p.jobs.node import NodeJobService
+            from fusionp2p.jobs.node import NodeJobConfig, NodeJobService
+            from fusionp2p.jobs.store import StoreConfig
 
+            job_cfg = NodeJobConfig(data_listen=args.data_listen, data_announce=args.data_announce,
+                                    progress_interval=args.progress_interval, compute_slowdown=slowdown,
+                                    device=cfg.device, compute_cpus=cpus, store=StoreConfig(disk_bytes=disk))
             jobs = NodeJobService(swarm, home, job_cfg)
             nursery.start_soon(jobs.run)
         if http is not None:
             nursery.start_soon(ops, swarm, jobs)
 
-    trio.run(lambda: run_daemon(cfg, on_ready=ready, extra_services=services))
+    trio.run(lambda: run_daemon(cfg, on_ready=ready, extra_services=services, prepare=prepare if role == "node" else None))
     return 0
 
 

@@ -405,7 +405,11 @@ class Leading:
         links = []
         for i, a in enumerate(members):
             for b in members[i + 1:]:
+                # measured, else estimated from the two members' capacities once both have measured links (a
+                # node measures a few dozen of its pairs: swarm/prober.py); else the planner's missing_link
                 e = bw.direct(a, b)
+                if e is None and (est := bw.estimate(a, b)) is not None and est.rtt > 0:
+                    e = est
                 if e is not None and e.bandwidth > 0 and math.isfinite(e.bandwidth) and math.isfinite(e.rtt):
                     links.append((a, b, Link(bandwidth_bps=e.bandwidth, latency_s=max(0.0, e.rtt / 2))))
         return snapshot_from_records(self.job_id, epoch, profiles, links)

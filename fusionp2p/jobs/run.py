@@ -91,6 +91,7 @@ from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.train.state import StageState, merge_states
 from fusionp2p.train.worker import Halt, StageContext, StageReport, StageWorker
+from fusionp2p.types import short_peer
 from fusionp2p.wire.jobrecords import StageFile
 from fusionp2p.wire.protocols import TOPIC_JOBS
 
@@ -755,7 +756,7 @@ class JobRun(Leading):
             except (PeerUnavailable, BaseExceptionGroup) as exc:
                 if not all(isinstance(e, PeerUnavailable) for e in leaf_errors(exc)):
                     raise
-                log.info("data plane to %s: %s; retrying", peer[:12], describe(exc))
+                log.info("data plane to %s: %s; retrying", short_peer(peer), describe(exc))
                 await trio.sleep(delay)     # retry backoff, bounded by link_timeout
                 delay = min(2.0, delay * 2)
         got[name] = ch

@@ -34,7 +34,7 @@ from fusionp2p.jobs.content import ContentService
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.train.state import StageState
-from fusionp2p.types import DeviceProfile
+from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.pieces import WeightManifest, join_pieces
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ async def fetch_piece(content: ContentService, h: str, size: int, peers: Sequenc
             content.refusals.refuse(peer, "weights/piece", now=trio.current_time(), detail=str(exc)[:200])
             continue
         except (PeerUnavailable, trio.TooSlowError) as exc:
-            log.info("piece %s… from %s: %s", h[:16], peer[:12], exc)
+            log.info("piece %s… from %s: %s", h[:16], short_peer(peer), exc)
             continue
         if len(blob) != size:   # the right hash of the wrong size: the manifest is the publisher's mistake
             raise RemoteProtocolError(f"piece {h[:16]}… has {len(blob)} bytes, the manifest says {size}")

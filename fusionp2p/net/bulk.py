@@ -56,6 +56,7 @@ from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.shaping import TokenBucket
 from fusionp2p.net.stream_channel import StreamChannel, stream_hello, stream_welcome
 from fusionp2p.net.transport import Stream, Transport
+from fusionp2p.types import short_peer
 from fusionp2p.wire import tensor_frame as tf
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.limits import KiB
@@ -145,7 +146,7 @@ class DataPlane:
                 if not self._cfg.fallback:
                     raise PeerUnavailable(peer, f"cannot reach the data-plane port: {exc}") from None
                 self._direct_failed[peer] = trio.current_time() + self._cfg.direct_retry
-                log.info("data plane: %s is not reachable directly (%s); using the libp2p stream", peer[:16], exc)
+                log.info("data plane: %s is not reachable directly (%s); using the libp2p stream", short_peer(peer), exc)
         return await self._connect_stream(peer)
 
     async def _connect_stream(self, peer: str) -> StreamChannel:

@@ -21,6 +21,7 @@ from fusionp2p.net.identity import Identity
 from fusionp2p.net.shaping import LinkEmulator
 from fusionp2p.net.traffic import Traffic
 from fusionp2p.net.transport import GossipMessage, RecordRank, StreamHandler
+from fusionp2p.types import short_peer
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +254,7 @@ class MemoryNetwork:
                 except (PeerUnavailable, RemoteProtocolError) as exc:
                     # as the libp2p adapter does: a peer that went away or broke the protocol ends its own
                     # stream, never the network (any other exception is a bug of ours and propagates)
-                    log.debug("stream handler (from %s): %s", stream.remote_peer[:16], exc)
+                    log.debug("stream handler (from %s): %s", short_peer(stream.remote_peer), exc)
                 finally:
                     with trio.CancelScope(shield=True):
                         await stream.aclose()

@@ -60,6 +60,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits as _Libp2pLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 from fusionp2p.errors import ConfigError, PeerUnavailable
+from fusionp2p.types import short_peer
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +420,7 @@ class RelayClient:
                 code = resp.status if resp.HasField("status") else StatusCode.UNUSED
                 if code != StatusCode.OK:
                     await _close(stream)
-                    raise PeerUnavailable(peer, f"relay {rid.to_base58()[:16]} refused the circuit: {_status_name(code)}")
+                    raise PeerUnavailable(peer, f"relay {short_peer(rid.to_base58())} refused the circuit: {_status_name(code)}")
                 circuit = multiaddr.Multiaddr(f"/p2p/{rid.to_base58()}/p2p-circuit/p2p/{peer}")
                 raw = RawConnection(stream=stream, initiator=True, connection_type=ConnectionType.RELAYED,
                                     addresses=[circuit])
@@ -430,7 +431,7 @@ class RelayClient:
             raise PeerUnavailable(peer, "dial through the relay timed out") from None
         except Exception as exc:
             raise PeerUnavailable(peer, f"dial through the relay failed: {exc}") from None
-        log.info("connected to %s through relay %s", peer[:16], rid.to_base58()[:16])
+        log.info("connected to %s through relay %s", short_peer(peer), short_peer(rid.to_base58()))
         return peer
 
 

@@ -55,6 +55,7 @@ from fusionp2p.errors import (
 )
 from fusionp2p.net.bulk import Link
 from fusionp2p.net.channel import TensorMessage
+from fusionp2p.types import short_peer
 from fusionp2p.wire.msg import expect_map, typed_field
 
 log = logging.getLogger(__name__)
@@ -506,7 +507,7 @@ class ResilientChannel:
         """Use *link* until it is lost (returns why) or the session ends (returns None)."""
         self._link, self._link_sent, self._ack_sent, self._lost = link, resend_after, self._book.delivered, None
         if link.path != self.path:
-            log.info("resilient channel %r to %s runs on the %s path", self.name, self._peer[:16], link.path)
+            log.info("resilient channel %r to %s runs on the %s path", self.name, short_peer(self._peer), link.path)
         self.path = link.path
         self._established = True
         self.links += 1

@@ -20,6 +20,7 @@ from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport, parse_peer_addr
 from fusionp2p.net.relay import RelayLimits
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
+from fusionp2p.types import DeviceProfile
 
 log = logging.getLogger(__name__)
 
@@ -48,32 +49,29 @@ class DaemonConfig:
         for b in self.bootstrap:
             parse_peer_addr(b)
         if self.role == "node":
-            from fusionp2p.swarm.device import check_slowdown, parse_device
+            from fusionp2p.swarm.device import check_device, check_slowdown
 
-            parse_device(self.device)
+            check_device(self.device)
             check_slowdown(self.compute_slowdown)
         Libp2pConfig(listen=self.listen, announce=self.announce)  # validates the addresses
 
 
 async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], None],
-                     extra_services: Callable[[SwarmNode, trio.Nursery], None] | None = None) -> None:
-    """Run until SIGINT/SIGTERM; *on_ready* receives the listen addresses once we listen."""
-    identity = Identity.load_or_create(cfg.home)
-    profile = None
-    if cfg.role == "node":  # the bootstrap never imports torch
-        from fusionp2p.swarm.device import enable_tf32, measure_profile
+                     extra_services: Callable[[SwarmNode, trio.Nursery], None] | None = None,
+                     prepare: Callable[[], None] | None = None) -> None:
+    """Run until SIGINT/SIGTERM; *on_ready* receives the listen addresses once we listen.
 
-        enable_tf32(cfg.device)   # before the benchmark: the fp32 rate it announces is the one stages get
-        profile = (await trio.to_thread.run_sync(measure_profile, cfg.device)).slowed(cfg.compute_slowdown)
-        if cfg.memory is not None:
-            if cfg.memory > profile.memory_bytes:
-                log.warning("--memory %d bytes is more than this node measures free less its headroom (%d)",
-                            cfg.memory, profile.memory_bytes)
-            profile = replace(profile, memory_bytes=cfg.memory)
+    A node listens first and then, in a worker thread, runs *prepare* (the CLI's heavy imports: torch and
+    the job service) and its device benchmark, before it joins: torch's import and the benchmark were
+    most of the 4.5 s from start to listening (issue 40)."""
+    identity = Identity.load_or_create(cfg.home)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce,
                                                                     relay=cfg.relay, hole_punch=cfg.hole_punch)) as t:
             on_ready(t.listen_addrs())
+            profile = None
+            if cfg.role == "node":  # the bootstrap never imports torch
+                profile = await trio.to_thread.run_sync(_node_profile, cfg, prepare)
             swarm = SwarmNode(t, replace(cfg.swarm, role=cfg.role), profile)
             async with trio.open_nursery() as nursery:
                 await nursery.start(swarm.run, list(cfg.bootstrap))
@@ -85,6 +83,23 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
                     break
                 await swarm.leave()
                 nursery.cancel_scope.cancel()
+
+
+def _node_profile(cfg: DaemonConfig, prepare: Callable[[], None] | None) -> DeviceProfile:
+    """(worker thread) *prepare*, then the device benchmark, slowed by the emulated slowdown; its memory
+    is ``--memory`` where the user gave one."""
+    from fusionp2p.swarm.device import enable_tf32, measure_profile
+
+    if prepare is not None:
+        prepare()
+    enable_tf32(cfg.device)   # before the benchmark: the fp32 rate it announces is the one stages get
+    profile = measure_profile(cfg.device).slowed(cfg.compute_slowdown)
+    if cfg.memory is not None:
+        if cfg.memory > profile.memory_bytes:
+            log.warning("--memory %d bytes is more than this node measures free less its headroom (%d)",
+                        cfg.memory, profile.memory_bytes)
+        profile = replace(profile, memory_bytes=cfg.memory)
+    return profile
 
 
 def check_home(home: str | None, default: Path) -> Path:

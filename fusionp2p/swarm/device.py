@@ -17,18 +17,30 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fusionp2p.errors import ConfigError
 from fusionp2p.types import DeviceProfile
 
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a function needs it, not here: the node imports this module (check_device,
+# check_slowdown) before it listens, and torch's import is most of a node's start-up (issue 40).
+
 T = TypeVar("T")
+
+
+def check_device(spec: str) -> None:
+    """A ConfigError unless *spec* is a device :func:`parse_device` takes; plain ``cpu`` without importing torch."""
+    if spec != "cpu":
+        parse_device(spec)
 
 
 def parse_device(spec: str) -> torch.device:
     """'cpu' or 'cuda:N'; ConfigError with what to do otherwise."""
+    import torch
+
     try:
         dev = torch.device(spec)
     except (RuntimeError, ValueError):
@@ -51,6 +63,8 @@ def _rate(work: Callable[[], object], per_call: float, dev: torch.device, second
     """*per_call* units per second of ``work()`` (called once to warm up) over at least *seconds* of wall
     time; over at least *stalled_seconds* when this thread got less than 2/3 of the wall time (a CPU quota
     or a busy machine: see the module docstring)."""
+    import torch
+
     def call() -> None:
         work()
         if dev.type == "cuda":
@@ -70,6 +84,8 @@ def _rate(work: Callable[[], object], per_call: float, dev: torch.device, second
 
 def _matmul_rate(dev: torch.device, dtype: torch.dtype, seconds: float, n: int, *, stalled_seconds: float = 0.0) -> float:
     """FLOP/s of n x n matmuls (:func:`_rate`)."""
+    import torch
+
     a = torch.randn(n, n, device=dev, dtype=dtype)
     b = torch.randn(n, n, device=dev, dtype=dtype)
     return _rate(lambda: a @ b, 2.0 * n**3, dev, seconds, stalled_seconds)
@@ -84,6 +100,8 @@ def _act_rate(dev: torch.device, seconds: float, *, stalled_seconds: float = 0.0
     dispatch included, not at matmul speed: for small models they take most of a step
     (plan/estimator.py). A GPU needs millions of elements an op before launches stop dominating:
     :func:`measure_profile` passes ``ACT_SHAPE_CUDA`` there."""
+    import torch
+
     x = torch.randn(rows, width, device=dev, requires_grad=True)
     shape = (-1, width, width) if rows % width == 0 else (1, rows, width)
 
@@ -193,11 +211,14 @@ def offered_memory(available: int) -> int:
     return max(available // 2, available - max(int(available * MEMORY_HEADROOM), MEMORY_HEADROOM_MIN))
 
 
-
 def enable_tf32(device: str) -> None:
     """On a CUDA node, let fp32 matmuls and convolutions use TF32 tensor cores (Ampere and later; 10 bits
     of mantissa in the products, fp32 accumulation, the trade every GPU training stack makes). A process
     setting: the node's daemon calls it once, before it measures the device."""
+    if not device.startswith("cuda"):
+        return   # plain cpu: no torch import needed
+    import torch
+
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -206,6 +227,8 @@ def enable_tf32(device: str) -> None:
 def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfile:
     """A short benchmark of the device (blocking: call it in a worker thread). Its ``memory_bytes`` is
     what the node offers by default: the available memory less the headroom (:func:`offered_memory`)."""
+    import torch
+
     dev = parse_device(device)
     n = 512 if dev.type == "cpu" else 4096
     stalled = 0.0

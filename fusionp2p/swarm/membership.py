@@ -14,6 +14,7 @@ estimate ``min(uplink[a], downlink[b])`` from the nodes' own capacity estimates.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from dataclasses import dataclass
 from enum import Enum
 
@@ -32,6 +33,33 @@ def prober_of(a: str, b: str) -> str:
         raise ValueError("a pair needs two peers")
     lo, hi = (a, b) if a < b else (b, a)
     return lo if hashlib.blake2b(f"{lo}/{hi}".encode(), digest_size=1).digest()[0] & 1 else hi
+
+
+def pair_rank(a: str, b: str) -> int:
+    """A number of the unordered pair {a, b} that every node computes alike, spread at random."""
+    lo, hi = (a, b) if a < b else (b, a)
+    return int.from_bytes(hashlib.blake2b(f"{lo}/{hi}".encode(), digest_size=8).digest(), "big")
+
+
+def chosen(peer: str, members: list[str], k: int) -> list[str]:
+    """The *k* members whose pair with *peer* ranks lowest (:func:`pair_rank`): the peers *peer* measures
+    and watches (docs/swarm.md "Bounded work"). A hash of the pair picks them, so they are spread over
+    the swarm whatever the peer ids, no node can choose to be chosen, and every node computes every
+    node's choice from its own view. All the others while the swarm has at most *k* of them."""
+    others = [p for p in members if p != peer]
+    if len(others) <= k:
+        return others
+    return heapq.nsmallest(k, others, key=lambda p: pair_rank(peer, p))
+
+
+def probes_of(peer: str, members: list[str], k: int) -> list[str]:
+    """The peers whose link with *peer* it measures itself.
+
+    A pair is measured when either side chose the other (:func:`chosen`), by the side that chose it,
+    :func:`prober_of` when both did. So a node measures at most *k* links, a few dozen however large the
+    swarm, and is measured by the peers that chose it (*k* on average); at most *k* + 1 members, every
+    pair is measured, each from one side, as before."""
+    return [p for p in chosen(peer, members, k) if prober_of(peer, p) == peer or peer not in chosen(p, members, k)]
 
 
 class Change(Enum):
@@ -108,6 +136,14 @@ class MembershipView:
                 out.append(MemberEvent(Change.DEAD, peer))
         return out
 
+    def declare_dead(self, peer: str) -> list[MemberEvent]:
+        """*peer* is dead by a watcher's word (``swarm/watch.py``), not by its silence here; a newer record
+        of it revives it."""
+        if peer == self.self_peer or self.last_seen.pop(peer, None) is None:
+            return []
+        self.dead.add(peer)
+        return [MemberEvent(Change.DEAD, peer)]
+
     def alive(self, *, role: str | None = "node") -> list[str]:
         """Sorted peer ids of live members (of one role, or all with role=None)."""
         return sorted(p for p in self.last_seen if role is None or self.records[p].role == role)
@@ -123,42 +159,82 @@ class LinkEstimate:
     measured: bool     # False: estimated from capacities
 
 
+# An announced capacity is taken at most at this multiple of the best rate other nodes measured on a link
+# of the node (a link's rate is at most either end's capacity, so the best one is a lower bound of it; the
+# slack leaves room for a node whose measured peers were all slower than itself).
+CAPACITY_SLACK = 4.0
+
+
 class BandwidthTable:
-    """The swarm's bandwidth matrix, assembled from every node's signed reports."""
+    """The swarm's bandwidth matrix, assembled from every node's signed reports.
+
+    A pair is measured (some node's report has it) or estimated from the two nodes' capacities, each the
+    node's own announcement checked against what others measured of it (``CAPACITY_SLACK``): a node that
+    announces absurd capacities spoils only the estimates of its own pairs, and never a measurement."""
 
     def __init__(self) -> None:
         self.reports: dict[str, BandwidthReport] = {}
+        # dst -> src -> the figure src measured of its link to dst (every report's measurements, by dst)
+        self._of: dict[str, dict[str, Measurement]] = {}
 
     def on_report(self, rep: BandwidthReport) -> bool:
         old = self.reports.get(rep.peer)
         if old is not None and rep.seq <= old.seq:
             return False
+        self._unindex(old)
         self.reports[rep.peer] = rep
+        for m in rep.measurements:
+            if m.samples > 0 and m.dst != rep.peer:
+                self._of.setdefault(m.dst, {})[rep.peer] = m
         return True
 
+    def _unindex(self, rep: BandwidthReport | None) -> None:
+        if rep is None:
+            return
+        for m in rep.measurements:
+            by = self._of.get(m.dst)
+            if by is not None:
+                by.pop(rep.peer, None)
+                if not by:
+                    del self._of[m.dst]
+
     def forget(self, peer: str) -> None:
-        self.reports.pop(peer, None)
+        self._unindex(self.reports.pop(peer, None))
 
     def direct(self, a: str, b: str) -> LinkEstimate | None:
         """The measurement of a->b or b->a; the one with more samples wins (then the smaller bandwidth)."""
-        found: list[tuple[int, float, Measurement]] = []
-        for src, dst in ((a, b), (b, a)):
-            rep = self.reports.get(src)
-            if rep is None:
-                continue
-            found.extend((m.samples, -m.bandwidth, m) for m in rep.measurements if m.dst == dst and m.samples > 0)
+        found = [(m.samples, -m.bandwidth, m) for m in (self._of.get(b, {}).get(a), self._of.get(a, {}).get(b))
+                 if m is not None]
         if not found:
             return None
         m = max(found, key=lambda x: (x[0], x[1]))[2]
         return LinkEstimate(m.bandwidth, m.rtt, True)
 
+    def capacity(self, peer: str) -> tuple[float, float, float]:
+        """(uplink, downlink, latency) of *peer* for estimates: its announced capacities (0: unknown), at most
+        ``CAPACITY_SLACK`` times the best rate others measured of it; its latency, half the smallest RTT
+        measured on any of its links (0: none measured)."""
+        rep = self.reports.get(peer)
+        up, down = (rep.uplink, rep.downlink) if rep is not None else (0.0, 0.0)
+        by_others = list(self._of.get(peer, {}).values())
+        if by_others:
+            cap = CAPACITY_SLACK * max(m.bandwidth for m in by_others)
+            up, down = min(up, cap), min(down, cap)
+        rtts = [m.rtt for m in by_others if m.rtt > 0]
+        if rep is not None:
+            rtts += [m.rtt for m in rep.measurements if m.samples > 0 and m.rtt > 0]
+        return up, down, min(rtts, default=0.0) / 2
+
     def estimate(self, a: str, b: str) -> LinkEstimate | None:
+        """The measured link of *a* and *b*, else an estimate: the smaller of a's uplink and b's downlink
+        (either one while the other is unknown), and the sum of their latencies (:meth:`capacity`)."""
         d = self.direct(a, b)
         if d is not None:
             return d
-        ra, rb = self.reports.get(a), self.reports.get(b)
-        caps = [c for c in ((ra.uplink if ra else 0.0), (rb.downlink if rb else 0.0)) if c > 0]
-        return LinkEstimate(min(caps), 0.0, False) if caps else None
+        up, _, lat_a = self.capacity(a)
+        _, down, lat_b = self.capacity(b)
+        caps = [c for c in (up, down) if c > 0]
+        return LinkEstimate(min(caps), lat_a + lat_b, False) if caps else None
 
     def matrix(self, peers: list[str]) -> dict[tuple[str, str], LinkEstimate]:
         out = {}

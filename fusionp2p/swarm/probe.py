@@ -182,12 +182,15 @@ class ProbeConfig:
     timeout: float = 10.0
     ctrl_timeout: float = 3.0    # open + pings + go/busy: a peer too loaded to answer is tried again later
     ema_alpha: float = 0.5       # weight of a new figure in the smoothed bandwidth
+    peers: int = 24              # peers a node chooses to measure, at most, however large the swarm (membership.chosen)
 
     def __post_init__(self) -> None:
         if not 0 < self.duty <= 1 or self.sample < 1 or self.first < 1:
             raise ConfigError("probe sample and first must be positive, duty in (0, 1]")
         if self.burst < 0 or self.busy_retries < 0 or self.parallel < 1:
             raise ConfigError("probe burst and busy_retries must not be negative, parallel positive")
+        if self.peers < 1:
+            raise ConfigError("probe peers must be positive")
         if not 0 < self.ema_alpha <= 1:
             raise ConfigError("ema_alpha must be in (0, 1]")
 
@@ -550,6 +553,17 @@ class ProbeSession:
         self._raw_asked = False
         self._raw_failed = False
         self._sock: socket.socket | None = None
+
+    async def ping(self) -> float:
+        """One more round trip on the session (a watcher's liveness check, ``swarm/watch.py``): its RTT.
+        PeerUnavailable if the stream broke; no deadline of its own."""
+        t0 = trio.current_time()
+        try:
+            await self._f.send_ctrl({"op": "ping", "i": 0})
+            await self._f.recv_ctrl()
+        except RemoteProtocolError as exc:
+            raise PeerUnavailable(self.peer, f"probe ping: {exc}") from None
+        return trio.current_time() - t0
 
     async def measure(self, nbytes: int, *, max_bytes: int = MEASURE_BYTES, raw: RawPath | None = None) -> ProbeResult:
         """Transfers until one is a measurement (see the module docstring); ProbeBusy before the first one

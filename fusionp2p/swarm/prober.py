@@ -1,7 +1,9 @@
 """A swarm node's bandwidth prober: it measures RTT and throughput to peers (``swarm/probe.py`` sessions).
 
-Each unordered pair is measured from one side only (``prober_of``), or from ours once its prober has
-left it unmeasured for ``probe.takeover`` seconds. Rounds: every never-measured peer of ours at once
+A node measures a bounded set of links however large the swarm: those of the ``probe.peers`` members it
+chose (``membership.chosen``, a hash of each pair), each pair from one side only (``membership.probes_of``),
+or from ours once its prober has left it unmeasured for ``probe.takeover`` seconds. The other pairs are
+estimated from the nodes' announced capacities (``BandwidthTable.estimate``). Rounds: every never-measured peer of ours at once
 (at most ``probe.first``; a first probe starts with a small pilot), then refresh rounds of a random
 sample of ``probe.sample`` every ``probe.interval``, none while this node trains. A busy peer is tried
 again within the round; figures are EMA-smoothed, RTTs the smallest of the last ``RTT_WINDOW``. A token
@@ -24,7 +26,7 @@ import trio
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import Transport
-from fusionp2p.swarm.membership import BandwidthTable, MembershipView, ema, prober_of
+from fusionp2p.swarm.membership import BandwidthTable, MembershipView, chosen, ema, probes_of
 from fusionp2p.swarm.probe import (
     OWN,
     RAW_RETRY,
@@ -99,6 +101,11 @@ class LinkProber:
         self.raw_path: RawPath | None = None
         self.training: Callable[[], bool] = lambda: False   # the job service's, once it runs
         self.wake = trio.Event()                   # a member joined or came back: probe now
+        # (members, the peers we chose, the ones of them we measure), recomputed when the members change, at
+        # most once a heartbeat: it costs probe.peers passes over the members (25,000 hashes at 1,000), and a
+        # forming swarm changes its members with every node that joins
+        self._sets: tuple[tuple[str, ...], list[str], set[str]] = ((), [], set())
+        self._sets_at = -float("inf")
 
     def set_training(self, training: Callable[[], bool]) -> None:
         self.training = training
@@ -119,10 +126,22 @@ class LinkProber:
     def _measured(self, peer: str) -> bool:
         return peer in self.links and self.links[peer].samples > 0
 
-    def _ours(self, peer: str, now: float) -> bool:
-        """Whether we probe *peer*: the pair is ours (``prober_of``), or its prober has left it unmeasured
-        for ``probe.takeover`` seconds (a peer that does not probe, or cannot reach us)."""
-        if prober_of(self.peer_id, peer) == self.peer_id:
+    def chosen(self) -> tuple[list[str], set[str]]:
+        """The live members we chose (``membership.chosen``, at most ``probe.peers``), and those of them
+        whose link we measure (``membership.probes_of``)."""
+        members = tuple(self.members())
+        now = trio.current_time()
+        if members != self._sets[0] and (now - self._sets_at >= self.heartbeat or not self._sets[1]):
+            self._sets_at = now
+            k = self.config.peers
+            self._sets = (members, chosen(self.peer_id, list(members), k), set(probes_of(self.peer_id, list(members), k)))
+        return self._sets[1], self._sets[2]
+
+    def _ours(self, peer: str, now: float, mine: set[str]) -> bool:
+        """Whether we probe *peer*, one of the members we chose: the pair is ours (``probes_of``), or its
+        prober has left it unmeasured for ``probe.takeover`` seconds (a peer that does not probe, or
+        cannot reach us)."""
+        if peer in mine:
             return True
         since = self.known_since.get(peer)
         return (since is not None and now - since > self.config.takeover
@@ -134,7 +153,8 @@ class LinkProber:
         a random sample of ``probe.sample`` of ours."""
         connected = set(self.transport.connected_peers())
         now = trio.current_time()
-        peers = [p for p in self.members() if p != self.peer_id and p in connected and self._ours(p, now)]
+        peers_chosen, mine = self.chosen()
+        peers = [p for p in peers_chosen if p in connected and self._ours(p, now, mine)]
         self.rng.shuffle(peers)   # every node walking the same sorted list would pile onto one target
         never = [p for p in peers if not self._measured(p)]
         if never:
@@ -145,9 +165,13 @@ class LinkProber:
         return peers[: self.config.sample]
 
     def _pending(self) -> bool:
-        """Some peer of ours is not measured yet (not connected yet, busy, or its probe failed)."""
+        """Some peer of ours is not measured yet (not connected yet, busy, or its probe failed), or the
+        members changed since we chose ours."""
         now = trio.current_time()
-        return any(not self._measured(p) and self._ours(p, now) for p in self.members() if p != self.peer_id)
+        peers, mine = self.chosen()
+        if tuple(self.members()) != self._sets[0]:
+            return True
+        return any(not self._measured(p) and self._ours(p, now, mine) for p in peers)
 
     async def _probe_round(self) -> float:
         """Probe this round's peers; the seconds of bulk transfer spent.

@@ -35,6 +35,7 @@ import trio
 
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.transport import Stream, Transport
+from fusionp2p.types import short_peer
 from fusionp2p.wire import reach as wr
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
 from fusionp2p.wire.protocols import REACH
@@ -164,12 +165,12 @@ def install_reversal(transport: Transport, servers: Callable[[], list[str]], *, 
             try:
                 ok, why = await request_reversal(transport, server, peer, timeout=timeout)
             except (PeerUnavailable, RemoteProtocolError) as exc:
-                log.debug("reversal of %s via %s: %s", peer[:16], server[:16], exc)
+                log.debug("reversal of %s via %s: %s", short_peer(peer), short_peer(server), exc)
                 continue
             if ok:
-                log.info("reached %s by connection reversal via %s", peer[:16], server[:16])
+                log.info("reached %s by connection reversal via %s", short_peer(peer), short_peer(server))
                 return True
-            log.info("reversal of %s via %s refused: %s", peer[:16], server[:16], why)
+            log.info("reversal of %s via %s refused: %s", short_peer(peer), short_peer(server), why)
         return False
 
     setter(reverse)
@@ -225,7 +226,7 @@ class ReachService:
                         self._busy -= 1
                 await stream.send_all(encode_frame(reply, max_frame=wr.MAX_MESSAGE))
         except (RemoteProtocolError, PeerUnavailable, trio.TooSlowError) as exc:
-            log.debug("reach request from %s: %s", peer[:16], exc)
+            log.debug("reach request from %s: %s", short_peer(peer), exc)
 
     async def _serve(self, op: str, f: dict[str, Any], stream: Stream) -> bytes:
         ip = getattr(stream, "remote_ip", None)
@@ -288,7 +289,7 @@ class ReachService:
             try:
                 with trio.fail_after(self.config.dial_timeout):
                     await self.transport.connect(f"{addr}/p2p/{peer}")
-                log.info("dialled %s at %s on request of %s (connection reversal)", peer[:16], addr, server[:16])
+                log.info("dialled %s at %s on request of %s (connection reversal)", short_peer(peer), addr, short_peer(server))
                 return wr.encode("reply", ok=True, why="")
             except (PeerUnavailable, ConfigError, trio.TooSlowError) as exc:
                 last = str(exc)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.types import short_peer
 from fusionp2p.wire.check import malformed
 from fusionp2p.wire.msg import expect_map, packb, unpackb
 from fusionp2p.wire.records import Signer, Verifier
@@ -127,7 +128,7 @@ def decode_record(data: bytes, verify: Verifier) -> JobStatus | JobIndex:
     b = expect_map(unpackb(body_bytes, max_size=MAX_STATUS), "job record body")
     peer = _str(b, "peer")
     if not verify(peer, _tag(t, body_bytes), sig):
-        raise RemoteProtocolError(f"bad signature on {t} record claiming to be from {peer[:16]}")
+        raise RemoteProtocolError(f"bad signature on {t} record claiming to be from {short_peer(peer)}")
     with malformed(f"{t[:16]} record"):
         if t == "job-status":
             return _status(b)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.types import DeviceProfile
+from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.check import U63, as_float, as_int, as_pair_list, as_str, malformed
 from fusionp2p.wire.codec import from_wire, to_wire
 from fusionp2p.wire.msg import expect_map, packb, typed_field, unpackb
@@ -32,6 +32,7 @@ MAX_BUNDLE_PARTS = 4
 MAX_BANDWIDTH = 1e13    # bytes/s: a measurement or capacity at or above it is refused (80 Tbit/s)
 MAX_RTT = 3600.0        # seconds
 MAX_PERIOD = 3600.0     # a heartbeat period, seconds
+MAX_GONE = 8            # peers one record may announce dead (NodeRecord.gone)
 MAX_SPEED = 64.0        # a node's measured training speed against its benchmark: at most this factor either way
 
 # A node's reachability as it learned it (swarm/reach.py): a bootstrap dialled its announced libp2p and
@@ -71,6 +72,9 @@ class NodeRecord:
     # the IP a bootstrap's dial-back check saw it at (its NAT's public address when behind one): hole punching
     # (net/holepunch.py) dials a member only at an IP its record names, this one or those of its addrs
     seen: str = field(default="", metadata={"wire": {"max_len": 64, "omit_default": True}})
+    # peers this node, one of their watchers, just found dead (swarm/watch.py): a notice that spreads at once
+    gone: tuple[str, ...] = field(default=(), metadata={"wire": {"max_len": MAX_GONE, "item": {"max_len": 128},
+                                                                 "omit_default": True}})
 
     def speed_on(self, model: str) -> float:
         """The announced speed if it was measured on *model* (a job's ``model_hash``), else 0 (none)."""
@@ -134,7 +138,7 @@ def decode_signed(data: bytes, verify: Verifier) -> Record:
     body = expect_map(unpackb(body_bytes, max_size=MAX_RECORD), "record body")
     peer = typed_field(body, "peer", str, "record body")
     if not verify(peer, _tag(t, body_bytes), sig):
-        raise RemoteProtocolError(f"bad signature on {t} record claiming to be from {peer[:16]}")
+        raise RemoteProtocolError(f"bad signature on {t} record claiming to be from {short_peer(peer)}")
     with malformed(f"{t[:16]} record"):
         if t == "node":
             return _node(body)

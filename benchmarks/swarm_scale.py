@@ -1,0 +1,108 @@
+"""Per-node cost and dead-peer detection of simulated swarms of 100, 300 and 1,000 nodes (issue 40).
+
+Real ``SwarmNode``s (membership, heartbeats, watchers) and a bootstrap in one process on the in-memory
+transport, heartbeat 1 s as a real node's, under trio's autojump clock: the figures are per simulated
+second. Probing is off (a node's probe set is reported from its prober's own choice; the transfers of
+1,000 nodes do not fit in one process). Every distinct signed record is decoded and verified once for
+all nodes (a real swarm verifies each on every node's own CPU; here they share one).
+
+Per size: time to join (simulated), the process's CPU per node per simulated second in steady state,
+gossip deliveries and watch pings per node per second, the largest probe set, the heartbeat period, and
+the simulated time until every node saw a killed one dead. Headlines: per-node CPU at the largest size
+over that at the smallest (target at most 1.5) and dead-peer detection at the largest (target 30 s).
+Not measured yet: emulated link rates, planning a job on 8 nodes, estimated against measured links.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import trio
+import trio.testing
+
+from benchmarks._common import headline, parser, write
+from fusionp2p.net.identity import verify
+from fusionp2p.net.memory import memory_network
+from fusionp2p.swarm import node as swarm_mod
+from fusionp2p.swarm.node import SwarmConfig, SwarmNode
+from fusionp2p.testing.swarm import TEST_PROFILE
+from fusionp2p.wire.records import Record, decode_signed
+
+STEADY = 30.0   # simulated seconds of steady state measured
+
+
+def run_one(n: int) -> dict[str, Any]:
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probing=False)   # watch_timeout 10 s, as a real node's
+    out: dict[str, Any] = {"n": n}
+
+    async def main() -> None:
+        async with memory_network(gossip_buffer=4 * n) as net:
+            hosts = [net.add_host() for _ in range(n + 1)]
+            boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=5.0), None)
+            nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
+            async with trio.open_nursery() as nursery:
+                t0, w0 = trio.current_time(), time.monotonic()
+                await nursery.start(boot.run, [])
+                for node in nodes:
+                    await nursery.start(node.run, [hosts[0].listen_addrs()[0]])
+                ids = sorted(x.peer_id for x in nodes)
+                for node in nodes:
+                    await node.wait_until(lambda node=node: node.members() == ids, 600)
+                out["join_s"] = trio.current_time() - t0
+                out["join_wall_s"] = time.monotonic() - w0
+                await trio.sleep(10.0)   # past the joining beats and the watchers' first pings
+                seen0 = sum(len(x.view.records) for x in nodes)
+                pings0 = sum(x.watcher.pings for x in nodes)
+                rx0 = [x.view.rejected for x in nodes]
+                c0, s0 = time.process_time(), trio.current_time()
+                await trio.sleep(STEADY)
+                cpu, sim = time.process_time() - c0, trio.current_time() - s0
+                out["cpu_per_node"] = cpu / sim / n
+                out["pings_per_node_s"] = (sum(x.watcher.pings for x in nodes) - pings0) / sim / n
+                out["replays_per_node_s"] = (sum(x.view.rejected for x in nodes) - sum(rx0)) / sim / n
+                out["records_held"] = sum(len(x.view.records) for x in nodes) - seen0
+                out["probe_set_max"] = max(len(x.prober.chosen()[1]) for x in nodes)
+                out["watched_max"] = max(len(x.watcher.chosen()) for x in nodes)
+                out["period_s"] = max(x.period() for x in nodes)
+                victim = nodes[n // 2]
+                t1 = trio.current_time()
+                net.kill(victim.peer_id)
+                for node in nodes:
+                    if node is not victim:
+                        await node.wait_until(lambda node=node: victim.peer_id in node.view.dead, 600)
+                out["detect_s"] = trio.current_time() - t1
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=clock)
+    return out
+
+
+def main() -> None:
+    ap = parser("swarm_scale", __doc__)
+    ap.add_argument("--sizes", default=None, help="comma-separated N (default 100,300,1000; --quick: 50,150)")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([50, 150] if args.quick else [100, 300, 1000])
+
+    @functools.cache
+    def decode(raw: bytes) -> Record:
+        return decode_signed(raw, verify)
+
+    swarm_mod.decode_signed = lambda raw, _verify: decode(raw)   # type: ignore[assignment]
+    rows = []
+    print(f"{'N':>5} {'join s':>7} {'cpu/node':>9} {'pings/s':>8} {'probe set':>9} {'period s':>9} {'detect s':>9}")
+    for n in sizes:
+        r = run_one(n)
+        rows.append(r)
+        print(f"{n:>5} {r['join_s']:>7.1f} {r['cpu_per_node']:>9.5f} {r['pings_per_node_s']:>8.2f} "
+              f"{r['probe_set_max']:>9} {r['period_s']:>9.1f} {r['detect_s']:>9.2f}", flush=True)
+    ratio = rows[-1]["cpu_per_node"] / rows[0]["cpu_per_node"]
+    write("swarm_scale", args.out, rows,
+          headline(f"per-node CPU at {rows[-1]['n']} simulated nodes over that at {rows[0]['n']}", ratio, "x", 1.5, "lower",
+                   f"dead-peer detection at {rows[-1]['n']}: {rows[-1]['detect_s']:.2f} s (target 30 s)"), quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()
