@@ -15,8 +15,8 @@ import time
 
 from benchmarks._common import RESULTS
 
-BENCHMARKS = ["membership", "executor", "planner", "stream", "paths", "averaging", "schedule", "tensor_parallel", "e2e",
-              "testbed", "wan"]
+BENCHMARKS = ["membership", "swarm_scale", "executor", "planner", "stream", "paths", "averaging", "schedule",
+              "tensor_parallel", "e2e", "soak", "gpu_check", "testbed", "wan"]
 
 
 def main() -> int:
