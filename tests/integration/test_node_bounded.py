@@ -10,13 +10,14 @@ every finished job its worker, model and data. Then a hostile publisher offering
 from __future__ import annotations
 
 import gc
+import random
 from pathlib import Path
 
 import torch
 import trio
 import trio.testing
 
-from fusionp2p.data import BuiltinCorpus
+from fusionp2p.data import BuiltinCorpus, TokenFile
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import BuiltJob, build_job
 from fusionp2p.jobs.content import ContentService, ContentStore
@@ -81,9 +82,11 @@ def test_a_finished_job_leaves_nothing_behind_but_its_record_and_cached_files(tm
     trio.run(main)
 
 
-def _hostile_job(pub: ContentService, seed: int) -> BuiltJob:
+def _hostile_job(pub: ContentService, seed: int, tmp: Path) -> BuiltJob:
     torch.manual_seed(seed)
-    built = build_job(GPT2(GPT2Config.tiny(block_size=16)), None, BuiltinCorpus(seq_len=16),
+    text = tmp / f"corpus{seed}.txt"   # its own 600 kB of data: what a node fetches when it takes the offer
+    text.write_bytes(random.Random(seed).randbytes(600_000))
+    built = build_job(GPT2(GPT2Config.tiny(block_size=16)), None, TokenFile(str(text), seq_len=16),
                       TrainConfig(steps=2, micro_batch=2, micro_batches=1), publisher=pub.transport.peer_id,
                       sign=pub.transport.sign, now=1.0, nonce=bytes([seed]) * 16)
     for blob in built.blobs.values():
@@ -92,10 +95,11 @@ def _hostile_job(pub: ContentService, seed: int) -> BuiltJob:
 
 
 def test_a_publisher_offering_many_valid_jobs_cannot_pass_the_nodes_caps(tmp_path: Path) -> None:
-    """Each job is valid (its own weights, about 0.54 MB, and a 0.55 MB DAG shared by all) and never started.
-    The node takes offers while their content fits under ``--disk`` beside what earlier offers pin, refuses
-    the rest (store full, or two offers pending from one peer), and after ``offer_ttl`` lets go of them all."""
-    cap, mem = 2_500_000, 600_000   # two offers fit, not three
+    """Each job is valid (its own 0.6 MB of data and weight manifest, a DAG without weights shared by all;
+    the weights are fetched per stage only once planned) and never started. The node takes offers while
+    their content fits under ``--disk`` beside what earlier offers pin, refuses the rest (store full, or
+    two offers pending from one peer), and after ``offer_ttl`` lets go of them all."""
+    cap, mem = 1_500_000, 600_000   # two offers fit, not three
     cfg = NodeJobConfig(offer_ttl=5.0, store=StoreConfig(disk_bytes=cap, memory_bytes=mem))
 
     async def main() -> None:
@@ -114,7 +118,8 @@ def test_a_publisher_offering_many_valid_jobs_cannot_pass_the_nodes_caps(tmp_pat
                     p.install()
 
                 # built before the first offer: the offers follow each other well within offer_ttl
-                jobs = {seed: await trio.to_thread.run_sync(_hostile_job, pubs[seed % 3], seed) for seed in (1, 2, 3)}
+                jobs = {seed: await trio.to_thread.run_sync(_hostile_job, pubs[seed % 3], seed, tmp_path)
+                        for seed in (1, 2, 3)}
 
                 async def offer(p: ContentService, seed: int) -> dict[str, object]:
                     built = jobs[seed]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fusionp2p.data import BuiltinCorpus
-from fusionp2p.jobs.build import build_job, job_cost_model, stage_programs
+from fusionp2p.jobs.build import AcceptedJob, build_job, job_cost_model, stage_programs
 from fusionp2p.jobs.download import INDEX, load_download
 from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.weights import stage_memory
@@ -66,11 +66,12 @@ def test_a_model_no_node_can_hold_is_cut_and_each_node_fetches_only_its_stage(tm
             assert run.weights.tensors == mine
             assert run.weights.pieces == sum(len(man[n].pieces) for n in mine) < every_piece
             assert run.weights.bytes == sum(man[n].nbytes for n in mine)
-            # the stage fits the memory the node offers; the accepted DAG holds declarations only
-            assert stage_memory(run.accepted, plan, snap, s, programs[s]) <= MEMORY
-            assert all(t.device.type == "meta" for t in run.accepted.dag.tensors.values())
+            # the stage fits the memory the node offers
+            assert stage_memory(AcceptedJob(spec=built.spec, dag=built.dag, tokens=None), plan, snap, s,
+                                programs[s]) <= MEMORY
             fetched |= mine
         assert fetched == set(man)                         # together the stages hold the whole model
+        assert all(not r.accepted.dag.nodes for r in runs.values())   # and let go of it when the job ended
         state = job.state_dict()
         single = job.download(tmp_path / "one")
         sharded = job.download(tmp_path / "shards", single_file_bytes=1)
@@ -154,7 +155,8 @@ def test_a_piece_with_wrong_bytes_is_counted_against_its_server_and_fetched_else
                 # the liar answers every piece of "w" with another piece's bytes under the asked hash
                 other = next(iter(pieces.values()))
                 for h in man.by_name()["w"].pieces:
-                    liar.store._mem[h] = other   # what a hostile store would serve
+                    liar.store._mem[h] = other   # what a hostile store would serve (held in memory:
+                    liar.store._held[h] = len(other)   # a store without a root, jobs/store.py)
                 got = WeightFetches()
                 out = await fetch_tensors(client, man, ["w"], peers=[liar.transport.peer_id], fetches=got)
                 assert torch.equal(out["w"], ts["w"]) and set(out) == {"w"}
