@@ -59,7 +59,8 @@ def probes_of(peer: str, members: list[str], k: int) -> list[str]:
     :func:`prober_of` when both did. So a node measures at most *k* links, a few dozen however large the
     swarm, and is measured by the peers that chose it (*k* on average); at most *k* + 1 members, every
     pair is measured, each from one side, as before."""
-    return [p for p in chosen(peer, members, k) if prober_of(peer, p) == peer or peer not in chosen(p, members, k)]
+    everyone = members if peer in members else [*members, peer]   # a node's view of the members leaves itself out
+    return [p for p in chosen(peer, everyone, k) if prober_of(peer, p) == peer or peer not in chosen(p, everyone, k)]
 
 
 class Change(Enum):

@@ -33,6 +33,21 @@ def test_a_node_measures_at_most_k_links_whatever_the_swarm() -> None:
     assert chosen(IDS[0], IDS[:100], 8) == chosen(IDS[0], list(reversed(IDS[:100])), 8)
 
 
+def test_each_pair_is_probed_from_one_side_from_views_that_leave_the_node_out() -> None:
+    """A node's view of the members leaves itself out; the pairs it probes must still be the ones
+    ``prober_of`` gives it in a small swarm, never both sides of one pair (found on the merge of #40)."""
+    from fusionp2p.swarm.membership import prober_of
+
+    ids = IDS[:8]
+    for a in ids:
+        view = [p for p in ids if p != a]
+        assert set(probes_of(a, view, 24)) == {b for b in view if prober_of(a, b) == a}
+    for n in (30, 100):
+        views = {a: [p for p in IDS[:n] if p != a] for a in IDS[:n]}
+        pairs = [frozenset((a, b)) for a in IDS[:n] for b in probes_of(a, views[a], 24)]
+        assert len(pairs) == len(set(pairs))
+
+
 def test_watchers_are_the_chosen_pairs() -> None:
     ids = IDS[:100]
     a = ids[0]
