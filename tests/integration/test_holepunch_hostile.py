@@ -8,7 +8,7 @@ the node dials. The stranger itself listens on 127.0.0.2, so that the node never
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
@@ -23,12 +23,7 @@ from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, Libp2pTransport, open_libp2p_transport
 from fusionp2p.net.relay import RelayLimits
-
-
-async def _until(pred: Callable[[], bool], timeout: float = 15.0) -> None:
-    with trio.fail_after(timeout):
-        while not pred():  # noqa: ASYNC110 (py-libp2p's DCUtR tasks: no event to wait on)
-            await trio.sleep(0.02)
+from fusionp2p.testing.wait import poll_until
 
 
 @dataclass
@@ -110,7 +105,7 @@ def test_a_session_dials_a_few_allowed_addresses_only_and_members_only() -> None
                 assert again is None and sg.punch.stats["refused"] == 2
                 await write_delimited_msg(s, HolePunch(type=HolePunch.SYNC))
                 # the node dials the first four allowed addresses it was sent, and nothing else
-                await _until(lambda: set(sg.accepted) == set(sg.ports[:4]))
+                await poll_until(lambda: set(sg.accepted) == set(sg.ports[:4]), timeout=15.0)
                 assert sg.punch.stats["dials"] <= 3 * 4
                 assert set(sg.accepted) <= set(sg.ports[:4])
                 assert sg.punch.stats["addrs_dropped"] >= len(msg.ObsAddrs) - 4
@@ -126,7 +121,7 @@ def test_dials_of_all_sessions_share_a_budget_and_direct_connections_are_refused
                 s, resp = await _open(sg.stranger, sg.victim.peer_id, _connect_msg(sg.ports))
                 assert resp is not None
                 await write_delimited_msg(s, HolePunch(type=HolePunch.SYNC))
-                await _until(lambda: sg.punch.stats["over_budget"] >= 2)
+                await poll_until(lambda: sg.punch.stats["over_budget"] >= 2, timeout=15.0)
                 assert sg.punch.stats["dials"] == 2 and len(set(sg.accepted)) <= 2
                 # a session over a direct connection is refused (it has nothing to upgrade)
                 t = await sg.stack.enter_async_context(open_libp2p_transport(Identity.generate()))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import socket
-from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import pytest
@@ -23,15 +22,10 @@ from fusionp2p.net.relay import RelayLimits
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.reach import ReachConfig, ReachService, _request, check_reach
 from fusionp2p.testing.swarm import TEST_PROFILE
+from fusionp2p.testing.wait import poll_until
 from fusionp2p.wire import reach as wr
 from fusionp2p.wire.protocols import REACH
 from fusionp2p.wire.records import REACH_DATA
-
-
-async def _until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not pred():  # noqa: ASYNC110 (a counter of the service: no event to wait on)
-            await trio.sleep(0.01)
 
 
 def test_busy_rate_limited_and_wrong_server_refusals_are_not_verdicts() -> None:
@@ -61,11 +55,11 @@ def test_busy_rate_limited_and_wrong_server_refusals_are_not_verdicts() -> None:
                 for t in (hog, asker):
                     await t.connect(addr)
                 nursery.start_soon(functools.partial(check_reach, hog, boot.peer_id, p2p=[], data=[], timeout=20))
-                await _until(lambda: svc._busy == 1)
+                await poll_until(lambda: svc._busy == 1)
                 with pytest.raises(PeerUnavailable, match="busy"):
                     await check_reach(asker, boot.peer_id, p2p=[], data=[], timeout=5)
                 release.set()
-                await _until(lambda: svc._busy == 0)
+                await poll_until(lambda: svc._busy == 0)
                 svc._any_dialable = dial  # type: ignore[method-assign]
 
                 # a node checked once learns its reach (its data port answers; in-memory libp2p addresses
@@ -78,7 +72,7 @@ def test_busy_rate_limited_and_wrong_server_refusals_are_not_verdicts() -> None:
                 await node.wait_until(lambda: node.reach == REACH_DATA, 10)
                 refused = svc.served["refused"]
                 node.set_data_addrs(node.data_addrs)                    # check again, at once
-                await _until(lambda: svc.served["refused"] == refused + 1)
+                await poll_until(lambda: svc.served["refused"] == refused + 1)
                 with pytest.raises(trio.TooSlowError):                  # the node's verdict does not move
                     await node.wait_until(lambda: node.reach != REACH_DATA, 1.0)
                 with pytest.raises(PeerUnavailable, match="one request every"):

@@ -7,7 +7,6 @@ per-IP limits apply to all of them together."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import trio
@@ -21,6 +20,7 @@ from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, Libp2pTransport, open_libp2p_transport
 from fusionp2p.net.relay import HOP, RelayLimits
 from fusionp2p.net.transport import Stream
+from fusionp2p.testing.wait import poll_until
 
 ECHO = "/fusionp2p-test/echo/1.0.0"
 
@@ -54,11 +54,6 @@ def _connect_msg(dest: Libp2pTransport) -> HopMessage:
     return HopMessage(type=HopMessage.CONNECT, peer=CircuitPeerId(id=ID.from_base58(dest.peer_id).to_bytes()))
 
 
-async def _until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll *pred* (state py-libp2p's own tasks change, with no event to wait on) until it holds."""
-    with trio.fail_after(timeout):
-        while not pred():  # noqa: ASYNC110
-            await trio.sleep(0.05)
 
 
 async def _at_once(n: int, fn: object, *args: object) -> list[int]:
@@ -146,7 +141,7 @@ def test_one_circuits_end_does_not_cut_another() -> None:
                 svc = relay.relay_service
                 assert svc is not None and svc.open_circuits == 2
                 await stranger.hang_up(v.peer_id)
-                await _until(lambda: svc.open_circuits == 1)
+                await poll_until(lambda: svc.open_circuits == 1)
                 s = await honest.open_stream(v.peer_id, ECHO)
                 await s.send_all(b"still here")
                 assert await s.receive_some() == b"still here"
@@ -169,14 +164,14 @@ def test_refused_circuits_leave_nothing_and_the_deadline_closes_both_halves() ->
                 v.forget_relay(relay.peer_id)            # v now refuses circuits from this relay
                 for _ in range(5):
                     assert await _hop(a, relay, _connect_msg(v)) == StatusCode.CONNECTION_FAILED
-                await _until(lambda: svc.open_circuits == 0)
+                await poll_until(lambda: svc.open_circuits == 0)
                 assert not svc._active_relays
                 await v.reserve(relay.peer_id)
                 [circuit] = [c for c in v.circuit_addrs() if "/ip4/127.0.0.1/" in c]
                 await a.connect(circuit)
                 assert a.peer_id in v.connected_peers()
                 # duration 1 s + the relay's 2 s timeout: both ends lose the circuit
-                await _until(lambda: a.peer_id not in v.connected_peers() and v.peer_id not in a.connected_peers(), 15)
+                await poll_until(lambda: a.peer_id not in v.connected_peers() and v.peer_id not in a.connected_peers(), 15)
                 assert svc.open_circuits == 0 and not svc._active_relays
 
     trio.run(main)
@@ -191,7 +186,7 @@ def test_a_reservation_lapses_after_its_ttl() -> None:
                 assert svc is not None
                 assert await b.reserve(relay.peer_id) <= 1.0
                 assert svc.reservations() == [b.peer_id]
-                await _until(lambda: svc.reservations() == [], 10)      # not refreshed: gone after 1 s
+                await poll_until(lambda: svc.reservations() == [], 10)      # not refreshed: gone after 1 s
                 assert await _hop(a, relay, _connect_msg(b)) == StatusCode.NO_RESERVATION
 
     trio.run(main)
