@@ -96,6 +96,19 @@ class _AuditedChannel:
         await self.inner.aclose()
 
 
+def _audit_sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Every tensor the jobs' channels send from now on: (kind, the tensor, a copy taken at send)."""
+    sent: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    open_links = JobRun._open_links
+
+    async def audited(self: JobRun, *args: Any, **kwargs: Any) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:
+        links, peers = await open_links(self, *args, **kwargs)
+        return ({s: _AuditedChannel(c, sent) for s, c in links.items()}, [_AuditedChannel(c, sent) for c in peers])
+
+    monkeypatch.setattr(JobRun, "_open_links", audited)
+    return sent
+
+
 @pytest.mark.parametrize("averaging", [
     CO2(tau=2, outer_momentum=0.5, penalty="elementwise"),   # streaming CO2: fragment snapshots and anchor shards
     CO2(tau=2, outer_momentum=0.5, stream=False),            # whole-vector one-round-stale CO2
@@ -108,15 +121,7 @@ def test_sent_tensors_are_never_modified_after_send(swarm: Swarm, monkeypatch: p
     (``NodeJobConfig.channels``: ``copy_on_send=False``). That is only sound while nothing the stage
     worker or the replica averager sends is changed in place afterwards: check every sent tensor at
     the end of a job against its value when ``send`` returned."""
-    sent: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-
-    open_links = JobRun._open_links
-
-    async def audited(self: JobRun, *args: Any, **kwargs: Any) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:
-        links, peers = await open_links(self, *args, **kwargs)
-        return ({s: _AuditedChannel(c, sent) for s, c in links.items()}, [_AuditedChannel(c, sent) for c in peers])
-
-    monkeypatch.setattr(JobRun, "_open_links", audited)
+    sent = _audit_sent(monkeypatch)
     cfg = TrainConfig(steps=5, micro_batch=2, micro_batches=2, lr=3e-3, replicas=2, averaging=averaging,
                       compression="adatopk", seed=5)
     job = swarm.publish(model=_model(), dataset=BuiltinCorpus(seq_len=SEQ), config=cfg)
@@ -131,14 +136,7 @@ def test_a_bf16_job_trains_with_bf16_on_the_wire(swarm: Swarm, monkeypatch: pyte
     """``TrainConfig(precision="bf16")`` end to end (issue 39): planned, trained through compressed fences
     and CO2 to the end; activations and gradients cross the fences in bf16, the averaging in fp32 and bf16
     differences (CO2.wire), and the downloaded weights are fp32 (master weights)."""
-    sent: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    open_links = JobRun._open_links
-
-    async def audited(self: JobRun, *args: Any, **kwargs: Any) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:
-        links, peers = await open_links(self, *args, **kwargs)
-        return ({s: _AuditedChannel(c, sent) for s, c in links.items()}, [_AuditedChannel(c, sent) for c in peers])
-
-    monkeypatch.setattr(JobRun, "_open_links", audited)
+    sent = _audit_sent(monkeypatch)
     cfg = TrainConfig(steps=5, micro_batch=2, micro_batches=2, lr=3e-3, replicas=2, averaging="co2",
                       compression="adatopk", seed=5, precision="bf16")
     job = swarm.publish(model=_model(), dataset=BuiltinCorpus(seq_len=SEQ), config=cfg)
