@@ -35,7 +35,7 @@ STEADY = 30.0   # simulated seconds of steady state measured
 
 def run_one(n: int) -> dict[str, Any]:
     clock = trio.testing.MockClock(autojump_threshold=0)
-    cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probing=False)   # watch_timeout 10 s, as a real node's
+    cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probing=False)   # watch_timeout as a real node's (SwarmConfig)
     out: dict[str, Any] = {"n": n}
 
     async def main() -> None:
