@@ -40,12 +40,13 @@ from fusionp2p.data import (
     corpus_tokens,
 )
 from fusionp2p.data.corpus import corpus_hash
-from fusionp2p.data.shards import STORAGE_DTYPES
+from fusionp2p.data.shards import DEFAULT_SHARD_TOKENS
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, PlanError, RemoteProtocolError
 from fusionp2p.graph import OpDAG, Ref, coarsen, partition, stages_from_fences, to_workload, trace
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.graph.trace import with_flops
 from fusionp2p.jobs.content import ContentService, sha256_hex
+from fusionp2p.jobs.data_shards import window_bytes
 from fusionp2p.jobs.spec import (
     JobSpec,
     Resources,
@@ -221,7 +222,7 @@ def check_vocab(dag: OpDAG, dataset: Dataset) -> None:
 
 def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset | str | os.PathLike[str], cfg: TrainConfig, *, publisher: str,
               sign: Callable[[bytes], bytes], now: float, nonce: bytes, resources: Resources | None = None,
-              name: str = "", piece_bytes: int = DEFAULT_PIECE_BYTES) -> BuiltJob:
+              name: str = "", piece_bytes: int = DEFAULT_PIECE_BYTES, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> BuiltJob:
     """Trace, encode and sign a job (the publisher's side). ConfigError on a model that cannot be traced.
 
     The DAG travels without its tensors; they travel as content-addressed pieces of at most
@@ -234,7 +235,7 @@ def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset | str | os
     dag_blob = encode_dag(dag, weights=False)
     manifest, pieces = make_manifest(dag.tensors, piece_bytes)
     man_blob = manifest.encode()
-    ref, _manifest, data_blobs = prepare_dataset(dataset)
+    ref, _manifest, data_blobs = prepare_dataset(dataset, shard_tokens=shard_tokens)
     blobs = {sha256_hex(dag_blob): dag_blob, manifest.content_hash: man_blob, **pieces, **data_blobs}
     spec = JobSpec(job_id=new_job_id(publisher, now, nonce), publisher=publisher, created=now,
                    model_hash=sha256_hex(dag_blob), weights_hash=manifest.content_hash, dataset=ref, config=cfg,
@@ -267,7 +268,8 @@ class NodeJobs:
 
     Every fetch is bounded by what is known before it (issue 15, item 8: each blob could be up to
     2 GiB): the DAG (without tensors) by its header's limit, the weight manifest by its format, each
-    shard by its exact size in the manifest, and the dataset by the node's memory. No weight piece is
+    example shard by its exact size in the manifest, and the examples by the node's memory; a token dataset's
+    shards are not fetched here but streamed by the reading stages (``jobs/data_shards.py``). No weight piece is
     fetched here: the node fetches its stage's once the plan names it (``jobs/weights.py``), and its
     memory is held against that stage, not the whole model (issue 37).
     """
@@ -317,14 +319,12 @@ class NodeJobs:
         else:
             manifest = ShardManifest.decode(await self._fetch(ref.content_hash, peers, max_size=MAX_MANIFEST_BYTES),
                                             expected_hash=ref.content_hash)
-            itemsize = STORAGE_DTYPES[manifest.dtype].itemsize
-            if manifest.num_tokens != ref.num_tokens or manifest.num_tokens * itemsize > memory:
+            # streamed (issue 38): no shard here; a reading stage's feed fetches its replica's, a window ahead
+            window = window_bytes(manifest, micro_batch=spec.config.micro_batch, micro_batches=spec.config.micro_batches)
+            if manifest.num_tokens != ref.num_tokens or window > memory:
                 raise JobError(f"job {spec.job_id}: the dataset's {manifest.num_tokens} tokens do not match its "
-                               f"reference ({ref.num_tokens}) or do not fit this node's memory")
+                               f"reference ({ref.num_tokens}) or its window of {window} bytes does not fit this node's memory")
             tokens = ShardedTokens(manifest)
-            for i, h in enumerate(manifest.shards):
-                lo, hi = manifest.shard_range(i)
-                tokens.add(i, await self._fetch(h, peers, max_size=(hi - lo) * itemsize))
         return AcceptedJob(spec=spec, dag=dag, tokens=tokens, envelope=bytes(envelope), weights=weights)
 
     async def _fetch(self, h: str, peers: Sequence[str], *, max_size: int) -> bytes:

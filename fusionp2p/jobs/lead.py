@@ -14,6 +14,7 @@ epochs; the split keeps the epoch's own run (``jobs/run.py``) apart from the lea
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -81,6 +82,7 @@ class Leading:
     members: frozenset[str] | None
     checkpoints: dict[int, dict[tuple[int, int], tuple[str, list[str]]]]
     book: ProgressBook
+    data_history: tuple[tuple[int, int], ...]
     joiners: set[str]
     _offered: dict[str, float]
     _answered: dict[str, float]
@@ -369,7 +371,8 @@ class Leading:
             return
         nxt = max([self.epoch, *(h.epoch for h in halted)]) + 1
         self._led = nxt
-        resume = plan_resume(plan.n_units, halted, self.checkpoints, self._alive, reached=self.book.reached)
+        resume = dataclasses.replace(plan_resume(plan.n_units, halted, self.checkpoints, self._alive,
+                                                 reached=self.book.reached), data=self.data_history)
         if resume.from_checkpoint:
             log.warning("job %s: some units lost every live state; resuming from %s (%d steps lost)", self.job_id,
                         f"the checkpoint of step {resume.step}" if resume.sources else "the published weights",

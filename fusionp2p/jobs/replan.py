@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from fusionp2p.data.stream import MAX_HISTORY, check_history
 from fusionp2p.errors import PlanError, RemoteProtocolError
 from fusionp2p.wire.check import as_map
 
@@ -88,6 +89,9 @@ class Resume:
     sources: tuple[Source, ...]
     from_checkpoint: bool = False
     lost_steps: int = 0          # steps whose training is thrown away (a checkpoint restore)
+    # the data history so far, (first step, micro-batch slots a step) per plan (data/stream.py): where each
+    # kept step's samples lie in the epoch's order, so that a re-plan continues it exactly
+    data: tuple[tuple[int, int], ...] = ()
 
     @property
     def initial(self) -> bool:
@@ -96,7 +100,8 @@ class Resume:
 
     def to_wire(self) -> dict[str, object]:
         return {"step": self.step, "ckpt": self.from_checkpoint, "lost": self.lost_steps,
-                "sources": [[s.start, s.end, s.step, s.state, list(s.holders)] for s in self.sources]}
+                "sources": [[s.start, s.end, s.step, s.state, list(s.holders)] for s in self.sources],
+                "data": [list(d) for d in self.data]}
 
     @classmethod
     def from_wire(cls, obj: object) -> Resume:
@@ -117,8 +122,15 @@ class Resume:
             ckpt = m["ckpt"]
             if not isinstance(ckpt, bool):
                 raise TypeError("ckpt must be a bool")
-            out = cls(step=_i(m["step"]), sources=tuple(sources), from_checkpoint=ckpt, lost_steps=_i(m["lost"]))
-        except (KeyError, TypeError) as exc:
+            data = m.get("data", [])
+            if not isinstance(data, list) or len(data) > MAX_HISTORY or not all(isinstance(d, list) and len(d) == 2 for d in data):
+                raise TypeError("data must be a list of [step, slots]")
+            hist = tuple((_i(d[0]), _i(d[1])) for d in data)
+            if hist:
+                check_history(hist)
+            out = cls(step=_i(m["step"]), sources=tuple(sources), from_checkpoint=ckpt, lost_steps=_i(m["lost"]),
+                      data=hist)
+        except (KeyError, TypeError, ValueError) as exc:
             raise RemoteProtocolError(f"resume: {exc}") from None
         if out.step < 0 or out.lost_steps < 0:
             raise RemoteProtocolError("resume: negative step")

@@ -56,6 +56,7 @@ from fusionp2p.jobs.build import (
     stage_programs,
 )
 from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_state
+from fusionp2p.jobs.data_shards import FeedStats, ShardFeed, plan_history, stage_feed
 from fusionp2p.jobs.election import Adopted, ElectionConfig, fetch_adopted, open_elector
 from fusionp2p.jobs.events import (
     MAX_EARLIER,
@@ -75,12 +76,7 @@ from fusionp2p.jobs.lead import Leading, _Epoch
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
 from fusionp2p.jobs.rebalance import epoch_speed
-from fusionp2p.jobs.replan import (
-    Halted,
-    Resume,
-    Source,
-    leader_of,
-)
+from fusionp2p.jobs.replan import Halted, Resume, Source, leader_of
 from fusionp2p.jobs.status import ProgressBatch, StepStats
 from fusionp2p.jobs.weights import WeightFetches, prepare_stage, stage_fit
 from fusionp2p.net.channel import TensorChannel
@@ -141,6 +137,8 @@ class JobRun(Leading):
         self.final: dict[int, tuple[str, tuple[str, ...]]] = {}   # stage -> final state file (hash, holders)
         self.final_losses: dict[int, float] = {}                  # replica -> its final evaluation loss
         self.weights = WeightFetches()                            # the published weight pieces this node fetched
+        self.data_history: tuple[tuple[int, int], ...] = ()       # (step, slots) per plan (data/stream.py)
+        self.data = FeedStats()                                   # the data shards this node fetched and read
         self.losses: dict[int, float] = {}                        # this node's per-step losses (loss stage)
         self.last: StepStats | None = None                        # this node's latest step (status, metrics)
         self.joiners: set[str] = set()                            # accepted the job, no role yet
@@ -353,6 +351,7 @@ class JobRun(Leading):
         self.plan = plan
         n_st = len(plan.stages)
         self.book.set_plan(plan.epoch, n_st - 1, plan.stages[-1].replicas)
+        self.data_history = plan_history(req.resume.data, req.resume.step, plan, self.spec.config.micro_batches)
         # One member announces the plan: one the publisher already knows (a member of the plan before), since
         # it believes plans only from members it has seen (a joiner with the lowest id is not one yet).
         known = sorted(set(plan.peers) & set(req.previous.peers)) if req.previous is not None else []
@@ -397,8 +396,12 @@ class JobRun(Leading):
                         self.svc.nursery.start_soon(self._gossip, LinksUp(
                             job=self.job_id, epoch=plan.epoch, stage=s, peer=self.me,
                             links=tuple(f"{p}={path}" for p, path in sorted(paths.items())), at=time.time()))
+                        feed = stage_feed(self.svc.content, self.accepted, plan, s, r, self.data_history, programs[s],
+                                          peers=[self.publisher], stats=self.data)
+                        if feed is not None:   # a reading stage of a streamed dataset: its shards, a window ahead
+                            await holders.start(feed.serve, self.closed)
                         worker = self._worker = StageWorker(self._context(plan, snap, programs, s, r, links, peers,
-                                                                          req.resume, restore))
+                                                                          req.resume, restore, feed))
                         await worker.run()
                     finally:
                         await self._close_channels()
@@ -516,7 +519,8 @@ class JobRun(Leading):
 
     # ------------------------------------------------------------------ training
     def _context(self, plan: Plan, snap: Snapshot, programs: list[Any], s: int, r: int, links: dict[int, TensorChannel],
-                 peers: list[TensorChannel], resume: Resume, restore: StageState | None) -> StageContext:
+                 peers: list[TensorChannel], resume: Resume, restore: StageState | None,
+                 feed: ShardFeed | None = None) -> StageContext:
         cfg = self.spec.config
         n_st = len(plan.stages)
         rho_out: dict[int, float] = {}
@@ -568,7 +572,7 @@ class JobRun(Leading):
         ex = StageExecutor(programs[s], device=self.svc.config.device, precision=cfg.precision)   # docs/gpu.md
         return StageContext(job=self.job_id, executor=ex, config=cfg, replica=r,
                             replicas=len(plan.stages[s].replicas), links=links, peers=peers,
-                            data=data_fn(self.accepted), tokens_per_micro=cfg.micro_batch * self.spec.dataset.seq_len,
+                            data=feed or data_fn(self.accepted), data_ready=feed.ready if feed else None, tokens_per_micro=cfg.micro_batch * self.spec.dataset.seq_len,
                             rho_out=rho_out, report=report, checkpoint=checkpoint if r == 0 else None,
                             start_step=resume.step, restore=restore, halt=self._halt,
                             recv_timeout=self.svc.config.recv_timeout, eval_data=eval_data_fn(self.accepted),

@@ -162,6 +162,21 @@ class ContentStore:
         finally:
             _OWNER.reset(token)
 
+    @contextlib.contextmanager
+    def unpinned(self) -> Iterator[None]:
+        """Pin nothing put or read in this scope, inside an owner's scope too: a streamed data shard is
+        cache, evicted oldest first, so that a dataset larger than ``--disk`` streams through the store."""
+        token = _OWNER.set(None)
+        try:
+            yield
+        finally:
+            _OWNER.reset(token)
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether the store keeps blobs on disk (a node's), not only in memory (a publisher's, a test's)."""
+        return self._root is not None
+
     def _make_room(self, n: int) -> None:
         """Evict cached blobs, oldest first, until *n* more bytes fit; StoreFull if pins leave no room."""
         cap = self.config.disk_bytes

@@ -119,6 +119,7 @@ class StageContext:
     halt: Halt | None = None                       # set by the job while training: stop at a step boundary
     recv_timeout: float | None = None              # seconds to wait for any one message (None: forever)
     eval_data: DataFn | None = None                # the held-out examples (for the final evaluation)
+    data_ready: Callable[[int, int], Awaitable[None]] | None = None   # a streamed dataset's wait (jobs/data_shards.py)
     # micro-batches per ``micro_period`` steps of every pipeline (replica index), in proportion to speed
     # (``Plan.micro``); () = ``config.micro_batches`` a step each. Each step's ``micro_batches x replicas``
     # micro-batches are dealt out in pipeline order by ``plan.micro_schedule``, and the averages weigh
@@ -476,6 +477,11 @@ class StageWorker:
                  ", ".join(f"{c / deal.period:.4g}" for c in deal.micro), ", ".join(f"{1e3 * x:.0f}" for x in v),
                  old, deal.share)
 
+    async def _data(self, sstep: int, micro: int) -> Mapping[str, torch.Tensor]:
+        if self.ctx.data_ready is not None:
+            await self.ctx.data_ready(sstep, micro)
+        return self.ctx.data(sstep, micro)
+
     def _sample(self, step: int, k: int) -> tuple[int, int]:
         """The data index (sampler step, micro) of micro-batch *k* of *step*'s ``M x R`` (this pipeline's
         micro-batch ``mu`` is ``first + mu``: ``(step * R + r, mu)`` when every pipeline runs ``M``)."""
@@ -493,13 +499,16 @@ class StageWorker:
         inbox = Inbox(prog)
         self._kept = {}           # (micro, input name) -> entries the compressed forward kept, for the backward
         has_remote_in = any(r.src != DATA for r in prog.recv)
+        has_data = any(r.src == DATA for r in prog.recv)
         ready_in: dict[int, dict[str, torch.Tensor]] = {}
         ready_grad: dict[int, dict[str, torch.Tensor]] = {}
         outs: dict[int, dict[str, torch.Tensor]] = {}
         backs: dict[int, dict[str, torch.Tensor]] = {}
         losses: dict[int, float] = {}
         for mu in range(m_count):
-            data = self.ctx.data(*self._sample(step, first + mu))
+            if not has_data:
+                break   # a stage that reads no data input asks for none (a streamed dataset is not fetched here)
+            data = await self._data(*self._sample(step, first + mu))
             done = None
             for r in prog.recv:
                 if r.src == DATA:
@@ -755,7 +764,8 @@ class StageWorker:
         inbox = Inbox(prog)
         for mu in range(self.ctx.config.micro_batches):
             held = self.ctx.eval_data
-            data = held(0, mu) if held is not None else self.ctx.data(self._gstep(step), mu)
+            reads = any(r.src == DATA for r in prog.recv)
+            data = held(0, mu) if held is not None else await self._data(self._gstep(step), mu) if reads else {}
             ready = None
             for r in prog.recv:
                 if r.src == DATA:

@@ -1,0 +1,313 @@
+"""A reading stage's data feed: the shards its replica is about to read, fetched a bounded window ahead.
+
+Theory of operation. A token dataset travels as content-addressed shards (``data/shards.py``) and is
+read in the order of ``data/stream.py``: each replica reads a contiguous run of shards of its own.
+Only a stage whose program reads a data input (the first for the tokens, the last for the targets,
+wherever the DAG puts them) builds a :class:`ShardFeed`; every other stage fetches nothing.
+
+* **Window.** The worker asks :meth:`ShardFeed.ready` before it reads a micro-batch; that moves the
+  feed's cursor to the step. A background task (:meth:`ShardFeed.serve`) fetches, in the order they
+  will be read, the shards of the next ``ahead_steps`` steps of this replica (its micro-batches by the
+  plan's deal), holding at most ``max_shards`` in memory; a shard no step from the cursor on reads
+  leaves memory at once.
+* **Where from.** The node's content store first (``--disk``: shards read before, kept as cache, oldest
+  evicted first when room is needed; never pinned, so a dataset larger than the disk streams through
+  it), then the shard's holders on the DHT, the publisher last, so that the publisher may go offline
+  once the first pass has spread the shards. Every shard is checked against the manifest (size, hash,
+  token ids); a holder that serves other bytes is refused and counted against (``Refusals``), and the
+  next one is asked. A node that keeps a shard on disk announces it on the DHT.
+* **Late and lost.** A step whose shard is not in after ``late_after`` seconds waits, and says so
+  (``on_late``, a log line); after ``deadline`` seconds it fails the job with the reason (which
+  shard, who was asked). Every fetch has the content service's timeout, so a stalled holder costs
+  one timeout, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import trio
+
+from fusionp2p.data.shards import STORAGE_DTYPES, ShardedTokens, ShardManifest, decode_shard
+from fusionp2p.data.stream import History, StreamConfig, StreamOrder, next_history
+from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.graph.program import DATA, StageProgram
+from fusionp2p.jobs.content import ContentService
+from fusionp2p.jobs.store import StoreFull
+from fusionp2p.plan import Plan
+from fusionp2p.train.deal import Deal
+from fusionp2p.types import short_peer
+
+if TYPE_CHECKING:
+    from fusionp2p.jobs.build import AcceptedJob
+
+log = logging.getLogger(__name__)
+
+STREAMED_KINDS = ("text", "npy", "bin")   # dataset kinds read as streamed token shards
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FeedConfig:
+    """Tunables of a stage's data feed (docs/models.md "Bringing data")."""
+
+    ahead_steps: int = 2          # prefetch the shards of this many steps ahead of the cursor
+    max_shards: int = 32          # shards held in memory at once (raised to one step's need)
+    late_after: float = 2.0       # a step that waits this long for a shard says so
+    deadline: float = 300.0       # ... and fails the job after this long
+    retry: float = 0.5            # seconds between rounds over the holders (doubling, at most 8 s)
+    announce_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.ahead_steps < 1 or self.max_shards < 1 or not 0 < self.late_after <= self.deadline or self.retry <= 0:
+            raise ConfigError("a data feed needs ahead_steps >= 1, max_shards >= 1, 0 < late_after <= deadline, retry > 0")
+
+
+@dataclass(slots=True)
+class FeedStats:
+    """What a feed fetched and read (the tests and benchmarks/data_plane.py read it)."""
+
+    received_bytes: int = 0       # shard bytes from peers
+    disk_bytes: int = 0           # shard bytes read back from the node's store
+    consumed_bytes: int = 0       # bytes of the samples the stage read (seq_len tokens a sample)
+    shards: int = 0               # shards fetched from peers
+    refused: int = 0              # shards refused (wrong bytes) from a peer
+    late: int = 0                 # reads that waited past late_after
+    waited_s: float = 0.0         # seconds reads waited for shards
+    first_wait_s: float | None = None
+    peers: dict[str, int] = field(default_factory=dict)   # bytes received from each holder
+
+
+def reads_data(prog: StageProgram) -> bool:
+    return any(r.src == DATA for r in prog.recv)
+
+
+class ShardFeed:
+    """Data of one reading stage replica (see the module docstring); callable as the worker's ``DataFn``."""
+
+    def __init__(self, content: ContentService, order: StreamOrder, names: Sequence[str], *, replica: int,
+                 replicas: int, micro: Sequence[int] = (), micro_period: int = 1, peers: Sequence[str] = (),
+                 config: FeedConfig | None = None,
+                 on_late: Callable[[int, int, float], Awaitable[None]] | None = None) -> None:
+        self.content, self.order, self.names = content, order, tuple(names)
+        self.config = config or FeedConfig()
+        self.replicas, self.peers, self.on_late = replicas, tuple(peers), on_late
+        m = order.config.micro_batches
+        self.deal = Deal(micro, micro_period, replica=replica, replicas=replicas, micro_batches=m)
+        self.max_shards = max(self.config.max_shards, self.deal.most * order.config.micro_batch + 1)
+        self.stats = FeedStats()
+        self._held: dict[int, np.ndarray] = {}
+        self._cursor = -1
+        self._changed = trio.Event()
+        self._arrived = trio.Event()
+        self._errors: dict[int, str] = {}
+        self._need_cache: tuple[int, list[int]] = (-1, [])
+        self._itemsize = STORAGE_DTYPES[order.manifest.dtype].itemsize
+
+    # ------------------------------------------------------------------ what is read when
+    def _split(self, sstep: int, micro: int) -> tuple[int, int]:
+        """The worker's (sampler step, micro) -> (step, slot of the step)."""
+        return sstep // self.replicas, (sstep % self.replicas) * self.order.config.micro_batches + micro
+
+    def _windows(self, sstep: int, micro: int) -> np.ndarray:
+        step, k = self._split(sstep, micro)
+        return self.order.windows(self.order.samples(step, k, 1))
+
+    def _needed(self) -> list[int]:
+        """Shards of the steps [cursor, cursor + ahead) of this replica, in the order they are read."""
+        if self._need_cache[0] == self._cursor:
+            return self._need_cache[1]
+        out: dict[int, None] = {}
+        for step in range(self._cursor, self._cursor + self.config.ahead_steps):
+            count, first = self.deal.at(step)
+            wids = self.order.windows(self.order.samples(step, first, count))
+            out.update(dict.fromkeys(self.order.shard_of(wids).tolist()))
+        self._need_cache = (self._cursor, list(out))
+        return self._need_cache[1]
+
+    def _move(self, step: int) -> None:
+        if step <= self._cursor:
+            return
+        self._cursor = step
+        keep = set(self._needed())
+        for i in [i for i in self._held if i not in keep]:
+            del self._held[i]       # read: its memory goes (a copy stays on disk, if the node keeps one)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # ------------------------------------------------------------------ the worker's side
+    async def ready(self, sstep: int, micro: int) -> None:
+        """Wait until micro-batch (sstep, micro)'s shards are held: slowed with a notice after
+        ``late_after`` seconds, JobError with the reason after ``deadline``."""
+        step, _ = self._split(sstep, micro)
+        self._move(step)
+        shards = self.order.shard_of(self._windows(sstep, micro)).tolist()
+        for i in shards:   # the micro-batch's own shards, even if a re-deal put them outside the window
+            if i not in self._held and i not in self._needed():
+                self._need_cache[1].insert(0, i)
+        t0 = trio.current_time()
+        told = False
+        while any(i not in self._held for i in shards):
+            self._changed.set()
+            self._changed = trio.Event()
+            waited = trio.current_time() - t0
+            if waited >= self.config.deadline:
+                missing = [i for i in shards if i not in self._held]
+                raise JobError(f"shard {missing[0]} of the dataset could not be fetched in {self.config.deadline:.0f} s "
+                               f"({self._errors.get(missing[0], 'no holder answered')})")
+            if not told and waited >= self.config.late_after:
+                told = True
+                self.stats.late += 1
+                log.warning("step %d waits for data shard(s) %s (%.1f s so far)", step,
+                            [i for i in shards if i not in self._held][:4], waited)
+                if self.on_late is not None:
+                    await self.on_late(step, next(i for i in shards if i not in self._held), waited)
+            limit = self.config.late_after if not told else self.config.deadline
+            with trio.move_on_after(max(0.0, limit - waited)):
+                await self._arrived.wait()
+        waited = trio.current_time() - t0
+        self.stats.waited_s += waited
+        if self.stats.first_wait_s is None:
+            self.stats.first_wait_s = waited
+
+    def __call__(self, sstep: int, micro: int) -> dict[str, torch.Tensor]:
+        """The micro-batch's inputs (``names[0]``) and next-token targets (``names[1]``), int64."""
+        wids = self._windows(sstep, micro)
+        shard, starts = self.order.shard_of(wids), self.order.starts(wids)
+        t = self.order.config.seq_len
+        x = np.empty((len(wids), t + 1), dtype=np.int64)
+        for b, (i, s) in enumerate(zip(shard.tolist(), starts.tolist(), strict=True)):
+            lo = s - i * self.order.manifest.shard_tokens
+            x[b] = self._held[i][lo:lo + t + 1]
+        self.stats.consumed_bytes += len(wids) * t * self._itemsize
+        return {self.names[0]: torch.from_numpy(x[:, :-1].copy()), self.names[1]: torch.from_numpy(x[:, 1:].copy())}
+
+    # ------------------------------------------------------------------ the fetching side
+    async def serve(self, until: trio.Event, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Fetch ahead of the cursor until *until* is set (the epoch's channels closed) or cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._prefetch, nursery)
+            task_status.started()
+            await until.wait()
+            nursery.cancel_scope.cancel()
+
+    async def _prefetch(self, announces: trio.Nursery) -> None:
+        while True:
+            nxt = next((i for i in self._needed() if i not in self._held), None)
+            if nxt is None or len(self._held) >= self.max_shards or self._cursor < 0:
+                await self._changed.wait()
+                continue
+            blob, kept = await self._fetch(nxt)
+            if nxt in self._needed():   # the cursor may have moved past it meanwhile
+                self._held[nxt] = decode_shard(self.order.manifest, nxt, blob)
+                self._arrived.set()
+                self._arrived = trio.Event()
+            if kept:
+                announces.start_soon(self._announce, self.order.manifest.shards[nxt])
+
+    async def _announce(self, h: str) -> None:
+        with trio.move_on_after(self.config.announce_timeout):
+            try:
+                await self.content.transport.provide(h)
+            except (PeerUnavailable, RemoteProtocolError, OSError) as exc:
+                log.info("announcing data shard %s…: %s", h[:12], exc)
+
+    async def _fetch(self, i: int) -> tuple[bytes, bool]:
+        """Shard *i*'s verified bytes, and whether the node's store keeps them (announce then)."""
+        man, store = self.order.manifest, self.content.store
+        h = man.shards[i]
+        size = (man.shard_range(i)[1] - man.shard_range(i)[0]) * self._itemsize
+        with store.unpinned():
+            if store.has(h):
+                try:
+                    blob = store.get(h)
+                    decode_shard(man, i, blob)
+                    self.stats.disk_bytes += len(blob)
+                    return blob, False
+                except (KeyError, RemoteProtocolError) as exc:
+                    log.warning("data shard %d on disk: %s", i, exc)
+        delay = self.config.retry
+        got = await self._from_holders(i, h, size)
+        while got is None:   # no holder delivered: again after a pause (the reader's deadline ends it)
+            await trio.sleep(delay)
+            delay = min(2 * delay, 8.0)
+            got = await self._from_holders(i, h, size)
+        blob = got
+        with store.unpinned():
+            try:
+                store.put(blob)
+                return blob, store.on_disk
+            except StoreFull as exc:
+                log.info("data shard %d not kept on disk: %s", i, exc)
+                return blob, False
+
+    async def _from_holders(self, i: int, h: str, size: int) -> bytes | None:
+        me, now = self.content.transport.peer_id, trio.current_time()
+        try:
+            with trio.fail_after(self.content.config.fetch_timeout):
+                found = await self.content.transport.find_providers(h)
+        except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError, OSError) as exc:
+            found = []
+            log.info("holders of data shard %d: %s", i, exc)
+        # holders first, the publisher (and the other given peers) last: it may have gone offline
+        candidates = [p for p in dict.fromkeys([*sorted(set(found) - set(self.peers)), *self.peers])
+                      if p != me and not self.content.refusals.banned(p, now=now)]
+        errors = []
+        for peer in candidates:
+            try:
+                blob = await self.content.fetch_from(peer, h, max_size=size)
+                decode_shard(self.order.manifest, i, blob)
+            except RemoteProtocolError as exc:   # wrong bytes (IntegrityError) or a broken exchange
+                self.stats.refused += 1
+                self.content.refusals.refuse(peer, "data/shard", now=trio.current_time(), detail=str(exc)[:200])
+                errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
+                continue
+            except (PeerUnavailable, trio.TooSlowError) as exc:
+                errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
+                continue
+            self.stats.received_bytes += len(blob)
+            self.stats.shards += 1
+            self.stats.peers[peer] = self.stats.peers.get(peer, 0) + len(blob)
+            self._errors.pop(i, None)
+            return blob
+        self._errors[i] = "; ".join(errors) or "no holder found"
+        return None
+
+
+def stage_feed(content: ContentService, accepted: AcceptedJob, plan: Plan, stage: int, replica: int, history: History,
+               prog: StageProgram, *, peers: Sequence[str] = (), stats: FeedStats | None = None,
+               config: FeedConfig | None = None,
+               on_late: Callable[[int, int, float], Awaitable[None]] | None = None) -> ShardFeed | None:
+    """The feed of replica *replica* of *stage* in *plan*, when the job's data is streamed (a token dataset)
+    and the stage's program reads it; None otherwise (such a stage fetches no data)."""
+    tokens, cfg, names = accepted.tokens, accepted.spec.config, accepted.dag.data_inputs
+    if not isinstance(tokens, ShardedTokens) or not reads_data(prog):
+        return None
+    if len(names) != 2:
+        raise ConfigError(f"the model takes data inputs {list(names)}; a token job feeds exactly (tokens, targets)")
+    order = StreamOrder(tokens.manifest, StreamConfig(seq_len=accepted.spec.dataset.seq_len, micro_batch=cfg.micro_batch,
+                                                      micro_batches=cfg.micro_batches, seed=cfg.seed), history)
+    feed = ShardFeed(content, order, names, replica=replica, replicas=len(plan.stages[stage].replicas),
+                     micro=plan.micro, micro_period=plan.micro_period, peers=peers, config=config, on_late=on_late)
+    if stats is not None:
+        feed.stats = stats     # the job's totals over its epochs
+    return feed
+
+
+def plan_history(previous: Sequence[tuple[int, int]], step: int, plan: Plan, micro_batches: int) -> History:
+    """The data history of an epoch of *plan* that resumes at *step* (``data/stream.py``)."""
+    return next_history(previous, step, len(plan.stages[0].replicas) * micro_batches)
+
+
+def window_bytes(manifest: ShardManifest, *, micro_batch: int, micro_batches: int, config: FeedConfig | None = None) -> int:
+    """Memory a reading stage's feed holds at most: what a node must have besides its stage."""
+    cfg = config or FeedConfig()
+    shard = manifest.shard_tokens * STORAGE_DTYPES[manifest.dtype].itemsize
+    return max(cfg.max_shards, micro_batch * micro_batches + 1) * min(shard, manifest.num_tokens * STORAGE_DTYPES[manifest.dtype].itemsize)
+
+
+__all__ = ["STREAMED_KINDS", "FeedConfig", "FeedStats", "ShardFeed", "plan_history", "reads_data", "stage_feed", "window_bytes"]
