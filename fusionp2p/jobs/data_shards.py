@@ -266,7 +266,11 @@ class ShardFeed:
                 self.content.refusals.refuse(peer, "data/shard", now=trio.current_time(), detail=str(exc)[:200])
                 errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
                 continue
-            except (PeerUnavailable, trio.TooSlowError) as exc:
+            except trio.TooSlowError:   # a holder that stalls costs one timeout, and counts against it
+                self.content.refusals.refuse(peer, "data/stall", now=trio.current_time())
+                errors.append(f"{short_peer(peer)}: stalled")
+                continue
+            except PeerUnavailable as exc:
                 errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
                 continue
             self.stats.received_bytes += len(blob)

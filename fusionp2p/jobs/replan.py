@@ -99,9 +99,11 @@ class Resume:
         return not self.sources
 
     def to_wire(self) -> dict[str, object]:
-        return {"step": self.step, "ckpt": self.from_checkpoint, "lost": self.lost_steps,
-                "sources": [[s.start, s.end, s.step, s.state, list(s.holders)] for s in self.sources],
-                "data": [list(d) for d in self.data]}
+        out: dict[str, object] = {"step": self.step, "ckpt": self.from_checkpoint, "lost": self.lost_steps,
+                                  "sources": [[s.start, s.end, s.step, s.state, list(s.holders)] for s in self.sources]}
+        if self.data:   # absent from a leader that knows none (and from the golden bytes of older ones)
+            out["data"] = [list(d) for d in self.data]
+        return out
 
     @classmethod
     def from_wire(cls, obj: object) -> Resume:

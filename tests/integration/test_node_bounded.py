@@ -84,18 +84,20 @@ def test_a_finished_job_leaves_nothing_behind_but_its_record_and_cached_files(tm
 
 def _hostile_job(pub: ContentService, seed: int, tmp: Path) -> BuiltJob:
     torch.manual_seed(seed)
-    text = tmp / f"corpus{seed}.txt"   # its own 600 kB of data: what a node fetches when it takes the offer
+    # its own 600 kB of data in 9,375 shards: a data manifest of about 630 kB, what a node fetches when it takes
+    # the offer (the shards themselves are streamed by the reading stages once the job runs, issue 38)
+    text = tmp / f"corpus{seed}.txt"
     text.write_bytes(random.Random(seed).randbytes(600_000))
     built = build_job(GPT2(GPT2Config.tiny(block_size=16)), None, TokenFile(str(text), seq_len=16),
                       TrainConfig(steps=2, micro_batch=2, micro_batches=1), publisher=pub.transport.peer_id,
-                      sign=pub.transport.sign, now=1.0, nonce=bytes([seed]) * 16)
+                      sign=pub.transport.sign, now=1.0, nonce=bytes([seed]) * 16, shard_tokens=64)
     for blob in built.blobs.values():
         pub.store.put(blob)
     return built
 
 
 def test_a_publisher_offering_many_valid_jobs_cannot_pass_the_nodes_caps(tmp_path: Path) -> None:
-    """Each job is valid (its own 0.6 MB of data and weight manifest, a DAG without weights shared by all;
+    """Each job is valid (its own 0.6 MB data manifest and weight manifest, a DAG without weights shared by all;
     the weights are fetched per stage only once planned) and never started. The node takes offers while
     their content fits under ``--disk`` beside what earlier offers pin, refuses the rest (store full, or
     two offers pending from one peer), and after ``offer_ttl`` lets go of them all."""

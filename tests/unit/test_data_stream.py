@@ -112,3 +112,15 @@ def test_histories_are_checked() -> None:
     assert next_history((), 5, 4) == ((0, 4),)     # no history known: as if one plan from step 0
     with pytest.raises(ConfigError, match="fewer than micro_batch"):
         StreamOrder(_manifest(shards=1, per=2), StreamConfig(seq_len=T, micro_batch=B, micro_batches=M), ((0, M),))
+
+
+def test_a_resume_carries_the_data_history_and_refuses_a_bad_one() -> None:
+    from fusionp2p.errors import RemoteProtocolError
+    from fusionp2p.jobs.replan import Resume
+
+    r = Resume(step=10, sources=(), data=((0, 4), (6, 2)))
+    assert Resume.from_wire(r.to_wire()) == r
+    assert "data" not in Resume(step=3, sources=()).to_wire()     # as before: an older leader's resume
+    for bad in ([[1, 4]], [[0, 4], [0, 2]], [[0, 0]], [[0]], "x", [[0, 4]] * 5000):
+        with pytest.raises(RemoteProtocolError):
+            Resume.from_wire({**Resume(step=1, sources=()).to_wire(), "data": bad})
