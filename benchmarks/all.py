@@ -16,7 +16,7 @@ import time
 from benchmarks._common import RESULTS
 
 BENCHMARKS = ["membership", "swarm_scale", "executor", "planner", "stream", "paths", "averaging", "schedule",
-              "tensor_parallel", "e2e", "soak", "gpu_check", "testbed", "wan"]
+              "tensor_parallel", "e2e", "data_plane", "soak", "gpu_check", "testbed", "wan"]
 
 
 def main() -> int:

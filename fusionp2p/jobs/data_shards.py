@@ -25,6 +25,7 @@ wherever the DAG puts them) builds a :class:`ShardFeed`; every other stage fetch
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from fusionp2p.data.stream import History, StreamConfig, StreamOrder, next_histo
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.program import DATA, StageProgram
 from fusionp2p.jobs.content import ContentService
+from fusionp2p.jobs.events import DataLate
 from fusionp2p.jobs.store import StoreFull
 from fusionp2p.plan import Plan
 from fusionp2p.train.deal import Deal
@@ -91,9 +93,10 @@ class ShardFeed:
 
     def __init__(self, content: ContentService, order: StreamOrder, names: Sequence[str], *, replica: int,
                  replicas: int, micro: Sequence[int] = (), micro_period: int = 1, peers: Sequence[str] = (),
-                 config: FeedConfig | None = None,
+                 config: FeedConfig | None = None, last_step: int | None = None,
                  on_late: Callable[[int, int, float], Awaitable[None]] | None = None) -> None:
         self.content, self.order, self.names = content, order, tuple(names)
+        self.last_step = last_step   # the job's steps: the final evaluation reads that step's, none later
         self.config = config or FeedConfig()
         self.replicas, self.peers, self.on_late = replicas, tuple(peers), on_late
         m = order.config.micro_batches
@@ -122,7 +125,8 @@ class ShardFeed:
         if self._need_cache[0] == self._cursor:
             return self._need_cache[1]
         out: dict[int, None] = {}
-        for step in range(self._cursor, self._cursor + self.config.ahead_steps):
+        end = self._cursor + self.config.ahead_steps
+        for step in range(self._cursor, end if self.last_step is None else min(end, self.last_step + 1)):
             count, first = self.deal.at(step)
             wids = self.order.windows(self.order.samples(step, first, count))
             out.update(dict.fromkeys(self.order.shard_of(wids).tolist()))
@@ -285,9 +289,10 @@ class ShardFeed:
 def stage_feed(content: ContentService, accepted: AcceptedJob, plan: Plan, stage: int, replica: int, history: History,
                prog: StageProgram, *, peers: Sequence[str] = (), stats: FeedStats | None = None,
                config: FeedConfig | None = None,
-               on_late: Callable[[int, int, float], Awaitable[None]] | None = None) -> ShardFeed | None:
+               gossip: Callable[[DataLate], Awaitable[None]] | None = None) -> ShardFeed | None:
     """The feed of replica *replica* of *stage* in *plan*, when the job's data is streamed (a token dataset)
-    and the stage's program reads it; None otherwise (such a stage fetches no data)."""
+    and the stage's program reads it; None otherwise (such a stage fetches no data). A late shard is
+    announced with *gossip* (a :class:`DataLate` event)."""
     tokens, cfg, names = accepted.tokens, accepted.spec.config, accepted.dag.data_inputs
     if not isinstance(tokens, ShardedTokens) or not reads_data(prog):
         return None
@@ -295,8 +300,14 @@ def stage_feed(content: ContentService, accepted: AcceptedJob, plan: Plan, stage
         raise ConfigError(f"the model takes data inputs {list(names)}; a token job feeds exactly (tokens, targets)")
     order = StreamOrder(tokens.manifest, StreamConfig(seq_len=accepted.spec.dataset.seq_len, micro_batch=cfg.micro_batch,
                                                       micro_batches=cfg.micro_batches, seed=cfg.seed), history)
+    async def on_late(step: int, shard: int, waited: float) -> None:
+        if gossip is not None:
+            await gossip(DataLate(job=accepted.spec.job_id, step=step, stage=stage, peer=content.transport.peer_id,
+                                  shard=shard, waited_s=waited, at=time.time()))
+
     feed = ShardFeed(content, order, names, replica=replica, replicas=len(plan.stages[stage].replicas),
-                     micro=plan.micro, micro_period=plan.micro_period, peers=peers, config=config, on_late=on_late)
+                     micro=plan.micro, micro_period=plan.micro_period, peers=peers, config=config,
+                     last_step=cfg.steps, on_late=on_late)
     if stats is not None:
         feed.stats = stats     # the job's totals over its epochs
     return feed

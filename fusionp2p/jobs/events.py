@@ -265,6 +265,25 @@ class StepSkipped:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DataLate:
+    """A step of a reading stage waits for a data shard (issue 38): slowed, not failed, until the feed's
+    deadline (``jobs/data_shards.py``)."""
+
+    KIND: ClassVar[str] = "data_late"
+    job: str
+    step: int
+    stage: int
+    peer: str = ""
+    shard: int = 0
+    waited_s: float = 0.0
+    at: float = 0.0
+
+    def __str__(self) -> str:
+        return (f"job {self.job} step {self.step}: waiting {self.waited_s:.1f} s for data shard {self.shard} "
+                f"[{_where(self.stage, self.peer)}]")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EvalProgress:
     """The held-out loss of the weights after ``step`` steps (``TrainConfig.eval_every``; at the last
     step, of the final weights: the model that downloads), from the loss stage of one pipeline."""
@@ -308,10 +327,10 @@ def _is_hash(s: str) -> bool:
 
 
 ProgressEvent = (StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved | StepSkipped
-                 | EvalProgress | LinksUp)
+                 | EvalProgress | LinksUp | DataLate)
 EVENT_TYPES: dict[str, type[ProgressEvent]] = {
     c.KIND: c for c in (StepProgress, PlanChanged, MembersChanged, JobStateChanged, CheckpointSaved, StepSkipped,
-                        EvalProgress, LinksUp)}
+                        EvalProgress, LinksUp, DataLate)}
 
 
 def event_to_dict(ev: ProgressEvent) -> dict[str, Any]:

@@ -397,7 +397,7 @@ class JobRun(Leading):
                             job=self.job_id, epoch=plan.epoch, stage=s, peer=self.me,
                             links=tuple(f"{p}={path}" for p, path in sorted(paths.items())), at=time.time()))
                         feed = stage_feed(self.svc.content, self.accepted, plan, s, r, self.data_history, programs[s],
-                                          peers=[self.publisher], stats=self.data)
+                                          peers=[self.publisher], stats=self.data, gossip=self._gossip)
                         if feed is not None:   # a reading stage of a streamed dataset: its shards, a window ahead
                             await holders.start(feed.serve, self.closed)
                         worker = self._worker = StageWorker(self._context(plan, snap, programs, s, r, links, peers,
