@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STREAMED_KINDS = ("text", "npy", "bin")   # dataset kinds read as streamed token shards
+ANNOUNCE_GRACE = 2.0                     # seconds an ending feed leaves its pending announcements
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -193,11 +194,14 @@ class ShardFeed:
     # ------------------------------------------------------------------ the fetching side
     async def serve(self, until: trio.Event, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Fetch ahead of the cursor until *until* is set (the epoch's channels closed) or cancelled."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._prefetch, nursery)
-            task_status.started()
-            await until.wait()
-            nursery.cancel_scope.cancel()
+        async with trio.open_nursery() as announces:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._prefetch, announces)
+                task_status.started()
+                await until.wait()
+                nursery.cancel_scope.cancel()
+            # the last shards' announcements get a moment to finish (a DHT provide can take seconds)
+            announces.cancel_scope.deadline = trio.current_time() + ANNOUNCE_GRACE
 
     async def _prefetch(self, announces: trio.Nursery) -> None:
         while True:
@@ -325,4 +329,4 @@ def window_bytes(manifest: ShardManifest, *, micro_batch: int, micro_batches: in
     return max(cfg.max_shards, micro_batch * micro_batches + 1) * min(shard, manifest.num_tokens * STORAGE_DTYPES[manifest.dtype].itemsize)
 
 
-__all__ = ["STREAMED_KINDS", "FeedConfig", "FeedStats", "ShardFeed", "plan_history", "reads_data", "stage_feed", "window_bytes"]
+__all__ = ["ANNOUNCE_GRACE", "STREAMED_KINDS", "FeedConfig", "FeedStats", "ShardFeed", "plan_history", "reads_data", "stage_feed", "window_bytes"]
