@@ -251,7 +251,7 @@ class NodeJobService:
                 raise RemoteProtocolError("keep: units must be [start, end]")
             with self.content.store.pinned_to(job_id):   # a replicated checkpoint is kept while the job runs
                 await run.keep(h, job_proto.int_field(req, "step", "keep"), job_proto.int_field(req, "stage", "keep"),
-                               (units[0], units[1]), holder)
+                               (units[0], units[1]), holder, shadow=req.get("shadow") is True)
             if run.state.terminal:
                 self.content.store.release(job_id)   # the job ended while we fetched: only cached from now on
             return {"ok": True}
