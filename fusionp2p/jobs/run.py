@@ -112,6 +112,7 @@ class StartRequest:
     resume: Resume
     previous: Plan | None      # the plan the resume's live sources were trained under (stabilises roles)
     sender: str
+    plan_hash: str = ""        # the plan its leader computed from the snapshot (no election when ours agrees)
 
 
 class JobRun(Leading):
@@ -168,6 +169,7 @@ class JobRun(Leading):
         self._done_from: dict[tuple[int, int], dict[str, Any]] = {}   # leader: (stage, replica) -> done report
         self._ended_by_leader = False
         self._released: dict[str, Any] | None = None   # progress() once the job ended here and let go (release)
+        self._plan_cache: tuple[str, Plan] | None = None   # (snapshot hash, plan) computed leading a re-plan
         self.shadows = Shadows(self, svc.config.shadow)   # background copies of single-replica stages (jobs/shadow.py)
 
     # ------------------------------------------------------------------ public (called by the service)
@@ -344,7 +346,8 @@ class JobRun(Leading):
         self.to(JobState.PLANNED, f"epoch {snap.epoch}")
         try:
             t0 = trio.current_time()
-            plan = await self._elect(snap, plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=req.previous))
+            mine = self._planned(snap) or plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=req.previous)
+            plan = mine if self._fast_adopt(req, mine) else await self._elect(snap, mine)
             log.info("job %s epoch %d: plan %s adopted in %.1f s", self.job_id, snap.epoch, plan.plan_hash()[:12],
                      trio.current_time() - t0)
         except PlanError as exc:

@@ -38,7 +38,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -152,6 +152,7 @@ class _Lane:
     nursery: trio.Nursery
     busy: bool = False
     copies: int = 0
+    refused: set[str] = field(default_factory=set)   # keepers a copy failed to reach this epoch
 
 
 class Shadows:
@@ -219,6 +220,10 @@ class Shadows:
         except (PeerUnavailable, RemoteProtocolError, FusionError) as exc:
             log.info("job %s: shadow copy of stage %d at step %d not kept by %s: %s", run.job_id, s, st.step,
                      short_peer(lane.keeper), exc)
+            # another keeper for the next copy (one the view still calls alive may have just died)
+            lane.refused.add(lane.keeper)
+            lane.keeper = keeper_for(plan, s, run.me, run.members or (),
+                                     lambda p: p not in lane.refused and run._alive(p)) or lane.keeper
         finally:
             if h:
                 store.discard(run.job_id, h)   # the keeper holds the copy; our live state is newer

@@ -33,7 +33,7 @@ def test_a_stage_without_a_replica_resumes_from_its_shadow_copy(tmp_path: Path) 
     (from the dead stage's shadow copy and the survivor's live state) and ends DONE without it."""
     torch.set_num_threads(1)
     small = dataclasses.replace(TEST_PROFILE, memory_bytes=4 << 20)   # 1 node: no plan; 2 nodes: 2 stages
-    cfg = TrainConfig(steps=30, micro_batch=2, micro_batches=2, lr=3e-3)   # defaults otherwise
+    cfg = TrainConfig(steps=24, micro_batch=2, micro_batches=2, lr=3e-3)   # defaults otherwise
     assert cfg.checkpoint_every == 0 and cfg.replicas is None
     killed: list[str] = []
     plans: list[PlanChanged] = []
