@@ -69,6 +69,11 @@ class DeathProbes:
             return False
         return True
 
+    def forget(self, peer: str) -> None:
+        """*peer* was heard from again (the membership view saw it join or revive)."""
+        self._dead.pop(peer, None)
+        self._asked.pop(peer, None)
+
     def suspect(self, peer: str) -> bool:
         """A link to *peer* is lost: True when its death is confirmed, else ask it (at most every ``every`` s)."""
         if self.confirmed(peer):

@@ -58,6 +58,7 @@ from fusionp2p.net.resilient import (
 )
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
+from fusionp2p.swarm.membership import Change, MemberEvent
 from fusionp2p.swarm.node import SwarmNode
 from fusionp2p.types import short_peer
 from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
@@ -188,7 +189,9 @@ class NodeJobService:
         for h in hashes:
             await self.transport.provide(h)   # bounded by the transport's DHT timeout
 
-    def _on_member_event(self, _event: Any) -> None:
+    def _on_member_event(self, event: Any) -> None:
+        if isinstance(event, MemberEvent) and event.change in (Change.JOINED, Change.REVIVED):
+            self.deaths.forget(event.peer)   # a node restarted with its identity is alive again
         for run in self.jobs.values():
             if not run.state.terminal:
                 run.poke()

@@ -145,6 +145,8 @@ def test_a_death_probe_confirms_a_refused_peer_and_never_one_that_answers() -> N
                     asking.start_soon(probes._ask, live.peer_id)
                 assert probes.confirmed(dead.peer_id) and probes.suspect(dead.peer_id)
                 assert not probes.confirmed(live.peer_id)
+                probes.forget(dead.peer_id)   # the view saw it again (a restart with its identity)
+                assert not probes.confirmed(dead.peer_id)
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
