@@ -7,15 +7,20 @@ current plan every ``--every`` seconds (no goodbye) and starts a fresh node ``--
 the members re-plan around each loss and take the newcomer in.
 
 Per event: the recovery time, from the kill to the first completed step of a newer epoch (the job's
-progress events on the publisher; steps still finishing in the broken epoch's other pipeline do not count). Overall: goodput (steps per second of the training phase under churn / without), and
+progress events on the publisher; steps still finishing in the broken epoch's other pipeline do not count),
+where that time went (``PHASES``: detection, halt, plan adoption, state fetch, links, then the first step,
+from the nodes' logs), and the steps lost (trained again). Overall: goodput (steps per second of the
+training phase under churn / without), and
 the held-out loss of the two trained models (evaluation batches no step trained on) at the same number
 of steps. Headline: the goodput ratio; ``recovery_s_median`` among the results.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import random
+import re
 import statistics
 import tempfile
 import threading
@@ -35,6 +40,32 @@ from fusionp2p.jobs.events import JobStateChanged, PlanChanged, StepProgress
 from fusionp2p.sdk import Swarm
 
 HELD_OUT_FROM = 1_000_000     # sampler steps far beyond any job's: batches no step trained on
+# Where a recovery's time goes: the nodes' log lines that mark each phase, in the order they happen. For
+# each kill the phase's time is that of its last line (over all nodes) before the first step of the new
+# epoch, in seconds after the kill: the member that finished the phase last is the one the job waited for.
+PHASES = (("detected", re.compile(r"pipeline broken|leading a re-plan")),
+          ("halted", re.compile(r"units lost every live state|halted at step")),
+          ("adopted", re.compile(r"epoch \d+: plan \w+ adopted")),
+          ("state", re.compile(r"epoch \d+: state of stage")),
+          ("links", re.compile(r"epoch \d+: \d+ links up")))
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def phases(home: Path, kill_at: float, resumed_at: float) -> dict[str, float]:
+    """Per phase (PHASES), seconds from the kill (wall clock) to its last log line before *resumed_at*."""
+    out: dict[str, float] = {}
+    for log_path in home.glob("node*.log"):
+        for line in log_path.read_text(errors="replace").splitlines():
+            m = _STAMP.match(line)
+            if m is None:
+                continue
+            t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if not kill_at < t <= resumed_at:
+                continue
+            for name, pat in PHASES:
+                if pat.search(line):
+                    out[name] = max(out.get(name, 0.0), t - kill_at)
+    return {name: round(out[name], 2) for name, _ in PHASES if name in out}
 
 
 def held_out_loss(path: Path, steps: int, batches: int = 16) -> float:
@@ -65,6 +96,7 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
         t_run = t_end = 0.0
         next_kill = np.inf
         pending: list[dict[str, Any]] = []
+        layouts: list[tuple[int, list[int], int]] = []
         stop = threading.Event()
         fresh = [5]
 
@@ -84,10 +116,12 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
                 next_kill = now + every if churn else np.inf
             elif isinstance(ev, PlanChanged):
                 plan = list(ev.members)
+                layouts.append((ev.epoch, list(ev.stage_sizes), last_step + 1))   # replicas per stage, from about which step
                 epoch = max(epoch, ev.epoch)
             elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
                 for p in [p for p in pending if ev.epoch > p["epoch"]]:
                     p["recovery_s"] = now - p["t"]
+                    p["phases_s"] = phases(home, p["wall"], time.time())
                     p["resumed_at_step"] = ev.step
                     p["resumed_in_epoch"] = ev.epoch
                     events.append(p)
@@ -97,7 +131,8 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
                 if now >= next_kill and plan and steps - last_step > 10:
                     victim = rng.choice(sorted(set(plan)))
                     cluster.kill(names[victim])
-                    pending.append({"t": now, "killed": names[victim], "at_step": last_step, "epoch": epoch})
+                    pending.append({"t": now, "wall": time.time(), "killed": names[victim], "at_step": last_step,
+                                    "epoch": epoch})
                     threading.Thread(target=rejoin_later, args=(now + rejoin,), daemon=True).start()
                     next_kill = now + every
         stop.set()
@@ -107,7 +142,8 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
         path = job.download(out)
         epochs = max((e.epoch for e in job.history if isinstance(e, PlanChanged)), default=0)
     return {"steps": steps, "train_s": t_end - t_run, "steps_per_s": steps / (t_end - t_run), "events": events,
-            "epochs": epochs, "held_out_loss": held_out_loss(path, steps), "final_eval_loss": job.final_loss}
+            "epochs": epochs, "held_out_loss": held_out_loss(path, steps), "final_eval_loss": job.final_loss,
+            "layouts": layouts}
 
 
 def main() -> None:
@@ -134,12 +170,22 @@ def main() -> None:
             print(f"killed {e['killed']} after step {e['at_step']}: the job ended before a new epoch stepped")
         else:
             print(f"killed {e['killed']} after step {e['at_step']}: a new epoch stepped after "
-                  f"{e['recovery_s']:.1f} s (step {e['resumed_at_step']}, epoch {e['resumed_in_epoch']})")
+                  f"{e['recovery_s']:.1f} s (step {e['resumed_at_step']}, epoch {e['resumed_in_epoch']}; "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in e.get("phases_s", {}).items()) + ")")
     med = statistics.median(rec) if rec else float("nan")
+    stepped = [e for e in churn["events"] if e["recovery_s"] is not None]
+    # steps trained again after a kill: those after the last one the progress showed done, before the kill
+    lost = [max(0, e["at_step"] + 1 - e["resumed_at_step"]) for e in stepped]
+    phase_med = {name: round(statistics.median(v), 2) for name, _ in PHASES
+                 if (v := [e["phases_s"][name] for e in stepped if name in e.get("phases_s", {})])}
+    for label, r in (("calm", base), ("churn", churn)):   # the replicas per stage decide the samples per step
+        print(f"{label} plans (epoch, replicas per stage, from step): {r['layouts']}")
+    print(f"steps lost per kill {lost}; median seconds from a kill to each phase's end: {phase_med}")
     print(f"goodput {goodput:.2f}, recovery median {med:.1f} s over {len(rec)} events, "
           f"held-out loss ratio {loss_ratio:.3f}")
     write("churn", args.out, {"calm": base, "churn": churn, "goodput": goodput, "recovery_s_median": med,
-                              "recovery_s": rec, "held_out_loss_ratio": loss_ratio, "every_s": every,
+                              "recovery_s": rec, "held_out_loss_ratio": loss_ratio, "steps_lost": lost,
+                              "phases_s_median": phase_med, "every_s": every,
                               "rejoin_s": args.rejoin, "seed": args.seed},
           headline("goodput under churn (one member SIGKILLed per interval, a fresh node 5 s later) / undisturbed",
                    goodput, "x", 0.8, "higher", "the same job without churn"),

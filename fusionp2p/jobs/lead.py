@@ -26,6 +26,7 @@ import trio
 from fusionp2p.errors import FusionError, PeerUnavailable, PlanError, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import AcceptedJob, plan_for_snapshot
+from fusionp2p.jobs.election import ElectionConfig, open_elector
 from fusionp2p.jobs.host import JobHost
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
@@ -99,11 +100,12 @@ class Leading:
     _led_with: set[str]
     _told: tuple[int, str] | None
     _wake: trio.Event
+    _plan_cache: tuple[str, Plan] | None
 
     # ------------------------------------------------------------------ leading re-plans
     def _alive(self, peer: str) -> bool:
         view = self.svc.swarm.view
-        return peer == self.me or (view.is_alive(peer) and peer not in view.left)
+        return peer == self.me or (view.is_alive(peer) and peer not in view.left and not self.svc.confirmed_dead(peer))
 
     async def _watch(self) -> None:
         """Lead a re-plan when this node leads the plan and it has to change (see the module docstring)."""
@@ -380,11 +382,42 @@ class Leading:
         snap = self._snapshot(members, nxt)
         start = {"op": "start", "job": self.job_id, "snapshot": snap.to_wire(), "resume": resume.to_wire(),
                  "previous": plan.to_wire()}
+        try:   # the plan we compute from it: members that compute the same adopt it without an election
+            mine = plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=plan)
+            self._plan_cache = (snap.snapshot_hash(), mine)
+            start["plan"] = mine.plan_hash()
+        except (PlanError, FusionError) as exc:
+            log.info("job %s: no plan for epoch %d here (%s): the members elect one", self.job_id, nxt, exc)
         replies = await self._ask_all(members, start, timeout=cfg.report_timeout)
         refused = {short_peer(p): m.get("error") for p, m in replies.items() if not m.get("ok")}
         if refused or len(replies) < len(members):
             log.warning("job %s: epoch %d start refused or unanswered: %s", self.job_id, nxt, refused)
         self.joiners -= set(members)
+
+    def _planned(self, snap: Snapshot) -> Plan | None:
+        """The plan this node computed for *snap* when it led the re-plan (computed once, not twice)."""
+        cached = self._plan_cache
+        return cached[1] if cached is not None and cached[0] == snap.snapshot_hash() else None
+
+    def _fast_adopt(self, req: Any, mine: Plan) -> bool:
+        """A re-plan's start names the plan its leader computed; a member that computed the same from the
+        same snapshot adopts it at once instead of holding a gossip election (seconds: 2.5-4.6 s in
+        benchmarks.churn on main). Only from the leader this node sees, so that two nodes that both think
+        they lead cannot split the members between two plans. The vote still goes out, in the background,
+        for any member that computed otherwise (it can then adopt by quorum) and for the DHT's plan record."""
+        plan = self.plan
+        leader = leader_of(plan.peers, self._alive, standbys=self.members or ()) if plan is not None else None
+        if not req.plan_hash or req.plan_hash != mine.plan_hash() or req.sender != (leader or req.sender):
+            return False
+        log.info("job %s epoch %d: plan %s adopted as its leader %s computed it", self.job_id, mine.epoch,
+                 mine.plan_hash()[:12], short_peer(req.sender))
+        self.svc.nursery.start_soon(self._vote, req.snapshot, mine)
+        return True
+
+    async def _vote(self, snap: Snapshot, plan: Plan) -> None:
+        with trio.move_on_after(self.svc.config.election_timeout):
+            async with open_elector(self.transport, ElectionConfig(timeout_s=min(10.0, self.svc.config.election_timeout))) as el:
+                await el.elect(snap, plan)
 
     def _snapshot(self, members: list[str], epoch: int) -> Snapshot:
         view = self.svc.swarm.view

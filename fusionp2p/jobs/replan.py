@@ -19,9 +19,11 @@ on its results. The protocol around it is in docs/jobs.md "Elastic jobs"; in sho
    different fences). If the live states cover every unit, the new epoch starts at the smallest of
    the per-unit best steps and loses nothing (a stage whose best replica was a step ahead keeps that
    step's weights); the sources are listed most advanced first. If some units lost every live state,
-   the whole job goes back to the newest **checkpoint step** whose stage files, held by live nodes,
-   cover every unit; failing that, to step 0 and the published weights. Losing at most the steps
-   since that checkpoint is the contract.
+   each of them comes from the newest stage file that a live node holds for it (a **shadow copy**,
+   which every single-replica stage keeps on another node every few steps: ``jobs/shadow.py``, or a
+   checkpoint), the other units keep their live states, and the job resumes at the oldest of those
+   steps; with no file for some unit, at step 0 and the published weights. Losing at most the steps
+   since the dead stage's newest copy is the contract.
 4. The leader sends the new snapshot with the resume to every member of the new epoch (``start``), the
    members elect the plan as for epoch 0, and each new holder builds its stage's state from the sources
    (``train/state.merge_states``: the names its program holds, wherever the old fences put them).
@@ -198,11 +200,34 @@ def plan_resume(n_units: int, halted: Iterable[Halted], checkpoints: Checkpoints
         step = min(max(h.step for h in live if h.start <= u < h.end) for u in range(n_units))
         return Resume(step=step, sources=tuple(Source(start=h.start, end=h.end, step=h.step, state=h.state,
                                                       holders=(h.peer,)) for h in ordered))
-    found = complete_checkpoint(checkpoints, n_units, alive)
-    if found is None:
-        return Resume(step=0, sources=(), from_checkpoint=True, lost_steps=best)
-    step, files = found
-    return Resume(step=step, from_checkpoint=True, lost_steps=max(0, best - step), sources=tuple(files))
+    # Units that lost every live state come from the newest stage file a live node holds for each (a
+    # shadow copy, jobs/shadow.py, or a checkpoint); the others keep their live states. The job resumes at
+    # the oldest of the per-unit newest steps: never before the newest complete checkpoint, since its
+    # files are among the candidates of every unit.
+    sources = [Source(start=h.start, end=h.end, step=h.step, state=h.state, holders=(h.peer,)) for h in live]
+    for u in range(n_units):
+        if any(h.start <= u < h.end for h in live):
+            continue
+        f = _newest_file(checkpoints, u, alive)
+        if f is None:
+            return Resume(step=0, sources=(), from_checkpoint=True, lost_steps=best)
+        if f not in sources:
+            sources.append(f)
+    step = min(max(s.step for s in sources if s.start <= u < s.end) for u in range(n_units))
+    return Resume(step=step, from_checkpoint=True, lost_steps=max(0, best - step),
+                  sources=tuple(sorted(sources, key=lambda s: (-s.step, s.holders, s.start))))
+
+
+def _newest_file(checkpoints: Checkpoints, unit: int, alive: Callable[[str], bool]) -> Source | None:
+    """The newest stage file covering *unit* that a live node holds (the widest of a step's, on a tie)."""
+    for step in sorted(checkpoints, reverse=True):
+        files = [(b - a, a, b, h, tuple(sorted(p for p in holders if alive(p))))
+                 for (a, b), (h, holders) in checkpoints[step].items() if a <= unit < b]
+        files = [f for f in files if f[4]]
+        if files:
+            _, a, b, h, live = max(files)
+            return Source(start=a, end=b, step=step, state=h, holders=live)
+    return None
 
 
 def halt_step(current: Iterable[int], *, tau: int = 1, margin: int = 2, steps: int) -> int:

@@ -77,6 +77,7 @@ from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
 from fusionp2p.jobs.rebalance import epoch_speed
 from fusionp2p.jobs.replan import Halted, Resume, Source, leader_of
+from fusionp2p.jobs.shadow import Shadows
 from fusionp2p.jobs.status import ProgressBatch, StepStats
 from fusionp2p.jobs.weights import WeightFetches, prepare_stage, stage_fit
 from fusionp2p.net.channel import TensorChannel
@@ -107,6 +108,7 @@ class StartRequest:
     resume: Resume
     previous: Plan | None      # the plan the resume's live sources were trained under (stabilises roles)
     sender: str
+    plan_hash: str = ""        # the plan its leader computed from the snapshot (no election when ours agrees)
 
 
 class JobRun(Leading):
@@ -165,6 +167,8 @@ class JobRun(Leading):
         self._done_from: dict[tuple[int, int], dict[str, Any]] = {}   # leader: (stage, replica) -> done report
         self._ended_by_leader = False
         self._released: dict[str, Any] | None = None   # progress() once the job ended here and let go (release)
+        self._plan_cache: tuple[str, Plan] | None = None   # (snapshot hash, plan) computed leading a re-plan
+        self.shadows = Shadows(self, svc.config.shadow)   # background copies of single-replica stages (jobs/shadow.py)
 
     # ------------------------------------------------------------------ public (called by the service)
     @property
@@ -340,7 +344,8 @@ class JobRun(Leading):
         self.to(JobState.PLANNED, f"epoch {snap.epoch}")
         try:
             t0 = trio.current_time()
-            plan = await self._elect(snap, plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=req.previous))
+            mine = self._planned(snap) or plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=req.previous)
+            plan = mine if self._fast_adopt(req, mine) else await self._elect(snap, mine)
             log.info("job %s epoch %d: plan %s adopted in %.1f s", self.job_id, snap.epoch, plan.plan_hash()[:12],
                      trio.current_time() - t0)
         except PlanError as exc:
@@ -402,7 +407,8 @@ class JobRun(Leading):
                             await holders.start(feed.serve, self.closed)
                         worker = self._worker = StageWorker(self._context(plan, snap, programs, s, r, links, peers,
                                                                           req.resume, restore, feed))
-                        await worker.run()
+                        async with self.shadows.running(plan, s):
+                            await worker.run()
                     finally:
                         await self._close_channels()
         except Exception as exc:
@@ -574,7 +580,7 @@ class JobRun(Leading):
                             replicas=len(plan.stages[s].replicas), links=links, peers=peers,
                             data=feed or data_fn(self.accepted), data_ready=feed.ready if feed else None, tokens_per_micro=cfg.micro_batch * self.spec.dataset.seq_len,
                             rho_out=rho_out, report=report, checkpoint=checkpoint if r == 0 else None,
-                            start_step=resume.step, restore=restore, halt=self._halt,
+                            start_step=resume.step, restore=restore, halt=self._halt, boundary=self.shadows.boundary,
                             recv_timeout=self.svc.config.recv_timeout, eval_data=eval_data_fn(self.accepted),
                             micro=plan.micro, micro_period=plan.micro_period,
                             averaging_lag=averaging_lag(self.spec, self.accepted.dag, plan, snap, s),
@@ -598,17 +604,10 @@ class JobRun(Leading):
         except (PeerUnavailable, RemoteProtocolError) as exc:
             log.info("checkpoint %s of stage %d not replicated to %s: %s", h[:12], s, keeper[:12], exc)
 
-    async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str) -> None:
-        """Hold a copy of another member's stage file (we are its keeper) and announce it."""
-        with trio.fail_after(self.svc.config.accept_timeout):
-            blob = await self.svc.content.fetch(h, max_size=self.svc.config.max_state_bytes, peers=[holder])
-        meta, _ = decode_state(blob, job=self.job_id)   # a stage file of this job, not any blob
-        if meta.step != step:
-            raise RemoteProtocolError(f"keep: the file is of step {meta.step}, not {step}")
-        self._holds(step, units, h, holder)
-        self._holds(step, units, h, self.me)
-        await self._gossip(CheckpointSaved(job=self.job_id, step=step, stage=stage, peer=self.me, hash=h,
-                                           start=units[0], end=units[1], at=time.time()))
+    async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str, *,
+                   shadow: bool = False) -> None:
+        """Hold a copy of another member's stage file (we are its keeper) and announce it (jobs/shadow.py)."""
+        await self.shadows.keep(h, step, stage, units, holder, shadow=shadow)
 
     async def _finish(self, plan: Plan, s: int, r: int, worker: StageWorker) -> None:
         """The last step is done here: save the final stage file (replica 0), report to the leader."""

@@ -147,6 +147,21 @@ class ContentStore:
             if self._root is not None:
                 self._drop_mem(h)
 
+    def discard(self, owner: str, h: str) -> None:
+        """Drop *owner*'s pin of *h* and the blob itself unless another owner pins it: superseded copies that
+        are of no use as cache (a stage's older shadow copies, jobs/shadow.py)."""
+        hashes = self._pins.get(owner)
+        if hashes is not None and h in hashes:
+            hashes.discard(h)
+            count = self._pinned[h] - 1
+            if count:
+                self._pinned[h] = count
+                return
+            del self._pinned[h]
+            self._pinned_bytes -= self._held[h]
+        if h in self._held and h not in self._pinned:
+            self._remove(h)   # not counted as evicted: that count tells operators about pressure
+
     def transfer(self, src: str, dst: str) -> None:
         """Move *src*'s pins to *dst* (an offer's pins become its job's once the job id is known)."""
         for h in list(self._pins.get(src, ())):
@@ -192,9 +207,12 @@ class ContentStore:
                 self._evict(h)
 
     def _evict(self, h: str) -> None:
+        self._remove(h)
+        self.evicted += 1
+
+    def _remove(self, h: str) -> None:
         self._held_bytes -= self._held.pop(h)
         self._drop_mem(h)
-        self.evicted += 1
         if self._root is not None:
             self._path(h).unlink(missing_ok=True)
 

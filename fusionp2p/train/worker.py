@@ -113,6 +113,7 @@ class StageContext:
     rho_out: Mapping[int, float] = field(default_factory=dict)   # dst stage -> AdaTopK kept fraction
     report: Callable[[StageReport], Awaitable[None]]
     checkpoint: Callable[[int, dict[str, torch.Tensor]], Awaitable[None]] | None = None
+    boundary: Callable[[int], Awaitable[None]] | None = None   # after each step, with the steps completed
     start_step: int = 0
     stop_step: int | None = None                   # train steps [start_step, stop_step); None: config.steps
     restore: StageState | None = None              # state handed over at a re-plan or read from a checkpoint
@@ -350,6 +351,8 @@ class StageWorker:
                 self._first_done = (time.monotonic(), self.completed)
             if self.ctx.checkpoint is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
                 await self.ctx.checkpoint(step + 1, self.ex.state_dict())
+            if self.ctx.boundary is not None and not last:
+                await self.ctx.boundary(step + 1)   # the job's background state copies (jobs/shadow.py)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and not last:
                 await self._eval_pass(step + 1)    # the held-out loss every eval_every steps
             step += 1

@@ -1,0 +1,265 @@
+"""Shadow copies: a stage with no live replica survives its holder's death with at most a few steps lost.
+
+Theory of operation (docs/jobs.md "Shadow copies"). A stage that the plan gives one replica has no
+live hand-off when its holder dies; before this module it came back from the newest durable checkpoint
+(``checkpoint_every``, 0 by default: none), so one death threw the whole job back to step 0. Now its
+holder copies the stage's state (parameters, optimizer state, CO2 momentum: the hand-off's own
+``encode_state`` bytes) to one other member, its **keeper**, in the background:
+
+1. at a step boundary the worker calls :meth:`Shadows.boundary`; when a copy is due and none is in
+   flight, the holder clones its state (a memory copy, milliseconds) and a background task of the
+   epoch encodes it in a worker thread, puts it in the content store and asks the keeper to ``keep``
+   it (``op: keep, shadow: true``): the keeper fetches the blob by hash from the holder (the content
+   protocol, off the data plane's links), checks that it is a stage file of this job and step, and
+   announces it (``CheckpointSaved``). The holder then drops its own copy: its live state is newer.
+2. the keeper keeps the newest ``ShadowConfig.keep`` copies of each stage and drops the older ones
+   from its store (a copy every few steps would otherwise fill it).
+3. at a re-plan, ``replan.plan_resume`` fills every unit that lost every live state from the newest
+   stage file a live node holds (a shadow copy or a checkpoint), and the new epoch resumes at the
+   oldest of the per-unit newest steps: the dead stage's last copy, the others' live states.
+
+**Cadence** (:class:`Cadence`, pure): a copy costs ``c = t_encode + B / R`` seconds of background work
+(B the encoded bytes, R the link rate the last copy's fetch measured, t_encode its encoding), and a
+step takes ``t_step`` (the interval between step boundaries, smoothed). The holder copies every
+``n = clamp(ceil(c / (share * t_step)), 1, max_every)`` steps, so that copies keep the link and a CPU
+busy at most ``share`` of the time, and starts no copy while one is in flight. A death then costs the
+steps since the newest copy that reached the keeper: at most ``n`` plus those one copy spans
+(``c / t_step``, at most ``n * share`` once the rule holds), so at most ``max_every + 1`` at the
+default share; the first copy goes at the first boundary of each epoch, before anything is measured.
+
+Keepers: a standby of the job (it has no stage to train, and may be the node that takes the stage over:
+it then finds the copy in its own store), else a member of another stage, spread by stage index.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Collection
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+
+from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.jobs import proto as job_proto
+from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_state
+from fusionp2p.jobs.events import CheckpointSaved, ProgressEvent
+from fusionp2p.plan import Plan
+from fusionp2p.train.state import StageState
+from fusionp2p.types import short_peer
+
+if TYPE_CHECKING:
+    from fusionp2p.jobs.host import JobHost
+    from fusionp2p.net.transport import Transport
+    from fusionp2p.train.worker import StageWorker
+
+log = logging.getLogger(__name__)
+
+MAX_SHELVED = 64    # stages (unit ranges) a keeper holds shadow copies of for one job: bounds what peers pin here
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShadowConfig:
+    """Background copies of single-replica stages (the module docstring)."""
+
+    enabled: bool = True
+    share: float = 0.25     # of the step time that copies may take (the cadence rule)
+    max_every: int = 4      # steps between two copies at most: with share, the steps a death costs
+    keep: int = 2           # copies of one stage a keeper holds (the newest)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.share <= 1.0:
+            raise ConfigError("ShadowConfig.share must be in (0, 1]")
+        if self.max_every < 1 or self.keep < 1:
+            raise ConfigError("ShadowConfig.max_every and keep must be >= 1")
+
+
+class Cadence:
+    """When the next copy is due (pure: times are passed in). See the module docstring for the rule."""
+
+    SMOOTH = 0.3   # weight of the newest measurement in the moving averages
+
+    def __init__(self, config: ShadowConfig) -> None:
+        self.config = config
+        self.step_s: float | None = None    # smoothed seconds between step boundaries
+        self.copy_s: float | None = None    # smoothed seconds one copy takes (encode + fetch)
+        self.link_Bps: float | None = None  # bytes per second the last copy's fetch moved
+        self.copied = -math.inf             # the step of the newest copy started
+        self._last: float | None = None
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else (1.0 - self.SMOOTH) * old + self.SMOOTH * new
+
+    def on_step(self, now: float) -> None:
+        if self._last is not None:
+            self.step_s = self._avg(self.step_s, max(0.0, now - self._last))
+        self._last = now
+
+    def on_copy(self, nbytes: int, encode_s: float, fetch_s: float) -> None:
+        if fetch_s > 0:
+            self.link_Bps = nbytes / fetch_s
+        self.copy_s = self._avg(self.copy_s, max(0.0, encode_s) + max(0.0, fetch_s))
+
+    @property
+    def every(self) -> int:
+        cfg = self.config
+        if self.copy_s is None or not self.step_s:
+            return 1
+        return max(1, min(cfg.max_every, math.ceil(self.copy_s / (cfg.share * self.step_s))))
+
+    def due(self, step: int) -> bool:
+        return step - self.copied >= self.every
+
+
+def keeper_for(plan: Plan, stage: int, me: str, standbys: Collection[str], alive: Callable[[str], bool]) -> str | None:
+    """Who keeps stage *stage*'s copies: a live standby, else a live member of another stage (spread by
+    stage index, so that one keeper does not hold every stage's copies); None when nobody else is there."""
+    spare = sorted(p for p in standbys if p != me and p not in plan.peers and alive(p))
+    if spare:
+        return spare[stage % len(spare)]
+    n = len(plan.stages)   # else the next stage's first live replica, round the pipeline
+    others = [p for i in range(1, n) for p in plan.stages[(stage + i) % n].replicas if p != me and alive(p)]
+    return others[0] if others else None
+
+
+class _Run(Protocol):
+    """What a shadow needs of its job run (``jobs/run.py``)."""
+
+    svc: JobHost
+    transport: Transport
+    me: str
+    job_id: str
+    members: frozenset[str] | None
+    checkpoints: dict[int, dict[tuple[int, int], tuple[str, list[str]]]]
+    _worker: StageWorker | None
+
+    def _alive(self, peer: str) -> bool: ...
+    def _holds(self, step: int, units: tuple[int, int], h: str, peer: str) -> None: ...
+    async def _gossip(self, ev: ProgressEvent) -> None: ...
+
+
+@dataclass
+class _Lane:
+    """One epoch's copies of this node's stage."""
+
+    plan: Plan
+    stage: int
+    keeper: str
+    cadence: Cadence
+    nursery: trio.Nursery
+    busy: bool = False
+    copies: int = 0
+    refused: set[str] = field(default_factory=set)   # keepers a copy failed to reach this epoch
+
+
+class Shadows:
+    """A job run's shadow copies: the holder's side (:meth:`running`, :meth:`boundary`) and the keeper's
+    (:meth:`keep`). Owned by :class:`~fusionp2p.jobs.run.JobRun`."""
+
+    def __init__(self, run: _Run, config: ShadowConfig) -> None:
+        self.run = run
+        self.config = config
+        self._lane: _Lane | None = None
+        self._shelf: dict[tuple[int, int], list[tuple[int, str]]] = {}   # keeper: units -> [(step, hash)], oldest first
+
+    @asynccontextmanager
+    async def running(self, plan: Plan, stage: int) -> AsyncIterator[None]:
+        """Around an epoch's training: copies of *stage* go out while it trains; one in flight at its end
+        is cancelled (the hand-off at a halt is newer)."""
+        run = self.run
+        keeper = keeper_for(plan, stage, run.me, run.members or (), run._alive)
+        if not self.config.enabled or len(plan.stages[stage].replicas) != 1 or keeper is None:
+            yield
+            return
+        async with trio.open_nursery() as nursery:
+            self._lane = _Lane(plan=plan, stage=stage, keeper=keeper, cadence=Cadence(self.config), nursery=nursery)
+            try:
+                yield
+            finally:
+                lane, self._lane = self._lane, None
+                nursery.cancel_scope.cancel()
+                if lane is not None and lane.copies:
+                    c = lane.cadence
+                    log.info("job %s epoch %d: %d shadow copies of stage %d to %s (every %d steps; step %.3f s, "
+                             "copy %.3f s, link %.3g MB/s)", run.job_id, plan.epoch, lane.copies, stage,
+                             short_peer(keeper), c.every, c.step_s or 0.0, c.copy_s or 0.0, (c.link_Bps or 0.0) / 1e6)
+
+    async def boundary(self, completed: int) -> None:
+        """The worker completed *completed* steps (its hook): start a copy when one is due."""
+        lane, worker = self._lane, self.run._worker
+        if lane is None or worker is None:
+            return
+        lane.cadence.on_step(trio.current_time())
+        if lane.busy or not lane.cadence.due(completed):
+            return
+        lane.busy = True
+        lane.cadence.copied = completed
+        lane.nursery.start_soon(self._copy, lane, worker.export_state())
+
+    async def _copy(self, lane: _Lane, st: StageState) -> None:
+        run, plan, s = self.run, lane.plan, lane.stage
+        store = run.svc.content.store
+        units = (plan.stages[s].start, plan.stages[s].end)
+        h = ""
+        try:
+            t0 = trio.current_time()
+            meta = StageCheckpointMeta(job=run.job_id, stage=s, num_stages=len(plan.stages), step=st.step,
+                                       plan_hash=plan.plan_hash())
+            blob = await trio.to_thread.run_sync(encode_state, meta, st)
+            h = store.put(blob)
+            t1 = trio.current_time()
+            await job_proto.request(run.transport, lane.keeper, {
+                "op": "keep", "job": run.job_id, "hash": h, "step": st.step, "stage": s, "holder": run.me,
+                "units": list(units), "shadow": True}, timeout=run.svc.config.accept_timeout)
+            lane.cadence.on_copy(len(blob), t1 - t0, trio.current_time() - t1)
+            lane.copies += 1
+            run._holds(st.step, units, h, lane.keeper)
+        except (PeerUnavailable, RemoteProtocolError, FusionError) as exc:
+            log.info("job %s: shadow copy of stage %d at step %d not kept by %s: %s", run.job_id, s, st.step,
+                     short_peer(lane.keeper), exc)
+            # another keeper for the next copy (one the view still calls alive may have just died)
+            lane.refused.add(lane.keeper)
+            lane.keeper = keeper_for(plan, s, run.me, run.members or (),
+                                     lambda p: p not in lane.refused and run._alive(p)) or lane.keeper
+        finally:
+            if h:
+                store.discard(run.job_id, h)   # the keeper holds the copy; our live state is newer
+            lane.busy = False
+
+    async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str, *, shadow: bool) -> None:
+        """Hold a copy of another member's stage file (we are its keeper) and announce it. A shadow copy
+        supersedes the older ones of its stage beyond ``keep``, which leave the store."""
+        run = self.run
+        with trio.fail_after(run.svc.config.accept_timeout):
+            blob = await run.svc.content.fetch(h, max_size=run.svc.config.max_state_bytes, peers=[holder])
+        meta, _ = await trio.to_thread.run_sync(lambda: decode_state(blob, job=run.job_id))   # of this job, not any blob
+        if meta.step != step:
+            raise RemoteProtocolError(f"keep: the file is of step {meta.step}, not {step}")
+        run._holds(step, units, h, holder)
+        run._holds(step, units, h, run.me)
+        if shadow:
+            self._shelve(units, step, h)
+        await run._gossip(CheckpointSaved(job=run.job_id, step=step, stage=stage, peer=run.me, hash=h,
+                                          start=units[0], end=units[1], at=time.time()))
+
+    def _shelve(self, units: tuple[int, int], step: int, h: str) -> None:
+        run = self.run
+        shelf = self._shelf.setdefault(units, [])
+        shelf.append((step, h))
+        shelf.sort()
+        dropped = [(units, old) for old in shelf[:-self.config.keep]]
+        del shelf[:-self.config.keep]
+        if len(self._shelf) > MAX_SHELVED:   # a peer naming ever new unit ranges: the stalest range goes
+            stale = min(self._shelf, key=lambda u: self._shelf[u][-1][0])
+            dropped += [(stale, old) for old in self._shelf.pop(stale)]
+        for rng, (old_step, old) in dropped:
+            run.svc.content.store.discard(run.job_id, old)
+            held = run.checkpoints.get(old_step, {}).get(rng)
+            if held is not None and run.me in held[1]:
+                held[1].remove(run.me)   # a re-plan led here must not name us for a copy we dropped
+
+
+__all__ = ["Cadence", "ShadowConfig", "Shadows", "keeper_for"]
