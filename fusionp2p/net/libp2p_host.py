@@ -366,16 +366,6 @@ class Libp2pTransport:
             return await dial_peer(peer_id)
 
         network.dial_peer = trimmed_dial
-        host_connect = self.host.connect
-
-        async def connect_preferring(info: Any) -> None:
-            if info.addrs:   # the address a caller names (ours: already trimmed by the swarm) is dialled first
-                self._prefer[info.peer_id] = info.addrs[0]
-                if len(self._prefer) > 4096:
-                    self._prefer.pop(next(iter(self._prefer)))
-            await host_connect(info)
-
-        self.host.connect = connect_preferring  # type: ignore[method-assign,assignment]
         self.traffic = Traffic()
         network.register_notifee(_CountingNotifee(self.traffic))
         self.dht = KadDHT(self.host, DHTMode.SERVER)
@@ -461,9 +451,11 @@ class Libp2pTransport:
             addrs = [str(a) for a in store.addrs(pid)]
         except Exception:   # PeerStoreError: none known
             return
+        # the rest in one canonical order: py-libp2p's own dials (a stream, the DHT) keep to the same few
+        # addresses whatever order identify or the DHT reported them in
         prefer = self._prefer.get(pid)
         first = [str(prefer)] if prefer is not None and str(prefer) in addrs else []
-        keep = peer_dial_addrs([*first, *(a for a in addrs if a not in first and "/p2p-circuit" not in a)],
+        keep = peer_dial_addrs([*first, *sorted(a for a in addrs if a not in first and "/p2p-circuit" not in a)],
                                self._dial_scopes())
         if keep == addrs:
             return
@@ -533,6 +525,10 @@ class Libp2pTransport:
         peer, ma = parse_peer_addr(addr)
         info = info_from_p2p_addr(ma)
         self._network().unblock_peer(info.peer_id)
+        if info.addrs:   # the address we were asked to dial (ours: already cut by the swarm) is dialled first
+            self._prefer[info.peer_id] = info.addrs[0]
+            if len(self._prefer) > 4096:
+                self._prefer.pop(next(iter(self._prefer)))
         try:
             with trio.fail_after(self._config.dial_timeout):
                 await self.host.connect(info)
