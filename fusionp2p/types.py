@@ -30,6 +30,12 @@ class DeviceProfile:
     act_rate: float = field(default=0.0, metadata={"wire": {"lo": 0.0, "hi": 1e20, "optional": True, "omit_default": True}})
     versions: tuple[tuple[str, str], ...] = field(       # (("torch", "2.13.0"), ("python", "3.11.7"), ...)
         default=(), metadata={"wire": {"max_len": 16, "optional": True, "item": {"max_len": 64}}})
+    # which machine it runs on, as the node says (swarm/device.py host_identity: a hash, "" = not said), and
+    # the CPUs that machine gives it: nodes of one host share its cores, though each benchmarked them alone.
+    # A hint used only to be pessimistic (plan/predict.py host_shares): a CPU stage's time grows with the
+    # threads the plan puts on its host; a lie makes plans with the liar in them look slower, nothing else
+    host: str = field(default="", metadata={"wire": {"max_len": 64, "optional": True, "omit_default": True}})
+    host_cpus: int = field(default=0, metadata={"wire": {"lo": 0, "hi": 1 << 16, "optional": True, "omit_default": True}})
 
     def __post_init__(self) -> None:
         if self.flops_fp32 <= 0:
@@ -53,7 +59,8 @@ class DeviceProfile:
             "flops_fp32": float(self.flops_fp32), "flops_bf16": float(self.flops_bf16),
             "memory_bytes": int(self.memory_bytes), "threads": int(self.threads),
             "versions": [list(v) for v in self.versions],
-        } | ({"act_rate": float(self.act_rate)} if self.act_rate > 0 else {})
+        } | ({"act_rate": float(self.act_rate)} if self.act_rate > 0 else {}) \
+          | ({"host": self.host, "host_cpus": int(self.host_cpus)} if self.host else {})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -64,7 +64,7 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
                 bar.console.print(f"plan {ev.plan_hash[:8]}: {len(ev.stage_sizes)} stages, replicas per stage "
                                   f"{ev.stage_sizes} on {len(set(ev.members))} nodes"
                                   + (f" ({ev.how}; predicted {ev.step_s:.3g} s per step from the nodes' start-up "
-                                     "benchmarks, not counting nodes that share a host's cores: docs/planning.md)"
+                                     "benchmarks, nodes of one host sharing its cores: docs/planning.md)"
                                      if ev.how else ""))
                 if ev.idle:
                     bar.console.print(f"idle: {', '.join(short_peer(p) for p in ev.idle)} ({ev.idle_why})")

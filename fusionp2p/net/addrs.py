@@ -103,7 +103,10 @@ def addr_ip(addr: str) -> str | None:
     return str(ip) if (ip.version == 4) == (parts[1] == "ip4") else None
 
 
-def peer_dial_addrs(addrs: Iterable[str], scopes: Collection[str], *, limit: int = 4, max_ips: int = 2,
+DIAL_LIMIT = 4   # addresses of one peer's that we dial at most, for one dial
+
+
+def peer_dial_addrs(addrs: Iterable[str], scopes: Collection[str], *, limit: int = DIAL_LIMIT, max_ips: int = 2,
                     at: Collection[str] | None = None) -> list[str]:
     """The addresses of a peer's that we dial, in its order: TCP at an IP in *scopes* (and in *at*, the
     IPs it may be reached at, if given), at most *limit* of them on at most *max_ips* IPs. In-process
@@ -126,5 +129,5 @@ def peer_dial_addrs(addrs: Iterable[str], scopes: Collection[str], *, limit: int
     return out
 
 
-__all__ = ["GLOBAL", "LOOPBACK", "PRIVATE", "addr_ip", "dial_scopes", "ip_scope", "peer_dial_addrs", "tcp_endpoint",
+__all__ = ["DIAL_LIMIT", "GLOBAL", "LOOPBACK", "PRIVATE", "addr_ip", "dial_scopes", "ip_scope", "peer_dial_addrs", "tcp_endpoint",
            "tcp_multiaddr"]

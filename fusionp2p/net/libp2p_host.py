@@ -27,7 +27,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +56,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from fusionp2p.errors import ConfigError, PeerUnavailable
+from fusionp2p.net.addrs import GLOBAL, LOOPBACK, PRIVATE, peer_dial_addrs
 from fusionp2p.net.dial_errors import dial_cause
 from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits, HolePunchPolicy
 from fusionp2p.net.identity import Identity
@@ -353,6 +354,18 @@ class Libp2pTransport:
         # simultaneous cross-dials and stuck streams. Membership decides whom we connect to.
         network: Any = self.host.get_network()  # the concrete Swarm (the interface type lacks these attributes)
         network.auto_connector.maybe_connect = _no_auto_connect
+        # What py-libp2p dials for a peer is whatever its peerstore holds (identify, the DHT: the peer's own
+        # claim, 16 addresses or more): every dial goes through _trim_addrs first (issue 43 finding 7: one
+        # stranger's announced addresses made every node that opened a stream to it connect to all of them)
+        self._dial_scopes: Callable[[], Collection[str]] = lambda: (GLOBAL, PRIVATE, LOOPBACK)
+        self._prefer: dict[ID, multiaddr.Multiaddr] = {}   # peer -> the address connect() was given
+        dial_peer = network.dial_peer
+
+        async def trimmed_dial(peer_id: ID) -> Any:
+            self._trim_addrs(peer_id)
+            return await dial_peer(peer_id)
+
+        network.dial_peer = trimmed_dial
         self.traffic = Traffic()
         network.register_notifee(_CountingNotifee(self.traffic))
         self.dht = KadDHT(self.host, DHTMode.SERVER)
@@ -425,6 +438,33 @@ class Libp2pTransport:
     def sign(self, data: bytes) -> bytes:
         return self._identity.sign(data)
 
+    # -- what we dial ------------------------------------------------------------------------------
+    def set_dial_scopes(self, scopes: Callable[[], Collection[str]]) -> None:
+        """*scopes()*: the address scopes we dial peers in (``net/addrs.dial_scopes``; default all three)."""
+        self._dial_scopes = scopes
+
+    def _trim_addrs(self, pid: ID) -> None:
+        """Cut *pid*'s peerstore addresses to those :func:`~fusionp2p.net.addrs.peer_dial_addrs` keeps (the
+        one :meth:`connect` was given first), before py-libp2p dials them."""
+        store: Any = self.host.get_peerstore()   # the concrete PeerStore (peer_data_map: the TTL)
+        try:
+            addrs = [str(a) for a in store.addrs(pid)]
+        except Exception:   # PeerStoreError: none known
+            return
+        # the rest in one canonical order: py-libp2p's own dials (a stream, the DHT) keep to the same few
+        # addresses whatever order identify or the DHT reported them in
+        prefer = self._prefer.get(pid)
+        first = [str(prefer)] if prefer is not None and str(prefer) in addrs else []
+        keep = peer_dial_addrs([*first, *sorted(a for a in addrs if a not in first and "/p2p-circuit" not in a)],
+                               self._dial_scopes())
+        if keep == addrs:
+            return
+        ttl = store.peer_data_map[pid].get_ttl() if pid in store.peer_data_map else 0
+        store.clear_addrs(pid)
+        if keep:
+            store.add_addrs(pid, [multiaddr.Multiaddr(a) for a in keep], ttl)
+        log.debug("dial %s: %d of its %d known addresses left out", pid, len(addrs) - len(keep), len(addrs))
+
     # -- circuit relay (net/relay.py) ---------------------------------------------------------------
     def circuit_addrs(self) -> list[str]:
         """Our full ``.../p2p-circuit/p2p/<us>`` addresses through the relays holding a slot for us."""
@@ -485,6 +525,10 @@ class Libp2pTransport:
         peer, ma = parse_peer_addr(addr)
         info = info_from_p2p_addr(ma)
         self._network().unblock_peer(info.peer_id)
+        if info.addrs:   # the address we were asked to dial (ours: already cut by the swarm) is dialled first
+            self._prefer[info.peer_id] = info.addrs[0]
+            if len(self._prefer) > 4096:
+                self._prefer.pop(next(iter(self._prefer)))
         try:
             with trio.fail_after(self._config.dial_timeout):
                 await self.host.connect(info)

@@ -137,6 +137,11 @@ class CostModel:
             self.cut *= 0.5   # activations and gradients travel in the compute dtype
         self.flops: F64 = np.array([compute_rate(p, config) for p in profs], dtype=np.float64)
         self.mem_cap: F64 = np.array([p.memory_bytes * config.memory_headroom for p in profs], dtype=np.float64)
+        # the host a CPU device says it shares with others ("" for none or not a CPU), its threads and the
+        # host's CPUs: plan/predict.py host_shares
+        self.hosts: tuple[str, ...] = tuple(p.host if p.kind == "cpu" else "" for p in profs)
+        self.threads: tuple[int, ...] = tuple(p.threads for p in profs)
+        self.host_cpus: tuple[int, ...] = tuple(p.host_cpus for p in profs)
         d = len(self.peers)
         self.bw: F64 = np.full((d, d), config.missing_link.bandwidth_bps, dtype=np.float64)
         self.lat: F64 = np.full((d, d), config.missing_link.latency_s, dtype=np.float64)

@@ -86,6 +86,25 @@ def choose_ratios(cm: CostModel, layout: Layout) -> list[float]:
     return rhos
 
 
+def host_shares(cm: CostModel, devices: Sequence[int]) -> dict[int, float]:
+    """How many times over the plan's *devices* book the cores of each one's host: the threads of the
+    plan's CPU devices that name the same host (``DeviceProfile.host``) over that host's CPUs, at least 1.
+
+    Each node benchmarks its device alone; nodes of one machine (``make demo``'s four on a 2-core host)
+    then share its cores while they train, and a plan that counted each at its benchmarked rate predicted
+    steps 4-15x too short (issue 44). Stages of a pipeline compute at the same time in the steady state of
+    the schedule, so the sharing is counted in full: a pessimistic figure, as a host's word deserves (a
+    node that names another's host slows only the predictions of plans that hold both)."""
+    load: dict[str, int] = {}
+    cpus: dict[str, int] = {}
+    for d in devices:
+        h = cm.hosts[d]
+        if h:
+            load[h] = load.get(h, 0) + cm.threads[d]
+            cpus[h] = max(cpus.get(h, 0), cm.host_cpus[d])
+    return {d: max(1.0, load[h] / cpus[h]) if (h := cm.hosts[d]) and cpus[h] > 0 else 1.0 for d in devices}
+
+
 def build_plan(
     cm: CostModel, layout: Layout, rhos: Sequence[float], *,
     job: str, epoch: int, snapshot_hash: str, algorithm: str, seed: int, balance: bool = False,
@@ -102,9 +121,12 @@ def build_plan(
         if cm.stage_time(i, j, g, micro) > (1.0 - BALANCE_MIN_GAIN) * cm.stage_time(i, j, g):
             micro, period = None, 1     # within the noise of measured speeds: lockstep (equal machines stay equal)
     stages = []
+    share = host_shares(cm, [d for g in order for d in g])
     for (i, j, _), g in zip(layout, order):
         reps = tuple(cm.peers[d] for d in g)
-        stages.append(Stage(start=i, end=j, replicas=reps, compute_s=cm.stage_time(i, j, g, micro),
+        # the group runs in lockstep at its slowest member's pace: the most crowded host's
+        compute = cm.stage_time(i, j, g, micro) * max(share[d] for d in g)
+        stages.append(Stage(start=i, end=j, replicas=reps, compute_s=compute,
                             memory_bytes=cm.range_memory(i, j, replicated=len(g) > 1)))
     fences = []
     for k in range(len(layout) - 1):
@@ -152,7 +174,8 @@ def predict(plan: Plan, workload: WorkloadGraph, snapshot: Snapshot, config: Pla
         layout = layout_of(plan, cm)
     except KeyError as exc:
         raise ValueError(f"plan names a peer outside the snapshot: {exc}") from None
-    stage_s = tuple(cm.stage_time(i, j, g, plan.micro or None) for i, j, g in layout)
+    share = host_shares(cm, [d for _, _, g in layout for d in g])
+    stage_s = tuple(cm.stage_time(i, j, g, plan.micro or None) * max(share[d] for d in g) for i, j, g in layout)
     fence_s = tuple(fence_time(cm, layout, k, f.rho)[1] for k, f in enumerate(plan.fences))
     bottleneck, step = step_time(stage_s, fence_s, cfg.micro_batches)
     return Prediction(stage_s=stage_s, fence_s=fence_s, bottleneck_s=bottleneck, step_time_s=step,

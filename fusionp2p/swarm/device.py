@@ -12,6 +12,8 @@ throttling shows as a thread that got much less CPU time than wall time, which a
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 import platform
 import time
@@ -175,6 +177,33 @@ def own_cpu_quota() -> tuple[float, float] | None:
     return cpu_quota(text, _read) if text else None
 
 
+def host_identity(read: Callable[[Path], str | None] = _read) -> str:
+    """What this node announces as its host (``DeviceProfile.host``): 16 hex digits of a hash of the
+    machine id, the boot id and the network namespace, so that nodes of one machine (``make demo``'s, or
+    several started by hand) name the same host, and the testbed's namespaces, each with a CPU share of
+    its own, name different ones. A hash, not the ids: the machine id stays private, and the value
+    changes at every boot, so it links a node's identities within one boot at most. "" where none of the
+    ids can be read (then the planner assumes the node has its host to itself)."""
+    ids = [(read(Path(p)) or "").strip() for p in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id")]
+    if not any(ids):
+        return ""
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = ""
+    return hashlib.sha256("\0".join(["fusionp2p host v1", *ids, netns]).encode()).hexdigest()[:16]
+
+
+def host_cpus() -> int:
+    """The CPUs this process may run on: its affinity, capped by a CPU quota (rounded up)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    quota = own_cpu_quota()
+    return max(1, min(n, math.ceil(quota[0]))) if quota is not None else max(1, n)
+
+
 def check_slowdown(factor: float) -> None:
     """A ConfigError unless *factor* is a compute slowdown a node may emulate (``--emulate-slowdown``:
     ``DeviceProfile.slowed`` and the stage workers' sleeps; 1 = full speed)."""
@@ -255,6 +284,8 @@ def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfi
         mem = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
         name = f"{platform.machine()} ({torch.get_num_threads()} threads)"
     versions = (("python", platform.python_version()), ("torch", torch.__version__))
+    # CPU nodes say which host they run on: the planner shares its cores among those it puts there
+    host = host_identity() if dev.type == "cpu" else ""
     return DeviceProfile(device=str(dev), kind=dev.type, name=name, flops_fp32=fp32, flops_bf16=bf16,
                          act_rate=act, memory_bytes=offered_memory(mem), threads=torch.get_num_threads(),
-                         versions=versions)
+                         versions=versions, host=host, host_cpus=host_cpus() if host else 0)

@@ -215,6 +215,9 @@ class SwarmNode:
         punch = getattr(self.transport, "set_hole_punch_policy", None)
         if punch is not None:
             punch(self.punch_ips)
+        scopes = getattr(self.transport, "set_dial_scopes", None)   # what the transport's own dials may reach
+        if scopes is not None:
+            scopes(self.dial_scopes)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._listen, members)
             pulled = trio.Event()
@@ -282,10 +285,14 @@ class SwarmNode:
         """Learn our reachability from a bootstrap's dial-back (``swarm/reach.py``), at once when the data
         plane's addresses are known, then every ``reach.recheck`` seconds; announce changes early."""
         cfg = self.config.reach
+        wait = cfg.recheck
         while True:
-            with trio.move_on_after(cfg.recheck):
+            with trio.move_on_after(wait):
                 await self._reach_now.wait()
             self._reach_now = trio.Event()
+            # every server refused (busy, rate-limited): ask again soon, not in `recheck` (issue 43: a node
+            # that met a busy bootstrap on joining stayed "unknown", so unrelayed, for five minutes)
+            wait = min(cfg.recheck, cfg.retry if wait >= cfg.recheck else 2 * wait)
             p2p = [a.rsplit("/p2p/", 1)[0] for a in self.transport.listen_addrs()]
             for server in sorted(self._servers):
                 try:
@@ -310,6 +317,7 @@ class SwarmNode:
                     self.reach = reach
                     self._relay_now.set()
                     self._beat_now.set()   # announced at once
+                wait = cfg.recheck
                 break
 
     def needs_relay(self) -> bool:

@@ -25,6 +25,7 @@ Theory of operation (docs/networking.md):
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import logging
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from typing import Any
 import trio
 
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.net.addrs import DIAL_LIMIT
 from fusionp2p.net.transport import Stream, Transport
 from fusionp2p.types import short_peer
 from fusionp2p.wire import reach as wr
@@ -53,14 +55,16 @@ class ReachConfig:
     dial_timeout: float = 3.0      # one dial-back TCP connect
     request_timeout: float = 15.0  # one request, its dials included
     min_interval: float = 5.0      # per requesting peer, between two requests served
-    max_concurrent: int = 16       # requests served at once
+    max_concurrent: int = 16       # requests served at once ...
+    per_ip: int = 2                # ... of them from one IP (many identities on one host hold no more)
     recheck: float = 300.0         # a node re-checks its reachability this often
+    retry: float = 10.0            # ... and this soon after every server refused (busy): doubling up to recheck
 
     def __post_init__(self) -> None:
-        if min(self.dial_timeout, self.request_timeout, self.recheck) <= 0 or self.min_interval < 0:
+        if min(self.dial_timeout, self.request_timeout, self.recheck, self.retry) <= 0 or self.min_interval < 0:
             raise ConfigError("ReachConfig timeouts must be positive")
-        if self.max_concurrent < 1:
-            raise ConfigError("ReachConfig.max_concurrent must be >= 1")
+        if self.max_concurrent < 1 or self.per_ip < 1:
+            raise ConfigError("ReachConfig.max_concurrent and per_ip must be >= 1")
 
 
 def verdict(p2p: bool, data: bool) -> str:
@@ -194,13 +198,18 @@ class ReachService:
         self._servers = servers
         self._last: dict[str, float] = {}     # requester (or requested dial-back target) -> when last served
         self._busy = 0
+        self._busy_ip: collections.Counter[str] = collections.Counter()   # requests under way per source IP
         self.served: dict[str, int] = {"check": 0, "reverse": 0, "dial": 0, "refused": 0}
 
-    def _admit(self, key: str) -> str:
-        """"" if a request keyed *key* may be served now, else why not (and it is not)."""
+    def _admit(self, key: str, ip: str | None) -> str:
+        """"" if a request keyed *key* from *ip* may be served now, else why not (and it is not)."""
         now = trio.current_time()
         if self._busy >= self.config.max_concurrent:
             return "busy"
+        if ip is not None and self._busy_ip[ip] >= self.config.per_ip:
+            # one host's many identities would otherwise hold every slot (issue 43: sixteen strangers
+            # asking checks of ports that drop SYNs kept every honest node from learning its reach)
+            return f"busy: {self.config.per_ip} requests from your address under way"
         if now - self._last.get(key, -float("inf")) < self.config.min_interval:
             return f"one request every {self.config.min_interval:g} s"
         if len(self._last) > 4096:   # bounded: forget requesters older than the interval
@@ -210,20 +219,27 @@ class ReachService:
 
     async def __call__(self, stream: Stream) -> None:
         peer = stream.remote_peer
+        ip = getattr(stream, "remote_ip", None)
         try:
             with trio.fail_after(self.config.request_timeout):
                 op, f = wr.decode_request(await _read_frame(stream))
                 # per (requester, target): a publisher may reach several NATed nodes at once, each once a while
-                why = self._admit(f"{op}:{peer}:{f.get('peer') or f.get('target') or ''}")
+                why = self._admit(f"{op}:{peer}:{f.get('peer') or f.get('target') or ''}", ip)
                 if why:
                     self.served["refused"] += 1
                     reply = _refusal(why)
                 else:
-                    self._busy += 1
+                    self._busy += 1      # counted before any await: requests at once cannot all pass
+                    if ip is not None:
+                        self._busy_ip[ip] += 1
                     try:
                         reply = await self._serve(op, f, stream)
                     finally:
                         self._busy -= 1
+                        if ip is not None:
+                            self._busy_ip[ip] -= 1
+                            if not self._busy_ip[ip]:
+                                del self._busy_ip[ip]
                 await stream.send_all(encode_frame(reply, max_frame=wr.MAX_MESSAGE))
         except (RemoteProtocolError, PeerUnavailable, trio.TooSlowError) as exc:
             log.debug("reach request from %s: %s", short_peer(peer), exc)
@@ -268,7 +284,8 @@ class ReachService:
             if len(parts) > 4 and parts[3] == "tcp" and parts[4].isascii() and parts[4].isdigit() \
                     and parts[4] not in ports:
                 ports.append(parts[4])
-        addrs = [f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{p}" for p in ports[: wr.MAX_ADDRS]]
+        # a few (the requester's own claims, from its identify): the target dials each (net/addrs.py)
+        addrs = [f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{p}" for p in ports[:DIAL_LIMIT]]
         if not addrs:
             return False, "no listening address of yours is known here"
         try:

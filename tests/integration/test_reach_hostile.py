@@ -117,3 +117,87 @@ def test_a_check_over_a_relayed_connection_is_refused() -> None:
                 assert svc.served["check"] == 0
 
     trio.run(main)
+
+
+def test_one_address_holds_at_most_per_ip_slots() -> None:
+    """Before: the only bound was ``max_concurrent`` over all requesters, so one host's identities (each
+    allowed a request every ``min_interval``, each held ``request_timeout`` by ports that drop SYNs) held
+    every slot. Here five identities on 127.0.0.1 ask at once; two are served, three refused as busy."""
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with AsyncExitStack() as st:
+                boot = await st.enter_async_context(open_libp2p_transport(Identity.generate()))
+                svc = ReachService(boot, serve_checks=True, servers=set, config=ReachConfig(max_concurrent=16, per_ip=2))
+                release = trio.Event()
+
+                async def slow(ip: str, addrs: list[str]) -> bool:   # a dial to a port that drops SYNs
+                    await release.wait()
+                    return False
+
+                svc._any_dialable = slow  # type: ignore[method-assign]
+                boot.set_stream_handler(REACH, svc)
+                askers = [await st.enter_async_context(open_libp2p_transport(Identity.generate())) for _ in range(5)]
+                for t in askers:
+                    await t.connect(boot.listen_addrs()[0])
+                outcomes: list[str] = []
+
+                async def ask(t: object) -> None:
+                    try:
+                        await check_reach(t, boot.peer_id, p2p=[], data=[], timeout=20)  # type: ignore[arg-type]
+                        outcomes.append("served")
+                    except PeerUnavailable as exc:
+                        outcomes.append("from your address" if "from your address" in str(exc) else str(exc))
+
+                async with trio.open_nursery() as nursery:
+                    for t in askers:
+                        nursery.start_soon(ask, t)
+                    await poll_until(lambda: svc._busy == 2 and svc.served["refused"] == 3)
+                    release.set()
+                assert sorted(outcomes) == ["from your address"] * 3 + ["served"] * 2, outcomes
+                assert svc._busy == 0 and not svc._busy_ip
+
+    trio.run(main)
+
+
+def test_a_node_refused_on_joining_asks_again_soon() -> None:
+    """Before: a node whose first check met a busy bootstrap kept its reach unknown (so held no relay slot
+    when it needed one) until ``recheck``, five minutes later."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with memory_network() as net, trio.open_nursery() as nursery:
+                cfg = ReachConfig(max_concurrent=1, min_interval=0.0, retry=0.5)
+                boot = SwarmNode(net.add_host(), SwarmConfig(role="bootstrap", heartbeat=0.2, dead_timeout=5.0,
+                                                             reach=cfg), None)
+                await nursery.start(boot.run, [])
+                addr = boot.transport.listen_addrs()[0]
+                svc = boot.reach_service
+                release = trio.Event()
+                dial = svc._any_dialable
+
+                async def slow(ip: str, addrs: list[str]) -> bool:
+                    await release.wait()
+                    return await dial(ip, addrs)
+
+                svc._any_dialable = slow  # type: ignore[method-assign]
+                hog = net.add_host()
+                await hog.connect(addr)
+                nursery.start_soon(functools.partial(check_reach, hog, boot.peer_id, p2p=[], data=[], timeout=20))
+                await poll_until(lambda: svc._busy == 1)
+                node = SwarmNode(net.add_host(), SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probing=False, reach=cfg),
+                                 TEST_PROFILE)
+                await nursery.start(node.run, [addr])
+                node.set_data_addrs((f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}",))
+                await poll_until(lambda: svc.served["refused"] >= 1)      # its first check: busy
+                release.set()
+                svc._any_dialable = dial  # type: ignore[method-assign]
+                await node.wait_until(lambda: node.reach == REACH_DATA, 10)   # asked again within seconds
+                nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        listener.close()

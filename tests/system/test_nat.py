@@ -20,7 +20,7 @@ import pytest
 
 from fusionp2p.testbed.emulator import fusionp2p_command, up
 from fusionp2p.testbed.spec import load_spec
-from tests.system.nat_support import SPECS, need_nat_testbed, start_swarm
+from tests.system.nat_support import SPECS, every_node_job, need_nat_testbed, start_swarm
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(600)]
 
@@ -67,8 +67,8 @@ def test_nodes_behind_a_nat_train_with_the_public_ones(tmp_path: Path) -> None:
             pytest.fail(f"reachability not learned: {status}")
         out_dir = tmp_path / "job"
         env_cmd = ["env", "OMP_NUM_THREADS=1", *cli]
-        rc, out = tb.run(pub, [*env_cmd, "job", "--log-level", "warning", "submit", "--builtin", "gpt2-tiny",
-                               "--bootstrap", addr, "--steps", "6", "--out", str(out_dir)], timeout=480.0)
+        rc, out = tb.run(pub, [*env_cmd, "job", "--log-level", "warning", "submit", str(every_node_job(tmp_path / "job.py", 6)),
+                               "--bootstrap", addr, "--out", str(out_dir)], timeout=480.0)
         assert rc == 0, out[-4000:]
         assert "on 4 nodes" in out, out[-4000:]           # every node is in the plan, the home ones too
         assert "job done" in out, out[-4000:]

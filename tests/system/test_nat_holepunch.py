@@ -22,7 +22,7 @@ import pytest
 
 from fusionp2p.testbed.emulator import fusionp2p_command, up
 from fusionp2p.testbed.spec import load_spec
-from tests.system.nat_support import SPECS, need_nat_testbed, start_swarm
+from tests.system.nat_support import SPECS, every_node_job, need_nat_testbed, start_swarm
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(600)]
 
@@ -48,7 +48,7 @@ def test_relayed_connections_are_hole_punched(tmp_path: Path) -> None:
         cli = [*fusionp2p_command()]
         out_dir = tmp_path / "job"
         rc, out = tb.run(boot, ["env", "OMP_NUM_THREADS=1", *cli, "job", "--log-level", "warning", "submit",
-                                "--builtin", "gpt2-tiny", "--bootstrap", addr, "--steps", "6", "--out", str(out_dir)],
+                                str(every_node_job(tmp_path / "job.py", 6)), "--bootstrap", addr, "--out", str(out_dir)],
                          timeout=480.0)
         assert rc == 0, out[-4000:]
         assert "on 4 nodes" in out, out[-4000:]

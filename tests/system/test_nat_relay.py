@@ -20,7 +20,7 @@ import pytest
 
 from fusionp2p.testbed.emulator import fusionp2p_command, up
 from fusionp2p.testbed.spec import load_spec
-from tests.system.nat_support import SPECS, need_nat_testbed, start_swarm
+from tests.system.nat_support import SPECS, every_node_job, need_nat_testbed, start_swarm
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(600)]
 
@@ -52,7 +52,7 @@ def test_nodes_behind_two_nats_train_through_the_relay(tmp_path: Path) -> None:
             pytest.fail(f"the home nodes did not connect through the relay: {json.dumps(status)[:4000]}")
         out_dir = tmp_path / "job"
         rc, out = tb.run(boot, ["env", "OMP_NUM_THREADS=1", *cli, "job", "--log-level", "warning", "submit",
-                                "--builtin", "gpt2-tiny", "--bootstrap", addr, "--steps", "6", "--out", str(out_dir)],
+                                str(every_node_job(tmp_path / "job.py", 6)), "--bootstrap", addr, "--out", str(out_dir)],
                          timeout=480.0)
         assert rc == 0, out[-4000:]
         assert "on 4 nodes" in out, out[-4000:]           # every node is in the plan, the NATed ones too
