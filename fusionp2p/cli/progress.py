@@ -13,6 +13,7 @@ from rich.table import Table
 
 from fusionp2p.errors import JobError
 from fusionp2p.jobs.events import (
+    AveragingOutlier,
     CheckpointSaved,
     EvalProgress,
     JobStateChanged,
@@ -89,6 +90,8 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
                 bar.update(task, info=f"checkpoint step {ev.step} stage {ev.stage}")
             elif isinstance(ev, StepSkipped):
                 bar.console.print(f"warning: {ev.reason}")
+            elif isinstance(ev, AveragingOutlier):
+                bar.console.print(f"warning: {ev}")
             elif isinstance(ev, EvalProgress):
                 final = " (final, mean over the pipelines)" if not ev.peer else ""
                 bar.console.print(f"held-out loss after step {ev.step}: {ev.loss:.4f}{final}")

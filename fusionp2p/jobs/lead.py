@@ -38,6 +38,7 @@ from fusionp2p.jobs.rebalance import (
 )
 from fusionp2p.jobs.replan import Halted, complete_checkpoint, halt_step, leader_of, plan_resume
 from fusionp2p.jobs.spec import JobSpec
+from fusionp2p.jobs.suspects import Suspects
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
@@ -78,6 +79,7 @@ class Leading:
     reason: str
     epoch: int
     plan: Plan | None
+    suspects: Suspects
     members: frozenset[str] | None
     checkpoints: dict[int, dict[tuple[int, int], tuple[str, list[str]]]]
     book: ProgressBook
@@ -101,7 +103,7 @@ class Leading:
     # ------------------------------------------------------------------ leading re-plans
     def _alive(self, peer: str) -> bool:
         view = self.svc.swarm.view
-        return peer == self.me or (view.is_alive(peer) and peer not in view.left)
+        return peer == self.me or (view.is_alive(peer) and peer not in view.left and peer not in self.suspects.excluded)
 
     async def _watch(self) -> None:
         """Lead a re-plan when this node leads the plan and it has to change (see the module docstring)."""

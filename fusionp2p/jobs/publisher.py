@@ -45,6 +45,7 @@ from fusionp2p.jobs.checkpoint import decode_state, save_stage, stage_path
 from fusionp2p.jobs.content import ContentService
 from fusionp2p.jobs.election import fetch_latest
 from fusionp2p.jobs.events import (
+    AveragingOutlier,
     CheckpointSaved,
     EvalProgress,
     JobStateChanged,
@@ -447,7 +448,7 @@ class JobDriver:
             if sender in self.members and ev.epoch > self.epoch:
                 self._on_plan(ev)
             return
-        if isinstance(ev, LinksUp):
+        if isinstance(ev, LinksUp | AveragingOutlier):
             if ev.peer == sender and sender in self.members:
                 self._emit(ev)
             return

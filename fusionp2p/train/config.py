@@ -90,6 +90,10 @@ class CO2:
     # (half the bytes; the first round of each fragment, and any after a failed one, in fp32);
     # "fp32": every part as fp32 values. Left out of the wire map at its default
     wire: str = field(default="bf16", metadata={"wire": {"choices": CO2_WIRES, "omit_default": True}})
+    # each shard owner reduces the replicas' parts by CenteredClip (average/robust.py): the exact mean when no
+    # part is an outlier, a bounded shift when one lies; a replica clipped too often leaves the averaging.
+    # False: the plain mean. Left out of the wire map at its default
+    robust: bool = field(default=True, metadata={"wire": {"omit_default": True}})
 
     def __post_init__(self) -> None:
         _pos_int("CO2.tau", self.tau)
@@ -106,6 +110,8 @@ class CO2:
             raise ConfigError("CO2.stream must be True or False")
         if self.wire not in CO2_WIRES:
             raise ConfigError(f"CO2.wire must be one of {', '.join(CO2_WIRES)}, got {self.wire!r}")
+        if not isinstance(self.robust, bool):
+            raise ConfigError("CO2.robust must be True or False")
 
     def to_wire(self) -> dict[str, Any]:
         return codec.to_wire(self)
