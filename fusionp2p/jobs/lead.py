@@ -103,7 +103,7 @@ class Leading:
     # ------------------------------------------------------------------ leading re-plans
     def _alive(self, peer: str) -> bool:
         view = self.svc.swarm.view
-        return peer == self.me or (view.is_alive(peer) and peer not in view.left and peer not in self.suspects.excluded)
+        return peer == self.me or (view.is_alive(peer) and peer not in view.left and self.suspects.admits(peer))
 
     async def _watch(self) -> None:
         """Lead a re-plan when this node leads the plan and it has to change (see the module docstring)."""
@@ -203,6 +203,7 @@ class Leading:
         for peer in view.alive(role="node"):
             rec = view.records.get(peer)
             if (peer in plan.peers or peer in self.joiners or rec is None or rec.profile is None or rec.leaving
+                    or not self.suspects.admits(peer)
                     or now - self._offered.get(peer, -math.inf) < self.svc.config.offer_retry):
                 continue
             self._offered[peer] = now

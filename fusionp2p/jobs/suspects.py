@@ -8,6 +8,10 @@ itself: the event's sender must be its reporter) is excluded: ``Leading._alive``
 no member of the next re-plan, its state is no resume source, and it is not taken back as a joiner. Its
 exclusion does not itself start a re-plan (the averaging already runs without it).
 
+The job's allow-list (``TrainConfig.allow_members``, a private swarm's Sybil admission) is kept here too:
+``admits`` is what ``Leading._alive`` and the leader's offers to joiners ask, and ``unlisted`` what a member
+checks before it starts an epoch (``JobRun.offer_start``); the publisher offers the job to listed nodes only.
+
 Limits: a stage of two replicas cannot tell which one lies (one report is half, not more); colluding
 liars that are a majority of a stage can exclude an honest replica; an exclusion lasts for the job.
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from fusionp2p.jobs.events import AveragingOutlier, ProgressEvent
 from fusionp2p.plan.plan import Plan
@@ -28,9 +32,18 @@ log = logging.getLogger(__name__)
 class Suspects:
     """Reports of outlying replicas, per suspect, and the suspects excluded (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, allow: Iterable[str] = ()) -> None:
         self.reports: dict[str, set[str]] = {}
         self.excluded: set[str] = set()
+        self.allow = frozenset(allow)   # TrainConfig.allow_members: empty = any node
+
+    def admits(self, peer: str) -> bool:
+        """Whether *peer* may be a member of the next plan: on the allow-list (if any), not excluded."""
+        return (not self.allow or peer in self.allow) and peer not in self.excluded
+
+    def unlisted(self, members: Iterable[str]) -> list[str]:
+        """The *members* (of a snapshot a node is asked to start) outside the allow-list."""
+        return sorted(p for p in members if self.allow and p not in self.allow)
 
     def mine(self, job: str, step: int, stage: int, me: str, suspects: Sequence[str], plan: Plan | None
              ) -> list[AveragingOutlier]:

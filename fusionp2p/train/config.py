@@ -238,9 +238,21 @@ class TrainConfig:
     # CPU (tests/unit/test_precision.py): a 2-stage GPT-2's loss after 40 steps 0.10% from fp32's in bf16. Left out
     # of the wire map at its default
     precision: str = field(default="fp32", metadata={"wire": {"choices": PRECISIONS, "omit_default": True}})
+    # a private swarm's allow-list: the peer ids that may be members of the job (() = any node). The publisher
+    # offers the job to them only, the leader plans and takes in no one else, and every member refuses an
+    # epoch whose snapshot names anyone else (jobs/suspects.py, docs/security.md). Left out of the wire map at
+    # its default
+    allow_members: tuple[str, ...] = field(default=(), metadata={"wire": {"omit_default": True, "max_len": 4096,
+                                                                          "item": {"max_len": 128, "min_len": 1}}})
 
     def __post_init__(self) -> None:
         _pos_int("steps", self.steps)
+        allow = self.allow_members
+        if isinstance(allow, str) or not isinstance(allow, tuple | list) or \
+                not all(isinstance(p, str) and 0 < len(p) <= 128 for p in allow) or len(set(allow)) != len(allow):
+            raise ConfigError("allow_members must be a list of distinct peer ids (the nodes' 12D3KooW... ids), "
+                              f"got {allow!r}"[:300])
+        object.__setattr__(self, "allow_members", tuple(allow))
         _pos_int("eval_every", self.eval_every, minimum=0)
         if self.on_nonfinite not in NONFINITE:
             raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")

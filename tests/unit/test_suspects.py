@@ -51,3 +51,28 @@ def test_own_reports_count_and_come_back_as_events() -> None:
     assert [(e.peer, e.suspect, e.step) for e in out] == [("a", "d", 5)]
     s.observe("b", _ev("b", "d"), plan)
     assert s.excluded == {"d"}
+
+
+def test_the_allow_list_admits_listed_nodes_only() -> None:
+    s = Suspects(("a", "b"))
+    assert s.admits("a") and not s.admits("z")
+    assert s.unlisted(["a", "z", "b", "y"]) == ["y", "z"]
+    open_ = Suspects()
+    assert open_.admits("z") and open_.unlisted(["z"]) == []
+    open_.excluded.add("z")
+    assert not open_.admits("z")
+
+
+def test_train_config_allow_members_validated_and_off_the_wire_by_default() -> None:
+    import pytest
+
+    from fusionp2p.errors import ConfigError
+    from fusionp2p.train.config import TrainConfig
+
+    assert "allow_members" not in TrainConfig(steps=2).to_wire()   # older specs keep their bytes
+    cfg = TrainConfig(steps=2, allow_members=["12D3KooWa", "12D3KooWb"])   # type: ignore[arg-type]
+    assert cfg.allow_members == ("12D3KooWa", "12D3KooWb")
+    assert TrainConfig.from_wire(cfg.to_wire()) == cfg
+    for bad in ("12D3KooWa", ("a", "a"), ("",), (3,)):
+        with pytest.raises(ConfigError, match="allow_members"):
+            TrainConfig(steps=2, allow_members=bad)   # type: ignore[arg-type]
