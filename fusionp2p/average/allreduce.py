@@ -32,6 +32,10 @@ Hostile parts. A part is a peer's tensor on its way into every replica's paramet
 the round and counts it) a part holding a NaN or an infinity, and a scatter part whose weight is
 not within a factor ``max_weight_ratio`` of this replica's own (a weight of 1e30 let one replica
 dictate the mean; 1e39, finite as a double but not as fp32, made the mean raise).
+
+Plausible lies. With ``robust`` (a :class:`~fusionp2p.average.robust.RobustConfig`) the owner reduces its
+shard by CenteredClip (``average/robust.py``) instead of the plain mean: the exact weighted mean when no
+part is an outlier, else a bounded centre; ``Reduced.clipped`` names the peers whose parts were clipped.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fusionp2p.average.robust import RobustConfig, robust_mean
 from fusionp2p.average.shard import all_finite, shard_bounds, weighted_mean
 from fusionp2p.errors import LocalProtocolError, RemoteProtocolError
 
@@ -81,6 +86,7 @@ class Reduced:
     mean: torch.Tensor
     weight: float
     contributors: tuple[str, ...]
+    clipped: tuple[str, ...] = ()   # robust reduction: whose parts were outliers (clipped) in this shard
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,7 +121,8 @@ class AllReduceRound:
     """Reduce-scatter + all-gather of one flat fp32 vector among ``peers`` (this replica is ``me``)."""
 
     def __init__(self, *, peers: Sequence[str], me: str, n_elems: int, round_id: int, epoch: str,
-                 weight: float = 1.0, max_weight_ratio: float = 4.0, fragment: int | None = None) -> None:
+                 weight: float = 1.0, max_weight_ratio: float = 4.0, fragment: int | None = None,
+                 robust: RobustConfig | None = None) -> None:
         if not (weight > 0 and math.isfinite(weight)) or not max_weight_ratio >= 1:
             raise LocalProtocolError("weight must be positive and finite, max_weight_ratio >= 1")
         self.weight = weight
@@ -131,6 +138,7 @@ class AllReduceRound:
         self.round_id = round_id
         self.epoch = epoch
         self.fragment = fragment   # None: the whole vector; else the fragment every part must name
+        self.robust = robust       # None: the plain weighted mean of the parts
         self.bounds = shard_bounds(n_elems, len(self.peers))
         others = {p for p in self.peers if p != me}
         self._scatter = _Phase(pending=set(others))
@@ -268,9 +276,15 @@ class AllReduceRound:
             self._reduced = True
             got = {**self._scatter.got, self.me: self._own_part}
             order = [p for p in self.peers if p in got]  # rank order: bitwise reproducible
-            mean = weighted_mean([got[p].data for p in order], [got[p].weight for p in order])
+            parts, weights = [got[p].data for p in order], [got[p].weight for p in order]
+            clipped: tuple[str, ...] = ()
+            if self.robust is None:
+                mean = weighted_mean(parts, weights)
+            else:
+                rm = robust_mean(parts, weights, self.robust)
+                mean, clipped = rm.mean, tuple(order[i] for i in rm.clipped)
             lo, hi = self.my_bounds
-            out.append(Reduced(lo=lo, hi=hi, mean=mean, weight=sum(got[p].weight for p in order), contributors=tuple(order)))
+            out.append(Reduced(lo=lo, hi=hi, mean=mean, weight=sum(weights), contributors=tuple(order), clipped=clipped))
         if self._reduced and self._own_shard is not None and not self._gather.pending:
             self._finished = True
             out.append(Finished(result=self._result()))

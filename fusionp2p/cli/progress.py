@@ -13,6 +13,7 @@ from rich.table import Table
 
 from fusionp2p.errors import JobError
 from fusionp2p.jobs.events import (
+    AveragingOutlier,
     CheckpointSaved,
     DataLate,
     EvalProgress,
@@ -92,6 +93,8 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
                 bar.console.print(f"warning: {ev.reason}")
             elif isinstance(ev, DataLate):
                 bar.console.print(f"warning: step {ev.step} waits {ev.waited_s:.1f} s for data shard {ev.shard}")
+            elif isinstance(ev, AveragingOutlier):
+                bar.console.print(f"warning: {ev}")
             elif isinstance(ev, EvalProgress):
                 final = " (final, mean over the pipelines)" if not ev.peer else ""
                 bar.console.print(f"held-out loss after step {ev.step}: {ev.loss:.4f}{final}")

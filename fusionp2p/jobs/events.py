@@ -284,6 +284,24 @@ class DataLate:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class AveragingOutlier:
+    """A replica of a stage stopped averaging with another: the other's parts were clipped as outliers in
+    too many rounds (``average/robust.py``). The reporter's own observation, not a verdict of the job."""
+
+    KIND: ClassVar[str] = "outlier"
+    job: str
+    step: int
+    stage: int
+    peer: str = ""       # the reporting replica's node
+    suspect: str = ""    # the replica it dropped
+    at: float = 0.0
+
+    def __str__(self) -> str:
+        return (f"job {self.job} step {self.step}: replica {short_peer(self.suspect)} of stage {self.stage} sent "
+                f"outlying averaging parts too often; averaging without it [{_where(self.stage, self.peer)}]")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EvalProgress:
     """The held-out loss of the weights after ``step`` steps (``TrainConfig.eval_every``; at the last
     step, of the final weights: the model that downloads), from the loss stage of one pipeline."""
@@ -327,10 +345,10 @@ def _is_hash(s: str) -> bool:
 
 
 ProgressEvent = (StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved | StepSkipped
-                 | EvalProgress | LinksUp | DataLate)
+                 | EvalProgress | LinksUp | DataLate | AveragingOutlier)
 EVENT_TYPES: dict[str, type[ProgressEvent]] = {
     c.KIND: c for c in (StepProgress, PlanChanged, MembersChanged, JobStateChanged, CheckpointSaved, StepSkipped,
-                        EvalProgress, LinksUp, DataLate)}
+                        EvalProgress, LinksUp, DataLate, AveragingOutlier)}
 
 
 def event_to_dict(ev: ProgressEvent) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from fusionp2p.jobs.rebalance import (
 )
 from fusionp2p.jobs.replan import Halted, complete_checkpoint, halt_step, leader_of, plan_resume
 from fusionp2p.jobs.spec import JobSpec
+from fusionp2p.jobs.suspects import Suspects
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
@@ -80,6 +81,7 @@ class Leading:
     reason: str
     epoch: int
     plan: Plan | None
+    suspects: Suspects
     members: frozenset[str] | None
     checkpoints: dict[int, dict[tuple[int, int], tuple[str, list[str]]]]
     book: ProgressBook
@@ -105,7 +107,8 @@ class Leading:
     # ------------------------------------------------------------------ leading re-plans
     def _alive(self, peer: str) -> bool:
         view = self.svc.swarm.view
-        return peer == self.me or (view.is_alive(peer) and peer not in view.left and not self.svc.confirmed_dead(peer))
+        return peer == self.me or (view.is_alive(peer) and peer not in view.left and not self.svc.confirmed_dead(peer)
+                                   and self.suspects.admits(peer))
 
     async def _watch(self) -> None:
         """Lead a re-plan when this node leads the plan and it has to change (see the module docstring)."""
@@ -205,6 +208,7 @@ class Leading:
         for peer in view.alive(role="node"):
             rec = view.records.get(peer)
             if (peer in plan.peers or peer in self.joiners or rec is None or rec.profile is None or rec.leaving
+                    or not self.suspects.admits(peer)
                     or now - self._offered.get(peer, -math.inf) < self.svc.config.offer_retry):
                 continue
             self._offered[peer] = now

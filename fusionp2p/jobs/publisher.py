@@ -45,6 +45,7 @@ from fusionp2p.jobs.checkpoint import decode_state, save_stage, stage_path
 from fusionp2p.jobs.content import ContentService
 from fusionp2p.jobs.election import fetch_latest
 from fusionp2p.jobs.events import (
+    AveragingOutlier,
     CheckpointSaved,
     EvalProgress,
     JobStateChanged,
@@ -251,13 +252,15 @@ class JobDriver:
             else:
                 refused[peer] = str(reply.get("error", "refused"))[:500]
 
+        allow = set(built.spec.config.allow_members)   # a private swarm's allow-list (empty: every node)
         async with trio.open_nursery() as nursery:
-            for peer in sorted(view.members):
+            for peer in sorted(p for p in view.members if not allow or p in allow):
                 nursery.start_soon(offer, peer)
         for peer, why in sorted(refused.items()):
             log.warning("node %s refused job %s: %s", short_peer(peer), self.job, why)
         if not accepted:
-            why = "; ".join(sorted(set(refused.values())))
+            why = "; ".join(sorted(set(refused.values()))) or (f"none of the {len(allow)} nodes of TrainConfig."
+                                                              "allow_members is live in the swarm" if allow else "")
             raise JobError(f"no node accepted the job ({why})")
         self.members = set(accepted)
         # the profiles scaled by the speeds the nodes trained at in earlier jobs of this model (jobs/rebalance.py)
@@ -447,7 +450,7 @@ class JobDriver:
             if sender in self.members and ev.epoch > self.epoch:
                 self._on_plan(ev)
             return
-        if isinstance(ev, LinksUp):
+        if isinstance(ev, LinksUp | AveragingOutlier):
             if ev.peer == sender and sender in self.members:
                 self._emit(ev)
             return

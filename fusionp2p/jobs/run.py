@@ -79,6 +79,7 @@ from fusionp2p.jobs.rebalance import epoch_speed
 from fusionp2p.jobs.replan import Halted, Resume, Source, leader_of
 from fusionp2p.jobs.shadow import Shadows
 from fusionp2p.jobs.status import ProgressBatch, StepStats
+from fusionp2p.jobs.suspects import Suspects
 from fusionp2p.jobs.weights import WeightFetches, prepare_stage, stage_fit
 from fusionp2p.net.channel import TensorChannel
 from fusionp2p.net.dataplane_config import PATH_LIBP2P, PATH_RELAY
@@ -136,6 +137,7 @@ class JobRun(Leading):
         self.offered_by = ""            # the member that first offered us the job as a joiner
         self.offerers: set[str] = set()  # every member that offered it (a later leader offers it again)
         self.book = ProgressBook(job=self.job_id, steps=self.spec.config.steps)
+        self.suspects = Suspects(self.spec.config.allow_members)   # allow-list, outlier replicas (jobs/suspects.py)
         self.final: dict[int, tuple[str, tuple[str, ...]]] = {}   # stage -> final state file (hash, holders)
         self.final_losses: dict[int, float] = {}                  # replica -> its final evaluation loss
         self.weights = WeightFetches()                            # the published weight pieces this node fetched
@@ -192,6 +194,8 @@ class JobRun(Leading):
             return f"epoch {e} already started (this node is in epoch {self.epoch})"
         if self.me not in req.snapshot.members:
             return "the snapshot does not name this node"
+        if unlisted := self.suspects.unlisted(req.snapshot.members):
+            return f"the snapshot names {len(unlisted)} node(s) outside the job's allow-list (TrainConfig.allow_members)"
         try:
             self._starts_send.send_nowait(req)
         except trio.WouldBlock:
@@ -255,6 +259,7 @@ class JobRun(Leading):
             self._holds(ev.step, (ev.start, ev.end), ev.hash, sender)
         elif isinstance(ev, StepProgress):
             self.book.add(sender, ev, now=now)
+        self.suspects.observe(sender, ev, self.plan)
 
     def on_done(self, peer: str, msg: dict[str, Any]) -> None:
         """A member's ``done`` report (the leader aggregates them into the final status)."""
@@ -542,6 +547,8 @@ class JobRun(Leading):
             if rep.skipped:   # the worker skipped a step with non-finite gradients (train/guard.py): say so
                 await self._gossip(StepSkipped(job=self.job_id, step=rep.step, stage=s, peer=self.me,
                                                reason=rep.skipped, at=time.time()))
+            for out in self.suspects.mine(self.job_id, rep.step, s, self.me, rep.outliers, self.plan):
+                await self._gossip(out)   # replicas this one dropped from its averaging as outliers (jobs/suspects.py)
             if not rep.eval:
                 self.last = StepStats(step=rep.step, stage=rep.stage, replica=rep.replica, wall_s=rep.wall_s,
                                       compute_s=rep.compute_s, tokens=rep.tokens, loss=rep.loss, averaging=rep.averaging)

@@ -41,6 +41,10 @@ fragment index; ``lo``/``hi`` are then within the fragment), which the round che
 (``RemoteProtocolError`` otherwise). Round ids count launches over all fragments, so they are unique
 per fragment too, and every replica launches the same sequence. Other kinds arriving on the same
 channel are handed to ``on_other`` (e.g. the stage worker's activation router).
+
+Plausible lies (``AveragerConfig.robust``): each shard owner reduces by CenteredClip (``average/robust.py``)
+and counts whom it clipped; one clipped in ``strikes`` of ``window`` rounds is dropped like a peer whose part
+was refused, and listed in ``dropped_outliers`` for the job's events.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import trio
 from fusionp2p import device as dev
 from fusionp2p.average.allreduce import PHASES, AllReduceRound, Finished, Reduced, RoundMsg, RoundResult, Send
 from fusionp2p.average.outer import OuterConfig, OuterOptimizer
+from fusionp2p.average.robust import ClipBook, RobustConfig
 from fusionp2p.average.shard import all_finite, shard_bounds
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.channel import TensorChannel, TensorMessage
@@ -91,6 +96,7 @@ class AveragerConfig:
     # the same on both ends of a link; other links carry fp32, and with none the rounds run as plain fp32
     # (no base kept, nothing rounded): on fast links the conversions cost more than the halved bytes save
     bf16_peers: frozenset[str] | None = None
+    robust: RobustConfig | None = None   # CenteredClip at each shard owner (None: the plain mean)
 
     def __post_init__(self) -> None:
         if self.wire not in CO2_WIRES:
@@ -375,6 +381,9 @@ class ReplicaAverager:
         self.last: BoundaryResult | None = None   # the latest boundary's result (for status/metrics)
         self.stats = AveragingStats()               # finished rounds and their durations (for metrics)
         self.refused: dict[str, int] = {}         # parts refused per peer (NaN, weight out of range...)
+        # robust reduction: clipped parts per peer in our shards; the peers dropped for it, in order
+        self.clips = ClipBook(config.robust) if config.robust is not None else None
+        self.dropped_outliers: list[str] = []
         # wire "bf16": per fragment (None: the whole vector), the last complete round's vector, which every
         # replica that finished that round holds bit for bit, and the round's id as its tag
         self._bases: dict[int | None, tuple[int, torch.Tensor]] = {}
@@ -573,7 +582,8 @@ class ReplicaAverager:
         started = trio.current_time()
         n_elems = self.n_elems if f is None else self._flen[f]
         sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=n_elems, round_id=rnd.round_id, epoch=self.epoch,
-                            weight=self.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f)
+                            weight=self.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f,
+                            robust=self.config.robust)
         result: RoundResult | None = None
         bf16 = self._bf16_wire()
         base = self._bases.get(f) if bf16 else None
@@ -596,6 +606,7 @@ class ReplicaAverager:
                     with contextlib.suppress(trio.ClosedResourceError):  # closing down
                         await self._queues[a.peer].send(to_message(self.config.job, self.config.stage, msg))
                 elif isinstance(a, Reduced):
+                    self._count_clipped(a.contributors, a.clipped)
                     if reinit:  # new epoch: restart the outer state from the survivors' mean
                         sharded = len(self.alive) > 1
                         if f is None:
@@ -659,6 +670,16 @@ class ReplicaAverager:
                                     seconds=st.seconds + took, last_s=took)
         rnd.result = result
         rnd.done.set()
+
+    def _count_clipped(self, contributors: Sequence[str], clipped: Sequence[str]) -> None:
+        """Count the outliers of a shard this replica reduced; one clipped too often leaves the averaging."""
+        if self.clips is None:
+            return
+        for peer in self.clips.record([p for p in contributors if p != self.me], clipped):
+            log.warning("averaging: %s's parts were clipped in %d of the last %d rounds; averaging without it",
+                        peer, self.clips.config.strikes, self.clips.config.window)
+            self.dropped_outliers.append(peer)
+            self._dead.add(peer)
 
     def _bf16_wire(self) -> bool:
         """Whether this round runs the bf16 wire: configured, and some live peer's link carries it."""
@@ -755,13 +776,15 @@ async def open_replica_averager(
     on_other: Callable[[str, TensorMessage], Awaitable[None]] | None = None,
     momentum: torch.Tensor | None = None,
     segments: Sequence[tuple[int, int]] | None = None,
+    cls: type[ReplicaAverager] | None = None,
 ) -> AsyncIterator[ReplicaAverager]:
     """Run a :class:`ReplicaAverager` (its receivers, senders and rounds) for the block's duration.
 
     *momentum*: the whole outer momentum vector handed over at a re-plan (None: start at zero).
     *segments* (streaming only): contiguous ranges cutting the flat vector, each cut into the
-    fragments on its own (:func:`stream_fragments`; the worker gives every tied parameter its own)."""
-    avg = ReplicaAverager(config, peers=peers, me=me, channels=channels, initial=initial, on_other=on_other,
+    fragments on its own (:func:`stream_fragments`; the worker gives every tied parameter its own).
+    *cls*: a subclass to run instead (``fusionp2p.testing.byzantine.LyingAverager``)."""
+    avg = (cls or ReplicaAverager)(config, peers=peers, me=me, channels=channels, initial=initial, on_other=on_other,
                           momentum=momentum, segments=segments)
     async with trio.open_nursery() as senders:
         for peer in peers:

@@ -90,6 +90,10 @@ class CO2:
     # (half the bytes; the first round of each fragment, and any after a failed one, in fp32);
     # "fp32": every part as fp32 values. Left out of the wire map at its default
     wire: str = field(default="bf16", metadata={"wire": {"choices": CO2_WIRES, "omit_default": True}})
+    # each shard owner reduces the replicas' parts by CenteredClip (average/robust.py): the exact mean when no
+    # part is an outlier, a bounded shift when one lies; a replica clipped too often leaves the averaging.
+    # False: the plain mean. Left out of the wire map at its default
+    robust: bool = field(default=True, metadata={"wire": {"omit_default": True}})
 
     def __post_init__(self) -> None:
         _pos_int("CO2.tau", self.tau)
@@ -106,6 +110,8 @@ class CO2:
             raise ConfigError("CO2.stream must be True or False")
         if self.wire not in CO2_WIRES:
             raise ConfigError(f"CO2.wire must be one of {', '.join(CO2_WIRES)}, got {self.wire!r}")
+        if not isinstance(self.robust, bool):
+            raise ConfigError("CO2.robust must be True or False")
 
     def to_wire(self) -> dict[str, Any]:
         return codec.to_wire(self)
@@ -232,9 +238,21 @@ class TrainConfig:
     # CPU (tests/unit/test_precision.py): a 2-stage GPT-2's loss after 40 steps 0.10% from fp32's in bf16. Left out
     # of the wire map at its default
     precision: str = field(default="fp32", metadata={"wire": {"choices": PRECISIONS, "omit_default": True}})
+    # a private swarm's allow-list: the peer ids that may be members of the job (() = any node). The publisher
+    # offers the job to them only, the leader plans and takes in no one else, and every member refuses an
+    # epoch whose snapshot names anyone else (jobs/suspects.py, docs/security.md). Left out of the wire map at
+    # its default
+    allow_members: tuple[str, ...] = field(default=(), metadata={"wire": {"omit_default": True, "max_len": 4096,
+                                                                          "item": {"max_len": 128, "min_len": 1}}})
 
     def __post_init__(self) -> None:
         _pos_int("steps", self.steps)
+        allow = self.allow_members
+        if isinstance(allow, str) or not isinstance(allow, tuple | list) or \
+                not all(isinstance(p, str) and 0 < len(p) <= 128 for p in allow) or len(set(allow)) != len(allow):
+            raise ConfigError("allow_members must be a list of distinct peer ids (the nodes' 12D3KooW... ids), "
+                              f"got {allow!r}"[:300])
+        object.__setattr__(self, "allow_members", tuple(allow))
         _pos_int("eval_every", self.eval_every, minimum=0)
         if self.on_nonfinite not in NONFINITE:
             raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")

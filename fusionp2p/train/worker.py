@@ -42,6 +42,7 @@ import trio
 
 from fusionp2p import device as dev
 from fusionp2p.average.outer import OuterConfig
+from fusionp2p.average.robust import RobustConfig
 from fusionp2p.compress.codec import kept_mask
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.executor import Inbox, StageExecutor, tied_sum
@@ -95,6 +96,7 @@ class StageReport:
     eval: bool = False          # the final evaluation pass (forward only, consensus weights)
     averaging: AveragingStats | None = None   # CO2 rounds of this replica so far (None without CO2)
     skipped: str = ""           # why this step's optimizer step was skipped ("" when it ran)
+    outliers: tuple[str, ...] = ()   # replicas (peer ids) this one stopped averaging with: clipped too often
 
 
 @dataclass(kw_only=True)
@@ -199,6 +201,7 @@ class StageWorker:
         self.src_of = {r.name: r.src for r in self.prog.recv}
         self._closed_links: set[int] = set()
         self._avg: ReplicaAverager | None = None
+        self._outliers_told = 0   # of self._avg.dropped_outliers, those reported already
         # hostile peers (train/guard.py): bounded queues, and no non-finite value reaches the parameters
         self._guard = StepGuard(stage=self.prog.stage)
         self._skipped = ""
@@ -290,7 +293,8 @@ class StageWorker:
                 acfg = AveragerConfig(outer=self._outer, job=self.ctx.job, stage=self.prog.stage,
                                       round_timeout=self.ctx.recv_timeout or 600.0, weight=self._deal.share,
                                       wire=co2.wire if co2 is not None else "fp32", bf16_peers=None if bf16 is None
-                                      else frozenset(f"r{k}" for k in bf16))
+                                      else frozenset(f"r{k}" for k in bf16),
+                                      robust=RobustConfig() if co2 is not None and co2.robust else None)
                 restored = self.ctx.restore
                 momentum = restored.momentum_vector(self._layout()) if restored is not None else None
                 async with open_replica_averager(acfg, peers=sorted([me, *names]), me=me, channels=names,
@@ -584,8 +588,17 @@ class StageWorker:
                                           compute_s=compute, wall_s=wall,
                                           tokens=self.ctx.tokens_per_micro * m_count,
                                           averaging=self._avg.stats if self._avg is not None else None,
-                                          skipped=self._skipped))
+                                          skipped=self._skipped, outliers=self._new_outliers()))
         return compute, wall
+
+    def _new_outliers(self) -> tuple[str, ...]:
+        """The replicas (peer ids) the averager dropped as outliers since the last report."""
+        avg = self._avg
+        if avg is None or len(avg.dropped_outliers) <= self._outliers_told:
+            return ()
+        new, self._outliers_told = avg.dropped_outliers[self._outliers_told:], len(avg.dropped_outliers)
+        ch = avg._channels
+        return tuple(ch[n].remote_peer if n in ch else n for n in new)
 
     async def _step_optimizer(self, step: int) -> float:
         """Tied sums, the all-reduce (replicas without CO2) and the optimizer step; their seconds."""

@@ -4,6 +4,7 @@ gossiped report of several steps expands into steps with their own throughput an
 from __future__ import annotations
 
 from fusionp2p.jobs.events import (
+    AveragingOutlier,
     CheckpointSaved,
     EvalProgress,
     JobStateChanged,
@@ -38,6 +39,7 @@ def test_every_event_is_one_short_line() -> None:
         StepSkipped(job="j1", step=3, stage=0, peer=A, reason="non-finite gradients"),
         EvalProgress(job="j1", step=20, loss=3.9),
         LinksUp(job="j1", epoch=0, stage=0, peer=A, links=(f"{B}=direct", f"{C}=libp2p")),
+        AveragingOutlier(job="j1", step=9, stage=1, peer=A, suspect=B),
     ]
     for ev in evs:
         s = str(ev)
@@ -52,6 +54,8 @@ def test_every_event_is_one_short_line() -> None:
     assert str(evs[3]) == "job j1 members (epoch 1): joined rfMrrrTT; left 000000AB"
     assert str(evs[6]) == "job j1 held-out loss 3.9000 after step 20 (epoch 0)"
     assert str(evs[7]) == "job j1 links up (epoch 0) [stage 0 on 9H8u1xWS]: MjaB4JeV direct, rfMrrrTT libp2p"
+    assert str(evs[8]) == ("job j1 step 9: replica MjaB4JeV of stage 1 sent outlying averaging parts too often; "
+                           "averaging without it [stage 1 on 9H8u1xWS]")
 
 
 def test_earlier_steps_keep_their_own_throughput_and_time() -> None:

@@ -503,9 +503,17 @@ def _example_shards() -> Target:
 
 
 def _events_new() -> Target:
-    from fusionp2p.jobs.events import EvalProgress, LinksUp, PlanChanged, decode_event, encode_event
+    from fusionp2p.jobs.events import (
+        AveragingOutlier,
+        EvalProgress,
+        LinksUp,
+        PlanChanged,
+        decode_event,
+        encode_event,
+    )
 
     evs = (EvalProgress(job="j", step=10, epoch=1, peer="p", loss=2.25, at=1.0),
+           AveragingOutlier(job="j", step=7, stage=1, peer="p", suspect="q", at=3.0),
            LinksUp(job="j", epoch=1, stage=0, peer="p", links=("peerB=direct", "peerC=libp2p"), at=2.0),
            PlanChanged(job="j", epoch=1, plan_hash="h", stage_sizes=(1, 2), members=("a", "b", "c"), at=2.0,
                        rho=(0.25,), link_bps=(1.25e8,), fence_s=(0.01,), dense_s=(0.04,), step_s=0.5, how="joint:1x2"))

@@ -1,0 +1,143 @@
+"""Robust reduction of one averaging shard: a replica that lies plausibly moves the mean by a bounded amount.
+
+Theory of operation. A shard's owner holds every replica's part of its shard (the reduce-scatter,
+``average/allreduce.py``); before this module it took their weighted mean, so one replica could move the
+average anywhere (a finite part within the weight ratio entered the mean as is). :func:`robust_mean`
+replaces that mean by CenteredClip (Karimireddy, He and Jaggi 2021, as in BTARD, Gorbunov et al. 2022):
+
+1. a robust start: the coordinate-wise median ``c`` of the parts (the mean of the middle two for an even
+   count);
+2. the clip radius from the honest spread: ``rho = radius * d_(k)``, where ``d_i = ||x_i - c||`` and
+   ``d_(k)`` is the lower median of the ``d_i`` (``k = (n-1)//2``: with fewer than half the replicas lying
+   it is at most an honest replica's distance);
+3. if every part is within ``rho`` of the plain weighted mean, that mean is the answer, bit for bit the
+   mean of :func:`~fusionp2p.average.shard.weighted_mean` (it is CenteredClip's fixed point: nothing is
+   clipped there), so an honest round is unchanged;
+4. otherwise ``iters`` CenteredClip steps from ``c``: ``v <- v + sum_i w_i clip(x_i - v, rho) / sum_i w_i``
+   (``clip(u, rho) = u * min(1, rho/||u||)``), and the parts still farther than ``rho`` from ``v`` are the
+   clipped ones, counted against their peers (:class:`ClipBook`).
+
+Bound. At CenteredClip's fixed point the clipped parts pull the result by ``rho`` each against the
+others: a liar of weight ``w`` of ``W`` moves its shard at most about ``w/(W-w) * rho`` from where the
+honest parts put it (``rho/3`` for one replica of four; tests/unit/test_average_robust.py), a multiple of
+the honest replicas' own spread whatever it sends (scaled updates, sign flips, noise, a stale
+average), instead of anything at all.
+
+Limits (docs/security.md). The norm is per shard: each owner sees only the parts of its shard, so a
+lie spread thinly over every shard (within ``rho`` of each) is not clipped; it is bounded per shard
+all the same. With two replicas (or a lying majority) nothing tells honest from lying: the reduction
+is the plain mean below three parts. A replica owns its shard's outer step: what it publishes for its
+own shard in the gather phase is not checked here.
+
+Cost on an honest round: one median over the stacked parts and two norms per part (a few passes over
+the shard; benchmarks/byzantine.py measures it against the step time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fusionp2p.average.shard import weighted_mean
+from fusionp2p.errors import ConfigError
+
+MIN_PARTS = 3   # below this no majority exists: the plain mean
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RobustConfig:
+    """How a shard owner reduces its parts, and when it stops averaging with a replica it keeps clipping.
+
+    ``radius``: the clip radius in lower-median distances to the coordinate-wise median (2: an honest part
+    twice as far from the centre as the typical one is still taken whole). ``iters``: CenteredClip steps
+    when someone is clipped. ``strikes`` of the last ``window`` rounds this replica reduced with a peer's
+    part clipped drop that peer from the averaging (``ClipBook``)."""
+
+    radius: float = 2.0
+    iters: int = 3
+    strikes: int = 4
+    window: int = 8
+
+    def __post_init__(self) -> None:
+        if not (self.radius >= 1.0 and math.isfinite(self.radius)):
+            raise ConfigError(f"RobustConfig.radius must be finite and >= 1, got {self.radius}")
+        if not 1 <= self.iters <= 100:
+            raise ConfigError(f"RobustConfig.iters must be in [1, 100], got {self.iters}")
+        if not 1 <= self.strikes <= self.window <= 1024:
+            raise ConfigError(f"RobustConfig needs 1 <= strikes <= window <= 1024, got {self.strikes}, {self.window}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RobustMean:
+    """The reduced shard, the indices of the parts clipped (empty: the exact weighted mean), and ``rho``."""
+
+    mean: torch.Tensor
+    clipped: tuple[int, ...] = ()
+    radius: float = math.inf
+
+
+def coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
+    """The median of each column of *stacked* (n, d); the mean of the middle two for an even n."""
+    n = stacked.shape[0]
+    if n % 2:
+        return stacked.median(dim=0).values
+    mid = stacked.sort(dim=0).values[n // 2 - 1:n // 2 + 1]
+    return mid.mean(dim=0)
+
+
+def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], config: RobustConfig) -> RobustMean:
+    """CenteredClip of *parts* (flat fp32, equal sizes) with *weights* (module docstring)."""
+    exact = weighted_mean(parts, weights)
+    n = len(parts)
+    if n < MIN_PARTS or exact.numel() == 0:
+        return RobustMean(mean=exact)
+    x = torch.stack([p.to(torch.float32) for p in parts])
+    centre = coordinate_median(x)
+    dist = torch.linalg.vector_norm(x - centre, dim=1)
+    rho = config.radius * float(dist.sort().values[(n - 1) // 2])
+    if bool((torch.linalg.vector_norm(x - exact, dim=1) <= rho).all()):
+        return RobustMean(mean=exact, radius=rho)
+    w = torch.tensor([float(v) for v in weights], dtype=torch.float32)
+    w = w / w.sum()
+    v = centre
+    for _ in range(config.iters):
+        diff = x - v
+        d = torch.linalg.vector_norm(diff, dim=1)
+        scale = torch.where(d > rho, rho / d.clamp_min(1e-30), torch.ones_like(d))
+        v = v + (w * scale) @ diff
+    far = torch.linalg.vector_norm(x - v, dim=1) > rho
+    return RobustMean(mean=v, clipped=tuple(int(i) for i in torch.nonzero(far).flatten()), radius=rho)
+
+
+@dataclass(slots=True)
+class ClipBook:
+    """Per peer, whether its part was clipped in each of the last ``window`` rounds it contributed to here.
+
+    ``record`` returns the peers that reached ``strikes`` clipped rounds for the first time: the shell
+    stops averaging with them (as with a refused part) and the job reports them. Counts are this
+    replica's own observations only: a lying replica cannot get an honest one dropped by saying so."""
+
+    config: RobustConfig
+    history: dict[str, deque[bool]] = field(default_factory=dict)
+    clipped: dict[str, int] = field(default_factory=dict)    # clipped rounds per peer, ever
+    dropped: set[str] = field(default_factory=set)
+
+    def record(self, contributors: Sequence[str], clipped: Sequence[str]) -> list[str]:
+        out = []
+        for peer in contributors:
+            h = self.history.setdefault(peer, deque(maxlen=self.config.window))
+            hit = peer in clipped
+            h.append(hit)
+            if hit:
+                self.clipped[peer] = self.clipped.get(peer, 0) + 1
+            if peer not in self.dropped and sum(h) >= self.config.strikes:
+                self.dropped.add(peer)
+                out.append(peer)
+        return out
+
+
+__all__ = ["ClipBook", "RobustConfig", "RobustMean", "coordinate_median", "robust_mean"]

@@ -1,0 +1,80 @@
+"""Replicas the leader leaves out of the next plan because the other replicas of their stage say they lie.
+
+A replica that keeps sending outlying averaging parts is dropped from the averaging by each honest
+replica on its own (``average/robust.py``, ``ReplicaAverager.dropped_outliers``), which gossips an
+:class:`~fusionp2p.jobs.events.AveragingOutlier`. Every node of the job keeps the reports here; a suspect
+reported by more than half of the OTHER replicas of its stage in the plan in force (each reporter for
+itself: the event's sender must be its reporter) is excluded: ``Leading._alive`` calls it dead, so it is
+no member of the next re-plan, its state is no resume source, and it is not taken back as a joiner. Its
+exclusion does not itself start a re-plan (the averaging already runs without it).
+
+The job's allow-list (``TrainConfig.allow_members``, a private swarm's Sybil admission) is kept here too:
+``admits`` is what ``Leading._alive`` and the leader's offers to joiners ask, and ``unlisted`` what a member
+checks before it starts an epoch (``JobRun.offer_start``); the publisher offers the job to listed nodes only.
+
+Limits: a stage of two replicas cannot tell which one lies (one report is half, not more); colluding
+liars that are a majority of a stage can exclude an honest replica; an exclusion lasts for the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+from fusionp2p.jobs.events import AveragingOutlier, ProgressEvent
+from fusionp2p.plan.plan import Plan
+from fusionp2p.types import short_peer
+
+log = logging.getLogger(__name__)
+
+
+class Suspects:
+    """Reports of outlying replicas, per suspect, and the suspects excluded (see the module docstring)."""
+
+    def __init__(self, allow: Iterable[str] = ()) -> None:
+        self.reports: dict[str, set[str]] = {}
+        self.excluded: set[str] = set()
+        self.allow = frozenset(allow)   # TrainConfig.allow_members: empty = any node
+
+    def admits(self, peer: str) -> bool:
+        """Whether *peer* may be a member of the next plan: on the allow-list (if any), not excluded."""
+        return (not self.allow or peer in self.allow) and peer not in self.excluded
+
+    def unlisted(self, members: Iterable[str]) -> list[str]:
+        """The *members* (of a snapshot a node is asked to start) outside the allow-list."""
+        return sorted(p for p in members if self.allow and p not in self.allow)
+
+    def mine(self, job: str, step: int, stage: int, me: str, suspects: Sequence[str], plan: Plan | None
+             ) -> list[AveragingOutlier]:
+        """The events for the replicas this node's averager dropped (*suspects*), counted here too (gossip
+        does not come back to its sender)."""
+        out = [AveragingOutlier(job=job, step=step, stage=stage, peer=me, suspect=p, at=time.time()) for p in suspects]
+        for ev in out:
+            self.report(me, ev, plan)
+        return out
+
+    def observe(self, sender: str, ev: ProgressEvent, plan: Plan | None) -> None:
+        """A progress event of the job from *sender*: an outlier report is counted."""
+        if isinstance(ev, AveragingOutlier):
+            self.report(sender, ev, plan)
+
+    def report(self, sender: str, ev: AveragingOutlier, plan: Plan | None) -> bool:
+        """Count *sender*'s report; True when it excludes the suspect (the first time)."""
+        if plan is None or ev.peer != sender or ev.suspect == sender or ev.suspect in self.excluded:
+            return False
+        stage = next((s for s in plan.stages if ev.suspect in s.replicas and sender in s.replicas), None)
+        if stage is None:
+            return False   # not two replicas of one stage in the plan in force: not evidence
+        got = self.reports.setdefault(ev.suspect, set())
+        got.add(sender)
+        others = len(stage.replicas) - 1
+        if others < 2 or 2 * len(got & set(stage.replicas)) <= others:   # two replicas: no majority
+            return False
+        self.excluded.add(ev.suspect)
+        log.warning("job %s: %s excluded from the next plan: %d of the %d other replicas of its stage dropped it "
+                    "from their averaging as an outlier", ev.job, short_peer(ev.suspect), len(got), others)
+        return True
+
+
+__all__ = ["Suspects"]
