@@ -55,7 +55,7 @@ from fusionp2p.jobs.build import (
     plan_for_snapshot,
     stage_programs,
 )
-from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_state
+from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, read_state_meta, state_layout
 from fusionp2p.jobs.election import Adopted, ElectionConfig, fetch_adopted, open_elector
 from fusionp2p.jobs.events import (
     MAX_EARLIER,
@@ -94,6 +94,7 @@ from fusionp2p.train.worker import Halt, StageContext, StageReport, StageWorker
 from fusionp2p.types import short_peer
 from fusionp2p.wire.jobrecords import StageFile
 from fusionp2p.wire.protocols import TOPIC_JOBS
+from fusionp2p.wire.stfile import chunks
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -382,7 +383,8 @@ class JobRun(Leading):
                     raise JobError(f"this node refuses its stage: {why}")
                 restore = await self._gather_state(programs[s], req.resume)
                 programs[s] = await prepare_stage(self.svc.content, self.accepted, programs[s], restore,
-                                                  peers=[self.publisher], fetches=self.weights)
+                                                  peers=[self.publisher], fetches=self.weights,
+                                                  announce=lambda h: self.svc.nursery.start_soon(self._provide, h))
                 log.info("job %s epoch %d: state of stage %d from %d files in %.1f s", self.job_id, plan.epoch, s,
                          len(req.resume.sources), trio.current_time() - t0)
                 self.to(JobState.RUNNING, f"epoch {plan.epoch}: stage {s} replica {r} from step {req.resume.step}")
@@ -430,7 +432,7 @@ class JobRun(Leading):
             cur.outcome = "halted before training"
             cur.ended.set()
             return False
-        st = worker.export_state()
+        st = worker.export_state(copy=False)
         h = await self._store_state(plan, s, st)
         stage = plan.stages[s]
         cur.halted = self._last = Halted(peer=self.me, epoch=plan.epoch, stage=s, replica=r, step=st.step, state=h,
@@ -502,8 +504,8 @@ class JobRun(Leading):
     async def _store_state(self, plan: Plan, s: int, st: StageState) -> str:
         meta = StageCheckpointMeta(job=self.job_id, stage=s, num_stages=len(plan.stages), step=st.step,
                                    plan_hash=plan.plan_hash())
-        blob = await trio.to_thread.run_sync(encode_state, meta, st)
-        h = self.svc.content.store.put(blob)
+        lay = state_layout(meta, st)   # views of the state's tensors, written out without a copy of them
+        h = await self.svc.content.put_chunks(chunks(lay), lay.size)
         self.svc.nursery.start_soon(self._provide, h)
         return h
 
@@ -558,7 +560,7 @@ class JobRun(Leading):
         async def checkpoint(step: int, _: dict[str, torch.Tensor]) -> None:
             if step >= cfg.steps or self._worker is None:
                 return   # the final file is saved with the done report
-            h = await self._store_state(plan, s, self._worker.export_state())
+            h = await self._store_state(plan, s, self._worker.export_state(copy=False))
             units = (plan.stages[s].start, plan.stages[s].end)
             self._holds(step, units, h, self.me)
             await self._gossip(CheckpointSaved(job=self.job_id, step=step, stage=s, peer=self.me, hash=h,
@@ -566,6 +568,7 @@ class JobRun(Leading):
             self.svc.nursery.start_soon(self._replicate, plan, s, h, step)
 
         ex = StageExecutor(programs[s], device=self.svc.config.device, precision=cfg.precision)   # docs/gpu.md
+        programs[s] = ex.program   # holds the executor's tensors: the fetched ones go (jobs/weights.py)
         return StageContext(job=self.job_id, executor=ex, config=cfg, replica=r,
                             replicas=len(plan.stages[s].replicas), links=links, peers=peers,
                             data=data_fn(self.accepted), tokens_per_micro=cfg.micro_batch * self.spec.dataset.seq_len,
@@ -596,9 +599,10 @@ class JobRun(Leading):
 
     async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str) -> None:
         """Hold a copy of another member's stage file (we are its keeper) and announce it."""
-        with trio.fail_after(self.svc.config.accept_timeout):
-            blob = await self.svc.content.fetch(h, max_size=self.svc.config.max_state_bytes, peers=[holder])
-        meta, _ = decode_state(blob, job=self.job_id)   # a stage file of this job, not any blob
+        with trio.fail_after(self.svc.config.accept_timeout):   # to disk as it comes: never whole in memory
+            await self.svc.content.fetch_to_store(h, max_size=self.svc.config.max_state_bytes, peers=[holder])
+        with self.svc.content.store.reader(h) as f:
+            meta = read_state_meta(f, job=self.job_id)   # a stage file of this job, not any blob
         if meta.step != step:
             raise RemoteProtocolError(f"keep: the file is of step {meta.step}, not {step}")
         self._holds(step, units, h, holder)
@@ -613,7 +617,7 @@ class JobRun(Leading):
                                "step": steps, "final_loss": self.final_losses.get(r),
                                "losses": [self.losses.get(i) for i in range(steps)] if self.losses else []}
         if r == 0:
-            h = await self._store_state(plan, s, worker.export_state())
+            h = await self._store_state(plan, s, worker.export_state(copy=False))
             msg["checkpoint"] = h
             self._holds(steps, (plan.stages[s].start, plan.stages[s].end), h, self.me)
             await self._replicate(plan, s, h, steps)
