@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -162,7 +162,11 @@ def encode_state(meta: StageCheckpointMeta, state: StageState) -> bytes:
 MAX_HEADER_BYTES = 100 << 20   # safetensors' own bound on a header
 
 
-def read_state_meta(f: BinaryIO, *, job: str | None = None) -> StageCheckpointMeta:
+class _Reads(Protocol):
+    def read(self, n: int = -1, /) -> bytes: ...
+
+
+def read_state_meta(f: _Reads, *, job: str | None = None) -> StageCheckpointMeta:
     """The coordinates of the stage file *f* (of *job*) from its header alone, without loading a tensor (a
     keeper's check of a file it holds for another node); RemoteProtocolError if it is not one."""
     try:

@@ -18,6 +18,7 @@ Wire (framed with :mod:`fusionp2p.wire.framing`, maps with :mod:`fusionp2p.wire.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from collections.abc import Iterable
@@ -163,11 +164,16 @@ class ContentService:
         if size > cap or size > self.config.max_blob_bytes:
             await stream.send_all(encode_frame(packb({"ok": False, "error": f"blob of {size} bytes exceeds the cap"}), max_frame=DEFAULT_LIMITS.max_control_frame))
             return
-        await stream.send_all(encode_frame(packb({"ok": True, "size": size}), max_frame=DEFAULT_LIMITS.max_control_frame))
         step = self.config.chunk_bytes
         # read a chunk at a time from disk (a stage file is several times a stage's weights: reading it whole
         # would put that on the serving node's peak); the fetcher checks the hash of what it gets
-        with self.store.reader(h) as f:
+        with contextlib.ExitStack() as held:
+            try:
+                f = held.enter_context(self.store.reader(h))
+            except KeyError:   # gone from disk, or a publisher's view whose module changed since
+                await stream.send_all(encode_frame(packb({"ok": False, "error": "not found"}), max_frame=DEFAULT_LIMITS.max_control_frame))
+                return
+            await stream.send_all(encode_frame(packb({"ok": True, "size": size}), max_frame=DEFAULT_LIMITS.max_control_frame))
             for _ in range(0, size, step):
                 await stream.send_all(encode_frame(f.read(step), max_frame=step))
         await stream.send_eof()

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
-import io
 import itertools
 import logging
 import os
@@ -289,6 +288,20 @@ class ContentStore:
         """Whether blobs live on disk (a node's store), not in memory (a publisher's, the tests')."""
         return self._root is not None
 
+    def put_view(self, h: str, view: memoryview) -> None:
+        """Hold *view* (of a tensor's bytes, whose hash *h* its owner computed) as blob *h* without a copy: a
+        publisher's weight pieces, served from its module. Only a store in memory (a publisher's) holds views;
+        one on disk stores a copy. A view whose bytes changed since (the module trained on) is not served."""
+        if self._root is not None:
+            self.put(view)
+            return
+        if h not in self._held:
+            self._held[h] = len(view)
+            self._held_bytes += len(view)
+            self._mem[h] = view   # type: ignore[assignment]  # read as bytes-like only (reader, get)
+            self._mem_bytes += len(view)
+        self._used(h)
+
     def put_verified(self, h: str, data: bytes | bytearray | memoryview) -> None:
         """Store *data* only if it hashes to *h* (IntegrityError otherwise)."""
         if sha256_hex(data) != h:
@@ -301,6 +314,10 @@ class ContentStore:
     def get(self, h: str) -> bytes:
         """The blob named *h*; KeyError if absent; IntegrityError if its file on disk was corrupted."""
         blob = self._mem.get(h)
+        if isinstance(blob, memoryview):   # put_view's: a copy, checked (its owner may have changed it)
+            blob = bytes(blob)
+            if sha256_hex(blob) != h:
+                raise KeyError(h)
         if blob is None:
             if h not in self._held:
                 raise KeyError(h)
@@ -316,15 +333,18 @@ class ContentStore:
         return blob
 
     @contextlib.contextmanager
-    def reader(self, h: str) -> Iterator[BinaryIO]:
+    def reader(self, h: str) -> Iterator[BinaryIO | _ViewReader]:
         """Blob *h* to read a part at a time: its file, or its memory copy (KeyError if absent). Unlike
         :meth:`get` it does not check the hash (whoever fetches it does) nor load it whole into memory."""
         blob = self._mem.get(h)
         if blob is None and self._root is None:
             raise KeyError(h)
         if blob is not None:
+            if isinstance(blob, memoryview) and sha256_hex(blob) != h:   # a publisher's module changed since
+                log.warning("blob %s… changed since it was stored (its module trained on?): not served", h[:16])
+                raise KeyError(h)
             self._used(h)
-            yield io.BytesIO(blob)
+            yield _ViewReader(memoryview(blob))
             return
         if h not in self._held:
             raise KeyError(h)
@@ -349,6 +369,20 @@ class ContentStore:
         if h not in self._held:
             raise KeyError(h)
         return self._held[h]
+
+
+class _ViewReader:
+    """``read(n)`` over a memoryview: a copy of each part read only (``io.BytesIO`` copies it whole)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._view) if n < 0 else min(len(self._view), self._pos + n)
+        part = bytes(self._view[self._pos:end])
+        self._pos = end
+        return part
 
 
 __all__ = ["ContentStore", "StoreConfig", "StoreFull", "sha256_hex"]

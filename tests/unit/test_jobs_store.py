@@ -152,3 +152,27 @@ def test_put_chunks_stores_the_joined_parts_under_their_hash_without_a_memory_co
         with pytest.raises(StoreFull):
             store.put_chunks([_blob(4, 600)], 600)                      # what is pinned leaves no room
         assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_publishers_pieces_are_views_of_its_tensors_and_not_served_once_they_changed() -> None:
+    import torch
+
+    from fusionp2p.wire.pieces import make_manifest
+
+    w = torch.randn(64, 16)
+    man, pieces = make_manifest({"w": w}, 1024, copy=False)
+    store = ContentStore()
+    for h, view in pieces.items():
+        assert isinstance(view, memoryview)
+        store.put_view(h, view)
+    first = man.tensors[0].pieces[0]
+    with store.reader(first) as f:
+        assert f.read(10) + f.read() == bytes(pieces[first]) and store.get(first) == bytes(pieces[first])
+    w[0, 0] += 1.0                                         # the module trained on: its first piece changed
+    with pytest.raises(KeyError), store.reader(first):
+        pass
+    with pytest.raises(KeyError):
+        store.get(first)
+    last = man.tensors[0].pieces[-1]
+    with store.reader(last) as f:                          # the others are still what was published
+        assert sha256_hex(f.read()) == last
