@@ -62,9 +62,14 @@ class Rung:
 
         torch.manual_seed(seed)
         cfg = transformers.LlamaConfig(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.hidden * 8 // 3,
-                                       num_hidden_layers=self.layers, num_attention_heads=max(1, self.hidden // 64),
-                                       num_key_value_heads=max(1, self.hidden // 128), max_position_embeddings=SEQ)
+                                       num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                                       num_key_value_heads=self.heads // 2 if self.heads % 2 == 0 else self.heads,
+                                       max_position_embeddings=SEQ)
         return transformers.LlamaForCausalLM(cfg)
+
+    @property
+    def heads(self) -> int:
+        return max(1, self.hidden // 64)
 
     def params(self) -> int:
         return sum(p.numel() for p in self.model().parameters())
