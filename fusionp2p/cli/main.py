@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--home", default=None, help="directory for the identity key, checkpoints and logs")
     n.add_argument("--device", default="cpu", help="where this node's stages train: cpu or cuda:N (docs/gpu.md)")
     n.add_argument("--memory", default=None, metavar="SIZE",
-                   help="memory this node offers to jobs, e.g. 3GiB (default: what it measures as available, less "
-                        "10%% and at least 512 MiB); the planner keeps this node's stage within it")
+                   help="memory this node's process may use in all, e.g. 3GiB: a stage gets what its own footprint "
+                        "and a reserve for a job's data leave, and the planner keeps the stage within that (default: "
+                        "what it measures as available, less 10%% and at least 512 MiB)")
     n.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat period, seconds")
     n.add_argument("--dead-timeout", type=float, default=5.0, help="seconds without heartbeat before a peer is dead")
     n.add_argument("--gossip-rate", type=float, default=5.0, help=_GOSSIP_RATE_HELP)

@@ -22,6 +22,7 @@ equal to within rounding whatever the order).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -124,6 +125,11 @@ class StageExecutor:
                 self._state.append(t)
         self._buffers = {s.name: t for s, t in zip((s for s in program.inputs if s.kind != "input"), self._state)
                          if s.kind != "param"}
+        # the program keeps this executor's own tensors from now on, not those it was built from (a node's
+        # fetched stage weights): they are freed once the caller lets go of its program, not held beside the
+        # copies above for the whole run (issue 37: a node's peak memory against its stage's figure)
+        own = dict(zip((s.name for s in program.inputs if s.kind != "input"), self._state))
+        self.program = dataclasses.replace(program, tensors={**program.tensors, **own})
         # micro -> (received leaves by name, outputs in program.outputs order)
         self._stash: dict[int, tuple[dict[str, torch.Tensor], tuple[torch.Tensor, ...]]] = {}
 

@@ -116,7 +116,7 @@ class BuiltJob:
 
     spec: JobSpec
     envelope: bytes
-    blobs: dict[str, bytes]
+    blobs: dict[str, bytes | memoryview]   # the weight pieces: views of the module's tensors (make_manifest)
     dag: OpDAG
 
 
@@ -233,10 +233,11 @@ def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset | str | os
     if dag.loss is None:
         raise ConfigError("the model returns no loss: return (output, loss) or pass loss=fn(output, target)")
     dag_blob = encode_dag(dag, weights=False)
-    manifest, pieces = make_manifest(dag.tensors, piece_bytes)
+    manifest, pieces = make_manifest(dag.tensors, piece_bytes, copy=False)   # no second copy of the weights
     man_blob = manifest.encode()
     ref, _manifest, data_blobs = prepare_dataset(dataset, shard_tokens=shard_tokens)
-    blobs = {sha256_hex(dag_blob): dag_blob, manifest.content_hash: man_blob, **pieces, **data_blobs}
+    blobs: dict[str, bytes | memoryview] = {sha256_hex(dag_blob): dag_blob, manifest.content_hash: man_blob, **pieces,
+                                            **data_blobs}
     spec = JobSpec(job_id=new_job_id(publisher, now, nonce), publisher=publisher, created=now,
                    model_hash=sha256_hex(dag_blob), weights_hash=manifest.content_hash, dataset=ref, config=cfg,
                    resources=resources or Resources(), name=name)

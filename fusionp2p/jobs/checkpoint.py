@@ -26,15 +26,16 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file, save_file
-from safetensors.torch import save as save_bytes
 
 from fusionp2p.errors import JobError, RemoteProtocolError
 from fusionp2p.train.state import StageState
+from fusionp2p.wire.stfile import Layout, chunks, layout
 
 log = logging.getLogger(__name__)
 
@@ -137,19 +138,53 @@ class StageCheckpoint:
     optimizer_groups: str
 
 
-def encode_state(meta: StageCheckpointMeta, state: StageState) -> bytes:
-    """One stage's whole state as the bytes of a stage file (content-addressed when handed over)."""
+def state_layout(meta: StageCheckpointMeta, state: StageState) -> Layout:
+    """One stage's whole state as the layout of a stage file (``wire/stfile.py``): its bytes are views of
+    the state's own tensors, written out (``ContentService.put_chunks``) without a copy of the state."""
     if any(k.startswith(("__optim__", "__momentum__")) for k in state.tensors):
         raise CheckpointError("parameter names must not start with __optim__ or __momentum__")
-    tensors = dict(state.tensors)
-    tensors.update({OPTIM_PREFIX + k: v for k, v in state.optimizer.items()})
+    tensors = {k: v.detach().to("cpu") for k, v in state.tensors.items()}
+    tensors.update({OPTIM_PREFIX + k: v.detach().to("cpu") for k, v in state.optimizer.items()})
     for name, slices in state.momentum.items():
         for off, vals in slices:
-            tensors[f"{MOMENTUM_PREFIX}{name}@{off}"] = vals
+            tensors[f"{MOMENTUM_PREFIX}{name}@{off}"] = vals.detach().to("cpu")
     md = meta.to_metadata()
     if state.optimizer_groups:
         md["optim_groups"] = state.optimizer_groups
-    return save_bytes(_cpu_unshared(tensors), metadata=md)
+    return layout(tensors, md)
+
+
+def encode_state(meta: StageCheckpointMeta, state: StageState) -> bytes:
+    """One stage's whole state as the bytes of a stage file (content-addressed when handed over)."""
+    return b"".join(chunks(state_layout(meta, state)))
+
+
+MAX_HEADER_BYTES = 100 << 20   # safetensors' own bound on a header
+
+
+class _Reads(Protocol):
+    def read(self, n: int = -1, /) -> bytes: ...
+
+
+def read_state_meta(f: _Reads, *, job: str | None = None) -> StageCheckpointMeta:
+    """The coordinates of the stage file *f* (of *job*) from its header alone, without loading a tensor (a
+    keeper's check of a file it holds for another node); RemoteProtocolError if it is not one."""
+    try:
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n <= MAX_HEADER_BYTES:
+            raise ValueError(f"header of {n} bytes")
+        head = f.read(n)
+        if len(head) != n:
+            raise ValueError("truncated header")
+        header = json.loads(head)
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a map")
+        meta = StageCheckpointMeta.from_metadata(header.get("__metadata__"), "a handed-over stage state")
+    except (ValueError, CheckpointError) as exc:
+        raise RemoteProtocolError(f"bad stage state: {exc}") from None
+    if job is not None and meta.job != job:
+        raise RemoteProtocolError(f"stage state of job {meta.job}, not {job}")
+    return meta
 
 
 def decode_state(blob: bytes, *, job: str | None = None) -> tuple[StageCheckpointMeta, StageState]:

@@ -18,8 +18,12 @@ Wire (framed with :mod:`fusionp2p.wire.framing`, maps with :mod:`fusionp2p.wire.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import trio
 
@@ -118,6 +122,15 @@ class ContentService:
         await self.transport.provide(h)
         return h
 
+    async def put_chunks(self, parts: Iterable[bytes | memoryview], size: int) -> str:
+        """Store the blob that *parts* (*size* bytes) make up and return its hash: on a store on disk written
+        in a worker thread as the parts come, never whole in memory (``ContentStore.write_chunks``). The
+        parts must not change until this returns. Not announced (``publish`` and the caller do that)."""
+        store = self.store
+        if not store.on_disk:
+            return store.put_chunks(parts, size)
+        return store.adopt(await trio.to_thread.run_sync(store.write_chunks, parts, size))
+
     # -- server ------------------------------------------------------------------------------------
 
     async def _handle(self, stream: Stream) -> None:
@@ -151,11 +164,18 @@ class ContentService:
         if size > cap or size > self.config.max_blob_bytes:
             await stream.send_all(encode_frame(packb({"ok": False, "error": f"blob of {size} bytes exceeds the cap"}), max_frame=DEFAULT_LIMITS.max_control_frame))
             return
-        blob = memoryview(self.store.get(h))
-        await stream.send_all(encode_frame(packb({"ok": True, "size": size}), max_frame=DEFAULT_LIMITS.max_control_frame))
         step = self.config.chunk_bytes
-        for i in range(0, size, step):
-            await stream.send_all(encode_frame(blob[i : i + step], max_frame=step))
+        # read a chunk at a time from disk (a stage file is several times a stage's weights: reading it whole
+        # would put that on the serving node's peak); the fetcher checks the hash of what it gets
+        with contextlib.ExitStack() as held:
+            try:
+                f = held.enter_context(self.store.reader(h))
+            except KeyError:   # gone from disk, or a publisher's view whose module changed since
+                await stream.send_all(encode_frame(packb({"ok": False, "error": "not found"}), max_frame=DEFAULT_LIMITS.max_control_frame))
+                return
+            await stream.send_all(encode_frame(packb({"ok": True, "size": size}), max_frame=DEFAULT_LIMITS.max_control_frame))
+            for _ in range(0, size, step):
+                await stream.send_all(encode_frame(f.read(step), max_frame=step))
         await stream.send_eof()
         self.served += 1
 
@@ -178,7 +198,42 @@ class ContentService:
                 with trio.CancelScope(shield=True):
                     await stream.aclose()
 
-    async def _fetch_on(self, stream: Stream, peer: str, h: str, max_size: int) -> bytes:
+    async def fetch_to_store(self, h: str, *, max_size: int, peers: list[str]) -> None:
+        """Blob *h* into the store from *peers* in turn, written to disk frame by frame as it comes (never
+        whole in memory: a stage file a keeper holds for another node), and announced. On a store in
+        memory, :meth:`fetch`. Raises as :meth:`fetch`."""
+        store = self.store
+        if store.has(h):
+            return
+        if not store.on_disk:
+            await self.fetch(h, max_size=max_size, peers=peers)
+            return
+        errors: list[str] = []
+        for peer in peers:
+            tmp = store.temp_path()
+            try:
+                with trio.fail_after(self.config.fetch_timeout), open(tmp, "wb") as f:  # noqa: ASYNC230 - frame-sized page-cache writes
+                    stream = await self.transport.open_stream(peer, CONTENT)
+                    try:
+                        await self._fetch_on(stream, peer, h, min(max_size, self.config.max_blob_bytes), f)
+                    finally:
+                        with trio.CancelScope(shield=True):
+                            await stream.aclose()
+            except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
+                tmp.unlink(missing_ok=True)
+                log.info("fetch of %s… from %s failed: %s", h[:16], peer, exc)
+                errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
+                continue
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            store.adopt((tmp, h))
+            await self.transport.provide(h)
+            return
+        raise PeerUnavailable(f"providers of {h[:16]}…", "; ".join(errors) or "no provider found")
+
+    async def _fetch_on(self, stream: Stream, peer: str, h: str, max_size: int, sink: BinaryIO | None = None) -> bytes:
+        """The blob from *stream*, hashed as it comes; into *sink* when given (then b"" is returned)."""
         req = packb({"op": "get", "hash": h, "max": max_size})
         await stream.send_all(encode_frame(req, max_frame=DEFAULT_LIMITS.max_control_frame))
         await stream.send_eof()
@@ -194,16 +249,23 @@ class ContentService:
         if size > max_size:
             raise RemoteProtocolError(f"{peer} announced {size} bytes for {h[:16]}…; the cap is {max_size}")
         buf = bytearray()
-        while len(buf) < size:
+        digest = hashlib.sha256()
+        got = 0
+        while got < size:
             frame = await _read_frame(stream, dec, pending)
             if frame is None:
-                raise RemoteProtocolError(f"{peer} ended the content stream after {len(buf)} of {size} bytes")
-            if len(buf) + len(frame) > size:
+                raise RemoteProtocolError(f"{peer} ended the content stream after {got} of {size} bytes")
+            if got + len(frame) > size:
                 raise RemoteProtocolError(f"{peer} sent more than the {size} bytes it announced")
-            buf += frame
+            digest.update(frame)
+            got += len(frame)
+            if sink is None:
+                buf += frame
+            else:
+                sink.write(frame)
         if pending or await _read_frame(stream, dec, pending) is not None:
             raise RemoteProtocolError(f"{peer} sent data after the blob")
-        if sha256_hex(buf) != h:
+        if digest.hexdigest() != h:
             raise IntegrityError(f"{peer} served bytes that do not match {h[:16]}…")
         return bytes(buf)
 

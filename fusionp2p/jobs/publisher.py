@@ -224,8 +224,8 @@ class JobDriver:
         view = await discover(self.transport, self.bootstraps, timeout=cfg.view_timeout)
         if not view.members:
             raise JobError("the swarm has no live training nodes")
-        for blob in built.blobs.values():
-            self.content.store.put(blob)
+        for h, blob in built.blobs.items():   # the weight pieces as views of the module: served, not copied
+            self.content.store.put_view(h, blob) if isinstance(blob, memoryview) else self.content.store.put(blob)
         with trio.move_on_after(cfg.start_timeout):
             await self.transport.dht_put(spec_key(self.job), built.envelope)
             await add_to_index(self.transport, self.job, built.spec.name, built.spec.created)

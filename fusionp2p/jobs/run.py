@@ -55,7 +55,11 @@ from fusionp2p.jobs.build import (
     plan_for_snapshot,
     stage_programs,
 )
-from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_state
+from fusionp2p.jobs.checkpoint import (
+    StageCheckpointMeta,
+    decode_state,
+    state_layout,
+)
 from fusionp2p.jobs.data_shards import FeedStats, ShardFeed, plan_history, stage_feed
 from fusionp2p.jobs.election import Adopted, ElectionConfig, fetch_adopted, open_elector
 from fusionp2p.jobs.events import (
@@ -92,6 +96,7 @@ from fusionp2p.train.worker import Halt, StageContext, StageReport, StageWorker
 from fusionp2p.types import short_peer
 from fusionp2p.wire.jobrecords import StageFile
 from fusionp2p.wire.protocols import TOPIC_JOBS
+from fusionp2p.wire.stfile import chunks
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -391,7 +396,8 @@ class JobRun(Leading):
                     raise JobError(f"this node refuses its stage: {why}")
                 restore = await self._gather_state(programs[s], req.resume)
                 programs[s] = await prepare_stage(self.svc.content, self.accepted, programs[s], restore,
-                                                  peers=[self.publisher], fetches=self.weights)
+                                                  peers=[self.publisher], fetches=self.weights,
+                                                  announce=lambda h: self.svc.nursery.start_soon(self._provide, h))
                 log.info("job %s epoch %d: state of stage %d from %d files in %.1f s", self.job_id, plan.epoch, s,
                          len(req.resume.sources), trio.current_time() - t0)
                 self.to(JobState.RUNNING, f"epoch {plan.epoch}: stage {s} replica {r} from step {req.resume.step}")
@@ -444,7 +450,7 @@ class JobRun(Leading):
             cur.outcome = "halted before training"
             cur.ended.set()
             return False
-        st = worker.export_state()
+        st = worker.export_state(copy=False)
         h = await self._store_state(plan, s, st)
         stage = plan.stages[s]
         cur.halted = self._last = Halted(peer=self.me, epoch=plan.epoch, stage=s, replica=r, step=st.step, state=h,
@@ -516,8 +522,8 @@ class JobRun(Leading):
     async def _store_state(self, plan: Plan, s: int, st: StageState) -> str:
         meta = StageCheckpointMeta(job=self.job_id, stage=s, num_stages=len(plan.stages), step=st.step,
                                    plan_hash=plan.plan_hash())
-        blob = await trio.to_thread.run_sync(encode_state, meta, st)
-        h = self.svc.content.store.put(blob)
+        lay = state_layout(meta, st)   # views of the state's tensors, written out without a copy of them
+        h = await self.svc.content.put_chunks(chunks(lay), lay.size)
         self.svc.nursery.start_soon(self._provide, h)
         return h
 
@@ -575,7 +581,7 @@ class JobRun(Leading):
         async def checkpoint(step: int, _: dict[str, torch.Tensor]) -> None:
             if step >= cfg.steps or self._worker is None:
                 return   # the final file is saved with the done report
-            h = await self._store_state(plan, s, self._worker.export_state())
+            h = await self._store_state(plan, s, self._worker.export_state(copy=False))
             units = (plan.stages[s].start, plan.stages[s].end)
             self._holds(step, units, h, self.me)
             await self._gossip(CheckpointSaved(job=self.job_id, step=step, stage=s, peer=self.me, hash=h,
@@ -583,6 +589,7 @@ class JobRun(Leading):
             self.svc.nursery.start_soon(self._replicate, plan, s, h, step)
 
         ex = StageExecutor(programs[s], device=self.svc.config.device, precision=cfg.precision)   # docs/gpu.md
+        programs[s] = ex.program   # holds the executor's tensors: the fetched ones go (jobs/weights.py)
         return StageContext(job=self.job_id, executor=ex, config=cfg, replica=r,
                             replicas=len(plan.stages[s].replicas), links=links, peers=peers,
                             data=feed or data_fn(self.accepted), data_ready=feed.ready if feed else None, tokens_per_micro=cfg.micro_batch * self.spec.dataset.seq_len,
@@ -623,7 +630,7 @@ class JobRun(Leading):
                                "step": steps, "final_loss": self.final_losses.get(r),
                                "losses": [self.losses.get(i) for i in range(steps)] if self.losses else []}
         if r == 0:
-            h = await self._store_state(plan, s, worker.export_state())
+            h = await self._store_state(plan, s, worker.export_state(copy=False))
             msg["checkpoint"] = h
             self._holds(steps, (plan.stages[s].start, plan.stages[s].end), h, self.me)
             await self._replicate(plan, s, h, steps)

@@ -45,7 +45,7 @@ import trio
 
 from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
-from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, encode_state
+from fusionp2p.jobs.checkpoint import StageCheckpointMeta, encode_state, read_state_meta
 from fusionp2p.jobs.events import CheckpointSaved, ProgressEvent
 from fusionp2p.plan import Plan
 from fusionp2p.train.state import StageState
@@ -233,9 +233,10 @@ class Shadows:
         """Hold a copy of another member's stage file (we are its keeper) and announce it. A shadow copy
         supersedes the older ones of its stage beyond ``keep``, which leave the store."""
         run = self.run
-        with trio.fail_after(run.svc.config.accept_timeout):
-            blob = await run.svc.content.fetch(h, max_size=run.svc.config.max_state_bytes, peers=[holder])
-        meta, _ = await trio.to_thread.run_sync(lambda: decode_state(blob, job=run.job_id))   # of this job, not any blob
+        with trio.fail_after(run.svc.config.accept_timeout):   # to disk as it comes: never whole in memory
+            await run.svc.content.fetch_to_store(h, max_size=run.svc.config.max_state_bytes, peers=[holder])
+        with run.svc.content.store.reader(h) as f:
+            meta = read_state_meta(f, job=run.job_id)   # a stage file of this job, not any blob
         if meta.step != step:
             raise RemoteProtocolError(f"keep: the file is of step {meta.step}, not {step}")
         run._holds(step, units, h, holder)

@@ -32,12 +32,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import itertools
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from fusionp2p.data.shards import is_sha256_hex
 from fusionp2p.errors import ConfigError, FusionError, IntegrityError
@@ -89,6 +91,7 @@ class ContentStore:
         self._pinned: dict[str, int] = {}                    # hash -> how many owners pin it
         self._pinned_bytes = 0
         self.evicted = 0                                     # blobs evicted so far (for the operator)
+        self._serial = itertools.count()                     # names write_chunks' temporary files
         if self._root is not None:
             self._scan()
 
@@ -100,6 +103,8 @@ class ContentStore:
         assert self._root is not None
         found: list[tuple[float, str, int]] = []
         if self._root.is_dir():
+            for p in self._root.glob("put-*.tmp"):
+                p.unlink(missing_ok=True)       # a put_chunks cut short by a crash
             for p in self._root.glob("??/*"):
                 if p.name.endswith(".tmp"):
                     p.unlink(missing_ok=True)   # a write cut short by a crash
@@ -109,7 +114,7 @@ class ContentStore:
         for _, h, n in sorted(found):
             self._held[h] = n
             self._held_bytes += n
-        self._make_room(0)   # a smaller --disk than the last run's: evict down to it now
+        self.make_room(0)   # a smaller --disk than the last run's: evict down to it now
 
     # ------------------------------------------------------------------ caps and pins
     def stats(self) -> dict[str, int]:
@@ -192,7 +197,7 @@ class ContentStore:
         """Whether the store keeps blobs on disk (a node's), not only in memory (a publisher's, a test's)."""
         return self._root is not None
 
-    def _make_room(self, n: int) -> None:
+    def make_room(self, n: int) -> None:
         """Evict cached blobs, oldest first, until *n* more bytes fit; StoreFull if pins leave no room."""
         cap = self.config.disk_bytes
         if cap is None or self._held_bytes + n <= cap:
@@ -246,7 +251,7 @@ class ContentStore:
         blob = bytes(data)
         h = sha256_hex(blob)
         if h not in self._held:
-            self._make_room(len(blob))
+            self.make_room(len(blob))
             if self._root is not None:
                 p = self._path(h)
                 p.parent.mkdir(parents=True, exist_ok=True)
@@ -258,6 +263,77 @@ class ContentStore:
         self._used(h)
         self._cache(h, blob)
         return h
+
+    def put_chunks(self, parts: Iterable[bytes | memoryview], size: int) -> str:
+        """Store the blob of exactly *size* bytes that *parts* make up; return its hash. With a root, the parts
+        are hashed and written to disk as they come, so the whole blob is never held in memory (a stage
+        state from its tensors, ``wire/stfile.py``), and it gets no memory copy. StoreFull as :meth:`put`.
+        Blocking: from a trio task, :meth:`write_chunks` in a worker thread, then :meth:`adopt`."""
+        if self._root is None:
+            return self.put(b"".join(parts))
+        return self.adopt(self.write_chunks(parts, size))   # room is made once the hash says the blob is new
+
+    def write_chunks(self, parts: Iterable[bytes | memoryview], size: int) -> tuple[Path, str]:
+        """(thread-safe: it touches no bookkeeping) write *parts* to a temporary file of the store, hashing
+        them; (its path, the hash). ValueError when they are not *size* bytes."""
+        tmp = self.temp_path()
+        digest = hashlib.sha256()
+        n = 0
+        try:
+            with open(tmp, "wb") as f:
+                for part in parts:
+                    digest.update(part)
+                    f.write(part)
+                    n += len(part)
+            if n != size:
+                raise ValueError(f"write_chunks: {n} bytes given, {size} announced")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp, digest.hexdigest()
+
+    def temp_path(self) -> Path:
+        """A fresh temporary file name in the store (for :meth:`adopt`; removed by the next start if left)."""
+        assert self._root is not None
+        self._root.mkdir(parents=True, exist_ok=True)
+        return self._root / f"put-{os.getpid()}-{next(self._serial)}.tmp"
+
+    def adopt(self, written: tuple[Path, str]) -> str:
+        """Take a file written in :meth:`temp_path` (by :meth:`write_chunks`, or a fetch that checked its hash)
+        under its hash *h*, which it returns; the file is gone either way."""
+        tmp, h = written
+        try:
+            if h not in self._held:
+                n = tmp.stat().st_size
+                self.make_room(n)
+                p = self._path(h)
+                p.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp, p)
+                self._held[h] = n
+                self._held_bytes += n
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._used(h)
+        return h
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether blobs live on disk (a node's store), not in memory (a publisher's, the tests')."""
+        return self._root is not None
+
+    def put_view(self, h: str, view: memoryview) -> None:
+        """Hold *view* (of a tensor's bytes, whose hash *h* its owner computed) as blob *h* without a copy: a
+        publisher's weight pieces, served from its module. Only a store in memory (a publisher's) holds views;
+        one on disk stores a copy. A view whose bytes changed since (the module trained on) is not served."""
+        if self._root is not None:
+            self.put(view)
+            return
+        if h not in self._held:
+            self._held[h] = len(view)
+            self._held_bytes += len(view)
+            self._mem[h] = view   # type: ignore[assignment]  # read as bytes-like only (reader, get)
+            self._mem_bytes += len(view)
+        self._used(h)
 
     def put_verified(self, h: str, data: bytes | bytearray | memoryview) -> None:
         """Store *data* only if it hashes to *h* (IntegrityError otherwise)."""
@@ -271,6 +347,10 @@ class ContentStore:
     def get(self, h: str) -> bytes:
         """The blob named *h*; KeyError if absent; IntegrityError if its file on disk was corrupted."""
         blob = self._mem.get(h)
+        if isinstance(blob, memoryview):   # put_view's: a copy, checked (its owner may have changed it)
+            blob = bytes(blob)
+            if sha256_hex(blob) != h:
+                raise KeyError(h)
         if blob is None:
             if h not in self._held:
                 raise KeyError(h)
@@ -285,6 +365,31 @@ class ContentStore:
         self._cache(h, blob)
         return blob
 
+    @contextlib.contextmanager
+    def reader(self, h: str) -> Iterator[BinaryIO | _ViewReader]:
+        """Blob *h* to read a part at a time: its file, or its memory copy (KeyError if absent). Unlike
+        :meth:`get` it does not check the hash (whoever fetches it does) nor load it whole into memory."""
+        blob = self._mem.get(h)
+        if blob is None and self._root is None:
+            raise KeyError(h)
+        if blob is not None:
+            if isinstance(blob, memoryview) and sha256_hex(blob) != h:   # a publisher's module changed since
+                log.warning("blob %s… changed since it was stored (its module trained on?): not served", h[:16])
+                raise KeyError(h)
+            self._used(h)
+            yield _ViewReader(memoryview(blob))
+            return
+        if h not in self._held:
+            raise KeyError(h)
+        try:
+            f = open(self._path(h), "rb")   # noqa: SIM115 - closed below
+        except FileNotFoundError:   # removed under us (by hand): forget it
+            self._forget(h)
+            raise KeyError(h) from None
+        self._used(h)
+        with f:
+            yield f
+
     def _forget(self, h: str) -> None:
         n = self._held.pop(h)
         self._held_bytes -= n
@@ -297,6 +402,20 @@ class ContentStore:
         if h not in self._held:
             raise KeyError(h)
         return self._held[h]
+
+
+class _ViewReader:
+    """``read(n)`` over a memoryview: a copy of each part read only (``io.BytesIO`` copies it whole)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._view) if n < 0 else min(len(self._view), self._pos + n)
+        part = bytes(self._view[self._pos:end])
+        self._pos = end
+        return part
 
 
 __all__ = ["ContentStore", "StoreConfig", "StoreFull", "sha256_hex"]

@@ -12,16 +12,20 @@ tensors; ``jobs/build.py``). Once an epoch's plan names its stage, :func:`prepar
    copies and shared buffers included, as the partition lists them), each piece fetched at its exact
    size and checked against its hash. No tensor of another stage is fetched or built.
 
-A peer that serves a piece of the wrong size or bytes is counted against it (``Refusals``) and
-the piece is asked of the next holder. Pieces fetched from the publisher are not kept in the content
-store, whose in-memory copy would double the stage's weights on the node.
+Each piece is asked first of the nodes that announced it on the DHT (they fetched it before: a node
+of a later epoch or a later joiner spreads its fetches over them), then of the publisher. A peer that
+serves a piece of the wrong size or bytes is counted against it (``Refusals``) and the piece is asked
+of the next holder. A node whose content store is on disk keeps each piece it fetched there and
+announces it (``fetch_piece``); one whose store is in memory does not keep them, as that copy would
+double its stage's weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +37,7 @@ from fusionp2p.jobs.build import AcceptedJob, job_cost_model
 from fusionp2p.jobs.content import ContentService
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
+from fusionp2p.train.schedule import in_flight_limit
 from fusionp2p.train.state import StageState
 from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.pieces import WeightManifest, join_pieces
@@ -50,16 +55,23 @@ class WeightFetches:
 
 
 def stage_memory(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, prog: StageProgram | None = None) -> float:
-    """The memory *stage* of *plan* needs on each of its replicas, in bytes: the planner's figure, plus,
+    """The memory *stage* of *plan* needs on each of its replicas, in bytes: the planner's figure with the
+    activations of the micro-batches the schedule keeps in flight at once (not all of them), plus,
     with the stage's program *prog*, the parameters it holds that the planner counts in another stage's
     units (a tied weight's copy: GPT-2's ``lm_head`` reads the embedding's ``wte``), at the same factor."""
     st = plan.stages[stage]
     cm = job_cost_model(accepted.spec, accepted.dag, snap)[0]
     replicated = len(st.replicas) > 1
     need = cm.range_memory(st.start, st.end, replicated=replicated)
+    # the planner counts every micro-batch's activations (GPipe's stash); 1F1B stashes at most S - stage of
+    # them at once (train/schedule.py: ScheduleConfig.in_flight_limit, which the stage worker runs under)
+    m = cm.config.micro_batches
+    in_flight = in_flight_limit(accepted.spec.config.schedule, len(plan.stages), stage, m)
+    factor = cm.config.param_memory_factor + (cm.config.replica_memory_factor if replicated else 0.0)
+    acts = need - factor * cm.range_params(st.start, st.end)   # m micro-batches' activations
+    need -= acts * (m - in_flight) / m
     if prog is not None:
         held = sum(s.meta.nbytes for s in prog.inputs if s.kind == "param")
-        factor = cm.config.param_memory_factor + (cm.config.replica_memory_factor if replicated else 0.0)
         need += factor * max(0.0, held - cm.range_params(st.start, st.end))
     return need
 
@@ -79,46 +91,64 @@ def stage_fit(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, pro
             f"more than the {memory_bytes / 2**20:.0f} MiB this node offers (--memory)")
 
 
-async def fetch_piece(content: ContentService, h: str, size: int, peers: Sequence[str]) -> bytes:
-    """Piece *h* of exactly *size* bytes: from the store, else from *peers* in turn, else from the DHT's
-    providers. A peer that serves bad bytes is counted against it."""
+PROVIDERS_TIMEOUT = 5.0   # seconds a piece's DHT lookup may take before its named peers are asked alone
+
+
+async def fetch_piece(content: ContentService, h: str, size: int, peers: Sequence[str], *,
+                      announce: Callable[[str], None] | None = None) -> bytes:
+    """Content *h* of exactly *size* bytes (a weight piece, a data shard: any bounded blob by its hash): from
+    the store, else from the DHT's providers of it (the nodes that fetched it before) and then *peers* (its
+    publisher), in turn. A peer that serves bytes of the wrong hash is counted against it and the next is
+    asked; PeerUnavailable when none delivers.
+
+    With *announce*, a node whose store is on disk keeps the piece there (no memory copy: the tensors built
+    from it are the stage's) and calls ``announce(h)`` so that the caller provides it on the DHT: later
+    fetchers then find this node as well as the publisher. A store in memory does not keep it (its copy
+    would double the stage's weights in memory for as long as the node runs)."""
     store = content.store
-    if store.has(h):
-        blob = store.get(h)
-        if len(blob) == size:
-            return blob
-    for peer in peers:
-        if peer == content.transport.peer_id:
-            continue
+    if store.has(h) and store.size(h) == size:
+        return store.get(h)
+    providers: list[str] = []
+    with trio.move_on_after(PROVIDERS_TIMEOUT):
+        providers = await content.transport.find_providers(h)
+    me = content.transport.peer_id
+    # the holders first, each fetcher starting at its own place among them (spreads the load), the publisher last
+    holders = sorted(p for p in providers if p != me and p not in peers)
+    if holders:
+        k = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "big") % len(holders)
+        holders = holders[k:] + holders[:k]
+    errors: list[str] = []
+    for peer in [*holders, *(p for p in peers if p != me)]:
         try:
             blob = await content.fetch_from(peer, h, max_size=size)
         except RemoteProtocolError as exc:
             content.refusals.refuse(peer, "weights/piece", now=trio.current_time(), detail=str(exc)[:200])
+            errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
             continue
         except (PeerUnavailable, trio.TooSlowError) as exc:
             log.info("piece %s… from %s: %s", h[:16], short_peer(peer), exc)
+            errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
             continue
         if len(blob) != size:   # the right hash of the wrong size: the manifest is the publisher's mistake
             raise RemoteProtocolError(f"piece {h[:16]}… has {len(blob)} bytes, the manifest says {size}")
-        # not kept in the content store: its in-memory copy would double the stage's weights on this node
-        # for as long as the node runs (the publisher serves them; the tensors live in the stage's program)
+        if announce is not None and store.on_disk:
+            await content.put_chunks([blob], size)
+            announce(h)
         return blob
-    blob = await content.fetch(h, max_size=size)
-    if len(blob) != size:
-        raise RemoteProtocolError(f"piece {h[:16]}… has {len(blob)} bytes, the manifest says {size}")
-    return blob
+    raise PeerUnavailable(f"holders of piece {h[:16]}…", "; ".join(errors) or "no provider found")
 
 
 async def fetch_tensors(content: ContentService, manifest: WeightManifest, names: Sequence[str], *,
-                        peers: Sequence[str], fetches: WeightFetches | None = None) -> dict[str, torch.Tensor]:
-    """The published tensors *names*, each rebuilt from its pieces (and nothing else)."""
+                        peers: Sequence[str], fetches: WeightFetches | None = None,
+                        announce: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+    """The published tensors *names*, each rebuilt from its pieces (and nothing else; see :func:`fetch_piece`)."""
     by_name = manifest.by_name()
     out: dict[str, torch.Tensor] = {}
     for name in names:
         entry = by_name.get(name)
         if entry is None:
             raise RemoteProtocolError(f"the weight manifest has no tensor {name[:80]!r}")
-        blobs = [await fetch_piece(content, h, n, peers)
+        blobs = [await fetch_piece(content, h, n, peers, announce=announce)
                  for h, n in zip(entry.pieces, manifest.piece_sizes(entry), strict=True)]
         out[name] = await trio.to_thread.run_sync(join_pieces, manifest, entry, blobs)
         if fetches is not None:
@@ -129,7 +159,8 @@ async def fetch_tensors(content: ContentService, manifest: WeightManifest, names
 
 
 async def prepare_stage(content: ContentService, accepted: AcceptedJob, prog: StageProgram, restore: StageState | None,
-                        *, peers: Sequence[str], fetches: WeightFetches | None = None) -> StageProgram:
+                        *, peers: Sequence[str], fetches: WeightFetches | None = None,
+                        announce: Callable[[str], None] | None = None) -> StageProgram:
     """*prog* with real tensors: the handed-over ones of *restore*, else the published pieces of exactly
     its own tensors (see the module docstring). A program whose tensors are real already is returned."""
     names = [s.name for s in prog.inputs if s.kind != "input"]
@@ -142,7 +173,7 @@ async def prepare_stage(content: ContentService, accepted: AcceptedJob, prog: St
             raise JobError(f"job {accepted.spec.job_id}: no weight manifest to fetch stage {prog.stage}'s tensors by")
         got = fetches if fetches is not None else WeightFetches()
         before = (got.pieces, got.bytes)
-        tensors = await fetch_tensors(content, accepted.weights, names, peers=peers, fetches=got)
+        tensors = await fetch_tensors(content, accepted.weights, names, peers=peers, fetches=got, announce=announce)
         log.info("job %s: stage %d's %d tensors from %d published pieces, %.1f MB", accepted.spec.job_id, prog.stage,
                  len(names), got.pieces - before[0], (got.bytes - before[1]) / 1e6)
     return dataclasses.replace(prog, tensors=tensors)

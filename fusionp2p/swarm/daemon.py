@@ -88,7 +88,7 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
 def _node_profile(cfg: DaemonConfig, prepare: Callable[[], None] | None) -> DeviceProfile:
     """(worker thread) *prepare*, then the device benchmark, slowed by the emulated slowdown; its memory
     is ``--memory`` where the user gave one."""
-    from fusionp2p.swarm.device import enable_tf32, measure_profile
+    from fusionp2p.swarm.device import enable_tf32, measure_profile, resident, stage_memory_of
 
     if prepare is not None:
         prepare()
@@ -98,7 +98,7 @@ def _node_profile(cfg: DaemonConfig, prepare: Callable[[], None] | None) -> Devi
         if cfg.memory > profile.memory_bytes:
             log.warning("--memory %d bytes is more than this node measures free less its headroom (%d)",
                         cfg.memory, profile.memory_bytes)
-        profile = replace(profile, memory_bytes=cfg.memory)
+        profile = replace(profile, memory_bytes=stage_memory_of(cfg.memory, resident()[0]))
     return profile
 
 

@@ -13,9 +13,11 @@ throttling shows as a thread that got much less CPU time than wall time, which a
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import platform
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +25,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fusionp2p.errors import ConfigError
 from fusionp2p.types import DeviceProfile
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -232,6 +236,40 @@ def slowed(fn: Callable[..., T], factor: float, cpus: float | None) -> Callable[
 
 MEMORY_HEADROOM = 0.10             # of the memory measured as available, left to the OS and the node itself
 MEMORY_HEADROOM_MIN = 512 << 20    # ... and at least this much (Python, torch, libp2p and the content store)
+
+
+_RESIDENT = re.compile(r"^(VmRSS|VmHWM):\s+(\d+) kB", re.MULTILINE)
+
+
+def resident() -> tuple[int, int]:
+    """(current, peak) resident bytes of this process (``/proc/self/status``); (0, 0) where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            got = {k: int(v) * 1024 for k, v in _RESIDENT.findall(f.read())}
+    except OSError:
+        return 0, 0
+    return got.get("VmRSS", 0), got.get("VmHWM", 0)
+
+
+# What a node's process holds beside its stage while it trains one, over its resident size at start (after
+# its device benchmark): the job's DAG, data and manifest, torch's autograd and allocator pools, the data
+# plane's message buffers, a weight piece in flight. Measured (benchmarks/model_scale.py, 2026-11-29): 100-150
+# MiB on four Llama stages of 112-169 MiB (29M parameters, 4 CLI nodes), about 80 of it from the job's intake.
+NODE_RESERVE = 160 << 20
+
+
+def stage_memory_of(offer: int, resident: int) -> int:
+    """What a node whose process may use *offer* bytes in all (``--memory``) and holds *resident* bytes now
+    offers to a job's stage: the rest less :data:`NODE_RESERVE`. ConfigError, saying what to do, when
+    nothing is left."""
+    left = offer - resident - NODE_RESERVE
+    if left < (16 << 20):
+        raise ConfigError(f"--memory {offer / 2**20:.0f}MiB leaves no room for a stage: this node's process holds "
+                          f"{resident / 2**20:.0f} MiB and keeps {NODE_RESERVE >> 20} MiB for a job's own data; "
+                          f"give at least --memory {(resident + NODE_RESERVE) / 2**20 + 64:.0f}MiB")
+    log.info("--memory %.0f MiB: %.0f MiB for a stage (this process holds %.0f MiB, keeps %d MiB for a job's own data)",
+             offer / 2**20, left / 2**20, resident / 2**20, NODE_RESERVE >> 20)
+    return left
 
 
 def offered_memory(available: int) -> int:

@@ -251,8 +251,10 @@ class StageWorker:
         if st.optimizer:
             load_optimizer_tensors(self.opt, names, st.optimizer, st.optimizer_groups)
 
-    def export_state(self) -> StageState:
-        """This replica's state after its last completed step (parameters, optimizer, momentum shard)."""
+    def export_state(self, *, copy: bool = True) -> StageState:
+        """This replica's state after its last completed step (parameters, optimizer, momentum shard). Without
+        *copy*, on a CPU stage the state's tensors are the live ones: for a caller that has it written before
+        the next step changes them (a node's stage file: a copy would double the stage's memory)."""
         names = {p: n for n, p in self.ex.parameters().items()}
         opt, groups = optimizer_tensors(self.opt, names)
         momentum: dict[str, tuple[tuple[int, torch.Tensor], ...]] = {}
@@ -260,8 +262,9 @@ class StageWorker:
             for name, sl in momentum_slices(self._layout(), lo, shard).items():
                 momentum[name] = momentum.get(name, ()) + sl
         own = self.ex.state_dict()
-        return StageState(step=self.completed, tensors={k: v.clone() for k, v in zip(own, dev.to_host(list(own.values())))},
-                          optimizer={k: v.clone() for k, v in zip(opt, dev.to_host(list(opt.values())))}, optimizer_groups=groups,
+        def host(ts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {k: v.clone() if copy else v for k, v in zip(ts, dev.to_host(list(ts.values())))}
+        return StageState(step=self.completed, tensors=host(own), optimizer=host(opt), optimizer_groups=groups,
                           momentum=momentum)
 
     def _stop(self) -> int:

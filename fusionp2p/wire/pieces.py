@@ -162,19 +162,21 @@ def split_tensor(t: torch.Tensor, piece_bytes: int) -> list[memoryview]:
     return [raw[i:i + piece_bytes] for i in range(0, len(raw), piece_bytes)]
 
 
-def make_manifest(tensors: Mapping[str, torch.Tensor], piece_bytes: int = DEFAULT_PIECE_BYTES
-                  ) -> tuple[WeightManifest, dict[str, bytes]]:
-    """The manifest of *tensors* and ``{hash: bytes}`` of every distinct piece (the publisher's side)."""
+def make_manifest(tensors: Mapping[str, torch.Tensor], piece_bytes: int = DEFAULT_PIECE_BYTES, *, copy: bool = True
+                  ) -> tuple[WeightManifest, dict[str, bytes | memoryview]]:
+    """The manifest of *tensors* and ``{hash: bytes}`` of every distinct piece (the publisher's side). Without
+    *copy* the pieces are views of the tensors' own bytes (no second copy of the weights: the publisher
+    serves them from its module, ``ContentStore.put_view``)."""
     if not MIN_PIECE_BYTES <= piece_bytes <= MAX_PIECE_BYTES:
         raise ConfigError(f"piece_bytes must be in [{MIN_PIECE_BYTES}, {MAX_PIECE_BYTES}], not {piece_bytes}")
     entries: list[TensorPieces] = []
-    blobs: dict[str, bytes] = {}
+    blobs: dict[str, bytes | memoryview] = {}
     for name, t in tensors.items():
         hashes = []
         for view in split_tensor(t, piece_bytes):
             h = hashlib.sha256(view).hexdigest()
             if h not in blobs:
-                blobs[h] = bytes(view)
+                blobs[h] = bytes(view) if copy else view
             hashes.append(h)
         entries.append(TensorPieces(name=name, dtype=dtype_name(t.dtype), shape=tuple(int(d) for d in t.shape),
                                     pieces=tuple(hashes)))

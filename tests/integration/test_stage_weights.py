@@ -152,18 +152,60 @@ def test_a_piece_with_wrong_bytes_is_counted_against_its_server_and_fetched_else
                 man, pieces = make_manifest(ts, 1024)
                 for blob in pieces.values():
                     await good.publish(blob)
-                # the liar answers every piece of "w" with another piece's bytes under the asked hash
+                # the liar announces every piece of "w" and answers with another piece's bytes under the asked
+                # hash; holders are asked before the publisher (good), so the liar is asked first
                 other = next(iter(pieces.values()))
                 for h in man.by_name()["w"].pieces:
                     liar.store._mem[h] = other   # what a hostile store would serve (held in memory:
                     liar.store._held[h] = len(other)   # a store without a root, jobs/store.py)
+                    await liar.transport.provide(h)
                 got = WeightFetches()
-                out = await fetch_tensors(client, man, ["w"], peers=[liar.transport.peer_id], fetches=got)
+                out = await fetch_tensors(client, man, ["w"], peers=[good.transport.peer_id], fetches=got)
                 assert torch.equal(out["w"], ts["w"]) and set(out) == {"w"}
                 assert got.tensors == {"w"} and got.pieces == len(man.by_name()["w"].pieces)
                 assert client.refusals.by_reason["weights/piece"] >= 1   # counted against the liar
                 assert not any(client.store.has(h) for h in man.by_name()["b"].pieces)   # never fetched
                 assert good.served >= 1
+
+    trio.run(main)
+
+
+def test_a_node_that_fetched_pieces_serves_them_to_the_next_instead_of_the_publisher(tmp_path: Path) -> None:
+    import trio
+
+    from fusionp2p.jobs.content import ContentService, ContentStore
+    from fusionp2p.jobs.weights import WeightFetches, fetch_tensors
+    from fusionp2p.net.memory import memory_network
+    from fusionp2p.wire.pieces import make_manifest
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with memory_network() as net:
+                publisher = ContentService(net.add_host(), ContentStore())
+                first, second = (ContentService(net.add_host(), ContentStore(tmp_path / str(i))) for i in range(2))
+                for c in (publisher, first, second):
+                    c.install()
+                ts = {"w": torch.randn(40, 30), "b": torch.randn(30)}
+                man, pieces = make_manifest(ts, 1024)
+                for blob in pieces.values():
+                    await publisher.publish(blob)
+                announced: list[str] = []
+
+                def announce(h: str) -> None:
+                    announced.append(h)
+
+                got = WeightFetches()
+                out = await fetch_tensors(first, man, ["w"], peers=[publisher.transport.peer_id], fetches=got,
+                                          announce=announce)
+                assert torch.equal(out["w"], ts["w"])
+                assert announced == list(man.by_name()["w"].pieces)   # kept on disk, to be announced
+                assert first.store.stats()["memory_bytes"] == 0       # no memory copy of a piece
+                for h in announced:
+                    await first.transport.provide(h)
+                served = publisher.served
+                out = await fetch_tensors(second, man, ["w"], peers=[publisher.transport.peer_id])
+                assert torch.equal(out["w"], ts["w"])
+                assert publisher.served == served and first.served == len(announced)   # from the holder alone
 
     trio.run(main)
 

@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.jobs.store import ContentStore, StoreConfig, StoreFull
+from fusionp2p.jobs.store import ContentStore, StoreConfig, StoreFull, sha256_hex
 from fusionp2p.sizes import parse_size
 
 
@@ -132,3 +132,47 @@ def test_sizes_and_config() -> None:
         StoreConfig(disk_bytes=0)
     assert ContentStore().config.disk_bytes is None                     # a publisher's store: no cap
     assert ContentStore(Path("/nonexistent")).config == StoreConfig()   # a node's: the defaults
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_put_chunks_stores_the_joined_parts_under_their_hash_without_a_memory_copy(tmp_path: Path, on_disk: bool) -> None:
+    store = ContentStore(tmp_path if on_disk else None, StoreConfig(disk_bytes=1000, memory_bytes=1000))
+    parts = [memoryview(_blob(1, 300)), _blob(2, 200), memoryview(_blob(3, 100))[10:]]
+    whole = b"".join(parts)
+    with store.pinned_to("job"):
+        h = store.put_chunks(parts, len(whole))
+    assert h == sha256_hex(whole) and store.get(h) == whole and store.pinned_by("job") == {h}
+    assert store.put_chunks(parts, len(whole)) == h and store.stats()["held_bytes"] == len(whole)   # idempotent
+    if on_disk:
+        assert (tmp_path / h[:2] / h).read_bytes() == whole
+        assert not list(tmp_path.glob("*.tmp"))                         # the temporary file became the blob
+        with pytest.raises(ValueError, match="announced"):
+            store.put_chunks(parts, len(whole) + 1)
+        assert not list(tmp_path.glob("*.tmp"))
+        with pytest.raises(StoreFull):
+            store.put_chunks([_blob(4, 600)], 600)                      # what is pinned leaves no room
+        assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_publishers_pieces_are_views_of_its_tensors_and_not_served_once_they_changed() -> None:
+    import torch
+
+    from fusionp2p.wire.pieces import make_manifest
+
+    w = torch.randn(64, 16)
+    man, pieces = make_manifest({"w": w}, 1024, copy=False)
+    store = ContentStore()
+    for h, view in pieces.items():
+        assert isinstance(view, memoryview)
+        store.put_view(h, view)
+    first = man.tensors[0].pieces[0]
+    with store.reader(first) as f:
+        assert f.read(10) + f.read() == bytes(pieces[first]) and store.get(first) == bytes(pieces[first])
+    w[0, 0] += 1.0                                         # the module trained on: its first piece changed
+    with pytest.raises(KeyError), store.reader(first):
+        pass
+    with pytest.raises(KeyError):
+        store.get(first)
+    last = man.tensors[0].pieces[-1]
+    with store.reader(last) as f:                          # the others are still what was published
+        assert sha256_hex(f.read()) == last

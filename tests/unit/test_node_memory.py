@@ -39,3 +39,13 @@ def test_the_node_command_takes_memory_and_refuses_a_bad_one_in_one_line(capsys:
     assert main(["node", "--bootstrap", BOOT, "--home", "/nonexistent/fp2p-test", "--memory", "lots"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--memory" in err and "3GiB" in err, err
+
+
+def test_memory_is_the_process_total_and_a_stage_gets_what_its_footprint_and_reserve_leave() -> None:
+    from fusionp2p.swarm.device import NODE_RESERVE, resident, stage_memory_of
+
+    assert stage_memory_of(3 << 30, 400 << 20) == (3 << 30) - (400 << 20) - NODE_RESERVE
+    with pytest.raises(ConfigError, match=r"leaves no room for a stage.*at least --memory \d+MiB"):
+        stage_memory_of(2_400_000, 300 << 20)                     # a few MB: under the process's own footprint
+    rss, peak = resident()
+    assert 0 < rss <= peak                                        # Linux: this process's own figures
