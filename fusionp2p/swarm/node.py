@@ -663,7 +663,7 @@ class SwarmNode:
         for ev in events:
             if ev.change in (Change.DEAD, Change.LEFT):
                 self._dialed.discard(ev.peer)
-                self.prober.on_gone(ev.peer)
+                self.prober.on_gone(ev.peer, left=ev.change is Change.LEFT)
             if ev.change in (Change.JOINED, Change.REVIVED):
                 self.prober.on_joined(ev.peer)
             if ev.change is not Change.UPDATED:

@@ -49,6 +49,20 @@ log = logging.getLogger("fusionp2p.swarm.node")   # the node's log, as before th
 # CO2 that latency every step, and which hosts a plan took changed from run to run.
 RTT_WINDOW = 8
 
+# A member declared dead keeps its link's figure this long (a revived one is not measured again): on a
+# machine at its CPU limit members flap (8 node processes at load 14-23: 326 deaths and 300 revivals in
+# 100 s), and a figure dropped at every flap was measured again, while the pair read unmeasured in our
+# report meanwhile, so the swarm's matrix was rarely complete at any one moment.
+KEEP_DEAD = 120.0
+# A peer whose probe stream did not open and answer in time is tried again after this many heartbeats,
+# doubled after each failure in a row (at most BACKOFF_MAX), with a deadline of ctrl_timeout times
+# (1 + failures), at most CTRL_STRETCH: at load 14-23 stream opens took 1-3 s and more, the 3 s deadline
+# discarded opens that were nearly done, and every node tried each such peer again after one heartbeat
+# (236 open/ping timeouts and not one pair measured in 100 s, 8 processes), adding to the load that made
+# them slow.
+BACKOFF_MAX = 16
+CTRL_STRETCH = 4
+
 
 @dataclass
 class _Link:
@@ -57,6 +71,8 @@ class _Link:
     samples: int = 0
     next_bytes: int = 0
     raw_after: float = 0.0   # its raw socket failed: probed on the stream only until then
+    failures: int = 0        # probes in a row whose stream did not open and answer in time
+    retry_at: float = 0.0    # ... so it is not tried again before then
     rtts: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW))
 
 
@@ -93,6 +109,7 @@ class LinkProber:
         self.links: dict[str, _Link] = {}
         self.server = ProbeServer(refusals=refusals)
         self.known_since: dict[str, float] = {}   # when each live member joined our view (for probe takeover)
+        self.dead_since: dict[str, float] = {}    # members declared dead whose links we keep (KEEP_DEAD)
         self.next_refresh = 0.0                    # when the next refresh round (re-measuring peers) is due
         self.credit = self.config.burst            # duty-cycle bucket: seconds of bulk transfer we may spend
         self.credit_t = 0.0
@@ -117,11 +134,23 @@ class LinkProber:
 
     def on_joined(self, peer: str) -> None:
         self.known_since[peer] = trio.current_time()
+        self.dead_since.pop(peer, None)
         self.wake.set()
 
-    def on_gone(self, peer: str) -> None:
-        self.links.pop(peer, None)
+    def on_gone(self, peer: str, *, left: bool = True) -> None:
+        """*peer* left (its link is forgotten) or was declared dead (its link is kept for ``KEEP_DEAD``
+        seconds: a flap must not cost the pair its measurement)."""
         self.known_since.pop(peer, None)
+        if left:
+            self.links.pop(peer, None)
+            self.dead_since.pop(peer, None)
+            return
+        now = trio.current_time()
+        self.dead_since[peer] = now
+        for p, since in list(self.dead_since.items()):
+            if now - since > KEEP_DEAD:
+                del self.dead_since[p]
+                self.links.pop(p, None)
 
     def _measured(self, peer: str) -> bool:
         return peer in self.links and self.links[peer].samples > 0
@@ -158,7 +187,8 @@ class LinkProber:
         self.rng.shuffle(peers)   # every node walking the same sorted list would pile onto one target
         never = [p for p in peers if not self._measured(p)]
         if never:
-            return never[: self.config.first]
+            # a peer whose last probes did not open in time waits out its backoff (it stays pending)
+            return [p for p in never if p not in self.links or self.links[p].retry_at <= now][: self.config.first]
         if now < self.next_refresh or self._refill() < 0 or self.training():
             return []
         self.next_refresh = now + self.config.interval
@@ -226,13 +256,17 @@ class LinkProber:
         async with slots:
             if not self.view.is_alive(peer):
                 return
+            link = self._link(peer)
             try:
-                with trio.fail_after(self.config.ctrl_timeout):
+                with trio.fail_after(self.config.ctrl_timeout * min(1 + link.failures, CTRL_STRETCH)):
                     session = await open_probe(self.transport, peer)
             except (PeerUnavailable, trio.TooSlowError) as exc:
                 self.counters.probes_failed += 1
+                link.retry_at = trio.current_time() + self.heartbeat * min(2 ** link.failures, BACKOFF_MAX)
+                link.failures += 1
                 log.debug("probe %s failed: %s", short_peer(peer), str(exc) or "timed out (open/ping)")
                 return
+            link.failures = 0
             try:
                 res = await self._measure(session, bulk, spent)
             finally:
