@@ -192,11 +192,6 @@ class ContentStore:
         finally:
             _OWNER.reset(token)
 
-    @property
-    def on_disk(self) -> bool:
-        """Whether the store keeps blobs on disk (a node's), not only in memory (a publisher's, a test's)."""
-        return self._root is not None
-
     def make_room(self, n: int) -> None:
         """Evict cached blobs, oldest first, until *n* more bytes fit; StoreFull if pins leave no room."""
         cap = self.config.disk_bytes
