@@ -34,7 +34,7 @@ import trio
 from fusionp2p.errors import JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.jobs.build import AcceptedJob, job_cost_model
-from fusionp2p.jobs.content import ContentService
+from fusionp2p.jobs.content import FETCH_BACKOFF, FETCH_ROUNDS, ContentService
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.train.schedule import in_flight_limit
@@ -91,15 +91,34 @@ def stage_fit(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, pro
             f"more than the {memory_bytes / 2**20:.0f} MiB this node offers (--memory)")
 
 
-PROVIDERS_TIMEOUT = 5.0   # seconds a piece's DHT lookup may take before its named peers are asked alone
+PROVIDERS_TIMEOUT = 5.0   # seconds the DHT lookups of a stage's pieces may take before its named peers are asked alone
+LOOKUPS_AT_ONCE = 16      # DHT lookups in flight at once (a stage of a large model has hundreds of pieces)
+
+
+async def find_holders(content: ContentService, hashes: Sequence[str]) -> dict[str, list[str]]:
+    """The DHT's providers of each of *hashes* (the nodes that fetched it before), looked up at once and
+    within :data:`PROVIDERS_TIMEOUT` in all: what a lookup did not return by then is left empty."""
+    found: dict[str, list[str]] = {}
+    limit = trio.CapacityLimiter(LOOKUPS_AT_ONCE)
+
+    async def one(h: str) -> None:
+        async with limit:
+            found[h] = await content.transport.find_providers(h)
+
+    with trio.move_on_after(PROVIDERS_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            for h in dict.fromkeys(hashes):
+                nursery.start_soon(one, h)
+    return found
 
 
 async def fetch_piece(content: ContentService, h: str, size: int, peers: Sequence[str], *,
-                      announce: Callable[[str], None] | None = None) -> bytes:
+                      announce: Callable[[str], None] | None = None, holders: Sequence[str] | None = None) -> bytes:
     """Content *h* of exactly *size* bytes (a weight piece, a data shard: any bounded blob by its hash): from
-    the store, else from the DHT's providers of it (the nodes that fetched it before) and then *peers* (its
-    publisher), in turn. A peer that serves bytes of the wrong hash is counted against it and the next is
-    asked; PeerUnavailable when none delivers.
+    the store, else from its *holders* (default: the DHT's providers of it, the nodes that fetched it
+    before) and then *peers* (its publisher), in turn, in up to ``FETCH_ROUNDS`` rounds (a stream that
+    fails under load is tried again after a backoff). A peer that serves bytes of the wrong hash is
+    counted against it and not asked again; PeerUnavailable when none delivers.
 
     With *announce*, a node whose store is on disk keeps the piece there (no memory copy: the tensors built
     from it are the stage's) and calls ``announce(h)`` so that the caller provides it on the DHT: later
@@ -108,34 +127,42 @@ async def fetch_piece(content: ContentService, h: str, size: int, peers: Sequenc
     store = content.store
     if store.has(h) and store.size(h) == size:
         return store.get(h)
-    providers: list[str] = []
-    with trio.move_on_after(PROVIDERS_TIMEOUT):
-        providers = await content.transport.find_providers(h)
+    if holders is None:
+        holders = (await find_holders(content, [h])).get(h, [])
     me = content.transport.peer_id
     # the holders first, each fetcher starting at its own place among them (spreads the load), the publisher last
-    holders = sorted(p for p in providers if p != me and p not in peers)
-    if holders:
-        k = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "big") % len(holders)
-        holders = holders[k:] + holders[:k]
+    ring = sorted(p for p in holders if p != me and p not in peers)
+    if ring:
+        k = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "big") % len(ring)
+        ring = ring[k:] + ring[:k]
     errors: list[str] = []
-    for peer in [*holders, *(p for p in peers if p != me)]:
-        try:
-            blob = await content.fetch_from(peer, h, max_size=size)
-        except RemoteProtocolError as exc:
-            content.refusals.refuse(peer, "weights/piece", now=trio.current_time(), detail=str(exc)[:200])
-            errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
-            continue
-        except (PeerUnavailable, trio.TooSlowError) as exc:
-            log.info("piece %s… from %s: %s", h[:16], short_peer(peer), exc)
-            errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
-            continue
-        if len(blob) != size:   # the right hash of the wrong size: the manifest is the publisher's mistake
-            raise RemoteProtocolError(f"piece {h[:16]}… has {len(blob)} bytes, the manifest says {size}")
-        if announce is not None and store.on_disk:
-            await content.put_chunks([blob], size)
-            announce(h)
-        return blob
-    raise PeerUnavailable(f"holders of piece {h[:16]}…", "; ".join(errors) or "no provider found")
+    bad: set[str] = set()
+    delay = FETCH_BACKOFF
+    for attempt in range(FETCH_ROUNDS):
+        if attempt:
+            await trio.sleep(delay)   # a bounded backoff between rounds
+            delay *= 2
+        for peer in [*ring, *(p for p in peers if p != me)]:
+            if peer in bad:
+                continue
+            try:
+                blob = await content.fetch_from(peer, h, max_size=size)
+            except RemoteProtocolError as exc:
+                content.refusals.refuse(peer, "weights/piece", now=trio.current_time(), detail=str(exc)[:200])
+                errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
+                bad.add(peer)
+                continue
+            except (PeerUnavailable, trio.TooSlowError) as exc:
+                log.info("piece %s… from %s: %s", h[:16], short_peer(peer), exc)
+                errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
+                continue
+            if len(blob) != size:   # the right hash of the wrong size: the manifest is the publisher's mistake
+                raise RemoteProtocolError(f"piece {h[:16]}… has {len(blob)} bytes, the manifest says {size}")
+            if announce is not None and store.on_disk:
+                await content.put_chunks([blob], size)
+                announce(h)
+            return blob
+    raise PeerUnavailable(f"holders of piece {h[:16]}…", "; ".join(errors[-6:]) or "no provider found")
 
 
 async def fetch_tensors(content: ContentService, manifest: WeightManifest, names: Sequence[str], *,
@@ -143,12 +170,13 @@ async def fetch_tensors(content: ContentService, manifest: WeightManifest, names
                         announce: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
     """The published tensors *names*, each rebuilt from its pieces (and nothing else; see :func:`fetch_piece`)."""
     by_name = manifest.by_name()
+    held = await find_holders(content, [h for n in names if n in by_name for h in by_name[n].pieces])
     out: dict[str, torch.Tensor] = {}
     for name in names:
         entry = by_name.get(name)
         if entry is None:
             raise RemoteProtocolError(f"the weight manifest has no tensor {name[:80]!r}")
-        blobs = [await fetch_piece(content, h, n, peers, announce=announce)
+        blobs = [await fetch_piece(content, h, n, peers, announce=announce, holders=held.get(h, []))
                  for h, n in zip(entry.pieces, manifest.piece_sizes(entry), strict=True)]
         out[name] = await trio.to_thread.run_sync(join_pieces, manifest, entry, blobs)
         if fetches is not None:
@@ -179,4 +207,4 @@ async def prepare_stage(content: ContentService, accepted: AcceptedJob, prog: St
     return dataclasses.replace(prog, tensors=tensors)
 
 
-__all__ = ["WeightFetches", "fetch_piece", "fetch_tensors", "prepare_stage", "stage_fit", "stage_memory"]
+__all__ = ["WeightFetches", "fetch_piece", "fetch_tensors", "find_holders", "prepare_stage", "stage_fit", "stage_memory"]
