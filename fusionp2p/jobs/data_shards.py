@@ -36,6 +36,7 @@ import trio
 
 from fusionp2p.data.shards import STORAGE_DTYPES, ShardedTokens, ShardManifest, decode_shard
 from fusionp2p.data.stream import History, StreamConfig, StreamOrder, next_history
+from fusionp2p.data.url import read_range
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.program import DATA, StageProgram
 from fusionp2p.jobs.content import ContentService
@@ -50,8 +51,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STREAMED_KINDS = ("text", "npy", "bin")   # dataset kinds read as streamed token shards
+STREAMED_KINDS = ("text", "npy", "bin", "url")   # dataset kinds read as streamed token shards
 ANNOUNCE_GRACE = 2.0                     # seconds an ending feed leaves its pending announcements
+URL = "url"                              # the dataset's URL among the candidates of a shard
+URL_STRIKES = 3                          # wrong answers or stalls after which a feed asks the URL no more
+URL_TIMEOUT = 60.0                       # seconds for one range request
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +80,7 @@ class FeedStats:
 
     received_bytes: int = 0       # shard bytes from peers
     disk_bytes: int = 0           # shard bytes read back from the node's store
+    url_bytes: int = 0            # shard bytes read from the dataset's URL (also in received_bytes)
     consumed_bytes: int = 0       # bytes of the samples the stage read (seq_len tokens a sample)
     shards: int = 0               # shards fetched from peers
     refused: int = 0              # shards refused (wrong bytes) from a peer
@@ -94,9 +99,11 @@ class ShardFeed:
 
     def __init__(self, content: ContentService, order: StreamOrder, names: Sequence[str], *, replica: int,
                  replicas: int, micro: Sequence[int] = (), micro_period: int = 1, peers: Sequence[str] = (),
-                 config: FeedConfig | None = None, last_step: int | None = None,
+                 config: FeedConfig | None = None, last_step: int | None = None, url: str | None = None,
                  on_late: Callable[[int, int, float], Awaitable[None]] | None = None) -> None:
         self.content, self.order, self.names = content, order, tuple(names)
+        self.url = url               # a URL dataset (data/url.py): asked after the holders, before the peers
+        self.url_strikes = 0         # its wrong answers and stalls; at URL_STRIKES it is asked no more
         self.last_step = last_step   # the job's steps: the final evaluation reads that step's, none later
         self.config = config or FeedConfig()
         self.replicas, self.peers, self.on_late = replicas, tuple(peers), on_late
@@ -217,6 +224,22 @@ class ShardFeed:
             if kept:
                 announces.start_soon(self._announce, self.order.manifest.shards[nxt])
 
+    async def _from_url(self, i: int, size: int, errors: list[str]) -> bytes | None:
+        """Shard *i* read from the dataset's URL with a range request, verified; None (counted against
+        the URL) when it serves other bytes, fails or stalls."""
+        assert self.url is not None
+        start = self.order.manifest.shard_range(i)[0] * self._itemsize
+        try:
+            blob = await _read_url(self.url, start, size, min(self.content.config.fetch_timeout, URL_TIMEOUT))
+            decode_shard(self.order.manifest, i, blob)
+        except (RemoteProtocolError, trio.TooSlowError) as exc:
+            self.url_strikes += 1
+            self.stats.refused += 1
+            log.warning("data shard %d from %s: %s (strike %d of %d)", i, self.url[:80], exc, self.url_strikes, URL_STRIKES)
+            errors.append(f"url: {type(exc).__name__}")
+            return None
+        return blob
+
     async def _announce(self, h: str) -> None:
         with trio.move_on_after(self.config.announce_timeout):
             try:
@@ -262,10 +285,21 @@ class ShardFeed:
             found = []
             log.info("holders of data shard %d: %s", i, exc)
         # holders first, the publisher (and the other given peers) last: it may have gone offline
-        candidates = [p for p in dict.fromkeys([*sorted(set(found) - set(self.peers)), *self.peers])
+        holders = [p for p in sorted(set(found) - set(self.peers)) if p != me]
+        url = [URL] if self.url is not None and self.url_strikes < URL_STRIKES else []
+        candidates = [p for p in dict.fromkeys([*holders, *url, *self.peers])
                       if p != me and not self.content.refusals.banned(p, now=now)]
-        errors = []
+        errors: list[str] = []
         for peer in candidates:
+            if peer == URL:
+                blob = await self._from_url(i, size, errors)
+                if blob is None:
+                    continue
+                self.stats.url_bytes += len(blob)
+                self.stats.received_bytes += len(blob)
+                self.stats.shards += 1
+                self._errors.pop(i, None)
+                return blob
             try:
                 blob = await self.content.fetch_from(peer, h, max_size=size)
                 decode_shard(self.order.manifest, i, blob)
@@ -290,6 +324,13 @@ class ShardFeed:
         return None
 
 
+async def _read_url(url: str, start: int, size: int, timeout: float) -> bytes:
+    with trio.fail_after(timeout + 1.0):   # urllib's own timeout is per read; this bounds the whole range
+        # trio-typing's stubs predate abandon_on_cancel (as in swarm/probe.py)
+        return await trio.to_thread.run_sync(lambda: read_range(url, start, size, timeout=timeout),  # type: ignore[no-any-return]
+                                             abandon_on_cancel=True)  # type: ignore[call-arg]
+
+
 def stage_feed(content: ContentService, accepted: AcceptedJob, plan: Plan, stage: int, replica: int, history: History,
                prog: StageProgram, *, peers: Sequence[str] = (), stats: FeedStats | None = None,
                config: FeedConfig | None = None,
@@ -311,7 +352,8 @@ def stage_feed(content: ContentService, accepted: AcceptedJob, plan: Plan, stage
 
     feed = ShardFeed(content, order, names, replica=replica, replicas=len(plan.stages[stage].replicas),
                      micro=plan.micro, micro_period=plan.micro_period, peers=peers, config=config,
-                     last_step=cfg.steps, on_late=on_late)
+                     last_step=cfg.steps, on_late=on_late,
+                     url=accepted.spec.dataset.name if accepted.spec.dataset.kind == "url" else None)
     if stats is not None:
         feed.stats = stats     # the job's totals over its epochs
     return feed
