@@ -75,7 +75,7 @@ def test_a_kill_a_rollback_and_a_joiner_keep_every_epoch_exact() -> None:
     assert all(int((first_epoch == x).sum()) == 1 for x in lost)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 9), st.integers(1, 4)), min_size=1, max_size=5), st.integers(1, 4))
 def test_any_history_is_exact(cuts: list[tuple[int, int]], r0: int) -> None:
     h = next_history((), 0, r0 * M)
