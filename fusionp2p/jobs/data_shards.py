@@ -117,6 +117,7 @@ class ShardFeed:
         self._arrived = trio.Event()
         self._errors: dict[int, str] = {}
         self._need_cache: tuple[int, list[int]] = (-1, [])
+        self._urgent: list[int] = []     # shards a waiting read needs now
         self._itemsize = STORAGE_DTYPES[order.manifest.dtype].itemsize
 
     # ------------------------------------------------------------------ what is read when
@@ -158,9 +159,8 @@ class ShardFeed:
         step, _ = self._split(sstep, micro)
         self._move(step)
         shards = self.order.shard_of(self._windows(sstep, micro)).tolist()
-        for i in shards:   # the micro-batch's own shards, even if a re-deal put them outside the window
-            if i not in self._held and i not in self._needed():
-                self._need_cache[1].insert(0, i)
+        # the micro-batch's own shards come first, even if a re-deal put them outside the window or it is full
+        self._urgent = [i for i in shards if i not in self._held]
         t0 = trio.current_time()
         told = False
         while any(i not in self._held for i in shards):
@@ -212,12 +212,13 @@ class ShardFeed:
 
     async def _prefetch(self, announces: trio.Nursery) -> None:
         while True:
-            nxt = next((i for i in self._needed() if i not in self._held), None)
-            if nxt is None or len(self._held) >= self.max_shards or self._cursor < 0:
+            urgent = next((i for i in self._urgent if i not in self._held), None)
+            nxt = urgent if urgent is not None else next((i for i in self._needed() if i not in self._held), None)
+            if nxt is None or (urgent is None and len(self._held) >= self.max_shards) or self._cursor < 0:
                 await self._changed.wait()
                 continue
             blob, kept = await self._fetch(nxt)
-            if nxt in self._needed():   # the cursor may have moved past it meanwhile
+            if nxt == urgent or nxt in self._needed():   # the cursor may have moved past it meanwhile
                 self._held[nxt] = decode_shard(self.order.manifest, nxt, blob)
                 self._arrived.set()
                 self._arrived = trio.Event()
