@@ -9,6 +9,7 @@ from fusionp2p.data.examples import ExampleManifest, Examples, ExampleSampler, S
 from fusionp2p.data.sampler import BatchSampler, SamplerConfig
 from fusionp2p.data.shards import ShardedTokens, ShardManifest, decode_shard, make_shards
 from fusionp2p.data.tokens import BuiltinCorpus, TokenFile, TokenSource
+from fusionp2p.data.url import TokenURL
 
 __all__ = [
     "VOCAB_SIZE",
@@ -23,6 +24,7 @@ __all__ = [
     "ShardedTokens",
     "TokenFile",
     "TokenSource",
+    "TokenURL",
     "corpus_bytes",
     "corpus_hash",
     "corpus_tokens",

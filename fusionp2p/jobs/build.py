@@ -41,6 +41,7 @@ from fusionp2p.data import (
 )
 from fusionp2p.data.corpus import corpus_hash
 from fusionp2p.data.shards import DEFAULT_SHARD_TOKENS
+from fusionp2p.data.url import TokenURL, check_url
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, PlanError, RemoteProtocolError
 from fusionp2p.graph import OpDAG, Ref, coarsen, partition, stages_from_fences, to_workload, trace
 from fusionp2p.graph.program import StageProgram
@@ -73,14 +74,14 @@ from fusionp2p.wire.pieces import (
 
 log = logging.getLogger(__name__)
 
-Dataset = BuiltinCorpus | TokenFile | Examples
+Dataset = BuiltinCorpus | TokenFile | Examples | TokenURL
 LossFn = Callable[..., torch.Tensor]
 
 
 def as_dataset(dataset: Any) -> Dataset:
     """The dataset a user gave ``publish``: a dataset object, or a path to a ``.npz``/``.safetensors``
     file of named arrays (one row per example). ConfigError saying what to give otherwise."""
-    if isinstance(dataset, BuiltinCorpus | TokenFile | Examples):
+    if isinstance(dataset, BuiltinCorpus | TokenFile | Examples | TokenURL):
         return dataset
     if isinstance(dataset, str | os.PathLike):
         p = Path(dataset)
@@ -120,7 +121,7 @@ class BuiltJob:
     dag: OpDAG
 
 
-def _example(dataset: BuiltinCorpus | TokenFile, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _example(dataset: BuiltinCorpus | TokenFile | TokenURL, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch of the real data (the DAG is traced for the micro-batch shape)."""
     tokens = dataset.tokens()
     sampler = BatchSampler(SamplerConfig(num_tokens=len(tokens), seq_len=dataset.seq_len, micro_batch=cfg.micro_batch,
@@ -318,6 +319,11 @@ class NodeJobs:
             for i, h in enumerate(eman.shards):
                 tokens.add(i, await self._fetch(h, peers, max_size=eman.shard_bytes(i)))
         else:
+            if ref.kind == "url":
+                try:
+                    check_url(ref.name)
+                except ConfigError as exc:
+                    raise RemoteProtocolError(f"job {spec.job_id}: {exc}") from None
             manifest = ShardManifest.decode(await self._fetch(ref.content_hash, peers, max_size=MAX_MANIFEST_BYTES),
                                             expected_hash=ref.content_hash)
             # streamed (issue 38): no shard here; a reading stage's feed fetches its replica's, a window ahead

@@ -36,6 +36,7 @@ import trio
 
 from fusionp2p.data.shards import STORAGE_DTYPES, ShardedTokens, ShardManifest, decode_shard
 from fusionp2p.data.stream import History, StreamConfig, StreamOrder, next_history
+from fusionp2p.data.url import read_range
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.program import DATA, StageProgram
 from fusionp2p.jobs.content import ContentService
@@ -50,8 +51,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STREAMED_KINDS = ("text", "npy", "bin")   # dataset kinds read as streamed token shards
+STREAMED_KINDS = ("text", "npy", "bin", "url")   # dataset kinds read as streamed token shards
 ANNOUNCE_GRACE = 2.0                     # seconds an ending feed leaves its pending announcements
+URL = "url"                              # the dataset's URL among the candidates of a shard
+URL_STRIKES = 3                          # wrong answers or stalls after which a feed asks the URL no more
+URL_TIMEOUT = 60.0                       # seconds for one range request
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +80,7 @@ class FeedStats:
 
     received_bytes: int = 0       # shard bytes from peers
     disk_bytes: int = 0           # shard bytes read back from the node's store
+    url_bytes: int = 0            # shard bytes read from the dataset's URL (also in received_bytes)
     consumed_bytes: int = 0       # bytes of the samples the stage read (seq_len tokens a sample)
     shards: int = 0               # shards fetched from peers
     refused: int = 0              # shards refused (wrong bytes) from a peer
@@ -94,9 +99,11 @@ class ShardFeed:
 
     def __init__(self, content: ContentService, order: StreamOrder, names: Sequence[str], *, replica: int,
                  replicas: int, micro: Sequence[int] = (), micro_period: int = 1, peers: Sequence[str] = (),
-                 config: FeedConfig | None = None, last_step: int | None = None,
+                 config: FeedConfig | None = None, last_step: int | None = None, url: str | None = None,
                  on_late: Callable[[int, int, float], Awaitable[None]] | None = None) -> None:
         self.content, self.order, self.names = content, order, tuple(names)
+        self.url = url               # a URL dataset (data/url.py): asked after the holders, before the peers
+        self.url_strikes = 0         # its wrong answers and stalls; at URL_STRIKES it is asked no more
         self.last_step = last_step   # the job's steps: the final evaluation reads that step's, none later
         self.config = config or FeedConfig()
         self.replicas, self.peers, self.on_late = replicas, tuple(peers), on_late
@@ -110,6 +117,7 @@ class ShardFeed:
         self._arrived = trio.Event()
         self._errors: dict[int, str] = {}
         self._need_cache: tuple[int, list[int]] = (-1, [])
+        self._urgent: list[int] = []     # shards a waiting read needs now
         self._itemsize = STORAGE_DTYPES[order.manifest.dtype].itemsize
 
     # ------------------------------------------------------------------ what is read when
@@ -151,9 +159,8 @@ class ShardFeed:
         step, _ = self._split(sstep, micro)
         self._move(step)
         shards = self.order.shard_of(self._windows(sstep, micro)).tolist()
-        for i in shards:   # the micro-batch's own shards, even if a re-deal put them outside the window
-            if i not in self._held and i not in self._needed():
-                self._need_cache[1].insert(0, i)
+        # the micro-batch's own shards come first, even if a re-deal put them outside the window or it is full
+        self._urgent = [i for i in shards if i not in self._held]
         t0 = trio.current_time()
         told = False
         while any(i not in self._held for i in shards):
@@ -205,17 +212,34 @@ class ShardFeed:
 
     async def _prefetch(self, announces: trio.Nursery) -> None:
         while True:
-            nxt = next((i for i in self._needed() if i not in self._held), None)
-            if nxt is None or len(self._held) >= self.max_shards or self._cursor < 0:
+            urgent = next((i for i in self._urgent if i not in self._held), None)
+            nxt = urgent if urgent is not None else next((i for i in self._needed() if i not in self._held), None)
+            if nxt is None or (urgent is None and len(self._held) >= self.max_shards) or self._cursor < 0:
                 await self._changed.wait()
                 continue
             blob, kept = await self._fetch(nxt)
-            if nxt in self._needed():   # the cursor may have moved past it meanwhile
+            if nxt == urgent or nxt in self._needed():   # the cursor may have moved past it meanwhile
                 self._held[nxt] = decode_shard(self.order.manifest, nxt, blob)
                 self._arrived.set()
                 self._arrived = trio.Event()
             if kept:
                 announces.start_soon(self._announce, self.order.manifest.shards[nxt])
+
+    async def _from_url(self, i: int, size: int, errors: list[str]) -> bytes | None:
+        """Shard *i* read from the dataset's URL with a range request, verified; None (counted against
+        the URL) when it serves other bytes, fails or stalls."""
+        assert self.url is not None
+        start = self.order.manifest.shard_range(i)[0] * self._itemsize
+        try:
+            blob = await _read_url(self.url, start, size, min(self.content.config.fetch_timeout, URL_TIMEOUT))
+            decode_shard(self.order.manifest, i, blob)
+        except (RemoteProtocolError, trio.TooSlowError) as exc:
+            self.url_strikes += 1
+            self.stats.refused += 1
+            log.warning("data shard %d from %s: %s (strike %d of %d)", i, self.url[:80], exc, self.url_strikes, URL_STRIKES)
+            errors.append(f"url: {type(exc).__name__}")
+            return None
+        return blob
 
     async def _announce(self, h: str) -> None:
         with trio.move_on_after(self.config.announce_timeout):
@@ -245,10 +269,12 @@ class ShardFeed:
             delay = min(2 * delay, 8.0)
             got = await self._from_holders(i, h, size)
         blob = got
+        if not store.on_disk:
+            return blob, False    # a store in memory only (a test's) would keep every shard: memory is the window's
         with store.unpinned():
             try:
                 store.put(blob)
-                return blob, store.on_disk
+                return blob, True
             except StoreFull as exc:
                 log.info("data shard %d not kept on disk: %s", i, exc)
                 return blob, False
@@ -262,10 +288,21 @@ class ShardFeed:
             found = []
             log.info("holders of data shard %d: %s", i, exc)
         # holders first, the publisher (and the other given peers) last: it may have gone offline
-        candidates = [p for p in dict.fromkeys([*sorted(set(found) - set(self.peers)), *self.peers])
+        holders = [p for p in sorted(set(found) - set(self.peers)) if p != me]
+        url = [URL] if self.url is not None and self.url_strikes < URL_STRIKES else []
+        candidates = [p for p in dict.fromkeys([*holders, *url, *self.peers])
                       if p != me and not self.content.refusals.banned(p, now=now)]
-        errors = []
+        errors: list[str] = []
         for peer in candidates:
+            if peer == URL:
+                blob = await self._from_url(i, size, errors)
+                if blob is None:
+                    continue
+                self.stats.url_bytes += len(blob)
+                self.stats.received_bytes += len(blob)
+                self.stats.shards += 1
+                self._errors.pop(i, None)
+                return blob
             try:
                 blob = await self.content.fetch_from(peer, h, max_size=size)
                 decode_shard(self.order.manifest, i, blob)
@@ -290,6 +327,13 @@ class ShardFeed:
         return None
 
 
+async def _read_url(url: str, start: int, size: int, timeout: float) -> bytes:
+    with trio.fail_after(timeout + 1.0):   # urllib's own timeout is per read; this bounds the whole range
+        # trio-typing's stubs predate abandon_on_cancel (as in swarm/probe.py)
+        return await trio.to_thread.run_sync(lambda: read_range(url, start, size, timeout=timeout),  # type: ignore[no-any-return]
+                                             abandon_on_cancel=True)  # type: ignore[call-arg]
+
+
 def stage_feed(content: ContentService, accepted: AcceptedJob, plan: Plan, stage: int, replica: int, history: History,
                prog: StageProgram, *, peers: Sequence[str] = (), stats: FeedStats | None = None,
                config: FeedConfig | None = None,
@@ -311,7 +355,8 @@ def stage_feed(content: ContentService, accepted: AcceptedJob, plan: Plan, stage
 
     feed = ShardFeed(content, order, names, replica=replica, replicas=len(plan.stages[stage].replicas),
                      micro=plan.micro, micro_period=plan.micro_period, peers=peers, config=config,
-                     last_step=cfg.steps, on_late=on_late)
+                     last_step=cfg.steps, on_late=on_late,
+                     url=accepted.spec.dataset.name if accepted.spec.dataset.kind == "url" else None)
     if stats is not None:
         feed.stats = stats     # the job's totals over its epochs
     return feed

@@ -174,6 +174,7 @@ class JobDriver:
         self.config = config or DriverConfig()
         self.members: set[str] = set()        # every peer we know to have been a member (reports accepted)
         self.current: tuple[str, ...] = ()    # the members of the newest plan we heard of
+        self._stages = 0                      # the stages of that plan (0: none heard of)
         self.epoch = -1
         self.book = ProgressBook(job=self.job, steps=self.steps)
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[str, Any]](math.inf)
@@ -403,6 +404,8 @@ class JobDriver:
 
     def _all_done(self) -> bool:
         stages = {s for s, _ in self._done}
+        if self._stages and stages != set(range(self._stages)):
+            return False   # the first stages said done, a later one not yet (the plan says how many there are)
         return bool(stages) and all((s, 0) in self._done and isinstance(self._done[(s, 0)].get("checkpoint"), str)
                                     for s in range(max(stages) + 1)) and len(stages) == max(stages) + 1
 
@@ -472,6 +475,7 @@ class JobDriver:
             self._state(JobState.PLANNED, f"re-plan: epoch {ev.epoch}")
         self.epoch = ev.epoch
         self.current = ev.members
+        self._stages = len(sizes)
         self.members |= set(ev.members)
         self.book.set_plan(ev.epoch, len(sizes) - 1, ev.members[sum(sizes[:-1]):])
         self._emit(ev)

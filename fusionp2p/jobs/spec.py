@@ -30,6 +30,7 @@ import numpy as np
 from fusionp2p.data.examples import ExampleManifest, Examples
 from fusionp2p.data.shards import ShardManifest, is_sha256_hex, make_shards
 from fusionp2p.data.tokens import BuiltinCorpus, TokenFile
+from fusionp2p.data.url import TokenURL
 from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
 from fusionp2p.net.identity import is_valid_peer_id, verify
 from fusionp2p.train.config import CO2, AdaTopK, LRSchedule, TrainConfig
@@ -44,7 +45,7 @@ __all__ = [
 SPEC_VERSION = 1
 SIGN_DOMAIN = b"fusionp2p/jobspec/1\0"
 MAX_SPEC_BYTES = 64 * 1024          # fits one gossip message (LIBP2P_NOTES §5)
-DATASET_KINDS = ("builtin", "text", "npy", "bin", "examples")
+DATASET_KINDS = ("builtin", "text", "npy", "bin", "examples", "url")
 DEVICE_KINDS = ("cpu", "cuda", "mps", "xpu")
 _T = TypeVar("_T")
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -102,7 +103,7 @@ class DatasetRef:
 
 
 def prepare_dataset(
-    src: BuiltinCorpus | TokenFile | Examples, *, shard_tokens: int = 1 << 20
+    src: BuiltinCorpus | TokenFile | Examples | TokenURL, *, shard_tokens: int = 1 << 20
 ) -> tuple[DatasetRef, ShardManifest | ExampleManifest | None, dict[str, bytes]]:
     """The publisher's side: a dataset reference for *src*, plus (for files) the manifest and the
     blobs to publish — the manifest's encoding under its hash and every shard under its own.
@@ -121,6 +122,11 @@ def prepare_dataset(
         ref = DatasetRef(kind="builtin", name=src.name, content_hash=src.content_hash, seq_len=src.seq_len,
                          vocab_size=src.vocab_size, num_tokens=len(src.tokens()))
         return ref, None, {}
+    if isinstance(src, TokenURL):   # the nodes read the shards from the URL: only the manifest is published
+        man = src.manifest()
+        ref = DatasetRef(kind="url", name=src.url, content_hash=man.content_hash, seq_len=src.seq_len,
+                         vocab_size=src.vocab_size, num_tokens=man.num_tokens)
+        return ref, man, {man.content_hash: man.encode()}
     manifest, blobs = make_shards(src.tokens(), vocab_size=src.vocab_size, shard_tokens=shard_tokens)
     blobs = {manifest.content_hash: manifest.encode(), **blobs}
     ref = DatasetRef(kind=src.kind, name=str(src.path)[-256:], content_hash=manifest.content_hash, seq_len=src.seq_len,
