@@ -16,6 +16,7 @@ also shows the time after listen, and until every pair has a figure, measured or
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def run_one(n: int, timeout: float, log_dir: str | None = None) -> dict[str, Any
         logs.append(open(os.path.join(log_dir, f"n{n}-{name}.log"), "w"))  # noqa: SIM115
         return logs[-1]
 
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             t_spawn = time.monotonic()
@@ -111,7 +113,11 @@ def run_one(n: int, timeout: float, log_dir: str | None = None) -> dict[str, Any
                     p.kill()
             for f in logs:
                 f.close()
-    return {"n": n, "spawn_to_listen_s": t_listen - t_spawn, "members_after_listen_s": t_members,
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # the CPU the bootstrap and the nodes spent, start-up included: on a shared machine a steadier figure
+    # than the wall times, which stretch with everyone else's load
+    cpu = ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime
+    return {"n": n, "processes_cpu_s": cpu, "spawn_to_listen_s": t_listen - t_spawn, "members_after_listen_s": t_members,
             "matrix_after_members_s": None if t_matrix is None or t_members is None else t_matrix - t_members,
             "estimated_matrix_after_listen_s": t_estimated,
             "matrix_after_listen_s": t_matrix, "members_after_spawn_s": None if t_members is None else t_members + t_listen - t_spawn,
@@ -134,7 +140,7 @@ def main() -> None:
         f = lambda x: "timeout" if x is None else f"{x:.2f}"  # noqa: E731
         print(f"{n:>4} {r['spawn_to_listen_s']:>16.2f} {f(r['members_after_listen_s']):>10} "
               f"{f(r['estimated_matrix_after_listen_s']):>12} {f(r['matrix_after_listen_s']):>11}"
-              f"                {f(r['matrix_after_members_s']):>11}")
+              f"                {f(r['matrix_after_members_s']):>11}  (processes' CPU {r['processes_cpu_s']:.0f} s)")
     big = rows[-1]
     # not converged: report the deadline itself (JSON has no infinity), flagged in the results
     value = big["matrix_after_members_s"] if big["matrix_after_members_s"] is not None else args.timeout
