@@ -151,10 +151,11 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=60.0, help="seconds between kills (default: one a minute)")
     ap.add_argument("--rejoin", type=float, default=5.0, help="seconds from a kill to a fresh node's start")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=0, help="the job's steps (default: 300 with --quick, else 900)")
     args = ap.parse_args()
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     torch.set_num_threads(1)
-    steps = 300 if args.quick else 900
+    steps = args.steps or (300 if args.quick else 900)
     every = min(args.every, 25.0) if args.quick else args.every
     root = Path(tempfile.mkdtemp(prefix="fusionp2p-bench-churn-"))
     base = run(steps, root / "calm", every=every, rejoin=args.rejoin, seed=args.seed, churn=False)

@@ -107,8 +107,7 @@ class Leading:
     # ------------------------------------------------------------------ leading re-plans
     def _alive(self, peer: str) -> bool:
         view = self.svc.swarm.view
-        return peer == self.me or (view.is_alive(peer) and peer not in view.left and not self.svc.confirmed_dead(peer)
-                                   and self.suspects.admits(peer))
+        return peer == self.me or (view.is_alive(peer) and peer not in view.left and self.suspects.admits(peer))
 
     async def _watch(self) -> None:
         """Lead a re-plan when this node leads the plan and it has to change (see the module docstring)."""

@@ -11,8 +11,11 @@ asks it a job-protocol ``status`` question (any answer, even "unknown job", mean
 that **fails before its deadline** (the dial refused, the connection reset) confirms the death for
 ``ttl`` seconds; a question that merely times out proves nothing (a live node on a busy CPU can be
 slow) and the view's verdict stands. A confirmed death ends the channel's wait, which breaks the
-pipeline and starts the re-plan; the job runs (``jobs/lead.py``) also leave the peer out of the
-living when choosing the leader, so a dead leader is passed over at once too.
+pipeline and starts the re-plan. The verdict is used there only: the leader still halts every member
+its view calls alive, so a live peer wrongly confirmed dead answers the halt and stays in the plan (a
+re-plan lost, no member split off), and the peer keeps being asked while suspected, so one answer
+clears the verdict. The choice of the leader waits for the view (a dead leader costs the heartbeat
+timeout).
 """
 
 from __future__ import annotations
@@ -75,15 +78,14 @@ class DeathProbes:
         self._asked.pop(peer, None)
 
     def suspect(self, peer: str) -> bool:
-        """A link to *peer* is lost: True when its death is confirmed, else ask it (at most every ``every`` s)."""
-        if self.confirmed(peer):
-            return True
+        """A link to *peer* is lost: ask it (at most every ``every`` s, also once its death is confirmed,
+        so that a wrong verdict lasts one question); True while its death is confirmed."""
         now = trio.current_time()
         if now - self._asked.get(peer, -math.inf) >= self.config.every:
             self._asked[peer] = now
             with contextlib.suppress(trio.WouldBlock):   # many links lost at once: the view's verdict still comes
                 self._send.send_nowait(peer)
-        return False
+        return self.confirmed(peer)
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -96,8 +98,9 @@ class DeathProbes:
         timeout = self.config.timeout
         try:
             await job_proto.request(self.transport, peer, {"op": "status", "job": ""}, timeout=timeout)
+            self._dead.pop(peer, None)   # it answered: alive (a refusal before was a hiccup)
         except RemoteProtocolError:
-            return   # it answered, if badly: alive
+            self._dead.pop(peer, None)   # it answered, if badly: alive
         except PeerUnavailable as exc:
             took = trio.current_time() - t0
             if took < 0.9 * timeout:   # refused or reset, not merely slow

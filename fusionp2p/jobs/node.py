@@ -420,10 +420,6 @@ class NodeJobService:
         view = self.swarm.view
         return peer in view.dead or peer in view.left or self.deaths.suspect(peer)
 
-    def confirmed_dead(self, peer: str) -> bool:
-        """A direct question to *peer* was refused after its link broke (jobs/liveness.py)."""
-        return self.deaths.confirmed(peer)
-
     async def claim(self, job: str, name: str, peer: str, *, alive: Any) -> ResilientChannel:
         """The channel *peer* opened for (*job*, *name*); PeerUnavailable if the peer dies first."""
         key = (job, name, peer)

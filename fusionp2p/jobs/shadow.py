@@ -197,7 +197,14 @@ class Shadows:
             return
         lane.busy = True
         lane.cadence.copied = completed
-        lane.nursery.start_soon(self._copy, lane, worker.export_state())
+        # the clone is the one part on the training path: the next step waits for it (it must not change
+        # the tensors under the copy), the event loop does not
+        try:
+            st = await trio.to_thread.run_sync(worker.export_state)
+        except BaseException:
+            lane.busy = False
+            raise
+        lane.nursery.start_soon(self._copy, lane, st)
 
     async def _copy(self, lane: _Lane, st: StageState) -> None:
         run, plan, s = self.run, lane.plan, lane.stage

@@ -239,8 +239,9 @@ def test_unfittable_job_fails_with_the_nodes_reason(tmp_path: Path) -> None:
 
 
 def test_a_dead_member_is_replanned_around_and_the_job_ends_done(tmp_path: Path) -> None:
-    """Two nodes, one stage each; one dies mid-job. Its stage file of the last checkpoint was copied to the
-    survivor (its keeper), so the survivor re-plans alone from that checkpoint and finishes the job."""
+    """Two nodes, one stage each; one dies mid-job. Its stage's newest shadow copy and its stage file of the last
+    checkpoint were copied to the survivor (its keeper), so the survivor re-plans alone from the newer of the two
+    and finishes the job."""
     torch.set_num_threads(1)
     cfg = TrainConfig(steps=24, micro_batch=2, micro_batches=2, replicas=1, averaging="none", compression="none",
                       checkpoint_every=4, seed=2)
@@ -270,7 +271,9 @@ def test_a_dead_member_is_replanned_around_and_the_job_ends_done(tmp_path: Path)
     steps = {e.step: e for e in events if isinstance(e, StepProgress) and e.loss is not None}
     assert set(range(cfg.steps)) <= set(steps) and any(isinstance(e, EvalProgress) and not e.peer for e in events)
     resumed = min(e.step for e in steps.values() if e.epoch >= 1)
-    assert resumed == 8            # the newest complete checkpoint before the death (every 4 steps)
+    # the dead stage's newest shadow copy (jobs/shadow.py: at most a few steps old), never older than the newest
+    # complete checkpoint before the death (every 4 steps: step 8)
+    assert 8 <= resumed <= 11
 
 
 @pytest.mark.parametrize("payload", [b"", b"\x00\x00\x00\x05hello", encode_frame(b"\x81\xa2op\xa4nope", max_frame=64),

@@ -10,8 +10,10 @@ shadow copy, at most ``SHADOW_BOUND`` steps before K.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
+import pytest
 import torch
 import trio
 
@@ -27,10 +29,12 @@ KILL_AT = 14
 SHADOW_BOUND = ShadowConfig().max_every + 1
 
 
-def test_a_stage_without_a_replica_resumes_from_its_shadow_copy(tmp_path: Path) -> None:
+def test_a_stage_without_a_replica_resumes_from_its_shadow_copy(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Three small nodes, none of which holds the model alone: one replica per stage. A
     non-leading member dies at step KILL_AT; the job resumes no earlier than KILL_AT - SHADOW_BOUND
-    (from the dead stage's shadow copy and the survivor's live state) and ends DONE without it."""
+    (from the dead stage's shadow copy and the survivors' live states) and ends DONE without it. The
+    survivors adopt the leader's plan without a gossip election (jobs/lead.py ``_fast_adopt``)."""
+    caplog.set_level(logging.INFO, logger="fusionp2p.jobs.lead")
     torch.set_num_threads(1)
     small = dataclasses.replace(TEST_PROFILE, memory_bytes=4 << 20)   # 1 node: no plan; 2 nodes: 2 stages
     cfg = TrainConfig(steps=24, micro_batch=2, micro_batches=2, lr=3e-3)   # defaults otherwise
@@ -57,3 +61,5 @@ def test_a_stage_without_a_replica_resumes_from_its_shadow_copy(tmp_path: Path) 
     assert killed[0] not in plans_seen[-1].members
     resumed = min(s for s, e in steps.items() if e.epoch >= 1)
     assert resumed >= KILL_AT - SHADOW_BOUND, (resumed, KILL_AT, SHADOW_BOUND)
+    fast = [r.getMessage() for r in caplog.records if "adopted as its leader" in r.getMessage()]
+    assert sum("epoch 1:" in m for m in fast) == 2, fast   # both survivors, in epoch 1

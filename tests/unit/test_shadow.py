@@ -147,6 +147,9 @@ def test_a_death_probe_confirms_a_refused_peer_and_never_one_that_answers() -> N
                 assert not probes.confirmed(live.peer_id)
                 probes.forget(dead.peer_id)   # the view saw it again (a restart with its identity)
                 assert not probes.confirmed(dead.peer_id)
+                probes._dead[live.peer_id] = trio.current_time()   # a wrong verdict (a hiccup) ...
+                await probes._ask(live.peer_id)                      # ... lasts until its next answer
+                assert not probes.confirmed(live.peer_id)
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
