@@ -3,7 +3,7 @@ CLI processes in the namespace testbed.
 
 ``specs/hostile_nat.json``: a public bootstrap host (bootstrap, relay and dial-back service, and a node),
 two LANs behind two NAT routers with one node each (``home``, ``office``; ``--hole-punch``), and a public
-host ``evil`` running ``python -m fusionp2p.testing.net_attacker``: one member identity and ten
+host ``evil`` running ``python -m tests.system.net_attacker``: one member identity and ten
 throwaway ones on one IP. From before the NAT'd nodes join until the honest job is done it
 
 * holds the dial-back service with checks of ports that drop SYNs (an iptables rule here);
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import sys
 from pathlib import Path
@@ -43,8 +44,8 @@ from fusionp2p.net.holepunch import HolePunchLimits
 from fusionp2p.net.relay import RelayLimits
 from fusionp2p.testbed.emulator import Testbed, fusionp2p_command, up
 from fusionp2p.testbed.spec import load_spec
-from fusionp2p.testing.net_attacker import CLOSED_PORTS, DROP_PORTS
 from tests.system.nat_support import SPECS, every_node_job, need_nat_testbed
+from tests.system.net_attacker import CLOSED_PORTS, DROP_PORTS
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(600)]
 
@@ -80,9 +81,11 @@ def test_a_hostile_peer_cannot_break_relayed_nodes_or_make_them_dial_for_it(tmp_
 
         start_node("boot")
         report = tmp_path / "attack.json"
-        attacker = tb.spawn(evil, [sys.executable, "-m", "fusionp2p.testing.net_attacker", "--bootstrap", addr,
+        root = str(Path(__file__).resolve().parents[2])     # `tests` importable whatever the cwd
+        attacker = tb.spawn(evil, [sys.executable, "-m", "tests.system.net_attacker", "--bootstrap", addr,
                                    "--ip", evil.address, "--sybils", str(SYBILS), "--duration", "420",
-                                   "--report", str(report)], label="evil-attacker")
+                                   "--report", str(report)], label="evil-attacker",
+                            env={"PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))})
         start_node("home")      # both join while the dial-back service is under the attacker's checks
         start_node("office")
         status: dict[str, Any] = {}

@@ -1,5 +1,7 @@
 """A hostile peer against the network surfaces of issue 43, as a process on a host of the testbed:
-``python -m fusionp2p.testing.net_attacker --bootstrap ADDR --ip IP --duration S --report FILE``.
+``python -m tests.system.net_attacker --bootstrap ADDR --ip IP --duration S --report FILE`` (from the
+repository root). It lives beside the tests, not in ``fusionp2p/testing``: it speaks the relay's and DCUtR's
+protobufs itself, and only ``net/`` may import libp2p in the package.
 
 tests/system/test_hostile_nat.py runs it on a public host beside a swarm whose bootstrap relays for nodes
 behind NATs, and whose nodes hole-punch (``--hole-punch``). With one member identity and ``--sybils``
@@ -301,7 +303,7 @@ async def _sybil(args: argparse.Namespace, *, task_status: Any = trio.TASK_STATU
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fusionp2p.testing.net_attacker")
+    ap = argparse.ArgumentParser(prog="python -m tests.system.net_attacker")
     ap.add_argument("--bootstrap", required=True)
     ap.add_argument("--ip", required=True, help="this host's address (listeners, the identities' addresses)")
     ap.add_argument("--sybils", type=int, default=10)
