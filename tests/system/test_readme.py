@@ -128,8 +128,8 @@ def test_the_shell_commands_run_as_written_in_a_private_network(tmp_path: Path) 
             return tb.run(host, ["env", "-C", str(tmp_path), *(f"{k}={v}" for k, v in env.items()),
                                  *fusionp2p_argv(argv)], timeout=timeout)
 
-        boot = tb.spawn("boot", ["env", *(f"{k}={v}" for k, v in env.items()), *fusionp2p_argv(_fill(boot_cmd))],
-                        label="boot-readme")
+        boot = tb.spawn("boot", ["env", "-C", str(tmp_path), *(f"{k}={v}" for k, v in env.items()),
+                                 *fusionp2p_argv(_fill(boot_cmd, **{"~/": env["HOME"] + "/"}))], label="boot-readme")
         addr = boot.read_line(120.0, match=lambda s: s.startswith("/"))
         ip, peer = tb.host("boot").address, addr.rsplit("/p2p/", 1)[1]
         # listening on 0.0.0.0 it prints that address; the reader puts its machine's IP in (BOOTSTRAP_IP)
