@@ -310,6 +310,8 @@ class JobDriver:
             self.book.history[step] = loss
         self._state(JobState.PLANNED, "attached")
         if st.terminal:
+            if st.state == JobState.DONE.value:   # it ran before we attached (planned -> done is no transition)
+                self._state(JobState.RUNNING, "attached")
             await self._end(st)
             return
         self._state(JobState.RUNNING)

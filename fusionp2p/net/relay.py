@@ -75,7 +75,7 @@ class RelayLimits:
 
     Whatever peers do, a relay holds at most ``reservations`` slots (``per_ip`` from one address) and
     ``circuits`` open circuits (``circuits_per_peer`` to one reserved node, ``circuits_per_ip`` from one
-    source address); a circuit lives at most
+    source address, ``circuits_per_ip_peer`` from one source address to one node); a circuit lives at most
     ``duration`` seconds and carries at most ``circuit_bytes`` bytes (both directions together); all
     circuits together move at most ``rate`` bytes per second."""
 
@@ -85,12 +85,16 @@ class RelayLimits:
     circuits: int = 64
     circuits_per_peer: int = 8
     circuits_per_ip: int = 8
+    circuits_per_ip_peer: int = 2         # from one source IP to one reserved node (so one host cannot take a
+                                          # node's circuits_per_peer: the live hostile test's did, and the node's
+                                          # honest peers could not reach it through the relay)
     duration: int = 3600                  # seconds per circuit
     circuit_bytes: int = 1 << 30          # per circuit, both directions
     rate: float = 10e6                    # bytes/s over all circuits (token bucket, one second of burst)
 
     def __post_init__(self) -> None:
-        if min(self.reservations, self.per_ip, self.circuits, self.circuits_per_peer, self.circuits_per_ip) < 1:
+        if min(self.reservations, self.per_ip, self.circuits, self.circuits_per_peer, self.circuits_per_ip,
+               self.circuits_per_ip_peer) < 1:
             raise ConfigError("relay limits on reservations and circuits must be >= 1")
         if min(self.reservation_ttl, self.duration, self.circuit_bytes) < 1 or not self.rate > 0:
             raise ConfigError("relay ttl, duration, bytes and rate must be positive")
@@ -131,6 +135,7 @@ class RelayService(CircuitV2Protocol):
         self._circuits = 0
         self._to_peer: collections.Counter[ID] = collections.Counter()      # open circuits by destination
         self._from_ip: collections.Counter[str] = collections.Counter()     # open circuits by source IP
+        self._pair: collections.Counter[tuple[str, ID]] = collections.Counter()   # ... by (source IP, destination)
         self._bucket: _Bucket | None = None
         self.stats: dict[str, int] = {"reserved": 0, "refused": 0, "circuits": 0, "relayed_bytes": 0}
 
@@ -221,12 +226,13 @@ class RelayService(CircuitV2Protocol):
             return
         cfg = self.config
         if (self._circuits >= cfg.circuits or self._to_peer[dest] >= cfg.circuits_per_peer
-                or self._from_ip[ip] >= cfg.circuits_per_ip):
+                or self._from_ip[ip] >= cfg.circuits_per_ip or self._pair[ip, dest] >= cfg.circuits_per_ip_peer):
             await self._deny(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED)
             return
         self._circuits += 1
         self._to_peer[dest] += 1
         self._from_ip[ip] += 1
+        self._pair[ip, dest] += 1
         self.stats["circuits"] += 1
         try:
             await self._circuit(stream, source, dest)
@@ -234,6 +240,7 @@ class RelayService(CircuitV2Protocol):
             self._circuits -= 1
             self._to_peer -= collections.Counter({dest: 1})    # (drops keys that reach zero)
             self._from_ip -= collections.Counter({ip: 1})
+            self._pair -= collections.Counter({(ip, dest): 1})
 
     async def _circuit(self, src: Any, source: ID, dest: ID) -> None:
         """One circuit, which owns its two halves: STOP to *dest*, OK to the source, then bytes both ways

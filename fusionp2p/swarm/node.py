@@ -168,6 +168,11 @@ class SwarmNode:
         self._announced = config.heartbeat
         self._last_beat = -float("inf")
         self._dialed: set[str] = set()
+        # member -> (when we may dial it again, the wait after the next failure): a member whose addresses
+        # all fail is dialled again after 2, 4, ... 300 s, not at every heartbeat (issue 43: an attacker
+        # announcing unreachable addresses and reach=public had every NAT'd node dial 4 of them each second)
+        self._dial_after: dict[str, float] = {}
+        self._dial_wait: dict[str, float] = {}
         self._connected_at, self._connected_set = -float("inf"), set[str]()
         self._changed = trio.Event()
         self._beat_now = trio.Event()
@@ -595,7 +600,8 @@ class SwarmNode:
             # we are not connected to (never yet, or the connection dropped) is dialled at its heartbeat.
             # A node that peers cannot dial (behind a NAT) dials those that can instead (swarm/reach.py).
             if (should_dial(self.peer_id, self.reach, rec.peer, rec.reach) and not rec.leaving
-                    and rec.peer not in self._dialed and rec.addrs and rec.peer not in self._connected()):
+                    and rec.peer not in self._dialed and rec.addrs and rec.peer not in self._connected()
+                    and trio.current_time() >= self._dial_after.get(rec.peer, 0.0)):
                 self._dialed.add(rec.peer)
                 self._spawn_dial(rec)
         elif isinstance(rec, BandwidthReport) and self.bandwidth.on_report(rec):
@@ -651,9 +657,19 @@ class SwarmNode:
                 for addr in addrs:
                     try:
                         await self.transport.connect(f"{addr}/p2p/{rec.peer}")
+                        self._dial_after.pop(rec.peer, None)
+                        self._dial_wait.pop(rec.peer, None)
                         break
                     except (PeerUnavailable, ConfigError) as exc:
                         log.debug("dial %s at %s: %s", short_peer(rec.peer), addr, exc)
+                else:
+                    wait = self._dial_wait.get(rec.peer, 1.0) * 2
+                    self._dial_wait[rec.peer] = min(wait, 300.0)
+                    self._dial_after[rec.peer] = trio.current_time() + min(wait, 300.0)
+                    if len(self._dial_after) > 4096:   # bounded: the oldest entries go
+                        for p in list(self._dial_after)[:1024]:
+                            self._dial_after.pop(p, None)
+                            self._dial_wait.pop(p, None)
             finally:
                 self._dialed.discard(rec.peer)   # _dialed = dials queued or under way
 

@@ -114,6 +114,25 @@ def test_concurrent_connects_keep_the_per_node_and_per_ip_circuit_limits() -> No
     trio.run(main)
 
 
+def test_one_ip_takes_few_of_a_nodes_circuits() -> None:
+    """Before: one host's identities took all of a node's circuits_per_peer (the live hostile test saw an
+    honest NAT'd peer wait two minutes for a circuit to its victim)."""
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with AsyncExitStack() as st:
+                limits = RelayLimits(circuits=64, circuits_per_peer=8, circuits_per_ip=8, circuits_per_ip_peer=2)
+                relay, (a, b, c) = await _hosts(st, limits, 3)
+                await b.reserve(relay.peer_id)
+                await c.reserve(relay.peer_id)
+                codes = await _at_once(5, _hop, a, relay, _connect_msg(b))
+                assert codes.count(StatusCode.OK) == 2, codes
+                assert codes.count(StatusCode.RESOURCE_LIMIT_EXCEEDED) == 3
+                codes = await _at_once(3, _hop, a, relay, _connect_msg(c))   # another node: its own two
+                assert codes.count(StatusCode.OK) == 2, codes
+
+    trio.run(main)
+
+
 def test_the_global_circuit_limit() -> None:
     async def main() -> None:
         with trio.fail_after(60):
