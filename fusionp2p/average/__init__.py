@@ -14,14 +14,17 @@ from fusionp2p.average.outer import (
     ring_allreduce_time,
     suggest_tau,
 )
+from fusionp2p.average.robust import ClipBook, RobustConfig, robust_mean
 from fusionp2p.average.shard import ShardedOuter, shard_bounds, weighted_mean
 
 __all__ = [
     "AllReduceRound",
+    "ClipBook",
     "Finished",
     "OuterConfig",
     "OuterOptimizer",
     "PenaltyInputs",
+    "RobustConfig",
     "Reduced",
     "RoundMsg",
     "RoundResult",
@@ -30,6 +33,7 @@ __all__ = [
     "clip_",
     "make_penalty",
     "ring_allreduce_time",
+    "robust_mean",
     "shard_bounds",
     "suggest_tau",
     "weighted_mean",

@@ -68,6 +68,7 @@ class RoundMsg:
     scalar: float = 0.0
     speed: float = 0.0            # gather: the owner's seconds per micro-batch (0: not measured; re-dealing)
     fragment: int | None = None   # streaming averaging: which fragment of the vector (lo/hi are within it)
+    clipped: tuple[int, ...] = ()  # gather, robust reduction: the ranks whose scatter parts the owner clipped
     base: int | None = None       # on the wire only: the sender's base (a bf16 part is a difference from it)
 
 
@@ -101,6 +102,8 @@ class RoundResult:
     # when complete: every owner's speed as it published its shard, in rank order (the same on every
     # replica whose round completed: the replicas re-deal micro-batches by them, train/worker.py)
     speeds: tuple[tuple[str, float], ...] = ()
+    # when complete: every owner's clipped peers (robust reduction) in rank order, the same on every replica
+    clipped: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -218,6 +221,9 @@ class AllReduceRound:
         if not (msg.weight > 0 and math.isfinite(msg.weight)) or not math.isfinite(msg.scalar) \
                 or not 0 <= msg.speed <= MAX_SPEED_S:
             raise RemoteProtocolError(f"{msg.phase} part from {peer} has a bad weight, scalar or speed")
+        if msg.clipped and (msg.phase != "gather" or len(set(msg.clipped)) != len(msg.clipped)
+                            or not all(0 <= r < len(self.peers) for r in msg.clipped)):
+            raise RemoteProtocolError(f"{msg.phase} part from {peer} names bad clipped ranks")
         r = self.max_weight_ratio
         if msg.phase == "scatter" and not self.weight / r <= msg.weight <= self.weight * r:
             raise RemoteProtocolError(f"scatter part from {peer} has weight {msg.weight:g}, not within a factor "
@@ -249,9 +255,10 @@ class AllReduceRound:
         self._gather.pending.discard(peer)
         return self._advance()
 
-    def publish(self, shard: torch.Tensor, scalar: float = 0.0, speed: float = 0.0) -> list[Action]:
+    def publish(self, shard: torch.Tensor, scalar: float = 0.0, speed: float = 0.0,
+                clipped: tuple[str, ...] = ()) -> list[Action]:
         """Send this replica's new anchor shard (the outer step's result) to every live peer, with its
-        *speed* (seconds per micro-batch; 0: not measured)."""
+        *speed* (seconds per micro-batch; 0: not measured) and the peers it *clipped* (``Reduced.clipped``)."""
         if not 0 <= speed <= MAX_SPEED_S:
             raise LocalProtocolError(f"speed {speed} out of [0, {MAX_SPEED_S}]")
         if not self._reduced:
@@ -262,7 +269,7 @@ class AllReduceRound:
         if shard.dim() != 1 or shard.numel() != hi - lo:
             raise LocalProtocolError("published shard has the wrong size")
         msg = RoundMsg(round_id=self.round_id, epoch=self.epoch, phase="gather", lo=lo, hi=hi, data=shard.to(torch.float32), scalar=scalar,
-                       speed=speed, fragment=self.fragment)
+                       speed=speed, fragment=self.fragment, clipped=tuple(self.peers.index(p) for p in clipped))
         self._own_shard = msg
         sends: list[Action] = [Send(peer=p, msg=msg) for p in self.peers if p != self.me and p not in self._lost]
         return sends + self._advance()
@@ -308,4 +315,5 @@ class AllReduceRound:
         for p in self.peers:  # rank order: every replica gets the same float
             scalar += shards[p].scalar
         return RoundResult(round_id=self.round_id, complete=True, vector=vector, scalar_sum=scalar, lost=lost, contributors=contributors,
-                           speeds=tuple((p, shards[p].speed) for p in self.peers))
+                           speeds=tuple((p, shards[p].speed) for p in self.peers),
+                           clipped=tuple((p, tuple(self.peers[r] for r in shards[p].clipped)) for p in self.peers))

@@ -8,8 +8,9 @@ replaces that mean by CenteredClip (Karimireddy, He and Jaggi 2021, as in BTARD,
 1. a robust start: the coordinate-wise median ``c`` of the parts (the mean of the middle two for an even
    count);
 2. the clip radius from the honest spread: ``rho = radius * d_(k)``, where ``d_i = ||x_i - c||`` and
-   ``d_(k)`` is the lower median of the ``d_i`` (``k = (n-1)//2``: with fewer than half the replicas lying
-   it is at most an honest replica's distance);
+   ``d_(k)`` is the upper median of the ``d_i`` (``k = n//2``: with fewer than half the replicas lying it is
+   at most an honest replica's distance). The lower median clipped honest replicas of the GPT-2 reference
+   (their distances ranged up to 1.9x the lower median, benchmarks/byzantine.py);
 3. if every part is within ``rho`` of the plain weighted mean, that mean is the answer, bit for bit the
    mean of :func:`~fusionp2p.average.shard.weighted_mean` (it is CenteredClip's fixed point: nothing is
    clipped there), so an honest round is unchanged;
@@ -83,6 +84,8 @@ class RobustMean:
 def coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
     """The median of each column of *stacked* (n, d); the mean of the middle two for an even n."""
     n = stacked.shape[0]
+    if n in (3, 4):   # the middle one or two are what the extremes leave: 3 reductions, no sort (25x faster at 4)
+        return (stacked.sum(dim=0) - stacked.amax(dim=0) - stacked.amin(dim=0)).div_(n - 2)
     if n % 2:
         return stacked.median(dim=0).values
     mid = stacked.sort(dim=0).values[n // 2 - 1:n // 2 + 1]
@@ -98,7 +101,7 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], config:
     x = torch.stack([p.to(torch.float32) for p in parts])
     centre = coordinate_median(x)
     dist = torch.linalg.vector_norm(x - centre, dim=1)
-    rho = config.radius * float(dist.sort().values[(n - 1) // 2])
+    rho = config.radius * float(dist.sort().values[n // 2])
     if bool((torch.linalg.vector_norm(x - exact, dim=1) <= rho).all()):
         return RobustMean(mean=exact, radius=rho)
     w = torch.tensor([float(v) for v in weights], dtype=torch.float32)
@@ -113,13 +116,26 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], config:
     return RobustMean(mean=v, clipped=tuple(int(i) for i in torch.nonzero(far).flatten()), radius=rho)
 
 
+def clipped_by_majority(clipped: Sequence[tuple[str, Sequence[str]]]) -> set[str]:
+    """The peers more than half of the OTHER owners clipped in a round (*clipped*: per owner, whom it
+    clipped; ``RoundResult.clipped``). Every replica that finished the round computes the same set, so they
+    count the same strikes and drop a liar at the same round; one lying owner cannot frame an honest peer."""
+    owners = [o for o, _ in clipped]
+    out = set()
+    for p in owners:
+        votes = sum(1 for o, c in clipped if o != p and p in c)
+        if 2 * votes > len(owners) - 1:
+            out.add(p)
+    return out
+
+
 @dataclass(slots=True)
 class ClipBook:
-    """Per peer, whether its part was clipped in each of the last ``window`` rounds it contributed to here.
+    """Per peer, whether a majority of the other owners clipped its part, in each of the last ``window``
+    rounds it took part in (:func:`clipped_by_majority`).
 
     ``record`` returns the peers that reached ``strikes`` clipped rounds for the first time: the shell
-    stops averaging with them (as with a refused part) and the job reports them. Counts are this
-    replica's own observations only: a lying replica cannot get an honest one dropped by saying so."""
+    stops averaging with them (as with a refused part) and the job reports them."""
 
     config: RobustConfig
     history: dict[str, deque[bool]] = field(default_factory=dict)
@@ -140,4 +156,4 @@ class ClipBook:
         return out
 
 
-__all__ = ["ClipBook", "RobustConfig", "RobustMean", "coordinate_median", "robust_mean"]
+__all__ = ["ClipBook", "RobustConfig", "RobustMean", "clipped_by_majority", "coordinate_median", "robust_mean"]

@@ -65,18 +65,18 @@ import trio
 from fusionp2p import device as dev
 from fusionp2p.average.allreduce import PHASES, AllReduceRound, Finished, Reduced, RoundMsg, RoundResult, Send
 from fusionp2p.average.outer import OuterConfig, OuterOptimizer
-from fusionp2p.average.robust import ClipBook, RobustConfig
+from fusionp2p.average.robust import ClipBook, RobustConfig, clipped_by_majority
 from fusionp2p.average.shard import all_finite, shard_bounds
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.train.averager_wire import KIND, _encode
+from fusionp2p.train.averager_wire import from_message as from_message  # re-exported: the wire API
+from fusionp2p.train.averager_wire import to_message as to_message
 from fusionp2p.train.config import CO2_WIRES
 from fusionp2p.types import AveragingStats
-from fusionp2p.wire.check import U63, as_float, as_int, as_map, as_str
 
 log = logging.getLogger(__name__)
 
-KIND = "avg"
-MAX_FRAGMENTS = 1 << 20   # a fragment index on the wire is below this (streaming: one fragment per tau)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -251,52 +251,6 @@ def epoch_id(peers: Sequence[str]) -> str:
     return hashlib.sha256("\n".join(peers).encode()).hexdigest()[:16]
 
 
-def to_message(job: str, stage: int, msg: RoundMsg) -> TensorMessage:
-    meta: dict[str, object] = {"epoch": msg.epoch, "lo": msg.lo, "hi": msg.hi, "w": msg.weight, "s": msg.scalar}
-    if msg.speed:                  # re-dealing replicas only: other parts keep their bytes
-        meta["v"] = msg.speed
-    if msg.fragment is not None:   # streaming only: the whole-vector form keeps its bytes
-        meta["f"] = msg.fragment
-    if msg.base is not None:       # wire "bf16": the sender's base (fp32 parts without one keep their bytes)
-        meta["b"] = msg.base
-    return TensorMessage(job=job, kind=KIND, stage=stage, step=msg.round_id, name=msg.phase, meta=meta, tensors=(msg.data,))
-
-
-def from_message(tm: TensorMessage) -> RoundMsg:
-    """Decode a peer's averaging message; anything malformed raises RemoteProtocolError."""
-    w = "averaging message"
-    m = as_map(tm.meta, w, required=("epoch", "lo", "hi", "w", "s"), optional=("f", "b", "v"))
-    fragment = as_int(m["f"], f"{w} fragment", lo=0, hi=MAX_FRAGMENTS - 1) if "f" in m else None
-    base = as_int(m["b"], f"{w} base", lo=0, hi=U63) if "b" in m else None
-    lo, hi = as_int(m["lo"], f"{w} lo", lo=0, hi=U63), as_int(m["hi"], f"{w} hi", lo=0, hi=U63)
-    if len(tm.tensors) != 1 or not lo <= hi:
-        raise RemoteProtocolError("averaging message must carry exactly one slice")
-    if tm.tensors[0].dtype == torch.bfloat16 and base is None:
-        raise RemoteProtocolError("averaging message: a bf16 part needs a base")
-    # weight and scalar finite here; the round refuses a weight out of proportion to ours
-    return RoundMsg(round_id=tm.step, epoch=as_str(m["epoch"], f"{w} epoch", max_len=64), phase=tm.name, lo=lo, hi=hi,
-                    data=tm.tensors[0], weight=as_float(m["w"], f"{w} weight"), scalar=as_float(m["s"], f"{w} scalar"),
-                    speed=as_float(m["v"], f"{w} speed") if "v" in m else 0.0, fragment=fragment, base=base)
-
-
-def _encode(msg: RoundMsg, base: tuple[int, torch.Tensor] | None, scatter_q: torch.Tensor | None,
-            gather_q: torch.Tensor | None, peer_tag: int | None, shared: bool, bf16: bool = True) -> RoundMsg:
-    """A part as it goes to one peer: a bf16 difference from *base* (wire "bf16") where the peer can
-    decode it and its link carries bf16 (*bf16*), else fp32 values. Scatter: our snapshot's difference *scatter_q* (the round went on
-    ``base + q``, so an fp32 part has the same values), to a peer that held the same base as we did in
-    the fragment's last round (*shared*). Gather: our published shard's difference *gather_q* (which we
-    loaded as ``base + q`` ourselves), to a peer whose scatter part named our base; a peer that sent
-    fp32 or another base gets the fp32 shard."""
-    if base is None:
-        return msg
-    tag = base[0]
-    if msg.phase == "scatter":   # names our base even in fp32: the owner learns that we hold it
-        if not shared or scatter_q is None or not bf16:
-            return dataclasses.replace(msg, base=tag)
-        return dataclasses.replace(msg, data=scatter_q[msg.lo:msg.hi], base=tag)
-    if gather_q is not None and peer_tag == tag and bf16:
-        return dataclasses.replace(msg, data=gather_q, base=tag)
-    return msg
 
 
 _Event = tuple[str, str, "RoundMsg | None"]  # ("msg" | "lost", peer, message)
@@ -606,7 +560,6 @@ class ReplicaAverager:
                     with contextlib.suppress(trio.ClosedResourceError):  # closing down
                         await self._queues[a.peer].send(to_message(self.config.job, self.config.stage, msg))
                 elif isinstance(a, Reduced):
-                    self._count_clipped(a.contributors, a.clipped)
                     if reinit:  # new epoch: restart the outer state from the survivors' mean
                         sharded = len(self.alive) > 1
                         if f is None:
@@ -624,7 +577,7 @@ class ReplicaAverager:
                         q = (shard.to(torch.float32) - base[1][a.lo:a.hi]).to(torch.bfloat16)
                         gather_q.append(q)
                         shard = base[1][a.lo:a.hi] + q.to(torch.float32)
-                    todo.extend(sm.publish(shard, scalar, self.speed))
+                    todo.extend(sm.publish(shard, scalar, self.speed, a.clipped))
                 else:
                     result = a.result
 
@@ -657,6 +610,8 @@ class ReplicaAverager:
                 for peer in waiting:
                     self._dead.add(peer)
                     await act(sm.peer_lost(peer))
+        if result.complete:
+            self._count_clipped(result)
         self._after_round(result, f, mean_only=rnd.mean_only)
         if bf16 and result.complete and result.vector is not None:
             self._bases[f] = (rnd.round_id, result.vector.detach().clone())
@@ -671,11 +626,13 @@ class ReplicaAverager:
         rnd.result = result
         rnd.done.set()
 
-    def _count_clipped(self, contributors: Sequence[str], clipped: Sequence[str]) -> None:
-        """Count the outliers of a shard this replica reduced; one clipped too often leaves the averaging."""
-        if self.clips is None:
+    def _count_clipped(self, result: RoundResult) -> None:
+        """Count the peers a majority of owners clipped in a finished round; one clipped too often leaves
+        the averaging (every replica that finished the round counts the same)."""
+        if self.clips is None or not result.clipped:
             return
-        for peer in self.clips.record([p for p in contributors if p != self.me], clipped):
+        hit = clipped_by_majority(result.clipped)
+        for peer in self.clips.record([p for p, _ in result.clipped if p != self.me], sorted(hit)):
             log.warning("averaging: %s's parts were clipped in %d of the last %d rounds; averaging without it",
                         peer, self.clips.config.strikes, self.clips.config.window)
             self.dropped_outliers.append(peer)

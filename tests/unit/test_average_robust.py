@@ -6,16 +6,24 @@ its part moves the shard far from the honest replicas' mean, and with CenteredCl
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from fusionp2p.average.allreduce import AllReduceRound, Reduced, RoundMsg
-from fusionp2p.average.robust import ClipBook, RobustConfig, coordinate_median, robust_mean
+from fusionp2p.average.allreduce import AllReduceRound, Finished, Reduced, RoundMsg
+from fusionp2p.average.robust import (
+    ClipBook,
+    RobustConfig,
+    clipped_by_majority,
+    coordinate_median,
+    robust_mean,
+)
 from fusionp2p.average.shard import weighted_mean
-from fusionp2p.errors import ConfigError
+from fusionp2p.errors import ConfigError, RemoteProtocolError
 from fusionp2p.testing.byzantine import ATTACKS, STALE, lie
+from fusionp2p.train.averager import from_message, to_message
 
 D = 4096
 CFG = RobustConfig()
@@ -136,3 +144,46 @@ def test_the_round_reduces_robustly_and_names_the_clipped_peer() -> None:
         else:
             assert red[0].clipped == ("d",)
             assert float((red[0].mean - weighted_mean([s[lo:hi] for s in snaps[:3]], [1.0] * 3)).norm()) < 0.1
+
+
+def test_a_peer_counts_as_clipped_when_most_other_owners_clipped_it() -> None:
+    rounds = (("a", ("d",)), ("b", ("d", "a")), ("c", ("d",)), ("d", ("a", "b", "c")))
+    # d: clipped by a, b, c (3 of 3 others); a: by b and d (2 of 3); b, c: by d only (the liar alone frames no one)
+    assert clipped_by_majority(rounds) == {"d", "a"}
+    assert clipped_by_majority((("a", ("a",)), ("b", ()), ("c", ()))) == set()   # its own clip does not count
+
+
+def test_the_owners_clip_lists_travel_with_their_shards() -> None:
+    """Each owner publishes whom it clipped with its shard (ranks on the wire); every replica's result lists
+    them per owner, the same everywhere; a bad list is a protocol error."""
+    peers = ["a", "b"]
+    sm = AllReduceRound(peers=peers, me="a", n_elems=4, round_id=0, epoch="e")
+    sm.start(torch.zeros(4))
+    sm.receive("b", RoundMsg(round_id=0, epoch="e", phase="scatter", lo=0, hi=2, data=torch.zeros(2)))
+    sm.publish(torch.zeros(2), clipped=("b",))
+    with pytest.raises(RemoteProtocolError, match="clipped ranks"):
+        _gather_copy(sm).receive("b", RoundMsg(round_id=0, epoch="e", phase="gather", lo=2, hi=4, data=torch.zeros(2),
+                                               clipped=(2,)))
+    out = sm.receive("b", RoundMsg(round_id=0, epoch="e", phase="gather", lo=2, hi=4, data=torch.zeros(2), clipped=(0,)))
+    res = next(a for a in out if isinstance(a, Finished)).result
+    assert res.complete and res.clipped == (("a", ("b",)), ("b", ("a",)))
+    # on the wire: ranks in the meta map, only when there are any
+    tm = to_message("j", 0, RoundMsg(round_id=0, epoch="e", phase="gather", lo=2, hi=4, data=torch.zeros(2), clipped=(0,)))
+    assert from_message(tm).clipped == (0,) and tm.meta["c"] == [0]
+    assert "c" not in to_message("j", 0, RoundMsg(round_id=0, epoch="e", phase="gather", lo=2, hi=4,
+                                                  data=torch.zeros(2))).meta
+    with pytest.raises(RemoteProtocolError):
+        from_message(dataclasses.replace(tm, meta={**tm.meta, "c": ["x"]}))
+    sm2 = AllReduceRound(peers=peers, me="a", n_elems=4, round_id=0, epoch="e")
+    sm2.start(torch.zeros(4))
+    with pytest.raises(RemoteProtocolError, match="clipped ranks"):   # a scatter part names none
+        sm2.receive("b", RoundMsg(round_id=0, epoch="e", phase="scatter", lo=0, hi=2, data=torch.zeros(2), clipped=(0,)))
+
+
+def _gather_copy(sm: AllReduceRound) -> AllReduceRound:
+    """A round in the same state as *sm* after it published (for one refused message)."""
+    other = AllReduceRound(peers=list(sm.peers), me=sm.me, n_elems=sm.n_elems, round_id=0, epoch="e")
+    other.start(torch.zeros(sm.n_elems))
+    other.receive("b", RoundMsg(round_id=0, epoch="e", phase="scatter", lo=0, hi=2, data=torch.zeros(2)))
+    other.publish(torch.zeros(2))
+    return other
