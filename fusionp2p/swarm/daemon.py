@@ -98,7 +98,9 @@ def _node_profile(cfg: DaemonConfig, prepare: Callable[[], None] | None) -> Devi
         if cfg.memory > profile.memory_bytes:
             log.warning("--memory %d bytes is more than this node measures free less its headroom (%d)",
                         cfg.memory, profile.memory_bytes)
-        profile = replace(profile, memory_bytes=stage_memory_of(cfg.memory, resident()[0]))
+        # on a GPU the offer is the device's memory, which the process's resident (host) size does not use
+        own = resident()[0] if cfg.device == "cpu" else 0
+        profile = replace(profile, memory_bytes=stage_memory_of(cfg.memory, own))
     return profile
 
 

@@ -154,7 +154,7 @@ def test_a_piece_with_wrong_bytes_is_counted_against_its_server_and_fetched_else
                     await good.publish(blob)
                 # the liar announces every piece of "w" and answers with another piece's bytes under the asked
                 # hash; holders are asked before the publisher (good), so the liar is asked first
-                other = next(iter(pieces.values()))
+                other = bytes(next(iter(pieces.values())))
                 for h in man.by_name()["w"].pieces:
                     liar.store._mem[h] = other   # what a hostile store would serve (held in memory:
                     liar.store._held[h] = len(other)   # a store without a root, jobs/store.py)

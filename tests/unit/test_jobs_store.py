@@ -137,7 +137,7 @@ def test_sizes_and_config() -> None:
 @pytest.mark.parametrize("on_disk", [False, True])
 def test_put_chunks_stores_the_joined_parts_under_their_hash_without_a_memory_copy(tmp_path: Path, on_disk: bool) -> None:
     store = ContentStore(tmp_path if on_disk else None, StoreConfig(disk_bytes=1000, memory_bytes=1000))
-    parts = [memoryview(_blob(1, 300)), _blob(2, 200), memoryview(_blob(3, 100))[10:]]
+    parts: list[bytes | memoryview] = [memoryview(_blob(1, 300)), _blob(2, 200), memoryview(_blob(3, 100))[10:]]
     whole = b"".join(parts)
     with store.pinned_to("job"):
         h = store.put_chunks(parts, len(whole))

@@ -64,7 +64,7 @@ def test_a_piece_of_the_wrong_size_or_count_is_refused() -> None:
     ts = _tensors()
     man, blobs = make_manifest(ts, 1024)
     w = man.by_name()["w"]
-    pieces = [blobs[h] for h in w.pieces]
+    pieces = [bytes(blobs[h]) for h in w.pieces]
     with pytest.raises(RemoteProtocolError, match="piece 4 has"):
         join_pieces(man, w, [*pieces[:-1], pieces[-1] + b"x"])
     with pytest.raises(RemoteProtocolError, match="pieces, expected"):
