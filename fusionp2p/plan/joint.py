@@ -51,7 +51,7 @@ from fusionp2p.plan.config import PlannerConfig
 from fusionp2p.plan.estimator import CostModel
 from fusionp2p.plan.opfence import InfeasiblePlanError, _States, add_replicas, min_bottleneck_layout, refine
 from fusionp2p.plan.plan import Candidate, Plan
-from fusionp2p.plan.predict import Layout, build_plan, choose_ratios, layout_fits
+from fusionp2p.plan.predict import Layout, build_plan, choose_ratios, layout_fits, with_host_shares
 from fusionp2p.plan.snapshot import Link, Snapshot
 from fusionp2p.types import DeviceProfile, WorkloadGraph
 
@@ -203,7 +203,7 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
     best = scored[0][4]
     considered = tuple(Candidate(replicas=r, stages=len(p.stages), how=how, step_time_s=p.step_time_s)
                        for _, r, _, how, p in scored[: Plan.MAX_CANDIDATES])
-    best = dataclasses.replace(best, considered=considered, how=scored[0][3])
+    best = with_host_shares(dataclasses.replace(best, considered=considered, how=scored[0][3]), cm)
     log.debug("joint plan: %d stages x %d replicas (%s), step %.4g s, %d candidates", len(best.stages),
               len(best.stages[0].replicas), best.how, best.step_time_s, len(scored))
     return best
