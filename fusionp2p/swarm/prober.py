@@ -121,7 +121,8 @@ class LinkProber:
         # (members, the peers we chose, the ones of them we measure), recomputed when the members change, at
         # most once a heartbeat: it costs probe.peers passes over the members (25,000 hashes at 1,000), and a
         # forming swarm changes its members with every node that joins
-        self._sets: tuple[tuple[str, ...], list[str], set[str]] = ((), [], set())
+        # (the view hands out the same list object until its members change: compared by identity first)
+        self._sets: tuple[list[str], list[str], set[str]] = ([], [], set())
         self._sets_at = -float("inf")
 
     def set_training(self, training: Callable[[], bool]) -> None:
@@ -158,13 +159,17 @@ class LinkProber:
     def chosen(self) -> tuple[list[str], set[str]]:
         """The live members we chose (``membership.chosen``, at most ``probe.peers``), and those of them
         whose link we measure (``membership.probes_of``)."""
-        members = tuple(self.members())
+        members = self.members()
         now = trio.current_time()
-        if members != self._sets[0] and (now - self._sets_at >= self.heartbeat or not self._sets[1]):
+        if not self._same(members) and (now - self._sets_at >= self.heartbeat or not self._sets[1]):
             self._sets_at = now
             k = self.config.peers
-            self._sets = (members, chosen(self.peer_id, list(members), k), set(probes_of(self.peer_id, list(members), k)))
+            self._sets = (members, chosen(self.peer_id, members, k), set(probes_of(self.peer_id, members, k)))
         return self._sets[1], self._sets[2]
+
+    def _same(self, members: list[str]) -> bool:
+        """*members* are those we chose ours from."""
+        return members is self._sets[0] or members == self._sets[0]
 
     def _ours(self, peer: str, now: float, mine: set[str]) -> bool:
         """Whether we probe *peer*, one of the members we chose: the pair is ours (``probes_of``), or its
@@ -199,7 +204,7 @@ class LinkProber:
         members changed since we chose ours."""
         now = trio.current_time()
         peers, mine = self.chosen()
-        if tuple(self.members()) != self._sets[0]:
+        if not self._same(self.members()):
             return True
         return any(not self._measured(p) and self._ours(p, now, mine) for p in peers)
 
