@@ -55,12 +55,14 @@ RTT_WINDOW = 8
 # report meanwhile, so the swarm's matrix was rarely complete at any one moment.
 KEEP_DEAD = 120.0
 # A peer whose probe stream did not open and answer in time is tried again after this many heartbeats,
-# doubled after each failure in a row (at most BACKOFF_MAX), with a deadline of ctrl_timeout times
+# doubled after each failure in a row (at most BACKOFF_MAX: kept small, since once the machine quiets down
+# a backed-off peer waits that long; 6 processes of the old code measured every pair within 3 s of the
+# load easing, after 185 timeouts), with a deadline of ctrl_timeout times
 # (1 + failures), at most CTRL_STRETCH: at load 14-23 stream opens took 1-3 s and more, the 3 s deadline
 # discarded opens that were nearly done, and every node tried each such peer again after one heartbeat
 # (236 open/ping timeouts and not one pair measured in 100 s, 8 processes), adding to the load that made
 # them slow.
-BACKOFF_MAX = 16
+BACKOFF_MAX = 4
 CTRL_STRETCH = 4
 
 
