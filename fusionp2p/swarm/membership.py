@@ -98,6 +98,12 @@ class MembershipView:
         self.dead: set[str] = set()
         self.left: set[str] = set()
         self.rejected = 0   # records older than what we hold (replays) or malformed
+        # (deadline, peer), one per live member, earliest first: a tick looks only at the members whose
+        # deadline passed, not at every member (a pass over all of them twice a heartbeat was the largest
+        # per-node cost that grew with the swarm: 12% of the CPU of 150 simulated nodes). A deadline is a
+        # lower bound (a later record moves the real one on): the entry is checked and pushed again.
+        self._due: list[tuple[float, str]] = []
+        self._alive: dict[str | None, list[str]] = {}   # alive() by role, until the member set changes
 
     def on_record(self, rec: NodeRecord, now: float) -> list[MemberEvent]:
         old = self.records.get(rec.peer)
@@ -109,7 +115,13 @@ class MembershipView:
             self.last_seen.pop(rec.peer, None)
             self.dead.discard(rec.peer)
             self.left.add(rec.peer)
+            self._alive.clear()
             return [MemberEvent(Change.LEFT, rec.peer)]
+        if rec.peer not in self.last_seen:
+            heapq.heappush(self._due, (now + self.timeout_of(rec.peer), rec.peer))
+            self._alive.clear()
+        elif old is not None and old.role != rec.role:
+            self._alive.clear()
         self.last_seen[rec.peer] = now
         if rec.peer in self.dead or rec.peer in self.left:
             self.dead.discard(rec.peer)
@@ -129,12 +141,22 @@ class MembershipView:
             self.last_seen[peer] += seconds
 
     def tick(self, now: float) -> list[MemberEvent]:
+        """The members silent past their timeout, now dead. Looks only at those whose deadline (as of
+        their last record) passed: per tick, work in the members that died or sent a record since."""
         out = []
-        for peer, seen in list(self.last_seen.items()):
-            if peer != self.self_peer and now - seen > self.timeout_of(peer):
+        while self._due and self._due[0][0] < now:
+            _, peer = heapq.heappop(self._due)
+            seen = self.last_seen.get(peer)
+            if seen is None or peer == self.self_peer:
+                continue   # dead, left or ourselves: no longer watched here
+            deadline = seen + self.timeout_of(peer)
+            if now > deadline:
                 del self.last_seen[peer]
                 self.dead.add(peer)
+                self._alive.clear()
                 out.append(MemberEvent(Change.DEAD, peer))
+            else:
+                heapq.heappush(self._due, (deadline, peer))
         return out
 
     def declare_dead(self, peer: str) -> list[MemberEvent]:
@@ -143,11 +165,17 @@ class MembershipView:
         if peer == self.self_peer or self.last_seen.pop(peer, None) is None:
             return []
         self.dead.add(peer)
+        self._alive.clear()
         return [MemberEvent(Change.DEAD, peer)]
 
     def alive(self, *, role: str | None = "node") -> list[str]:
-        """Sorted peer ids of live members (of one role, or all with role=None)."""
-        return sorted(p for p in self.last_seen if role is None or self.records[p].role == role)
+        """Sorted peer ids of live members (of one role, or all with role=None). The same list object until
+        the member set changes (do not modify it): callers asking every heartbeat, or for every record,
+        cost no sort of the whole swarm, and may tell a change by the object."""
+        got = self._alive.get(role)
+        if got is None:
+            got = self._alive[role] = sorted(p for p in self.last_seen if role is None or self.records[p].role == role)
+        return got
 
     def is_alive(self, peer: str) -> bool:
         return peer in self.last_seen

@@ -55,12 +55,14 @@ RTT_WINDOW = 8
 # report meanwhile, so the swarm's matrix was rarely complete at any one moment.
 KEEP_DEAD = 120.0
 # A peer whose probe stream did not open and answer in time is tried again after this many heartbeats,
-# doubled after each failure in a row (at most BACKOFF_MAX), with a deadline of ctrl_timeout times
+# doubled after each failure in a row (at most BACKOFF_MAX: kept small, since once the machine quiets down
+# a backed-off peer waits that long; 6 processes of the old code measured every pair within 3 s of the
+# load easing, after 185 timeouts), with a deadline of ctrl_timeout times
 # (1 + failures), at most CTRL_STRETCH: at load 14-23 stream opens took 1-3 s and more, the 3 s deadline
 # discarded opens that were nearly done, and every node tried each such peer again after one heartbeat
 # (236 open/ping timeouts and not one pair measured in 100 s, 8 processes), adding to the load that made
 # them slow.
-BACKOFF_MAX = 16
+BACKOFF_MAX = 4
 CTRL_STRETCH = 4
 
 
@@ -121,7 +123,8 @@ class LinkProber:
         # (members, the peers we chose, the ones of them we measure), recomputed when the members change, at
         # most once a heartbeat: it costs probe.peers passes over the members (25,000 hashes at 1,000), and a
         # forming swarm changes its members with every node that joins
-        self._sets: tuple[tuple[str, ...], list[str], set[str]] = ((), [], set())
+        # (the view hands out the same list object until its members change: compared by identity first)
+        self._sets: tuple[list[str], list[str], set[str]] = ([], [], set())
         self._sets_at = -float("inf")
 
     def set_training(self, training: Callable[[], bool]) -> None:
@@ -158,13 +161,17 @@ class LinkProber:
     def chosen(self) -> tuple[list[str], set[str]]:
         """The live members we chose (``membership.chosen``, at most ``probe.peers``), and those of them
         whose link we measure (``membership.probes_of``)."""
-        members = tuple(self.members())
+        members = self.members()
         now = trio.current_time()
-        if members != self._sets[0] and (now - self._sets_at >= self.heartbeat or not self._sets[1]):
+        if not self._same(members) and (now - self._sets_at >= self.heartbeat or not self._sets[1]):
             self._sets_at = now
             k = self.config.peers
-            self._sets = (members, chosen(self.peer_id, list(members), k), set(probes_of(self.peer_id, list(members), k)))
+            self._sets = (members, chosen(self.peer_id, members, k), set(probes_of(self.peer_id, members, k)))
         return self._sets[1], self._sets[2]
+
+    def _same(self, members: list[str]) -> bool:
+        """*members* are those we chose ours from."""
+        return members is self._sets[0] or members == self._sets[0]
 
     def _ours(self, peer: str, now: float, mine: set[str]) -> bool:
         """Whether we probe *peer*, one of the members we chose: the pair is ours (``probes_of``), or its
@@ -199,7 +206,7 @@ class LinkProber:
         members changed since we chose ours."""
         now = trio.current_time()
         peers, mine = self.chosen()
-        if tuple(self.members()) != self._sets[0]:
+        if not self._same(self.members()):
             return True
         return any(not self._measured(p) and self._ours(p, now, mine) for p in peers)
 

@@ -82,12 +82,13 @@ class Watcher:
         self.declare = declare
         self.scopes: dict[str, trio.CancelScope] = {}   # the peers watched now, each its task's scope
         self.pings = 0
-        self._chosen: tuple[tuple[str, ...], list[str]] = ((), [])   # recomputed when the members change
+        # recomputed when the members change (the view hands out a new list object then, equal or not)
+        self._chosen: tuple[list[str] | None, list[str]] = (None, [])
 
     def chosen(self) -> list[str]:
-        members = tuple(self.members())
-        if members != self._chosen[0]:
-            self._chosen = (members, chosen(self.peer_id, list(members), self.k))
+        members = self.members()
+        if members is not self._chosen[0] and members != self._chosen[0]:
+            self._chosen = (members, chosen(self.peer_id, members, self.k))
         return self._chosen[1]
 
     async def run(self) -> None:

@@ -74,7 +74,7 @@ def test_a_peer_whose_probe_does_not_open_is_backed_off() -> None:
             await pr._probe_one(b.peer_id, trio.Lock(), trio.CapacityLimiter(1), [0.0])
             waits.append(round((pr.links[b.peer_id].retry_at - t) / hb))
             assert b.peer_id not in pr._probe_targets()   # waits out its backoff
-        assert waits == [1, 2, 4, 8, 16, 16, 16] and BACKOFF_MAX == 16
+        assert waits == [1, 2, 4, 4, 4, 4, 4] and BACKOFF_MAX == 4
         assert a.counters.probes_failed == 7
 
     _run(body)

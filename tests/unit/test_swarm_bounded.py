@@ -143,3 +143,26 @@ def test_a_false_death_notice_costs_its_victim_one_flap() -> None:
                 nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_tick_looks_only_at_members_past_their_deadline() -> None:
+    """The reaper's work per tick does not grow with the swarm: only members whose deadline passed are
+    looked at (one heap entry each); a record, an excuse or a longer period moves a deadline on, and the
+    live list is the same object until the member set changes."""
+    def rec(peer: str, seq: int, period: float = 1.0) -> NodeRecord:
+        return NodeRecord(peer=peer, role="node", addrs=(), profile=None, started=0.0, seq=seq, period=period)
+
+    v = MembershipView(self_peer=IDS[0], timeout=5.0)
+    for p in IDS[1:]:
+        v.on_record(rec(p, 1), 0.0)
+    alive = v.alive()
+    assert v.tick(1.0) == [] and len(v._due) == len(IDS) - 1 and v.alive() is alive   # nothing due: nothing popped
+    v.on_record(rec(IDS[1], 2), 4.0)
+    v.on_record(rec(IDS[2], 2, period=2.0), 4.0)   # dead after 5 periods of 2 s now
+    dead = v.tick(5.5)
+    assert {e.peer for e in dead} == set(IDS[3:]) and all(e.change is Change.DEAD for e in dead)
+    assert v.alive() == sorted(IDS[1:3]) and v.alive() is not alive and len(v._due) == 2
+    v.excuse(10.0)   # we were held up: IDS[1] was last heard at 14 now
+    assert v.tick(12.0) == [] and v.is_alive(IDS[1])
+    assert [e.peer for e in v.tick(19.5)] == [IDS[1]]
+    assert [e.peer for e in v.tick(24.5)] == [IDS[2]] and v.alive() == []
