@@ -44,7 +44,6 @@ from fusionp2p.jobs.election import fetch_latest
 from fusionp2p.jobs.events import ProgressEvent, decode_event
 from fusionp2p.jobs.host import NodeJobConfig
 from fusionp2p.jobs.lifecycle import JobState
-from fusionp2p.jobs.liveness import DeathProbes
 from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
 from fusionp2p.jobs.run import JobRun, StartRequest, describe
@@ -58,7 +57,6 @@ from fusionp2p.net.resilient import (
 )
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
-from fusionp2p.swarm.membership import Change, MemberEvent
 from fusionp2p.swarm.node import SwarmNode
 from fusionp2p.types import short_peer
 from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
@@ -77,7 +75,6 @@ class NodeJobService:
         self.transport = swarm.transport
         self.home = home
         self.config = config or NodeJobConfig()
-        self.deaths = DeathProbes(self.transport)   # peers of lost links asked directly (jobs/liveness.py)
         # refused input of JOB, content and the data plane is counted in the swarm's table (SwarmNode.refusals)
         self.refusals = getattr(swarm, "refusals", None)
         self.content = ContentService(self.transport, ContentStore(home / "content", self.config.store),
@@ -133,7 +130,6 @@ class NodeJobService:
             nursery.start_soon(self._route_incoming, acc)
             nursery.start_soon(self._dispatch_gossip, gossip)
             nursery.start_soon(self._expire_offers)
-            nursery.start_soon(self.deaths.serve)
             limit = max(self.config.recv_timeout, self.config.accept_timeout) + 60
             self.transport.set_stream_handler(JOB, job_proto.serve(self.handle, timeout=limit, refusals=self.refusals))
             log.info("job service ready (data plane listens on %s:%d, announced as %s)", dp.host, dp.port,
@@ -189,9 +185,7 @@ class NodeJobService:
         for h in hashes:
             await self.transport.provide(h)   # bounded by the transport's DHT timeout
 
-    def _on_member_event(self, event: Any) -> None:
-        if isinstance(event, MemberEvent) and event.change in (Change.JOINED, Change.REVIVED):
-            self.deaths.forget(event.peer)   # a node restarted with its identity is alive again
+    def _on_member_event(self, _event: Any) -> None:
         for run in self.jobs.values():
             if not run.state.terminal:
                 run.poke()
@@ -415,10 +409,9 @@ class NodeJobService:
     # ------------------------------------------------------------------ data-plane links
     def peer_gone(self, peer: str) -> bool:
         """A lost link's peer is not waited for once the membership view declares it dead or departed
-        (heartbeat timeout, seconds), or a direct question to it is refused (jobs/liveness.py), instead of
-        for the whole reconnect_timeout."""
+        (heartbeat timeout, seconds) instead of for the whole reconnect_timeout."""
         view = self.swarm.view
-        return peer in view.dead or peer in view.left or self.deaths.suspect(peer)
+        return peer in view.dead or peer in view.left
 
     async def claim(self, job: str, name: str, peer: str, *, alive: Any) -> ResilientChannel:
         """The channel *peer* opened for (*job*, *name*); PeerUnavailable if the peer dies first."""

@@ -4,20 +4,13 @@ death probes of jobs/liveness.py."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-import trio
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.jobs import proto as job_proto
-from fusionp2p.jobs.liveness import DeathProbes, ProbeConfig
 from fusionp2p.jobs.replan import Halted, plan_resume
 from fusionp2p.jobs.shadow import Cadence, ShadowConfig, keeper_for
 from fusionp2p.jobs.store import ContentStore
-from fusionp2p.net.memory import memory_network
 from fusionp2p.plan.plan import Fence, Plan, Stage
-from fusionp2p.wire.protocols import JOB
 
 ALL = lambda p: True  # noqa: E731
 
@@ -121,35 +114,3 @@ def test_discard_drops_a_superseded_copy_unless_another_owner_pins_it() -> None:
     store.discard("other", g)
     assert not store.has(g) and store.stats()["held_bytes"] == 0
 
-
-def test_a_death_probe_confirms_a_refused_peer_and_never_one_that_answers() -> None:
-    """jobs/liveness.py on the in-memory network: a killed host refuses the question at once (dead); a
-    live one answers (alive), and so does nothing change for a peer that was never suspected."""
-
-    async def main() -> None:
-        with trio.fail_after(10):
-            async with memory_network() as net, trio.open_nursery() as nursery:
-                me, live, dead = net.add_host(), net.add_host(), net.add_host()
-
-                async def answer(peer: str, req: dict[str, Any]) -> dict[str, Any]:
-                    return {"ok": False, "state": "", "reason": "unknown job"}
-
-                for h in (live, dead):
-                    h.set_stream_handler(JOB, job_proto.serve(answer))
-                    await me.connect(h.listen_addrs()[0])
-                net.kill(dead.peer_id)
-                probes = DeathProbes(me, ProbeConfig(timeout=2.0))
-                assert not probes.suspect(dead.peer_id) and not probes.suspect(live.peer_id)   # asked, not known yet
-                async with trio.open_nursery() as asking:   # the two questions serve() would ask
-                    asking.start_soon(probes._ask, dead.peer_id)
-                    asking.start_soon(probes._ask, live.peer_id)
-                assert probes.confirmed(dead.peer_id) and probes.suspect(dead.peer_id)
-                assert not probes.confirmed(live.peer_id)
-                probes.forget(dead.peer_id)   # the view saw it again (a restart with its identity)
-                assert not probes.confirmed(dead.peer_id)
-                probes._dead[live.peer_id] = trio.current_time()   # a wrong verdict (a hiccup) ...
-                await probes._ask(live.peer_id)                      # ... lasts until its next answer
-                assert not probes.confirmed(live.peer_id)
-                nursery.cancel_scope.cancel()
-
-    trio.run(main)
