@@ -55,11 +55,7 @@ from fusionp2p.jobs.build import (
     plan_for_snapshot,
     stage_programs,
 )
-from fusionp2p.jobs.checkpoint import (
-    StageCheckpointMeta,
-    decode_state,
-    state_layout,
-)
+from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, state_layout
 from fusionp2p.jobs.data_shards import FeedStats, ShardFeed, plan_history, stage_feed
 from fusionp2p.jobs.election import Adopted, ElectionConfig, fetch_adopted, open_elector
 from fusionp2p.jobs.events import (
@@ -586,7 +582,7 @@ class JobRun(Leading):
             self._holds(step, units, h, self.me)
             await self._gossip(CheckpointSaved(job=self.job_id, step=step, stage=s, peer=self.me, hash=h,
                                                start=units[0], end=units[1], at=time.time()))
-            self.svc.nursery.start_soon(self._replicate, plan, s, h, step)
+            self.svc.nursery.start_soon(self.shadows.replicate, plan, s, h, step)
 
         ex = StageExecutor(programs[s], device=self.svc.config.device, precision=cfg.precision)   # docs/gpu.md
         programs[s] = ex.program   # holds the executor's tensors: the fetched ones go (jobs/weights.py)
@@ -600,23 +596,6 @@ class JobRun(Leading):
                             averaging_lag=averaging_lag(self.spec, self.accepted.dag, plan, snap, s),
                             averaging_bf16=averaging_bf16(self.spec, self.accepted.dag, plan, snap, s, r),
                             compute_slowdown=self.svc.config.compute_slowdown, compute_cpus=self.svc.config.compute_cpus)
-
-    async def _replicate(self, plan: Plan, s: int, h: str, step: int) -> None:
-        """Ask one other member (the keeper) to hold a copy of a stage file, so that it survives our death."""
-        peers = sorted(p for p in plan.peers if p not in plan.stages[s].replicas) or sorted(
-            p for p in plan.peers if p != self.me) or sorted(   # a plan of one: a standby keeps it
-            p for p in (self.members or ()) if p != self.me and self._alive(p))
-        if not peers:
-            return
-        keeper = peers[(plan.peers.index(self.me) if self.me in plan.peers else 0) % len(peers)]
-        try:
-            st = plan.stages[s]
-            await job_proto.request(self.transport, keeper, {"op": "keep", "job": self.job_id, "hash": h,
-                                                             "step": step, "stage": s, "holder": self.me,
-                                                             "units": [st.start, st.end]},
-                                    timeout=self.svc.config.accept_timeout)
-        except (PeerUnavailable, RemoteProtocolError) as exc:
-            log.info("checkpoint %s of stage %d not replicated to %s: %s", h[:12], s, keeper[:12], exc)
 
     async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str, *,
                    shadow: bool = False) -> None:
@@ -633,7 +612,7 @@ class JobRun(Leading):
             h = await self._store_state(plan, s, worker.export_state(copy=False))
             msg["checkpoint"] = h
             self._holds(steps, (plan.stages[s].start, plan.stages[s].end), h, self.me)
-            await self._replicate(plan, s, h, steps)
+            await self.shadows.replicate(plan, s, h, steps)
         self.to(JobState.DONE, f"stage {s} replica {r} finished {steps} steps")
         lead = leader_of(plan.peers, self._alive) or self.me
         for target in dict.fromkeys([lead, self.publisher]):

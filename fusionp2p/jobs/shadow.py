@@ -236,6 +236,25 @@ class Shadows:
                 store.discard(run.job_id, h)   # the keeper holds the copy; our live state is newer
             lane.busy = False
 
+    async def replicate(self, plan: Plan, s: int, h: str, step: int) -> None:
+        """Ask one other member (the keeper) to hold a copy of a (checkpoint or final) stage file, so that it
+        survives our death."""
+        run = self.run
+        peers = sorted(p for p in plan.peers if p not in plan.stages[s].replicas) or sorted(
+            p for p in plan.peers if p != run.me) or sorted(   # a plan of one: a standby keeps it
+            p for p in (run.members or ()) if p != run.me and run._alive(p))
+        if not peers:
+            return
+        keeper = peers[(plan.peers.index(run.me) if run.me in plan.peers else 0) % len(peers)]
+        try:
+            st = plan.stages[s]
+            await job_proto.request(run.transport, keeper, {"op": "keep", "job": run.job_id, "hash": h,
+                                                             "step": step, "stage": s, "holder": run.me,
+                                                             "units": [st.start, st.end]},
+                                    timeout=run.svc.config.accept_timeout)
+        except (PeerUnavailable, RemoteProtocolError) as exc:
+            log.info("checkpoint %s of stage %d not replicated to %s: %s", h[:12], s, keeper[:12], exc)
+
     async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str, *, shadow: bool) -> None:
         """Hold a copy of another member's stage file (we are its keeper) and announce it. A shadow copy
         supersedes the older ones of its stage beyond ``keep``, which leave the store."""
