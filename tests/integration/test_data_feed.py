@@ -8,8 +8,11 @@ deadline; keeps what it read on disk, announced, so that the publisher may go aw
 
 from __future__ import annotations
 
+import contextlib
+import io
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import pytest
@@ -36,12 +39,17 @@ def _data() -> tuple[np.ndarray, Any, dict[str, bytes]]:
 
 
 class _LyingStore(ContentStore):
-    """Holds every blob it is given, and serves each with its first byte flipped."""
+    """Holds every blob it is given, and serves each with its first byte flipped (the content service
+    serves through ``reader``, a part at a time; ``get`` lies the same way)."""
 
     def get(self, h: str) -> bytes:
         blob = bytearray(super().get(h))
         blob[0] ^= 0xFF
         return bytes(blob)
+
+    @contextlib.contextmanager
+    def reader(self, h: str) -> Iterator[BinaryIO]:
+        yield io.BytesIO(self.get(h))
 
 
 def _feed(svc: ContentService, man: Any, peers: list[str], **cfg: Any) -> ShardFeed:
