@@ -338,6 +338,7 @@ class ReplicaAverager:
         # robust reduction: clipped parts per peer in our shards; the peers dropped for it, in order
         self.clips = ClipBook(config.robust) if config.robust is not None else None
         self.dropped_outliers: list[str] = []
+        self._outliers_told = 0                     # of those, the ones new_outliers returned already
         # wire "bf16": per fragment (None: the whole vector), the last complete round's vector, which every
         # replica that finished that round holds bit for bit, and the round's id as its tag
         self._bases: dict[int | None, tuple[int, torch.Tensor]] = {}
@@ -637,6 +638,11 @@ class ReplicaAverager:
                         peer, self.clips.config.strikes, self.clips.config.window)
             self.dropped_outliers.append(peer)
             self._dead.add(peer)
+
+    def new_outliers(self) -> tuple[str, ...]:
+        """The replicas (remote peer ids) dropped as outliers since the last call (the worker's reports)."""
+        new, self._outliers_told = self.dropped_outliers[self._outliers_told:], len(self.dropped_outliers)
+        return tuple(self._channels[n].remote_peer if n in self._channels else n for n in new)
 
     def _bf16_wire(self) -> bool:
         """Whether this round runs the bf16 wire: configured, and some live peer's link carries it."""

@@ -201,7 +201,6 @@ class StageWorker:
         self.src_of = {r.name: r.src for r in self.prog.recv}
         self._closed_links: set[int] = set()
         self._avg: ReplicaAverager | None = None
-        self._outliers_told = 0   # of self._avg.dropped_outliers, those reported already
         # hostile peers (train/guard.py): bounded queues, and no non-finite value reaches the parameters
         self._guard = StepGuard(stage=self.prog.stage)
         self._skipped = ""
@@ -591,17 +590,8 @@ class StageWorker:
                                           compute_s=compute, wall_s=wall,
                                           tokens=self.ctx.tokens_per_micro * m_count,
                                           averaging=self._avg.stats if self._avg is not None else None,
-                                          skipped=self._skipped, outliers=self._new_outliers()))
+                                          skipped=self._skipped, outliers=self._avg.new_outliers() if self._avg is not None else ()))
         return compute, wall
-
-    def _new_outliers(self) -> tuple[str, ...]:
-        """The replicas (peer ids) the averager dropped as outliers since the last report."""
-        avg = self._avg
-        if avg is None or len(avg.dropped_outliers) <= self._outliers_told:
-            return ()
-        new, self._outliers_told = avg.dropped_outliers[self._outliers_told:], len(avg.dropped_outliers)
-        ch = avg._channels
-        return tuple(ch[n].remote_peer if n in ch else n for n in new)
 
     async def _step_optimizer(self, step: int) -> float:
         """Tied sums, the all-reduce (replicas without CO2) and the optimizer step; their seconds."""
