@@ -13,7 +13,7 @@ TORCH_FROM  := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 PIP_FLAGS   := --disable-pip-version-check --quiet
 STAMP       := $(VENV)/.installed
 
-.PHONY: setup test test-all test-hostile demo bench lint clean chromium iptables hivemind-venv
+.PHONY: setup test test-all test-hostile test-readme demo bench lint clean chromium iptables hivemind-venv
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ test-all: setup
 test-hostile: setup
 	command -v iptables >/dev/null || [ "$$(id -u)" != 0 ] || $(MAKE) iptables
 	$(PY) -m pytest -q tests/system/test_hostile_nat.py
+
+# The README's shell commands run as written: a bootstrap and two nodes in network namespaces of their
+# own, then status, a job submitted, listed, attached and downloaded (root; about a minute idle).
+test-readme: setup
+	$(PY) -m pytest -q tests/system/test_readme.py
 
 demo: setup
 	$(VENV)/bin/fusionp2p demo
