@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +28,17 @@ from fusionp2p.errors import ConfigError
 _SEED_DOMAIN = 0x46503250  # "FP2P": keeps these streams apart from other users of the same seed
 
 
+def check_batch_shape(cfg: Any) -> None:
+    """The checks every sampler config shares: positive integer ``seq_len``, ``micro_batch`` and
+    ``micro_batches``, and a ``seed`` in [0, 2**63) (ConfigError, one line)."""
+    for name in ("seq_len", "micro_batch", "micro_batches"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    if not 0 <= cfg.seed < 2**63:
+        raise ConfigError("seed must be in [0, 2**63)")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SamplerConfig:
     num_tokens: int
@@ -36,14 +48,9 @@ class SamplerConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch", "micro_batches"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        check_batch_shape(self)
         if self.num_tokens < self.seq_len + 1:
             raise ConfigError(f"{self.num_tokens} tokens cannot make one sample of seq_len {self.seq_len}; use more data")
-        if not 0 <= self.seed < 2**63:
-            raise ConfigError("seed must be in [0, 2**63)")
 
     @property
     def num_windows(self) -> int:

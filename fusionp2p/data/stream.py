@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from fusionp2p.data.sampler import check_batch_shape
 from fusionp2p.data.shards import ShardManifest
 from fusionp2p.errors import ConfigError
 
@@ -79,12 +80,7 @@ class StreamConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch", "micro_batches"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        if not 0 <= self.seed < 2**63:
-            raise ConfigError("seed must be in [0, 2**63)")
+        check_batch_shape(self)
 
 
 @dataclass(frozen=True, slots=True)
