@@ -450,25 +450,76 @@ def with_flops(dag: OpDAG, args: Sequence[torch.Tensor]) -> OpDAG:
 
 def _count_flops(inputs: tuple[InputSpec, ...], nodes: list[OpNode], tensors: Mapping[str, torch.Tensor],
                  args: tuple[torch.Tensor, ...]) -> list[OpNode]:
-    # one run on copies (in-place buffer updates such as batch-norm statistics must not leak back)
+    # One run on the real values, holding at most one copy of the weights (the publisher's peak is this
+    # run's): a parameter is read in place, and copied only when an in-place operator may write it (through
+    # a view); buffers and constants are copied (batch-norm's running statistics are updated in place and
+    # must not leak back). Each intermediate is dropped after its last reader, so the run holds the live
+    # activations of one micro-batch, not all of them.
+    written = _written_inputs(nodes, {s.name for s in inputs})
     env: dict[str, Any] = {}
     it = iter(args)
     for spec in inputs:
-        env[spec.name] = next(it) if spec.kind == "input" else tensors[spec.name].clone()
+        if spec.kind == "input":
+            env[spec.name] = next(it)
+        else:
+            t = tensors[spec.name]
+            env[spec.name] = t.clone() if spec.kind != "param" or spec.name in written else t
+    last = _last_use(nodes)
     out: list[OpNode] = []
     with torch.no_grad():
-        for n in nodes:
+        for i, n in enumerate(nodes):
             fn = resolve(n.op)
             a = [materialize(x, env) for x in n.args]
             kw = {k: materialize(v, env) for k, v in n.kwargs}
             if n.op == GETITEM:
                 env[n.name] = fn(*a)
                 out.append(n)
-                continue
-            counter = FlopCounterMode(display=False)
-            with counter:
-                env[n.name] = fn(*a, **kw)
-            out.append(dataclasses.replace(n, flops=float(counter.get_total_flops())))
+            else:
+                counter = FlopCounterMode(display=False)
+                with counter:
+                    env[n.name] = fn(*a, **kw)
+                out.append(dataclasses.replace(n, flops=float(counter.get_total_flops())))
+            del a, kw
+            for name in last.get(i, ()):
+                env.pop(name, None)
+    return out
+
+
+def _refs(a: Arg) -> Iterator[str]:
+    if isinstance(a, Ref):
+        yield a.name
+    elif isinstance(a, (list, tuple)):
+        for x in a:
+            yield from _refs(x)
+
+
+def _last_use(nodes: Sequence[OpNode]) -> dict[int, list[str]]:
+    """Node index -> the values whose last reader it is (a value no node reads is dropped where it is made)."""
+    last: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        last[n.name] = i
+        for a in (*n.args, *(v for _, v in n.kwargs)):
+            for r in _refs(a):
+                last[r] = i
+    by_node: dict[int, list[str]] = {}
+    for name, i in last.items():
+        by_node.setdefault(i, []).append(name)
+    return by_node
+
+
+def _written_inputs(nodes: Sequence[OpNode], inputs: set[str]) -> set[str]:
+    """Inputs an in-place operator (``add_``, ``relu_``) may write: its first argument followed back through
+    the first arguments of the operators that made it (views, reshapes) to an input. Over-approximates."""
+    first = {n.name: n.args[0] for n in nodes if n.args}
+    out: set[str] = set()
+    for n in nodes:
+        if n.op.count(".") != 2 or not n.op.split(".")[1].endswith("_") or not n.args:
+            continue
+        a, seen = n.args[0], 0
+        while isinstance(a, Ref) and a.name not in inputs and a.name in first and seen < len(nodes):
+            a, seen = first[a.name], seen + 1
+        if isinstance(a, Ref) and a.name in inputs:
+            out.add(a.name)
     return out
 
 

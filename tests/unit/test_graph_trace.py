@@ -276,3 +276,39 @@ def test_fresh_constants_in_forward_trace_and_run() -> None:
     ex.backward(0, {})
     assert dag.loss is not None and abs(out[dag.loss].item() - ref_loss.item()) <= 1e-6 * ref_loss.item()
     assert max_rel_err({n: p.grad for n, p in ex.parameters().items()}, ref) <= 1e-6  # type: ignore[misc]
+
+
+def test_flop_run_reads_parameters_in_place_and_drops_intermediates() -> None:
+    """The publisher's peak is the FLOP run's (issue 37): it must not copy the weights. A 32 MiB parameter
+    raises the process's peak by far less than its size (it was one more copy), the module is untouched,
+    and the FLOPs are those of the layer."""
+    from fusionp2p.graph.trace import with_flops
+    from tests.unit.fuzz import peak_rss, reset_peak_rss
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 8))
+    x = torch.randn(2, 2048)
+    dag = trace(m, (x,), count_flops=False)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    big = 2048 * 4096 * 4
+    start = reset_peak_rss()
+    if start is None:
+        pytest.skip("no /proc/self/clear_refs here")
+    dag = with_flops(dag, (x,))
+    assert peak_rss() - start < big // 2
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    linears = [n.flops for n in dag.nodes if n.op == "aten.linear.default"]
+    assert linears == [2 * 2 * 2048 * 4096, 2 * 2 * 4096 * 8]
+
+
+def test_flop_run_copies_only_what_an_in_place_operator_may_write() -> None:
+    from fusionp2p.graph.dag import OpNode, Ref
+    from fusionp2p.graph.trace import _last_use, _written_inputs
+
+    nodes = [OpNode(name="v", op="aten.t.default", args=(Ref("w"),)),
+             OpNode(name="a", op="aten.add_.Tensor", args=(Ref("v"), Ref("x"))),
+             OpNode(name="r", op="aten.relu.default", args=(Ref("b"),)),
+             OpNode(name="s", op="getitem", args=(Ref("r"), 0))]
+    assert _written_inputs(nodes, {"w", "x", "b"}) == {"w"}    # through the view, not the other operand
+    last = _last_use(nodes)
+    assert sorted(last[1]) == ["a", "v", "x"] and sorted(last[3]) == ["r", "s"] and sorted(last[2]) == ["b"]
