@@ -20,13 +20,17 @@ from __future__ import annotations
 import os
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from fusionp2p.data.corpus import BUILTIN_NAMES, VOCAB_SIZE, corpus_hash, corpus_tokens
 from fusionp2p.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fusionp2p.data.file_shards import FileRange
+    from fusionp2p.data.shards import ShardManifest
 
 KINDS = ("auto", "text", "npy", "bin")
 ARRAY_DTYPES: dict[str, np.dtype[np.integer]] = {
@@ -108,6 +112,8 @@ class TokenFile:
     dtype: str | None = None
     vocab_size: int = 0  # 0: infer (see class docstring)
     _num_tokens: int = field(default=0, init=False, repr=False, compare=False)
+    _offset: int = field(default=0, init=False, repr=False, compare=False)        # of the tokens in the file
+    _range: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)   # ids, once scanned
 
     def __post_init__(self) -> None:
         _check_seq_len(self.seq_len)
@@ -144,10 +150,11 @@ class TokenFile:
             object.__setattr__(self, "dtype", str(arr.dtype))
         _check_enough(int(arr.shape[0]), self.seq_len, f"dataset file {p}")
         object.__setattr__(self, "_num_tokens", int(arr.shape[0]))
+        object.__setattr__(self, "_offset", int(getattr(arr, "offset", 0)))
         if kind == "text":
             inferred = VOCAB_SIZE
         else:
-            lo, hi = int(arr.min()), int(arr.max())
+            lo, hi = self.id_range()    # one streamed pass (file_shards.py): never the whole file in memory
             if lo < 0:
                 raise ConfigError(f"{p} holds negative token ids; token ids must be >= 0")
             inferred = hi + 1
@@ -179,3 +186,31 @@ class TokenFile:
 
     def tokens(self) -> TokenArray:
         return self._load()
+
+    def _dtype(self) -> np.dtype[np.integer]:
+        return np.dtype(np.uint8) if self.dtype is None else ARRAY_DTYPES.get(self.dtype, np.dtype(self.dtype))
+
+    def id_range(self, ignore: int | None = None) -> tuple[int, int]:
+        """(smallest, largest) token id, read a chunk at a time (cached); with *ignore*, that id left out
+        (a loss's ``ignore_index``; (0, -1) when every token is it)."""
+        # imported here: file_shards imports shards, which imports this module
+        from fusionp2p.data.file_shards import file_chunks, id_range
+
+        if self._range is None:
+            found = id_range(file_chunks(self.path, offset=self._offset, dtype=self._dtype(), count=self._num_tokens))
+            assert found is not None    # a TokenFile holds at least seq_len + 1 tokens
+            object.__setattr__(self, "_range", found)
+        assert self._range is not None
+        if ignore is None or not self._range[0] <= ignore <= self._range[1]:
+            return self._range
+        kept = id_range(file_chunks(self.path, offset=self._offset, dtype=self._dtype(), count=self._num_tokens),
+                        ignore=ignore)
+        return (0, -1) if kept is None else kept
+
+    def shards(self, shard_tokens: int) -> tuple[ShardManifest, dict[str, FileRange]]:
+        """The manifest and each distinct shard as a range of a file (``data/file_shards.py``): hashed a
+        shard at a time, served from disk, never the whole file in memory."""
+        from fusionp2p.data.file_shards import shard_file
+
+        return shard_file(self.path, offset=self._offset, dtype=self._dtype(), num_tokens=self._num_tokens,
+                          vocab_size=self.vocab_size, shard_tokens=shard_tokens)

@@ -40,6 +40,7 @@ from fusionp2p.data import (
     corpus_tokens,
 )
 from fusionp2p.data.corpus import corpus_hash
+from fusionp2p.data.file_shards import FileRange
 from fusionp2p.data.shards import DEFAULT_SHARD_TOKENS
 from fusionp2p.data.url import TokenURL, check_url
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, PlanError, RemoteProtocolError
@@ -117,17 +118,18 @@ class BuiltJob:
 
     spec: JobSpec
     envelope: bytes
-    blobs: dict[str, bytes | memoryview]   # the weight pieces: views of the module's tensors (make_manifest)
+    # the weight pieces: views of the module's tensors (make_manifest); a token file's shards: ranges of the file
+    blobs: dict[str, bytes | memoryview | FileRange]
     dag: OpDAG
 
 
 def _example(dataset: BuiltinCorpus | TokenFile | TokenURL, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch of the real data (the DAG is traced for the micro-batch shape)."""
-    tokens = dataset.tokens()
-    sampler = BatchSampler(SamplerConfig(num_tokens=len(tokens), seq_len=dataset.seq_len, micro_batch=cfg.micro_batch,
-                                         micro_batches=cfg.micro_batches, seed=cfg.seed))
-    x = torch.from_numpy(sampler.inputs(tokens, 0, 0))
-    y = torch.from_numpy(sampler.targets(tokens, 0, 0))
+    """One micro-batch of the real data: its first windows (the DAG is traced for the micro-batch shape;
+    a sampler's permutation of every window would take 16 bytes a window, 512 MiB for a 2 GiB text file)."""
+    tokens, t = dataset.tokens(), dataset.seq_len
+    starts = (np.arange(cfg.micro_batch) % ((len(tokens) - 1) // t)) * t
+    x = torch.from_numpy(np.stack([np.asarray(tokens[s:s + t], dtype=np.int64) for s in starts]))
+    y = torch.from_numpy(np.stack([np.asarray(tokens[s + 1:s + t + 1], dtype=np.int64) for s in starts]))
     return x, y
 
 
@@ -173,14 +175,22 @@ def _data_field(dag: OpDAG, by_name: Mapping[str, Any], arg: Any) -> str | None:
     return arg.name if isinstance(arg, Ref) and arg.name in dag.data_inputs else None
 
 
-def _field_values(dag: OpDAG, dataset: Dataset, name: str) -> Any:
+def _id_range(dag: OpDAG, dataset: Dataset, name: str, ignore: int | None) -> tuple[int, int] | None:
+    """(smallest, largest) id of data field *name*, *ignore* left out; None for a field that holds no
+    integer ids (or only *ignore*). A token file is scanned a chunk at a time (never whole in memory)."""
     if isinstance(dataset, Examples):
-        return dataset.arrays.get(name)
-    if name == dag.data_inputs[0]:
-        return dataset.tokens()
-    if len(dag.data_inputs) == 2 and name == dag.data_inputs[1]:
-        return dataset.tokens()    # the targets are the same tokens, shifted
-    return None
+        ids = dataset.arrays.get(name)
+    elif name in dag.data_inputs[:2]:   # the inputs, or the targets: the same tokens, shifted
+        if isinstance(dataset, TokenFile):
+            lo, hi = dataset.id_range(ignore)
+            return None if hi < lo else (lo, hi)
+        ids = dataset.tokens()
+    else:
+        return None
+    if ids is None or not ids.size or not np.issubdtype(ids.dtype, np.integer):
+        return None
+    kept = ids[ids != ignore] if ignore is not None else ids
+    return (int(kept.min()), int(kept.max())) if kept.size else None
 
 
 def check_vocab(dag: OpDAG, dataset: Dataset) -> None:
@@ -201,12 +211,12 @@ def check_vocab(dag: OpDAG, dataset: Dataset) -> None:
         meta = dag.meta_of(table.name)
         if meta is None or not meta.shape:
             continue
-        ids = _field_values(dag, dataset, name)
-        if ids is None or not ids.size or not np.issubdtype(ids.dtype, np.integer):
-            continue
         if what == "embedding":
             rows = meta.shape[0]
-            lo, hi = int(ids.min()), int(ids.max())
+            found = _id_range(dag, dataset, name, None)
+            if found is None:
+                continue
+            lo, hi = found
             if lo < 0 or hi >= rows:
                 raise ConfigError(f"the dataset's {name} holds token ids in [{lo}, {hi}], but the model's embedding "
                                   f"{table.name} has {rows} rows: the data and the model disagree (tokenize with the "
@@ -214,9 +224,9 @@ def check_vocab(dag: OpDAG, dataset: Dataset) -> None:
             continue
         classes = meta.shape[1] if len(meta.shape) >= 2 else meta.shape[0]
         ignore = dict(n.kwargs).get("ignore_index", n.args[4] if len(n.args) > 4 else -100)
-        kept = ids[ids != ignore] if isinstance(ignore, int) else ids
-        if kept.size and (int(kept.min()) < 0 or int(kept.max()) >= classes):
-            raise ConfigError(f"the dataset's {name} holds labels in [{int(kept.min())}, {int(kept.max())}], but the "
+        found = _id_range(dag, dataset, name, ignore if isinstance(ignore, int) else None)
+        if found is not None and (found[0] < 0 or found[1] >= classes):
+            raise ConfigError(f"the dataset's {name} holds labels in [{found[0]}, {found[1]}], but the "
                               f"model's loss takes {classes} classes: the data and the model disagree (set the "
                               f"model's number of labels, or mark ignored positions with {ignore})")
 
@@ -237,7 +247,7 @@ def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset | str | os
     manifest, pieces = make_manifest(dag.tensors, piece_bytes, copy=False)   # no second copy of the weights
     man_blob = manifest.encode()
     ref, _manifest, data_blobs = prepare_dataset(dataset, shard_tokens=shard_tokens)
-    blobs: dict[str, bytes | memoryview] = {sha256_hex(dag_blob): dag_blob, manifest.content_hash: man_blob, **pieces,
+    blobs: dict[str, bytes | memoryview | FileRange] = {sha256_hex(dag_blob): dag_blob, manifest.content_hash: man_blob, **pieces,
                                             **data_blobs}
     spec = JobSpec(job_id=new_job_id(publisher, now, nonce), publisher=publisher, created=now,
                    model_hash=sha256_hex(dag_blob), weights_hash=manifest.content_hash, dataset=ref, config=cfg,

@@ -38,6 +38,7 @@ from typing import Any
 
 import trio
 
+from fusionp2p.data.file_shards import FileRange
 from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
@@ -225,8 +226,11 @@ class JobDriver:
         view = await discover(self.transport, self.bootstraps, timeout=cfg.view_timeout)
         if not view.members:
             raise JobError("the swarm has no live training nodes")
-        for h, blob in built.blobs.items():   # the weight pieces as views of the module: served, not copied
-            self.content.store.put_view(h, blob) if isinstance(blob, memoryview) else self.content.store.put(blob)
+        for h, blob in built.blobs.items():   # weight pieces as views of the module, token shards as ranges of
+            if isinstance(blob, FileRange):    # the file: served, not copied
+                self.content.store.put_range(h, blob)
+            else:
+                self.content.store.put_view(h, blob) if isinstance(blob, memoryview) else self.content.store.put(blob)
         with trio.move_on_after(cfg.start_timeout):
             await self.transport.dht_put(spec_key(self.job), built.envelope)
             await add_to_index(self.transport, self.job, built.spec.name, built.spec.created)

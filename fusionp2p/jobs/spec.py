@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from fusionp2p.data.examples import ExampleManifest, Examples
-from fusionp2p.data.shards import ShardManifest, is_sha256_hex, make_shards
+from fusionp2p.data.file_shards import FileRange
+from fusionp2p.data.shards import ShardManifest, is_sha256_hex
 from fusionp2p.data.tokens import BuiltinCorpus, TokenFile
 from fusionp2p.data.url import TokenURL
 from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
@@ -104,9 +105,10 @@ class DatasetRef:
 
 def prepare_dataset(
     src: BuiltinCorpus | TokenFile | Examples | TokenURL, *, shard_tokens: int = 1 << 20
-) -> tuple[DatasetRef, ShardManifest | ExampleManifest | None, dict[str, bytes]]:
+) -> tuple[DatasetRef, ShardManifest | ExampleManifest | None, dict[str, bytes | FileRange]]:
     """The publisher's side: a dataset reference for *src*, plus (for files) the manifest and the
-    blobs to publish — the manifest's encoding under its hash and every shard under its own.
+    blobs to publish — the manifest's encoding under its hash and every shard under its own (a token
+    file's as :class:`~fusionp2p.data.file_shards.FileRange`: read from the file when served).
 
     A built-in corpus needs no blobs: every node rebuilds it and checks the pinned hash.
     """
@@ -127,8 +129,8 @@ def prepare_dataset(
         ref = DatasetRef(kind="url", name=src.url, content_hash=man.content_hash, seq_len=src.seq_len,
                          vocab_size=src.vocab_size, num_tokens=man.num_tokens)
         return ref, man, {man.content_hash: man.encode()}
-    manifest, blobs = make_shards(src.tokens(), vocab_size=src.vocab_size, shard_tokens=shard_tokens)
-    blobs = {manifest.content_hash: manifest.encode(), **blobs}
+    manifest, ranges = src.shards(shard_tokens)   # hashed a shard at a time, served from the file (issue 38)
+    blobs: dict[str, bytes | FileRange] = {manifest.content_hash: manifest.encode(), **ranges}
     ref = DatasetRef(kind=src.kind, name=str(src.path)[-256:], content_hash=manifest.content_hash, seq_len=src.seq_len,
                      vocab_size=src.vocab_size, num_tokens=manifest.num_tokens)
     return ref, manifest, blobs

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from fusionp2p.data.file_shards import FileRange
 from fusionp2p.data.shards import is_sha256_hex
 from fusionp2p.errors import ConfigError, FusionError, IntegrityError
 from fusionp2p.wire.limits import GiB, MiB
@@ -86,6 +87,7 @@ class ContentStore:
         self._held: OrderedDict[str, int] = OrderedDict()    # hash -> size, least recently used first
         self._held_bytes = 0
         self._mem: OrderedDict[str, bytes] = OrderedDict()   # the memory copies, least recently used first
+        self._ranges: dict[str, FileRange] = {}              # blobs read from a file when asked (put_range)
         self._mem_bytes = 0
         self._pins: dict[str, set[str]] = {}                 # owner -> the hashes it pins
         self._pinned: dict[str, int] = {}                    # hash -> how many owners pin it
@@ -217,6 +219,7 @@ class ContentStore:
             self._path(h).unlink(missing_ok=True)
 
     def _drop_mem(self, h: str) -> None:
+        self._ranges.pop(h, None)
         blob = self._mem.pop(h, None)
         if blob is not None:
             self._mem_bytes -= len(blob)
@@ -330,6 +333,18 @@ class ContentStore:
             self._mem_bytes += len(view)
         self._used(h)
 
+    def put_range(self, h: str, rng: FileRange) -> None:
+        """Hold blob *h* (hashed by its owner) as a range of a file, read a part at a time when served and
+        never held in memory: a publisher's token shards (``data/file_shards.py``). A store on disk stores a copy."""
+        if self._root is not None:
+            self.put(bytes(rng))
+            return
+        if h not in self._held:
+            self._held[h] = len(rng)
+            self._held_bytes += len(rng)
+            self._ranges[h] = rng
+        self._used(h)
+
     def put_verified(self, h: str, data: bytes | bytearray | memoryview) -> None:
         """Store *data* only if it hashes to *h* (IntegrityError otherwise)."""
         if sha256_hex(data) != h:
@@ -342,10 +357,13 @@ class ContentStore:
     def get(self, h: str) -> bytes:
         """The blob named *h*; KeyError if absent; IntegrityError if its file on disk was corrupted."""
         blob = self._mem.get(h)
-        if isinstance(blob, memoryview):   # put_view's: a copy, checked (its owner may have changed it)
-            blob = bytes(blob)
+        rng = self._ranges.get(h)
+        if isinstance(blob, memoryview) or rng is not None:   # a view or a file range: a copy, checked (its
+            blob = bytes(blob if rng is None else rng)        # owner may have changed it since)
             if sha256_hex(blob) != h:
                 raise KeyError(h)
+            self._used(h)
+            return blob
         if blob is None:
             if h not in self._held:
                 raise KeyError(h)
@@ -361,9 +379,14 @@ class ContentStore:
         return blob
 
     @contextlib.contextmanager
-    def reader(self, h: str) -> Iterator[BinaryIO | _ViewReader]:
+    def reader(self, h: str) -> Iterator[BinaryIO | _ViewReader | _RangeReader]:
         """Blob *h* to read a part at a time: its file, or its memory copy (KeyError if absent). Unlike
         :meth:`get` it does not check the hash (whoever fetches it does) nor load it whole into memory."""
+        rng = self._ranges.get(h)
+        if rng is not None:   # a file's range: served as read (the fetcher checks the hash), a part at a time
+            self._used(h)
+            yield _RangeReader(rng)
+            return
         blob = self._mem.get(h)
         if blob is None and self._root is None:
             raise KeyError(h)
@@ -397,6 +420,19 @@ class ContentStore:
         if h not in self._held:
             raise KeyError(h)
         return self._held[h]
+
+
+class _RangeReader:
+    """``read(n)`` over a :class:`FileRange`: a part at a time from its file."""
+
+    def __init__(self, rng: FileRange) -> None:
+        self._rng = rng
+        self._pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        part = self._rng.read(self._pos, self._rng.size - self._pos if n < 0 else n)
+        self._pos += len(part)
+        return part
 
 
 class _ViewReader:
