@@ -17,8 +17,11 @@ of steps. Headline: the goodput ratio; ``recovery_s_median`` among the results.
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import logging
+import math
+import os
 import random
 import re
 import statistics
@@ -43,7 +46,8 @@ HELD_OUT_FROM = 1_000_000     # sampler steps far beyond any job's: batches no s
 # Where a recovery's time goes: the nodes' log lines that mark each phase, in the order they happen. For
 # each kill the phase's time is that of its last line (over all nodes) before the first step of the new
 # epoch, in seconds after the kill: the member that finished the phase last is the one the job waited for.
-PHASES = (("detected", re.compile(r"pipeline broken|leading a re-plan")),
+PHASES = (("noticed", re.compile(r"pipeline broken")),
+          ("detected", re.compile(r"leading a re-plan|switching to the fallback plan")),
           ("halted", re.compile(r"units lost every live state|halted at step")),
           ("adopted", re.compile(r"epoch \d+: plan \w+ adopted")),
           ("state", re.compile(r"epoch \d+: state of stage")),
@@ -51,8 +55,12 @@ PHASES = (("detected", re.compile(r"pipeline broken|leading a re-plan")),
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
+FIRST = {"noticed"}   # phases timed by their first line (a neighbour of the dead node saw its link break)
+
+
 def phases(home: Path, kill_at: float, resumed_at: float) -> dict[str, float]:
-    """Per phase (PHASES), seconds from the kill (wall clock) to its last log line before *resumed_at*."""
+    """Per phase (PHASES), seconds from the kill (wall clock) to its last log line before *resumed_at*
+    (its first, for the phases in FIRST)."""
     out: dict[str, float] = {}
     for log_path in home.glob("node*.log"):
         for line in log_path.read_text(errors="replace").splitlines():
@@ -64,8 +72,58 @@ def phases(home: Path, kill_at: float, resumed_at: float) -> dict[str, float]:
                 continue
             for name, pat in PHASES:
                 if pat.search(line):
-                    out[name] = max(out.get(name, 0.0), t - kill_at)
+                    old = out.get(name)
+                    out[name] = t - kill_at if old is None else (min if name in FIRST else max)(old, t - kill_at)
     return {name: round(out[name], 2) for name, _ in PHASES if name in out}
+
+
+class CpuMeter:
+    """CPU-seconds (user + system) of a cluster's processes over time, read from /proc every *period*
+    seconds by a thread: under a loaded machine wall-clock phases stretch, CPU-seconds say what work a
+    recovery cost. Dead processes keep their last reading."""
+
+    def __init__(self, cluster: LocalCluster, period: float = 0.2) -> None:
+        self.cluster, self.period = cluster, period
+        self.samples: list[tuple[float, float]] = []   # (wall clock, CPU-seconds of every process so far)
+        self._last: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> float:
+        for p in list(self.cluster.procs.values()):
+            try:
+                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                self._last[p.pid] = (int(fields[11]) + int(fields[12])) / self._tick
+            except (OSError, IndexError, ValueError):
+                pass   # gone: its last reading stays
+        return sum(self._last.values())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.samples.append((time.time(), self._read()))
+
+    def __enter__(self) -> CpuMeter:
+        self.samples.append((time.time(), self._read()))
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, t: float) -> float:
+        """CPU-seconds so far at wall clock *t* (the last sample at or before it)."""
+        i = bisect.bisect_right(self.samples, (t, math.inf)) - 1
+        return self.samples[max(0, i)][1]
+
+    def phases(self, kill_at: float, ends: dict[str, float]) -> dict[str, float]:
+        """CPU-seconds of every process spent in each phase (from the previous phase's end to its own)."""
+        out, prev = {}, kill_at
+        for name, end in sorted(ends.items(), key=lambda kv: kv[1]):
+            out[name] = round(self.at(kill_at + end) - self.at(prev), 2)
+            prev = kill_at + end
+        return out
 
 
 def held_out_loss(path: Path, steps: int, batches: int = 16) -> float:
@@ -81,11 +139,12 @@ def held_out_loss(path: Path, steps: int, batches: int = 16) -> float:
                               for b in range(batches)]))
 
 
-def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn: bool) -> dict[str, Any]:
+def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn: bool,
+        kills: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
     cfg = demo_config(steps, 4)
     events: list[dict[str, Any]] = []
-    with LocalCluster(5, home, dead_timeout=3.0, probe_interval=60.0) as cluster, \
+    with LocalCluster(5, home, dead_timeout=3.0, probe_interval=60.0) as cluster, CpuMeter(cluster) as cpu, \
             Swarm.connect([cluster.bootstrap], home=home / "client", listen="/ip4/127.0.0.1/tcp/0") as sw:
         wait_until(lambda: len(sw.members()) >= 5, timeout=120, interval=0.5, what="5 members")
         names = {cluster.peer_id(f"node{i}"): f"node{i}" for i in range(5)}
@@ -121,14 +180,16 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
             elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
                 for p in [p for p in pending if ev.epoch > p["epoch"]]:
                     p["recovery_s"] = now - p["t"]
-                    p["phases_s"] = phases(home, p["wall"], time.time())
+                    wall = time.time()
+                    p["phases_s"] = {**phases(home, p["wall"], wall), "stepped": round(wall - p["wall"], 2)}
+                    p["cpu_s"] = round(cpu.at(wall) - cpu.at(p["wall"]), 2)
                     p["resumed_at_step"] = ev.step
                     p["resumed_in_epoch"] = ev.epoch
                     events.append(p)
                     pending.remove(p)
                 last_step = max(last_step, ev.step)
                 t_end = now
-                if now >= next_kill and plan and steps - last_step > 10:
+                if now >= next_kill and plan and steps - last_step > 10 and not (kills and len(events) + len(pending) >= kills):
                     victim = rng.choice(sorted(set(plan)))
                     cluster.kill(names[victim])
                     pending.append({"t": now, "wall": time.time(), "killed": names[victim], "at_step": last_step,
@@ -137,6 +198,10 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
                     next_kill = now + every
         stop.set()
         events += [{**p, "recovery_s": None} for p in pending]   # killed too close to the end to re-plan
+        time.sleep(2 * cpu.period)
+        for e in events:   # CPU-seconds per phase, once the meter has read past the last one
+            if e["recovery_s"] is not None:
+                e["phases_cpu_s"] = cpu.phases(e["wall"], e["phases_s"])
         job.wait(timeout=30)
         out = home / "model"
         path = job.download(out)
@@ -152,14 +217,19 @@ def main() -> None:
     ap.add_argument("--rejoin", type=float, default=5.0, help="seconds from a kill to a fresh node's start")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=0, help="the job's steps (default: 300 with --quick, else 900)")
+    ap.add_argument("--kills", type=int, default=0, help="kill at most this many members (default: every interval)")
+    ap.add_argument("--calm-steps-per-s", type=float, default=0.0,
+                    help="skip the undisturbed run and take its steps per second from here (a recovery's timeline only)")
     args = ap.parse_args()
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     torch.set_num_threads(1)
     steps = args.steps or (300 if args.quick else 900)
     every = min(args.every, 25.0) if args.quick else args.every
     root = Path(tempfile.mkdtemp(prefix="fusionp2p-bench-churn-"))
-    base = run(steps, root / "calm", every=every, rejoin=args.rejoin, seed=args.seed, churn=False)
-    churn = run(steps, root / "churn", every=every, rejoin=args.rejoin, seed=args.seed, churn=True)
+    base = ({"steps_per_s": args.calm_steps_per_s, "train_s": steps / args.calm_steps_per_s, "epochs": 0,
+             "held_out_loss": math.nan, "layouts": [], "events": []} if args.calm_steps_per_s > 0 else
+            run(steps, root / "calm", every=every, rejoin=args.rejoin, seed=args.seed, churn=False))
+    churn = run(steps, root / "churn", every=every, rejoin=args.rejoin, seed=args.seed, churn=True, kills=args.kills)
     rec = [e["recovery_s"] for e in churn["events"] if e["recovery_s"] is not None]
     goodput = churn["steps_per_s"] / base["steps_per_s"]
     loss_ratio = churn["held_out_loss"] / base["held_out_loss"]
@@ -177,16 +247,20 @@ def main() -> None:
     stepped = [e for e in churn["events"] if e["recovery_s"] is not None]
     # steps trained again after a kill: those after the last one the progress showed done, before the kill
     lost = [max(0, e["at_step"] + 1 - e["resumed_at_step"]) for e in stepped]
-    phase_med = {name: round(statistics.median(v), 2) for name, _ in PHASES
+    names = [*(n for n, _ in PHASES), "stepped"]
+    phase_med = {name: round(statistics.median(v), 2) for name in names
                  if (v := [e["phases_s"][name] for e in stepped if name in e.get("phases_s", {})])}
+    cpu_med = {name: round(statistics.median(v), 2) for name in names
+               if (v := [e["phases_cpu_s"][name] for e in stepped if name in e.get("phases_cpu_s", {})])}
     for label, r in (("calm", base), ("churn", churn)):   # the replicas per stage decide the samples per step
         print(f"{label} plans (epoch, replicas per stage, from step): {r['layouts']}")
     print(f"steps lost per kill {lost}; median seconds from a kill to each phase's end: {phase_med}")
+    print(f"median CPU-seconds of all node processes in each phase (from the previous phase's end): {cpu_med}")
     print(f"goodput {goodput:.2f}, recovery median {med:.1f} s over {len(rec)} events, "
           f"held-out loss ratio {loss_ratio:.3f}")
     write("churn", args.out, {"calm": base, "churn": churn, "goodput": goodput, "recovery_s_median": med,
                               "recovery_s": rec, "held_out_loss_ratio": loss_ratio, "steps_lost": lost,
-                              "phases_s_median": phase_med, "every_s": every,
+                              "phases_s_median": phase_med, "phases_cpu_s_median": cpu_med, "every_s": every,
                               "rejoin_s": args.rejoin, "seed": args.seed},
           headline("goodput under churn (one member SIGKILLed per interval, a fresh node 5 s later) / undisturbed",
                    goodput, "x", 0.8, "higher", "the same job without churn"),
