@@ -57,6 +57,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from fusionp2p.errors import ConfigError, PeerUnavailable
 from fusionp2p.net.addrs import GLOBAL, LOOPBACK, PRIVATE, peer_dial_addrs
+from fusionp2p.net.advertised import WildcardExpander
 from fusionp2p.net.dht_fresh import freshest
 from fusionp2p.net.dial_errors import dial_cause
 from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits, HolePunchPolicy
@@ -349,6 +350,8 @@ class Libp2pTransport:
             muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
             connection_config=ConnectionConfig(max_connections_per_peer=1, min_connections=0, low_watermark=0),
             announce_addrs=[parse_multiaddr(a) for a in config.announce] or None,
+            # a wildcard listen address advertised as the interfaces' (net/advertised.py: issue 43's publisher)
+            addrs_factory=None if config.announce else WildcardExpander(),
         )
         # py-libp2p's AutoConnector dials every peer in the peerstore until the connection count reaches
         # the midpoint of its watermarks (150 by default): with our one-directional dialing that produced
