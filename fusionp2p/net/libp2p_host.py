@@ -57,6 +57,8 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from fusionp2p.errors import ConfigError, PeerUnavailable
 from fusionp2p.net.addrs import GLOBAL, LOOPBACK, PRIVATE, peer_dial_addrs
+from fusionp2p.net.advertised import WildcardExpander
+from fusionp2p.net.dht_fresh import freshest
 from fusionp2p.net.dial_errors import dial_cause
 from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits, HolePunchPolicy
 from fusionp2p.net.identity import Identity
@@ -348,6 +350,8 @@ class Libp2pTransport:
             muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
             connection_config=ConnectionConfig(max_connections_per_peer=1, min_connections=0, low_watermark=0),
             announce_addrs=[parse_multiaddr(a) for a in config.announce] or None,
+            # a wildcard listen address advertised as the interfaces' (net/advertised.py: issue 43's publisher)
+            addrs_factory=None if config.announce else WildcardExpander(),
         )
         # py-libp2p's AutoConnector dials every peer in the peerstore until the connection count reaches
         # the midpoint of its watermarks (150 by default): with our one-directional dialing that produced
@@ -656,6 +660,9 @@ class Libp2pTransport:
         self._rankers.rankers[prefix] = rank
 
     async def dht_get(self, key: str) -> bytes | None:
+        local = self.dht.value_store.get(key.encode())
+        if local is not None and self._rankers.ranks(key):   # a record with versions: ask the peers too
+            return await freshest(self.dht, key, local, self._rankers.select, timeout=self._config.dht_timeout)
         with trio.move_on_after(self._config.dht_timeout):
             v = await self.dht.get_value(key)
             return bytes(v) if v is not None else None
@@ -687,6 +694,9 @@ class _RankingValidator(Validator):
 
     def validate(self, key: str, value: bytes) -> None:
         """Every value is accepted here (its reader verifies it); ranking decides which one is kept."""
+
+    def ranks(self, key: str) -> bool:
+        return any(key.startswith(p) for p in self.rankers)
 
     def select(self, key: str, values: list[bytes]) -> int:
         rank = next((r for p, r in self.rankers.items() if key.startswith(p)), None)

@@ -182,3 +182,35 @@ def test_ranked_records_keep_the_best_copy(kind: str) -> None:
                 assert await a.dht_get("/fusionp2p/ranked/x") == b"9"
 
     trio.run(main)
+
+
+def test_libp2p_a_stale_local_copy_does_not_hide_a_newer_record() -> None:
+    """py-libp2p's get answers from the local store without asking anyone, and a get keeps the network's
+    answer locally: a ranked record that changes (a job's status) read stale for ever on a node that no newer
+    put reached. Issue 43: a NAT'd leader could not dial its publisher back, its DONE status reached every
+    peer but that one, and the publisher polled its own cached RUNNING copy until the test's deadline."""
+    def rank(v: bytes) -> tuple[int, ...] | None:
+        return (int(v),) if v.isdigit() else None
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with AsyncExitStack() as st:
+                a = await st.enter_async_context(open_libp2p_transport(Identity.generate()))
+                b = await st.enter_async_context(open_libp2p_transport(Identity.generate()))
+                for t in (a, b):
+                    t.rank_records("/fusionp2p/ranked/", rank)
+                assert await a.dht_get("/fusionp2p/ranked/x") is None     # no peer: nothing, at once
+                await a.connect(b.listen_addrs()[0])
+                await b.dht_put("/fusionp2p/ranked/x", b"3")
+                assert await a.dht_get("/fusionp2p/ranked/x") == b"3"     # a holds a copy now
+                b.dht.value_store.put(b"/fusionp2p/ranked/x", b"8")       # a newer write that reached b, not a
+                assert await a.dht_get("/fusionp2p/ranked/x") == b"8"
+                assert await a.dht_get("/fusionp2p/ranked/x") == b"8"     # and kept
+                b.dht.value_store.put(b"/fusionp2p/ranked/x", b"forged")  # a worse copy elsewhere changes nothing
+                assert await a.dht_get("/fusionp2p/ranked/x") == b"8"
+                c = await st.enter_async_context(open_libp2p_transport(Identity.generate()))
+                c.rank_records("/fusionp2p/ranked/", rank)
+                c.dht.value_store.put(b"/fusionp2p/ranked/x", b"5")
+                assert await c.dht_get("/fusionp2p/ranked/x") == b"5"     # nobody to ask: the local copy
+
+    trio.run(main)
