@@ -12,6 +12,13 @@ The job's allow-list (``TrainConfig.allow_members``, a private swarm's Sybil adm
 ``admits`` is what ``Leading._alive`` and the leader's offers to joiners ask, and ``unlisted`` what a member
 checks before it starts an epoch (``JobRun.offer_start``); the publisher offers the job to listed nodes only.
 
+A stage replica convicted by a spot-check (``train/verify.py``: a checker recomputed one of its sampled
+micro-batches and got other outputs) is excluded at once on the evidence, a :class:`~fusionp2p.train.verify.Verdict`
+that carries the stage's signed claim and the checker's signature (:meth:`Suspects.convict`): both must be
+members of the plan in force, the stage replica of the claimed stage. The verdict is re-judged by
+recomputation where the bundle is at hand (``verify.arbitrate``): a checker that framed an honest stage is
+named itself.
+
 Limits: a stage of two replicas cannot tell which one lies (one report is half, not more); colluding
 liars that are a majority of a stage can exclude an honest replica; an exclusion lasts for the job.
 """
@@ -24,6 +31,7 @@ from collections.abc import Iterable, Sequence
 
 from fusionp2p.jobs.events import AveragingOutlier, ProgressEvent
 from fusionp2p.plan.plan import Plan
+from fusionp2p.train.verify import Verdict
 from fusionp2p.types import short_peer
 
 log = logging.getLogger(__name__)
@@ -74,6 +82,20 @@ class Suspects:
         self.excluded.add(ev.suspect)
         log.warning("job %s: %s excluded from the next plan: %d of the %d other replicas of its stage dropped it "
                     "from their averaging as an outlier", ev.job, short_peer(ev.suspect), len(got), others)
+        return True
+
+    def convict(self, v: Verdict, plan: Plan | None) -> bool:
+        """Act on a spot-check verdict: True when it excludes the stage replica it convicts (the first
+        time). Evidence only when both signatures hold, the claim is of *plan*'s job and epoch, the stage
+        replica serves the claimed stage in *plan* and the checker is another member not excluded."""
+        c = v.claim
+        if (plan is None or c.job != plan.job or c.epoch != plan.epoch or not 0 <= c.stage < len(plan.stages)
+                or c.peer not in plan.stages[c.stage].replicas or v.checker not in plan.peers
+                or v.checker in self.excluded or c.peer in self.excluded or not v.valid()):
+            return False
+        self.excluded.add(c.peer)
+        log.warning("job %s: %s excluded from the next plan: %s's spot-check of its stage %d found %s", c.job,
+                    short_peer(c.peer), short_peer(v.checker), c.stage, v.reason)
         return True
 
 
