@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fusionp2p import device as dev
 from fusionp2p.errors import RemoteProtocolError
@@ -67,6 +68,17 @@ def build_module(program: StageProgram, device: torch.device, *, evaluate: bool 
     return torch.fx.GraphModule(nn.Module(), g, class_name=f"Stage{program.stage}")
 
 
+# operators that write one of their arguments in place, beyond those named with a trailing underscore
+_WRITES = frozenset({"aten.batch_norm.default"})
+
+
+def recomputable(program: StageProgram) -> bool:
+    """Whether *program* may run with activation recomputation: no operator of it writes a tensor in place
+    (the recomputation would write it a second time: batch-norm's running statistics)."""
+    return not any(n.op in _WRITES or (n.op.count(".") == 2 and n.op.split(".")[1].endswith("_"))
+                   for n in program.nodes)
+
+
 def _fx_arg(a: Arg, env: Mapping[str, torch.fx.Node], device: torch.device) -> Any:
     if isinstance(a, Ref):
         return env[a.name]
@@ -90,10 +102,16 @@ class StageExecutor:
 
     With *synced* (the default) forward and backward return once the device has finished them, so
     that the caller's timings (step, stage and re-deal speeds) measure the kernels, not their launch;
-    what they return is copied to the host right after anyway, which would wait for the same."""
+    what they return is copied to the host right after anyway, which would wait for the same.
+
+    With *recompute* (activation recomputation, ``TrainConfig.recompute``) a micro-batch in flight keeps
+    only its received tensors and its outputs; its backward runs the forward again first (about one more
+    forward of compute). The numbers are those without it: the same kernels run on the same values. A
+    program that writes a tensor in place (batch-norm's running statistics) is never recomputed (the
+    recomputation would write it twice): :func:`recomputable`."""
 
     def __init__(self, program: StageProgram, *, device: str | torch.device = "cpu", precision: str = "fp32",
-                 synced: bool = True) -> None:
+                 synced: bool = True, recompute: bool = False) -> None:
         if precision not in COMPUTE_DTYPES:
             raise ValueError(f"precision must be one of {', '.join(COMPUTE_DTYPES)}, got {precision!r}")
         self.program = program
@@ -109,6 +127,9 @@ class StageExecutor:
             self.compute_dtype = None
         self.grad_scale = FP16_SCALE if precision == "fp16" else 1.0
         self.synced = synced
+        if recompute and not recomputable(program):
+            raise ValueError(f"stage {program.stage} writes a tensor in place: it cannot recompute its activations")
+        self.recompute = recompute
         self._module = build_module(program, self.device)
         self._eval_module: torch.fx.GraphModule | None = None
         self._params: dict[str, nn.Parameter] = {}
@@ -231,8 +252,15 @@ class StageExecutor:
                 x = x.requires_grad_(True)
             leaves[r.name] = x
             args.append(x)
+        outs: tuple[torch.Tensor, ...]
         with torch.enable_grad(), self._autocast():
-            outs: tuple[torch.Tensor, ...] = self._module(*args, *self._state)
+            if self.recompute:
+                # activation recomputation: autograd keeps the module's inputs (the received leaves; the
+                # parameters and buffers are held anyway) and runs the forward again in backward, with the
+                # random state of this forward (dropout draws the same mask) and under the same autocast
+                outs = checkpoint(self._module, *args, *self._state, use_reentrant=False, preserve_rng_state=True)
+            else:
+                outs = self._module(*args, *self._state)
         self._stash[micro] = (leaves, outs)
         res = self._outputs(outs)
         if self.synced:

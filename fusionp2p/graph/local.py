@@ -31,9 +31,10 @@ class _Msg:
 class LocalPipeline:
     """One executor per stage program, wired together in memory."""
 
-    def __init__(self, programs: Sequence[StageProgram], *, device: str | torch.device = "cpu") -> None:
+    def __init__(self, programs: Sequence[StageProgram], *, device: str | torch.device = "cpu",
+                 recompute: bool = False) -> None:
         self.programs = list(programs)
-        self.executors = [StageExecutor(p, device=device) for p in self.programs]
+        self.executors = [StageExecutor(p, device=device, recompute=recompute) for p in self.programs]
         self.bytes_moved = 0   # boundary bytes (activations + gradients), data inputs excluded
 
     def parameters(self) -> dict[str, torch.nn.Parameter]:

@@ -57,7 +57,16 @@ from fusionp2p.jobs.spec import (
     prepare_dataset,
     sign_spec,
 )
-from fusionp2p.plan import Link, Plan, PlannerConfig, Snapshot, plan_even_flops, plan_even_layers, plan_joint
+from fusionp2p.plan import (
+    InfeasiblePlanError,
+    Link,
+    Plan,
+    PlannerConfig,
+    Snapshot,
+    plan_even_flops,
+    plan_even_layers,
+    plan_joint,
+)
 from fusionp2p.plan.estimator import CostModel, bf16_pays
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.types import DeviceProfile, WorkloadGraph, short_peer
@@ -367,14 +376,14 @@ class NodeJobs:
 MICRO_PERIOD = 8   # asynchronous CO2: replicas' micro-batches per step in eighths (Plan.micro_period)
 
 
-def planner_config(cfg: TrainConfig) -> PlannerConfig:
+def planner_config(cfg: TrainConfig, *, recompute: bool = False) -> PlannerConfig:
     """The planner's cost model for a job: its micro-batches, compression, AdaTopK floor and averaging period
     (per-step gradient all-reduce without CO2: one step), whether the averaging hides behind the
     compute (asynchronous CO2) or blocks the step (the all-reduce, synchronous CO2), and the bytes of a
-    CO2 round (half with ``CO2.wire="bf16"``)."""
+    CO2 round (half with ``CO2.wire="bf16"``); with *recompute*, activation recomputation's memory and compute."""
     comp, co2 = cfg.adatopk, cfg.co2
     bf16 = co2 is not None and co2.wire == "bf16"
-    return PlannerConfig(micro_batches=cfg.micro_batches, compression=comp is not None,
+    return PlannerConfig(micro_batches=cfg.micro_batches, compression=comp is not None, recompute=recompute,
                          rho_min=comp.rho_min if comp is not None else PlannerConfig().rho_min,
                          co2_tau=co2.tau if co2 is not None else 1,
                          overlap_averaging=co2 is not None and not co2.sync,
@@ -430,7 +439,9 @@ def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile],
 
     Stages, replicas per stage and AdaTopK ratios are chosen together from the links
     (:func:`~fusionp2p.plan.joint.plan_joint`); ``config.replicas`` is the hint and the upper bound of
-    the replica count, never an off switch for OP-Fence or compression. ``config.planner`` may instead
+    the replica count, never an off switch for OP-Fence or compression. When no layout fits the members'
+    memory, the plan is made again with activation recomputation (``config.recompute``, unless "never").
+    ``config.planner`` may instead
     name a network-blind baseline (``plan/baselines.py``: exactly ``replicas`` per stage, dense fences),
     which is how benchmarks/wan.py runs its baselines on the product. Without any measured link (an
     embedded swarm without emulated links) every pair counts as 1 GB/s, 0.1 ms; once some are measured,
@@ -439,11 +450,26 @@ def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile],
     cfg = spec.config
     wl = to_workload(coarsen(dag), micro_batch=cfg.micro_batch)
     snap = Snapshot(job=spec.job_id, epoch=epoch, members=dict(members), links=planned_links(members, links))
-    if cfg.planner == "even_layers":
-        return plan_even_layers(wl, snap, planner_config(cfg), seed=cfg.seed, replicas=cfg.replicas or 1)
-    if cfg.planner == "even_flops":
-        return plan_even_flops(wl, snap, planner_config(cfg), seed=cfg.seed, replicas=cfg.replicas or 1)
-    return plan_joint(wl, snap, planner_config(cfg), replicas=cfg.replicas, seed=cfg.seed)
+
+    def plan(pc: PlannerConfig) -> Plan:
+        if cfg.planner == "even_layers":
+            return plan_even_layers(wl, snap, pc, seed=cfg.seed, replicas=cfg.replicas or 1)
+        if cfg.planner == "even_flops":
+            return plan_even_flops(wl, snap, pc, seed=cfg.seed, replicas=cfg.replicas or 1)
+        return plan_joint(wl, snap, pc, replicas=cfg.replicas, seed=cfg.seed)
+
+    if cfg.recompute == "always":
+        return plan(planner_config(cfg, recompute=True))
+    try:
+        return plan(planner_config(cfg))
+    except InfeasiblePlanError:
+        if cfg.recompute == "never":
+            raise
+        # activation recomputation only where nothing fits without it: the layout is then priced with it in
+        # every stage, and each stage recomputes only if it is over its node's offer (jobs/weights.py)
+        log.info("job %s: no layout fits the members' memory without activation recomputation; planning with it",
+                 spec.job_id)
+        return plan(planner_config(cfg, recompute=True))
 
 
 def planned_links(members: Iterable[str], links: Mapping[tuple[str, str], Link] | None) -> dict[tuple[str, str], Link]:

@@ -80,7 +80,7 @@ from fusionp2p.jobs.replan import Halted, Resume, Source, leader_of
 from fusionp2p.jobs.shadow import Shadows
 from fusionp2p.jobs.status import ProgressBatch, StepStats
 from fusionp2p.jobs.suspects import Suspects
-from fusionp2p.jobs.weights import WeightFetches, prepare_stage, stage_fit
+from fusionp2p.jobs.weights import WeightFetches, prepare_stage, stage_fit, stage_recompute
 from fusionp2p.net.channel import TensorChannel
 from fusionp2p.net.dataplane_config import PATH_LIBP2P, PATH_RELAY
 from fusionp2p.net.resilient import ResilientChannel, open_resilient_channel
@@ -584,7 +584,8 @@ class JobRun(Leading):
                                                start=units[0], end=units[1], at=time.time()))
             self.svc.nursery.start_soon(self.shadows.replicate, plan, s, h, step)
 
-        ex = StageExecutor(programs[s], device=self.svc.config.device, precision=cfg.precision)   # docs/gpu.md
+        ex = StageExecutor(programs[s], device=self.svc.config.device, precision=cfg.precision,   # docs/gpu.md
+                           recompute=stage_recompute(self.accepted, plan, snap, s, programs[s]))
         programs[s] = ex.program   # holds the executor's tensors: the fetched ones go (jobs/weights.py)
         return StageContext(job=self.job_id, executor=ex, config=cfg, replica=r,
                             replicas=len(plan.stages[s].replicas), links=links, peers=peers,

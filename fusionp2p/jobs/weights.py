@@ -32,6 +32,7 @@ import torch
 import trio
 
 from fusionp2p.errors import JobError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.graph.executor import recomputable
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.jobs.build import AcceptedJob, job_cost_model
 from fusionp2p.jobs.content import FETCH_BACKOFF, FETCH_ROUNDS, ContentService
@@ -54,11 +55,14 @@ class WeightFetches:
     bytes: int = 0
 
 
-def stage_memory(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, prog: StageProgram | None = None) -> float:
+def stage_memory(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, prog: StageProgram | None = None, *,
+                 recompute: bool = False) -> float:
     """The memory *stage* of *plan* needs on each of its replicas, in bytes: the planner's figure with the
     activations of the micro-batches the schedule keeps in flight at once (not all of them), plus,
     with the stage's program *prog*, the parameters it holds that the planner counts in another stage's
-    units (a tied weight's copy: GPT-2's ``lm_head`` reads the embedding's ``wte``), at the same factor."""
+    units (a tied weight's copy: GPT-2's ``lm_head`` reads the embedding's ``wte``), at the same factor.
+    With *recompute* (activation recomputation), one micro-batch's activations (the one recomputed) and,
+    per micro-batch in flight, only the tensors the stage received and sent."""
     st = plan.stages[stage]
     cm = job_cost_model(accepted.spec, accepted.dag, snap)[0]
     replicated = len(st.replicas) > 1
@@ -69,26 +73,52 @@ def stage_memory(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, 
     in_flight = in_flight_limit(accepted.spec.config.schedule, len(plan.stages), stage, m)
     factor = cm.config.param_memory_factor + (cm.config.replica_memory_factor if replicated else 0.0)
     acts = need - factor * cm.range_params(st.start, st.end)   # m micro-batches' activations
-    need -= acts * (m - in_flight) / m
+    if recompute:
+        if prog is not None:
+            boundary = float(sum(r.meta.nbytes for r in prog.recv) + sum(o.meta.nbytes for o in prog.send))
+        else:   # the fences' bytes in the program's dtype (the cost model halves them for a half-precision wire)
+            boundary = float(cm.cut[st.start] + cm.cut[st.end]) / (0.5 if cm.config.half_precision else 1.0)
+        need -= acts - acts / m - in_flight * boundary
+    else:
+        need -= acts * (m - in_flight) / m
     if prog is not None:
         held = sum(s.meta.nbytes for s in prog.inputs if s.kind == "param")
         need += factor * max(0.0, held - cm.range_params(st.start, st.end))
     return need
 
 
+def stage_recompute(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int,
+                    prog: StageProgram | None = None) -> bool:
+    """Whether *stage* of *plan* runs with activation recomputation (``TrainConfig.recompute``): "always",
+    never with "never", and with "auto" exactly when the stage without it is over the memory its
+    smallest replica offers (the snapshot's profiles: every replica decides the same); never for a program
+    that writes a tensor in place (``graph/executor.py: recomputable``). A pure function of
+    the plan, so the planner's fallback (``jobs/build.py: choose_plan``) and the nodes agree."""
+    mode = accepted.spec.config.recompute
+    if mode == "never" or (prog is not None and not recomputable(prog)):
+        return False
+    if mode == "always":
+        return True
+    offers = [snap.members[p].memory_bytes for p in plan.stages[stage].replicas if p in snap.members]
+    return bool(offers) and stage_memory(accepted, plan, snap, stage, prog) > min(offers)
+
+
 def stage_fit(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, profile: DeviceProfile | None,
               prog: StageProgram | None = None) -> str:
-    """Why this node (*profile*) cannot hold *stage* of *plan* within its memory ("" when it can)."""
+    """Why this node (*profile*) cannot hold *stage* of *plan* within its memory ("" when it can), with
+    activation recomputation where the stage runs with it (:func:`stage_recompute`)."""
     if profile is None:
         return ""
     memory_bytes = profile.memory_bytes
-    need = stage_memory(accepted, plan, snap, stage, prog)
-    log.info("job %s epoch %d: stage %d needs %.1f MiB of the %.1f MiB this node offers", accepted.spec.job_id,
-             plan.epoch, stage, need / 2**20, memory_bytes / 2**20)
+    recompute = stage_recompute(accepted, plan, snap, stage, prog)
+    need = stage_memory(accepted, plan, snap, stage, prog, recompute=recompute)
+    log.info("job %s epoch %d: stage %d needs %.1f MiB of the %.1f MiB this node offers%s", accepted.spec.job_id,
+             plan.epoch, stage, need / 2**20, memory_bytes / 2**20, " (activation recomputation)" if recompute else "")
     if need <= memory_bytes:
         return ""
-    return (f"stage {stage} needs {need / 2**20:.0f} MiB (parameters, gradients, optimizer state and activations), "
-            f"more than the {memory_bytes / 2**20:.0f} MiB this node offers (--memory)")
+    return (f"stage {stage} needs {need / 2**20:.0f} MiB (parameters, gradients, optimizer state and activations"
+            f"{', recomputed' if recompute else ''}), more than the {memory_bytes / 2**20:.0f} MiB this node offers "
+            "(--memory)")
 
 
 PROVIDERS_TIMEOUT = 5.0   # seconds the DHT lookups of a stage's pieces may take before its named peers are asked alone
@@ -207,4 +237,5 @@ async def prepare_stage(content: ContentService, accepted: AcceptedJob, prog: St
     return dataclasses.replace(prog, tensors=tensors)
 
 
-__all__ = ["WeightFetches", "fetch_piece", "fetch_tensors", "find_holders", "prepare_stage", "stage_fit", "stage_memory"]
+__all__ = ["WeightFetches", "fetch_piece", "fetch_tensors", "find_holders", "prepare_stage", "stage_fit", "stage_memory",
+           "stage_recompute"]

@@ -53,6 +53,9 @@ class PlannerConfig:
     exact_search_devices: int = 5           # up to this many devices: search every device order
     skip_window: int = 32                   # cluster order: next stage at most this many devices later
     missing_link: Link = field(default_factory=lambda: Link(bandwidth_bps=125_000.0, latency_s=0.5))
+    # activation recomputation in every stage (TrainConfig.recompute): a stage keeps only its boundary
+    # tensors per micro-batch in flight and recomputes its forward in backward (plan/estimator.py)
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1:

@@ -13,6 +13,8 @@ so that the cost of any contiguous range ``[i, j)`` is O(1) (that is what keeps 
   measured it (0 when none did: FLOPs alone, as before);
 * memory of a range: ``param_memory_factor * params + micro_batches * act_bytes`` (plus
   ``replica_memory_factor * params`` when the stage is replicated, for CO2's anchor and momentum);
+  with ``recompute`` (activation recomputation) ``act_bytes + micro_batches * (cut[i] + cut[i+1])`` per
+  unit instead of the activations term, and one more forward in its compute;
 * a fence's traffic ``cut[f]``: bytes per micro-batch of every edge ``src < f <= dst`` (skip edges
   are relayed through the stages in between, so they count on every fence they cross);
 * a link: ``directions * (latency + bytes / bandwidth)``, with the AdaTopK payload of the codec's
@@ -122,17 +124,28 @@ class CostModel:
         self.act_flops = act_flops(profs, config)
         work = np.array([(u.fwd_flops + u.bwd_flops) / config.efficiency_of(u.kind) + self.act_flops * u.act_bytes
                          for u in units], dtype=np.float64)
+        if config.recompute:   # one more forward: its FLOPs and its share of the element-wise work
+            work += np.array([u.fwd_flops / config.efficiency_of(u.kind) + self.act_flops * u.act_bytes
+                              * (u.fwd_flops / (u.fwd_flops + u.bwd_flops) if u.fwd_flops + u.bwd_flops else 1 / 3)
+                              for u in units], dtype=np.float64)
         params = np.array([u.param_bytes for u in units], dtype=np.float64)
         acts = np.array([u.act_bytes for u in units], dtype=np.float64)
         self.work: F64 = np.concatenate(([0.0], np.cumsum(work)))
         self.params: F64 = np.concatenate(([0.0], np.cumsum(params)))
-        self.mem: F64 = np.concatenate(([0.0], np.cumsum(params * config.param_memory_factor + acts * config.micro_batches)))
         diff = np.zeros(self.n_units + 2, dtype=np.float64)
         for e in workload.edges:
             diff[e.src + 1] += e.nbytes
             diff[e.dst + 1] -= e.nbytes
         self.cut: F64 = np.cumsum(diff)[: self.n_units + 1]
         self.cut[0] = 0.0
+        if config.recompute:
+            # a stage keeps, per micro-batch in flight, only what it received and what it sent, and holds one
+            # micro-batch's activations while it recomputes; each unit is charged its two fences (a range is
+            # charged its own two and the inner ones twice: an upper bound that stays a prefix sum)
+            per_micro = acts + config.micro_batches * (self.cut[:-1] + self.cut[1:])
+        else:
+            per_micro = acts * config.micro_batches
+        self.mem: F64 = np.concatenate(([0.0], np.cumsum(params * config.param_memory_factor + per_micro)))
         if config.half_precision:
             self.cut *= 0.5   # activations and gradients travel in the compute dtype
         self.flops: F64 = np.array([compute_rate(p, config) for p in profs], dtype=np.float64)

@@ -27,6 +27,7 @@ PENALTIES = ("none", "constant", "elementwise", "lr_ratio")
 CO2_WIRES = ("bf16", "fp32")   # how a CO2 round's parts travel (CO2.wire)
 PLANNERS = ("opfence", "even_layers", "even_flops")
 PRECISIONS = ("fp32", "bf16", "fp16")   # TrainConfig.precision (graph/executor.py COMPUTE_DTYPES)
+RECOMPUTE = ("auto", "never", "always")  # TrainConfig.recompute (jobs/weights.py stage_recompute)
 
 
 
@@ -244,6 +245,11 @@ class TrainConfig:
     # its default
     allow_members: tuple[str, ...] = field(default=(), metadata={"wire": {"omit_default": True, "max_len": 4096,
                                                                           "item": {"max_len": 128, "min_len": 1}}})
+    # activation recomputation: a stage keeps only its received tensors per micro-batch in flight and runs its
+    # forward again in backward (about one more forward of compute). "auto": the planner turns to it only when
+    # no layout fits the members' memory without it, and then only the stages over their node's offer use it;
+    # "never"; "always" (every stage). Left out of the wire map at its default
+    recompute: str = field(default="auto", metadata={"wire": {"choices": RECOMPUTE, "omit_default": True}})
 
     def __post_init__(self) -> None:
         _pos_int("steps", self.steps)
@@ -284,6 +290,8 @@ class TrainConfig:
             _pos_int("replicas", self.replicas)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.planner not in PLANNERS:
             raise ConfigError(f"planner must be one of {', '.join(PLANNERS)}, got {self.planner!r}")
         if self.planner != "opfence" and self.adatopk is not None:
