@@ -43,6 +43,7 @@ import torch
 import trio
 from torch import nn
 
+from fusionp2p.data.hf import HFTokens
 from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable
 from fusionp2p.jobs.build import BuiltJob, Dataset, LossFn, build_job, module_state
 from fusionp2p.jobs.checkpoint import assemble, latest_complete_step
@@ -385,7 +386,7 @@ class Swarm:
         trio.from_thread.run_sync(fn, trio_token=self._token)
 
     # -------------------------------------------------- user API
-    def publish(self, *, model: nn.Module, dataset: Dataset | str | os.PathLike[str], config: TrainConfig,
+    def publish(self, *, model: nn.Module, dataset: Dataset | HFTokens | str | os.PathLike[str], config: TrainConfig,
                 loss: LossFn | None = None,
                 resources: Resources | None = None, name: str = "") -> Job:
         """Trace *model* (with *loss*, or returning ``(output, loss)``), sign and announce the job.

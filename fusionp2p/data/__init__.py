@@ -6,6 +6,7 @@ are what the SDK takes; the rest is used by the job runtime.
 
 from fusionp2p.data.corpus import VOCAB_SIZE, corpus_bytes, corpus_hash, corpus_tokens, decode_bytes
 from fusionp2p.data.examples import ExampleManifest, Examples, ExampleSampler, ShardedExamples
+from fusionp2p.data.hf import HFTokens
 from fusionp2p.data.sampler import BatchSampler, SamplerConfig
 from fusionp2p.data.shards import ShardedTokens, ShardManifest, decode_shard, make_shards
 from fusionp2p.data.tokens import BuiltinCorpus, TokenFile, TokenSource
@@ -18,6 +19,7 @@ __all__ = [
     "ExampleManifest",
     "ExampleSampler",
     "Examples",
+    "HFTokens",
     "SamplerConfig",
     "ShardManifest",
     "ShardedExamples",

@@ -41,6 +41,7 @@ from fusionp2p.data import (
 )
 from fusionp2p.data.corpus import corpus_hash
 from fusionp2p.data.file_shards import FileRange
+from fusionp2p.data.hf import HFTokens
 from fusionp2p.data.shards import DEFAULT_SHARD_TOKENS
 from fusionp2p.data.url import TokenURL, check_url
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, PlanError, RemoteProtocolError
@@ -93,6 +94,8 @@ def as_dataset(dataset: Any) -> Dataset:
     file of named arrays (one row per example). ConfigError saying what to give otherwise."""
     if isinstance(dataset, BuiltinCorpus | TokenFile | Examples | TokenURL):
         return dataset
+    if isinstance(dataset, HFTokens):   # streamed and tokenised into a token file, here, once (data/hf.py)
+        return dataset.token_file()
     if isinstance(dataset, str | os.PathLike):
         p = Path(dataset)
         if p.suffix in (".npz", ".safetensors"):
@@ -100,7 +103,7 @@ def as_dataset(dataset: Any) -> Dataset:
         raise ConfigError(f"dataset {str(dataset)!r}: a path must name a .npz or .safetensors file of named arrays; "
                           "for tokens give fusionp2p.data.TokenFile(path, seq_len=...), for text "
                           "TokenFile(path, seq_len=..., kind='text')")
-    raise ConfigError(f"dataset must be BuiltinCorpus, TokenFile, Examples or a .npz/.safetensors path, "
+    raise ConfigError(f"dataset must be BuiltinCorpus, TokenFile, TokenURL, HFTokens, Examples or a .npz/.safetensors path, "
                       f"not {type(dataset).__name__}")
 
 
@@ -240,7 +243,7 @@ def check_vocab(dag: OpDAG, dataset: Dataset) -> None:
                               f"model's number of labels, or mark ignored positions with {ignore})")
 
 
-def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset | str | os.PathLike[str], cfg: TrainConfig, *, publisher: str,
+def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset | HFTokens | str | os.PathLike[str], cfg: TrainConfig, *, publisher: str,
               sign: Callable[[bytes], bytes], now: float, nonce: bytes, resources: Resources | None = None,
               name: str = "", piece_bytes: int = DEFAULT_PIECE_BYTES, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> BuiltJob:
     """Trace, encode and sign a job (the publisher's side). ConfigError on a model that cannot be traced.

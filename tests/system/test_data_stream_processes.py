@@ -13,6 +13,8 @@ In process, with each node's bytes counted by its feed: tests/integration/test_d
 from __future__ import annotations
 
 import os
+import resource
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +48,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.stop()
 
 
+def _peak_rss(pid: int | str) -> int:
+    """A process's peak resident set (VmHWM), bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
 def _held(home: Path, shards: set[str]) -> int:
     """Shards (by hash) a node's content store holds on disk."""
     return sum(1 for p in home.rglob("*") if p.name in shards and p.is_file())
@@ -66,11 +76,23 @@ def test_a_dataset_larger_than_every_node_streams_to_its_readers_only(cluster: L
     with Swarm.connect([cluster.bootstrap], home=tmp_path / "client", listen="/ip4/127.0.0.1/tcp/0") as sw:
         wait_until(lambda: len(sw.members()) >= 6, timeout=120, interval=0.5, what="6 nodes in the bootstrap's view")
         torch.manual_seed(0)
+        t0, cpu0, rss0 = time.monotonic(), time.process_time(), _peak_rss("self")
         built = build_job(GPT2(GPT2Config.tiny(block_size=SEQ, n_layer=3)), None, TokenFile(str(text), seq_len=SEQ),
                           cfg, publisher=sw.publisher_id, sign=sw.sign, now=1.0, nonce=b"g" * 16)
+        build_s, build_cpu = time.monotonic() - t0, time.process_time() - cpu0
         job = sw.publish_built(built)
         events = list(job.events(timeout=TIMEOUT))
         job.wait(timeout=30)
+    wall = time.monotonic() - t0
+    nodes = {name: _peak_rss(p.pid) for name, p in cluster.procs.items() if name.startswith("node")}
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(f"\ndata {DATA_BYTES} B: publish to end {wall:.0f} s (build {build_s:.1f} s, {build_cpu:.1f} CPU-s); "
+          f"publisher (this process) peak RSS {_peak_rss('self') >> 20} MiB ({rss0 >> 20} before the build); "
+          f"nodes' peak RSS MiB {sorted(v >> 20 for v in nodes.values())}; ended children CPU-s "
+          f"{kids.ru_utime + kids.ru_stime:.0f}")
+    assert len(nodes) == 6 and all(v < 1 << 30 for v in nodes.values()), nodes   # within --memory 1GiB
+    if DATA_BYTES >= 2 << 30:      # the full run: the dataset is larger than every node's memory
+        assert max(nodes.values()) < DATA_BYTES and DATA_BYTES > 1 << 30
     man = ShardManifest.decode(built.blobs[built.spec.dataset.content_hash])
     shards = set(man.shards)
     plan = next(e for e in events if isinstance(e, PlanChanged))
