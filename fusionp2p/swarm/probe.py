@@ -171,6 +171,7 @@ class ProbeConfig:
     """How a node measures its links (owned by this module; ``SwarmConfig.probe``)."""
 
     interval: float = 10.0       # at least this long between probe rounds once every peer is measured
+    refresh_max: float = 160.0   # ... doubling up to this (or interval) while our links and chosen peers stay the same
     first: int = 32              # never-measured peers probed in one round, at most
     sample: int = 8              # peers re-measured in one refresh round, at most
     duty: float = 0.02           # bulk transfer time / wall time a node spends measuring, at most ...
@@ -191,6 +192,8 @@ class ProbeConfig:
             raise ConfigError("probe burst and busy_retries must not be negative, parallel positive")
         if self.peers < 1:
             raise ConfigError("probe peers must be positive")
+        if self.interval <= 0 or self.refresh_max <= 0:
+            raise ConfigError("probe interval and refresh_max must be positive")
         if not 0 < self.ema_alpha <= 1:
             raise ConfigError("ema_alpha must be in (0, 1]")
 

@@ -8,7 +8,10 @@ estimated from the nodes' announced capacities (``BandwidthTable.estimate``). Ro
 sample of ``probe.sample`` every ``probe.interval``, none while this node trains. A busy peer is tried
 again within the round; figures are EMA-smoothed, RTTs the smallest of the last ``RTT_WINDOW``. A token
 bucket keeps bulk transfers at ``probe.duty`` of the time (``probe.burst`` seconds at once; refresh
-rounds wait for it). The node publishes our first figure, and the round that completes our share of
+rounds wait for it). While the peers we chose stay the same and refreshed figures stay within a factor
+``REFRESH_SHIFT`` of what we had, each refresh round doubles the time to the next, up to
+``probe.refresh_max``: an idle swarm's links do not change, and re-measuring them every ``probe.interval``
+was a third of an idle node's CPU (loopback transfers run at CPU speed). The node publishes our first figure, and the round that completes our share of
 the matrix, at once (``SwarmNode.beat_soon``).
 """
 
@@ -64,6 +67,10 @@ KEEP_DEAD = 120.0
 # them slow.
 BACKOFF_MAX = 4
 CTRL_STRETCH = 4
+# A refreshed figure outside this factor of the link's smoothed one (either way) sets the refresh interval
+# back to probe.interval: the link changed, and its neighbours may have too. Noise within it (loopback
+# figures on a loaded machine vary by tens of percent) only stretches the interval further.
+REFRESH_SHIFT = 1.5
 
 
 @dataclass
@@ -113,6 +120,8 @@ class LinkProber:
         self.known_since: dict[str, float] = {}   # when each live member joined our view (for probe takeover)
         self.dead_since: dict[str, float] = {}    # members declared dead whose links we keep (KEEP_DEAD)
         self.next_refresh = 0.0                    # when the next refresh round (re-measuring peers) is due
+        self.refresh_every = config.interval       # ... after the one now due: doubles while nothing changes
+        self.unsettled = True                      # a link or our chosen peers changed since the last refresh
         self.credit = self.config.burst            # duty-cycle bucket: seconds of bulk transfer we may spend
         self.credit_t = 0.0
         self.new_pairs = False                     # this round measured a pair for the first time
@@ -134,6 +143,7 @@ class LinkProber:
     def set_raw_path(self, raw: RawPath | None) -> None:
         self.raw_path = raw
         self.server.raw = raw
+        self.unsettled = True   # the links are measured on another path now: the next refresh is soon
 
     def on_joined(self, peer: str) -> None:
         self.known_since[peer] = trio.current_time()
@@ -166,7 +176,10 @@ class LinkProber:
         if not self._same(members) and (now - self._sets_at >= self.heartbeat or not self._sets[1]):
             self._sets_at = now
             k = self.config.peers
-            self._sets = (members, chosen(self.peer_id, members, k), set(probes_of(self.peer_id, members, k)))
+            picked = chosen(self.peer_id, members, k)
+            if picked != self._sets[1]:
+                self.unsettled = True
+            self._sets = (members, picked, set(probes_of(self.peer_id, members, k)))
         return self._sets[1], self._sets[2]
 
     def _same(self, members: list[str]) -> bool:
@@ -198,7 +211,10 @@ class LinkProber:
             return [p for p in never if p not in self.links or self.links[p].retry_at <= now][: self.config.first]
         if now < self.next_refresh or self._refill() < 0 or self.training():
             return []
-        self.next_refresh = now + self.config.interval
+        top = max(self.config.refresh_max, self.config.interval)
+        self.refresh_every = self.config.interval if self.unsettled else min(2 * self.refresh_every, top)
+        self.unsettled = False
+        self.next_refresh = now + self.refresh_every
         return peers[: self.config.sample]
 
     def _pending(self) -> bool:
@@ -352,6 +368,8 @@ class LinkProber:
             self.next_refresh = max(self.next_refresh, trio.current_time() + self.config.interval)
             if not any(ln.samples for ln in self.links.values()):
                 self.beat_soon()
+        elif link.bandwidth and not 1 / REFRESH_SHIFT <= res.bandwidth / link.bandwidth <= REFRESH_SHIFT:
+            self.unsettled = True
         link.bandwidth = ema(link.bandwidth, res.bandwidth, a)
         link.rtts.append(res.rtt)
         link.rtt = min(link.rtts)

@@ -288,7 +288,7 @@ def test_a_training_node_neither_refreshes_its_links_nor_lets_them_be_remeasured
     """While a node trains, a refresh would time what its job leaves of the link: its own refresh
     rounds stop, and its probe server refuses peers that measured it before (first probes still run)."""
     async def main() -> None:
-        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probe=ProbeConfig(bytes=64 * 1024, interval=1.0, duty=1.0))
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probe=ProbeConfig(bytes=64 * 1024, interval=1.0, refresh_max=1.0, duty=1.0))
         training = [False]
         async with local_swarm(2, libp2p=False, config=cfg) as (_boot, nodes):
             for n in nodes:

@@ -266,7 +266,7 @@ def test_refresh_probes_keep_to_the_duty_cycle() -> None:
     the bulk transfer time over 300 s stays within probe_duty of it plus the bucket's burst."""
 
     async def main() -> None:
-        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probe=ProbeConfig(interval=1.0, duty=0.02, burst=1.0))
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probe=ProbeConfig(interval=1.0, refresh_max=1.0, duty=0.02, burst=1.0))
         async with memory_network() as net:
             hosts = [net.add_host() for _ in range(3)]
             for h in hosts[1:]:
