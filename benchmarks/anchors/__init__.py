@@ -24,7 +24,8 @@ class AnchorUnavailable(Exception):
 
 def run_hivemind(n_elems: int, *, peers: int = 4, rounds: int = 7, timeout: float = 300.0) -> dict[str, Any]:
     """hivemind's DecentralizedAverager on *n_elems* fp32 values among *peers* processes on loopback:
-    ``{"times", "times_max", "t_best_s", "t_median_s", ...}``, the first round left out of best and median."""
+    ``{"times", "times_max", "t_best_s", "t_median_s", "cpu_per_round_s", ...}``, the first round left out of
+    best and median (``cpu_per_round_s``: the median CPU of a round, all of hivemind's processes together)."""
     if not HIVEMIND_PYTHON.exists():
         raise AnchorUnavailable(f"no {HIVEMIND_PYTHON.relative_to(ROOT)}: run `make hivemind-venv` first")
     cmd = [str(HIVEMIND_PYTHON), str(Path(__file__).with_name("hivemind_averager.py")), "--n", str(n_elems),
@@ -35,5 +36,7 @@ def run_hivemind(n_elems: int, *, peers: int = 4, rounds: int = 7, timeout: floa
         raise RuntimeError(f"hivemind anchor failed (exit {proc.returncode}): {proc.stdout.strip()[-500:]}")
     res: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     timed = res["times"][1:] if len(res["times"]) > 1 else res["times"]
-    res.update(t_best_s=min(timed), t_median_s=statistics.median(timed), version="hivemind 1.1.12")
+    cpu = res["cpu_s"][1:] if len(res["cpu_s"]) > 1 else res["cpu_s"]
+    res.update(t_best_s=min(timed), t_median_s=statistics.median(timed), version="hivemind 1.1.12",
+               cpu_per_round_s=statistics.median(cpu) if cpu else None)
     return res

@@ -10,7 +10,9 @@ all-gather, over a fixed, ordered replica list (the *epoch*). Replica ``r`` owns
    is bitwise reproducible. The caller runs the outer step on the owned shard and calls
    ``publish(new_shard, scalar)``, which sends the new anchor shard to every live peer.
 3. When every shard has arrived, ``Finished`` carries the full new vector and the rank-ordered sum
-   of the owners' scalars (used for ``‖x̃_{t+1} − x̃_t‖²``).
+   of the owners' scalars (used for ``‖x̃_{t+1} − x̃_t‖²``). Each shard is copied into that vector
+   (``out``: the shell may hand in a recycled one) as it arrives, so a peer's message is not held
+   until the last one comes.
 
 Per replica each phase moves ``(n−1)/n`` of the vector out and in, the same volume as a ring
 all-reduce, in one hop of latency instead of ``n−1``.
@@ -40,6 +42,7 @@ part is an outlier, else a bounded centre; ``Reduced.clipped`` names the peers w
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -125,9 +128,13 @@ class AllReduceRound:
 
     def __init__(self, *, peers: Sequence[str], me: str, n_elems: int, round_id: int, epoch: str,
                  weight: float = 1.0, max_weight_ratio: float = 4.0, fragment: int | None = None,
-                 robust: RobustConfig | None = None) -> None:
+                 robust: RobustConfig | None = None, out: torch.Tensor | None = None) -> None:
         if not (weight > 0 and math.isfinite(weight)) or not max_weight_ratio >= 1:
             raise LocalProtocolError("weight must be positive and finite, max_weight_ratio >= 1")
+        if out is not None and (out.dim() != 1 or out.numel() != n_elems or out.dtype != torch.float32):
+            raise LocalProtocolError(f"out must be a flat fp32 vector of {n_elems} elements")
+        # the gathered vector: every shard is copied in as it arrives (Finished's vector)
+        self._out = torch.empty(n_elems, dtype=torch.float32) if out is None else out
         self.weight = weight
         self.max_weight_ratio = max_weight_ratio
         if len(set(peers)) != len(peers):
@@ -230,6 +237,8 @@ class AllReduceRound:
                                       f"{r:g} of this replica's {self.weight:g}")
         if not all_finite(msg.data):
             raise RemoteProtocolError(f"{msg.phase} part from {peer} holds NaN or infinite values")
+        if phase is self._gather:   # into the result now: the message's buffer is free for the next one
+            msg = dataclasses.replace(msg, data=self._out[msg.lo:msg.hi].copy_(msg.data))
         phase.got[peer] = msg
         phase.pending.discard(peer)
         return self._advance()
@@ -270,6 +279,7 @@ class AllReduceRound:
             raise LocalProtocolError("published shard has the wrong size")
         msg = RoundMsg(round_id=self.round_id, epoch=self.epoch, phase="gather", lo=lo, hi=hi, data=shard.to(torch.float32), scalar=scalar,
                        speed=speed, fragment=self.fragment, clipped=tuple(self.peers.index(p) for p in clipped))
+        self._out[lo:hi].copy_(shard)   # not a view of it in the sends: the caller may change the vector
         self._own_shard = msg
         sends: list[Action] = [Send(peer=p, msg=msg) for p in self.peers if p != self.me and p not in self._lost]
         return sends + self._advance()
@@ -310,7 +320,7 @@ class AllReduceRound:
             if self._mismatch:
                 why.append(f"epoch or base mismatch with {', '.join(sorted(self._mismatch))}")
             return RoundResult(round_id=self.round_id, complete=False, lost=lost, contributors=contributors, reason="; ".join(why))
-        vector = torch.cat([shards[p].data for p in self.peers])
+        vector = self._out   # every shard was copied in as it came
         scalar = 0.0
         for p in self.peers:  # rank order: every replica gets the same float
             scalar += shards[p].scalar

@@ -69,6 +69,7 @@ from fusionp2p.average.robust import ClipBook, RobustConfig, clipped_by_majority
 from fusionp2p.average.shard import all_finite, shard_bounds
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.channel import TensorChannel, TensorMessage
+from fusionp2p.net.tensor_stream import BufferPool
 from fusionp2p.train.averager_wire import KIND, _encode
 from fusionp2p.train.averager_wire import from_message as from_message  # re-exported: the wire API
 from fusionp2p.train.averager_wire import to_message as to_message
@@ -132,12 +133,15 @@ class BoundaryResult:
     speeds: tuple[tuple[str, float], ...] = ()   # the consumed round's owners' speeds (RoundResult.speeds)
 
 
-def flatten(params: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor:
+def flatten(params: torch.Tensor | Iterable[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """A NEW flat fp32 copy of *params* (never a view of live memory), in host memory: the averaging
-    state lives on the host, where the peers' parts arrive, whatever device the parameters are on."""
+    state lives on the host, where the peers' parts arrive, whatever device the parameters are on.
+    Written into *out* (a flat fp32 vector of the right size, e.g. a recycled one) when given."""
     if isinstance(params, torch.Tensor):
-        return dev.to_host([params])[0].reshape(-1).to(torch.float32, copy=True)
-    return torch.cat([p.reshape(-1).to(torch.float32) for p in dev.to_host(list(params))])
+        host = dev.to_host([params])[0].reshape(-1)
+        return host.to(torch.float32, copy=True) if out is None else out.copy_(host)
+    pieces = [p.reshape(-1).to(torch.float32) for p in dev.to_host(list(params))]
+    return torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
 
 
 def load_flat_(params: Iterable[torch.Tensor], flat: torch.Tensor) -> None:
@@ -304,6 +308,10 @@ class ReplicaAverager:
         self._on_other = on_other
         flat = flatten(initial)
         self.n_elems = flat.numel()
+        # whole-vector rounds take their snapshot and their gathered vector from here: a fresh model-sized
+        # vector faults in every page (most of a 25M-float round's CPU, measured), and once nothing holds
+        # one (not the round, not a send, not the caller) the pool hands it out again; at most 4 kept
+        self._vectors = BufferPool(max_buffers=4, max_bytes=4 * 4 * self.n_elems)
         self._initial: torch.Tensor | None = flat
         self._opt = self._make_opt(flat)
         # streaming: tau fragments (fewer when the vector is shorter; see stream_fragments), each with
@@ -370,7 +378,7 @@ class ReplicaAverager:
             age = b - self._pending.boundary
             if age < outer.max_staleness:  # bounded staleness: let the late round finish later
                 return self._record(BoundaryResult(boundary=b, anchor=None, consumed_round=None, launched_round=None, reason="average late"))
-        snap = flatten(params)  # the copy happens before any await: live params are never read again
+        snap = flatten(params, self._vector())  # the copy happens before any await: live params are never read again
         if outer.sync:
             rnd = self._launch(snap, b, lr)
             await rnd.done.wait()
@@ -511,6 +519,12 @@ class ReplicaAverager:
                                            launched_round=None, reason="; ".join(reasons)))
 
     # ------------------------------------------------------------------ internals
+    def _vector(self) -> torch.Tensor:
+        """A flat fp32 vector of ``n_elems`` (contents undefined), recycled when one is free."""
+        if self.n_elems * 4 < self._vectors.min_size:
+            return torch.empty(self.n_elems, dtype=torch.float32)
+        return torch.frombuffer(self._vectors.get(4 * self.n_elems), dtype=torch.float32)
+
     def _record(self, res: BoundaryResult) -> BoundaryResult:
         self.last = res
         return res
@@ -538,7 +552,7 @@ class ReplicaAverager:
         n_elems = self.n_elems if f is None else self._flen[f]
         sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=n_elems, round_id=rnd.round_id, epoch=self.epoch,
                             weight=self.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f,
-                            robust=self.config.robust)
+                            robust=self.config.robust, out=self._vector() if f is None else None)
         result: RoundResult | None = None
         bf16 = self._bf16_wire()
         base = self._bases.get(f) if bf16 else None

@@ -418,3 +418,30 @@ def test_round_buffers_are_freed_without_the_cyclic_gc() -> None:
     finally:
         gc.enable()
     assert alive == []
+
+
+def test_round_vectors_are_recycled_only_once_nothing_holds_them() -> None:
+    """Whole-vector rounds take their snapshot and gathered vector from a pool (a fresh model-sized one
+    faults in every page): a result the caller still holds is never written again, and once the caller
+    lets results go their vectors are handed out again."""
+    n, rounds = 300_000, 6   # above the pool's 1 MiB floor
+    held: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {p: [] for p in PEERS}
+    reused: dict[str, int] = {}
+
+    async def replica(mesh: Mesh, i: int, p: str) -> None:
+        acfg = AveragerConfig(outer=OuterConfig(), job="j", round_timeout=10.0)
+        x = torch.full((n,), float(i))
+        async with open_replica_averager(acfg, peers=PEERS, me=p, channels=mesh.ch[p], initial=x) as avg:
+            for r in range(rounds):
+                x.add_(1.0)
+                res = await avg.round_boundary(x)
+                assert res.anchor is not None
+                if r < 2:   # kept, with a copy of what it said
+                    held[p].append((res.anchor, res.anchor.clone()))
+                del res
+            reused[p] = avg._vectors.reused
+
+    run_on_mesh(PEERS, replica)
+    for p in PEERS:
+        assert all(torch.equal(kept, said) for kept, said in held[p])
+        assert reused[p] >= 4

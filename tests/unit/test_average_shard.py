@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from fusionp2p.average.allreduce import AllReduceRound, Finished, Reduced, RoundMsg, RoundResult, Send
 from fusionp2p.average.outer import OuterConfig, OuterOptimizer
 from fusionp2p.average.shard import ShardedOuter, all_finite, shard_bounds, weighted_mean
-from fusionp2p.errors import ConfigError, RemoteProtocolError
+from fusionp2p.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 
 torch.set_num_threads(1)
 
@@ -225,3 +225,25 @@ def test_duplicate_part_rejected() -> None:
     sm.receive("b", msg)
     with pytest.raises(RemoteProtocolError):
         sm.receive("b", msg)
+
+
+def test_round_gathers_into_the_given_vector_and_keeps_no_peer_buffer() -> None:
+    """``out``: the finished vector is the buffer the shell handed in, each shard copied in as it came (a
+    peer's message buffer is free again at once: changing it afterwards changes nothing)."""
+    peers = ["a", "b"]
+    out = torch.full((6,), float("nan"))
+    sm = AllReduceRound(peers=peers, me="a", n_elems=6, round_id=0, epoch="e", out=out)
+    b = AllReduceRound(peers=peers, me="b", n_elems=6, round_id=0, epoch="e")
+    sends = [x for x in sm.start(torch.arange(6.0)) if isinstance(x, Send)]
+    b_sends = [x for x in b.start(torch.arange(6.0) + 10) if isinstance(x, Send)]
+    acts = sm.receive("b", b_sends[0].msg)
+    red = next(x for x in acts if isinstance(x, Reduced))
+    sm.publish(red.mean)
+    (b_red,) = [x for x in b.receive("a", sends[0].msg) if isinstance(x, Reduced)]
+    gather = next(x for x in b.publish(b_red.mean) if isinstance(x, Send)).msg
+    (fin,) = [x for x in sm.receive("b", gather) if isinstance(x, Finished)]
+    gather.data.fill_(-1.0)   # the peer's buffer, reused for its next message
+    assert fin.result.vector is out
+    assert torch.equal(out, torch.arange(6.0) + 5)
+    with pytest.raises(LocalProtocolError, match="flat fp32 vector of 6"):
+        AllReduceRound(peers=peers, me="a", n_elems=6, round_id=0, epoch="e", out=torch.zeros(5))
