@@ -193,3 +193,13 @@ def test_honest_stages_are_never_convicted(gpt2: Pipe) -> None:
     dag, progs = gpt2
     run = spot_checked_run(progs, _data(dag), steps=6, cfg=VerifyConfig(rate=0.5))
     assert run.checks >= 6 and run.verdicts == [] and run.excluded_at is None
+
+
+def test_digest_binds_names_dtypes_shapes_and_bytes() -> None:
+    a = torch.randn(5, 7)
+    b = a.clone()
+    b[2, 3] += 1e-6
+    d = digest({"x": a})
+    assert d == digest({"x": a.clone()}) and len(d) == 32
+    assert len({d, digest({"x": b}), digest({"y": a}), digest({"x": a.double()}), digest({"x": a.reshape(7, 5)}),
+                digest({"x": a, "z": torch.zeros(0)})}) == 6
