@@ -42,7 +42,7 @@ LR = 0.5          # plain SGD on the pipeline (the harness has no AdamW)
 def main() -> None:
     p = parser("spot_check", __doc__)
     p.add_argument("--rate", type=float, default=0.05, help="the sampling rate p")
-    p.add_argument("--lie-rate", type=float, default=0.1, help="the fraction f of micro-batches a liar lies on")
+    p.add_argument("--lie-rate", type=float, default=0.5, help="the fraction f of micro-batches a liar lies on")
     args = p.parse_args()
     steps = 30 if args.quick else 200
     torch.set_num_threads(1)
