@@ -20,6 +20,7 @@ from fusionp2p.jobs.events import (
     JobStateChanged,
     LinksUp,
     PlanChanged,
+    StageConvicted,
     StepProgress,
     StepSkipped,
 )
@@ -93,7 +94,7 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
                 bar.console.print(f"warning: {ev.reason}")
             elif isinstance(ev, DataLate):
                 bar.console.print(f"warning: step {ev.step} waits {ev.waited_s:.1f} s for data shard {ev.shard}")
-            elif isinstance(ev, AveragingOutlier):
+            elif isinstance(ev, AveragingOutlier | StageConvicted):
                 bar.console.print(f"warning: {ev}")
             elif isinstance(ev, EvalProgress):
                 final = " (final, mean over the pipelines)" if not ev.peer else ""

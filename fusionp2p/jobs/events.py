@@ -331,6 +331,26 @@ def idle_reason(plan: Plan, used: int, replicas_hint: int | None) -> str:
     return "standby: no plan with more nodes was predicted faster"
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageConvicted:
+    """A checker recomputed a sampled micro-batch of a stage replica and got other outputs: *evidence* is the
+    encoded verdict (``train/verify.py``), signed by the checker (*peer*) and carrying the stage replica's
+    signed claim. Every node verifies it and leaves *suspect* out of the next plan (``jobs/suspects.py``)."""
+
+    KIND: ClassVar[str] = "convicted"
+    job: str
+    step: int
+    stage: int
+    peer: str = ""       # the checker
+    suspect: str = ""    # the stage replica convicted
+    evidence: bytes = field(default=b"", metadata={"wire": {"max_len": 4096}})
+    at: float = 0.0
+
+    def __str__(self) -> str:
+        return (f"job {self.job} step {self.step}: replica {short_peer(self.suspect)} of stage {self.stage} sent "
+                f"outputs its parameters do not make (spot-check by {short_peer(self.peer)}); left out of the next plan")
+
+
 def _where(stage: int, peer: str) -> str:
     """``stage 1 on 9H8u1xWS`` (an aggregated step's *peer* lists its loss replicas, comma-separated)."""
     return f"stage {stage} on {', '.join(short_peer(p) for p in peer.split(','))}" if peer else f"stage {stage}"
@@ -345,10 +365,10 @@ def _is_hash(s: str) -> bool:
 
 
 ProgressEvent = (StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved | StepSkipped
-                 | EvalProgress | LinksUp | DataLate | AveragingOutlier)
+                 | EvalProgress | LinksUp | DataLate | AveragingOutlier | StageConvicted)
 EVENT_TYPES: dict[str, type[ProgressEvent]] = {
     c.KIND: c for c in (StepProgress, PlanChanged, MembersChanged, JobStateChanged, CheckpointSaved, StepSkipped,
-                        EvalProgress, LinksUp, DataLate, AveragingOutlier)}
+                        EvalProgress, LinksUp, DataLate, AveragingOutlier, StageConvicted)}
 
 
 def event_to_dict(ev: ProgressEvent) -> dict[str, Any]:

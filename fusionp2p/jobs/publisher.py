@@ -53,6 +53,7 @@ from fusionp2p.jobs.events import (
     LinksUp,
     PlanChanged,
     ProgressEvent,
+    StageConvicted,
     StepProgress,
     decode_event,
 )
@@ -459,7 +460,7 @@ class JobDriver:
             if sender in self.members and ev.epoch > self.epoch:
                 self._on_plan(ev)
             return
-        if isinstance(ev, LinksUp | AveragingOutlier):
+        if isinstance(ev, LinksUp | AveragingOutlier | StageConvicted):
             if ev.peer == sender and sender in self.members:
                 self._emit(ev)
             return

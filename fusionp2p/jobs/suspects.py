@@ -29,9 +29,10 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 
-from fusionp2p.jobs.events import AveragingOutlier, ProgressEvent
+from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.jobs.events import AveragingOutlier, ProgressEvent, StageConvicted
 from fusionp2p.plan.plan import Plan
-from fusionp2p.train.verify import Verdict
+from fusionp2p.train.verify import Verdict, decode_verdict, encode_verdict
 from fusionp2p.types import short_peer
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,25 @@ class Suspects:
         return out
 
     def observe(self, sender: str, ev: ProgressEvent, plan: Plan | None) -> None:
-        """A progress event of the job from *sender*: an outlier report is counted."""
+        """A progress event of the job from *sender*: an outlier report is counted, a conviction judged."""
         if isinstance(ev, AveragingOutlier):
             self.report(sender, ev, plan)
+        elif isinstance(ev, StageConvicted) and ev.peer == sender:
+            try:
+                v = decode_verdict(ev.evidence)
+            except RemoteProtocolError:
+                return
+            if v.checker == sender and v.claim.peer == ev.suspect:
+                self.convict(v, plan)
+
+    def verdict(self, v: Verdict, plan: Plan | None) -> StageConvicted | None:
+        """This node's own verdict (it is the checker): the event to gossip when it convicts (counted here
+        too: gossip does not come back to its sender)."""
+        if not self.convict(v, plan):
+            return None
+        c = v.claim
+        return StageConvicted(job=c.job, step=c.step, stage=c.stage, peer=v.checker, suspect=c.peer,
+                              evidence=encode_verdict(v), at=time.time())
 
     def report(self, sender: str, ev: AveragingOutlier, plan: Plan | None) -> bool:
         """Count *sender*'s report; True when it excludes the suspect (the first time)."""

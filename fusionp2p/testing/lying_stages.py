@@ -121,6 +121,7 @@ class SpotRun:
     checks: int = 0                                       # micro-batches recomputed
     lies: int = 0                                         # micro-batches the liar lied on (all steps run)
     verdicts: list[Verdict] = field(default_factory=list)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)   # every stage's state at the end, by DAG name
     train_cpu_s: float = 0.0                              # CPU seconds of training (forward, backward, SGD)
     commit_cpu_s: float = 0.0                             # CPU seconds of the stages' commitments (state copy, digests, claims)
     check_cpu_s: float = 0.0                              # CPU seconds of the checkers (verification, recomputation)
@@ -136,8 +137,9 @@ def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Seq
                      cfg: VerifyConfig | None = None, lr: float = 0.05, seed: int = 0,
                      stop_when_excluded: bool = True) -> SpotRun:
     """Train *programs* for *steps* steps of SGD on ``data(step)``'s micro-batches, stage *liar* lying with
-    *attack*, every stage spot-checked at ``cfg.rate`` by a second holder of it. The liar is left in once
-    excluded unless *stop_when_excluded* (the run then ends at that step)."""
+    *attack*, every stage spot-checked at ``cfg.rate`` by a second holder of it. With *stop_when_excluded*
+    the run ends at the step whose check excluded the liar; otherwise an honest holder takes its stage
+    over from the next step (its state as the liar left it: no roll-back)."""
     cfg = cfg or VerifyConfig()
     torch.manual_seed(seed)
     pipe = LocalPipeline(programs)
@@ -157,6 +159,7 @@ def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Seq
     suspects = Suspects()
     run = SpotRun()
     params = [p for ex in execs for p in ex.parameters().values()]
+    checking = [StageExecutor(prog) for prog in programs]      # each checker's own copy of the stage
     for step in range(steps):
         t0 = _cpu()
         # the stage's own cost: its state at the step's start kept and committed to, a signed claim per micro
@@ -187,7 +190,7 @@ def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Seq
                     continue
                 run.checks += 1
                 try:
-                    v = check(c, programs[s], states[s], t, cfg, checkers[s])
+                    v = check(c, programs[s], states[s], t, cfg, checkers[s], executor=checking[s])
                 except Unverifiable:
                     continue
                 if v is not None:
@@ -195,9 +198,12 @@ def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Seq
                     if suspects.convict(v, plan) and run.excluded_at is None:
                         run.excluded_at = step
         run.check_cpu_s += _cpu() - t3
-        if run.excluded_at is not None and stop_when_excluded:
-            break
+        if run.excluded_at is not None:
+            if stop_when_excluded:
+                break
+            execs[liar if liar is not None else 0].attack = None
     run.lies = sum(len(ex.lying) for ex in execs)
+    run.state = {k: v for ex in reversed(execs) for k, v in ex.state_dict().items()}
     return run
 
 

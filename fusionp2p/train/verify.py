@@ -108,6 +108,11 @@ def sampled(seed: bytes, stage: int, replica: int, micro: int, rate: float) -> b
     return int.from_bytes(h, "big") < rate * 2.0**64
 
 
+class Unverifiable(ValueError):
+    """The bundle given to a checker does not match the claim (parameters or tensors): no evidence
+    against the stage (whoever supplied the bundle may be the one at fault)."""
+
+
 # ------------------------------------------------------------------------------------------ digests
 def digest(named: Mapping[str, torch.Tensor]) -> bytes:
     """A digest of named tensors: names, dtypes, shapes and bytes (order-free)."""
@@ -117,7 +122,8 @@ def digest(named: Mapping[str, torch.Tensor]) -> bytes:
         if t.device.type != "cpu":
             t = t.cpu()
         h.update(packb([name, str(t.dtype), list(t.shape)]))
-        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)   # no copy of the bytes
     return h.digest()
 
 
@@ -189,11 +195,6 @@ class Verdict:
                 and verify(self.checker, self.body(), self.signature))
 
 
-class Unverifiable(ValueError):
-    """The bundle given to a checker does not match the claim (parameters or tensors): no evidence
-    against the stage (whoever supplied the bundle may be the one at fault)."""
-
-
 class Tap:
     """The transcripts of a stage's recent micro-batches, kept until their step's seed says which are
     checked (the stage's own record of what crossed the wire; its neighbours hold the same tensors).
@@ -222,16 +223,33 @@ class Tap:
 
 
 # ------------------------------------------------------------------------------------------ checking
-def recompute(program: StageProgram, state: Mapping[str, torch.Tensor], t: Transcript) -> Transcript:
+def recompute(program: StageProgram, state: Mapping[str, torch.Tensor], t: Transcript, *,
+              executor: StageExecutor | None = None) -> Transcript:
     """*t* as an honest stage computes it: *program* on parameters and buffers *state*, from *t*'s inputs,
-    random state and received gradients (forward, then backward when *t* has gradients)."""
-    ex = StageExecutor(dataclasses.replace(program, tensors={**program.tensors, **state}))
+    random state and received gradients (forward, then backward when *t* has gradients). *executor*: a
+    checker's own executor of *program* to load *state* into and reuse (building one costs more than a
+    micro-batch of a small stage)."""
+    if executor is None:
+        ex = StageExecutor(dataclasses.replace(program, tensors={**program.tensors, **state}))
+    else:
+        ex = executor
+        own = {**ex.parameters(), **ex.buffers()}
+        if set(own) != set(state):
+            raise Unverifiable("the state given does not name the stage's parameters and buffers")
+        with torch.no_grad():
+            for k, v in own.items():
+                v.copy_(state[k])
+        ex.zero_grad()
+        for m in ex.in_flight:
+            ex.drop(m)
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(t.rng)
         outputs = ex.forward(t.micro, t.inputs)
     grad_inputs: dict[str, torch.Tensor] = {}
     if t.grad_outputs or t.grad_inputs:
         grad_inputs = ex.backward(t.micro, t.grad_outputs, loss_scale=t.loss_scale)
+    else:
+        ex.drop(t.micro)
     return dataclasses.replace(t, outputs=outputs, grad_inputs=grad_inputs)
 
 
@@ -253,7 +271,7 @@ def mismatch(claimed: Transcript, honest: Transcript, cfg: VerifyConfig) -> str:
 
 
 def check(c: Claim, program: StageProgram, state: Mapping[str, torch.Tensor], t: Transcript, cfg: VerifyConfig,
-          me: Identity) -> Verdict | None:
+          me: Identity, *, executor: StageExecutor | None = None) -> Verdict | None:
     """Recompute the micro-batch of claim *c* from its bundle (*state*, *t*): None when the stage's
     outputs hold, else *me*'s signed verdict. :class:`Unverifiable` when *c* is not signed by its stage
     or the bundle does not match its digests."""
@@ -263,7 +281,7 @@ def check(c: Claim, program: StageProgram, state: Mapping[str, torch.Tensor], t:
         raise Unverifiable("the parameters given are not those the stage claims")
     if t.digests() != c.transcript or (t.step, t.micro) != (c.step, c.micro):
         raise Unverifiable("the transcript given is not the one the stage claims")
-    reason = mismatch(t, recompute(program, state, t), cfg)
+    reason = mismatch(t, recompute(program, state, t, executor=executor), cfg)
     if not reason:
         return None
     v = Verdict(claim=c, checker=me.peer_id, reason=f"step {c.step} micro {c.micro}: {reason}"[:MAX_REASON])

@@ -11,6 +11,7 @@ from fusionp2p.jobs.events import (
     LinksUp,
     MembersChanged,
     PlanChanged,
+    StageConvicted,
     StepProgress,
     StepSkipped,
     expand_steps,
@@ -40,6 +41,7 @@ def test_every_event_is_one_short_line() -> None:
         EvalProgress(job="j1", step=20, loss=3.9),
         LinksUp(job="j1", epoch=0, stage=0, peer=A, links=(f"{B}=direct", f"{C}=libp2p")),
         AveragingOutlier(job="j1", step=9, stage=1, peer=A, suspect=B),
+        StageConvicted(job="j1", step=9, stage=1, peer=A, suspect=B, evidence=b"x" * 400),
     ]
     for ev in evs:
         s = str(ev)
@@ -56,6 +58,8 @@ def test_every_event_is_one_short_line() -> None:
     assert str(evs[7]) == "job j1 links up (epoch 0) [stage 0 on 9H8u1xWS]: MjaB4JeV direct, rfMrrrTT libp2p"
     assert str(evs[8]) == ("job j1 step 9: replica MjaB4JeV of stage 1 sent outlying averaging parts too often; "
                            "averaging without it [stage 1 on 9H8u1xWS]")
+    assert str(evs[9]) == ("job j1 step 9: replica MjaB4JeV of stage 1 sent outputs its parameters do not make "
+                           "(spot-check by 9H8u1xWS); left out of the next plan")
 
 
 def test_earlier_steps_keep_their_own_throughput_and_time() -> None:

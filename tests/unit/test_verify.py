@@ -14,6 +14,7 @@ import torch
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.graph import OpDAG, coarsen, partition, stages_from_fences, trace
 from fusionp2p.graph.program import StageProgram
+from fusionp2p.jobs.events import StageConvicted, decode_event, encode_event
 from fusionp2p.jobs.suspects import Suspects
 from fusionp2p.models import GPT2, GPT2Config
 from fusionp2p.net.identity import Identity
@@ -135,6 +136,18 @@ def test_a_lie_is_evidence_signed_by_both_and_the_leader_excludes(gpt2: Pipe) ->
     assert not s.convict(dataclasses.replace(v, signature=b"x" * 64), _plan())
     assert s.convict(v, _plan()) and s.excluded == {STAGE.peer_id}
     assert not s.admits(STAGE.peer_id)
+    # over gossip: the checker's event, decoded by every node, excludes the stage replica there too
+    ev = Suspects().verdict(v, _plan())
+    assert ev is not None and ev.peer == CHECKER.peer_id and ev.suspect == STAGE.peer_id
+    got = decode_event(encode_event(ev))
+    assert isinstance(got, StageConvicted) and got == ev
+    other = Suspects()
+    other.observe(STAGE.peer_id, got, _plan())                            # not the checker's own event
+    other.observe(CHECKER.peer_id, dataclasses.replace(got, evidence=b"\xc1"), _plan())   # malformed evidence
+    other.observe(CHECKER.peer_id, dataclasses.replace(got, suspect=CHECKER.peer_id), _plan())
+    assert other.excluded == set()
+    other.observe(CHECKER.peer_id, got, _plan())
+    assert other.excluded == {STAGE.peer_id}
 
 
 def test_a_framing_checker_is_named_and_a_wrong_bundle_is_nobodys_evidence(gpt2: Pipe) -> None:
@@ -193,3 +206,13 @@ def test_honest_stages_are_never_convicted(gpt2: Pipe) -> None:
     dag, progs = gpt2
     run = spot_checked_run(progs, _data(dag), steps=6, cfg=VerifyConfig(rate=0.5))
     assert run.checks >= 6 and run.verdicts == [] and run.excluded_at is None
+
+
+def test_digest_binds_names_dtypes_shapes_and_bytes() -> None:
+    a = torch.randn(5, 7)
+    b = a.clone()
+    b[2, 3] += 1e-6
+    d = digest({"x": a})
+    assert d == digest({"x": a.clone()}) and len(d) == 32
+    assert len({d, digest({"x": b}), digest({"y": a}), digest({"x": a.double()}), digest({"x": a.reshape(7, 5)}),
+                digest({"x": a, "z": torch.zeros(0)})}) == 6

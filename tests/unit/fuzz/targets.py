@@ -508,11 +508,13 @@ def _events_new() -> Target:
         EvalProgress,
         LinksUp,
         PlanChanged,
+        StageConvicted,
         decode_event,
         encode_event,
     )
 
     evs = (EvalProgress(job="j", step=10, epoch=1, peer="p", loss=2.25, at=1.0),
+           StageConvicted(job="j", step=7, stage=1, peer="p", suspect="q", evidence=b"\x84\xa1c" + bytes(40), at=3.0),
            AveragingOutlier(job="j", step=7, stage=1, peer="p", suspect="q", at=3.0),
            LinksUp(job="j", epoch=1, stage=0, peer="p", links=("peerB=direct", "peerC=libp2p"), at=2.0),
            PlanChanged(job="j", epoch=1, plan_hash="h", stage_sizes=(1, 2), members=("a", "b", "c"), at=2.0,
