@@ -465,14 +465,17 @@ def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile],
         return plan(planner_config(cfg, recompute=True))
     try:
         return plan(planner_config(cfg))
-    except InfeasiblePlanError:
+    except InfeasiblePlanError as exc:
         if cfg.recompute == "never":
             raise
         # activation recomputation only where nothing fits without it: the layout is then priced with it in
         # every stage, and each stage recomputes only if it is over its node's offer (jobs/weights.py)
         log.info("job %s: no layout fits the members' memory without activation recomputation; planning with it",
                  spec.job_id)
-        return plan(planner_config(cfg, recompute=True))
+        try:
+            return plan(planner_config(cfg, recompute=True))
+        except InfeasiblePlanError:
+            raise InfeasiblePlanError(f"{exc} (activation recomputation does not make it fit either)") from exc
 
 
 def planned_links(members: Iterable[str], links: Mapping[tuple[str, str], Link] | None) -> dict[tuple[str, str], Link]:
