@@ -50,7 +50,7 @@ def test_only_the_reading_stages_fetch_the_data_in_proportion_to_their_share(tmp
         stores = {n.peer_id: n.jobs.content.store for n in sw.embedded.nodes}
         plan = next(r.plan for r in runs.values() if r.plan is not None)
         assert plan is not None and [len(st.replicas) for st in plan.stages] == [replicas] * 3
-        man = ShardManifest.decode(built.blobs[built.spec.dataset.content_hash])
+        man = ShardManifest.decode(bytes(built.blobs[built.spec.dataset.content_hash]))
         shards = set(man.shards)
         total = SHARDS * shard_tokens
         first, middle, last = ([runs[p].data for p in st.replicas] for st in plan.stages)
