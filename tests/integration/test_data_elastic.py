@@ -98,7 +98,7 @@ def test_a_kill_and_a_joiner_train_every_sample_of_each_epoch_once(tmp_path: Pat
     final = max((h for h, *_ in reads), key=len)
     # two replicas, one after the kill, two with the joiner: ((0, 4), (k, 2), (j, 4)) with k < j
     assert len(final) == 3 and [s for _, s in final] == [4, 2, 4], final
-    man = ShardManifest.decode(built.blobs[built.spec.dataset.content_hash])
+    man = ShardManifest.decode(bytes(built.blobs[built.spec.dataset.content_hash]))
     order = StreamOrder(man, StreamConfig(seq_len=SEQ, micro_batch=cfg.micro_batch, micro_batches=cfg.micro_batches,
                                           seed=cfg.seed), final)
 

@@ -93,7 +93,7 @@ def test_a_dataset_larger_than_every_node_streams_to_its_readers_only(cluster: L
     assert len(nodes) == 6 and all(v < 1 << 30 for v in nodes.values()), nodes   # within --memory 1GiB
     if DATA_BYTES >= 2 << 30:      # the full run: the dataset is larger than every node's memory
         assert max(nodes.values()) < DATA_BYTES and DATA_BYTES > 1 << 30
-    man = ShardManifest.decode(built.blobs[built.spec.dataset.content_hash])
+    man = ShardManifest.decode(bytes(built.blobs[built.spec.dataset.content_hash]))
     shards = set(man.shards)
     plan = next(e for e in events if isinstance(e, PlanChanged))
     assert plan.stage_sizes == (2, 2, 2), plan
