@@ -422,7 +422,7 @@ class JobRun(Leading):
             lost = [e for e in leaf_errors(exc) if not isinstance(e, trio.Cancelled)]
             # a halt cancels the epoch: the channels close under a worker that finishes a compute step
             # first, so its next send sees a closed channel instead of the cancellation
-            expected: tuple[type[BaseException], ...] = (PeerUnavailable,)
+            expected: tuple[type[BaseException], ...] = (PeerUnavailable, trio.EndOfChannel)   # a neighbour left the epoch
             if scope.cancel_called:
                 expected += (trio.ClosedResourceError, trio.BrokenResourceError)
             if not lost or not all(isinstance(e, expected) for e in lost):
@@ -732,12 +732,15 @@ class JobRun(Leading):
                 (dial if r < j else accept).append((name, peer, None))
         got: dict[str, TensorChannel] = {}
         self.closed = trio.Event()
-        with trio.fail_after(self.svc.config.link_timeout):
+        with trio.move_on_after(self.svc.config.link_timeout):
             async with trio.open_nursery() as nursery:
                 for name, peer, _ in dial:
                     nursery.start_soon(self._dial_link, name, peer, got, holders)
                 for name, peer, _ in accept:
                     nursery.start_soon(self._claim_link, name, peer, got)
+        if late := [(name, peer) for name, peer, _ in [*dial, *accept] if name not in got]:   # a broken pipeline, not a
+            # failed job: its leader re-plans (issue 43: a NAT'd peer's relay link dropped under a loaded machine)
+            raise PeerUnavailable(late[0][1], f"link {late[0][0]} not up within {self.svc.config.link_timeout:.0f} s")
         links = {st: got[name] for name, _, st in [*dial, *accept] if st is not None}
         peers = [got[f"e{e}/s{s}:{min(r, j)}-{max(r, j)}"] for j in range(len(reps)) if j != r]
         return links, peers

@@ -34,6 +34,7 @@ import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,8 @@ def _syn_counter(tb: Testbed, host: str) -> int:
 
 def test_a_hostile_peer_cannot_break_relayed_nodes_or_make_them_dial_for_it(tmp_path: Path) -> None:
     need_nat_testbed()
+    t0 = time.monotonic()
+    phases: dict[str, float] = {}     # seconds each phase took (printed: what the deadlines below are sized by)
     with up(load_spec(SPEC)) as tb:
         evil = tb.host("evil")
         closed = f"{CLOSED_PORTS.start}:{CLOSED_PORTS.stop - 1}"
@@ -103,6 +106,7 @@ def test_a_hostile_peer_cannot_break_relayed_nodes_or_make_them_dial_for_it(tmp_
         else:
             pytest.fail(f"the NAT'd nodes did not learn their reach or connect through the relay: "
                         f"{json.dumps(status)[:4000]}")
+        phases["nodes up, reach and relay learned"] = time.monotonic() - t0
         line = attacker.read_line(60.0, match=lambda s: s.startswith("attacking"))
         victim = line.split()[1]
         assert victim in (peer_of["home"], peer_of["office"]), (line, peer_of)
@@ -111,6 +115,8 @@ def test_a_hostile_peer_cannot_break_relayed_nodes_or_make_them_dial_for_it(tmp_
         rc, out = tb.run("boot", ["env", "OMP_NUM_THREADS=1", *cli, "job", "--log-level", "warning", "submit",
                                   str(every_node_job(tmp_path / "job.py", 6, replicas=3)), "--bootstrap", addr,
                                   "--out", str(out_dir)], timeout=420.0)
+        phases["job submitted to done"] = time.monotonic() - t0 - sum(phases.values())
+        print("phases:", {k: round(v, 1) for k, v in phases.items()})
         assert rc == 0, out[-4000:]
         assert "on 3 nodes" in out and "job done" in out, out[-4000:]
         (found,) = list(out_dir.rglob("metrics.jsonl"))
