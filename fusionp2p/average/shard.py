@@ -63,9 +63,10 @@ def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> to
     top = max(weights)
     rel = [w / top for w in weights]
     total = math.fsum(rel)
-    acc = torch.zeros_like(parts[0], dtype=torch.float32)
     uniform = all(w == weights[0] for w in weights)
-    for x, w in zip(parts, rel):
+    # the first term as it would be added to zeros (x, or w·x rounded once), without the pass over zeros
+    acc = parts[0].to(torch.float32, copy=True) if uniform else parts[0].to(torch.float32).mul(rel[0])
+    for x, w in zip(parts[1:], rel[1:]):
         if uniform:
             acc.add_(x.to(torch.float32))
         else:

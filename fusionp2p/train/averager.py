@@ -308,10 +308,11 @@ class ReplicaAverager:
         self._on_other = on_other
         flat = flatten(initial)
         self.n_elems = flat.numel()
-        # whole-vector rounds take their snapshot and their gathered vector from here: a fresh model-sized
-        # vector faults in every page (most of a 25M-float round's CPU, measured), and once nothing holds
-        # one (not the round, not a send, not the caller) the pool hands it out again; at most 4 kept
-        self._vectors = BufferPool(max_buffers=4, max_bytes=4 * 4 * self.n_elems)
+        # rounds take their gathered vector (whole-vector rounds: their snapshot; the bf16 wire: its base and
+        # differences) from here: a fresh model-sized vector faults in every page (most of a 25M-float
+        # round's CPU, measured), and once nothing holds one (not the round, not a send, not the caller)
+        # the pool hands it out again; at most 6 kept, 6 vectors' worth
+        self._vectors = BufferPool(max_buffers=6, max_bytes=6 * 4 * self.n_elems)
         self._initial: torch.Tensor | None = flat
         self._opt = self._make_opt(flat)
         # streaming: tau fragments (fewer when the vector is shorter; see stream_fragments), each with
@@ -378,7 +379,7 @@ class ReplicaAverager:
             age = b - self._pending.boundary
             if age < outer.max_staleness:  # bounded staleness: let the late round finish later
                 return self._record(BoundaryResult(boundary=b, anchor=None, consumed_round=None, launched_round=None, reason="average late"))
-        snap = flatten(params, self._vector())  # the copy happens before any await: live params are never read again
+        snap = flatten(params, self._vector(self.n_elems))  # the copy happens before any await: live params are never read again
         if outer.sync:
             rnd = self._launch(snap, b, lr)
             await rnd.done.wait()
@@ -519,11 +520,11 @@ class ReplicaAverager:
                                            launched_round=None, reason="; ".join(reasons)))
 
     # ------------------------------------------------------------------ internals
-    def _vector(self) -> torch.Tensor:
-        """A flat fp32 vector of ``n_elems`` (contents undefined), recycled when one is free."""
-        if self.n_elems * 4 < self._vectors.min_size:
-            return torch.empty(self.n_elems, dtype=torch.float32)
-        return torch.frombuffer(self._vectors.get(4 * self.n_elems), dtype=torch.float32)
+    def _vector(self, n: int) -> torch.Tensor:
+        """A flat fp32 vector of *n* elements (contents undefined), recycled when one of that size is free."""
+        if n * 4 < self._vectors.min_size:
+            return torch.empty(n, dtype=torch.float32)
+        return torch.frombuffer(self._vectors.get(4 * n), dtype=torch.float32)
 
     def _record(self, res: BoundaryResult) -> BoundaryResult:
         self.last = res
@@ -552,7 +553,7 @@ class ReplicaAverager:
         n_elems = self.n_elems if f is None else self._flen[f]
         sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=n_elems, round_id=rnd.round_id, epoch=self.epoch,
                             weight=self.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f,
-                            robust=self.config.robust, out=self._vector() if f is None else None)
+                            robust=self.config.robust, out=self._vector(n_elems))
         result: RoundResult | None = None
         bf16 = self._bf16_wire()
         base = self._bases.get(f) if bf16 else None
@@ -589,9 +590,10 @@ class ReplicaAverager:
                         shard, scalar = step.anchor, step.gap_sq_part
                     if base is not None:
                         # what every replica will compute from the bf16 difference, we load too: bit for bit
-                        q = (shard.to(torch.float32) - base[1][a.lo:a.hi]).to(torch.bfloat16)
-                        gather_q.append(q)
-                        shard = base[1][a.lo:a.hi] + q.to(torch.float32)
+                        # (base + q, computed as q + base in the difference's own buffer: the same floats)
+                        d = torch.sub(shard.to(torch.float32), base[1][a.lo:a.hi])
+                        gather_q.append(d.to(torch.bfloat16))
+                        shard = d.copy_(gather_q[0]).add_(base[1][a.lo:a.hi])
                     todo.extend(sm.publish(shard, scalar, self.speed, a.clipped))
                 else:
                     result = a.result
@@ -599,8 +601,9 @@ class ReplicaAverager:
         if base is not None:
             # our part, rounded the way our peers will read it: the same mean whoever owns a shard (a tied
             # parameter's copies in two stages, whose shards fall to different owners, stay equal)
-            scatter_q.append((snap - base[1]).to(torch.bfloat16))
-            snap = base[1] + scatter_q[0].to(torch.float32)
+            d = torch.sub(snap, base[1], out=self._vector(n_elems))
+            scatter_q.append(d.to(torch.bfloat16))
+            snap = d.copy_(scatter_q[0]).add_(base[1])   # base + q, as above
         await act(sm.start(snap, self.weight))
         for peer in sorted(self._dead & set(self.alive)):
             await act(sm.peer_lost(peer))
@@ -629,7 +632,7 @@ class ReplicaAverager:
             self._count_clipped(result)
         self._after_round(result, f, mean_only=rnd.mean_only)
         if bf16 and result.complete and result.vector is not None:
-            self._bases[f] = (rnd.round_id, result.vector.detach().clone())
+            self._bases[f] = (rnd.round_id, self._vector(n_elems).copy_(result.vector))
             ours = base[0] if base is not None else None
             self._shared[f] = frozenset(p for p, t in tags.items() if t == ours)
         else:   # some replicas may have it and some not (or no bf16 link is left): fp32 until a round completes again
@@ -679,7 +682,7 @@ class ReplicaAverager:
             d = msg.data
             if d.dim() != 1 or not 0 <= msg.lo <= msg.hi <= base[1].numel() or d.numel() != msg.hi - msg.lo:
                 return self._safe_receive(sm, peer, dataclasses.replace(msg, data=d.to(torch.float32)))   # refused there
-            msg = dataclasses.replace(msg, data=base[1][msg.lo:msg.hi] + d.to(torch.float32))
+            msg = dataclasses.replace(msg, data=d.to(torch.float32).add_(base[1][msg.lo:msg.hi]))   # base + d
         return self._safe_receive(sm, peer, msg)
 
     def _safe_receive(self, sm: AllReduceRound, peer: str, msg: RoundMsg) -> list[Send | Reduced | Finished]:
