@@ -5,9 +5,10 @@ watches the bootstrap's view (the VIEW protocol, every record verified) until it
 alive and every pair has a direct bandwidth measurement. Two clocks are reported: from spawning the
 processes (includes Python + torch start-up and the device benchmark of every node on 2 shared cores)
 and from the moment the last node printed its listen address (the protocol's own convergence time).
-A node now listens before it imports torch and runs its device benchmark (issue 40), so "after listen"
-includes them (20 processes on 2 cores: some 60 CPU-seconds); the protocol's own convergence is timed
-from the moment the bootstrap's view first holds all N nodes (each joins once its benchmark is done).
+A node now listens and joins before it imports torch and runs its device benchmark (issue 40: its
+record carries no profile until then), so "after listen" overlaps them (20 processes on 2 cores: some 60
+CPU-seconds); the protocol's own convergence is timed from the moment the bootstrap's view first holds
+all N nodes.
 Headline: the time from then until every pair a node measures has a direct measurement (the last size
 run, 20 by default; at most ``probe.peers`` + 1 = 25 nodes that is every pair), target 15 s; the table
 also shows the time after listen, and until every pair has a figure, measured or estimated.
