@@ -61,28 +61,41 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
                      prepare: Callable[[], None] | None = None) -> None:
     """Run until SIGINT/SIGTERM; *on_ready* receives the listen addresses once we listen.
 
-    A node listens first and then, in a worker thread, runs *prepare* (the CLI's heavy imports: torch and
-    the job service) and its device benchmark, before it joins: torch's import and the benchmark were
-    most of the 4.5 s from start to listening (issue 40)."""
+    A node listens and joins first; then, in a worker thread, it runs *prepare* (the CLI's heavy imports:
+    torch and the job service) and its device benchmark, and announces its profile with its next record.
+    torch's import and the benchmark were most of the 4.5 s from start to listening, and 3-5 CPU-seconds
+    a node before it joined: 20 processes starting at once on 2 cores joined after the last one's (issue
+    40). No planner counts a member whose record has no profile yet (jobs/publisher.py, jobs/lead.py),
+    and the job service starts only once the profile is there. A signal is answered at once, even
+    while the thread still imports (the process does not wait for it)."""
     identity = Identity.load_or_create(cfg.home)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce,
                                                                     relay=cfg.relay, hole_punch=cfg.hole_punch)) as t:
             on_ready(t.listen_addrs())
-            profile = None
-            if cfg.role == "node":  # the bootstrap never imports torch
-                profile = await trio.to_thread.run_sync(_node_profile, cfg, prepare)
-            swarm = SwarmNode(t, replace(cfg.swarm, role=cfg.role), profile)
+            swarm = SwarmNode(t, replace(cfg.swarm, role=cfg.role), None)   # the bootstrap never has a profile
             async with trio.open_nursery() as nursery:
                 await nursery.start(swarm.run, list(cfg.bootstrap))
-                if extra_services is not None:
-                    extra_services(swarm, nursery)
-                log.info("%s %s joined; %d members", cfg.role, t.peer_id, len(swarm.members()))
+                nursery.start_soon(_serve, cfg, swarm, nursery, extra_services, prepare)
                 async for signum in signals:
                     log.info("signal %s: leaving", signal.Signals(signum).name)
                     break
                 await swarm.leave()
                 nursery.cancel_scope.cancel()
+
+
+async def _serve(cfg: DaemonConfig, swarm: SwarmNode, nursery: trio.Nursery,
+                 extra_services: Callable[[SwarmNode, trio.Nursery], None] | None,
+                 prepare: Callable[[], None] | None) -> None:
+    """A node's profile (worker thread, abandoned on a signal), announced at once; then *extra_services*."""
+    if cfg.role == "node":
+        # trio-typing's stubs predate abandon_on_cancel (as in swarm/probe.py)
+        swarm.profile = await trio.to_thread.run_sync(_node_profile, cfg, prepare,
+                                                      abandon_on_cancel=True)  # type: ignore[call-arg]
+        swarm.beat_soon()
+    if extra_services is not None:
+        extra_services(swarm, nursery)
+    log.info("%s %s joined; %d members", cfg.role, swarm.peer_id, len(swarm.members()))
 
 
 def _node_profile(cfg: DaemonConfig, prepare: Callable[[], None] | None) -> DeviceProfile:
