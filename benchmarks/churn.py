@@ -183,6 +183,8 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
                     wall = time.time()
                     p["phases_s"] = {**phases(home, p["wall"], wall), "stepped": round(wall - p["wall"], 2)}
                     p["cpu_s"] = round(cpu.at(wall) - cpu.at(p["wall"]), 2)
+                    print(f"{datetime.datetime.now():%H:%M:%S.%f} step {ev.step} of epoch {ev.epoch}: recovered after "
+                          f"{p['recovery_s']:.1f} s ({p['phases_s']})", flush=True)
                     p["resumed_at_step"] = ev.step
                     p["resumed_in_epoch"] = ev.epoch
                     events.append(p)
@@ -194,6 +196,7 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
                     cluster.kill(names[victim])
                     pending.append({"t": now, "wall": time.time(), "killed": names[victim], "at_step": last_step,
                                     "epoch": epoch})
+                    print(f"{datetime.datetime.now():%H:%M:%S.%f} killed {names[victim]} after step {last_step}", flush=True)
                     threading.Thread(target=rejoin_later, args=(now + rejoin,), daemon=True).start()
                     next_kill = now + every
         stop.set()
@@ -218,16 +221,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=0, help="the job's steps (default: 300 with --quick, else 900)")
     ap.add_argument("--kills", type=int, default=0, help="kill at most this many members (default: every interval)")
-    ap.add_argument("--calm-steps-per-s", type=float, default=0.0,
-                    help="skip the undisturbed run and take its steps per second from here (a recovery's timeline only)")
+    ap.add_argument("--no-calm", action="store_true",
+                    help="skip the undisturbed run (no goodput): a recovery's timeline only")
     args = ap.parse_args()
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     torch.set_num_threads(1)
     steps = args.steps or (300 if args.quick else 900)
     every = min(args.every, 25.0) if args.quick else args.every
     root = Path(tempfile.mkdtemp(prefix="fusionp2p-bench-churn-"))
-    base = ({"steps_per_s": args.calm_steps_per_s, "train_s": steps / args.calm_steps_per_s, "epochs": 0,
-             "held_out_loss": math.nan, "layouts": [], "events": []} if args.calm_steps_per_s > 0 else
+    base = ({"steps_per_s": math.nan, "train_s": math.nan, "epochs": 0, "held_out_loss": math.nan, "layouts": [],
+             "events": []} if args.no_calm else
             run(steps, root / "calm", every=every, rejoin=args.rejoin, seed=args.seed, churn=False))
     churn = run(steps, root / "churn", every=every, rejoin=args.rejoin, seed=args.seed, churn=True, kills=args.kills)
     rec = [e["recovery_s"] for e in churn["events"] if e["recovery_s"] is not None]

@@ -198,15 +198,15 @@ class ContentService:
                 with trio.CancelScope(shield=True):
                     await stream.aclose()
 
-    async def fetch_to_store(self, h: str, *, max_size: int, peers: list[str]) -> None:
+    async def fetch_to_store(self, h: str, *, max_size: int, peers: list[str], provide: bool = True) -> None:
         """Blob *h* into the store from *peers* in turn, written to disk frame by frame as it comes (never
-        whole in memory: a stage file a keeper holds for another node), and announced. On a store in
-        memory, :meth:`fetch`. Raises as :meth:`fetch`."""
+        whole in memory: a stage file a keeper holds for another node), and announced (unless not
+        *provide*). On a store in memory, :meth:`fetch`. Raises as :meth:`fetch`."""
         store = self.store
         if store.has(h):
             return
         if not store.on_disk:
-            await self.fetch(h, max_size=max_size, peers=peers)
+            await self.fetch(h, max_size=max_size, peers=peers, provide=provide)
             return
         errors: list[str] = []
         for peer in peers:
@@ -228,7 +228,8 @@ class ContentService:
                 tmp.unlink(missing_ok=True)
                 raise
             store.adopt((tmp, h))
-            await self.transport.provide(h)
+            if provide:
+                await self.transport.provide(h)
             return
         raise PeerUnavailable(f"providers of {h[:16]}…", "; ".join(errors) or "no provider found")
 
@@ -269,10 +270,12 @@ class ContentService:
             raise IntegrityError(f"{peer} served bytes that do not match {h[:16]}…")
         return bytes(buf)
 
-    async def fetch(self, h: str, *, max_size: int, peers: list[str] | None = None) -> bytes:
+    async def fetch(self, h: str, *, max_size: int, peers: list[str] | None = None, provide: bool = True) -> bytes:
         """The blob *h*: from the local store, else from *peers* or the DHT's providers, in turn.
 
-        A verified blob is stored and announced (this node becomes a provider). Raises
+        A verified blob is stored and announced (this node becomes a provider), unless not *provide*: a DHT
+        announcement takes seconds (up to the transport's DHT timeout), and a caller on a critical path (a
+        re-plan's state fetch) announces in the background. Raises
         PeerUnavailable when no provider delivered it; a provider that sent wrong bytes is logged
         and skipped.
         """
@@ -302,7 +305,8 @@ class ContentService:
                         done.add(peer)
                     continue
                 self.store.put(blob)
-                await self.transport.provide(h)
+                if provide:
+                    await self.transport.provide(h)
                 return blob
             if not again:
                 break

@@ -16,6 +16,7 @@ import trio
 from fusionp2p.errors import ConfigError
 from fusionp2p.jobs.content import ContentService
 from fusionp2p.jobs.events import ProgressEvent
+from fusionp2p.jobs.liveness import ProbeConfig
 from fusionp2p.jobs.shadow import ShadowConfig
 from fusionp2p.jobs.store import StoreConfig
 from fusionp2p.net.addrs import tcp_endpoint
@@ -68,6 +69,8 @@ class NodeJobConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     # background copies of every single-replica stage's state to another node (jobs/shadow.py)
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
+    # a lost link's peer asked directly; a refusal starts the re-plan before the view's timeout (jobs/liveness.py)
+    probes: ProbeConfig = field(default_factory=ProbeConfig)
     data_plane: DataPlaneConfig = field(default_factory=lambda: DataPlaneConfig(keepalive=1.0, dead_after=60.0))
     # How long a lost data-plane connection between two live nodes may take to come back (the channel
     # reconnects, resumes and resends what the peer missed; docs/dataplane.md "Reconnecting channels").
@@ -144,6 +147,10 @@ class JobHost(Protocol):
     def subscribe_job(self, job: str) -> trio.MemoryReceiveChannel[tuple[str, ProgressEvent]]: ...
 
     def peer_gone(self, peer: str) -> bool: ...
+
+    def suspect(self, peer: str) -> None: ...
+
+    def confirmed_dead(self, peer: str) -> bool: ...
 
     async def claim(self, job: str, name: str, peer: str, *, alive: Any) -> ResilientChannel: ...
 

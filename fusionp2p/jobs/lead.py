@@ -38,7 +38,14 @@ from fusionp2p.jobs.rebalance import (
     scale_profile,
     typical,
 )
-from fusionp2p.jobs.replan import Halted, complete_checkpoint, halt_step, leader_of, plan_resume
+from fusionp2p.jobs.replan import (
+    Halted,
+    complete_checkpoint,
+    halt_step,
+    leader_of,
+    plan_resume,
+    still_taking_off,
+)
 from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.jobs.suspects import Suspects
 from fusionp2p.net.transport import Transport
@@ -63,6 +70,7 @@ class _Epoch:
 
     outcome: str = ""              # "done" | "halted" | "idle"
     halted: Halted | None = None
+    trained: bool = False          # a step of the epoch completed here (a break after it is not its take-off's)
     ended: trio.Event = field(default_factory=trio.Event)
 
 
@@ -121,7 +129,7 @@ class Leading:
             stalled = self._cur.ended.is_set() and self._cur.outcome in ("no plan", "halted", "halted before training")
             if plan.epoch < self.epoch and not stalled:
                 continue   # the new epoch's plan is being elected: judge it, not the old one
-            lead = leader_of(plan.peers, self._alive, standbys=self.members or ())
+            lead = self._leader(plan)
             if lead != self.me:
                 if self._broken and lead is not None and self._told != (self.epoch, lead):
                     self._told = (self.epoch, lead)     # tell the leader our pipeline broke
@@ -142,8 +150,9 @@ class Leading:
                 # to live nodes outside it; one that accepts is in the next proposal
                 self._offer_joiners(plan)
                 fresh = {p for p in self.joiners if self._alive(p)} - self._led_with
-                if (self._led == self.epoch and now - self._led_at < cfg.replan_retry and (stalled or self._broken)
-                        and not (stalled and fresh)):
+                if still_taking_off(proposed=self._led == self.epoch, since=now - self._led_at, retry=cfg.replan_retry,
+                                    stalled=stalled, broken=self._broken, fresh=bool(fresh), gone=bool(gone),
+                                    trained=self._cur.trained):
                     continue   # the epoch we proposed is still taking off
                 why = (f"members gone: {[short_peer(p) for p in gone]}" if gone else
                        "pipeline broken" if self._broken else f"epoch {self.epoch} did not take off")
@@ -152,6 +161,13 @@ class Leading:
                 await self._take_in_joiners(plan)
                 if self._led <= self.epoch:
                     await self._rebalance(plan)
+
+    def _leader(self, plan: Plan) -> str | None:
+        """The leader of *plan* (``replan.leader_of``), passing over a member whose death a direct question
+        confirmed (jobs/liveness.py): a dead leader is replaced at once, not after the view's timeout. Two nodes
+        that disagree on it both propose; the election keeps one (see the module docstring of replan.py)."""
+        return leader_of(plan.peers, lambda p: self._alive(p) and not self.svc.confirmed_dead(p),
+                         standbys=self.members or ())
 
     def _replan_may_pay(self) -> bool:
         """Whether the job has ``replan_min_saving`` seconds left at the rate this leader's epoch trains: a
@@ -198,7 +214,25 @@ class Leading:
             return
         if self.plan is not None and peer in self.plan.peers:
             self._broken = True
+            lead = self._leader(self.plan)
+            if lead is not None and lead != self.me:
+                self.svc.suspect(lead)   # told, not leading: the leader may be the dead one; a refusal makes us lead
             self._poke()
+
+    def on_dead(self, peer: str) -> None:
+        """A direct question confirmed *peer*'s death (jobs/liveness.py) before the membership view did: if
+        the running plan names it, the pipeline is broken (the leader re-plans at once, or is told by
+        ``_watch``; its halt asks every member the view calls alive, so a wrong verdict costs a re-plan)."""
+        plan = self.plan
+        if plan is None or plan.epoch != self.epoch or peer not in plan.peers or peer == self.me:
+            return
+        self._poke()   # the leader may be the dead one (``_leader`` passes over it now)
+        if self._broken:
+            return
+        log.info("job %s epoch %d: member %s is dead (it refused a direct question): re-planning", self.job_id,
+                 self.epoch, short_peer(peer))
+        self._broken = True
+        self._poke()
 
     def _offer_joiners(self, plan: Plan) -> None:
         """Offer the job to live nodes outside it (at most once per ``offer_retry`` each)."""
@@ -409,7 +443,7 @@ class Leading:
         they lead cannot split the members between two plans. The vote still goes out, in the background,
         for any member that computed otherwise (it can then adopt by quorum) and for the DHT's plan record."""
         plan = self.plan
-        leader = leader_of(plan.peers, self._alive, standbys=self.members or ()) if plan is not None else None
+        leader = self._leader(plan) if plan is not None else None
         if not req.plan_hash or req.plan_hash != mine.plan_hash() or req.sender != (leader or req.sender):
             return False
         log.info("job %s epoch %d: plan %s adopted as its leader %s computed it", self.job_id, mine.epoch,

@@ -44,6 +44,7 @@ from fusionp2p.jobs.election import fetch_latest
 from fusionp2p.jobs.events import ProgressEvent, decode_event
 from fusionp2p.jobs.host import NodeJobConfig
 from fusionp2p.jobs.lifecycle import JobState
+from fusionp2p.jobs.liveness import DeathProbes
 from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
 from fusionp2p.jobs.run import JobRun, StartRequest, describe
@@ -57,6 +58,7 @@ from fusionp2p.net.resilient import (
 )
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
+from fusionp2p.swarm.membership import Change, MemberEvent
 from fusionp2p.swarm.node import SwarmNode
 from fusionp2p.types import short_peer
 from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
@@ -80,6 +82,8 @@ class NodeJobService:
         self.content = ContentService(self.transport, ContentStore(home / "content", self.config.store),
                                       refusals=self.refusals)
         self.jobs: dict[str, JobRun] = {}
+        # peers of lost links asked directly; a refusal breaks the pipelines of their jobs (jobs/liveness.py)
+        self.deaths = DeathProbes(self.transport, self.config.probes, on_dead=self._on_dead)
         self._offers: dict[str, float] = {}          # job -> when accepted (until its first start)
         # channels that arrived and wait for their job to claim them, by (job, link name, peer)
         self._arrived: dict[tuple[str, str, str], ResilientChannel] = {}
@@ -130,6 +134,7 @@ class NodeJobService:
             nursery.start_soon(self._route_incoming, acc)
             nursery.start_soon(self._dispatch_gossip, gossip)
             nursery.start_soon(self._expire_offers)
+            nursery.start_soon(self.deaths.serve)
             limit = max(self.config.recv_timeout, self.config.accept_timeout) + 60
             self.transport.set_stream_handler(JOB, job_proto.serve(self.handle, timeout=limit, refusals=self.refusals))
             log.info("job service ready (data plane listens on %s:%d, announced as %s)", dp.host, dp.port,
@@ -185,10 +190,17 @@ class NodeJobService:
         for h in hashes:
             await self.transport.provide(h)   # bounded by the transport's DHT timeout
 
-    def _on_member_event(self, _event: Any) -> None:
+    def _on_member_event(self, event: Any) -> None:
+        if isinstance(event, MemberEvent) and event.change in (Change.JOINED, Change.REVIVED):
+            self.deaths.forget(event.peer)   # a node restarted with its identity is alive again
         for run in self.jobs.values():
             if not run.state.terminal:
                 run.poke()
+
+    def _on_dead(self, peer: str) -> None:
+        for run in self.jobs.values():
+            if not run.state.terminal:
+                run.on_dead(peer)
 
     # ------------------------------------------------------------------ gossip for the jobs
     def subscribe_job(self, job: str) -> trio.MemoryReceiveChannel[tuple[str, ProgressEvent]]:
@@ -411,7 +423,18 @@ class NodeJobService:
         """A lost link's peer is not waited for once the membership view declares it dead or departed
         (heartbeat timeout, seconds) instead of for the whole reconnect_timeout."""
         view = self.swarm.view
-        return peer in view.dead or peer in view.left
+        if peer in view.dead or peer in view.left:
+            return True
+        self.deaths.suspect(peer)   # asked directly: a refusal starts the re-plan (the channel waits for the view)
+        return False
+
+    def suspect(self, peer: str) -> None:
+        """Ask *peer* directly whether it lives (jobs/liveness.py)."""
+        self.deaths.suspect(peer)
+
+    def confirmed_dead(self, peer: str) -> bool:
+        """A direct question to *peer* was refused within the probes' ttl."""
+        return self.deaths.confirmed(peer)
 
     async def claim(self, job: str, name: str, peer: str, *, alive: Any) -> ResilientChannel:
         """The channel *peer* opened for (*job*, *name*); PeerUnavailable if the peer dies first."""

@@ -230,6 +230,22 @@ def _newest_file(checkpoints: Checkpoints, unit: int, alive: Callable[[str], boo
     return None
 
 
+def still_taking_off(*, proposed: bool, since: float, retry: float, stalled: bool, broken: bool, fresh: bool,
+                     gone: bool, trained: bool) -> bool:
+    """Whether a leader that finds its epoch broken or stalled waits instead of re-planning now: only while
+    the epoch it *proposed* is younger than *retry* seconds (its members may still be fetching state and
+    opening links, and a re-plan then would throw that away), and only for the take-off's own troubles. It
+    re-plans at once when a newcomer accepted the job (*fresh*, for a *stalled* epoch), when a member of the
+    plan is *gone* (the epoch cannot take off without it), or when the epoch *trained* a step here: a break
+    after that is a new failure (before issue 41 a second kill within ``replan_retry`` of the last re-plan
+    waited out the rest of it: up to 20 s)."""
+    if not proposed or since >= retry or not (stalled or broken):
+        return False
+    if stalled and fresh:
+        return False
+    return not (gone or trained)
+
+
 def halt_step(current: Iterable[int], *, tau: int = 1, margin: int = 2, steps: int) -> int:
     """The step boundary at which a planned re-plan halts every member: past every member's current
     step by *margin*, on a multiple of *tau* (a CO2 round boundary), at most the job's end."""
@@ -241,4 +257,4 @@ def halt_step(current: Iterable[int], *, tau: int = 1, margin: int = 2, steps: i
 
 
 __all__ = ["Checkpoints", "Halted", "Resume", "Source", "complete_checkpoint", "halt_step", "leader_of",
-           "plan_resume"]
+           "plan_resume", "still_taking_off"]

@@ -473,9 +473,9 @@ class JobRun(Leading):
             self.svc.swarm.note_speed(f, self.spec.model_hash)
 
     # ------------------------------------------------------------------ state
-    def _names(self, start: int, end: int) -> set[str]:
-        """Parameters and buffers of the stage holding coarse units [start, end)."""
-        c = coarsen(self.accepted.dag)
+    def _names(self, start: int, end: int, c: Any = None) -> set[str]:
+        """Parameters and buffers of the stage holding coarse units [start, end) (of *c*, the coarsened DAG)."""
+        c = c or coarsen(self.accepted.dag)
         cuts = [u for u in (start, end) if 0 < u < len(c.units)]
         progs = partition(c, stages_from_fences(len(c.units), cuts))
         prog = progs[1 if start > 0 else 0]
@@ -488,11 +488,18 @@ class JobRun(Leading):
         want = {spec.name for spec in prog.inputs if spec.kind != "input"}
         states: list[StageState] = []
         got: set[str] = set()
-        for src in resume.sources:
-            if not (want & self._names(src.start, src.end)):
-                continue
-            blob = await self._fetch_state(src)
-            _, st = decode_state(blob, job=self.job_id)
+        c = coarsen(self.accepted.dag)
+        srcs = [src for src in resume.sources if want & self._names(src.start, src.end, c)]
+        blobs: dict[int, bytes] = {}
+
+        async def fetch(i: int, src: Source) -> None:
+            blobs[i] = await self._fetch_state(src)
+
+        async with trio.open_nursery() as nursery:   # all at once: from several holders, each a round trip
+            for i, src in enumerate(srcs):
+                nursery.start_soon(fetch, i, src)
+        for i, src in enumerate(srcs):
+            _, st = decode_state(blobs.pop(i), job=self.job_id)
             states.append(st)
             got |= set(st.tensors) & want
             if src.step == resume.step:
@@ -511,9 +518,11 @@ class JobRun(Leading):
         store = self.svc.content.store
         if store.has(src.state):
             return store.get(src.state)
-        with trio.fail_after(self.svc.config.accept_timeout):
-            return await self.svc.content.fetch(src.state, max_size=self.svc.config.max_state_bytes,
-                                                peers=[p for p in src.holders if p != self.me] or None)
+        with trio.fail_after(self.svc.config.accept_timeout):   # announced in the background: the epoch waits
+            blob = await self.svc.content.fetch(src.state, max_size=self.svc.config.max_state_bytes,
+                                                peers=[p for p in src.holders if p != self.me] or None, provide=False)
+        self.svc.nursery.start_soon(self._provide, src.state)
+        return blob
 
     async def _store_state(self, plan: Plan, s: int, st: StageState) -> str:
         meta = StageCheckpointMeta(job=self.job_id, stage=s, num_stages=len(plan.stages), step=st.step,
@@ -546,6 +555,7 @@ class JobRun(Leading):
         batch = ProgressBatch(self.svc.config.progress_interval, MAX_EARLIER)   # gossip stays small
 
         async def report(rep: StageReport) -> None:
+            self._cur.trained = True
             if rep.skipped:   # the worker skipped a step with non-finite gradients (train/guard.py): say so
                 await self._gossip(StepSkipped(job=self.job_id, step=rep.step, stage=s, peer=self.me,
                                                reason=rep.skipped, at=time.time()))

@@ -138,6 +138,7 @@ class _Run(Protocol):
 
     def _alive(self, peer: str) -> bool: ...
     def _holds(self, step: int, units: tuple[int, int], h: str, peer: str) -> None: ...
+    async def _provide(self, h: str) -> None: ...
     async def _gossip(self, ev: ProgressEvent) -> None: ...
 
 
@@ -260,11 +261,12 @@ class Shadows:
         supersedes the older ones of its stage beyond ``keep``, which leave the store."""
         run = self.run
         with trio.fail_after(run.svc.config.accept_timeout):   # to disk as it comes: never whole in memory
-            await run.svc.content.fetch_to_store(h, max_size=run.svc.config.max_state_bytes, peers=[holder])
+            await run.svc.content.fetch_to_store(h, max_size=run.svc.config.max_state_bytes, peers=[holder], provide=False)
         with run.svc.content.store.reader(h) as f:
             meta = read_state_meta(f, job=run.job_id)   # a stage file of this job, not any blob
         if meta.step != step:
             raise RemoteProtocolError(f"keep: the file is of step {meta.step}, not {step}")
+        run.svc.nursery.start_soon(run._provide, h)   # the DHT's announcement: seconds the holder need not wait
         run._holds(step, units, h, holder)
         run._holds(step, units, h, run.me)
         if shadow:

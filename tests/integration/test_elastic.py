@@ -191,7 +191,9 @@ def test_the_leader_dies_and_the_next_lowest_id_carries_the_job_on(tmp_path: Pat
     plans, steps = _check_done(events, cfg)
     assert killed and killed[0] not in plans[-1].members and plans[-1].epoch >= 1
     assert min(s for s, e in steps.items() if e.epoch >= 1) >= 8     # live hand-off: nothing trained is lost
-    assert steps[cfg.steps - 1].loss < steps[0].loss - 1.0   # type: ignore[operator]
+    # the median of the last steps: one batch of this corpus reads ~5.4 at any point of training (step 20 when
+    # the new epoch resumes at 9), and where it lands depends on the resume step, so on how fast the re-plan was
+    assert np.median([steps[s].loss for s in range(cfg.steps - 5, cfg.steps)]) < steps[0].loss - 1.0   # type: ignore[misc]
 
 
 def test_a_member_that_leaves_is_replanned_around(tmp_path: Path) -> None:

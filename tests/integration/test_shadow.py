@@ -33,8 +33,9 @@ def test_a_stage_without_a_replica_resumes_from_its_shadow_copy(tmp_path: Path, 
     """Three small nodes, none of which holds the model alone: one replica per stage. A
     non-leading member dies at step KILL_AT; the job resumes no earlier than KILL_AT - SHADOW_BOUND
     (from the dead stage's shadow copy and the survivors' live states) and ends DONE without it. The
-    survivors adopt the leader's plan without a gossip election (jobs/lead.py ``_fast_adopt``)."""
-    caplog.set_level(logging.INFO, logger="fusionp2p.jobs.lead")
+    survivors adopt the leader's plan without a gossip election (jobs/lead.py ``_fast_adopt``), and the
+    re-plan starts on a direct question's refusal, not on the membership view's timeout (jobs/liveness.py)."""
+    caplog.set_level(logging.INFO, logger="fusionp2p.jobs")
     torch.set_num_threads(1)
     small = dataclasses.replace(TEST_PROFILE, memory_bytes=4 << 20)   # 1 node: no plan; 2 nodes: 2 stages
     cfg = TrainConfig(steps=24, micro_batch=2, micro_batches=2, lr=3e-3)   # defaults otherwise
@@ -63,3 +64,6 @@ def test_a_stage_without_a_replica_resumes_from_its_shadow_copy(tmp_path: Path, 
     assert resumed >= KILL_AT - SHADOW_BOUND, (resumed, KILL_AT, SHADOW_BOUND)
     fast = [r.getMessage() for r in caplog.records if "adopted as its leader" in r.getMessage()]
     assert sum("epoch 1:" in m for m in fast) == 2, fast   # both survivors, in epoch 1
+    led = [r.getMessage() for r in caplog.records if "leading a re-plan from epoch 0" in r.getMessage()]
+    probed = [r.getMessage() for r in caplog.records if "refused a direct question" in r.getMessage()]
+    assert probed and led and "pipeline broken" in led[0], (probed, led)   # not "members gone": the view's verdict
