@@ -6,7 +6,7 @@ Four replicas of the GPT-2 reference of benchmarks.convergence (1 stage, ``R = 4
 with ``CO2()``'s defaults (tau 4, one fragment per step, applied one step late). Each replica draws its own
 micro-batch of 8 (``step * R + r``) a step from the pydoc corpus's first 90%; the held-out loss is taken on its last
 10% with the consensus weights after ``finalize``. Replica 3 is a ``LyingAverager``
-(``fusionp2p.testing.byzantine``) for each attack: ``scale`` (10x its update), ``signflip``, ``noise`` (at
+(``fusionp2p.testing.byzantine``) for each attack: ``scale`` (10x its update; ``--scale``), ``signflip``, ``noise`` (at
 its update's norm), ``stale`` (the average of 4 rounds before). Runs:
 
 * ``honest`` (defence on) and ``honest-plain`` (defence off, the mean as before): the baselines, and the
@@ -39,7 +39,7 @@ from fusionp2p.average.robust import RobustConfig, robust_mean
 from fusionp2p.average.shard import weighted_mean
 from fusionp2p.data import BatchSampler, SamplerConfig, corpus_tokens
 from fusionp2p.net.channel import TensorChannel
-from fusionp2p.testing.byzantine import ATTACKS, LyingAverager
+from fusionp2p.testing.byzantine import ATTACKS, SCALE, LyingAverager
 from fusionp2p.testing.channels import memory_channel_pair
 from fusionp2p.train.averager import AveragerConfig, load_anchor_, open_replica_averager
 from fusionp2p.train.config import CO2, TrainConfig
@@ -69,7 +69,8 @@ class Replica:
         self.opt.zero_grad()
 
 
-async def run(cfg: TrainConfig, train: np.ndarray, held: np.ndarray, *, attack: str | None, robust: bool) -> dict[str, Any]:
+async def run(cfg: TrainConfig, train: np.ndarray, held: np.ndarray, *, attack: str | None, robust: bool,
+              scale: float = SCALE) -> dict[str, Any]:
     co2 = CO2()
     outer = OuterConfig(tau=co2.tau, outer_lr=co2.outer_lr, outer_momentum=co2.outer_momentum, sync=co2.sync,
                         stream=co2.stream)
@@ -90,7 +91,7 @@ async def run(cfg: TrainConfig, train: np.ndarray, held: np.ndarray, *, attack: 
         async with open_replica_averager(acfg, peers=peers, me=me, channels=mesh[me], initial=params,
                                          cls=LyingAverager) as avg:
             assert isinstance(avg, LyingAverager)
-            avg.attack, avg.seed = (attack if rank == LIAR else None), rank
+            avg.attack, avg.seed, avg.scale = (attack if rank == LIAR else None), rank, scale
             for s in range(cfg.steps):
                 await trio.to_thread.run_sync(rep.step, s)
                 res = await (avg.round_boundary(params) if s + 1 < cfg.steps else avg.finalize(params))
@@ -145,6 +146,7 @@ def main() -> None:
     ap = parser("byzantine", __doc__)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--scale", type=float, default=SCALE, help="the factor of the scale attack")
     args = ap.parse_args()
     steps = 40 if args.quick else args.steps
     torch.set_num_threads(1)
@@ -157,7 +159,7 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
 
     def go(attack: str | None, robust: bool) -> dict[str, Any]:
-        out = trio.run(lambda: run(cfg, train, held, attack=attack, robust=robust))
+        out = trio.run(lambda: run(cfg, train, held, attack=attack, robust=robust, scale=args.scale))
         runs.append(out)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}, flush=True)
         return out
@@ -179,7 +181,7 @@ def main() -> None:
     cost_wall = sum(r["step_s"] for r in honest) / sum(r["step_s"] for r in plain)
     cost_cpu = sum(r["cpu_step_s"] for r in honest) / sum(r["cpu_step_s"] for r in plain)
     worst = max((v["defended_over_honest"] for v in per.values()), default=1.0)
-    results = {"steps": steps, "replicas": R, "liar": f"r{LIAR}", "per_attack": per, "runs": runs,
+    results = {"steps": steps, "replicas": R, "scale": args.scale, "liar": f"r{LIAR}", "per_attack": per, "runs": runs,
                "honest_heldout": base, "honest_plain_heldout": [r["heldout_loss"] for r in plain],
                "cost_step_wall_robust_over_plain": cost_wall, "cost_step_cpu_robust_over_plain": cost_cpu,
                "reduce": red, "cost_reduce_over_replica_step_cpu": cost_reduce}

@@ -4,7 +4,7 @@ Every lie is a finite part within the weight ratio, so every check that existed 
 let it through. A lie is made from what a replica of the stage knows: its own honest snapshot ``snap`` of
 the averaged vector (or fragment) and the averages it received before (``history``, newest last):
 
-* ``scale``: the update blown up, ``prev + SCALE * (snap - prev)``;
+* ``scale``: the update blown up, ``prev + SCALE * (snap - prev)`` (``LyingAverager.scale`` sets another factor);
 * ``signflip``: the update reversed, ``prev - (snap - prev)`` (the honest norm: no norm bound catches it);
 * ``noise``: ``prev`` plus Gaussian noise of the honest update's norm;
 * ``stale``: the average of ``STALE`` rounds ago, replayed (it pulls the model back in time).
@@ -30,7 +30,8 @@ SCALE = 10.0
 STALE = 4
 
 
-def lie(kind: str, snap: torch.Tensor, history: Sequence[torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+def lie(kind: str, snap: torch.Tensor, history: Sequence[torch.Tensor], generator: torch.Generator, *,
+        scale: float = SCALE) -> torch.Tensor:
     """The part a liar of *kind* sends instead of *snap* (see the module docstring)."""
     if kind not in ATTACKS:
         raise ValueError(f"attack must be one of {ATTACKS}, got {kind!r}")
@@ -39,7 +40,7 @@ def lie(kind: str, snap: torch.Tensor, history: Sequence[torch.Tensor], generato
     prev = history[-1]
     delta = snap - prev
     if kind == "scale":
-        return prev + SCALE * delta
+        return prev + scale * delta
     if kind == "signflip":
         return prev - delta
     if kind == "noise":
@@ -56,6 +57,7 @@ class LyingAverager(ReplicaAverager):
         super().__init__(*args, **kwargs)
         self.attack: str | None = None
         self.seed = 0
+        self.scale = SCALE
         self._lie_history: dict[int | None, deque[torch.Tensor]] = {}
         self._lie_gen: torch.Generator | None = None
 
@@ -66,7 +68,7 @@ class LyingAverager(ReplicaAverager):
         if self.attack is not None:
             if self._lie_gen is None:
                 self._lie_gen = torch.Generator().manual_seed(self.seed)
-            snap = lie(self.attack, snap, self._history(rnd.fragment), self._lie_gen)
+            snap = lie(self.attack, snap, self._history(rnd.fragment), self._lie_gen, scale=self.scale)
         await super()._run_round(rnd, snap, lr)
         r: RoundResult | None = rnd.result
         if r is not None and r.complete and r.vector is not None:

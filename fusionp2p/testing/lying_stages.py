@@ -2,8 +2,8 @@
 
 Every lie is finite and well-shaped, so every check on bytes lets it through:
 
-* ``bias``: a stage adds ``BIAS`` times the tensor's own standard deviation to every activation it sends
-  (a small, steady push on everything downstream);
+* ``bias``: a stage adds ``BIAS`` times the tensor's own standard deviation, along one fixed direction of
+  its features, to every activation it sends (a small, steady push on everything downstream);
 * ``zeros``: a stage skips its backward and sends zeros for the gradients it owes upstream (it saves
   its backward's compute; the stages before it stop learning).
 
@@ -80,6 +80,7 @@ class LyingStage(TappedExecutor):
         self._gen = torch.Generator().manual_seed(seed)
         self.lying: set[tuple[int, int]] = set()     # (step, micro) it lied on
         self._lie_now = False
+        self._dir: torch.Tensor | None = None
 
     def _lies(self, micro: int) -> bool:
         if self.attack is None:
@@ -98,8 +99,17 @@ class LyingStage(TappedExecutor):
             for o in self.program.send:
                 t = res[o.name]
                 if t.is_floating_point():
-                    res[o.name] = t + BIAS * t.float().std().to(t.dtype)
+                    res[o.name] = t + BIAS * t.float().std() * self._direction(t.shape[-1]).to(t.dtype)
         return res
+
+    def _direction(self, n: int) -> torch.Tensor:
+        """A fixed direction over the last dimension, of unit mean square and zero mean (a constant shift
+        would pass through a LayerNorm unseen)."""
+        if self._dir is None or self._dir.numel() != n:
+            d = torch.randn(n, generator=torch.Generator().manual_seed(12345))
+            d = d - d.mean()
+            self._dir = d / d.pow(2).mean().sqrt()
+        return self._dir
 
     def backward(self, micro: int, grad_outputs: Mapping[str, torch.Tensor], *,
                  loss_scale: float = 1.0) -> dict[str, torch.Tensor]:

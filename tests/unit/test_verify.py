@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 import pytest
 import torch
 
-from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.errors import ConfigError, RemoteProtocolError
 from fusionp2p.graph import OpDAG, coarsen, partition, stages_from_fences, trace
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.jobs.events import StageConvicted, decode_event, encode_event
@@ -189,8 +189,9 @@ def test_malformed_verdicts_raise_remote_protocol_error() -> None:
 @pytest.mark.parametrize(("attack", "liar"), [("bias", 0), ("zeros", 1)])
 def test_a_lying_stage_is_caught_and_excluded(gpt2: Pipe, attack: str, liar: int) -> None:
     """Stage 0 adds 5% of its activations' spread to them, or stage 1 sends zeros for its backward, on
-    half its micro-batches: spot checks at 25% exclude it within a few steps. Without them (rate 0) it
-    lies through every step and nobody notices: this test fails without the defence."""
+    half its micro-batches: spot checks at 25% exclude it within a few steps (every verdict a real
+    mismatch, signed by both). Without them (rate 0) it lies through every step and nobody notices: this
+    test fails without the defence."""
     dag, progs = gpt2
     on = spot_checked_run(progs, _data(dag), steps=12, liar=liar, attack=attack, lie_rate=0.5,
                           cfg=VerifyConfig(rate=0.25))
@@ -199,7 +200,9 @@ def test_a_lying_stage_is_caught_and_excluded(gpt2: Pipe, attack: str, liar: int
     off = spot_checked_run(progs, _data(dag), steps=12, liar=liar, attack=attack, lie_rate=0.5,
                            cfg=VerifyConfig(rate=0.0))
     assert off.excluded_at is None and off.lies >= 3
-    assert off.losses != spot_checked_run(progs, _data(dag), steps=12, cfg=VerifyConfig(rate=0.0)).losses
+    if attack == "zeros":     # its bite on the loss (a 5% bias on GPT-2's residual stream hardly moves it)
+        honest = spot_checked_run(progs, _data(dag), steps=12, cfg=VerifyConfig(rate=0.0)).losses
+        assert max(abs(a - b) for a, b in zip(off.losses, honest, strict=True)) > 1e-3
 
 
 def test_honest_stages_are_never_convicted(gpt2: Pipe) -> None:
@@ -216,3 +219,9 @@ def test_digest_binds_names_dtypes_shapes_and_bytes() -> None:
     assert d == digest({"x": a.clone()}) and len(d) == 32
     assert len({d, digest({"x": b}), digest({"y": a}), digest({"x": a.double()}), digest({"x": a.reshape(7, 5)}),
                 digest({"x": a, "z": torch.zeros(0)})}) == 6
+
+
+def test_config_is_validated() -> None:
+    for bad in ({"rate": 1.5}, {"rate": -0.1}, {"rtol": -1.0}, {"atol": float("nan")}):
+        with pytest.raises(ConfigError):
+            VerifyConfig(**bad)
