@@ -302,13 +302,13 @@ def test_flop_run_reads_parameters_in_place_and_drops_intermediates() -> None:
 
 
 def test_flop_run_copies_only_what_an_in_place_operator_may_write() -> None:
-    from fusionp2p.graph.dag import OpNode, Ref
-    from fusionp2p.graph.trace import _last_use, _written_inputs
+    from fusionp2p.graph.dag import OpNode, Ref, written_inputs
+    from fusionp2p.graph.trace import _last_use
 
     nodes = [OpNode(name="v", op="aten.t.default", args=(Ref("w"),)),
              OpNode(name="a", op="aten.add_.Tensor", args=(Ref("v"), Ref("x"))),
              OpNode(name="r", op="aten.relu.default", args=(Ref("b"),)),
              OpNode(name="s", op="getitem", args=(Ref("r"), 0))]
-    assert _written_inputs(nodes, {"w", "x", "b"}) == {"w"}    # through the view, not the other operand
+    assert written_inputs(nodes, {"w", "x", "b"}) == {"w"}    # through the view, not the other operand
     last = _last_use(nodes)
     assert sorted(last[1]) == ["a", "v", "x"] and sorted(last[3]) == ["r", "s"] and sorted(last[2]) == ["b"]
