@@ -21,7 +21,7 @@ Arguments (``Arg``) are: ``Ref``, ``None``, ``bool``, ``int``, ``float``, ``str`
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -365,3 +365,26 @@ def check_shapes(inputs: tuple[InputSpec, ...], nodes: tuple[OpNode, ...], err: 
                     shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                     raise err(f"{what}: node {n.name!r} declares {m.shape} {m.dtype}, computes {shape}")
             env[n.name] = val
+
+
+def written_inputs(nodes: Sequence[OpNode], inputs: set[str]) -> set[str]:
+    """Of *inputs*, those an operator may write in place: the first argument of an in-place operator
+    (``add_``, ``relu_``) and the running statistics of ``batch_norm`` (arguments 3 and 4), each followed
+    back through the first arguments of the operators that made it (views, reshapes) to an input.
+    Over-approximates; a fresh intermediate written in place (a mask being built) is no input's."""
+    first = {n.name: n.args[0] for n in nodes if n.args}
+    out: set[str] = set()
+    for n in nodes:
+        if n.op == "aten.batch_norm.default":
+            targets = list(n.args[3:5])
+        elif n.op.count(".") == 2 and n.op.split(".")[1].endswith("_") and n.args:
+            targets = [n.args[0]]
+        else:
+            continue
+        for a in targets:
+            seen = 0
+            while isinstance(a, Ref) and a.name not in inputs and a.name in first and seen < len(nodes):
+                a, seen = first[a.name], seen + 1
+            if isinstance(a, Ref) and a.name in inputs:
+                out.add(a.name)
+    return out

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fusionp2p import device as dev
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.graph.dag import Arg, Ref
+from fusionp2p.graph.dag import Arg, Ref, written_inputs
 from fusionp2p.graph.ops import resolve
 from fusionp2p.graph.program import DATA, StageProgram
 
@@ -68,15 +68,11 @@ def build_module(program: StageProgram, device: torch.device, *, evaluate: bool 
     return torch.fx.GraphModule(nn.Module(), g, class_name=f"Stage{program.stage}")
 
 
-# operators that write one of their arguments in place, beyond those named with a trailing underscore
-_WRITES = frozenset({"aten.batch_norm.default"})
-
-
 def recomputable(program: StageProgram) -> bool:
-    """Whether *program* may run with activation recomputation: no operator of it writes a tensor in place
-    (the recomputation would write it a second time: batch-norm's running statistics)."""
-    return not any(n.op in _WRITES or (n.op.count(".") == 2 and n.op.split(".")[1].endswith("_"))
-                   for n in program.nodes)
+    """Whether *program* may run with activation recomputation: no operator of it writes one of its inputs
+    (a parameter, buffer or received tensor) in place, which the recomputation would write a second time
+    (batch-norm's running statistics). A fresh intermediate written in place is no obstacle."""
+    return not written_inputs(program.nodes, {s.name for s in program.inputs})
 
 
 def _fx_arg(a: Arg, env: Mapping[str, torch.fx.Node], device: torch.device) -> Any:

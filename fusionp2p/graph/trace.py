@@ -29,7 +29,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils.flop_counter import FlopCounterMode
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.graph.dag import Arg, InputSpec, OpDAG, OpNode, Ref, TensorMeta, validate
+from fusionp2p.graph.dag import Arg, InputSpec, OpDAG, OpNode, Ref, TensorMeta, validate, written_inputs
 from fusionp2p.graph.ops import DROPPED, GETITEM, WHITELIST, op_name, resolve
 
 log = logging.getLogger(__name__)
@@ -455,7 +455,7 @@ def _count_flops(inputs: tuple[InputSpec, ...], nodes: list[OpNode], tensors: Ma
     # a view); buffers and constants are copied (batch-norm's running statistics are updated in place and
     # must not leak back). Each intermediate is dropped after its last reader, so the run holds the live
     # activations of one micro-batch, not all of them.
-    written = _written_inputs(nodes, {s.name for s in inputs})
+    written = written_inputs(nodes, {s.name for s in inputs})
     env: dict[str, Any] = {}
     it = iter(args)
     for spec in inputs:
@@ -505,22 +505,6 @@ def _last_use(nodes: Sequence[OpNode]) -> dict[int, list[str]]:
     for name, i in last.items():
         by_node.setdefault(i, []).append(name)
     return by_node
-
-
-def _written_inputs(nodes: Sequence[OpNode], inputs: set[str]) -> set[str]:
-    """Inputs an in-place operator (``add_``, ``relu_``) may write: its first argument followed back through
-    the first arguments of the operators that made it (views, reshapes) to an input. Over-approximates."""
-    first = {n.name: n.args[0] for n in nodes if n.args}
-    out: set[str] = set()
-    for n in nodes:
-        if n.op.count(".") != 2 or not n.op.split(".")[1].endswith("_") or not n.args:
-            continue
-        a, seen = n.args[0], 0
-        while isinstance(a, Ref) and a.name not in inputs and a.name in first and seen < len(nodes):
-            a, seen = first[a.name], seen + 1
-        if isinstance(a, Ref) and a.name in inputs:
-            out.add(a.name)
-    return out
 
 
 def _module_names(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:

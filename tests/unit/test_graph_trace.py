@@ -302,13 +302,18 @@ def test_flop_run_reads_parameters_in_place_and_drops_intermediates() -> None:
 
 
 def test_flop_run_copies_only_what_an_in_place_operator_may_write() -> None:
-    from fusionp2p.graph.dag import OpNode, Ref
-    from fusionp2p.graph.trace import _last_use, _written_inputs
+    from fusionp2p.graph.dag import OpNode, Ref, written_inputs
+    from fusionp2p.graph.trace import _last_use
 
     nodes = [OpNode(name="v", op="aten.t.default", args=(Ref("w"),)),
              OpNode(name="a", op="aten.add_.Tensor", args=(Ref("v"), Ref("x"))),
              OpNode(name="r", op="aten.relu.default", args=(Ref("b"),)),
              OpNode(name="s", op="getitem", args=(Ref("r"), 0))]
-    assert _written_inputs(nodes, {"w", "x", "b"}) == {"w"}    # through the view, not the other operand
+    assert written_inputs(nodes, {"w", "x", "b"}) == {"w"}    # through the view, not the other operand
+    fresh = [OpNode(name="z", op="aten.zeros.default", args=([2],)),            # a mask built in place: no input's
+             OpNode(name="z2", op="aten.add_.Tensor", args=(Ref("z"), Ref("x"))),
+             OpNode(name="bn", op="aten.batch_norm.default",
+                    args=(Ref("x"), Ref("g"), Ref("b"), Ref("rm"), Ref("rv"), True, 0.1, 1e-5, False))]
+    assert written_inputs(fresh, {"x", "g", "b", "rm", "rv"}) == {"rm", "rv"}   # batch-norm's running statistics
     last = _last_use(nodes)
     assert sorted(last[1]) == ["a", "v", "x"] and sorted(last[3]) == ["r", "s"] and sorted(last[2]) == ["b"]
