@@ -84,12 +84,56 @@ class StreamConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class _Runs:
+    """A subsequence of an epoch's order as sorted disjoint runs of its positions: O(re-plans x P), never
+    one entry a window (a 2 GiB text file at seq_len 64 has 33 M windows: 256 MiB an array)."""
+
+    starts: IntArray      # first position of each run
+    cum: IntArray         # [runs + 1] the subsequence's index of each run's first element; cum[-1] = its length
+
+    def __len__(self) -> int:
+        return int(self.cum[-1])
+
+    def at(self, k: IntArray) -> IntArray:
+        """Positions in the epoch's order of the subsequence's elements *k*."""
+        i = np.searchsorted(self.cum, k, side="right") - 1
+        return self.starts[i] + (k - self.cum[i])
+
+    def without(self, used: list[tuple[int, int]]) -> _Runs:
+        """The subsequence less its elements in *used* (sorted disjoint ``[a, b)`` of its indices)."""
+        keep, at = [], 0
+        for a, b in used:
+            if a > at:
+                keep.append((at, a))
+            at = max(at, b)
+        if at < len(self):
+            keep.append((at, len(self)))
+        starts: list[int] = []
+        lens: list[int] = []
+        for a, b in keep:        # each kept index range, cut at the runs it spans
+            i = int(np.searchsorted(self.cum, a, side="right")) - 1
+            while a < b:
+                run_end = int(self.cum[i + 1])
+                q = int(self.starts[i]) + a - int(self.cum[i])
+                n = min(b, run_end) - a
+                if starts and starts[-1] + lens[-1] == q:
+                    lens[-1] += n
+                else:
+                    starts.append(q)
+                    lens.append(n)
+                a += n
+                i += 1
+        return _Runs(starts=np.array(starts, dtype=np.int64),
+                     cum=np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]).astype(np.int64))
+
+
+@dataclass(frozen=True, slots=True)
 class _Piece:
     lo: int               # first global sample number G of the piece
     hi: int               # one past its last (the epoch's end for the open segment)
     phase: int            # (lo - the segment's base) % P: the step offset of G = lo
     period: int           # P = slots x micro_batch
-    left: IntArray        # the windows the piece lays out (the epoch's order less earlier pieces')
+    left: _Runs           # what the piece lays out: the epoch's order less earlier pieces' (as runs of it)
     colstart: IntArray    # [P] first position of each column
     t0: IntArray          # [P] first row of each column (1 for the columns before the phase)
 
@@ -114,6 +158,7 @@ class StreamOrder:
             raise ConfigError(f"the dataset's shards hold {self.num_windows} windows of seq_len {t}, fewer than "
                               f"micro_batch={config.micro_batch}: use larger shards or a shorter seq_len")
         self._order = functools.lru_cache(maxsize=2)(self._epoch_order)
+        self._shuffles = functools.lru_cache(maxsize=64)(self._shuffle)   # 64 shards' windows, int64 each
         self._pieces = functools.lru_cache(maxsize=2)(self._epoch_pieces)
         bases, acc = [], 0
         for j, (a, s) in enumerate(self.history):
@@ -143,13 +188,28 @@ class StreamOrder:
         return np.arange(g0, g0 + count * b, dtype=np.int64)
 
     # ------------------------------------------------------------------ order
-    def _epoch_order(self, epoch: int) -> IntArray:
+    def _epoch_order(self, epoch: int) -> tuple[IntArray, IntArray]:
+        """(the shards in the epoch's order, the order's position of each one's first window): O(shards)."""
         rng = np.random.Generator(np.random.PCG64([_SEED_DOMAIN, self.config.seed, epoch]))
-        n = len(self.per_shard)
-        rank = np.empty(n, dtype=np.int64)
-        rank[rng.permutation(n)] = np.arange(n)
-        shard_of = np.repeat(np.arange(n, dtype=np.int64), self.per_shard)
-        return np.lexsort((rng.random(self.num_windows), rank[shard_of])).astype(np.int64)
+        ranked = rng.permutation(len(self.per_shard)).astype(np.int64)
+        return ranked, np.concatenate([[0], np.cumsum(self.per_shard[ranked])]).astype(np.int64)
+
+    def _shuffle(self, epoch: int, shard: int) -> IntArray:
+        """The order of shard *shard*'s windows in *epoch* (its own seeded stream: computed for the shards read)."""
+        rng = np.random.Generator(np.random.PCG64([_SEED_DOMAIN, self.config.seed, epoch, shard]))
+        return rng.permutation(int(self.per_shard[shard])).astype(np.int64)
+
+    def _at(self, epoch: int, q: IntArray) -> IntArray:
+        """The window at positions *q* of the epoch's order: the shards in a seeded permutation, each
+        shard's windows shuffled."""
+        ranked, cum = self._order(epoch)
+        r = np.searchsorted(cum, q, side="right") - 1
+        out = np.empty(len(q), dtype=np.int64)
+        for rr in np.unique(r).tolist():
+            m = r == rr
+            shard = int(ranked[rr])
+            out[m] = self.first[shard] + self._shuffles(epoch, shard)[q[m] - cum[rr]]
+        return out
 
     def _segment_bounds(self) -> list[tuple[int, int, int]]:
         """(base G, end G or -1 for the open one, P) of every segment."""
@@ -163,7 +223,7 @@ class StreamOrder:
     def _epoch_pieces(self, epoch: int) -> tuple[_Piece, ...]:
         w = self.num_windows
         e_lo, e_hi = epoch * w, (epoch + 1) * w
-        left = self._order(epoch)
+        left = _Runs(starts=np.zeros(1, dtype=np.int64), cum=np.array([0, w], dtype=np.int64))
         pieces: list[_Piece] = []
         for base, end, p in self._segment_bounds():
             hi = e_hi if end < 0 else min(end, e_hi)
@@ -181,10 +241,10 @@ class StreamOrder:
             colstart = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
             piece = _Piece(lo=lo, hi=hi, phase=phase, period=p, left=left, colstart=colstart, t0=t0)
             pieces.append(piece)
-            if hi < e_hi:                      # a re-plan ended it: what it consumed leaves the order
-                used = np.zeros(len(left), dtype=bool)
-                used[piece.positions(np.arange(lo, hi, dtype=np.int64))] = True
-                left = left[~used]
+            if hi < e_hi:                      # a re-plan ended it: what it consumed leaves the order,
+                v_hi = phase + hi - lo         # a run at the head of each column
+                rows = np.where(o < v_hi, -(-(v_hi - o) // p), 0) - t0
+                left = left.without([(int(c), int(c + r)) for c, r in zip(colstart, rows, strict=True) if r > 0])
         return tuple(pieces)
 
     def windows(self, g: IntArray) -> IntArray:
@@ -198,7 +258,7 @@ class StreamOrder:
             for piece in self._pieces(int(epoch)):
                 m = (gs >= piece.lo) & (gs < piece.hi)
                 if m.any():
-                    res[m] = piece.left[piece.positions(gs[m])]
+                    res[m] = self._at(int(epoch), piece.left.at(piece.positions(gs[m])))
             out[sel] = res
         return out
 

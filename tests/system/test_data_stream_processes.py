@@ -30,7 +30,7 @@ from fusionp2p.sdk import Swarm
 from fusionp2p.testing.wait import wait_until
 from fusionp2p.train.config import TrainConfig
 
-pytestmark = [pytest.mark.system, pytest.mark.slow]
+pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.timeout(1200)]   # 354 s at load 20 (2 cores)
 
 SEQ = 64
 TIMEOUT = 900
@@ -102,6 +102,7 @@ def test_a_dataset_larger_than_every_node_streams_to_its_readers_only(cluster: L
     for n in plan.stage_sizes:
         stages.append([_held(by_peer[p], shards) for p in plan.members[off:off + n]])
         off += n
+    print(f"shards held on disk by stage (of {len(shards)}): {stages}")
     first, middle, last = stages
     assert middle == [0, 0], stages                      # the middle stage read no token: received none
     for held in (first, last):
