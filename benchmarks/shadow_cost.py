@@ -4,12 +4,14 @@ Three nodes of the embedded swarm (one process, the in-memory transport) train t
 three single-replica stages (``planner="even_layers"``, one replica), so that every stage keeps shadow
 copies. The job runs ``--rounds`` times with copies and as often without, alternating so that the
 machine's load drifts over both alike. Per run: the training phase's seconds (the first to the last
-step the loss stage reported). Headline: steps per second with copies / without (1.0: free).
+step the loss stage reported) and the CPU-seconds of the whole run (every node is in this process; on a
+shared machine the load-independent figure). Headline: steps per second with copies / without (1.0: free).
 """
 
 from __future__ import annotations
 
 import logging
+import resource
 import statistics
 import tempfile
 import time
@@ -76,13 +78,23 @@ def main() -> None:
     runs = []
     for i in range(rounds):
         for shadow in (True, False) if i % 2 == 0 else (False, True):
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)
             r = trio.run(_one, root / f"r{i}-{int(shadow)}", steps, shadow, bytes([i, shadow]))
-            print(f"round {i} shadow {'on ' if shadow else 'off'}: {r['steps_per_s']:.2f} steps/s ({r['train_s']:.1f} s)")
+            ru1 = resource.getrusage(resource.RUSAGE_SELF)
+            # the whole run's CPU (every node of the embedded swarm is in this process): what copies cost when the
+            # machine is shared and wall-clock rates drift with the neighbours' load
+            r["cpu_s"] = ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
+            print(f"round {i} shadow {'on ' if shadow else 'off'}: {r['steps_per_s']:.2f} steps/s ({r['train_s']:.1f} s, "
+                  f"{r['cpu_s']:.1f} CPU-s for the run)")
             runs.append(r)
     on = statistics.median(r["steps_per_s"] for r in runs if r["shadow"])
     off = statistics.median(r["steps_per_s"] for r in runs if not r["shadow"])
-    print(f"with shadow copies {on:.2f} steps/s, without {off:.2f}: ratio {on / off:.3f}")
-    write("shadow_cost", args.out, {"runs": runs, "steps": steps, "with_steps_per_s": on, "without_steps_per_s": off},
+    cpu_on = statistics.median(r["cpu_s"] for r in runs if r["shadow"])
+    cpu_off = statistics.median(r["cpu_s"] for r in runs if not r["shadow"])
+    print(f"with shadow copies {on:.2f} steps/s, without {off:.2f}: ratio {on / off:.3f}; CPU-seconds of the run "
+          f"{cpu_on:.1f} with, {cpu_off:.1f} without: ratio {cpu_on / cpu_off:.3f}")
+    write("shadow_cost", args.out, {"runs": runs, "steps": steps, "with_steps_per_s": on, "without_steps_per_s": off,
+                                    "with_cpu_s": cpu_on, "without_cpu_s": cpu_off, "cpu_ratio": cpu_on / cpu_off},
           headline("steps per second with shadow copies / without (3 single-replica stages, demo GPT-2)",
                    on / off, "x", 0.95, "higher", "the same job without shadow copies"),
           quick=args.quick)

@@ -71,6 +71,7 @@ class _Epoch:
     outcome: str = ""              # "done" | "halted" | "idle"
     halted: Halted | None = None
     trained: bool = False          # a step of the epoch completed here (a break after it is not its take-off's)
+    reported: bool = False         # a member said its run of this epoch ended (op: replan naming the epoch)
     ended: trio.Event = field(default_factory=trio.Event)
 
 
@@ -152,7 +153,7 @@ class Leading:
                 fresh = {p for p in self.joiners if self._alive(p)} - self._led_with
                 if still_taking_off(proposed=self._led == self.epoch, since=now - self._led_at, retry=cfg.replan_retry,
                                     stalled=stalled, broken=self._broken, fresh=bool(fresh), gone=bool(gone),
-                                    trained=self._cur.trained):
+                                    trained=self._cur.trained, reported=self._cur.reported):
                     continue   # the epoch we proposed is still taking off
                 why = (f"members gone: {[short_peer(p) for p in gone]}" if gone else
                        "pipeline broken" if self._broken else f"epoch {self.epoch} did not take off")
@@ -214,6 +215,8 @@ class Leading:
             return
         if self.plan is not None and peer in self.plan.peers:
             self._broken = True
+            if epoch == self.epoch and peer != self.me:
+                self._cur.reported = True   # its run of this epoch ended: the epoch cannot take off as planned
             lead = self._leader(self.plan)
             if lead is not None and lead != self.me:
                 self.svc.suspect(lead)   # told, not leading: the leader may be the dead one; a refusal makes us lead

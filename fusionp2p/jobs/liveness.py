@@ -12,14 +12,14 @@ node's peer_gone``), and a background task asks it a job-protocol ``status`` que
 connection reset) confirms the death for ``ttl`` seconds and calls ``on_dead``; one that merely times
 out proves nothing (a live node on a busy CPU can be slow).
 
-What a verdict is used for (``JobRun.on_dead``): a member whose plan names the dead peer takes its
-pipeline as broken, so that the job's leader re-plans at once (itself, or told by ``op: replan``). The
-re-plan's halt then asks every member the view calls alive, so a live peer wrongly confirmed dead
-answers and stays in the plan: a wrong verdict costs one re-plan, never a member. The verdict changes
-neither the channels (they wait for the view, as before) nor the choice of the leader: the removed first
-version ended the channels' waits on it, and a leader's death then stalled the job
-(test_the_leader_dies_and_the_next_lowest_id_carries_the_job_on, no new plan within 40 s); a dead
-leader still costs the view's timeout.
+What a verdict is used for (``Leading.on_dead``, ``Leading._leader``): a member whose plan names the
+dead peer takes its pipeline as broken, so that the job's leader re-plans at once (itself, or told by
+``op: replan``), and the choice of the leader passes over the dead peer (a member told to re-plan asks
+the leader it sees, so a dead leader's successor learns it in one question). The re-plan's halt asks
+every member the view calls alive, so a live peer wrongly confirmed dead answers and stays in the plan:
+a wrong verdict costs one re-plan, never a member. The channels do not use it (they wait for the view,
+as before): the removed first version ended their waits on it, and a leader's death then stalled the
+job (test_the_leader_dies_and_the_next_lowest_id_carries_the_job_on, no new plan within 40 s).
 """
 
 from __future__ import annotations

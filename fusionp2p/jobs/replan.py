@@ -231,19 +231,21 @@ def _newest_file(checkpoints: Checkpoints, unit: int, alive: Callable[[str], boo
 
 
 def still_taking_off(*, proposed: bool, since: float, retry: float, stalled: bool, broken: bool, fresh: bool,
-                     gone: bool, trained: bool) -> bool:
+                     gone: bool, trained: bool, reported: bool = False) -> bool:
     """Whether a leader that finds its epoch broken or stalled waits instead of re-planning now: only while
     the epoch it *proposed* is younger than *retry* seconds (its members may still be fetching state and
     opening links, and a re-plan then would throw that away), and only for the take-off's own troubles. It
     re-plans at once when a newcomer accepted the job (*fresh*, for a *stalled* epoch), when a member of the
-    plan is *gone* (the epoch cannot take off without it), or when the epoch *trained* a step here: a break
-    after that is a new failure (before issue 41 a second kill within ``replan_retry`` of the last re-plan
-    waited out the rest of it: up to 20 s)."""
+    plan is *gone* (the epoch cannot take off without it), when a member *reported* that its own run of the
+    epoch ended (``op: replan`` naming it: a state fetch failed, a link never came up; the epoch cannot take
+    off either), or when the epoch *trained* a step here: a break after that is a new failure (before issue
+    41 a second kill within ``replan_retry`` of the last re-plan, or one member's failed fetch during the
+    take-off, waited out the rest of it: up to 20 s)."""
     if not proposed or since >= retry or not (stalled or broken):
         return False
     if stalled and fresh:
         return False
-    return not (gone or trained)
+    return not (gone or trained or reported)
 
 
 def halt_step(current: Iterable[int], *, tau: int = 1, margin: int = 2, steps: int) -> int:

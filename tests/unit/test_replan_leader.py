@@ -20,7 +20,7 @@ def test_when_the_whole_plan_died_the_lowest_live_standby_leads() -> None:
 
 # still_taking_off: the leader's guard over the epoch it proposed (issue 41: it delayed a second kill's re-plan)
 _YOUNG = {"proposed": True, "since": 3.0, "retry": 20.0, "stalled": False, "broken": True, "fresh": False,
-          "gone": False, "trained": False}
+          "gone": False, "trained": False, "reported": False}
 
 
 @pytest.mark.parametrize(("change", "waits"), [
@@ -33,6 +33,7 @@ _YOUNG = {"proposed": True, "since": 3.0, "retry": 20.0, "stalled": False, "brok
     ({"fresh": True}, True),                      # newcomers alone do not cut a broken take-off short
     ({"gone": True}, False),                      # a member of the proposed plan died: it cannot take off
     ({"trained": True}, False),                   # it trained a step, then broke: a new failure
+    ({"reported": True}, False),                  # a member's own run of the epoch ended (a failed state fetch)
 ])
 def test_the_leader_waits_only_for_a_young_epoch_that_has_not_trained_and_lost_no_member(
         change: dict[str, object], waits: bool) -> None:
