@@ -85,3 +85,33 @@ def test_the_codec_encodes_the_same_bytes() -> None:
     assert not wr.decode_check_reply(wr.encode("reply", p2p=False, data=False, ip="1.2.3.4")).refused
     with pytest.raises(RemoteProtocolError):
         wr.decode_ok_reply(wr.encode("reply", p2p=True, data=True, ip="1.2.3.4"))   # not an ok reply
+
+
+def test_a_reversal_dials_the_same_few_ports_whatever_the_peerstore_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A requester claiming 16 ports gets the same 4 dialled every time (issue 43: in the peerstore's order,
+    which trims and identify pushes reshuffle, honest nodes dialled 14 of an attacker's 16 over one run)."""
+    import trio
+
+    from fusionp2p.net.addrs import DIAL_LIMIT
+    from fusionp2p.swarm import reach
+
+    ports = [str(p) for p in range(9000, 9016)]
+    orders = [ports, ports[::-1], ports[5:] + ports[:5]]
+    sent: list[list[str]] = []
+
+    class _T:
+        def connected_peers(self) -> list[str]:
+            return ["target"]
+
+        def peer_addrs(self, peer: str) -> list[str]:
+            return [f"/ip4/203.0.113.7/tcp/{p}" for p in orders[len(sent)]]
+
+    async def fake_request(t: object, peer: str, msg: bytes, timeout: float) -> bytes:
+        sent.append(list(wr.decode_request(msg)[1]["addrs"]))
+        return wr.encode("reply", ok=True, why="")
+
+    monkeypatch.setattr(reach, "_request", fake_request)
+    svc = reach.ReachService(_T(), serve_checks=True, servers=set)   # type: ignore[arg-type]
+    for _ in orders:
+        trio.run(svc._reverse, "requester", "203.0.113.7", "target")
+    assert len(sent) == 3 and sent[0] == sent[1] == sent[2] and len(sent[0]) == DIAL_LIMIT, sent
