@@ -146,10 +146,11 @@ def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Seq
                      *, steps: int, liar: int | None = None, attack: str | None = None, lie_rate: float = 1.0,
                      cfg: VerifyConfig | None = None, lr: float = 0.05, seed: int = 0,
                      stop_when_excluded: bool = True) -> SpotRun:
-    """Train *programs* for *steps* steps of SGD on ``data(step)``'s micro-batches, stage *liar* lying with
-    *attack*, every stage spot-checked at ``cfg.rate`` by a second holder of it. With *stop_when_excluded*
-    the run ends at the step whose check excluded the liar; otherwise an honest holder takes its stage
-    over from the next step (its state as the liar left it: no roll-back)."""
+    """Train *programs* for *steps* steps of SGD (gradients clipped to norm 1) on ``data(step)``'s
+    micro-batches, stage *liar* lying with *attack*, every stage spot-checked at ``cfg.rate`` by a second
+    holder of it. With *stop_when_excluded* the run ends at the step whose check excluded the liar;
+    otherwise an honest holder takes its stage over from the next step (its state as the liar left it:
+    no roll-back)."""
     cfg = cfg or VerifyConfig()
     torch.manual_seed(seed)
     pipe = LocalPipeline(programs)
@@ -181,6 +182,7 @@ def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Seq
         batches = list(data(step))
         pipe.zero_grad()
         losses = pipe.step(batches)
+        torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], 1.0)   # SGD spikes otherwise
         with torch.no_grad():
             for p in params:
                 if p.grad is not None:
