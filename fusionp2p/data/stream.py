@@ -10,7 +10,9 @@ when its replica is about to read them (``jobs/data_shards.py``). Two things mus
 
 Windows never cross a shard: shard ``i`` of ``n_i`` tokens holds ``(n_i - 1) // T`` windows of
 ``T = seq_len`` inputs plus the shifted target (at most ``T`` tokens a shard go unused). The epoch
-order ``S_e`` lists every window: the shards in a seeded permutation, each shard's windows shuffled.
+order ``S_e`` lists every window: the shards in a seeded permutation, each shard's windows shuffled (by
+the shard's own seeded stream, computed when it is read: the order is held as O(shards) numbers, and what
+earlier pieces consumed as runs of positions, :class:`_Runs`, never an array of every window).
 
 Samples are numbered globally: ``G = base(step) + k * B + b`` for micro-batch slot ``k`` of a step
 (``0 <= k < slots``, ``slots = replicas x micro_batches``: the worker's ``(step * R + k // M, k % M)``)
