@@ -439,7 +439,7 @@ class Leading:
         cached = self._plan_cache
         return cached[1] if cached is not None and cached[0] == snap.snapshot_hash() else None
 
-    def _fast_adopt(self, req: Any, mine: Plan) -> bool:
+    async def _fast_adopt(self, req: Any, mine: Plan) -> bool:
         """A re-plan's start names the plan its leader computed; a member that computed the same from the
         same snapshot adopts it at once instead of holding a gossip election (seconds: 2.5-4.6 s in
         benchmarks.churn on main). Only from the leader this node sees, so that two nodes that both think
@@ -447,6 +447,12 @@ class Leading:
         for any member that computed otherwise (it can then adopt by quorum) and for the DHT's plan record."""
         plan = self.plan
         leader = self._leader(plan) if plan is not None else None
+        if plan is not None and leader is not None and req.plan_hash == mine.plan_hash() and req.sender != leader \
+                and req.sender in plan.peers and leader < req.sender:
+            # the sender passed over the leader we see: its probe found it dead, ours never asked (no link to it).
+            # One question settles it (a refusal is immediate; an answer or a timeout leaves the election)
+            await self.svc.probe(leader)
+            leader = self._leader(plan)
         if not req.plan_hash or req.plan_hash != mine.plan_hash() or req.sender != (leader or req.sender):
             return False
         log.info("job %s epoch %d: plan %s adopted as its leader %s computed it", self.job_id, mine.epoch,

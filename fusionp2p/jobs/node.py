@@ -432,6 +432,11 @@ class NodeJobService:
         """Ask *peer* directly whether it lives (jobs/liveness.py)."""
         self.deaths.suspect(peer)
 
+    async def probe(self, peer: str) -> None:
+        """Ask *peer* now, and wait for the answer (jobs/liveness.py), unless the probes are off."""
+        if self.config.probes.enabled:
+            await self.deaths.ask(peer)
+
     def confirmed_dead(self, peer: str) -> bool:
         """A direct question to *peer* was refused within the probes' ttl."""
         return self.deaths.confirmed(peer)

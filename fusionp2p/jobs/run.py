@@ -351,7 +351,7 @@ class JobRun(Leading):
         try:
             t0 = trio.current_time()
             mine = self._planned(snap) or plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=req.previous)
-            plan = mine if self._fast_adopt(req, mine) else await self._elect(snap, mine)
+            plan = mine if await self._fast_adopt(req, mine) else await self._elect(snap, mine)
             log.info("job %s epoch %d: plan %s adopted in %.1f s", self.job_id, snap.epoch, plan.plan_hash()[:12],
                      trio.current_time() - t0)
         except PlanError as exc:

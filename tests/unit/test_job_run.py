@@ -90,13 +90,18 @@ def test_a_replan_request_for_an_earlier_epoch_is_stale(tmp_path: Path) -> None:
     async def main() -> None:
         run = _run(SimpleNamespace(peer_id="b"), tmp_path)
         run.plan = SimpleNamespace(peers=("a", "b"))  # type: ignore[assignment]
+        # a view where "a" lives and leads; the leader that is told but does not lead asks the one it sees
+        suspected: list[str] = []
+        run.svc.swarm = SimpleNamespace(view=SimpleNamespace(is_alive=lambda p: True, left=set()))  # type: ignore[assignment]
+        run.svc.confirmed_dead = lambda p: False  # type: ignore[method-assign, assignment]
+        run.svc.suspect = suspected.append  # type: ignore[method-assign, assignment]
         run.epoch = 6
         run.on_replan("a", 5)
         assert not run._broken
         run.on_replan("zz", 6)     # not a member of the plan
         assert not run._broken
         run.on_replan("a", 6)
-        assert run._broken
+        assert run._broken and run._cur.reported and suspected == ["a"]
 
     trio.run(main)
 
