@@ -52,6 +52,7 @@ pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.system, pytest.
 
 SPEC = SPECS / "hostile_nat.json"
 SYBILS = 10
+ATTACK_S = 600     # the attacker's --duration: the test's own timeout, so that it attacks until the test stops it
 
 
 def _syn_counter(tb: Testbed, host: str) -> int:
@@ -86,7 +87,7 @@ def test_a_hostile_peer_cannot_break_relayed_nodes_or_make_them_dial_for_it(tmp_
         report = tmp_path / "attack.json"
         root = str(Path(__file__).resolve().parents[2])     # `tests` importable whatever the cwd
         attacker = tb.spawn(evil, [sys.executable, "-m", "tests.system.net_attacker", "--bootstrap", addr,
-                                   "--ip", evil.address, "--sybils", str(SYBILS), "--duration", "420",
+                                   "--ip", evil.address, "--sybils", str(SYBILS), "--duration", str(ATTACK_S),
                                    "--report", str(report)], label="evil-attacker",
                             env={"PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))})
         start_node("home")      # both join while the dial-back service is under the attacker's checks
@@ -147,7 +148,7 @@ def test_a_hostile_peer_cannot_break_relayed_nodes_or_make_them_dial_for_it(tmp_
     # 300 closed ports listed after them, nor the junk
     assert did.get("dcutr_sessions_answered", 0) >= 1, did
     assert got["dcutr_listeners"]["ports_hit"] <= punch.addrs, got
-    windows = math.ceil(420 / punch.window) + 1
+    windows = math.ceil(ATTACK_S / punch.window) + 1
     assert got["dcutr_listeners"]["connects"] <= punch.dials * windows, got
     assert closed_syns == 0, closed_syns
     # relay: one IP's identities hold at most per_ip slots and circuits_per_ip circuits, however many ask
