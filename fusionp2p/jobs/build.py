@@ -45,7 +45,7 @@ from fusionp2p.data.hf import HFTokens
 from fusionp2p.data.shards import DEFAULT_SHARD_TOKENS
 from fusionp2p.data.url import TokenURL, check_url
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, PlanError, RemoteProtocolError
-from fusionp2p.graph import OpDAG, Ref, coarsen, partition, stages_from_fences, to_workload, trace
+from fusionp2p.graph import CoarseDAG, OpDAG, Ref, coarsen, partition, stages_from_fences, to_workload, trace
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.graph.trace import with_flops
 from fusionp2p.jobs.content import ContentService, sha256_hex
@@ -538,6 +538,13 @@ def stage_programs(dag: OpDAG, plan: Plan) -> list[StageProgram]:
     return partition(c, stages_from_fences(len(c.units), [f.unit for f in plan.fences]))
 
 
+def unit_names(c: CoarseDAG, start: int, end: int) -> set[str]:
+    """Parameters and buffers of the stage that holds coarse units [start, end) of *c*."""
+    cuts = [u for u in (start, end) if 0 < u < len(c.units)]
+    prog = partition(c, stages_from_fences(len(c.units), cuts))[1 if start > 0 else 0]
+    return {spec.name for spec in prog.inputs if spec.kind != "input"}
+
+
 def data_fn(job: AcceptedJob, *, held_out: bool = False) -> Callable[[int, int], dict[str, torch.Tensor]]:
     """(global step, micro) -> the DAG's data inputs: for token data the first is the token ids, the
     last the targets; for examples every input by its field name. With *held_out*, micro-batches of
@@ -597,4 +604,5 @@ def save_module_state(path: Path, state: Mapping[str, torch.Tensor]) -> Path:
 
 
 __all__ = ["AcceptedJob", "BuiltJob", "NodeJobs", "as_dataset", "build_job", "choose_plan", "data_fn", "eval_data_fn",
-           "module_state", "plan_for_snapshot", "planner_config", "save_module_state", "stage_programs", "trace_job"]
+           "module_state", "plan_for_snapshot", "planner_config", "save_module_state", "stage_programs", "trace_job",
+           "unit_names"]

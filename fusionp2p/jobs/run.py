@@ -44,7 +44,7 @@ from fusionp2p.errors import (
     RemoteProtocolError,
     leaf_errors,
 )
-from fusionp2p.graph import OpDAG, StageExecutor, coarsen, partition, stages_from_fences
+from fusionp2p.graph import OpDAG, StageExecutor, coarsen
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import (
     AcceptedJob,
@@ -54,6 +54,7 @@ from fusionp2p.jobs.build import (
     eval_data_fn,
     plan_for_snapshot,
     stage_programs,
+    unit_names,
 )
 from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, state_layout
 from fusionp2p.jobs.data_shards import FeedStats, ShardFeed, plan_history, stage_feed
@@ -473,14 +474,6 @@ class JobRun(Leading):
             self.svc.swarm.note_speed(f, self.spec.model_hash)
 
     # ------------------------------------------------------------------ state
-    def _names(self, start: int, end: int, c: Any = None) -> set[str]:
-        """Parameters and buffers of the stage holding coarse units [start, end) (of *c*, the coarsened DAG)."""
-        c = c or coarsen(self.accepted.dag)
-        cuts = [u for u in (start, end) if 0 < u < len(c.units)]
-        progs = partition(c, stages_from_fences(len(c.units), cuts))
-        prog = progs[1 if start > 0 else 0]
-        return {spec.name for spec in prog.inputs if spec.kind != "input"}
-
     async def _gather_state(self, prog: Any, resume: Resume) -> StageState | None:
         """This stage's state for the resume: None at the published weights (epoch 0, or nothing survived)."""
         if resume.initial:
@@ -489,7 +482,7 @@ class JobRun(Leading):
         states: list[StageState] = []
         got: set[str] = set()
         c = coarsen(self.accepted.dag)
-        srcs = [src for src in resume.sources if want & self._names(src.start, src.end, c)]
+        srcs = [src for src in resume.sources if want & unit_names(c, src.start, src.end)]
         blobs: dict[int, bytes] = {}
 
         async def fetch(i: int, src: Source) -> None:
