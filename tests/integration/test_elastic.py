@@ -334,8 +334,9 @@ def test_a_job_left_with_too_few_members_takes_in_a_newcomer(tmp_path: Path, mon
     replan_retry, never offering the job to anyone, until the job timed out.)"""
     torch.set_num_threads(1)
     small = dataclasses.replace(TEST_PROFILE, memory_bytes=4 << 20)   # 1 node: no plan; 2 nodes: 2 stages
+    # (without recomputation, which would let one node hold the whole model: the case here is no plan)
     cfg = TrainConfig(steps=30, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
-                      compression="none", checkpoint_every=4, seed=5)
+                      compression="none", checkpoint_every=4, seed=5, recompute="never")
     killed: list[str] = []
     joined: list[str] = []
     alone = trio.Event()
@@ -378,6 +379,7 @@ def test_a_joiner_arriving_while_a_member_dies_is_taken_in(tmp_path: Path) -> No
     only with the joiner: it is taken in, and the job ends DONE without the dead member."""
     torch.set_num_threads(1)
     small = dataclasses.replace(TEST_PROFILE, memory_bytes=4 << 20)   # 1 node: no plan; 2 nodes: 2 stages
+    # (without recomputation, which would let one node hold the whole model: the case here is no plan)
     cfg = TrainConfig(steps=24, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
                       compression="none", checkpoint_every=4, seed=7)
     killed: list[str] = []

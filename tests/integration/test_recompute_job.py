@@ -21,6 +21,7 @@ from fusionp2p.plan import InfeasiblePlanError
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.sdk import LOCAL_PROFILE, Swarm
 from fusionp2p.train.config import TrainConfig
+from tests.unit.test_recompute import smallest_offer
 
 SEQ = 32
 TIMEOUT = 300
@@ -34,15 +35,7 @@ def _smallest_offer(cfg: TrainConfig, peers: list[str]) -> int:
     torch.manual_seed(0)
     built = build_job(GPT2(GPT2Config.tiny(block_size=SEQ)), None, BuiltinCorpus(seq_len=SEQ), cfg,
                       publisher=me.peer_id, sign=me.sign, now=1.0, nonce=b"q" * 16)
-    lo, hi = 1e6, 1e8
-    while hi / lo > 1.05:
-        mid = (lo * hi) ** 0.5
-        try:
-            choose_plan(built.spec, built.dag, dict.fromkeys(peers, dataclasses.replace(LOCAL_PROFILE, memory_bytes=int(mid))))
-            hi = mid
-        except InfeasiblePlanError:
-            lo = mid
-    return int(hi)
+    return smallest_offer(built, peers)
 
 
 @pytest.mark.slow
