@@ -381,7 +381,7 @@ def test_a_joiner_arriving_while_a_member_dies_is_taken_in(tmp_path: Path) -> No
     small = dataclasses.replace(TEST_PROFILE, memory_bytes=4 << 20)   # 1 node: no plan; 2 nodes: 2 stages
     # (without recomputation, which would let one node hold the whole model: the case here is no plan)
     cfg = TrainConfig(steps=24, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
-                      compression="none", checkpoint_every=4, seed=7)
+                      compression="none", checkpoint_every=4, seed=7, recompute="never")
     killed: list[str] = []
     joined: list[str] = []
 
