@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fusionp2p.data.shards import ShardedTokens, ShardManifest
-from fusionp2p.data.tokens import TokenArray
+from fusionp2p.data.shards import ShardedTokens, ShardManifest, TokenArray
 from fusionp2p.errors import ConfigError
 
 _SEED_DOMAIN = 0x46503250  # "FP2P": keeps these streams apart from other users of the same seed

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from fusionp2p.data.tokens import TokenArray
 from fusionp2p.errors import ConfigError, IntegrityError, RemoteProtocolError
 from fusionp2p.wire import codec
 from fusionp2p.wire.msg import packb, unpackb
@@ -27,6 +27,8 @@ STORAGE_DTYPES: dict[str, np.dtype[np.integer]] = {"u8": np.dtype("<u1"), "u16":
 DEFAULT_SHARD_TOKENS = 1 << 20
 MAX_SHARDS = 100_000  # also bounded by the msgpack array limit; 1e5 shards x 1 Mi tokens is plenty
 _HEX = frozenset("0123456789abcdef")
+
+TokenArray = npt.NDArray[np.integer]
 
 
 def is_sha256_hex(h: object) -> bool:

@@ -20,17 +20,14 @@ from __future__ import annotations
 import os
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
-import numpy.typing as npt
 
 from fusionp2p.data.corpus import BUILTIN_NAMES, VOCAB_SIZE, corpus_hash, corpus_tokens
+from fusionp2p.data.file_shards import FileRange, file_chunks, id_range, shard_file
+from fusionp2p.data.shards import ShardManifest, TokenArray
 from fusionp2p.errors import ConfigError
-
-if TYPE_CHECKING:
-    from fusionp2p.data.file_shards import FileRange
-    from fusionp2p.data.shards import ShardManifest
 
 KINDS = ("auto", "text", "npy", "bin")
 ARRAY_DTYPES: dict[str, np.dtype[np.integer]] = {
@@ -38,8 +35,6 @@ ARRAY_DTYPES: dict[str, np.dtype[np.integer]] = {
     "uint16": np.dtype("<u2"),
     "int32": np.dtype("<i4"),
 }
-
-TokenArray = npt.NDArray[np.integer]
 
 
 class TokenSource(Protocol):
@@ -193,9 +188,6 @@ class TokenFile:
     def id_range(self, ignore: int | None = None) -> tuple[int, int]:
         """(smallest, largest) token id, read a chunk at a time (cached); with *ignore*, that id left out
         (a loss's ``ignore_index``; (0, -1) when every token is it)."""
-        # imported here: file_shards imports shards, which imports this module
-        from fusionp2p.data.file_shards import file_chunks, id_range
-
         if self._range is None:
             found = id_range(file_chunks(self.path, offset=self._offset, dtype=self._dtype(), count=self._num_tokens))
             assert found is not None    # a TokenFile holds at least seq_len + 1 tokens
@@ -210,7 +202,5 @@ class TokenFile:
     def shards(self, shard_tokens: int) -> tuple[ShardManifest, dict[str, FileRange]]:
         """The manifest and each distinct shard as a range of a file (``data/file_shards.py``): hashed a
         shard at a time, served from disk, never the whole file in memory."""
-        from fusionp2p.data.file_shards import shard_file
-
         return shard_file(self.path, offset=self._offset, dtype=self._dtype(), num_tokens=self._num_tokens,
                           vocab_size=self.vocab_size, shard_tokens=shard_tokens)

@@ -21,8 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from fusionp2p.data.shards import DEFAULT_SHARD_TOKENS, STORAGE_DTYPES, ShardManifest, storage_dtype
-from fusionp2p.data.tokens import ARRAY_DTYPES, TokenArray
+from fusionp2p.data.shards import (
+    DEFAULT_SHARD_TOKENS,
+    STORAGE_DTYPES,
+    ShardManifest,
+    TokenArray,
+    storage_dtype,
+)
+from fusionp2p.data.tokens import ARRAY_DTYPES
 from fusionp2p.errors import ConfigError, RemoteProtocolError
 
 MAX_URL = 256                # a DatasetRef's name holds the URL
