@@ -485,22 +485,13 @@ def _count_flops(inputs: tuple[InputSpec, ...], nodes: list[OpNode], tensors: Ma
     return out
 
 
-def _refs(a: Arg) -> Iterator[str]:
-    if isinstance(a, Ref):
-        yield a.name
-    elif isinstance(a, (list, tuple)):
-        for x in a:
-            yield from _refs(x)
-
-
 def _last_use(nodes: Sequence[OpNode]) -> dict[int, list[str]]:
     """Node index -> the values whose last reader it is (a value no node reads is dropped where it is made)."""
     last: dict[str, int] = {}
     for i, n in enumerate(nodes):
         last[n.name] = i
-        for a in (*n.args, *(v for _, v in n.kwargs)):
-            for r in _refs(a):
-                last[r] = i
+        for r in n.refs():
+            last[r] = i
     by_node: dict[int, list[str]] = {}
     for name, i in last.items():
         by_node.setdefault(i, []).append(name)
