@@ -16,11 +16,12 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TypeVar
+from typing import IO, Any, TypeVar
 
 from fusionp2p.errors import PeerUnavailable
 
@@ -51,6 +52,7 @@ class LocalCluster:
         self.bootstrap = ""
         self.exit_codes: dict[str, int | None] = {}
         self._peers: dict[str, str] = {}
+        self._old_term: Any = None         # the SIGTERM handler to restore on exit
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         d = self.home / name
@@ -169,10 +171,27 @@ class LocalCluster:
         return self.exit_codes
 
     def __enter__(self) -> LocalCluster:
-        return self.start()
+        # The processes run in their own sessions, so a SIGTERM to this process (a CI timeout, `kill PID`) would
+        # leave them running: turn it into SystemExit so the ``with`` block stops them on the way out.
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self._old_term = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            return self.start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._old_term is not None:
+                signal.signal(signal.SIGTERM, self._old_term)
+                self._old_term = None
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 T = TypeVar("T")
