@@ -5,6 +5,7 @@ follows the job to DONE and downloads a model that loads strictly into the publi
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -29,6 +30,12 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
                           timeout=timeout)
 
 
+def _clis(*calls: tuple[str, ...], timeout: float = 120) -> list[subprocess.CompletedProcess[str]]:
+    """Run independent CLI calls at once (each one's start-up is mostly imports and joining the swarm)."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda a: _cli(*a, timeout=timeout), calls))
+
+
 def _status(cluster: LocalCluster, job: str, home: Path) -> dict[str, object] | None:
     p = _cli("job", "--log-level", "warning", "status", job, "--json", "--bootstrap", cluster.bootstrap,
              "--home", str(home), timeout=120)
@@ -41,7 +48,7 @@ def test_member_and_publisher_killed_the_job_ends_done_and_is_attached(tmp_path:
         out = tmp_path / "submit"
         submit = subprocess.Popen(
             [sys.executable, "-m", "fusionp2p.cli", "job", "--log-level", "warning", "submit", "--builtin", "gpt2-tiny",
-             "--steps", "120", "--bootstrap", cluster.bootstrap, "--home", str(key_home), "--out", str(out)],
+             "--steps", "60", "--bootstrap", cluster.bootstrap, "--home", str(key_home), "--out", str(out)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=True)
         assert submit.stdout is not None
         line = ""
@@ -52,7 +59,7 @@ def test_member_and_publisher_killed_the_job_ends_done_and_is_attached(tmp_path:
         job = line.split("published job ", 1)[1].split()[0]
 
         status = wait_until(lambda: (s := _status(cluster, job, tmp_path / "c1")) and int(s["step"]) >= 15 and s,
-                            timeout=240, interval=2.0, what="the job at step 15")
+                            timeout=240, interval=3.0, what="the job at step 15")
         members = set(status["members"])       # type: ignore[arg-type]
         names = {cluster.peer_id(f"node{i}"): f"node{i}" for i in range(5)}
         victim = names[max(members)]            # a member that does not lead the job (the lowest id leads)
@@ -65,20 +72,23 @@ def test_member_and_publisher_killed_the_job_ends_done_and_is_attached(tmp_path:
                    "--key", str(key_home / "identity.key"), "--home", str(tmp_path / "c2"),
                    "--out", str(tmp_path / "model"), timeout=600)
         assert att.returncode == 0, att.stdout[-3000:] + att.stderr[-3000:]
-        final = _status(cluster, job, tmp_path / "c3")
-        assert final is not None and final["state"] == "done" and int(final["epoch"]) >= 1, final   # type: ignore[call-overload]
-        assert cluster.peer_id(victim) not in set(final["members"])   # type: ignore[arg-type]
         model = demo_model()
         model.load_state_dict(safetensors.torch.load_file(str(tmp_path / "model" / "model.safetensors")), strict=True)
 
-        listed = _cli("job", "--log-level", "warning", "list", "--json", "--bootstrap", cluster.bootstrap,
-                      "--key", str(key_home / "identity.key"), "--home", str(tmp_path / "c4"), timeout=120)
+        status_done, listed, other, unknown = _clis(
+            ("job", "--log-level", "warning", "status", job, "--json", "--bootstrap", cluster.bootstrap,
+             "--home", str(tmp_path / "c3")),
+            ("job", "--log-level", "warning", "list", "--json", "--bootstrap", cluster.bootstrap,
+             "--key", str(key_home / "identity.key"), "--home", str(tmp_path / "c4")),
+            ("job", "--log-level", "warning", "cancel", job, "--bootstrap", cluster.bootstrap,
+             "--home", str(tmp_path / "stranger")),
+            ("job", "--log-level", "warning", "status", "0123456789abcdef", "--bootstrap",
+             cluster.bootstrap, "--home", str(tmp_path / "c5")))
+        assert status_done.returncode == 0, status_done.stderr[-2000:]
+        final = json.loads(status_done.stdout)
+        assert final["state"] == "done" and int(final["epoch"]) >= 1, final
+        assert cluster.peer_id(victim) not in set(final["members"])
         assert listed.returncode == 0, listed.stderr[-2000:]
         assert [(j["job"], j["state"]) for j in json.loads(listed.stdout)] == [(job, "done")]
-
-        other = _cli("job", "--log-level", "warning", "cancel", job, "--bootstrap", cluster.bootstrap,
-                     "--home", str(tmp_path / "stranger"), timeout=120)
         assert other.returncode == 2 and "not by this key" in other.stderr, other.stderr[-2000:]
-        unknown = _cli("job", "--log-level", "warning", "status", "0123456789abcdef", "--bootstrap",
-                       cluster.bootstrap, "--home", str(tmp_path / "c5"), timeout=120)
         assert unknown.returncode == 2 and "no status of job" in unknown.stderr, unknown.stderr[-2000:]
