@@ -18,7 +18,12 @@ between the two devices, where ``bytes`` may shrink to the AdaTopK floor when co
    stage can end anywhere up to ``rmax(i)``, the last unit that fits ``T * flops`` and the device's
    memory (prefix sums + ``searchsorted``; ``rmax`` is monotone, so the latest start dominates and
    a whole row is one vectorised pass). Cost O(states * predecessors * N) per candidate, i.e.
-   O(D * min(D, skip_window) * N) on the cluster order.
+   O(D * min(D, skip_window) * N) on the cluster order. Memory counts the activations of the
+   micro-batches a stage's schedule holds at once (``config.in_flight_limit``): under 1F1B
+   ``min(S - stage, M)``, which depends on how many stages follow; where memory binds, each state is
+   searched once per level (stages left, capped at ``min(M, D)``; ``_States.levelled``), so the search
+   stays exact, at ``min(M, D)`` times the cost. Under GPipe, or where the whole model with every
+   micro-batch in flight fits every device, there are no levels.
 3. *Bisection* on ``T`` (geometric, to relative 1e-9) between a lower bound (perfect parallelism)
    and an upper bound that is always feasible when memory is; each feasible probe is backtracked
    into stages and ``hi`` snaps down to their real bottleneck, so few probes are needed.
