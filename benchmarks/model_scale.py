@@ -10,10 +10,17 @@ rung is then trained for real on N CLI node processes on loopback, and the bench
 * per node: its idle resident size, its measured peak (``VmHWM``), and the stage memory the node
   predicted (its log line ``stage S needs X MiB``, ``jobs/weights.py: stage_memory``) plus its idle
   size; peak over that prediction (target within 20%), and peak against the offer;
-* time from submit to the first step; the publisher's own peak resident size over the weights.
+* time from submit to the first step and its parts: the trace (``build_job``: the DAG, its FLOP count and the
+  weight pieces), the announcement, the plan (until the client sees it), each node's stage set-up (its
+  memory check and its pieces fetched, from its log) and the links; the publisher's own peak resident size
+  over the weights;
+* the step time of the pipeline (wall seconds and the nodes' CPU-seconds between the first and the last step
+  the client saw) against single-process training of the same model in this process, after the cluster
+  is down, on the same cores with the same threads (one), micro-batches and optimizer.
 
 Headline: the parameters of the largest model N nodes trained over those of the largest one node
-trained (target at least 0.8 x N). ``--quick`` uses tiny memories and models (a few minutes).
+trained (target at least 0.8 x N). ``--quick`` uses tiny memories and models (a few minutes). The issue's
+full size is ``--memory 3GiB`` (the default) on 4 nodes: about 14 GiB of this machine's memory at once.
 """
 
 from __future__ import annotations
@@ -47,6 +54,10 @@ from fusionp2p.train.config import TrainConfig
 MiB = 2**20
 SEQ = 32
 _NEEDS = re.compile(r"stage (\d+) needs ([\d.]+) MiB")
+_SETUP = re.compile(r"epoch 0: state of stage \d+ from \d+ files in ([\d.]+) s")
+_LINKS = re.compile(r"epoch 0: \d+ links up in ([\d.]+) s")
+_TRAINED = re.compile(r"trained at (\d+) ms per micro-batch over (\d+)")
+_TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +132,33 @@ def largest(rungs: list[Rung], nodes: int, memory: int, cfg: TrainConfig) -> Run
     return rungs[lo] if lo >= 0 else None
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU-seconds of process *pid* so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def single_process(rung: Rung, cfg: TrainConfig, steps: int = 3) -> dict[str, float]:
+    """Wall and CPU-seconds per step of training *rung* in this process (one thread): the job's micro-batches
+    of its micro-batch size, gradients summed over them, AdamW; the first step (the optimizer's state
+    allocated) not counted."""
+    model = rung.model()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    gen = torch.Generator().manual_seed(0)
+    walls, cpus = [], []
+    for step in range(steps + 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(cfg.micro_batches):
+            x = torch.randint(0, rung.vocab, (cfg.micro_batch, SEQ), generator=gen)
+            (model(input_ids=x, labels=x).loss / cfg.micro_batches).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step:
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+    return {"step_wall_s": sorted(walls)[len(walls) // 2], "step_cpu_s": sorted(cpus)[len(cpus) // 2], "steps": steps}
+
+
 def status(pid: int) -> dict[str, int]:
     text = Path(f"/proc/{pid}/status").read_text()
     return {k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in text.splitlines())
@@ -167,16 +205,26 @@ def train(rungs: list[Rung], nodes: int, memory: int, steps: int, root: Path) ->
         idle = {n: status(pid)["VmRSS"] for n, pid in pids.items()}
         t0 = time.monotonic()
         model = rung.model()
-        job = sw.publish(model=model, dataset=dataset(), config=cfg, name="model-scale")
-        out["publish_s"] = time.monotonic() - t0
+        built = build_job(model, None, dataset(), cfg, publisher=sw.publisher_id, sign=sw.sign, now=time.time(),
+                          nonce=os.urandom(16), name="model-scale")
         del model
+        out["trace_s"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        job = sw.publish_built(built)
+        del built
+        out["announce_s"] = time.monotonic() - t1
+        out["publish_s"] = time.monotonic() - t0    # trace and announce
         state, first, plan = "", None, None
-        for ev in job.events(timeout=1800):
+        seen: list[tuple[int, float, float]] = []   # (step, wall, the nodes' CPU-seconds) as the client saw steps
+        for ev in job.events(timeout=3600):
             if isinstance(ev, PlanChanged) and plan is None:
                 plan = list(ev.stage_sizes)
                 out["plan_s"] = time.monotonic() - t0
-            elif isinstance(ev, StepProgress) and first is None:
-                first = time.monotonic() - t0
+            elif isinstance(ev, StepProgress):
+                if first is None:
+                    first = time.monotonic() - t0
+                if not seen or ev.step > seen[-1][0]:
+                    seen.append((ev.step, time.monotonic(), sum(cpu_seconds(pid) for pid in pids.values())))
             elif isinstance(ev, JobStateChanged):
                 state = ev.state
         job.wait(timeout=60)
@@ -185,6 +233,11 @@ def train(rungs: list[Rung], nodes: int, memory: int, steps: int, root: Path) ->
         out["first_step_s"] = first
         out["state"] = state
         out["stage_sizes"] = plan
+        if len(seen) >= 2:
+            (s0, w0, c0), (s1, w1, c1) = seen[0], seen[-1]
+            out["pipeline_step_wall_s"] = (w1 - w0) / (s1 - s0)
+            out["pipeline_step_cpu_s"] = (c1 - c0) / (s1 - s0)   # all nodes together
+            out["pipeline_steps_timed"] = s1 - s0
         peaks = {n: status(pid)["VmHWM"] for n, pid in pids.items()}
         try:
             path = job.download(root / "out")
@@ -201,8 +254,23 @@ def train(rungs: list[Rung], nodes: int, memory: int, steps: int, root: Path) ->
             row["stage_need"] = needs[-1]
             row["predicted_peak"] = memory - rooms[n] + needs[-1]
             row["peak_over_predicted"] = peaks[n] / row["predicted_peak"]
+        log_text = (root / f"{n}.log").read_text(errors="replace")
+        for key, rx in (("setup_s", _SETUP), ("links_s", _LINKS)):
+            if (m := rx.search(log_text)) is not None:
+                row[key] = float(m.group(1))
+        if (m := _TRAINED.search(log_text)) is not None:
+            row["busy_ms_per_micro"] = float(m.group(1))
+        row["recomputed"] = "(activation recomputation)" in log_text
         per[n] = row
     out["per_node"] = per
+    if out.get("state") == "done":   # the same model in one process, the cluster down (its memory free)
+        try:
+            out["single"] = single_process(rung, cfg)
+        except Exception as exc:  # the figure to report, not a crash of the benchmark
+            out["single"] = {"error": f"{type(exc).__name__}: {exc}"}
+        if "pipeline_step_wall_s" in out and "step_wall_s" in out["single"]:
+            out["pipeline_over_single_wall"] = out["pipeline_step_wall_s"] / out["single"]["step_wall_s"]
+            out["pipeline_over_single_cpu"] = out["pipeline_step_cpu_s"] / out["single"]["step_cpu_s"]
     return out
 
 
@@ -228,6 +296,12 @@ def main() -> None:
             print(f"  {name}: idle {row['idle_rss'] / MiB:.0f} MiB, peak {row['peak_rss'] / MiB:.0f} MiB, predicted "
                   f"{row.get('predicted_peak', 0) / MiB:.0f} MiB (stage {row.get('stage_need', 0) / MiB:.0f} MiB), "
                   f"peak/predicted {row.get('peak_over_predicted', float('nan')):.2f}, peak/offer {row['peak_over_offer']:.2f}")
+        setups = [row.get("setup_s", 0.0) for row in got.get("per_node", {}).values()]
+        print(f"  trace {got.get('trace_s', 0):.0f} s, announce {got.get('announce_s', 0):.1f} s, plan seen at "
+              f"{got.get('plan_s', 0):.0f} s, stage set-up (check + fetch) up to {max(setups, default=0):.0f} s; step "
+              f"{got.get('pipeline_step_wall_s', float('nan')):.2f} s wall / {got.get('pipeline_step_cpu_s', float('nan')):.2f}"
+              f" CPU-s (one process: {got.get('single', {}).get('step_wall_s', float('nan')):.2f} / "
+              f"{got.get('single', {}).get('step_cpu_s', float('nan')):.2f})", flush=True)
         print(f"  {got['state']}, reloaded {got.get('reloaded')}, stages {got.get('stage_sizes')}, publish "
               f"{got.get('publish_s', 0):.0f} s, plan {got.get('plan_s', 0):.0f} s, first step {got.get('first_step_s')} s, "
               f"wall {got.get('wall_s', 0):.0f} s, publisher peak {got.get('publisher_peak_bytes', 0) / MiB:.0f} MiB "

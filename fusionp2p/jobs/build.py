@@ -387,6 +387,7 @@ def planner_config(cfg: TrainConfig, *, recompute: bool = False) -> PlannerConfi
     comp, co2 = cfg.adatopk, cfg.co2
     bf16 = co2 is not None and co2.wire == "bf16"
     return PlannerConfig(micro_batches=cfg.micro_batches, compression=comp is not None, recompute=recompute,
+                         schedule=cfg.schedule,   # the micro-batches in flight a stage's memory is priced with
                          rho_min=comp.rho_min if comp is not None else PlannerConfig().rho_min,
                          co2_tau=co2.tau if co2 is not None else 1,
                          overlap_averaging=co2 is not None and not co2.sync,

@@ -38,7 +38,6 @@ from fusionp2p.jobs.build import AcceptedJob, job_cost_model
 from fusionp2p.jobs.content import FETCH_BACKOFF, FETCH_ROUNDS, ContentService
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
-from fusionp2p.train.schedule import in_flight_limit
 from fusionp2p.train.state import StageState
 from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.pieces import WeightManifest, join_pieces
@@ -58,7 +57,7 @@ class WeightFetches:
 def stage_memory(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, prog: StageProgram | None = None, *,
                  recompute: bool = False) -> float:
     """The memory *stage* of *plan* needs on each of its replicas, in bytes: the planner's figure with the
-    activations of the micro-batches the schedule keeps in flight at once (not all of them), plus,
+    activations of the micro-batches the schedule keeps in flight at once, plus,
     with the stage's program *prog*, the parameters it holds that the planner counts in another stage's
     units (a tied weight's copy: GPT-2's ``lm_head`` reads the embedding's ``wte``), at the same factor.
     With *recompute* (activation recomputation), one micro-batch's activations (the one recomputed) and,
@@ -66,21 +65,14 @@ def stage_memory(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, 
     st = plan.stages[stage]
     cm = job_cost_model(accepted.spec, accepted.dag, snap)[0]
     replicated = len(st.replicas) > 1
-    need = cm.range_memory(st.start, st.end, replicated=replicated)
-    # the planner counts every micro-batch's activations (GPipe's stash); 1F1B stashes at most S - stage of
-    # them at once (train/schedule.py: ScheduleConfig.in_flight_limit, which the stage worker runs under)
-    m = cm.config.micro_batches
-    in_flight = in_flight_limit(accepted.spec.config.schedule, len(plan.stages), stage, m)
     factor = cm.config.param_memory_factor + (cm.config.replica_memory_factor if replicated else 0.0)
-    acts = need - factor * cm.range_params(st.start, st.end)   # m micro-batches' activations
-    if recompute:
-        if prog is not None:
-            boundary = float(sum(r.meta.nbytes for r in prog.recv) + sum(o.meta.nbytes for o in prog.send))
-        else:   # the fences' bytes in the program's dtype (the cost model halves them for a half-precision wire)
-            boundary = float(cm.cut[st.start] + cm.cut[st.end]) / (0.5 if cm.config.half_precision else 1.0)
-        need -= acts - acts / m - in_flight * boundary
-    else:
-        need -= acts * (m - in_flight) / m
+    # the planner's own figure (plan/estimator.py: range_memory) with the micro-batches the schedule keeps in
+    # flight at once, the bound the stage worker runs under (plan/config.py: in_flight_limit): one source
+    boundary = None
+    if recompute and prog is not None:   # what the stage receives and sends, exactly
+        boundary = float(sum(r.meta.nbytes for r in prog.recv) + sum(o.meta.nbytes for o in prog.send))
+    need = cm.range_memory(st.start, st.end, replicated=replicated, in_flight=cm.in_flight(stage, len(plan.stages)),
+                           recompute=recompute, boundary=boundary)
     if prog is not None:
         held = sum(s.meta.nbytes for s in prog.inputs if s.kind == "param")
         need += factor * max(0.0, held - cm.range_params(st.start, st.end))

@@ -10,6 +10,18 @@ from fusionp2p.plan.plan import MAX_MICRO_PERIOD
 from fusionp2p.plan.snapshot import Link
 from fusionp2p.plan.wirebytes import dense_ratio
 
+SCHEDULE_KINDS = ("gpipe", "1f1b")
+
+
+def in_flight_limit(kind: str, stages: int, stage: int, micro_batches: int, max_in_flight: int | None = None) -> int:
+    """Most micro-batches *stage* of *stages* stashes at once under schedule *kind*: all of them under
+    GPipe, ``S - stage`` under 1F1B. The one figure the stage workers run under (``train/schedule.py``),
+    the planner's search prices (``plan/estimator.py``) and a node holds a stage against (``jobs/weights.py``)."""
+    if kind == "gpipe":
+        return micro_batches
+    bound = max_in_flight if max_in_flight is not None else stages - stage
+    return min(bound, micro_batches)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlannerConfig:
@@ -18,8 +30,12 @@ class PlannerConfig:
     Memory of one replica of a stage holding units [i, j)::
 
         param_bytes * (param_memory_factor + replica_memory_factor if replicated else 0)
-        + act_bytes * micro_batches          # GPipe keeps every micro-batch's activations
+        + act_bytes * in_flight_limit(schedule, stages, stage, micro_batches)
         <= memory_bytes * memory_headroom
+
+    The activations are those of the micro-batches the stage's schedule keeps in flight at once
+    (:func:`in_flight_limit`: all ``M`` under GPipe, ``min(S - stage, M)`` under 1F1B), the bound the
+    nodes' stage workers run under (``train/schedule.py``) and check (``jobs/weights.py``).
     """
 
     micro_batches: int = 8                  # M: micro-batches per step (GPipe flush)
@@ -56,10 +72,14 @@ class PlannerConfig:
     # activation recomputation in every stage (TrainConfig.recompute): a stage keeps only its boundary
     # tensors per micro-batch in flight and recomputes its forward in backward (plan/estimator.py)
     recompute: bool = False
+    # the pipeline schedule (TrainConfig.schedule): how many micro-batches' activations a stage holds at once
+    schedule: str = "gpipe"
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
             raise ConfigError("micro_batches must be >= 1")
+        if self.schedule not in SCHEDULE_KINDS:
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULE_KINDS)}, got {self.schedule!r}")
         if not 1 <= self.micro_period <= MAX_MICRO_PERIOD:
             raise ConfigError(f"micro_period must be in [1, {MAX_MICRO_PERIOD}]")
         if not 0 < self.averaging_wire <= 1:

@@ -11,10 +11,11 @@ so that the cost of any contiguous range ``[i, j)`` is O(1) (that is what keeps 
   So that a range's cost stays one prefix sum, the term is folded into FLOP-equivalents with one
   factor per snapshot, ``act_flops`` = the median of ``flops_fp32 / act_rate`` over the members that
   measured it (0 when none did: FLOPs alone, as before);
-* memory of a range: ``param_memory_factor * params + micro_batches * act_bytes`` (plus
-  ``replica_memory_factor * params`` when the stage is replicated, for CO2's anchor and momentum);
-  with ``recompute`` (activation recomputation) ``act_bytes + micro_batches * (cut[i] + cut[i+1])`` per
-  unit instead of the activations term, and one more forward in its compute;
+* memory of a range: ``param_memory_factor * params + k * act_bytes`` (plus
+  ``replica_memory_factor * params`` when the stage is replicated, for CO2's anchor and momentum),
+  with ``k`` the micro-batches the stage holds at once (``config.in_flight_limit``: ``M`` under GPipe,
+  ``min(S - stage, M)`` under 1F1B); with ``recompute`` (activation recomputation) ``act_bytes +
+  k * (cut[i] + cut[j])`` instead of the activations term, and one more forward in its compute;
 * a fence's traffic ``cut[f]``: bytes per micro-batch of every edge ``src < f <= dst`` (skip edges
   are relayed through the stages in between, so they count on every fence they cross);
 * a link: ``directions * (latency + bytes / bandwidth)``, with the AdaTopK payload of the codec's
@@ -32,7 +33,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from fusionp2p.plan.config import PlannerConfig
+from fusionp2p.plan.config import PlannerConfig, in_flight_limit
 from fusionp2p.plan.plan import deal_by_speed
 from fusionp2p.plan.snapshot import Link, Snapshot
 from fusionp2p.plan.wirebytes import bytes_per_element, wire_bytes
@@ -138,14 +139,13 @@ class CostModel:
             diff[e.dst + 1] -= e.nbytes
         self.cut: F64 = np.cumsum(diff)[: self.n_units + 1]
         self.cut[0] = 0.0
-        if config.recompute:
-            # a stage keeps, per micro-batch in flight, only what it received and what it sent, and holds one
-            # micro-batch's activations while it recomputes; each unit is charged its two fences (a range is
-            # charged its own two and the inner ones twice: an upper bound that stays a prefix sum)
-            per_micro = acts + config.micro_batches * (self.cut[:-1] + self.cut[1:])
-        else:
-            per_micro = acts * config.micro_batches
-        self.mem: F64 = np.concatenate(([0.0], np.cumsum(params * config.param_memory_factor + per_micro)))
+        self.acts: F64 = np.concatenate(([0.0], np.cumsum(acts)))
+        # each fence's bytes in the program's dtype (``cut`` below is what crosses the wire): what a stage that
+        # recomputes keeps per micro-batch in flight (range_memory)
+        self.fence_bytes: F64 = self.cut.copy()
+        self._mem: dict[tuple[int, bool], F64] = {}
+        # every micro-batch in flight: GPipe's stash, the bound of any schedule (mem_prefix)
+        self.mem: F64 = self.mem_prefix(config.micro_batches)
         if config.half_precision:
             self.cut *= 0.5   # activations and gradients travel in the compute dtype
         self.flops: F64 = np.array([compute_rate(p, config) for p in profs], dtype=np.float64)
@@ -181,9 +181,42 @@ class CostModel:
     def range_params(self, i: int, j: int) -> float:
         return float(self.params[j] - self.params[i])
 
-    def range_memory(self, i: int, j: int, *, replicated: bool) -> float:
-        extra = self.config.replica_memory_factor * self.range_params(i, j) if replicated else 0.0
-        return float(self.mem[j] - self.mem[i]) + extra
+    def in_flight(self, stage: int, stages: int) -> int:
+        """Micro-batches *stage* of a *stages*-stage pipeline holds at once under the job's schedule."""
+        return in_flight_limit(self.config.schedule, stages, stage, self.config.micro_batches)
+
+    def mem_prefix(self, in_flight: int, recompute: bool | None = None) -> F64:
+        """Prefix sums of the memory of each unit with *in_flight* micro-batches held at once (the search's
+        figure, ``opfence._Search``). With recomputation (*recompute*, default the config's) each unit is
+        charged one micro-batch's activations and its two fences per micro-batch in flight: a range is then
+        charged its own two fences and the inner ones twice, an upper bound of :meth:`range_memory` that
+        stays a prefix sum."""
+        rc = self.config.recompute if recompute is None else recompute
+        got = self._mem.get((in_flight, rc))
+        if got is None:
+            params = np.diff(self.params)
+            acts = np.diff(self.acts)
+            per = acts + in_flight * (self.fence_bytes[:-1] + self.fence_bytes[1:]) if rc else acts * in_flight
+            got = self._mem[(in_flight, rc)] = np.concatenate(([0.0], np.cumsum(params * self.config.param_memory_factor + per)))
+        return got
+
+    def range_memory(self, i: int, j: int, *, replicated: bool, in_flight: int | None = None,
+                     recompute: bool | None = None, boundary: float | None = None) -> float:
+        """Memory of one replica of a stage holding units ``[i, j)`` with *in_flight* micro-batches held at
+        once (default all of them; :meth:`in_flight` gives a stage's): its parameters times the
+        optimizer's factor (plus CO2's anchor and momentum when *replicated*), and the activations of the
+        micro-batches in flight; with recomputation (*recompute*, default the config's) one micro-batch's
+        activations and, per micro-batch in flight, only the tensors the stage receives and sends
+        (*boundary* bytes, default its two fences)."""
+        k = self.config.micro_batches if in_flight is None else in_flight
+        factor = self.config.param_memory_factor + (self.config.replica_memory_factor if replicated else 0.0)
+        acts = float(self.acts[j] - self.acts[i])
+        if self.config.recompute if recompute is None else recompute:
+            held = float(self.fence_bytes[i] + self.fence_bytes[j]) if boundary is None else boundary
+            act_mem = acts + k * held
+        else:
+            act_mem = k * acts
+        return factor * self.range_params(i, j) + act_mem
 
     # -- groups of replicas -----------------------------------------------------------------------
     def group_link(self, a: Sequence[int], b: Sequence[int]) -> Link:

@@ -18,7 +18,12 @@ between the two devices, where ``bytes`` may shrink to the AdaTopK floor when co
    stage can end anywhere up to ``rmax(i)``, the last unit that fits ``T * flops`` and the device's
    memory (prefix sums + ``searchsorted``; ``rmax`` is monotone, so the latest start dominates and
    a whole row is one vectorised pass). Cost O(states * predecessors * N) per candidate, i.e.
-   O(D * min(D, skip_window) * N) on the cluster order.
+   O(D * min(D, skip_window) * N) on the cluster order. Memory counts the activations of the
+   micro-batches a stage's schedule holds at once (``config.in_flight_limit``): under 1F1B
+   ``min(S - stage, M)``, which depends on how many stages follow; where memory binds, each state is
+   searched once per level (stages left, capped at ``min(M, D)``; ``_States.levelled``), so the search
+   stays exact, at ``min(M, D)`` times the cost. Under GPipe, or where the whole model with every
+   micro-batch in flight fits every device, there are no levels.
 3. *Bisection* on ``T`` (geometric, to relative 1e-9) between a lower bound (perfect parallelism)
    and an upper bound that is always feasible when memory is; each feasible probe is backtracked
    into stages and ``hi`` snaps down to their real bottleneck, so few probes are needed.
@@ -95,12 +100,50 @@ class _States:
                 first.append(prev == 0)
         return cls(dev, preds, first)
 
+    def levelled(self, levels: int) -> tuple[_States, list[int]]:
+        """These states, each once per level ``1..levels``: the stages left in the pipeline, this one included
+        (capped at *levels*), so that a stage is priced with the micro-batches its 1F1B schedule holds at
+        once, ``min(S - stage, M)`` (``config.in_flight_limit``). State ``(q, l)`` follows ``(p, l + 1)`` for
+        each predecessor ``p`` of ``q`` (and ``(p, levels)`` at the cap); only level 1 ends a pipeline.
+        Returns the states and each one's level; the order stays topological."""
+        dev: list[int] = []
+        preds: list[npt.NDArray[np.intp]] = []
+        first: list[bool] = []
+        level: list[int] = []
+        for q, d in enumerate(self.dev):
+            for lv in range(1, levels + 1):
+                preds.append(self.preds[q] * levels + min(lv, levels - 1))   # (p, lv + 1), or (p, levels) at the cap
+                dev.append(d)
+                first.append(self.first[q])
+                level.append(lv)
+        return _States(dev, preds, first), level
+
+
+def _levels(cm: CostModel, states: _States) -> int:
+    """How many levels the search needs (:meth:`_States.levelled`); 0 for none, every stage priced with all
+    ``M`` micro-batches in flight: under GPipe, and where memory never binds (the whole model with every
+    micro-batch in flight fits each device: then the layouts are the same whatever the pricing)."""
+    if cm.in_flight(0, 1) == cm.config.micro_batches:
+        return 0   # a stage holds every micro-batch whatever the pipeline (GPipe, or one micro-batch a step)
+    if float(cm.mem[-1]) <= float(cm.mem_cap.min()):
+        return 0
+    return min(cm.config.micro_batches, len(set(states.dev)))
+
 
 class _Search:
     """Decision procedure and backtrack of step 2 for one cost model."""
 
     def __init__(self, cm: CostModel, states: _States, *, ignore_links: bool = False) -> None:
         self.cm = cm
+        levels = _levels(cm, states)
+        if levels:
+            states, level = states.levelled(levels)
+            # a stage at level l holds min(l, M) micro-batches at once: the 1F1B bound of a stage l from the end
+            self.held = [cm.in_flight(0, lv) for lv in level]
+            self.last = [lv == 1 for lv in level]
+        else:
+            self.held = [cm.config.micro_batches] * len(states.dev)
+            self.last = [True] * len(states.dev)
         self.st = states
         self.n = cm.n_units
         self.ignore_links = ignore_links
@@ -109,15 +152,16 @@ class _Search:
         self.E: npt.NDArray[np.bool_] = np.zeros((len(states.dev), self.n), dtype=bool)
         self.live: npt.NDArray[np.bool_] = np.zeros(len(states.dev), dtype=bool)
         self.dev: npt.NDArray[np.intp] = np.array(states.dev, dtype=np.intp)
-        self.rmax: dict[int, npt.NDArray[np.intp]] = {}
+        self.rmax: dict[tuple[int, int], npt.NDArray[np.intp]] = {}   # by (device, micro-batches held)
         self.T = math.inf
-        self._mem_limits: dict[float, npt.NDArray[np.intp]] = {}  # independent of T: kept across probes
+        self._mem_limits: dict[tuple[float, int], npt.NDArray[np.intp]] = {}  # independent of T: kept across probes
 
-    def _limit(self, prefix: F64, cap: float, cache: dict[float, npt.NDArray[np.intp]]) -> npt.NDArray[np.intp]:
-        """For every start i, the last end j with prefix[j] - prefix[i] <= cap."""
-        got = cache.get(cap)
+    def _limit(self, prefix: F64, cap: float, cache: dict[tuple[float, int], npt.NDArray[np.intp]],
+               key: int = 0) -> npt.NDArray[np.intp]:
+        """For every start i, the last end j with prefix[j] - prefix[i] <= cap (cached by cap and *key*)."""
+        got = cache.get((cap, key))
         if got is None:
-            got = cache[cap] = np.searchsorted(prefix, prefix[: self.n] + cap, side="right") - 1
+            got = cache[(cap, key)] = np.searchsorted(prefix, prefix[: self.n] + cap, side="right") - 1
         return got
 
     def thr(self, a: npt.NDArray[np.intp] | int, b: int, T: float) -> F64:
@@ -138,12 +182,14 @@ class _Search:
         self.live[:] = False
         ends = np.arange(1, n + 1)
         idx = np.arange(n)
-        by_cap: dict[float, npt.NDArray[np.intp]] = {}   # devices of equal speed share one search
+        by_cap: dict[tuple[float, int], npt.NDArray[np.intp]] = {}   # devices of equal speed share one search
         for s, d in enumerate(self.st.dev):
-            rmax = self.rmax.get(d)
+            held = self.held[s]
+            rmax = self.rmax.get((d, held))
             if rmax is None:
-                rmax = self.rmax[d] = np.minimum(self._limit(cm.work, T * float(cm.flops[d]), by_cap),
-                                                 self._limit(cm.mem, float(cm.mem_cap[d]), self._mem_limits))
+                rmax = self.rmax[(d, held)] = np.minimum(
+                    self._limit(cm.work, T * float(cm.flops[d]), by_cap),
+                    self._limit(cm.mem_prefix(held), float(cm.mem_cap[d]), self._mem_limits, held))
             entry = self.E[s]
             preds = self.st.preds[s]
             if len(preds):
@@ -156,7 +202,7 @@ class _Search:
             latest = np.maximum.accumulate(np.where(entry, idx, -1))
             self.R[s, 1:] = (latest >= 0) & (rmax[np.maximum(latest, 0)] >= ends)
             self.live[s] = self.R[s].any()
-            if self.R[s, n]:
+            if self.R[s, n] and self.last[s]:
                 return s
         return None
 
@@ -175,7 +221,7 @@ class _Search:
         j = self.n
         while True:
             d = self.st.dev[s]
-            starts = np.nonzero(self.E[s, :j] & (self.rmax[d][:j] >= j))[0]
+            starts = np.nonzero(self.E[s, :j] & (self.rmax[(d, self.held[s])][:j] >= j))[0]
             i = int(starts[-1])
             layout.append((i, j, (d,)))
             if i == 0 and self.st.first[s]:
@@ -196,8 +242,8 @@ def _check_memory(cm: CostModel, job: str) -> None:
     total = float(cm.mem[-1])
     raise InfeasiblePlanError(
         f"job {job!r} does not fit the members' memory: it needs {total / GiB:.3g} GiB (parameters x"
-        f"{cm.config.param_memory_factor:g} for gradients and optimizer state, plus activations of "
-        f"{cm.config.micro_batches} micro-batches) and the {cm.n_devices} members offer "
+        f"{cm.config.param_memory_factor:g} for gradients and optimizer state, plus activations of up to "
+        f"{cm.config.micro_batches} micro-batches in flight) and the {cm.n_devices} members offer "
         f"{float(cm.mem_cap.sum()) / GiB:.3g} GiB usable in total; unit {worst} alone needs "
         f"{float(units_mem[worst]) / GiB:.3g} GiB and the largest device has {cap / GiB:.3g} GiB usable. "
         "Add members with more memory, lower micro_batches, or use a smaller model."
@@ -249,9 +295,12 @@ def _stage_vec(cm: CostModel, i: Idx, j: Idx, g: tuple[int, ...]) -> F64:
     return np.asarray(t, dtype=np.float64)
 
 
-def _mem_ok(cm: CostModel, i: Idx, j: Idx, g: tuple[int, ...]) -> BoolA:
+def _mem_ok(cm: CostModel, i: Idx, j: Idx, g: tuple[int, ...], stage: int, stages: int) -> BoolA:
+    """Whether ranges ``[i, j)`` fit every device of *g* as *stage* of a *stages*-stage pipeline (the micro-
+    batches its schedule holds at once); vectorised over arrays of range ends, at the search's upper bound."""
     i_a, j_a = np.asarray(i), np.asarray(j)
-    need = cm.mem[j_a] - cm.mem[i_a]
+    mem = cm.mem_prefix(cm.in_flight(stage, stages))
+    need = mem[j_a] - mem[i_a]
     if len(g) > 1:
         need = need + cm.config.replica_memory_factor * (cm.params[j_a] - cm.params[i_a])
     return np.asarray(need <= float(cm.mem_cap[list(g)].min()), dtype=bool)
@@ -269,7 +318,7 @@ def refine(cm: CostModel, layout: Layout, cut_eff: F64, *, max_sweeps: int = 50)
             cand = np.arange(a + 1, c)
             ta, tb = _stage_vec(cm, a, cand, ga), _stage_vec(cm, cand, c, gb)
             cost = np.maximum(np.maximum(ta, tb), _link_time(cm, ga, gb, cut_eff[cand]))
-            cost = np.where(_mem_ok(cm, a, cand, ga) & _mem_ok(cm, cand, c, gb), cost, np.inf)
+            cost = np.where(_mem_ok(cm, a, cand, ga, k, len(out)) & _mem_ok(cm, cand, c, gb, k + 1, len(out)), cost, np.inf)
             spread = np.abs(ta - tb)
             cur = b - a - 1
             best = int(np.lexsort((spread, cost))[0])
@@ -303,7 +352,7 @@ def add_replicas(cm: CostModel, layout: Layout, cut_eff: F64) -> Layout:
         for k in range(s_n):
             i, j, g = out[k]
             ng = tuple(sorted((*g, d)))
-            if not bool(_mem_ok(cm, i, j, ng)):
+            if not bool(_mem_ok(cm, i, j, ng, k, s_n)):
                 continue
             new = list(elems)
             new[k] = float(_stage_vec(cm, i, j, ng))

@@ -139,10 +139,11 @@ def build_plan(
         if cm.stage_time(i, j, g, micro) > (1.0 - BALANCE_MIN_GAIN) * cm.stage_time(i, j, g):
             micro, period = None, 1     # within the noise of measured speeds: lockstep (equal machines stay equal)
     stages = []
-    for (i, j, _), g in zip(layout, order):
+    for k, ((i, j, _), g) in enumerate(zip(layout, order)):
         reps = tuple(cm.peers[d] for d in g)
         stages.append(Stage(start=i, end=j, replicas=reps, compute_s=cm.stage_time(i, j, g, micro),
-                            memory_bytes=cm.range_memory(i, j, replicated=len(g) > 1)))
+                            memory_bytes=cm.range_memory(i, j, replicated=len(g) > 1,
+                                                         in_flight=cm.in_flight(k, len(layout)))))
     fences = []
     for k in range(len(layout) - 1):
         dense, t, dt = fence_time(cm, layout, k, rhos[k])
@@ -198,9 +199,10 @@ def predict(plan: Plan, workload: WorkloadGraph, snapshot: Snapshot, config: Pla
 
 
 def layout_fits(cm: CostModel, layout: Layout) -> bool:
-    """True when every replica of every stage has the memory for it."""
-    for i, j, g in layout:
-        need = cm.range_memory(i, j, replicated=len(g) > 1)
+    """True when every replica of every stage has the memory for it (with the micro-batches its schedule
+    holds at once)."""
+    for k, (i, j, g) in enumerate(layout):
+        need = cm.range_memory(i, j, replicated=len(g) > 1, in_flight=cm.in_flight(k, len(layout)))
         if need > float(cm.mem_cap[list(g)].min()):
             return False
     return True

@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fusionp2p.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from fusionp2p.plan.config import in_flight_limit
 
 KINDS = ("gpipe", "1f1b")
 
@@ -62,17 +63,9 @@ class ScheduleConfig:
 
     @property
     def in_flight_limit(self) -> int:
-        """Most micro-batches stashed at once (forwarded, backward not yet done)."""
+        """Most micro-batches stashed at once (forwarded, backward not yet done): ``plan/config.py:
+        in_flight_limit``, the figure the planner prices and the nodes hold a stage against."""
         return in_flight_limit(self.kind, self.stages, self.stage, self.micro_batches, self.max_in_flight)
-
-
-def in_flight_limit(kind: str, stages: int, stage: int, micro_batches: int, max_in_flight: int | None = None) -> int:
-    """Most micro-batches *stage* of *stages* stashes at once under schedule *kind* (the figure the
-    planner's memory check prices, ``jobs/weights.py``): all of them under GPipe, ``S - stage`` under 1F1B."""
-    if kind == "gpipe":
-        return micro_batches
-    bound = max_in_flight if max_in_flight is not None else stages - stage
-    return min(bound, micro_batches)
 
 
 # ---- events (into the machine) -------------------------------------------------------------------

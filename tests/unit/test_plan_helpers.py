@@ -11,7 +11,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
-from fusionp2p.plan.config import PlannerConfig
+from fusionp2p.plan.config import PlannerConfig, in_flight_limit
 from fusionp2p.plan.snapshot import Link, Snapshot
 from fusionp2p.types import DeviceProfile, Edge, Unit, WorkloadGraph
 
@@ -52,7 +52,8 @@ def snapshot(
 def brute_force(
     workload: WorkloadGraph, snap: Snapshot, cfg: PlannerConfig, orders: Sequence[Sequence[int]] | None = None,
 ) -> float | None:
-    """Least bottleneck over all contiguous partitions and assignments (None when nothing fits).
+    """Least bottleneck over all contiguous partitions and assignments (None when nothing fits), each stage
+    holding the activations of the micro-batches its schedule keeps in flight (``cfg.schedule``).
 
     *orders*: restrict assignments to order-preserving subsequences of these device orders
     (None: any injective assignment). Compression and replicas are not modelled (turn them off).
@@ -64,8 +65,8 @@ def brute_force(
     d = len(profs)
     dirs = 1 if cfg.full_duplex else 2
 
-    def stage(i: int, j: int, dev: int) -> float | None:
-        mem = sum(u.param_bytes * cfg.param_memory_factor + u.act_bytes * cfg.micro_batches for u in units[i:j])
+    def stage(i: int, j: int, dev: int, held: int) -> float | None:
+        mem = sum(u.param_bytes * cfg.param_memory_factor + u.act_bytes * held for u in units[i:j])
         if mem > profs[dev].memory_bytes * cfg.memory_headroom:
             return None
         return sum((u.fwd_flops + u.bwd_flops) / (profs[dev].flops_fp32 * cfg.efficiency_of(u.kind)) for u in units[i:j])
@@ -87,7 +88,7 @@ def brute_force(
             for devs in assignments(k):
                 worst = 0.0
                 for s in range(k):
-                    t = stage(bounds[s], bounds[s + 1], devs[s])
+                    t = stage(bounds[s], bounds[s + 1], devs[s], in_flight_limit(cfg.schedule, k, s, cfg.micro_batches))
                     if t is None:
                         worst = math.inf
                         break
