@@ -169,7 +169,7 @@ class Examples:
     """
 
     def __init__(self, fields: Mapping[str, Any], *, holdout: float | int = 0, seed: int = 0,
-                 name: str = "examples") -> None:
+                 name: str = "examples", shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
         if not isinstance(fields, Mapping) or not fields:
             raise ConfigError("Examples needs a mapping of field name -> array, e.g. {'input_ids': ids, 'labels': y}")
         arrays: dict[str, npt.NDArray[Any]] = {}
@@ -188,6 +188,9 @@ class Examples:
         self.num_holdout = h
         self.seed = int(seed)
         self.name = str(name)[:256]
+        if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
+            raise ConfigError(f"shard_bytes must be a positive integer, got {shard_bytes!r}")
+        self.shard_bytes = shard_bytes   # a shard holds as many whole examples as fit (at least one)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, holdout: float | int = 0, seed: int = 0) -> Examples:
@@ -261,22 +264,23 @@ class Examples:
                      for k, a in self.arrays.items())
 
     def order(self) -> npt.NDArray[np.int64]:
-        """Example order as sharded: training examples first, the seeded held-out choice last."""
+        """Example order as sharded: the training examples, then the seeded held-out choice, each in a seeded
+        random order. A node reads whole shards, a run of them a replica (``data/stream.py``), so examples
+        the user gave in some order (by class, by source) are mixed across shards here, once."""
         n, h = self.num_examples, self.num_holdout
-        if h == 0:
-            return np.arange(n, dtype=np.int64)
         rng = np.random.Generator(np.random.PCG64([_SEED_DOMAIN, self.seed]))
-        held = np.sort(rng.choice(n, size=h, replace=False))
+        held = np.sort(rng.choice(n, size=h, replace=False)) if h else np.zeros(0, dtype=np.int64)
         keep = np.setdiff1d(np.arange(n, dtype=np.int64), held)
-        return np.concatenate([keep, held]).astype(np.int64)
+        return np.concatenate([rng.permutation(keep), rng.permutation(held)]).astype(np.int64)
 
     def batch(self, indices: npt.ArrayLike) -> dict[str, npt.NDArray[Any]]:
         """Rows *indices* of the sharded order (for the publisher's example micro-batch)."""
         rows = self.order()[np.asarray(indices, dtype=np.int64)]
         return {k: a[rows] for k, a in self.arrays.items()}
 
-    def shards(self, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[ExampleManifest, dict[str, bytes]]:
-        """The manifest and ``{hash: bytes}`` of every distinct shard."""
+    def shards(self, *, shard_bytes: int | None = None) -> tuple[ExampleManifest, dict[str, bytes]]:
+        """The manifest and ``{hash: bytes}`` of every distinct shard (of *shard_bytes*, default the dataset's)."""
+        shard_bytes = self.shard_bytes if shard_bytes is None else shard_bytes
         specs = self.field_specs
         per = max(1, sum(f.example_bytes for f in specs))
         shard_examples = max(1, shard_bytes // per)
@@ -318,6 +322,38 @@ def _holdout_count(holdout: float | int, n: int) -> int:
     return h
 
 
+def decode_example_shard(m: ExampleManifest, index: int, data: bytes) -> dict[str, npt.NDArray[Any]]:
+    """Shard *index*'s fields, checked against the manifest first (size, then hash): IntegrityError."""
+    if len(data) != m.shard_bytes(index):
+        raise IntegrityError(f"example shard {index} has {len(data)} bytes, expected {m.shard_bytes(index)}")
+    if hashlib.sha256(data).hexdigest() != m.shards[index]:
+        raise IntegrityError(f"example shard {index} does not match its hash in the manifest")
+    lo, hi = m.shard_range(index)
+    out: dict[str, npt.NDArray[Any]] = {}
+    off = 0
+    for f in m.fields:
+        nb = (hi - lo) * f.example_bytes
+        out[f.name] = np.frombuffer(data, dtype=FIELD_DTYPES[f.dtype], count=nb // FIELD_DTYPES[f.dtype].itemsize,
+                                    offset=off).reshape((hi - lo, *f.shape))
+        off += nb
+    return out
+
+
+def read_rows(manifest: ExampleManifest, shards: Mapping[int, Mapping[str, npt.NDArray[Any]]],
+              indices: npt.ArrayLike) -> dict[str, npt.NDArray[Any]]:
+    """Examples *indices* (in the sharded order) stacked per field, from decoded *shards*; KeyError if one is missing."""
+    idx = np.asarray(indices, dtype=np.int64)
+    per = manifest.shard_examples
+    out = {f.name: np.empty((len(idx), *f.shape), dtype=FIELD_DTYPES[f.dtype]) for f in manifest.fields}
+    for j, i in enumerate(idx.tolist()):
+        shard = shards.get(i // per)
+        if shard is None:
+            raise KeyError(f"example shard {i // per} not loaded")
+        for k, a in shard.items():
+            out[k][j] = a[i % per]
+    return out
+
+
 class ShardedExamples:
     """The examples of a manifest on a node: verified shards, read by example index."""
 
@@ -329,33 +365,11 @@ class ShardedExamples:
 
     def add(self, index: int, data: bytes) -> None:
         """Check shard *index* against the manifest (size, then hash) and keep its fields."""
-        m = self.manifest
-        if len(data) != m.shard_bytes(index):
-            raise IntegrityError(f"example shard {index} has {len(data)} bytes, expected {m.shard_bytes(index)}")
-        if hashlib.sha256(data).hexdigest() != m.shards[index]:
-            raise IntegrityError(f"example shard {index} does not match its hash in the manifest")
-        lo, hi = m.shard_range(index)
-        out: dict[str, npt.NDArray[Any]] = {}
-        off = 0
-        for f in m.fields:
-            nb = (hi - lo) * f.example_bytes
-            out[f.name] = np.frombuffer(data, dtype=FIELD_DTYPES[f.dtype], count=nb // FIELD_DTYPES[f.dtype].itemsize,
-                                        offset=off).reshape((hi - lo, *f.shape))
-            off += nb
-        self._shards[index] = out
+        self._shards[index] = decode_example_shard(self.manifest, index, data)
 
     def rows(self, indices: npt.ArrayLike) -> dict[str, npt.NDArray[Any]]:
         """Examples *indices* (in the sharded order) stacked per field."""
-        idx = np.asarray(indices, dtype=np.int64)
-        per = self.manifest.shard_examples
-        out = {f.name: np.empty((len(idx), *f.shape), dtype=FIELD_DTYPES[f.dtype]) for f in self.manifest.fields}
-        for j, i in enumerate(idx):
-            shard = self._shards.get(int(i) // per)
-            if shard is None:
-                raise KeyError(f"example shard {int(i) // per} not loaded")
-            for k, a in shard.items():
-                out[k][j] = a[int(i) % per]
-        return out
+        return read_rows(self.manifest, self._shards, indices)
 
 
 class ExampleSampler:
@@ -383,4 +397,4 @@ class ExampleSampler:
         return out
 
 
-__all__ = ["ExampleManifest", "Examples", "FieldSpec", "ExampleSampler", "ShardedExamples"]
+__all__ = ["ExampleManifest", "ExampleSampler", "Examples", "FieldSpec", "ShardedExamples", "decode_example_shard", "read_rows"]
