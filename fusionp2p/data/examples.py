@@ -165,7 +165,8 @@ class Examples:
 
     ``Examples({"input_ids": ids_NT, "labels": labels_NT}, holdout=0.1)``; arrays may be NumPy arrays
     or torch tensors (copied to NumPy). ``holdout`` is a share (``0 < h < 1``) or a count of examples
-    kept out of training for the held-out loss (0: none).
+    kept out of training for the held-out loss (0: none). ``shard_bytes`` sizes the shards the examples
+    travel in (a reading stage holds a window of them, ``jobs/data_shards.py``).
     """
 
     def __init__(self, fields: Mapping[str, Any], *, holdout: float | int = 0, seed: int = 0,
@@ -193,7 +194,8 @@ class Examples:
         self.shard_bytes = shard_bytes   # a shard holds as many whole examples as fit (at least one)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, holdout: float | int = 0, seed: int = 0) -> Examples:
+    def load(cls, path: str | os.PathLike[str], *, holdout: float | int = 0, seed: int = 0,
+             shard_bytes: int = DEFAULT_SHARD_BYTES) -> Examples:
         """Read the fields from a ``.npz`` (``np.savez``, no pickle) or a ``.safetensors`` file."""
         p = Path(path)
         if not p.is_file():
@@ -207,11 +209,11 @@ class Examples:
             fields = dict(load_file(str(p)))
         else:
             raise ConfigError(f"{p}: give a .npz or .safetensors file of named arrays (one row per example)")
-        return cls(fields, holdout=holdout, seed=seed, name=p.name)
+        return cls(fields, holdout=holdout, seed=seed, name=p.name, shard_bytes=shard_bytes)
 
     @classmethod
     def causal_lm(cls, tokens: Any, seq_len: int, *, shift: int = 0, names: tuple[str, str] = ("input_ids", "labels"),
-                  holdout: float | int = 0, seed: int = 0) -> Examples:
+                  holdout: float | int = 0, seed: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Examples:
         """Windows of ``seq_len`` tokens from a 1-D token array or a token source (``BuiltinCorpus``),
         as two fields named *names*: with ``shift=0`` the same ids twice (a Hugging Face causal LM
         shifts the labels itself), with ``shift=1`` the inputs and the next tokens (a model whose
@@ -225,12 +227,12 @@ class Examples:
         w = (arr.shape[0] - shift) // seq_len
         ids = np.ascontiguousarray(arr[: w * seq_len].reshape(w, seq_len), dtype=np.int64)
         nxt = np.ascontiguousarray(arr[shift: shift + w * seq_len].reshape(w, seq_len), dtype=np.int64)
-        return cls({names[0]: ids, names[1]: nxt}, holdout=holdout, seed=seed, name="causal-lm")
+        return cls({names[0]: ids, names[1]: nxt}, holdout=holdout, seed=seed, name="causal-lm", shard_bytes=shard_bytes)
 
     @classmethod
     def from_hf(cls, dataset: Any, *, tokenizer: Any = None, text: str = "text", max_length: int = 128,
                 labels: str | None = "label", columns: Mapping[str, str] | None = None,
-                holdout: float | int = 0, seed: int = 0) -> Examples:
+                holdout: float | int = 0, seed: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Examples:
         """Examples from a Hugging Face ``datasets.Dataset`` (or any mapping of column name -> values).
 
         With a *tokenizer* (yours, e.g. ``AutoTokenizer.from_pretrained(...)``), column *text* becomes
@@ -256,7 +258,7 @@ class Examples:
             fields[name] = np.asarray(dataset[col])
         if not fields:
             raise ConfigError("from_hf: give a tokenizer, a labels column or columns to take")
-        return cls(fields, holdout=holdout, seed=seed, name="hf-dataset")
+        return cls(fields, holdout=holdout, seed=seed, name="hf-dataset", shard_bytes=shard_bytes)
 
     @property
     def field_specs(self) -> tuple[FieldSpec, ...]:

@@ -394,6 +394,8 @@ class ExampleFeed(StreamFeed):
         self._held_out = held
         if held:
             self.eval_data = self._eval
+            if self.last_step is not None:   # the evaluations read the held-out examples: no read of step `steps`
+                self.last_step -= 1
 
     def _size(self, i: int) -> int:
         return self.order.manifest.shard_bytes(i)
