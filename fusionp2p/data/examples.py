@@ -8,7 +8,8 @@ function's signature to it and the rest to the model.
 
 A seeded random ``holdout`` share of the examples is kept out of training and evaluated (the held-out
 loss): the publisher moves those examples to the end before sharding, so the split is part of the
-content that the hash pins.
+content that the hash pins. It also shuffles each part once (seeded): a node streams whole shards, a run
+of them a replica (``data/stream.py``, ``jobs/data_shards.py``), so examples given sorted are mixed here.
 
 Sharding, content-addressed as token datasets are (``data/shards.py``): a shard holds examples
 ``[i*shard_examples, (i+1)*shard_examples)``, the raw little-endian bytes of each field in the
@@ -377,7 +378,8 @@ class ShardedExamples:
 class ExampleSampler:
     """Which examples make up micro-batch ``(step, micro)``: drawn without replacement, epoch by epoch,
     from a permutation of ``[0, num)`` seeded by ``(seed, epoch)`` (as the token sampler draws windows),
-    shifted by ``offset`` (the held-out examples follow the training ones)."""
+    shifted by ``offset`` (the held-out examples follow the training ones). An in-memory order (any step
+    may read any shard): a job streams its examples in ``data/stream.ExampleOrder``'s order instead."""
 
     __slots__ = ("_perm", "micro_batch", "micro_batches", "num", "offset", "seed")
 

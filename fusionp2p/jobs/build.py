@@ -290,9 +290,10 @@ class NodeJobs:
     """A node's job intake: verify, fetch by hash, check fit. Raises on anything wrong (never hangs).
 
     Every fetch is bounded by what is known before it (issue 15, item 8: each blob could be up to
-    2 GiB): the DAG (without tensors) by its header's limit, the weight manifest by its format, each
-    example shard by its exact size in the manifest, and the examples by the node's memory; a token dataset's
-    shards are not fetched here but streamed by the reading stages (``jobs/data_shards.py``). No weight piece is
+    2 GiB): the DAG (without tensors) by its header's limit, the weight manifest by its format, a dataset
+    manifest by its format. No dataset shard (tokens or examples) is fetched here: the reading stages stream
+    their replica's, each at its exact size (``jobs/data_shards.py``), and a node checks here that the window
+    fits its memory. No weight piece is
     fetched here: the node fetches its stage's once the plan names it (``jobs/weights.py``), and its
     memory is held against that stage, not the whole model (issue 37).
     """
