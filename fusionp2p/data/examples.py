@@ -8,7 +8,8 @@ function's signature to it and the rest to the model.
 
 A seeded random ``holdout`` share of the examples is kept out of training and evaluated (the held-out
 loss): the publisher moves those examples to the end before sharding, so the split is part of the
-content that the hash pins.
+content that the hash pins. It also shuffles each part once (seeded): a node streams whole shards, a run
+of them a replica (``data/stream.py``, ``jobs/data_shards.py``), so examples given sorted are mixed here.
 
 Sharding, content-addressed as token datasets are (``data/shards.py``): a shard holds examples
 ``[i*shard_examples, (i+1)*shard_examples)``, the raw little-endian bytes of each field in the
@@ -165,11 +166,12 @@ class Examples:
 
     ``Examples({"input_ids": ids_NT, "labels": labels_NT}, holdout=0.1)``; arrays may be NumPy arrays
     or torch tensors (copied to NumPy). ``holdout`` is a share (``0 < h < 1``) or a count of examples
-    kept out of training for the held-out loss (0: none).
+    kept out of training for the held-out loss (0: none). ``shard_bytes`` sizes the shards the examples
+    travel in (a reading stage holds a window of them, ``jobs/data_shards.py``).
     """
 
     def __init__(self, fields: Mapping[str, Any], *, holdout: float | int = 0, seed: int = 0,
-                 name: str = "examples") -> None:
+                 name: str = "examples", shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
         if not isinstance(fields, Mapping) or not fields:
             raise ConfigError("Examples needs a mapping of field name -> array, e.g. {'input_ids': ids, 'labels': y}")
         arrays: dict[str, npt.NDArray[Any]] = {}
@@ -188,9 +190,13 @@ class Examples:
         self.num_holdout = h
         self.seed = int(seed)
         self.name = str(name)[:256]
+        if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
+            raise ConfigError(f"shard_bytes must be a positive integer, got {shard_bytes!r}")
+        self.shard_bytes = shard_bytes   # a shard holds as many whole examples as fit (at least one)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, holdout: float | int = 0, seed: int = 0) -> Examples:
+    def load(cls, path: str | os.PathLike[str], *, holdout: float | int = 0, seed: int = 0,
+             shard_bytes: int = DEFAULT_SHARD_BYTES) -> Examples:
         """Read the fields from a ``.npz`` (``np.savez``, no pickle) or a ``.safetensors`` file."""
         p = Path(path)
         if not p.is_file():
@@ -204,11 +210,11 @@ class Examples:
             fields = dict(load_file(str(p)))
         else:
             raise ConfigError(f"{p}: give a .npz or .safetensors file of named arrays (one row per example)")
-        return cls(fields, holdout=holdout, seed=seed, name=p.name)
+        return cls(fields, holdout=holdout, seed=seed, name=p.name, shard_bytes=shard_bytes)
 
     @classmethod
     def causal_lm(cls, tokens: Any, seq_len: int, *, shift: int = 0, names: tuple[str, str] = ("input_ids", "labels"),
-                  holdout: float | int = 0, seed: int = 0) -> Examples:
+                  holdout: float | int = 0, seed: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Examples:
         """Windows of ``seq_len`` tokens from a 1-D token array or a token source (``BuiltinCorpus``),
         as two fields named *names*: with ``shift=0`` the same ids twice (a Hugging Face causal LM
         shifts the labels itself), with ``shift=1`` the inputs and the next tokens (a model whose
@@ -222,12 +228,12 @@ class Examples:
         w = (arr.shape[0] - shift) // seq_len
         ids = np.ascontiguousarray(arr[: w * seq_len].reshape(w, seq_len), dtype=np.int64)
         nxt = np.ascontiguousarray(arr[shift: shift + w * seq_len].reshape(w, seq_len), dtype=np.int64)
-        return cls({names[0]: ids, names[1]: nxt}, holdout=holdout, seed=seed, name="causal-lm")
+        return cls({names[0]: ids, names[1]: nxt}, holdout=holdout, seed=seed, name="causal-lm", shard_bytes=shard_bytes)
 
     @classmethod
     def from_hf(cls, dataset: Any, *, tokenizer: Any = None, text: str = "text", max_length: int = 128,
                 labels: str | None = "label", columns: Mapping[str, str] | None = None,
-                holdout: float | int = 0, seed: int = 0) -> Examples:
+                holdout: float | int = 0, seed: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Examples:
         """Examples from a Hugging Face ``datasets.Dataset`` (or any mapping of column name -> values).
 
         With a *tokenizer* (yours, e.g. ``AutoTokenizer.from_pretrained(...)``), column *text* becomes
@@ -253,7 +259,7 @@ class Examples:
             fields[name] = np.asarray(dataset[col])
         if not fields:
             raise ConfigError("from_hf: give a tokenizer, a labels column or columns to take")
-        return cls(fields, holdout=holdout, seed=seed, name="hf-dataset")
+        return cls(fields, holdout=holdout, seed=seed, name="hf-dataset", shard_bytes=shard_bytes)
 
     @property
     def field_specs(self) -> tuple[FieldSpec, ...]:
@@ -261,22 +267,23 @@ class Examples:
                      for k, a in self.arrays.items())
 
     def order(self) -> npt.NDArray[np.int64]:
-        """Example order as sharded: training examples first, the seeded held-out choice last."""
+        """Example order as sharded: the training examples, then the seeded held-out choice, each in a seeded
+        random order. A node reads whole shards, a run of them a replica (``data/stream.py``), so examples
+        the user gave in some order (by class, by source) are mixed across shards here, once."""
         n, h = self.num_examples, self.num_holdout
-        if h == 0:
-            return np.arange(n, dtype=np.int64)
         rng = np.random.Generator(np.random.PCG64([_SEED_DOMAIN, self.seed]))
-        held = np.sort(rng.choice(n, size=h, replace=False))
+        held = np.sort(rng.choice(n, size=h, replace=False)) if h else np.zeros(0, dtype=np.int64)
         keep = np.setdiff1d(np.arange(n, dtype=np.int64), held)
-        return np.concatenate([keep, held]).astype(np.int64)
+        return np.concatenate([rng.permutation(keep), rng.permutation(held)]).astype(np.int64)
 
     def batch(self, indices: npt.ArrayLike) -> dict[str, npt.NDArray[Any]]:
         """Rows *indices* of the sharded order (for the publisher's example micro-batch)."""
         rows = self.order()[np.asarray(indices, dtype=np.int64)]
         return {k: a[rows] for k, a in self.arrays.items()}
 
-    def shards(self, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[ExampleManifest, dict[str, bytes]]:
-        """The manifest and ``{hash: bytes}`` of every distinct shard."""
+    def shards(self, *, shard_bytes: int | None = None) -> tuple[ExampleManifest, dict[str, bytes]]:
+        """The manifest and ``{hash: bytes}`` of every distinct shard (of *shard_bytes*, default the dataset's)."""
+        shard_bytes = self.shard_bytes if shard_bytes is None else shard_bytes
         specs = self.field_specs
         per = max(1, sum(f.example_bytes for f in specs))
         shard_examples = max(1, shard_bytes // per)
@@ -318,6 +325,38 @@ def _holdout_count(holdout: float | int, n: int) -> int:
     return h
 
 
+def decode_example_shard(m: ExampleManifest, index: int, data: bytes) -> dict[str, npt.NDArray[Any]]:
+    """Shard *index*'s fields, checked against the manifest first (size, then hash): IntegrityError."""
+    if len(data) != m.shard_bytes(index):
+        raise IntegrityError(f"example shard {index} has {len(data)} bytes, expected {m.shard_bytes(index)}")
+    if hashlib.sha256(data).hexdigest() != m.shards[index]:
+        raise IntegrityError(f"example shard {index} does not match its hash in the manifest")
+    lo, hi = m.shard_range(index)
+    out: dict[str, npt.NDArray[Any]] = {}
+    off = 0
+    for f in m.fields:
+        nb = (hi - lo) * f.example_bytes
+        out[f.name] = np.frombuffer(data, dtype=FIELD_DTYPES[f.dtype], count=nb // FIELD_DTYPES[f.dtype].itemsize,
+                                    offset=off).reshape((hi - lo, *f.shape))
+        off += nb
+    return out
+
+
+def read_rows(manifest: ExampleManifest, shards: Mapping[int, Mapping[str, npt.NDArray[Any]]],
+              indices: npt.ArrayLike) -> dict[str, npt.NDArray[Any]]:
+    """Examples *indices* (in the sharded order) stacked per field, from decoded *shards*; KeyError if one is missing."""
+    idx = np.asarray(indices, dtype=np.int64)
+    per = manifest.shard_examples
+    out = {f.name: np.empty((len(idx), *f.shape), dtype=FIELD_DTYPES[f.dtype]) for f in manifest.fields}
+    for j, i in enumerate(idx.tolist()):
+        shard = shards.get(i // per)
+        if shard is None:
+            raise KeyError(f"example shard {i // per} not loaded")
+        for k, a in shard.items():
+            out[k][j] = a[i % per]
+    return out
+
+
 class ShardedExamples:
     """The examples of a manifest on a node: verified shards, read by example index."""
 
@@ -329,39 +368,18 @@ class ShardedExamples:
 
     def add(self, index: int, data: bytes) -> None:
         """Check shard *index* against the manifest (size, then hash) and keep its fields."""
-        m = self.manifest
-        if len(data) != m.shard_bytes(index):
-            raise IntegrityError(f"example shard {index} has {len(data)} bytes, expected {m.shard_bytes(index)}")
-        if hashlib.sha256(data).hexdigest() != m.shards[index]:
-            raise IntegrityError(f"example shard {index} does not match its hash in the manifest")
-        lo, hi = m.shard_range(index)
-        out: dict[str, npt.NDArray[Any]] = {}
-        off = 0
-        for f in m.fields:
-            nb = (hi - lo) * f.example_bytes
-            out[f.name] = np.frombuffer(data, dtype=FIELD_DTYPES[f.dtype], count=nb // FIELD_DTYPES[f.dtype].itemsize,
-                                        offset=off).reshape((hi - lo, *f.shape))
-            off += nb
-        self._shards[index] = out
+        self._shards[index] = decode_example_shard(self.manifest, index, data)
 
     def rows(self, indices: npt.ArrayLike) -> dict[str, npt.NDArray[Any]]:
         """Examples *indices* (in the sharded order) stacked per field."""
-        idx = np.asarray(indices, dtype=np.int64)
-        per = self.manifest.shard_examples
-        out = {f.name: np.empty((len(idx), *f.shape), dtype=FIELD_DTYPES[f.dtype]) for f in self.manifest.fields}
-        for j, i in enumerate(idx):
-            shard = self._shards.get(int(i) // per)
-            if shard is None:
-                raise KeyError(f"example shard {int(i) // per} not loaded")
-            for k, a in shard.items():
-                out[k][j] = a[int(i) % per]
-        return out
+        return read_rows(self.manifest, self._shards, indices)
 
 
 class ExampleSampler:
     """Which examples make up micro-batch ``(step, micro)``: drawn without replacement, epoch by epoch,
     from a permutation of ``[0, num)`` seeded by ``(seed, epoch)`` (as the token sampler draws windows),
-    shifted by ``offset`` (the held-out examples follow the training ones)."""
+    shifted by ``offset`` (the held-out examples follow the training ones). An in-memory order (any step
+    may read any shard): a job streams its examples in ``data/stream.ExampleOrder``'s order instead."""
 
     __slots__ = ("_perm", "micro_batch", "micro_batches", "num", "offset", "seed")
 
@@ -383,4 +401,4 @@ class ExampleSampler:
         return out
 
 
-__all__ = ["ExampleManifest", "Examples", "FieldSpec", "ExampleSampler", "ShardedExamples"]
+__all__ = ["ExampleManifest", "ExampleSampler", "Examples", "FieldSpec", "ShardedExamples", "decode_example_shard", "read_rows"]

@@ -27,10 +27,10 @@ from fusionp2p.errors import ConfigError
 _SEED_DOMAIN = 0x46503250  # "FP2P": keeps these streams apart from other users of the same seed
 
 
-def check_batch_shape(cfg: Any) -> None:
+def check_batch_shape(cfg: Any, names: tuple[str, ...] = ("seq_len", "micro_batch", "micro_batches")) -> None:
     """The checks every sampler config shares: positive integer ``seq_len``, ``micro_batch`` and
-    ``micro_batches``, and a ``seed`` in [0, 2**63) (ConfigError, one line)."""
-    for name in ("seq_len", "micro_batch", "micro_batches"):
+    ``micro_batches`` (or *names*), and a ``seed`` in [0, 2**63) (ConfigError, one line)."""
+    for name in names:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name} must be a positive integer, got {v!r}")

@@ -1,4 +1,7 @@
-"""The sample order of a streamed token dataset: exact per epoch, local per replica, stable across re-plans.
+"""The sample order of a streamed dataset: exact per epoch, local per replica, stable across re-plans.
+
+The same order serves token windows (:class:`StreamOrder`) and examples (:class:`ExampleOrder`): both are
+items counted by shard (:class:`ShardOrder`); below, "window" is a token dataset's item, an example the other's.
 
 Theory of operation. A streamed dataset is a :class:`ShardManifest` whose shards a node fetches only
 when its replica is about to read them (``jobs/data_shards.py``). Two things must hold at once:
@@ -39,11 +42,13 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from fusionp2p.data.examples import ExampleManifest
 from fusionp2p.data.sampler import check_batch_shape
 from fusionp2p.data.shards import ShardManifest
 from fusionp2p.errors import ConfigError
 
 _SEED_DOMAIN = 0x46505354  # "FPST": apart from the in-memory sampler's streams of the same seed
+_EXAMPLE_DOMAIN = 0x46505358   # "FPSX": examples' streams
 
 # (first step, micro-batch slots a step) per plan since step 0, in order (see the module docstring)
 History = tuple[tuple[int, int], ...]
@@ -75,11 +80,20 @@ def check_history(history: Sequence[tuple[int, int]]) -> History:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StreamConfig:
-    seq_len: int
+class OrderConfig:
+    """The batch shape and seed an order of items depends on (examples: no seq_len)."""
+
     micro_batch: int
     micro_batches: int
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_batch_shape(self, names=("micro_batch", "micro_batches"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamConfig(OrderConfig):
+    seq_len: int
 
     def __post_init__(self) -> None:
         check_batch_shape(self)
@@ -145,22 +159,24 @@ class _Piece:
         return self.colstart[o] + t - self.t0[o]
 
 
-class StreamOrder:
-    """Which window each global sample number reads, for one manifest, config and :data:`History`."""
+class ShardOrder:
+    """Which item each global sample number reads, for items counted by shard (*per_shard*), a config and a
+    :data:`History`. Items are numbered shard by shard (``first[i]`` is shard ``i``'s first); *domain*
+    keeps the seeded streams of one kind of dataset apart from another's."""
 
-    def __init__(self, manifest: ShardManifest, config: StreamConfig, history: Sequence[tuple[int, int]] = ((0, 1),)) -> None:
-        self.manifest, self.config = manifest, config
+    manifest: ShardManifest | ExampleManifest
+
+    def __init__(self, per_shard: IntArray, config: OrderConfig, history: Sequence[tuple[int, int]] = ((0, 1),), *,
+                 domain: int = _SEED_DOMAIN) -> None:
+        self.config, self._domain = config, domain
         self.history = check_history(history)
-        t = config.seq_len
-        lens = np.array([b - a for a, b in (manifest.shard_range(i) for i in range(len(manifest.shards)))], dtype=np.int64)
-        self.per_shard: IntArray = np.maximum(lens - 1, 0) // t          # windows of each shard
+        self.per_shard: IntArray = np.asarray(per_shard, dtype=np.int64)
         self.first: IntArray = np.concatenate([[0], np.cumsum(self.per_shard)]).astype(np.int64)
         self.num_windows = int(self.first[-1])
         if self.num_windows < config.micro_batch:
-            raise ConfigError(f"the dataset's shards hold {self.num_windows} windows of seq_len {t}, fewer than "
-                              f"micro_batch={config.micro_batch}: use larger shards or a shorter seq_len")
+            raise ConfigError(f"the dataset holds {self.num_windows} samples, fewer than micro_batch={config.micro_batch}")
         self._order = functools.lru_cache(maxsize=2)(self._epoch_order)
-        self._shuffles = functools.lru_cache(maxsize=64)(self._shuffle)   # 64 shards' windows, int64 each
+        self._shuffles = functools.lru_cache(maxsize=64)(self._shuffle)   # 64 shards' items, int64 each
         self._pieces = functools.lru_cache(maxsize=2)(self._epoch_pieces)
         bases, acc = [], 0
         for j, (a, s) in enumerate(self.history):
@@ -192,13 +208,13 @@ class StreamOrder:
     # ------------------------------------------------------------------ order
     def _epoch_order(self, epoch: int) -> tuple[IntArray, IntArray]:
         """(the shards in the epoch's order, the order's position of each one's first window): O(shards)."""
-        rng = np.random.Generator(np.random.PCG64([_SEED_DOMAIN, self.config.seed, epoch]))
+        rng = np.random.Generator(np.random.PCG64([self._domain, self.config.seed, epoch]))
         ranked = rng.permutation(len(self.per_shard)).astype(np.int64)
         return ranked, np.concatenate([[0], np.cumsum(self.per_shard[ranked])]).astype(np.int64)
 
     def _shuffle(self, epoch: int, shard: int) -> IntArray:
         """The order of shard *shard*'s windows in *epoch* (its own seeded stream: computed for the shards read)."""
-        rng = np.random.Generator(np.random.PCG64([_SEED_DOMAIN, self.config.seed, epoch, shard]))
+        rng = np.random.Generator(np.random.PCG64([self._domain, self.config.seed, epoch, shard]))
         return rng.permutation(int(self.per_shard[shard])).astype(np.int64)
 
     def _at(self, epoch: int, q: IntArray) -> IntArray:
@@ -267,10 +283,57 @@ class StreamOrder:
     def shard_of(self, wids: IntArray) -> IntArray:
         return (np.searchsorted(self.first, wids, side="right") - 1).astype(np.int64)
 
+
+
+class StreamOrder(ShardOrder):
+    """The order of a token dataset's windows (``T = seq_len`` inputs and the shifted target, inside a shard)."""
+
+    config: StreamConfig
+    manifest: ShardManifest
+
+    def __init__(self, manifest: ShardManifest, config: StreamConfig, history: Sequence[tuple[int, int]] = ((0, 1),)) -> None:
+        self.manifest = manifest
+        t = config.seq_len
+        lens = np.array([b - a for a, b in (manifest.shard_range(i) for i in range(len(manifest.shards)))], dtype=np.int64)
+        per_shard = np.maximum(lens - 1, 0) // t          # windows of each shard
+        if int(per_shard.sum()) < config.micro_batch:
+            raise ConfigError(f"the dataset's shards hold {int(per_shard.sum())} windows of seq_len {t}, fewer than "
+                              f"micro_batch={config.micro_batch}: use larger shards or a shorter seq_len")
+        super().__init__(per_shard, config, history)
+
     def starts(self, wids: IntArray) -> IntArray:
         """First token of each window (in the whole stream)."""
         shard = self.shard_of(wids)
         return shard * self.manifest.shard_tokens + (wids - self.first[shard]) * self.config.seq_len
 
 
-__all__ = ["MAX_HISTORY", "History", "StreamConfig", "StreamOrder", "check_history", "next_history"]
+class ExampleOrder(ShardOrder):
+    """The order of an :class:`ExampleManifest`'s training examples (the held-out ones, last, are never in it):
+    item ``i`` is example ``i`` of the sharded order (every shard before the last training one is full)."""
+
+    manifest: ExampleManifest
+
+    def __init__(self, manifest: ExampleManifest, config: OrderConfig, history: Sequence[tuple[int, int]] = ((0, 1),)) -> None:
+        self.manifest = manifest
+        lo = np.arange(len(manifest.shards), dtype=np.int64) * manifest.shard_examples
+        per_shard = np.clip(np.minimum(lo + manifest.shard_examples, manifest.num_train) - lo, 0, None)
+        super().__init__(per_shard, config, history, domain=_EXAMPLE_DOMAIN)
+
+    def indices(self, step: int, micro: int, *, replicas: int = 1) -> IntArray:
+        """The examples of the worker's micro-batch ``(step, micro)`` (its sampler step: ``step * R + r``)."""
+        m = self.config.micro_batches
+        return self.windows(self.samples(step // replicas, (step % replicas) * m + micro, 1))
+
+
+def held_out_indices(manifest: ExampleManifest, micro_batch: int, micro: int) -> IntArray:
+    """The held-out examples of the evaluation's micro-batch *micro*: ``[micro x B, (micro + 1) x B)`` of the
+    held-out ones (wrapping), a contiguous run of their shards. The publisher put them in a seeded random
+    order (``Examples.order``), so the first ones are a uniform sample of them."""
+    h = manifest.num_holdout
+    if h < 1:
+        raise ConfigError("the dataset has no held-out examples")
+    return manifest.num_train + (np.arange(micro * micro_batch, (micro + 1) * micro_batch, dtype=np.int64) % h)
+
+
+__all__ = ["MAX_HISTORY", "ExampleOrder", "History", "OrderConfig", "ShardOrder", "StreamConfig", "StreamOrder",
+           "check_history", "held_out_indices", "next_history"]

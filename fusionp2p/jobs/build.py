@@ -31,7 +31,6 @@ from fusionp2p.data import (
     BuiltinCorpus,
     ExampleManifest,
     Examples,
-    ExampleSampler,
     SamplerConfig,
     ShardedExamples,
     ShardedTokens,
@@ -49,7 +48,7 @@ from fusionp2p.graph import CoarseDAG, OpDAG, Ref, coarsen, partition, stages_fr
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.graph.trace import with_flops
 from fusionp2p.jobs.content import ContentService, sha256_hex
-from fusionp2p.jobs.data_shards import window_bytes
+from fusionp2p.jobs.data_shards import StreamFeed, window_bytes
 from fusionp2p.jobs.spec import (
     JobSpec,
     Resources,
@@ -291,9 +290,10 @@ class NodeJobs:
     """A node's job intake: verify, fetch by hash, check fit. Raises on anything wrong (never hangs).
 
     Every fetch is bounded by what is known before it (issue 15, item 8: each blob could be up to
-    2 GiB): the DAG (without tensors) by its header's limit, the weight manifest by its format, each
-    example shard by its exact size in the manifest, and the examples by the node's memory; a token dataset's
-    shards are not fetched here but streamed by the reading stages (``jobs/data_shards.py``). No weight piece is
+    2 GiB): the DAG (without tensors) by its header's limit, the weight manifest by its format, a dataset
+    manifest by its format. No dataset shard (tokens or examples) is fetched here: the reading stages stream
+    their replica's, each at its exact size (``jobs/data_shards.py``), and a node checks here that the window
+    fits its memory. No weight piece is
     fetched here: the node fetches its stage's once the plan names it (``jobs/weights.py``), and its
     memory is held against that stage, not the whole model (issue 37).
     """
@@ -331,15 +331,15 @@ class NodeJobs:
         elif ref.kind == "examples":
             eman = ExampleManifest.decode(await self._fetch(ref.content_hash, peers, max_size=EXAMPLE_MANIFEST_BYTES),
                                           expected_hash=ref.content_hash)
-            if eman.num_examples != ref.num_tokens or eman.total_bytes > memory:
+            # streamed (issue 38) as token datasets are: a reading stage's feed fetches its replica's shards
+            window = window_bytes(eman, micro_batch=spec.config.micro_batch, micro_batches=spec.config.micro_batches)
+            if eman.num_examples != ref.num_tokens or window > memory:
                 raise JobError(f"job {spec.job_id}: the dataset's {eman.num_examples} examples do not match its "
-                               f"reference ({ref.num_tokens}) or do not fit this node's memory")
+                               f"reference ({ref.num_tokens}) or its window of {window} bytes does not fit this node's memory")
             missing = sorted(set(dag.data_inputs) - {f.name for f in eman.fields})
             if missing:
                 raise JobError(f"job {spec.job_id}: the model reads {missing}, which the dataset does not hold")
             tokens = ShardedExamples(eman)
-            for i, h in enumerate(eman.shards):
-                tokens.add(i, await self._fetch(h, peers, max_size=eman.shard_bytes(i)))
         else:
             if ref.kind == "url":
                 try:
@@ -546,24 +546,15 @@ def unit_names(c: CoarseDAG, start: int, end: int) -> set[str]:
     return {spec.name for spec in prog.inputs if spec.kind != "input"}
 
 
-def data_fn(job: AcceptedJob, *, held_out: bool = False) -> Callable[[int, int], dict[str, torch.Tensor]]:
-    """(global step, micro) -> the DAG's data inputs: for token data the first is the token ids, the
-    last the targets; for examples every input by its field name. With *held_out*, micro-batches of
-    the held-out examples (step 0, 1, ... walk through them)."""
+def data_fn(job: AcceptedJob) -> Callable[[int, int], dict[str, torch.Tensor]]:
+    """(global step, micro) -> the DAG's data inputs for a dataset every node holds whole (the built-in corpus):
+    the first is the token ids, the last the targets. A streamed dataset (a token file, examples) is read
+    through the stage's feed (``jobs/data_shards.py``); a stage without one reads no data."""
     cfg, ref = job.spec.config, job.spec.dataset
-    if isinstance(job.tokens, ShardedExamples):
-        man = job.tokens.manifest
-        num, offset = (man.num_holdout, man.num_train) if held_out else (man.num_train, 0)
-        if num < 1:
-            raise ConfigError("the dataset has no held-out examples")
-        ex_sampler = ExampleSampler(num=num, micro_batch=cfg.micro_batch, micro_batches=cfg.micro_batches,
-                                    seed=cfg.seed, offset=offset)
-        store, wanted = job.tokens, job.dag.data_inputs
-
-        def fields(step: int, micro: int) -> dict[str, torch.Tensor]:
-            rows = store.rows(ex_sampler.indices(step, micro))
-            return {k: torch.from_numpy(rows[k]) for k in wanted}
-        return fields
+    if isinstance(job.tokens, ShardedExamples | ShardedTokens):
+        def unread(step: int, micro: int) -> dict[str, torch.Tensor]:
+            raise AssertionError("a streamed dataset is read through the stage's feed")
+        return unread
     sampler = BatchSampler(SamplerConfig(num_tokens=ref.num_tokens, seq_len=ref.seq_len, micro_batch=cfg.micro_batch,
                                          micro_batches=cfg.micro_batches, seed=cfg.seed))
     names = job.dag.data_inputs
@@ -576,11 +567,10 @@ def data_fn(job: AcceptedJob, *, held_out: bool = False) -> Callable[[int, int],
     return fn
 
 
-def eval_data_fn(job: AcceptedJob) -> Callable[[int, int], dict[str, torch.Tensor]] | None:
-    """The held-out micro-batches of the job's dataset, or None when it holds out nothing."""
-    if isinstance(job.tokens, ShardedExamples) and job.tokens.manifest.num_holdout > 0:
-        return data_fn(job, held_out=True)
-    return None
+def eval_data_fn(job: AcceptedJob, feed: StreamFeed | None = None) -> Callable[[int, int], dict[str, torch.Tensor]] | None:
+    """The held-out micro-batches of the job's dataset (the reading stage's *feed* holds them), or None when it
+    holds out nothing or the stage reads no data."""
+    return feed.eval_data if feed is not None else None
 
 
 def module_state(dag: OpDAG, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

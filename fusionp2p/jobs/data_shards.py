@@ -34,8 +34,18 @@ import numpy as np
 import torch
 import trio
 
+from fusionp2p.data.examples import ExampleManifest, ShardedExamples, decode_example_shard, read_rows
 from fusionp2p.data.shards import STORAGE_DTYPES, ShardedTokens, ShardManifest, decode_shard
-from fusionp2p.data.stream import History, StreamConfig, StreamOrder, next_history
+from fusionp2p.data.stream import (
+    ExampleOrder,
+    History,
+    OrderConfig,
+    ShardOrder,
+    StreamConfig,
+    StreamOrder,
+    held_out_indices,
+    next_history,
+)
 from fusionp2p.data.url import read_range
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.program import DATA, StageProgram
@@ -94,13 +104,18 @@ def reads_data(prog: StageProgram) -> bool:
     return any(r.src == DATA for r in prog.recv)
 
 
-class ShardFeed:
-    """Data of one reading stage replica (see the module docstring); callable as the worker's ``DataFn``."""
+class StreamFeed:
+    """Data of one reading stage replica (see the module docstring); callable as the worker's ``DataFn``.
+    What a shard is (its size, how it is checked and read) is its subclass's: :class:`ShardFeed` for token
+    windows, :class:`ExampleFeed` for examples."""
 
-    def __init__(self, content: ContentService, order: StreamOrder, names: Sequence[str], *, replica: int,
+    order: ShardOrder
+    eval_data: Callable[[int, int], dict[str, torch.Tensor]] | None = None   # the held-out micro-batches, if any
+
+    def __init__(self, content: ContentService, order: ShardOrder, names: Sequence[str], *, replica: int,
                  replicas: int, micro: Sequence[int] = (), micro_period: int = 1, peers: Sequence[str] = (),
                  config: FeedConfig | None = None, last_step: int | None = None, url: str | None = None,
-                 on_late: Callable[[int, int, float], Awaitable[None]] | None = None) -> None:
+                 on_late: Callable[[int, int, float], Awaitable[None]] | None = None, pinned: Sequence[int] = ()) -> None:
         self.content, self.order, self.names = content, order, tuple(names)
         self.url = url               # a URL dataset (data/url.py): asked after the holders, before the peers
         self.url_strikes = 0         # its wrong answers and stalls; at URL_STRIKES it is asked no more
@@ -109,16 +124,28 @@ class ShardFeed:
         self.replicas, self.peers, self.on_late = replicas, tuple(peers), on_late
         m = order.config.micro_batches
         self.deal = Deal(micro, micro_period, replica=replica, replicas=replicas, micro_batches=m)
-        self.max_shards = max(self.config.max_shards, self.deal.most * order.config.micro_batch + 1)
+        self.pinned = tuple(dict.fromkeys(pinned))   # shards held from the start to the end (the held-out examples')
+        self.max_shards = max(self.config.max_shards, self.deal.most * order.config.micro_batch + 1) + len(self.pinned)
         self.stats = FeedStats()
-        self._held: dict[int, np.ndarray] = {}
+        self._held: dict[int, Any] = {}
         self._cursor = -1
         self._changed = trio.Event()
         self._arrived = trio.Event()
         self._errors: dict[int, str] = {}
         self._need_cache: tuple[int, list[int]] = (-1, [])
         self._urgent: list[int] = []     # shards a waiting read needs now
-        self._itemsize = STORAGE_DTYPES[order.manifest.dtype].itemsize
+
+    # ------------------------------------------------------------------ what a shard is (the subclass's)
+    def _size(self, i: int) -> int:
+        """Shard *i*'s exact size in bytes (a fetch is bounded by it)."""
+        raise NotImplementedError
+
+    def _decode(self, i: int, blob: bytes) -> Any:
+        """Shard *i* checked against the manifest (RemoteProtocolError: wrong bytes) and made readable."""
+        raise NotImplementedError
+
+    def _url_start(self, i: int) -> int:
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ what is read when
     def _split(self, sstep: int, micro: int) -> tuple[int, int]:
@@ -139,6 +166,7 @@ class ShardFeed:
             count, first = self.deal.at(step)
             wids = self.order.windows(self.order.samples(step, first, count))
             out.update(dict.fromkeys(self.order.shard_of(wids).tolist()))
+        out.update(dict.fromkeys(self.pinned))   # after the next step's: fetched early, never dropped
         self._need_cache = (self._cursor, list(out))
         return self._need_cache[1]
 
@@ -158,7 +186,8 @@ class ShardFeed:
         ``late_after`` seconds, JobError with the reason after ``deadline``."""
         step, _ = self._split(sstep, micro)
         self._move(step)
-        shards = self.order.shard_of(self._windows(sstep, micro)).tolist()
+        # the pinned (held-out) shards as well: an evaluation reads them without waiting
+        shards = list(dict.fromkeys([*self.order.shard_of(self._windows(sstep, micro)).tolist(), *self.pinned]))
         # the micro-batch's own shards come first, even if a re-deal put them outside the window or it is full
         self._urgent = [i for i in shards if i not in self._held]
         t0 = trio.current_time()
@@ -187,16 +216,7 @@ class ShardFeed:
             self.stats.first_wait_s = waited
 
     def __call__(self, sstep: int, micro: int) -> dict[str, torch.Tensor]:
-        """The micro-batch's inputs (``names[0]``) and next-token targets (``names[1]``), int64."""
-        wids = self._windows(sstep, micro)
-        shard, starts = self.order.shard_of(wids), self.order.starts(wids)
-        t = self.order.config.seq_len
-        x = np.empty((len(wids), t + 1), dtype=np.int64)
-        for b, (i, s) in enumerate(zip(shard.tolist(), starts.tolist(), strict=True)):
-            lo = s - i * self.order.manifest.shard_tokens
-            x[b] = self._held[i][lo:lo + t + 1]
-        self.stats.consumed_bytes += len(wids) * t * self._itemsize
-        return {self.names[0]: torch.from_numpy(x[:, :-1].copy()), self.names[1]: torch.from_numpy(x[:, 1:].copy())}
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ the fetching side
     async def serve(self, until: trio.Event, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -219,7 +239,7 @@ class ShardFeed:
                 continue
             blob, kept = await self._fetch(nxt)
             if nxt == urgent or nxt in self._needed():   # the cursor may have moved past it meanwhile
-                self._held[nxt] = decode_shard(self.order.manifest, nxt, blob)
+                self._held[nxt] = self._decode(nxt, blob)
                 self._arrived.set()
                 self._arrived = trio.Event()
             if kept:
@@ -229,10 +249,9 @@ class ShardFeed:
         """Shard *i* read from the dataset's URL with a range request, verified; None (counted against
         the URL) when it serves other bytes, fails or stalls."""
         assert self.url is not None
-        start = self.order.manifest.shard_range(i)[0] * self._itemsize
         try:
-            blob = await _read_url(self.url, start, size, min(self.content.config.fetch_timeout, URL_TIMEOUT))
-            decode_shard(self.order.manifest, i, blob)
+            blob = await _read_url(self.url, self._url_start(i), size, min(self.content.config.fetch_timeout, URL_TIMEOUT))
+            self._decode(i, blob)
         except (RemoteProtocolError, trio.TooSlowError) as exc:
             self.url_strikes += 1
             self.stats.refused += 1
@@ -250,14 +269,14 @@ class ShardFeed:
 
     async def _fetch(self, i: int) -> tuple[bytes, bool]:
         """Shard *i*'s verified bytes, and whether the node's store keeps them (announce then)."""
-        man, store = self.order.manifest, self.content.store
-        h = man.shards[i]
-        size = (man.shard_range(i)[1] - man.shard_range(i)[0]) * self._itemsize
+        store = self.content.store
+        h = self.order.manifest.shards[i]
+        size = self._size(i)
         with store.unpinned():
             if store.has(h):
                 try:
                     blob = store.get(h)
-                    decode_shard(man, i, blob)
+                    self._decode(i, blob)
                     self.stats.disk_bytes += len(blob)
                     return blob, False
                 except (KeyError, RemoteProtocolError) as exc:
@@ -305,7 +324,7 @@ class ShardFeed:
                 return blob
             try:
                 blob = await self.content.fetch_from(peer, h, max_size=size)
-                decode_shard(self.order.manifest, i, blob)
+                self._decode(i, blob)
             except RemoteProtocolError as exc:   # wrong bytes (IntegrityError) or a broken exchange
                 self.stats.refused += 1
                 self.content.refusals.refuse(peer, "data/shard", now=trio.current_time(), detail=str(exc)[:200])
@@ -327,6 +346,77 @@ class ShardFeed:
         return None
 
 
+class ShardFeed(StreamFeed):
+    """A token dataset's feed: windows of ``seq_len`` tokens and their next-token targets."""
+
+    order: StreamOrder
+
+    def __init__(self, content: ContentService, order: StreamOrder, names: Sequence[str], **kw: Any) -> None:
+        super().__init__(content, order, names, **kw)
+        self._itemsize = STORAGE_DTYPES[order.manifest.dtype].itemsize
+
+    def _size(self, i: int) -> int:
+        lo, hi = self.order.manifest.shard_range(i)
+        return (hi - lo) * self._itemsize
+
+    def _decode(self, i: int, blob: bytes) -> np.ndarray:
+        return decode_shard(self.order.manifest, i, blob)
+
+    def _url_start(self, i: int) -> int:
+        return self.order.manifest.shard_range(i)[0] * self._itemsize
+
+    def __call__(self, sstep: int, micro: int) -> dict[str, torch.Tensor]:
+        """The micro-batch's inputs (``names[0]``) and next-token targets (``names[1]``), int64."""
+        wids = self._windows(sstep, micro)
+        shard, starts = self.order.shard_of(wids), self.order.starts(wids)
+        t = self.order.config.seq_len
+        x = np.empty((len(wids), t + 1), dtype=np.int64)
+        for b, (i, s) in enumerate(zip(shard.tolist(), starts.tolist(), strict=True)):
+            lo = s - i * self.order.manifest.shard_tokens
+            x[b] = self._held[i][lo:lo + t + 1]
+        self.stats.consumed_bytes += len(wids) * t * self._itemsize
+        return {self.names[0]: torch.from_numpy(x[:, :-1].copy()), self.names[1]: torch.from_numpy(x[:, 1:].copy())}
+
+
+class ExampleFeed(StreamFeed):
+    """An :class:`~fusionp2p.data.examples.Examples` dataset's feed: the fields the stage reads, by name. The
+    held-out examples of the evaluation (``held_out_indices``: a contiguous run of them) are pinned: fetched
+    once, kept to the end, read by :attr:`eval_data`."""
+
+    order: ExampleOrder
+
+    def __init__(self, content: ContentService, order: ExampleOrder, names: Sequence[str], **kw: Any) -> None:
+        man, b = order.manifest, order.config.micro_batch
+        held = ([held_out_indices(man, b, mu) for mu in range(order.config.micro_batches)]
+                if man.num_holdout else [])
+        pinned = sorted({int(i) // man.shard_examples for idx in held for i in idx.tolist()})
+        super().__init__(content, order, names, pinned=pinned, **kw)
+        self._held_out = held
+        if held:
+            self.eval_data = self._eval
+            if self.last_step is not None:   # the evaluations read the held-out examples: no read of step `steps`
+                self.last_step -= 1
+
+    def _size(self, i: int) -> int:
+        return self.order.manifest.shard_bytes(i)
+
+    def _decode(self, i: int, blob: bytes) -> dict[str, np.ndarray]:
+        return decode_example_shard(self.order.manifest, i, blob)
+
+    def _rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        rows = read_rows(self.order.manifest, self._held, idx)
+        self.stats.consumed_bytes += len(idx) * self.order.manifest.example_bytes
+        return {k: torch.from_numpy(rows[k]) for k in self.names}
+
+    def __call__(self, sstep: int, micro: int) -> dict[str, torch.Tensor]:
+        """The micro-batch's examples: the fields the stage reads, by name."""
+        return self._rows(self._windows(sstep, micro))
+
+    def _eval(self, step: int, micro: int) -> dict[str, torch.Tensor]:
+        """The evaluation's micro-batch *micro* of held-out examples (the same at every evaluation)."""
+        return self._rows(self._held_out[micro])
+
+
 async def _read_url(url: str, start: int, size: int, timeout: float) -> bytes:
     with trio.fail_after(timeout + 1.0):   # urllib's own timeout is per read; this bounds the whole range
         # trio-typing's stubs predate abandon_on_cancel (as in swarm/probe.py)
@@ -337,26 +427,34 @@ async def _read_url(url: str, start: int, size: int, timeout: float) -> bytes:
 def stage_feed(content: ContentService, accepted: AcceptedJob, plan: Plan, stage: int, replica: int, history: History,
                prog: StageProgram, *, peers: Sequence[str] = (), stats: FeedStats | None = None,
                config: FeedConfig | None = None,
-               gossip: Callable[[DataLate], Awaitable[None]] | None = None) -> ShardFeed | None:
-    """The feed of replica *replica* of *stage* in *plan*, when the job's data is streamed (a token dataset)
-    and the stage's program reads it; None otherwise (such a stage fetches no data). A late shard is
-    announced with *gossip* (a :class:`DataLate` event)."""
+               gossip: Callable[[DataLate], Awaitable[None]] | None = None) -> StreamFeed | None:
+    """The feed of replica *replica* of *stage* in *plan*, when the job's data is streamed (a token dataset
+    or examples) and the stage's program reads it; None otherwise (such a stage fetches no data). A late
+    shard is announced with *gossip* (a :class:`DataLate` event)."""
     tokens, cfg, names = accepted.tokens, accepted.spec.config, accepted.dag.data_inputs
-    if not isinstance(tokens, ShardedTokens) or not reads_data(prog):
+    if not isinstance(tokens, ShardedTokens | ShardedExamples) or not reads_data(prog):
         return None
-    if len(names) != 2:
-        raise ConfigError(f"the model takes data inputs {list(names)}; a token job feeds exactly (tokens, targets)")
-    order = StreamOrder(tokens.manifest, StreamConfig(seq_len=accepted.spec.dataset.seq_len, micro_batch=cfg.micro_batch,
-                                                      micro_batches=cfg.micro_batches, seed=cfg.seed), history)
+
     async def on_late(step: int, shard: int, waited: float) -> None:
         if gossip is not None:
             await gossip(DataLate(job=accepted.spec.job_id, step=step, stage=stage, peer=content.transport.peer_id,
                                   shard=shard, waited_s=waited, at=time.time()))
 
-    feed = ShardFeed(content, order, names, replica=replica, replicas=len(plan.stages[stage].replicas),
-                     micro=plan.micro, micro_period=plan.micro_period, peers=peers, config=config,
-                     last_step=cfg.steps, on_late=on_late,
-                     url=accepted.spec.dataset.name if accepted.spec.dataset.kind == "url" else None)
+    kw: dict[str, Any] = {"replica": replica, "replicas": len(plan.stages[stage].replicas), "micro": plan.micro,
+                          "micro_period": plan.micro_period, "peers": peers, "config": config,
+                          "last_step": cfg.steps, "on_late": on_late}
+    feed: StreamFeed
+    if isinstance(tokens, ShardedExamples):
+        eorder = ExampleOrder(tokens.manifest, OrderConfig(micro_batch=cfg.micro_batch, micro_batches=cfg.micro_batches,
+                                                           seed=cfg.seed), history)
+        feed = ExampleFeed(content, eorder, names, **kw)
+    else:
+        if len(names) != 2:
+            raise ConfigError(f"the model takes data inputs {list(names)}; a token job feeds exactly (tokens, targets)")
+        order = StreamOrder(tokens.manifest, StreamConfig(seq_len=accepted.spec.dataset.seq_len, micro_batch=cfg.micro_batch,
+                                                          micro_batches=cfg.micro_batches, seed=cfg.seed), history)
+        feed = ShardFeed(content, order, names, url=accepted.spec.dataset.name if accepted.spec.dataset.kind == "url" else None,
+                         **kw)
     if stats is not None:
         feed.stats = stats     # the job's totals over its epochs
     return feed
@@ -367,11 +465,18 @@ def plan_history(previous: Sequence[tuple[int, int]], step: int, plan: Plan, mic
     return next_history(previous, step, len(plan.stages[0].replicas) * micro_batches)
 
 
-def window_bytes(manifest: ShardManifest, *, micro_batch: int, micro_batches: int, config: FeedConfig | None = None) -> int:
+def window_bytes(manifest: ShardManifest | ExampleManifest, *, micro_batch: int, micro_batches: int,
+                 config: FeedConfig | None = None) -> int:
     """Memory a reading stage's feed holds at most: what a node must have besides its stage."""
     cfg = config or FeedConfig()
+    n = max(cfg.max_shards, micro_batch * micro_batches + 1)
+    if isinstance(manifest, ExampleManifest):
+        largest = max(manifest.shard_bytes(0), manifest.shard_bytes(len(manifest.shards) - 1))
+        held_out = -(-micro_batch * micro_batches // manifest.shard_examples) + 1 if manifest.num_holdout else 0
+        return min(n + held_out, len(manifest.shards)) * largest
     shard = manifest.shard_tokens * STORAGE_DTYPES[manifest.dtype].itemsize
-    return max(cfg.max_shards, micro_batch * micro_batches + 1) * min(shard, manifest.num_tokens * STORAGE_DTYPES[manifest.dtype].itemsize)
+    return n * min(shard, manifest.num_tokens * STORAGE_DTYPES[manifest.dtype].itemsize)
 
 
-__all__ = ["ANNOUNCE_GRACE", "STREAMED_KINDS", "FeedConfig", "FeedStats", "ShardFeed", "plan_history", "reads_data", "stage_feed", "window_bytes"]
+__all__ = ["ANNOUNCE_GRACE", "STREAMED_KINDS", "ExampleFeed", "FeedConfig", "FeedStats", "ShardFeed", "StreamFeed", "plan_history",
+           "reads_data", "stage_feed", "window_bytes"]

@@ -57,7 +57,7 @@ from fusionp2p.jobs.build import (
     unit_names,
 )
 from fusionp2p.jobs.checkpoint import StageCheckpointMeta, decode_state, state_layout
-from fusionp2p.jobs.data_shards import FeedStats, ShardFeed, plan_history, stage_feed
+from fusionp2p.jobs.data_shards import FeedStats, StreamFeed, plan_history, stage_feed
 from fusionp2p.jobs.election import Adopted, ElectionConfig, fetch_adopted, open_elector
 from fusionp2p.jobs.events import (
     MAX_EARLIER,
@@ -535,7 +535,7 @@ class JobRun(Leading):
     # ------------------------------------------------------------------ training
     def _context(self, plan: Plan, snap: Snapshot, programs: list[Any], s: int, r: int, links: dict[int, TensorChannel],
                  peers: list[TensorChannel], resume: Resume, restore: StageState | None,
-                 feed: ShardFeed | None = None) -> StageContext:
+                 feed: StreamFeed | None = None) -> StageContext:
         cfg = self.spec.config
         n_st = len(plan.stages)
         rho_out: dict[int, float] = {}
@@ -595,7 +595,7 @@ class JobRun(Leading):
                             data=feed or data_fn(self.accepted), data_ready=feed.ready if feed else None, tokens_per_micro=cfg.micro_batch * self.spec.dataset.seq_len,
                             rho_out=rho_out, report=report, checkpoint=checkpoint if r == 0 else None,
                             start_step=resume.step, restore=restore, halt=self._halt, boundary=self.shadows.boundary,
-                            recv_timeout=self.svc.config.recv_timeout, eval_data=eval_data_fn(self.accepted),
+                            recv_timeout=self.svc.config.recv_timeout, eval_data=eval_data_fn(self.accepted, feed),
                             micro=plan.micro, micro_period=plan.micro_period,
                             averaging_lag=averaging_lag(self.spec, self.accepted.dag, plan, snap, s),
                             averaging_bf16=averaging_bf16(self.spec, self.accepted.dag, plan, snap, s, r),

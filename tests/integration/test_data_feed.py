@@ -1,7 +1,7 @@
 """A reading stage's data feed (jobs/data_shards.py) on the in-memory transport, under trio's mock clock.
 
 The feed fetches the shards its replica reads a window ahead, from the DHT's holders before the
-publisher; refuses a holder's wrong bytes (counted against it) and a stalled holder (one timeout) and
+publisher (token windows or examples); refuses a holder's wrong bytes (counted against it) and a stalled holder (one timeout) and
 asks the next; slows a step with a notice when no shard comes, and fails with the reason at its
 deadline; keeps what it read on disk, announced, so that the publisher may go away after a first pass.
 """
@@ -19,11 +19,11 @@ import pytest
 import trio
 import trio.testing
 
-from fusionp2p.data import make_shards
-from fusionp2p.data.stream import StreamConfig, StreamOrder
+from fusionp2p.data import Examples, make_shards
+from fusionp2p.data.stream import ExampleOrder, OrderConfig, StreamConfig, StreamOrder, held_out_indices
 from fusionp2p.errors import JobError
 from fusionp2p.jobs.content import ContentConfig, ContentService, ContentStore
-from fusionp2p.jobs.data_shards import FeedConfig, ShardFeed
+from fusionp2p.jobs.data_shards import ExampleFeed, FeedConfig, ShardFeed
 from fusionp2p.net.memory import memory_network
 from fusionp2p.wire.protocols import CONTENT
 
@@ -177,5 +177,56 @@ def test_the_publisher_may_leave_after_a_first_pass_holders_serve_the_rest(tmp_p
                 assert set(b.stats.peers) == {first.transport.peer_id}
                 # the first reader's store keeps what it read (on disk, cache: pinned by nobody)
                 assert first.store.stats()["pinned_bytes"] == 0 and all(first.store.has(h) for h in man.shards)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_an_example_feed_reads_its_examples_and_the_held_out_ones_and_refuses_a_liar(tmp_path: Path) -> None:
+    """The same feed for :class:`Examples`: every training example of an epoch once, by field name, from the
+    honest holder; the held-out shards pinned for the evaluation; a window of shards in memory."""
+    rng = np.random.default_rng(8)
+    data = Examples({"x": rng.integers(0, 99, (53, 3)), "y": np.arange(53)}, holdout=5, seed=4, shard_bytes=4 * 32)
+    man, blobs = data.shards()
+    assert (man.num_train, man.shard_examples, len(man.shards)) == (48, 4, 14)
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with memory_network() as net:
+                pub = ContentService(net.add_host(), ContentStore())
+                liar = ContentService(net.add_host(), _LyingStore())
+                me = ContentService(net.add_host(), ContentStore(tmp_path / "me"))
+                for svc in (pub, liar, me):
+                    svc.install()
+                for h, blob in blobs.items():
+                    pub.store.put(blob)
+                    liar.store.put(blob)
+                    await liar.transport.provide(h)
+                for p in (pub, liar):
+                    await me.transport.connect(p.transport.listen_addrs()[0])
+                order = ExampleOrder(man, OrderConfig(micro_batch=B, micro_batches=M, seed=3), ((0, M),))
+                feed = ExampleFeed(me, order, ("y", "x"), replica=0, replicas=1, peers=[pub.transport.peer_id],
+                                   last_step=12, config=FeedConfig(ahead_steps=2, max_shards=4))
+                assert feed.pinned == (12,) and feed.eval_data is not None     # the first 4 held-out examples
+                seen: list[int] = []
+                done = trio.Event()
+                async with trio.open_nursery() as n:
+                    await n.start(feed.serve, done)
+                    for step in range(12):    # one epoch: 48 examples, 4 a step
+                        for mu in range(M):
+                            await feed.ready(step, mu)
+                            got = feed(step, mu)
+                            want = data.batch(order.indices(step, mu))
+                            assert set(got) == {"x", "y"} and np.array_equal(got["x"].numpy(), want["x"])
+                            seen.extend(got["y"].tolist())
+                            assert len(feed._held) <= feed.max_shards and 12 in feed._held
+                    for mu in range(M):
+                        held = feed.eval_data(12, mu)
+                        assert np.array_equal(held["y"].numpy(), data.batch(held_out_indices(man, B, mu))["y"])
+                    done.set()
+                train = set(data.batch(np.arange(48))["y"].tolist())
+                assert sorted(seen) == sorted(train)              # each training example once, no held-out one
+                assert feed.stats.refused >= 1 and feed.stats.peers.keys() <= {pub.transport.peer_id}
+                # each shard read once: 12 to train, the held-out one of the evaluation (not the last, unread)
+                assert feed.stats.received_bytes == man.total_bytes - man.shard_bytes(13)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

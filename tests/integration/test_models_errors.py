@@ -78,7 +78,8 @@ def test_healthy_examples_job_trains(tmp_path: Path) -> None:
 def test_reference_gpt2_with_a_held_out_split_of_the_builtin_corpus(tmp_path: Path) -> None:
     """Token windows as examples (inputs and next tokens by the model's own argument names) give the
     built-in corpus a held-out split; the download reproduces the held-out loss."""
-    from fusionp2p.data import BuiltinCorpus, ExampleSampler
+    from fusionp2p.data import BuiltinCorpus
+    from fusionp2p.data.stream import held_out_indices
     from fusionp2p.models import GPT2, GPT2Config
 
     torch.manual_seed(0)
@@ -91,10 +92,9 @@ def test_reference_gpt2_with_a_held_out_split_of_the_builtin_corpus(tmp_path: Pa
         job = swarm.publish(model=GPT2(GPT2Config.tiny(block_size=16, n_layer=2)), dataset=data, config=cfg)
         job.wait(timeout=120)
         fresh = job.load_into(GPT2(GPT2Config.tiny(block_size=16, n_layer=2)))
-    sampler = ExampleSampler(num=data.num_holdout, micro_batch=4, micro_batches=2, seed=0,
-                             offset=data.num_examples - data.num_holdout)
+    man, _ = data.shards()
     with torch.no_grad():
         fresh.eval()
-        losses = [float(fresh(*[torch.from_numpy(v) for v in data.batch(sampler.indices(0, mu)).values()])[1])
+        losses = [float(fresh(*[torch.from_numpy(v) for v in data.batch(held_out_indices(man, 4, mu)).values()])[1])
                   for mu in range(2)]
     assert job.final_loss == pytest.approx(sum(losses) / 2, rel=1e-5)

@@ -17,7 +17,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from fusionp2p.data import BuiltinCorpus, Examples, ExampleSampler
+from fusionp2p.data import BuiltinCorpus, Examples
+from fusionp2p.data.stream import ExampleOrder, OrderConfig, held_out_indices
 from fusionp2p.jobs.events import PlanChanged, StepProgress
 from fusionp2p.sdk import LOCAL_PROFILE, Swarm
 from fusionp2p.train.config import TrainConfig
@@ -97,14 +98,12 @@ ARCHS: dict[str, tuple[Callable[[], nn.Module], Callable[[], Examples]]] = {
 
 
 def _held_out_loss(model: nn.Module, data: Examples, cfg: TrainConfig) -> float:
-    """What the stages' final evaluation computes: step 0 of the held-out sampler, dropout off."""
-    n_train = data.num_examples - data.num_holdout
-    sampler = ExampleSampler(num=data.num_holdout, micro_batch=cfg.micro_batch, micro_batches=cfg.micro_batches,
-                             seed=cfg.seed, offset=n_train)
+    """What the stages' final evaluation computes: the held-out micro-batches (data/stream.py), dropout off."""
+    man, _ = data.shards()
     model.eval()
     with torch.no_grad():
         losses = [float(model(**{k: torch.from_numpy(np.ascontiguousarray(v))
-                                 for k, v in data.batch(sampler.indices(0, mu)).items()}).loss)
+                                 for k, v in data.batch(held_out_indices(man, cfg.micro_batch, mu)).items()}).loss)
                   for mu in range(cfg.micro_batches)]
     return sum(losses) / len(losses)
 
@@ -155,8 +154,8 @@ def test_tied_embeddings_across_stages_equal_single_process(tmp_path: Path, stag
     ref = _gpt2()
     ref.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(ref.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    sampler = ExampleSampler(num=data.num_examples - data.num_holdout, micro_batch=cfg.micro_batch,
-                             micro_batches=cfg.micro_batches, seed=cfg.seed)
+    sampler = ExampleOrder(data.shards()[0], OrderConfig(micro_batch=cfg.micro_batch, micro_batches=cfg.micro_batches,
+                                                         seed=cfg.seed), ((0, cfg.micro_batches),))
     ref_losses = []
     for step in range(cfg.steps):
         opt.zero_grad()
