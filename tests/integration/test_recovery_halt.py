@@ -20,8 +20,8 @@ import pytest
 import torch
 import trio
 
-from fusionp2p.jobs import run as job_run
 from fusionp2p.jobs.events import PlanChanged, ProgressEvent, StepProgress
+from fusionp2p.net.resilient import open_resilient_channel
 from fusionp2p.train.config import CO2, TrainConfig
 from tests.integration.test_elastic import _built, _check_done, _node, _publish, _stage_peers, _swarm
 
@@ -34,18 +34,16 @@ def test_a_halt_does_not_wait_for_the_links_to_close(tmp_path: Path, caplog: pyt
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.INFO, logger="fusionp2p.jobs")
     torch.set_num_threads(1)
-    real = job_run.open_resilient_channel
-
     @asynccontextmanager
     async def lingering(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        async with real(*args, **kwargs) as ch:
+        async with open_resilient_channel(*args, **kwargs) as ch:
             try:
                 yield ch
             finally:
                 with trio.CancelScope(shield=True):
                     await trio.sleep(LINGER)
 
-    monkeypatch.setattr(job_run, "open_resilient_channel", lingering)
+    monkeypatch.setattr("fusionp2p.jobs.run.open_resilient_channel", lingering)
     cfg = TrainConfig(steps=16, micro_batch=2, micro_batches=2, lr=3e-3, replicas=2, averaging=CO2(tau=2),
                       compression="none", checkpoint_every=0, seed=1)
     killed: list[str] = []
