@@ -426,6 +426,12 @@ class Leading:
             mine = plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=plan)
             self._plan_cache = (snap.snapshot_hash(), mine)
             start["plan"] = mine.plan_hash()
+            # a plan that leaves live nodes out or moves the fences makes every member fetch state files: say why
+            pairs, spare = len(members) * (len(members) - 1) // 2, sorted(set(members) - set(mine.peers))
+            log.info("job %s: epoch %d planned %s replicas per stage%s%s; %d of %d member pairs without a link "
+                     "figure (planned as slow)", self.job_id, nxt, [len(st.replicas) for st in mine.stages],
+                     ", fences kept" if [f.unit for f in mine.fences] == [f.unit for f in plan.fences] else "",
+                     f", no role for {[short_peer(p) for p in spare]}" if spare else "", pairs - len(snap.links), pairs)
         except (PlanError, FusionError) as exc:
             log.info("job %s: no plan for epoch %d here (%s): the members elect one", self.job_id, nxt, exc)
         replies = await self._ask_all(members, start, timeout=cfg.report_timeout)
