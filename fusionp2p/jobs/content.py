@@ -54,6 +54,13 @@ class _Refused(PeerUnavailable):
     """A provider answered that it cannot serve the blob (a reply, not a failed stream)."""
 
 
+class _Cut(PeerUnavailable):
+    """A blob's stream ended before the bytes its provider announced: the stream failed (in benchmarks.churn a
+    TCP connection reset under load ended one inside a frame, and the re-plan whose state fetch it was cost a
+    whole second re-plan), so it is worth another round; a provider that cuts every stream is asked
+    FETCH_ROUNDS times at most."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ContentConfig:
     chunk_bytes: int = 1 * MiB          # data frame size on the wire
@@ -89,11 +96,14 @@ def decode_response_head(frame: bytes) -> tuple[int, str | None]:
     return as_int(m.get("size"), f"{w} size", lo=0, hi=U63), None
 
 
-async def _read_frame(stream: Stream, dec: FrameDecoder, pending: list[bytes]) -> bytes | None:
-    """Next frame, or None at a clean end of stream; RemoteProtocolError if cut inside a frame."""
+async def _read_frame(stream: Stream, dec: FrameDecoder, pending: list[bytes], *, cut: str = "") -> bytes | None:
+    """Next frame, or None at a clean end of stream; RemoteProtocolError if cut inside a frame (``_Cut``
+    naming the peer *cut* when given: a client reading a blob)."""
     while not pending:
         chunk = await stream.receive_some(64 * 1024)
         if not chunk:
+            if cut and dec.pending:
+                raise _Cut(cut, f"the stream ended inside a frame ({dec.pending} bytes pending)")
             dec.check_eof()
             return None
         pending.extend(dec.feed(chunk))
@@ -184,8 +194,8 @@ class ContentService:
     async def fetch_from(self, peer: str, h: str, *, max_size: int) -> bytes:
         """Fetch blob *h* from *peer*, at most *max_size* bytes, verified. Does not store it.
 
-        Raises PeerUnavailable (cannot reach / does not have it), RemoteProtocolError (broken
-        exchange, over the cap) or IntegrityError (wrong bytes).
+        Raises PeerUnavailable (cannot reach / does not have it / the stream ended before the blob did),
+        RemoteProtocolError (broken exchange, over the cap) or IntegrityError (wrong bytes).
         """
         if not is_sha256_hex(h):
             raise ConfigError(f"{h!r} is not a sha256 content hash")
@@ -253,9 +263,9 @@ class ContentService:
         digest = hashlib.sha256()
         got = 0
         while got < size:
-            frame = await _read_frame(stream, dec, pending)
+            frame = await _read_frame(stream, dec, pending, cut=peer)
             if frame is None:
-                raise RemoteProtocolError(f"{peer} ended the content stream after {got} of {size} bytes")
+                raise _Cut(peer, f"the content stream ended after {got} of {size} bytes")
             if got + len(frame) > size:
                 raise RemoteProtocolError(f"{peer} sent more than the {size} bytes it announced")
             digest.update(frame)

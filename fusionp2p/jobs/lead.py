@@ -41,6 +41,7 @@ from fusionp2p.jobs.rebalance import (
 from fusionp2p.jobs.replan import (
     Halted,
     complete_checkpoint,
+    fill_unmeasured,
     halt_step,
     leader_of,
     plan_resume,
@@ -419,13 +420,19 @@ class Leading:
             log.warning("job %s: some units lost every live state; resuming from %s (%d steps lost)", self.job_id,
                         f"the checkpoint of step {resume.step}" if resume.sources else "the published weights",
                         resume.lost_steps)
-        snap = self._snapshot(members, nxt)
+        snap = self._snapshot(members, nxt, fill=at is None)
         start = {"op": "start", "job": self.job_id, "snapshot": snap.to_wire(), "resume": resume.to_wire(),
                  "previous": plan.to_wire()}
         try:   # the plan we compute from it: members that compute the same adopt it without an election
             mine = plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=plan)
             self._plan_cache = (snap.snapshot_hash(), mine)
             start["plan"] = mine.plan_hash()
+            # a plan that leaves live nodes out or moves the fences makes every member fetch state files: say why
+            pairs, spare = len(members) * (len(members) - 1) // 2, sorted(set(members) - set(mine.peers))
+            log.info("job %s: epoch %d planned %s replicas per stage%s%s; %d of %d member pairs without a link "
+                     "figure", self.job_id, nxt, [len(st.replicas) for st in mine.stages],
+                     ", fences kept" if [f.unit for f in mine.fences] == [f.unit for f in plan.fences] else "",
+                     f", no role for {[short_peer(p) for p in spare]}" if spare else "", pairs - len(snap.links), pairs)
         except (PlanError, FusionError) as exc:
             log.info("job %s: no plan for epoch %d here (%s): the members elect one", self.job_id, nxt, exc)
         replies = await self._ask_all(members, start, timeout=cfg.report_timeout)
@@ -465,7 +472,9 @@ class Leading:
             async with open_elector(self.transport, ElectionConfig(timeout_s=min(10.0, self.svc.config.election_timeout))) as el:
                 await el.elect(snap, plan)
 
-    def _snapshot(self, members: list[str], epoch: int) -> Snapshot:
+    def _snapshot(self, members: list[str], epoch: int, *, fill: bool = False) -> Snapshot:
+        """The planner's input for *members* at *epoch*; with *fill* (a re-plan after a loss), a pair without a
+        link figure counts as the slowest measured one (``replan.fill_unmeasured``), not as ``missing_link``."""
         view = self.svc.swarm.view
         raw: dict[str, DeviceProfile] = {}
         speeds: dict[str, float] = {}
@@ -494,6 +503,11 @@ class Leading:
                     e = est
                 if e is not None and e.bandwidth > 0 and math.isfinite(e.bandwidth) and math.isfinite(e.rtt):
                     links.append((a, b, Link(bandwidth_bps=e.bandwidth, latency_s=max(0.0, e.rtt / 2))))
+        if fill:
+            links, n = fill_unmeasured(members, links)
+            if n:
+                log.info("job %s: %d of %d member pairs without a link figure planned at the slowest measured one",
+                         self.job_id, n, len(members) * (len(members) - 1) // 2)
         return snapshot_from_records(self.job_id, epoch, profiles, links)
 
     async def _ask_all(self, peers: list[str], msg: dict[str, Any], *,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from fusionp2p.data.stream import MAX_HISTORY, check_history
 from fusionp2p.errors import PlanError, RemoteProtocolError
+from fusionp2p.plan.snapshot import Link
 from fusionp2p.wire.check import as_map
 
 
@@ -248,6 +249,29 @@ def still_taking_off(*, proposed: bool, since: float, retry: float, stalled: boo
     return not (gone or trained or reported)
 
 
+def fill_unmeasured(members: Sequence[str],
+                    links: Sequence[tuple[str, str, Link]]) -> tuple[list[tuple[str, str, Link]], int]:
+    """*links* (measured or estimated, between *members*) and, for each pair of *members* without one, the
+    slowest of them (the smallest bandwidth, the largest latency); with how many pairs were filled. None is
+    filled when nothing was measured.
+
+    For the re-plan after a loss: a node's probe server refuses probes while it trains (swarm/prober.py), so a
+    standby that joined during training, or whose first probes lost to the job's start, has no link figure,
+    and the planner's ``missing_link`` (125 kB/s) left it out. The job then shrank at each death instead of
+    taking the standby in, every fence moved and every member fetched every state file (benchmarks.churn:
+    one stage x 2 replicas on 4 live nodes; later one node alone). The slowest link the job's own nodes
+    measured is a guess, but a conservative one among them; planned re-plans (joiners, re-balancing) keep
+    the planner's rule, since nothing forces them."""
+    if not links:
+        return list(links), 0
+    have = {frozenset((a, b)) for a, b, _ in links}
+    slow = Link(bandwidth_bps=min(lk.bandwidth_bps for _, _, lk in links), latency_s=max(lk.latency_s for _, _, lk in links))
+    out = list(links)
+    for i, a in enumerate(members):
+        out += [(a, b, slow) for b in members[i + 1:] if frozenset((a, b)) not in have]
+    return out, len(out) - len(links)
+
+
 def halt_step(current: Iterable[int], *, tau: int = 1, margin: int = 2, steps: int) -> int:
     """The step boundary at which a planned re-plan halts every member: past every member's current
     step by *margin*, on a multiple of *tau* (a CO2 round boundary), at most the job's end."""
@@ -258,5 +282,5 @@ def halt_step(current: Iterable[int], *, tau: int = 1, margin: int = 2, steps: i
     return at
 
 
-__all__ = ["Checkpoints", "Halted", "Resume", "Source", "complete_checkpoint", "halt_step", "leader_of",
+__all__ = ["Checkpoints", "Halted", "Resume", "Source", "complete_checkpoint", "fill_unmeasured", "halt_step", "leader_of",
            "plan_resume", "still_taking_off"]

@@ -132,6 +132,7 @@ class JobRun(Leading):
         self.role: tuple[int, int] | None = None
         self.members: frozenset[str] | None = None     # of the newest started snapshot: who may open links
         self.scope: trio.CancelScope | None = None
+        self._tasks: trio.Nursery | None = None         # the job's own tasks (run): they outlive an epoch
         self.channels: list[ResilientChannel] = []
         self.closed = trio.Event()
         # step -> (start unit, end unit) -> (stage file hash, nodes holding it)
@@ -286,6 +287,7 @@ class JobRun(Leading):
             with trio.CancelScope() as scope:
                 self.scope = scope
                 async with trio.open_nursery() as nursery:
+                    self._tasks = nursery
                     nursery.start_soon(self._watch)
                     nursery.start_soon(self._listen)
                     await self._epochs()
@@ -398,10 +400,10 @@ class JobRun(Leading):
                 log.info("job %s epoch %d: state of stage %d from %d files in %.1f s", self.job_id, plan.epoch, s,
                          len(req.resume.sources), trio.current_time() - t0)
                 self.to(JobState.RUNNING, f"epoch {plan.epoch}: stage {s} replica {r} from step {req.resume.step}")
-                async with trio.open_nursery() as holders:   # the tasks that hold this epoch's dialed channels open
+                async with trio.open_nursery() as holders:   # the epoch's tasks (its data feed)
                     try:
                         t0 = trio.current_time()
-                        links, peers = await self._open_links(plan, programs, s, r, holders)
+                        links, peers = await self._open_links(plan, programs, s, r, self._tasks or holders)
                         paths = {ch.remote_peer: self._path(ch) for ch in [*links.values(), *peers]}
                         log.info("job %s epoch %d: %d links up in %.1f s (%s)", self.job_id, plan.epoch,
                                  len(links) + len(peers), trio.current_time() - t0,
@@ -511,9 +513,11 @@ class JobRun(Leading):
         store = self.svc.content.store
         if store.has(src.state):
             return store.get(src.state)
+        # its holders, then every node known to hold the same file (a keeper, an earlier fetcher), in turn
+        known = [p for files in self.checkpoints.values() for h, ps in files.values() if h == src.state for p in ps]
         with trio.fail_after(self.svc.config.accept_timeout):   # announced in the background: the epoch waits
-            blob = await self.svc.content.fetch(src.state, max_size=self.svc.config.max_state_bytes,
-                                                peers=[p for p in src.holders if p != self.me] or None, provide=False)
+            blob = await self.svc.content.fetch(src.state, max_size=self.svc.config.max_state_bytes, provide=False,
+                                                peers=[p for p in dict.fromkeys([*src.holders, *known]) if p != self.me] or None)
         self.svc.nursery.start_soon(self._provide, src.state)
         return blob
 
@@ -765,7 +769,9 @@ class JobRun(Leading):
         got[name] = ch
 
     async def _hold_channel(self, name: str, peer: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Dial one channel and keep it open (reconnecting as needed) until the epoch's channels are closed."""
+        """Dial one channel and keep it open until the epoch's channels are closed. In the job's nursery: an
+        epoch ends when its channels said goodbye, not when their links' sockets closed (a link's close waits, shielded,
+        up to ``dead_after`` for a peer that reads no more after a halt: 3 s of each re-plan in benchmarks.churn)."""
         closed = self.closed
         async with open_resilient_channel(self.svc.data_plane, peer, name=f"{self.job_id}/{name}",
                                           config=self.svc.config.channels(), peer_gone=self.svc.peer_gone) as ch:
