@@ -29,8 +29,8 @@ from fusionp2p.graph.program import StageProgram
 from fusionp2p.jobs.suspects import Suspects
 from fusionp2p.net.identity import Identity
 from fusionp2p.plan.plan import Fence, Plan, Stage
+from fusionp2p.train.spot import TappedExecutor
 from fusionp2p.train.verify import (
-    Tap,
     Unverifiable,
     Verdict,
     VerifyConfig,
@@ -43,28 +43,6 @@ from fusionp2p.train.verify import (
 
 STAGE_ATTACKS = ("bias", "zeros")
 BIAS = 0.05     # of the activation's standard deviation
-
-
-class TappedExecutor(StageExecutor):
-    """A stage executor that records what it received and sent in ``tap`` (for the step ``step``), as
-    the wire would carry it: a liar's lies included."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tap = Tap()
-        self.step = 0
-
-    def forward(self, micro: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        rng = torch.get_rng_state()
-        out = super().forward(micro, inputs)
-        self.tap.forward(self.step, micro, inputs, out, rng)
-        return out
-
-    def backward(self, micro: int, grad_outputs: Mapping[str, torch.Tensor], *,
-                 loss_scale: float = 1.0) -> dict[str, torch.Tensor]:
-        out = super().backward(micro, grad_outputs, loss_scale=loss_scale)
-        self.tap.backward(self.step, micro, grad_outputs, out, loss_scale)
-        return out
 
 
 class LyingStage(TappedExecutor):

@@ -221,6 +221,10 @@ class Tap:
     def take(self, step: int, micro: int) -> Transcript | None:
         return self._fwd.get((step, micro))
 
+    def of(self, step: int) -> list[Transcript]:
+        """*step*'s transcripts, by micro-batch."""
+        return [t for (s, _), t in sorted(self._fwd.items(), key=lambda kv: kv[0]) if s == step]
+
 
 # ------------------------------------------------------------------------------------------ checking
 def recompute(program: StageProgram, state: Mapping[str, torch.Tensor], t: Transcript, *,
