@@ -11,26 +11,34 @@ A liar lies on a fraction ``lie_rate`` of its micro-batches (drawn from its own 
 honest on the others. :func:`spot_checked_run` trains a :class:`~fusionp2p.graph.local.LocalPipeline`
 with one stage replaced by a liar, while a second holder of each stage spot-checks sampled micro-batches
 as ``train/verify.py`` describes (the leader's signed seed after each step, the stage's signed claim,
-recomputation, a verdict acted on by ``jobs/suspects.py``).
+recomputation, a verdict acted on by ``jobs/suspects.py``). :func:`verified_job` runs the same checks as
+a job runs them (``train/spot.py``): real stage workers of S stages x R replicas in one process, each
+replica keeping a ledger and checked by another replica of its stage.
 """
 
 from __future__ import annotations
 
+import math
 import resource
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import trio
 
 from fusionp2p.graph.executor import StageExecutor
 from fusionp2p.graph.local import LocalPipeline
 from fusionp2p.graph.program import StageProgram
+from fusionp2p.jobs.events import StageConvicted, decode_event, encode_event
 from fusionp2p.jobs.suspects import Suspects
 from fusionp2p.net.identity import Identity
 from fusionp2p.plan.plan import Fence, Plan, Stage
+from fusionp2p.testing.channels import memory_channel_pair
+from fusionp2p.train.config import TrainConfig
+from fusionp2p.train.spot import Bundle, Checker, Ledger, TappedExecutor
 from fusionp2p.train.verify import (
-    Tap,
+    Claim,
     Unverifiable,
     Verdict,
     VerifyConfig,
@@ -40,31 +48,10 @@ from fusionp2p.train.verify import (
     digest,
     sampled,
 )
+from fusionp2p.train.worker import DataFn, StageContext, StageReport, StageWorker
 
 STAGE_ATTACKS = ("bias", "zeros")
 BIAS = 0.05     # of the activation's standard deviation
-
-
-class TappedExecutor(StageExecutor):
-    """A stage executor that records what it received and sent in ``tap`` (for the step ``step``), as
-    the wire would carry it: a liar's lies included."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tap = Tap()
-        self.step = 0
-
-    def forward(self, micro: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        rng = torch.get_rng_state()
-        out = super().forward(micro, inputs)
-        self.tap.forward(self.step, micro, inputs, out, rng)
-        return out
-
-    def backward(self, micro: int, grad_outputs: Mapping[str, torch.Tensor], *,
-                 loss_scale: float = 1.0) -> dict[str, torch.Tensor]:
-        out = super().backward(micro, grad_outputs, loss_scale=loss_scale)
-        self.tap.backward(self.step, micro, grad_outputs, out, loss_scale)
-        return out
 
 
 class LyingStage(TappedExecutor):
@@ -219,4 +206,109 @@ def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Seq
     return run
 
 
-__all__ = ["BIAS", "STAGE_ATTACKS", "LyingStage", "SpotRun", "TappedExecutor", "spot_checked_run"]
+@dataclass(kw_only=True)
+class VerifiedJob:
+    """What :func:`verified_job` saw."""
+
+    ids: dict[tuple[int, int], Identity]                  # (stage, replica) -> the node's identity
+    plan: Plan
+    leader: Suspects                                      # the leader's (the checkers' nodes' verdicts)
+    others: Suspects                                      # a node's that judges the gossiped StageConvicted events
+    events: list[StageConvicted]
+    workers: dict[tuple[int, int], StageWorker]
+    ledgers: dict[tuple[int, int], Ledger]
+    checkers: dict[tuple[int, int], Checker]              # the checker OF (stage, replica)
+    reports: list[StageReport]
+    cpu_s: float = 0.0                                    # the process's CPU seconds (user + sys) for the run
+
+
+def verified_job(programs: Sequence[StageProgram], data: DataFn, config: TrainConfig, *, rate: float | None,
+                 liar: tuple[int, int] | None = None, attack: str | None = None, lie_rate: float = 1.0,
+                 timeout: float = 600.0) -> VerifiedJob:
+    """Run a job of ``len(programs)`` stages (a chain) x ``config.replicas`` replicas on real
+    :class:`~fusionp2p.train.worker.StageWorker` s over in-memory channels, in one process. With *rate*,
+    every stage replica keeps a :class:`~fusionp2p.train.spot.Ledger` and is checked by the next replica
+    of its stage (``train/spot.py``); a verdict goes to the leader's :class:`Suspects`, and its
+    ``StageConvicted`` event through the wire codec to another node's. The request of a bundle is a direct
+    call here (the in-process stand-in of the node-to-node request). *rate* None: no ledgers, no checkers,
+    plain executors (the baseline). Replica *liar* = (stage, replica) lies with *attack*."""
+    S, R = len(programs), config.replicas or 1
+    if R < 2 and rate is not None:
+        raise ValueError("verified_job checks a replica by another: replicas >= 2")
+    ids = {(s, r): Identity(bytes([16 * s + r + 1]) * 32) for s in range(S) for r in range(R)}
+    n = S   # one unit a stage in the plan (Suspects reads only the stages' replicas)
+    plan = Plan(job="j", epoch=0, snapshot_hash="h", algorithm="test", seed=0, n_units=n,
+                micro_batches=config.micro_batches,
+                stages=tuple(Stage(start=s, end=s + 1, replicas=tuple(sorted(ids[s, r].peer_id for r in range(R))))
+                             for s in range(S)),
+                fences=tuple(Fence(index=s, unit=s + 1, dense_bytes=1.0, rho=1.0) for s in range(S - 1)))
+    leader, others = Suspects(), Suspects()
+    events: list[StageConvicted] = []
+    reports: list[StageReport] = []
+
+    async def report(rep: StageReport) -> None:
+        reports.append(rep)
+
+    async def on_verdict(v: Verdict) -> None:
+        ev = leader.verdict(v, plan)
+        if ev is not None:
+            events.append(ev)
+            others.observe(ev.peer, decode_event(encode_event(ev)), plan)
+
+    def checker_of(s: int, r: int) -> Identity:
+        return ids[s, (r + 1) % R]
+
+    vcfg = VerifyConfig(rate=rate or 0.0)
+    inbox = {k: trio.open_memory_channel[list[Claim]](math.inf) for k in ids}
+    checkers = {(s, r): Checker(checker_of(s, r), programs[s], vcfg, job=plan.job, epoch=plan.epoch,
+                                on_verdict=on_verdict) for (s, r) in ids} if rate is not None else {}
+    ledgers: dict[tuple[int, int], Ledger] = {}
+    pipe = {(s, r): memory_channel_pair(f"s{s}r{r}", f"s{s + 1}r{r}", window=8) for s in range(S - 1) for r in range(R)}
+    peer_ch: dict[tuple[int, int], list[Any]] = {k: [] for k in ids}
+    for s in range(S):
+        for a in range(R):
+            for b in range(a + 1, R):
+                x, y = memory_channel_pair(f"s{s}r{a}", f"s{s}r{b}", window=8)
+                peer_ch[s, a].append(x)
+                peer_ch[s, b].append(y)
+    workers: dict[tuple[int, int], StageWorker] = {}
+    for (s, r), idt in ids.items():
+        prog = programs[s]
+        ex: StageExecutor = (LyingStage(prog, attack=attack if (s, r) == liar else None, lie_rate=lie_rate)
+                             if rate is not None or (s, r) == liar else StageExecutor(prog))
+        links = {**({s - 1: pipe[s - 1, r][1]} if s > 0 else {}), **({s + 1: pipe[s, r][0]} if s < S - 1 else {})}
+        if rate is not None:
+            assert isinstance(ex, TappedExecutor)
+            ledgers[s, r] = Ledger(idt, ex, job=plan.job, epoch=plan.epoch, replica=r,
+                                   checkers=[checker_of(s, r).peer_id], cfg=vcfg, publish=inbox[s, r][0].send)
+        workers[s, r] = StageWorker(StageContext(
+            job=plan.job, executor=ex, config=config, replica=r, replicas=R, links=links, peers=peer_ch[s, r],
+            data=data, tokens_per_micro=1, report=report, recv_timeout=timeout, spot=ledgers.get((s, r))))
+
+    async def check_loop(k: tuple[int, int]) -> None:
+        async def fetch(c: Claim, seed: bytes) -> Bundle:
+            return ledgers[k].bundle(checkers[k].me.peer_id, seed, c.step, c.micro)
+        async for claims in inbox[k][1]:
+            await checkers[k].step(claims, fetch)
+
+    async def main() -> None:
+        with trio.fail_after(timeout):
+            async with trio.open_nursery() as nursery:
+                for k in checkers:
+                    nursery.start_soon(check_loop, k)
+                async with trio.open_nursery() as w:
+                    for wk in workers.values():
+                        w.start_soon(wk.run)
+                for send, _ in inbox.values():
+                    await send.aclose()
+
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    trio.run(main)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return VerifiedJob(ids=ids, plan=plan, leader=leader, others=others, events=events, workers=workers,
+                       ledgers=ledgers, checkers=checkers, reports=reports,
+                       cpu_s=(r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime))
+
+
+__all__ = ["BIAS", "STAGE_ATTACKS", "LyingStage", "SpotRun", "TappedExecutor", "VerifiedJob", "spot_checked_run",
+           "verified_job"]

@@ -55,7 +55,7 @@ from fusionp2p.wire.msg import packb, unpackb
 _DOMAIN_SEED = b"fusionp2p/spot-seed/1"
 _DOMAIN_CLAIM = b"fusionp2p/spot-claim/1"
 _DOMAIN_VERDICT = b"fusionp2p/spot-verdict/1"
-DIGEST = 32                 # bytes of every digest (blake2b-256)
+DIGEST = 32                 # bytes of every digest (SHA-256: 3x blake2b where the CPU has SHA extensions)
 MAX_REASON = 200            # characters of a verdict's reason
 MAX_VERDICT = 4096          # bytes of an encoded verdict
 
@@ -116,7 +116,7 @@ class Unverifiable(ValueError):
 # ------------------------------------------------------------------------------------------ digests
 def digest(named: Mapping[str, torch.Tensor]) -> bytes:
     """A digest of named tensors: names, dtypes, shapes and bytes (order-free)."""
-    h = hashlib.blake2b(digest_size=DIGEST)
+    h = hashlib.sha256()
     for name in sorted(named):
         t = named[name].detach()
         if t.device.type != "cpu":
@@ -220,6 +220,10 @@ class Tap:
 
     def take(self, step: int, micro: int) -> Transcript | None:
         return self._fwd.get((step, micro))
+
+    def of(self, step: int) -> list[Transcript]:
+        """*step*'s transcripts, by micro-batch."""
+        return [t for (s, _), t in sorted(self._fwd.items(), key=lambda kv: kv[0]) if s == step]
 
 
 # ------------------------------------------------------------------------------------------ checking

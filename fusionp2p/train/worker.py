@@ -69,6 +69,7 @@ from fusionp2p.train.schedule import (
     SendGradient,
     StageSchedule,
 )
+from fusionp2p.train.spot import StepHooks
 from fusionp2p.train.state import StageState, load_optimizer_tensors, momentum_slices, optimizer_tensors
 from fusionp2p.types import AveragingStats
 
@@ -140,6 +141,7 @@ class StageContext:
     # accelerator keeps the host's CPU free for the node's networking
     compute_slowdown: float = 1.0
     compute_cpus: float | None = None
+    spot: StepHooks | None = None   # verified stages (train/spot.py Ledger): state kept before a step, claims after
 
 
 @dataclass(slots=True)
@@ -321,7 +323,11 @@ class StageWorker:
         t_final = w_max = 0.0                     # of t_avg: the last step's average; the longest other boundary
         while step < self._stop():
             t0 = time.perf_counter()
+            if self.ctx.spot is not None:
+                await self.ctx.spot.before(step)
             compute, wall = await self._train_step(step)
+            if self.ctx.spot is not None:
+                await self.ctx.spot.after(step)
             t1 = time.perf_counter()
             t_steps += t1 - t0
             t_comp += compute
@@ -470,9 +476,6 @@ class StageWorker:
                 return await ch.receive()
         except trio.TooSlowError:
             raise PeerUnavailable("neighbour", f"{what}: no message within {timeout:.0f} s") from None
-
-    def _gstep(self, step: int) -> int:
-        return step * self.ctx.replicas + self.ctx.replica
 
     def _redeal(self, speeds: Sequence[tuple[str, float]], step: int, avg: ReplicaAverager) -> None:
         """From *step* on, the deal for the speeds a consumed round carried (:meth:`Deal.redeal`), with this
@@ -637,7 +640,7 @@ class StageWorker:
             mask = self._kept.pop((micro, name), None)
             if mask is not None:
                 g = g * dev.to_device(mask, g.device)
-            meta, tensors = await encoded(g, self._rho_at(step, self._rho_in(src)))
+            meta, tensors = await encoded(g, self._rho_at(step, self.ctx.rho_out.get(-1 - src, 1.0)))   # fence in
             await self.ctx.links[src].send(TensorMessage(job=self.ctx.job, kind="grad", stage=src, step=step,
                                                          micro=micro, name=name, meta=meta, tensors=tensors))
 
@@ -649,9 +652,6 @@ class StageWorker:
             return rho
         frac = min(1.0, (step - self._dense_from + 1) / (self.ctx.config.steps - self._dense_from))
         return math.pow(rho, 1.0 - frac)
-
-    def _rho_in(self, src: int) -> float:
-        return self.ctx.rho_out.get(-1 - src, 1.0)   # incoming fences are stored under -1 - src
 
     def _keep_tied(self, src: int, msg: TensorMessage) -> None:
         params = self.ex.parameters()
@@ -776,7 +776,7 @@ class StageWorker:
         for mu in range(self.ctx.config.micro_batches):
             held = self.ctx.eval_data
             reads = any(r.src == DATA for r in prog.recv)
-            data = held(0, mu) if held is not None else await self._data(self._gstep(step), mu) if reads else {}
+            data = held(0, mu) if held is not None else await self._data(step * self.ctx.replicas + self.ctx.replica, mu) if reads else {}
             ready = None
             for r in prog.recv:
                 if r.src == DATA:

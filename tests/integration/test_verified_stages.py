@@ -1,0 +1,96 @@
+"""Verified stages wired into the stage worker (issue 46, train/spot.py): a job of 2 stages x 2 replicas runs on
+real StageWorkers over in-memory channels (``fusionp2p.testing.lying_stages.verified_job``), each replica
+keeping a Ledger (its state per step, a signed claim per micro-batch) and checked by the other replica of its
+stage, which draws its sample from its own signed seed, fetches the bundles and recomputes them. A stage that
+adds a bias to its activations (or sends zeros for its backward) is convicted and left out of the next plan
+by every node's Suspects; an honest run with every micro-batch checked is never convicted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusionp2p.graph import coarsen, partition, stages_from_fences, trace
+from fusionp2p.graph.program import StageProgram
+from fusionp2p.testing.lying_stages import LyingStage, VerifiedJob, verified_job
+from fusionp2p.train.config import CO2, TrainConfig
+from fusionp2p.train.spot import Refused
+from fusionp2p.train.verify import challenge, sampled
+from tests.integration.test_hostile_training import _Net
+
+S = R = 2
+STEPS, MICROS = 4, 2
+
+
+@pytest.fixture(scope="module")
+def job() -> tuple[list[StageProgram], list[str]]:
+    torch.manual_seed(0)
+    dag = trace(_Net(), (torch.randn(2, 4), torch.tensor([0, 2])))
+    c = coarsen(dag)
+    return partition(c, stages_from_fences(len(c.units), [1])), list(dag.data_inputs)
+
+
+def _run(job: tuple[list[StageProgram], list[str]], rate: float | None, liar: tuple[int, int] | None = None,
+         attack: str | None = None) -> VerifiedJob:
+    progs, names = job
+
+    def data(sstep: int, mu: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(sstep * 10 + mu)
+        return dict(zip(names, (torch.randn(2, 4, generator=g), torch.randint(0, 3, (2,), generator=g)), strict=True))
+
+    cfg = TrainConfig(steps=STEPS, micro_batch=2, micro_batches=MICROS, lr=0.05, replicas=R, averaging=CO2(tau=1))
+    return verified_job(progs, data, cfg, rate=rate, liar=liar, attack=attack, timeout=60.0)
+
+
+def test_honest_job_with_every_micro_batch_checked_is_never_convicted(job: tuple[list[StageProgram], list[str]]) -> None:
+    got = _run(job, rate=1.0)
+    ch = got.checkers.values()
+    assert sum(c.checks for c in ch) == S * R * STEPS * MICROS   # every micro-batch recomputed
+    assert sum(c.unverifiable for c in ch) == 0
+    assert not got.events and not got.leader.excluded and not got.others.excluded
+    assert all(led.cpu_s > 0 for led in got.ledgers.values())
+    # the checks change nothing in the training: the losses of the run without them, to the bit
+    base = _run(job, rate=None)
+    assert sorted((r.step, r.replica, r.loss) for r in got.reports if r.loss is not None) == sorted(
+        (r.step, r.replica, r.loss) for r in base.reports if r.loss is not None)
+
+
+@pytest.mark.parametrize(("liar", "attack"), [((0, 1), "bias"), ((1, 0), "zeros")])
+def test_lying_stage_is_convicted_and_left_out_of_the_next_plan(job: tuple[list[StageProgram], list[str]],
+                                                                liar: tuple[int, int], attack: str) -> None:
+    got = _run(job, rate=0.5, liar=liar, attack=attack)
+    bad = got.ids[liar].peer_id
+    ex = got.workers[liar].ex
+    assert isinstance(ex, LyingStage) and ex.lying      # it did lie
+    assert {ev.suspect for ev in got.events} == {bad}
+    assert got.leader.excluded == {bad} and got.others.excluded == {bad}
+    assert not got.leader.admits(bad)                    # Leading._alive: no member of the next re-plan
+    verdicts = [v for c in got.checkers.values() for v in c.verdicts]
+    assert verdicts and all(v.claim.peer == bad and v.valid() for v in verdicts)
+    # without the checks the same liar goes unnoticed
+    off = _run(job, rate=None, liar=liar, attack=attack)
+    assert not off.events and not off.leader.excluded
+
+
+def test_ledger_serves_only_its_checkers_sample(job: tuple[list[StageProgram], list[str]]) -> None:
+    got = _run(job, rate=0.5)
+    led = got.ledgers[0, 0]
+    checker, stranger = got.ids[0, 1], got.ids[1, 1]
+    step = STEPS - 1
+    seed = challenge(checker, "j", 0, step)
+    inside = [m for m in range(MICROS) if sampled(seed, 0, 0, m, 0.5)]
+    for m in range(MICROS):
+        if m in inside:
+            state, t = led.bundle(checker.peer_id, seed, step, m)
+            assert (t.step, t.micro) == (step, m) and state
+        else:
+            with pytest.raises(Refused, match="not in"):
+                led.bundle(checker.peer_id, seed, step, m)
+    with pytest.raises(Refused, match="not a checker"):
+        led.bundle(stranger.peer_id, challenge(stranger, "j", 0, step), step, 0)
+    with pytest.raises(Refused, match="does not verify"):
+        led.bundle(checker.peer_id, challenge(stranger, "j", 0, step), step, 0)
+    old = challenge(checker, "j", 0, 0)
+    m = next(m for m in range(64) if sampled(old, 0, 0, m, 0.5))
+    with pytest.raises(Refused, match="no longer kept"):
+        led.bundle(checker.peer_id, old, 0, m)
