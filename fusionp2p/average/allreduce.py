@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -128,13 +128,17 @@ class AllReduceRound:
 
     def __init__(self, *, peers: Sequence[str], me: str, n_elems: int, round_id: int, epoch: str,
                  weight: float = 1.0, max_weight_ratio: float = 4.0, fragment: int | None = None,
-                 robust: RobustConfig | None = None, out: torch.Tensor | None = None) -> None:
+                 robust: RobustConfig | None = None, out: torch.Tensor | None = None,
+                 alloc: Callable[[int], torch.Tensor] | None = None) -> None:
         if not (weight > 0 and math.isfinite(weight)) or not max_weight_ratio >= 1:
             raise LocalProtocolError("weight must be positive and finite, max_weight_ratio >= 1")
         if out is not None and (out.dim() != 1 or out.numel() != n_elems or out.dtype != torch.float32):
             raise LocalProtocolError(f"out must be a flat fp32 vector of {n_elems} elements")
         # the gathered vector: every shard is copied in as it arrives (Finished's vector)
         self._out = torch.empty(n_elems, dtype=torch.float32) if out is None else out
+        # the owned shard's mean goes into alloc(n) (a flat fp32 vector, contents undefined: the shell hands
+        # out recycled ones) instead of a fresh tensor, whose pages would all fault in again every round
+        self._alloc = alloc
         self.weight = weight
         self.max_weight_ratio = max_weight_ratio
         if len(set(peers)) != len(peers):
@@ -296,7 +300,8 @@ class AllReduceRound:
             parts, weights = [got[p].data for p in order], [got[p].weight for p in order]
             clipped: tuple[str, ...] = ()
             if self.robust is None:
-                mean = weighted_mean(parts, weights)
+                lo, hi = self.my_bounds
+                mean = weighted_mean(parts, weights, None if self._alloc is None else self._alloc(hi - lo))
             else:
                 rm = robust_mean(parts, weights, self.robust)
                 mean, clipped = rm.mean, tuple(order[i] for i in rm.clipped)

@@ -187,7 +187,8 @@ class OuterOptimizer:
     Not thread-safe: one owner drives it, one step at a time.
     """
 
-    def __init__(self, config: OuterConfig, initial: torch.Tensor, *, lo: int = 0, sharded: bool = False) -> None:
+    def __init__(self, config: OuterConfig, initial: torch.Tensor, *, lo: int = 0, sharded: bool = False,
+                 alloc: Callable[[int], torch.Tensor] | None = None) -> None:
         if initial.dim() != 1:
             raise ValueError("OuterOptimizer works on a flat 1-D vector")
         if sharded and config.clip == "global_norm" and math.isfinite(config.clip_threshold):
@@ -202,6 +203,10 @@ class OuterOptimizer:
         # the step's difference and scaled update live here, not in fresh shard-sized tensors every step: a
         # fresh one faults in its pages (the outer steps of a 25M x 4 round took 18-21k page faults)
         self._scratch: torch.Tensor | None = None
+        # where each step's new anchor is written (a flat fp32 vector of n elements, contents undefined): the
+        # averager hands out recycled vectors (its pool takes one back once nothing holds it: the anchor a
+        # step returns is still being sent to the peers when the next step runs); default a fresh tensor
+        self._alloc = alloc
         self.gap_sq = 0.0          # ‖x̃_t − x̃_{t-1}‖² over the whole vector (caller sums shards)
         self.lr_prev: float | None = None
         self.steps = 0
@@ -229,10 +234,20 @@ class OuterOptimizer:
         )
         if isinstance(lam, torch.Tensor) or lam != 1.0:
             delta = delta.div_(lam)
-        m = self.momentum.mul_(cfg.outer_momentum).add_(delta)
-        clip_(m, cfg.clip, cfg.clip_threshold)
-        update = delta.add_(m, alpha=cfg.outer_momentum) if cfg.nesterov else m   # delta is not read again
-        new = self.anchor - torch.mul(update, cfg.outer_lr, out=self._scratch)
+        if cfg.outer_momentum == 0.0:
+            # m = 0·m + Δ is Δ (but for the sign of a zero): Δ's buffer becomes the momentum and the old
+            # momentum's the scratch, instead of two passes over the shard; the Nesterov term β·m is 0
+            self.momentum, self._scratch = delta, self.momentum
+            m = update = clip_(delta, cfg.clip, cfg.clip_threshold)
+        else:
+            m = self.momentum.mul_(cfg.outer_momentum).add_(delta)
+            clip_(m, cfg.clip, cfg.clip_threshold)
+            update = delta.add_(m, alpha=cfg.outer_momentum) if cfg.nesterov else m   # delta is not read again
+        n = self.anchor.numel()
+        out = self._alloc(n) if self._alloc is not None else torch.empty(n, dtype=torch.float32)
+        if cfg.outer_lr != 1.0:   # α·u; with α = 1 it is u itself, bit for bit
+            update = torch.mul(update, cfg.outer_lr, out=self._scratch)
+        new = torch.sub(self.anchor, update, out=out)
         # ‖x̃_{t+1} − x̃_t‖² feeds only gap-aware penalties; skip the pass over the vector otherwise
         gap_part = float((new - self.anchor).pow(2).sum(dtype=torch.float64)) if self._needs_gap else 0.0
         self.prev_anchor = self.anchor

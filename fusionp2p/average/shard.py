@@ -49,8 +49,9 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """``Σ w_i·x_i / Σ w_i`` in fp32, summed in the given order (deterministic).
+def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor | None = None) -> torch.Tensor:
+    """``Σ w_i·x_i / Σ w_i`` in fp32, summed in the given order (deterministic), written into *out* when
+    given (a flat fp32 vector of the parts' size, e.g. a recycled one; it must not overlap a part).
 
     With equal weights this is ``Σ x_i / n``, which is what every test reference computes.
     """
@@ -64,9 +65,19 @@ def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> to
     rel = [w / top for w in weights]
     total = math.fsum(rel)
     uniform = all(w == weights[0] for w in weights)
-    # the first term as it would be added to zeros (x, or w·x rounded once), without the pass over zeros
-    acc = parts[0].to(torch.float32, copy=True) if uniform else parts[0].to(torch.float32).mul(rel[0])
-    for x, w in zip(parts[1:], rel[1:]):
+    # the first term as it would be added to zeros (x, or w·x rounded once), without the pass over zeros;
+    # equal weights: x_0 + x_1 in one pass (no copy of x_0 first: the same float)
+    first = parts[0].to(torch.float32)
+    rest = list(zip(parts[1:], rel[1:]))
+    if out is None:
+        out = torch.empty(first.shape, dtype=torch.float32)
+    if uniform and rest:
+        acc = torch.add(first, rest.pop(0)[0].to(torch.float32), out=out)
+    elif uniform:
+        acc = out.copy_(first)
+    else:
+        acc = torch.mul(first, rel[0], out=out)
+    for x, w in rest:
         if uniform:
             acc.add_(x.to(torch.float32))
         else:

@@ -312,7 +312,7 @@ class ReplicaAverager:
         # differences) from here: a fresh model-sized vector faults in every page (most of a 25M-float
         # round's CPU, measured), and once nothing holds one (not the round, not a send, not the caller)
         # the pool hands it out again; at most 6 kept, 6 vectors' worth
-        self._vectors = BufferPool(max_buffers=6, max_bytes=6 * 4 * self.n_elems)
+        self._vectors = BufferPool(max_buffers=12, max_bytes=6 * 4 * self.n_elems)
         self._initial: torch.Tensor | None = flat
         self._opt = self._make_opt(flat)
         # streaming: tau fragments (fewer when the vector is shorter; see stream_fragments), each with
@@ -357,12 +357,13 @@ class ReplicaAverager:
 
     def _make_opt(self, flat: torch.Tensor) -> OuterOptimizer:
         lo, hi = shard_bounds(flat.numel(), len(self.alive))[self.alive.index(self.me)]
-        return OuterOptimizer(self.config.outer, flat[lo:hi], lo=lo, sharded=len(self.alive) > 1)
+        return OuterOptimizer(self.config.outer, flat[lo:hi], lo=lo, sharded=len(self.alive) > 1, alloc=self._vector)
 
     def _make_frag_opt(self, flat: torch.Tensor, f: int) -> OuterOptimizer:
         """Fragment *f*'s outer state: this replica's shard of it (``lo`` relative to the fragment)."""
         lo, hi = shard_bounds(self._flen[f], len(self.alive))[self.alive.index(self.me)]
-        return OuterOptimizer(self._frag_outer, read_ranges(flat, self.fragments[f])[lo:hi], lo=lo, sharded=len(self.alive) > 1)
+        return OuterOptimizer(self._frag_outer, read_ranges(flat, self.fragments[f])[lo:hi], lo=lo, sharded=len(self.alive) > 1,
+                              alloc=self._vector)
 
     # ------------------------------------------------------------------ the training loop's API
     async def round_boundary(self, params: torch.Tensor | Iterable[torch.Tensor], *, lr: float | None = None) -> BoundaryResult:
@@ -553,7 +554,7 @@ class ReplicaAverager:
         n_elems = self.n_elems if f is None else self._flen[f]
         sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=n_elems, round_id=rnd.round_id, epoch=self.epoch,
                             weight=self.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f,
-                            robust=self.config.robust, out=self._vector(n_elems))
+                            robust=self.config.robust, out=self._vector(n_elems), alloc=self._vector)
         result: RoundResult | None = None
         bf16 = self._bf16_wire()
         base = self._bases.get(f) if bf16 else None
@@ -579,9 +580,10 @@ class ReplicaAverager:
                     if reinit:  # new epoch: restart the outer state from the survivors' mean
                         sharded = len(self.alive) > 1
                         if f is None:
-                            self._opt = OuterOptimizer(self.config.outer, a.mean, lo=a.lo, sharded=sharded)
+                            self._opt = OuterOptimizer(self.config.outer, a.mean, lo=a.lo, sharded=sharded, alloc=self._vector)
                         else:
-                            self._fopts[f] = OuterOptimizer(self._frag_outer, a.mean, lo=a.lo, sharded=sharded)
+                            self._fopts[f] = OuterOptimizer(self._frag_outer, a.mean, lo=a.lo, sharded=sharded,
+                                                            alloc=self._vector)
                         shard, scalar = a.mean, 0.0
                     elif rnd.mean_only:
                         shard, scalar = a.mean, 0.0
