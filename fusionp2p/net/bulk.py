@@ -171,8 +171,12 @@ class DataPlane:
         ch: BulkChannel | None = None
         streams: list[trio.SocketStream] = []
         try:
+            # the libp2p connection first, bounded by the transport's own deadlines: reaching a NAT'd peer
+            # through a relay takes longer than connect_timeout under load, and cutting it there restarted it
+            # at every retry, so that the link never came up (issue 43's live hostile test)
+            ticket_stream = await self._transport.open_stream(peer, BULK_TICKET)
             with trio.fail_after(cfg.connect_timeout):
-                reply = await self._request_ticket(peer)
+                reply = await self._request_ticket(peer, ticket_stream)
                 host = self._dial_host(peer, reply["host"])
                 lanes = reply["lanes"]
                 if lanes > cfg.lanes:
@@ -219,8 +223,8 @@ class DataPlane:
             why = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
             raise _Unreachable(f"{host}:{port}: {why}") from None
 
-    async def _request_ticket(self, peer: str) -> dict[str, Any]:
-        stream = await self._transport.open_stream(peer, BULK_TICKET)
+    async def _request_ticket(self, peer: str, stream: Stream) -> dict[str, Any]:
+        """The peer's ticket reply on *stream* (a BULK_TICKET stream to *peer*; closed here)."""
         try:
             limits = self._cfg.limits
             await stream.send_all(encode_frame(tf.encode_ticket_request(self._cfg.cipher, self._cfg.lanes),

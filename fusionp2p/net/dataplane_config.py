@@ -33,7 +33,7 @@ class DataPlaneConfig:
     inline_seal: int = 2 * MiB          # messages up to this size are sealed by send() itself, bigger ones by the writer thread
     keepalive: float = 0.5              # seconds between PINGs on an idle channel
     dead_after: float = 3.0             # seconds of silence before PeerUnavailable (a killed peer is seen at once: reset or EOF)
-    connect_timeout: float = 5.0
+    connect_timeout: float = 5.0        # a channel's set-up once the libp2p connection is up (getting that: the transport's deadlines)
     ticket_ttl: float = 10.0
     incoming_buffer: int = 16
     socket_buffer: int = 0              # SO_SNDBUF/SO_RCVBUF; 0 keeps Linux autotuning (faster on loopback)

@@ -410,6 +410,7 @@ class Libp2pTransport:
         if self.relay_service is not None:
             self.relay_service.install()
         self._circuits: dict[str, list[str]] = {}   # peer -> circuit addresses it was reached at (bounded)
+        self._circuit_source: Callable[[str], list[str]] = lambda _peer: []
         # hole punching within our limits (net/holepunch.py): members only, once the swarm names them
         self.dcutr: GuardedDCUtR | None = None
         if config.hole_punch:
@@ -484,6 +485,13 @@ class Libp2pTransport:
 
     def forget_relay(self, relay: str) -> None:
         self.relay_client.forget(relay)
+
+    def set_circuit_source(self, source: Callable[[str], list[str]]) -> None:
+        """*source(peer)*: circuit addresses (``/…/p2p/RELAY/p2p-circuit``) *peer*'s signed record announces, a
+        few, to dial it through when it cannot be dialled directly. Without it only circuits we dialled
+        before are known: a NAT'd node that was dialled through a relay could not reach its dialer again
+        once that connection dropped (the live hostile test's home-office link, issue 43)."""
+        self._circuit_source = source
 
     def set_hole_punch_policy(self, policy: HolePunchPolicy) -> None:
         """*policy(peer)*: the IPs *peer* may be dialled at for hole punching, None if it is not a member
@@ -570,8 +578,10 @@ class Libp2pTransport:
         return await self._new_stream(peer, pid, protocol)   # on the connection the peer opened to us, or the circuit
 
     async def _via_relay(self, peer: str) -> bool:
-        """Dial *peer* at a circuit address it was reached at before (py-libp2p's own dials skip them)."""
-        for addr in list(self._circuits.get(peer, ())):
+        """Dial *peer* at a circuit address it was reached at before, or one its record announces
+        (py-libp2p's own dials skip them); a few, each within ``dial_timeout``."""
+        announced = [f"{a}/p2p/{peer}" for a in self._circuit_source(peer)]
+        for addr in list(dict.fromkeys([*self._circuits.get(peer, ()), *announced]))[:3]:
             try:
                 await self.connect(addr)
                 return True

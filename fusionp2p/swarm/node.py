@@ -216,7 +216,12 @@ class SwarmNode:
         self._boot_ips = {ip for a in bootstrap if (ip := addr_ip(a.split("/p2p/", 1)[0])) is not None}
         joined = await self._join(bootstrap)
         self._servers = set(joined)
-        install_reversal(self.transport, lambda: sorted(self._servers & set(self.transport.connected_peers())))
+        # a reversal has the peer dial us: pointless while we cannot be dialled (both behind NATs), where it
+        # held up the relay by its request timeout (issue 43); a relayed peer is dialled at its record's circuits
+        install_reversal(self.transport, lambda: [] if self.needs_relay() else
+                         sorted(self._servers & set(self.transport.connected_peers())))
+        if (circuits := getattr(self.transport, "set_circuit_source", None)) is not None:
+            circuits(self.circuits_of)
         punch = getattr(self.transport, "set_hole_punch_policy", None)
         if punch is not None:
             punch(self.punch_ips)
@@ -637,6 +642,13 @@ class SwarmNode:
         scopes = self.dial_scopes()
         ips = {addr_ip(a) for a in rec.addrs if "/p2p-circuit" not in a} | {rec.seen}
         return {ip for ip in ips if ip and ip_scope(ip) in scopes}
+
+    def circuits_of(self, peer: str) -> list[str]:
+        """The circuit addresses (at most 2, at relays in our scopes) that live member *peer*'s record announces."""
+        rec = self.view.records.get(peer)
+        if rec is None or rec.leaving or not self.view.is_alive(peer):
+            return []
+        return peer_dial_addrs([a for a in rec.addrs if "/p2p-circuit" in a], self.dial_scopes(), limit=2)
 
     def _spawn_dial(self, rec: NodeRecord) -> None:
         try:

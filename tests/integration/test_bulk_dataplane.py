@@ -138,7 +138,7 @@ def test_tickets_are_one_time_and_bound_to_the_peer() -> None:
     async def body(net: MemoryNetwork) -> None:
         ta, tb = net.add_host(), net.add_host()
         async with open_data_plane(ta, lanes=2) as da, open_data_plane(tb, lanes=3) as db:
-            reply = await da._request_ticket(tb.peer_id)
+            reply = await da._request_ticket(tb.peer_id, await ta.open_stream(tb.peer_id, BULK_TICKET))
             assert reply["lanes"] == 2  # the dialer asked for 2, the listener would grant 3
             assert len(db._tickets) == 1
             assert next(iter(db._tickets.values())).peer == ta.peer_id
@@ -324,5 +324,36 @@ def test_a_send_failing_after_the_peers_clean_close_keeps_the_channel_closed_by_
                 await a.send(MSG)
             a._thread_failed(RemoteProtocolError("record (kind 4) after CLOSE"))
             assert not a.closed_by_peer
+
+    run(body)
+
+
+def test_a_slow_libp2p_connection_does_not_count_against_the_channel_set_up() -> None:
+    """Reaching a NAT'd peer's libp2p side (a relay circuit) may take longer than ``connect_timeout``: the
+    set-up's deadline starts once that stream is open. Cut there, every retry started the relay dial over and
+    the live hostile test's home-office link never came up (issue 43)."""
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        plain = ta.open_stream
+        opened: list[str] = []
+
+        async def slow_open(peer: str, protocol: str) -> Stream:
+            if protocol == BULK_TICKET:
+                await trio.sleep(1.0)       # twice connect_timeout, as a circuit through a loaded relay
+            opened.append(protocol)
+            return await plain(peer, protocol)
+
+        ta.open_stream = slow_open  # type: ignore[method-assign]
+        async with trio.open_nursery() as n:
+            db = await n.start(_serve, tb)
+            async with open_data_plane(ta, connect_timeout=0.5) as da:
+                t0 = trio.current_time()
+                ch = await da.connect(tb.peer_id)
+                assert trio.current_time() - t0 >= 1.0 and opened == [BULK_TICKET]
+                chb = await db.incoming.receive()
+                await ch.send(MSG)
+                assert torch.equal((await chb.receive()).tensors[0], MSG.tensors[0])
+                assert ch.path == "direct"
+            n.cancel_scope.cancel()
 
     run(body)

@@ -24,6 +24,7 @@ from fusionp2p.net.channel import TensorMessage
 from fusionp2p.net.memory import MemoryNetwork, memory_network
 from fusionp2p.testing.attacks import half_sent
 from fusionp2p.wire.limits import MiB
+from fusionp2p.wire.protocols import BULK_TICKET
 
 MSG = TensorMessage(job="j", kind="act", step=0, tensors=(torch.arange(1000.0),))
 
@@ -141,9 +142,9 @@ def test_handshakes_and_tickets_are_capped() -> None:
             # tickets that are never used: two per peer, then refused until they expire
             async with open_data_plane(a) as da:
                 for _ in range(2):
-                    await da._request_ticket(node.peer_id)
+                    await da._request_ticket(node.peer_id, await a.open_stream(node.peer_id, BULK_TICKET))
                 with pytest.raises(PeerUnavailable):
-                    await da._request_ticket(node.peer_id)
+                    await da._request_ticket(node.peer_id, await a.open_stream(node.peer_id, BULK_TICKET))
             assert db.refusals.by_peer[(a.peer_id, "bulk/caps")] == 1
             n.cancel_scope.cancel()
 

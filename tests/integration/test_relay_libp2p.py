@@ -90,6 +90,43 @@ def test_a_node_reached_through_a_relay() -> None:
     trio.run(main)
 
 
+def test_the_dialled_side_reaches_its_dialer_again_at_the_circuit_its_record_announces() -> None:
+    """Two nodes behind NATs: a dialled b through the relay, then the connection dropped. b never dialled a
+    circuit, so before issue 43 it knew none to reach a by (the swarm's dialer of the pair was a, with its
+    back-off): the live hostile test's home-office link did not come up in 60 s. b dials the circuit that
+    a's record announces (``set_circuit_source``, the swarm's ``circuits_of``)."""
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with AsyncExitStack() as st:
+                relay = await st.enter_async_context(open_libp2p_transport(Identity.generate(), Libp2pConfig(relay=RelayLimits())))
+                a, b = [await st.enter_async_context(open_libp2p_transport(Identity.generate())) for _ in range(2)]
+                a.set_stream_handler(ECHO, _echo)
+                for t in (a, b):
+                    await t.connect(relay.listen_addrs()[0])
+                    await t.reserve(relay.peer_id)
+                [a_circuit] = [c for c in a.circuit_addrs() if "/ip4/127.0.0.1/" in c]
+                await a.connect(next(c for c in b.circuit_addrs() if "/ip4/127.0.0.1/" in c))
+                assert _relayed(b, a.peer_id)
+                await b.hang_up(a.peer_id)
+                with trio.fail_after(10):
+                    while a.peer_id in b.connected_peers():  # noqa: ASYNC110 (py-libp2p tears the connection down in its own tasks: no event)
+                        await trio.sleep(0.05)
+                b.host.get_peerstore().clear_addrs(ID.from_base58(a.peer_id))   # a's direct addresses lead nowhere
+                with pytest.raises(PeerUnavailable):
+                    await b.open_stream(a.peer_id, ECHO)      # no circuit known for a
+                asked: list[str] = []
+
+                def a_record_circuits(peer: str) -> list[str]:     # as the swarm's circuits_of: without /p2p/<peer>
+                    asked.append(peer)
+                    return [a_circuit.rsplit("/p2p/", 1)[0]] if peer == a.peer_id else []
+
+                b.set_circuit_source(a_record_circuits)
+                assert await _round_trip(b, a.peer_id, b"back") == b"back"
+                assert asked == [a.peer_id] and _relayed(b, a.peer_id)
+
+    trio.run(main)
+
+
 def test_relay_limits_bound_what_strangers_get() -> None:
     limits = RelayLimits(reservations=2, per_ip=8, circuits=1, circuit_bytes=256 * 1024, rate=50e6)
 
@@ -208,6 +245,12 @@ def test_swarm_nodes_behind_nats_reserve_and_connect_through_the_bootstrap() -> 
                 for n, other in ((n1, t2), (n2, t1)):
                     await n.wait_until(lambda n=n, other=other: other.peer_id in n.view.records and any(
                         "/p2p-circuit" in a for a in n.view.records[other.peer_id].addrs), 10)
+                # each finds the other's circuit in its record (for the transport to dial it back through) and
+                # asks no reversal of it: both sides behind NATs, the peer could not dial us
+                for n, other in ((n1, t2), (n2, t1)):
+                    assert n.circuits_of(other.peer_id) == [a for a in n.view.records[other.peer_id].addrs
+                                                            if "/p2p-circuit" in a][:2] != []
+                    assert n.circuits_of(tb.peer_id) == [] and n.circuits_of(Identity.generate().peer_id) == []
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
