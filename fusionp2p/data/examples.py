@@ -49,7 +49,7 @@ MAX_FIELDS = 32
 MAX_EXAMPLES = 1 << 31
 MAX_SHARDS = 100_000
 MAX_MANIFEST_BYTES = 8 << 20
-DEFAULT_SHARD_BYTES = 16 << 20
+DEFAULT_SHARD_BYTES = 4 << 20   # a reading stage holds a window of about 34 shards (jobs/data_shards.window_bytes): 136 MiB
 _SEED_DOMAIN = 0x45584D50   # "EXMP"
 _NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 

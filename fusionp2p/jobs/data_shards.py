@@ -1,15 +1,18 @@
 """A reading stage's data feed: the shards its replica is about to read, fetched a bounded window ahead.
 
-Theory of operation. A token dataset travels as content-addressed shards (``data/shards.py``) and is
-read in the order of ``data/stream.py``: each replica reads a contiguous run of shards of its own.
-Only a stage whose program reads a data input (the first for the tokens, the last for the targets,
-wherever the DAG puts them) builds a :class:`ShardFeed`; every other stage fetches nothing.
+Theory of operation. A token dataset or a dataset of examples travels as content-addressed shards
+(``data/shards.py``, ``data/examples.py``) and is read in the order of ``data/stream.py``: each replica
+reads a contiguous run of shards of its own. Only a stage whose program reads a data input (the first
+for the tokens or inputs, the last for the targets or labels, wherever the DAG puts them) builds a feed
+(:class:`ShardFeed` for token windows, :class:`ExampleFeed` for examples, both a :class:`StreamFeed`);
+every other stage fetches nothing.
 
 * **Window.** The worker asks :meth:`ShardFeed.ready` before it reads a micro-batch; that moves the
   feed's cursor to the step. A background task (:meth:`ShardFeed.serve`) fetches, in the order they
   will be read, the shards of the next ``ahead_steps`` steps of this replica (its micro-batches by the
   plan's deal), holding at most ``max_shards`` in memory; a shard no step from the cursor on reads
-  leaves memory at once.
+  leaves memory at once. An example feed also *pins* the shards of the held-out examples the
+  evaluations read (fetched with the first step's, kept to the end).
 * **Where from.** The node's content store first (``--disk``: shards read before, kept as cache, oldest
   evicted first when room is needed; never pinned, so a dataset larger than the disk streams through
   it), then the shard's holders on the DHT, the publisher last, so that the publisher may go offline

@@ -38,26 +38,26 @@ def _examples() -> Examples:
                               shard_bytes=PER_SHARD * ROW)
 
 
-def test_only_the_reading_stages_fetch_examples_and_each_is_trained_once(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_only_the_reading_stages_fetch_examples_and_each_is_trained_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       replicas: int) -> None:
     torch.set_num_threads(1)
     data = _examples()
     assert data.num_examples == TRAIN + HELD
-    # one epoch: 80 examples, 8 a step
-    cfg = TrainConfig(steps=10, micro_batch=4, micro_batches=2, lr=1e-3, replicas=1, averaging="none",
-                      compression="none", planner="even_layers", seed=1)
-    reads: dict[int, dict[int, list[np.ndarray]]] = {}    # feed -> micro-batch -> what it read
+    # one epoch: 80 examples, 8 a step (1 replica x 2 micro-batches x 4, or 2 x 2 x 2)
+    cfg = TrainConfig(steps=10, micro_batch=4 // replicas, micro_batches=2, lr=1e-3, replicas=replicas,
+                      averaging="none", compression="none", planner="even_layers", seed=1)
+    reads: dict[int, list[np.ndarray]] = {}    # micro-batch (sampler step x M + micro) -> what each reader read
     call = ExampleFeed.__call__
 
     def record(self: ExampleFeed, sstep: int, micro: int) -> Any:
         step, _ = self._split(sstep, micro)
         if step < cfg.steps:       # not the final evaluation's (it reads the held-out examples)
-            mine = reads.setdefault(id(self), {})
-            mine.setdefault(sstep * cfg.micro_batches + micro, []).append(self._windows(sstep, micro))
+            reads.setdefault(sstep * cfg.micro_batches + micro, []).append(self._windows(sstep, micro))
         return call(self, sstep, micro)
 
     monkeypatch.setattr(ExampleFeed, "__call__", record)
-    with Swarm.local(n_nodes=3, home=tmp_path) as sw:
+    with Swarm.local(n_nodes=3 * replicas, home=tmp_path) as sw:
         torch.manual_seed(0)
         built = build_job(GPT2(GPT2Config.tiny(block_size=SEQ, n_layer=3)), None, data, cfg,
                           publisher=sw.publisher_id, sign=sw.sign, now=1.0, nonce=b"x" * 16)
@@ -68,22 +68,25 @@ def test_only_the_reading_stages_fetch_examples_and_each_is_trained_once(tmp_pat
         runs = {n.peer_id: n.jobs.jobs[built.spec.job_id] for n in sw.embedded.nodes}
         stores = {n.peer_id: n.jobs.content.store for n in sw.embedded.nodes}
         plan = next(r.plan for r in runs.values() if r.plan is not None)
-        assert plan is not None and [len(st.replicas) for st in plan.stages] == [1, 1, 1]
+        assert plan is not None and [len(st.replicas) for st in plan.stages] == [replicas] * 3
         man = ExampleManifest.decode(bytes(built.blobs[built.spec.dataset.content_hash]))
         assert (man.num_train, man.shard_examples, len(man.shards)) == (TRAIN, PER_SHARD, 18)
-        first, middle, last = (runs[st.replicas[0]].data for st in plan.stages)
-        assert middle.received_bytes == middle.consumed_bytes == middle.disk_bytes == 0
-        assert not set(man.shards) & set(stores[plan.stages[1].replicas[0]]._held)
-        total = man.total_bytes
+        first, middle, last = ([runs[p].data for p in st.replicas] for st in plan.stages)
+        for st in middle:     # never reads an example: fetched none, holds none
+            assert st.received_bytes == st.consumed_bytes == st.disk_bytes == 0
+        for p in plan.stages[1].replicas:
+            assert not set(man.shards) & set(stores[p]._held)
+        evals = TRAIN + np.arange(cfg.micro_batch * cfg.micro_batches)     # the evaluation's held-out examples
+        held_out = sum(man.shard_bytes(i) for i in set((evals // PER_SHARD).tolist()))
         for stats in (first, last):
-            # every training shard once, and the held-out shard of the evaluation (8 examples: the first 2 shards)
-            assert stats.received_bytes == total, (stats.received_bytes, total)
-            assert stats.consumed_bytes == (TRAIN + cfg.micro_batch * cfg.micro_batches) * ROW
-    assert len(reads) == 2     # the first and the last stage
-    n = cfg.steps * cfg.micro_batches
-    for mine in reads.values():
-        assert sorted(mine) == list(range(n)) and all(len(v) == 1 for v in mine.values())
-        got = np.concatenate([mine[k][0] for k in range(n)])
-        assert np.array_equal(np.sort(got), np.arange(TRAIN))        # each once; never a held-out example
-    a, b = reads.values()
-    assert all(np.array_equal(a[k][0], b[k][0]) for k in range(n))   # both stages read the same examples
+            # each replica its own half of the training shards, and the held-out shards of the evaluation
+            assert sum(s.received_bytes - held_out for s in stats) == TRAIN * ROW, [s.received_bytes for s in stats]
+            for s in stats:
+                assert s.consumed_bytes == (TRAIN // replicas + cfg.micro_batch * cfg.micro_batches) * ROW
+                assert s.received_bytes - held_out == TRAIN * ROW // replicas
+    n = cfg.steps * replicas * cfg.micro_batches
+    assert sorted(reads) == list(range(n))
+    for k in range(n):   # read by the first and the last stage, the same examples
+        assert len(reads[k]) == 2 and np.array_equal(reads[k][0], reads[k][1])
+    got = np.concatenate([reads[k][0] for k in range(n)])
+    assert np.array_equal(np.sort(got), np.arange(TRAIN))        # each once; never a held-out example
