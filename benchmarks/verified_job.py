@@ -19,12 +19,14 @@ Headline: the CPU seconds the checks add (the stages' commitments and the checke
 that run them) over the unchecked run's CPU seconds, the median over the pairs, target <= 0.05. The whole
 process's checked over unchecked CPU is reported beside it (``cpu_ratio_per_pair``): it also counts what
 the threads do not (memory traffic, scheduling), but on a loaded machine two runs of the same job differ
-by more than the checks cost. ``python -m benchmarks.verified_job`` (``--quick``: 10 steps instead of 40, one pair).
+by more than the checks cost. ``wall_ratio_per_pair``: the same in wall time (the step-time cost, on an
+idle machine only). ``python -m benchmarks.verified_job`` (``--quick``: 10 steps instead of 40, one pair).
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -66,10 +68,12 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
 
     def go(name: str, rate: float | None, **kw: Any) -> tuple[dict[str, Any], VerifiedJob]:
+        t0 = time.perf_counter()
         job = verified_job(programs, data, cfg, rate=rate, **kw)
+        wall = time.perf_counter() - t0
         ch = list(job.checkers.values())
         conv = sorted(v.claim.step for c in ch for v in c.verdicts)
-        out = {"run": name, "rate": rate, "cpu_s": job.cpu_s,
+        out = {"run": name, "rate": rate, "cpu_s": job.cpu_s, "wall_s": wall,
                "stage_commit_cpu_s": sum(led.cpu_s for led in job.ledgers.values()),
                "checker_cpu_s": sum(c.cpu_s for c in ch), "checks": sum(c.checks for c in ch),
                "unverifiable": sum(c.unverifiable for c in ch), "verdicts": sum(len(c.verdicts) for c in ch),
@@ -98,6 +102,7 @@ def main() -> None:
         "steps": steps, "micro_batches": MICROS, "stages": 2, "replicas": 2, "rate": args.rate,
         "lie_rate": args.lie_rate, "runs": runs, "per_attack": per,
         "cpu_ratio_per_pair": ratios, "added_cpu_per_pair": added,
+        "wall_ratio_per_pair": [c["wall_s"] / b["wall_s"] for b, c in zip(base, checked, strict=True)],
         "stage_commit_over_unchecked_cpu": statistics.median(c["stage_commit_cpu_s"] for c in checked) / b_cpu,
         "checker_over_unchecked_cpu": statistics.median(c["checker_cpu_s"] for c in checked) / b_cpu,
         "honest_verdicts": sum(c["verdicts"] for c in checked),

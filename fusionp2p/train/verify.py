@@ -9,10 +9,11 @@ the random state its forward drew dropout from. The claim binds the stage to eve
 needs; what its neighbours received is what the claim names (they hold it and can hash it).
 
 Which micro-batches are checked must be unknown to the stage until its outputs are sent, or it would be
-honest exactly there. The seed of step ``t`` is the leader's Ed25519 signature over (job, epoch, step)
-(:func:`challenge`): deterministic, so every member derives the same sample and anyone can check the
-seed (:func:`challenge_ok`), and unpredictable to everyone but the leader, who reveals it once the step's
-outputs are out. Micro-batch ``m`` of replica ``r`` of stage ``s`` is checked when the hash of (seed,
+honest exactly there. The seed of step ``t`` is an Ed25519 signature over (job, epoch, step)
+(:func:`challenge`): deterministic, so anyone can check the seed (:func:`challenge_ok`), and unpredictable
+to everyone but its signer, who reveals it once the step's claims are out. The stage worker's checks
+(``train/spot.py``) use the checker's own signature: the stage learns the seed when the checker asks, and
+the checker cannot pick the micro-batches it pulls. Micro-batch ``m`` of replica ``r`` of stage ``s`` is checked when the hash of (seed,
 s, r, m) falls below ``rate`` (:func:`sampled`).
 
 A checker (another holder of the stage, or any node given the stage's program) takes the claimed

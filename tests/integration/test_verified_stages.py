@@ -7,6 +7,8 @@ by every node's Suspects; an honest run with every micro-batch checked is never 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from fusionp2p.graph import coarsen, partition, stages_from_fences, trace
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.testing.lying_stages import LyingStage, VerifiedJob, verified_job
 from fusionp2p.train.config import CO2, TrainConfig
-from fusionp2p.train.spot import Refused
+from fusionp2p.train.spot import Ledger, Refused
 from fusionp2p.train.verify import challenge, sampled
 from tests.integration.test_hostile_training import _Net
 
@@ -94,3 +96,19 @@ def test_ledger_serves_only_its_checkers_sample(job: tuple[list[StageProgram], l
     m = next(m for m in range(64) if sampled(old, 0, 0, m, 0.5))
     with pytest.raises(Refused, match="no longer kept"):
         led.bundle(checker.peer_id, old, 0, m)
+
+
+def test_checker_samples_only_valid_claims_of_its_stage(job: tuple[list[StageProgram], list[str]]) -> None:
+    got = _run(job, rate=1.0)
+    led, chk = got.ledgers[0, 0], got.checkers[0, 0]
+    step = STEPS - 1
+    claims = led._claims(step)
+    assert len(claims) == MICROS and all(c.valid() for c in claims)
+    seed, chosen = chk.sample(claims)
+    assert chosen == claims and seed == challenge(chk.me, "j", 0, step)
+    forged = dataclasses.replace(claims[0], micro=7)                  # the signature no longer holds
+    other_stage = got.ledgers[1, 0]._claims(step)[0]
+    other_job = dataclasses.replace(claims[1], job="k")
+    assert chk.sample([claims[0], forged, other_stage, other_job])[1] == [claims[0]]
+    with pytest.raises(ValueError, match="keep"):
+        Ledger(got.ids[0, 0], led.ex, job="j", epoch=0, replica=0, checkers=[], cfg=led.cfg, publish=led.publish, keep=1)
