@@ -13,7 +13,7 @@ TORCH_FROM  := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 PIP_FLAGS   := --disable-pip-version-check --quiet
 STAMP       := $(VENV)/.installed
 
-.PHONY: setup test test-all test-hostile test-readme demo bench lint clean chromium iptables hivemind-venv
+.PHONY: setup test test-all test-hostile test-readme demo bench lint clean chromium iptables hivemind-venv bench-averaging
 
 setup: $(STAMP)
 
@@ -78,6 +78,12 @@ $(HM_STAMP):
 	$(HM_VENV)/bin/python -m pip install $(PIP_FLAGS) $(TORCH_SPEC)
 	$(HM_VENV)/bin/python -m pip install $(PIP_FLAGS) hivemind==1.1.12
 	touch $(HM_STAMP)
+
+# Issue 45's figures in one command (run it on an idle machine): the 25M x 4 fp32 all-reduce beside hivemind's
+# DecentralizedAverager in the same run (one process, 4 processes, bf16), then the 5.3M round of --quick.
+bench-averaging: setup $(HM_STAMP)
+	$(PY) -m benchmarks.averaging --allreduce-only --hivemind --out benchmarks/results/averaging_hivemind.json
+	$(PY) -m benchmarks.averaging --allreduce-only --quick --out benchmarks/results/averaging_allreduce_quick.json
 
 clean:
 	rm -rf $(VENV) $(HM_VENV) build *.egg-info

@@ -251,6 +251,24 @@ def stream_fragments(n_elems: int, tau: int, segments: Sequence[tuple[int, int]]
     return tuple(tuple(fr) for fr in frags)
 
 
+def round_buffer_pool(round_elems: int, replicas: int, *, bf16: bool) -> BufferPool:
+    """The pool a :class:`ReplicaAverager` takes its round vectors from: the snapshot and gathered vector of
+    a whole-vector round (the bf16 wire: its bases and differences too), the owned shard's mean and outer
+    anchors. A fresh model-sized vector faults in every page (most of a 25M-float round's CPU, measured);
+    the pool hands one out again once nothing holds it (not the round, not a send, not the caller).
+
+    Bounded by one round's working set, what a round holds at its peak anyway (so the pool adds nothing to
+    a node's peak memory, it only keeps that set between rounds): 4 vectors of the round's size (snapshot,
+    gathered vector, and in async mode the next snapshot and the anchor the caller still holds; 6 with the
+    bf16 wire's base and difference) and 4 of its shard's (mean, new anchor, anchor, previous anchor).
+    *round_elems*: the largest round's vector (streaming: the largest fragment, about n/tau elements, so
+    the set is that much smaller). Past the bound a vector is a plain tensor, freed as usual."""
+    size = round_elems
+    shard = -(-size // max(1, replicas))
+    vectors = 6 if bf16 else 4
+    return BufferPool(max_buffers=vectors + 4, max_bytes=4 * (vectors * size + 4 * shard))
+
+
 def epoch_id(peers: Sequence[str]) -> str:
     return hashlib.sha256("\n".join(peers).encode()).hexdigest()[:16]
 
@@ -308,18 +326,15 @@ class ReplicaAverager:
         self._on_other = on_other
         flat = flatten(initial)
         self.n_elems = flat.numel()
-        # rounds take their gathered vector (whole-vector rounds: their snapshot; the bf16 wire: its base and
-        # differences) from here: a fresh model-sized vector faults in every page (most of a 25M-float
-        # round's CPU, measured), and once nothing holds one (not the round, not a send, not the caller)
-        # the pool hands it out again; at most 6 kept, 6 vectors' worth
-        self._vectors = BufferPool(max_buffers=12, max_bytes=6 * 4 * self.n_elems)
-        self._initial: torch.Tensor | None = flat
-        self._opt = self._make_opt(flat)
         # streaming: tau fragments (fewer when the vector is shorter; see stream_fragments), each with
         # its own outer state (sync form: the fresh average of its own round), sharded over the replicas
         self.streaming = config.outer.streaming
         self.fragments = stream_fragments(self.n_elems, config.outer.tau, segments) if self.streaming else ()
         self._flen = [sum(hi - lo for lo, hi in fr) for fr in self.fragments]
+        self._vectors = round_buffer_pool(max(self._flen) if self._flen else self.n_elems, len(self.alive),
+                                          bf16=config.wire == "bf16")
+        self._initial: torch.Tensor | None = flat
+        self._opt = self._make_opt(flat)
         self._frag_outer = dataclasses.replace(config.outer, sync=True)
         self._fopts = [self._make_frag_opt(flat, f) for f in range(len(self.fragments))]
         self._freinit = [False] * len(self.fragments)

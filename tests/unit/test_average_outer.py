@@ -252,3 +252,43 @@ def test_suggest_tau() -> None:
 def test_config_rejects_bad_values(kw: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         OuterConfig(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("beta", "lr", "nesterov"), [(0.0, 1.0, False), (0.0, 0.7, True), (0.5, 1.0, False), (0.5, 0.7, True)])
+def test_step_writes_into_the_handed_buffer_and_follows_the_formula(beta: float, lr: float, nesterov: bool) -> None:
+    """With an allocator the new anchor lands in the vector it hands out (the averager's recycled ones),
+    whatever that held; beta = 0 (no momentum pass) and lr = 1 (no scaling) still follow SlowMo's update."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(1000, generator=g)
+    handed: list[torch.Tensor] = []
+
+    def alloc(n: int) -> torch.Tensor:
+        handed.append(torch.full((n,), float("nan")))
+        return handed[-1]
+
+    opt = OuterOptimizer(OuterConfig(outer_lr=lr, outer_momentum=beta, nesterov=nesterov), x0, alloc=alloc)
+    anchor, u = x0.clone(), torch.zeros(1000)
+    for _ in range(3):
+        avg = torch.randn(1000, generator=g)
+        res = opt.step(avg)
+        d = anchor - avg
+        u = beta * u + d
+        new = anchor - lr * ((d + beta * u) if nesterov else u)
+        if beta == 0.0 and lr == 1.0:   # x - (x - avg), bit for bit
+            assert torch.equal(res.anchor, anchor - (anchor - avg))
+        anchor = new
+        assert res.anchor.data_ptr() == handed[-1].data_ptr()
+        assert torch.allclose(res.anchor, anchor, atol=1e-6, rtol=0)
+        assert torch.allclose(opt.momentum, u, atol=1e-6, rtol=0)
+        assert torch.equal(opt.anchor, res.anchor)
+
+
+def test_weighted_mean_into_a_buffer_is_the_same_float() -> None:
+    g = torch.Generator().manual_seed(1)
+    parts = [torch.randn(257, generator=g) for _ in range(3)]
+    buf = torch.full((257,), float("nan"))
+    got = weighted_mean(parts, [2.0, 2.0, 2.0], out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    assert torch.equal(got, (parts[0] + parts[1] + parts[2]) / 3)
+    assert torch.equal(weighted_mean(parts[:1], [1.0], out=torch.empty(257)), parts[0])
+    assert torch.equal(weighted_mean(parts, [1.0, 2.0, 4.0], out=torch.empty(257)), weighted_mean(parts, [1.0, 2.0, 4.0]))
