@@ -20,7 +20,7 @@ the held-out losses compare like for like only while every plan has as many repl
 undisturbed run's. The job asks for 2 (``demo_config(steps, 4)``): 4 or 5 nodes are planned 2 stages x 2
 replicas, 3 nodes one stage x 2 replicas (each holds the whole model), so every plan trains 2 x 4 x 8
 samples a step while 3 nodes hold the job. The kill schedule keeps at least 4: the next kill waits until
-the last one recovered and the fresh node started after it is up (``kill_waited_s`` per kill). The
+the last one recovered and the fresh node started after it accepted the job (``kill_waited_s`` per kill). The
 result says whether it held (``equal_samples``, from the replica counts of every plan, with each run's
 samples).
 
@@ -71,7 +71,7 @@ _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 FIRST = {"noticed"}   # phases timed by their first line (a neighbour of the dead node saw its link break)
 TICK = 2.0            # seconds between looks at a run that reports nothing (stall, next kill)
-READY = "job service ready"   # a fresh node's log line once it serves jobs
+READY = "accepted job"        # a fresh node's log line once it holds the job (a standby the next re-plan takes in)
 
 
 class Stalled(RuntimeError):
@@ -214,7 +214,8 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
                 started.append(name)
 
         def ready() -> bool:
-            """The last kill recovered and every fresh node started after a kill serves jobs."""
+            """The last kill recovered and the fresh node started after it accepted the job (a re-plan before then
+            plans without it: 3 nodes, one stage x 2 replicas and every fence moved)."""
             if pending or len(started) < killed_n:
                 return False
             return all(READY in (home / f"{n}.log").read_text(errors="replace") for n in started[-1:])

@@ -510,9 +510,8 @@ class JobRun(Leading):
         return merge_states(resume.step, states, want)
 
     async def _fetch_state(self, src: Source) -> bytes:
-        store = self.svc.content.store
-        if store.has(src.state):
-            return store.get(src.state)
+        if self.svc.content.store.has(src.state):
+            return self.svc.content.store.get(src.state)
         # its holders, then every node known to hold the same file (a keeper, an earlier fetcher), in turn
         known = [p for files in self.checkpoints.values() for h, ps in files.values() if h == src.state for p in ps]
         with trio.fail_after(self.svc.config.accept_timeout):   # announced in the background: the epoch waits
