@@ -7,9 +7,9 @@ holder copies the stage's state (parameters, optimizer state, CO2 momentum: the 
 ``encode_state`` bytes) to one other member, its **keeper**, in the background:
 
 1. at a step boundary the worker calls :meth:`Shadows.boundary`; when a copy is due and none is in
-   flight, the holder clones its state (a memory copy, milliseconds) and a background task of the
-   epoch encodes it in a worker thread, puts it in the content store and asks the keeper to ``keep``
-   it (``op: keep, shadow: true``): the keeper fetches the blob by hash from the holder (the content
+   flight, the holder writes its state as a stage file into its content store, streamed from the live
+   tensors (no clone: on disk it is never whole in memory; the next step waits for the write), and a
+   background task of the epoch asks the keeper to ``keep`` it (``op: keep, shadow: true``): the keeper fetches the blob by hash from the holder (the content
    protocol, off the data plane's links), checks that it is a stage file of this job and step, and
    announces it (``CheckpointSaved``). The holder then drops its own copy: its live state is newer.
 2. the keeper keeps the newest ``ShadowConfig.keep`` copies of each stage and drops the older ones
@@ -33,6 +33,7 @@ it then finds the copy in its own store), else a member of another stage, spread
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -45,11 +46,11 @@ import trio
 
 from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
-from fusionp2p.jobs.checkpoint import StageCheckpointMeta, encode_state, read_state_meta
+from fusionp2p.jobs.checkpoint import StageCheckpointMeta, read_state_meta, state_layout
 from fusionp2p.jobs.events import CheckpointSaved, ProgressEvent
 from fusionp2p.plan import Plan
-from fusionp2p.train.state import StageState
 from fusionp2p.types import short_peer
+from fusionp2p.wire.stfile import chunks
 
 if TYPE_CHECKING:
     from fusionp2p.jobs.host import JobHost
@@ -198,43 +199,51 @@ class Shadows:
             return
         lane.busy = True
         lane.cadence.copied = completed
-        # the clone is the one part on the training path: the next step waits for it (it must not change
-        # the tensors under the copy), the event loop does not
+        # the copy is written from the live tensors (views: no clone), streamed to the content store (on disk,
+        # never whole in memory), while the next step waits: it must not change the tensors under it. A clone
+        # and its encoded bytes held twice the stage's state beside the live one: measured 550-1040 MiB (5-6x
+        # the stage's parameter bytes) over the stage figure on 4 nodes of --memory 1.25GiB, each past its offer
+        # (benchmarks/model_scale.py, Llama 127M)
+        run, plan, s = self.run, lane.plan, lane.stage
         try:
-            st = await trio.to_thread.run_sync(worker.export_state)
+            t0 = trio.current_time()
+            st = await trio.to_thread.run_sync(functools.partial(worker.export_state, copy=False))
+            meta = StageCheckpointMeta(job=run.job_id, stage=s, num_stages=len(plan.stages), step=st.step,
+                                       plan_hash=plan.plan_hash())
+            lay = state_layout(meta, st)
+            h = await run.svc.content.put_chunks(chunks(lay), lay.size)
+        except (FusionError, OSError) as exc:
+            lane.busy = False
+            log.info("job %s: shadow copy of stage %d at step %d not written: %s", run.job_id, s, completed, exc)
+            return
         except BaseException:
             lane.busy = False
             raise
-        lane.nursery.start_soon(self._copy, lane, st)
+        lane.nursery.start_soon(self._copy, lane, h, st.step, lay.size, trio.current_time() - t0)
 
-    async def _copy(self, lane: _Lane, st: StageState) -> None:
+    async def _copy(self, lane: _Lane, h: str, step: int, size: int, write_s: float) -> None:
+        """Ask the keeper to fetch the copy *h* (the state at *step*, *size* bytes, written in *write_s*) and
+        drop ours once it holds it."""
         run, plan, s = self.run, lane.plan, lane.stage
         store = run.svc.content.store
         units = (plan.stages[s].start, plan.stages[s].end)
-        h = ""
         try:
-            t0 = trio.current_time()
-            meta = StageCheckpointMeta(job=run.job_id, stage=s, num_stages=len(plan.stages), step=st.step,
-                                       plan_hash=plan.plan_hash())
-            blob = await trio.to_thread.run_sync(encode_state, meta, st)
-            h = store.put(blob)
             t1 = trio.current_time()
             await job_proto.request(run.transport, lane.keeper, {
-                "op": "keep", "job": run.job_id, "hash": h, "step": st.step, "stage": s, "holder": run.me,
+                "op": "keep", "job": run.job_id, "hash": h, "step": step, "stage": s, "holder": run.me,
                 "units": list(units), "shadow": True}, timeout=run.svc.config.accept_timeout)
-            lane.cadence.on_copy(len(blob), t1 - t0, trio.current_time() - t1)
+            lane.cadence.on_copy(size, write_s, trio.current_time() - t1)
             lane.copies += 1
-            run._holds(st.step, units, h, lane.keeper)
+            run._holds(step, units, h, lane.keeper)
         except (PeerUnavailable, RemoteProtocolError, FusionError) as exc:
-            log.info("job %s: shadow copy of stage %d at step %d not kept by %s: %s", run.job_id, s, st.step,
+            log.info("job %s: shadow copy of stage %d at step %d not kept by %s: %s", run.job_id, s, step,
                      short_peer(lane.keeper), exc)
             # another keeper for the next copy (one the view still calls alive may have just died)
             lane.refused.add(lane.keeper)
             lane.keeper = keeper_for(plan, s, run.me, run.members or (),
                                      lambda p: p not in lane.refused and run._alive(p)) or lane.keeper
         finally:
-            if h:
-                store.discard(run.job_id, h)   # the keeper holds the copy; our live state is newer
+            store.discard(run.job_id, h)   # the keeper holds the copy; our live state is newer
             lane.busy = False
 
     async def replicate(self, plan: Plan, s: int, h: str, step: int) -> None:
