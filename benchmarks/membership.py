@@ -36,6 +36,7 @@ from fusionp2p.swarm.node import fetch_view
 from fusionp2p.wire.records import BandwidthReport, NodeRecord
 
 CLI = [sys.executable, "-m", "fusionp2p.cli"]
+POLL = 0.5   # seconds between two looks at the bootstrap's view: the times below are that coarse
 
 
 async def watch(addr: str, n: int, timeout: float) -> tuple[float | None, float | None, float | None]:
@@ -73,7 +74,9 @@ async def watch(addr: str, n: int, timeout: float) -> tuple[float | None, float 
                     t_estimated = trio.current_time() - t0
                 if len(nodes) == n and table.complete(nodes):
                     t_matrix = trio.current_time() - t0
-                await trio.sleep(0.2)  # polling another process's state
+                # polling another process's state; each poll is a new stream and a whole view for the bootstrap
+                # to encode (at 0.2 s: 6% of its profile while 10 nodes formed, 2026-11-29), so not too often
+                await trio.sleep(POLL)
     return t_members, t_estimated, t_matrix
 
 

@@ -62,6 +62,7 @@ from fusionp2p.net.dht_fresh import freshest
 from fusionp2p.net.dial_errors import dial_cause
 from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits, HolePunchPolicy
 from fusionp2p.net.identity import Identity
+from fusionp2p.net.pubsub_retry import install as install_pubsub_retry
 from fusionp2p.net.relay import RelayClient, RelayLimits, RelayService, is_circuit
 from fusionp2p.net.traffic import Traffic
 from fusionp2p.net.transport import GossipMessage, RecordRank, StreamHandler
@@ -340,6 +341,7 @@ class Libp2pTransport:
 
     def __init__(self, identity: Identity, config: Libp2pConfig) -> None:
         _install_fast_paths()
+        install_pubsub_retry()
         self._identity = identity
         self._config = config
         self._reverse: Callable[[str], Awaitable[bool]] | None = None

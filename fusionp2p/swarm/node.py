@@ -33,6 +33,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
@@ -54,6 +55,7 @@ from fusionp2p.swarm.reach import (
     should_dial,
     verdict,
 )
+from fusionp2p.swarm.rejoin import keep_joined
 from fusionp2p.swarm.watch import Watcher, watches
 from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.check import as_bytes, as_list, as_map, as_str
@@ -240,6 +242,10 @@ class SwarmNode:
                 nursery.start_soon(self.watcher.run)
             if self.config.role == "node" and self._servers:
                 nursery.start_soon(self._reach_loop)
+            if self._servers:   # a dropped bootstrap connection is dialled again (swarm/rejoin.py)
+                at = {p: a for a in bootstrap if (p := a.rsplit("/p2p/", 1)[-1]) in self._servers}
+                nursery.start_soon(partial(keep_joined, self.transport, at, period=self.period, pull=self._pull_view,
+                                           dial_timeout=self.config.probe.timeout))
             if self.config.role == "node" and self.config.relays and isinstance(self.transport, Relaying):
                 nursery.start_soon(self._relay_loop, self.transport)
             # Our first record announces our heartbeat period, which follows the swarm's size: with the view
