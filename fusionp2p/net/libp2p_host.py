@@ -567,7 +567,14 @@ class Libp2pTransport:
 
     async def open_stream(self, peer: str, protocol: str) -> Libp2pStream:
         pid = _peer(peer)
-        connected = bool(self._network().connections.get(pid))
+        conns = self._network().connections.get(pid) or []
+        if conns and all(getattr(c, "is_closed", False) for c in conns):
+            # closed connections py-libp2p has not removed yet: its new_stream and dial_peer stop at them ("No
+            # valid connections available"), and a stream to a peer whose relayed connection had just dropped
+            # failed at once, without a redial (the live hostile test's leader took a live member for dead)
+            await self.hang_up(peer)
+            conns = []
+        connected = bool(conns)
         if not connected:
             self._network().unblock_peer(pid)
         try:

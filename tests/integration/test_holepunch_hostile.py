@@ -13,8 +13,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 import multiaddr
+import pytest
 import trio
 from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2 import dcutr
 from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID, read_dcutr_msg
 from libp2p.relay.circuit_v2.pb.dcutr_pb2 import HolePunch
 from libp2p.relay.circuit_v2.utils import write_delimited_msg
@@ -130,5 +132,35 @@ def test_dials_of_all_sessions_share_a_budget_and_direct_connections_are_refused
                 refused = sg.punch.stats["refused"]
                 _, resp = await _open(t, sg.victim.peer_id, _connect_msg(sg.ports))
                 assert resp is None and sg.punch.stats["refused"] == refused + 1
+
+    trio.run(main)
+
+
+def test_a_peers_later_sessions_dial_no_new_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member that holds session after session, each listing other addresses (or whose addresses
+    py-libp2p's peerstore lists in another order each time), has the node dial ``addrs`` of them in all,
+    not ``addrs`` more per session: the live hostile test's attacker had 6 more of its 16 record ports dialled."""
+    monkeypatch.setattr(dcutr, "MAX_HOLE_PUNCH_ATTEMPTS", 1)      # a session: one round of 0.5 s, not 3 of 5 s
+    monkeypatch.setattr(dcutr, "_HOLE_PUNCH_ROUND_TIMEOUT", 0.5)
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with _stage(HolePunchLimits(addrs=4)) as sg:
+                sg.victim.set_hole_punch_policy(lambda p: {"127.0.0.1"})
+                stranger = ID.from_base58(sg.stranger.peer_id)
+                s, resp = await _open(sg.stranger, sg.victim.peer_id, _connect_msg(sg.ports[:8]))
+                assert resp is not None
+                await write_delimited_msg(s, HolePunch(type=HolePunch.SYNC))
+                await poll_until(lambda: set(sg.accepted) == set(sg.ports[:4]), timeout=15.0)
+                await s.reset()                                 # the session ends
+                await poll_until(lambda: stranger not in sg.punch._inbound, timeout=15.0)
+                msg = _connect_msg(sg.ports[8:])
+                s, resp = await _open(sg.stranger, sg.victim.peer_id, msg)
+                assert resp is not None
+                dropped = sg.punch.stats["addrs_dropped"]        # after the CONNECT's cut: all but 4
+                await write_delimited_msg(s, HolePunch(type=HolePunch.SYNC))
+                # each of the 4 kept is dropped at its dial (before: dialled, 4 more listeners reached)
+                await poll_until(lambda: sg.punch.stats["addrs_dropped"] >= dropped + 4, timeout=15.0)
+                assert set(sg.accepted) == set(sg.ports[:4])
 
     trio.run(main)

@@ -127,6 +127,28 @@ def test_the_dialled_side_reaches_its_dialer_again_at_the_circuit_its_record_ann
     trio.run(main)
 
 
+def test_a_stream_to_a_peer_whose_closed_connection_is_still_listed_dials_again() -> None:
+    """py-libp2p lists a closed connection until its own tasks remove it, and meanwhile fails every stream
+    to the peer at once ("No valid connections available") without dialling: a job's leader asked a live
+    member whose relayed connection had just dropped, and took it for dead (issue 43's live test)."""
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with AsyncExitStack() as st:
+                a, b = [await st.enter_async_context(open_libp2p_transport(Identity.generate())) for _ in range(2)]
+                b.set_stream_handler(ECHO, _echo)
+                await a.connect(b.listen_addrs()[0])
+                net = a.host.get_network()
+                pid = ID.from_base58(b.peer_id)
+                stale = list(net.connections[pid])
+                await a.hang_up(b.peer_id)
+                assert all(c.is_closed for c in stale)
+                net.connections[pid] = stale            # as between the close and py-libp2p's clean-up
+                assert await _round_trip(a, b.peer_id, b"again") == b"again"
+                assert not any(c.is_closed for c in net.connections[pid])
+
+    trio.run(main)
+
+
 def test_relay_limits_bound_what_strangers_get() -> None:
     limits = RelayLimits(reservations=2, per_ip=8, circuits=1, circuit_bytes=256 * 1024, rate=50e6)
 

@@ -23,7 +23,7 @@ addresses dialled (``net/addrs.peer_dial_addrs``, ``Libp2pTransport._trim_addrs`
 victim answered sessions, the relay granted circuits, the service refused checks by IP), so that the
 test fails if an attack stops being made.
 
-Six to nine minutes on the loaded 2-core machine: ``slow``, run by ``.ci/run`` on its own (``make test-hostile``).
+Three to seven minutes on the loaded 2-core machine: ``slow``, run by ``.ci/run`` on its own (``make test-hostile``).
 Needs root, iproute2 and iptables (``make iptables``); skipped, saying why, without.
 """
 

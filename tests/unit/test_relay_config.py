@@ -25,7 +25,7 @@ def test_limits_are_validated() -> None:
     with pytest.raises(ConfigError):
         SwarmConfig(relays=-1)
     assert Libp2pConfig(relay=RelayLimits(circuits=2)).relay is not None
-    for bad_punch in ({"addrs": 0}, {"dials": 0}, {"window": 0.0}, {"window": float("nan")}):
+    for bad_punch in ({"addrs": 0}, {"dials": 0}, {"window": 0.0}, {"window": float("nan")}, {"memory": 0.0}):
         with pytest.raises(ConfigError):
             HolePunchLimits(**bad_punch)  # type: ignore[arg-type]
     assert Libp2pConfig(hole_punch=True).hole_punch_limits == HolePunchLimits()
