@@ -127,7 +127,8 @@ def stage_fit(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, pro
 
 PROVIDERS_TIMEOUT = 5.0   # seconds the DHT lookups of a stage's pieces may take before its named peers are asked alone
 LOOKUPS_AT_ONCE = 16      # DHT lookups in flight at once (a stage of a large model has hundreds of pieces)
-FETCHES_AT_ONCE = 4       # pieces in flight at once per node: overlaps the streams' round trips, bounds its memory
+FETCHES_AT_ONCE = 1       # pieces in flight at once per node: 4 (16 streams to a 4-node job's publisher) broke
+                          # py-libp2p's connection to it under load (streams refused, then reset): a re-plan
 
 
 async def find_holders(content: ContentService, hashes: Sequence[str]) -> dict[str, list[str]]:
@@ -206,9 +207,9 @@ async def fetch_tensors(content: ContentService, manifest: WeightManifest, names
     """The published tensors *names*, each rebuilt from its pieces (and nothing else; see :func:`fetch_piece`).
 
     The pieces are fetched :data:`FETCHES_AT_ONCE` at a time, each as soon as its own DHT lookup has
-    answered (the lookups, :data:`LOOKUPS_AT_ONCE` at a time, all end within :data:`PROVIDERS_TIMEOUT`):
-    one after another, and after every lookup had ended, a 4-node demo's 27 pieces of 1.7 MB took 11-19 s
-    under load, most of the job's start (issue 40)."""
+    answered (the lookups, :data:`LOOKUPS_AT_ONCE` at a time, all end within :data:`PROVIDERS_TIMEOUT`),
+    not after every lookup ended: a 4-node demo's stage of 27 pieces (1.7 MB) took 11-19 s under load,
+    most of the job's start (issue 40)."""
     by_name = manifest.by_name()
     for name in names:
         if name not in by_name:
