@@ -653,14 +653,15 @@ class JobRun(Leading):
         status = self._status(JobState.DONE if ok else JobState.FAILED, plan,
                               final=tuple(files), final_loss=sum(finals) / len(finals) if finals else None,
                               reason="" if ok else "the final stage files were not all reported")
-        await self._put_status(status)
         report = {"op": "report", "job": self.job_id, "state": status.state, "reason": status.reason,
                   "final_loss": status.final_loss, "files": [[f.stage, f.hash, list(f.holders)] for f in files],
                   "step": self.spec.config.steps}
-        try:
-            await job_proto.request(self.transport, self.publisher, report, timeout=self.svc.config.report_timeout)
-        except (PeerUnavailable, RemoteProtocolError) as exc:
-            log.info("final report of %s to its publisher: %s (it can read the status record)", self.job_id, exc)
+        async with trio.open_nursery() as nursery:   # the DHT put (seconds under load) does not hold up the report
+            nursery.start_soon(self._put_status, status)
+            try:
+                await job_proto.request(self.transport, self.publisher, report, timeout=self.svc.config.report_timeout)
+            except (PeerUnavailable, RemoteProtocolError) as exc:
+                log.info("final report of %s to its publisher: %s (it can read the status record)", self.job_id, exc)
         standbys = sorted((self.members or frozenset()) - set(plan.peers) - {self.me})
         await self._ask_all(standbys, {"op": "end", "job": self.job_id, "state": status.state})
 
