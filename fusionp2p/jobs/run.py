@@ -423,8 +423,7 @@ class JobRun(Leading):
                         await self._close_channels()
         except Exception as exc:
             lost = [e for e in leaf_errors(exc) if not isinstance(e, trio.Cancelled)]
-            # a halt cancels the epoch: the channels close under a worker that finishes a compute step
-            # first, so its next send sees a closed channel instead of the cancellation
+            # a halt cancels the epoch: a worker finishing a compute step then sends into a closed channel
             expected: tuple[type[BaseException], ...] = (PeerUnavailable, trio.EndOfChannel)   # a neighbour left the epoch
             if scope.cancel_called:
                 expected += (trio.ClosedResourceError, trio.BrokenResourceError)
