@@ -333,7 +333,7 @@ def test_a_job_left_with_too_few_members_takes_in_a_newcomer(tmp_path: Path, mon
     is taken in and the job ends DONE on the two. (Before, the lone leader re-planned alone every
     replan_retry, never offering the job to anyone, until the job timed out.)"""
     torch.set_num_threads(1)
-    small = dataclasses.replace(TEST_PROFILE, memory_bytes=4 << 20)   # 1 node: no plan; 2 nodes: 2 stages
+    small = dataclasses.replace(TEST_PROFILE, memory_bytes=3 << 20)   # 1 node: no plan; 2 nodes: 2 stages
     # (without recomputation, which would let one node hold the whole model: the case here is no plan)
     cfg = TrainConfig(steps=30, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
                       compression="none", checkpoint_every=4, seed=5, recompute="never")
@@ -378,7 +378,7 @@ def test_a_joiner_arriving_while_a_member_dies_is_taken_in(tmp_path: Path) -> No
     the re-plan around the dead member race). Two nodes hold half the model each, so the job can go on
     only with the joiner: it is taken in, and the job ends DONE without the dead member."""
     torch.set_num_threads(1)
-    small = dataclasses.replace(TEST_PROFILE, memory_bytes=4 << 20)   # 1 node: no plan; 2 nodes: 2 stages
+    small = dataclasses.replace(TEST_PROFILE, memory_bytes=3 << 20)   # 1 node: no plan; 2 nodes: 2 stages
     # (without recomputation, which would let one node hold the whole model: the case here is no plan)
     cfg = TrainConfig(steps=24, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
                       compression="none", checkpoint_every=4, seed=7, recompute="never")
