@@ -191,6 +191,7 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
         job = sw.publish(model=demo_model(), dataset=BuiltinCorpus(seq_len=SEQ_LEN), config=cfg, name="churn")
         plan: list[str] = []
         epoch = 0
+        plan_epoch = 0   # the epoch of `plan`: steps of a newer epoch whose plan event has not come mean it is stale
         last_step = -1
         t_run = t_end = w_run = w_end = 0.0
         next_kill = np.inf
@@ -233,7 +234,7 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
                 t_run, w_run = now, time.time()
                 next_kill = now + every if churn else np.inf
             elif isinstance(ev, PlanChanged):
-                plan = list(ev.members)
+                plan, plan_epoch = list(ev.members), ev.epoch
                 layouts.append((ev.epoch, list(ev.stage_sizes), last_step + 1))   # replicas per stage, from about which step
                 epoch = max(epoch, ev.epoch)
             elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
@@ -249,10 +250,11 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
                     events.append(p)
                     pending.remove(p)
                 last_step = max(last_step, ev.step)
+                epoch = max(epoch, ev.epoch)   # a kill is timed from the newest epoch that stepped
                 t_end, w_end, last_progress = now, time.time(), now
                 first_step = True
-                if now >= next_kill and plan and steps - last_step > 10 and not (kills and killed_n >= kills) \
-                        and ready():
+                if now >= next_kill and plan and plan_epoch == epoch and steps - last_step > 10 \
+                        and not (kills and killed_n >= kills) and ready():   # only members of the plan that steps
                     victim = rng.choice(sorted(set(plan)))
                     cluster.kill(names[victim])
                     killed_n += 1
