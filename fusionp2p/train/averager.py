@@ -67,6 +67,7 @@ from fusionp2p.average.allreduce import PHASES, AllReduceRound, Finished, Reduce
 from fusionp2p.average.outer import OuterConfig, OuterOptimizer
 from fusionp2p.average.robust import ClipBook, RobustConfig, clipped_by_majority
 from fusionp2p.average.shard import all_finite, shard_bounds
+from fusionp2p.average.shard import stream_fragments as stream_fragments  # re-exported: the streaming API
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.channel import TensorChannel, TensorMessage
 from fusionp2p.net.tensor_stream import BufferPool
@@ -220,35 +221,6 @@ def load_anchor_(params: torch.Tensor | Iterable[torch.Tensor], anchor: torch.Te
         off += hi - lo
     if off != anchor.numel():
         raise ValueError(f"{anchor.numel()} values for ranges of {off} elements")
-
-
-def stream_fragments(n_elems: int, tau: int, segments: Sequence[tuple[int, int]] | None = None
-                     ) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The streaming fragments of a flat vector of *n_elems*: ``F = min(tau, n_elems)`` (at least 1)
-    fragments, each a tuple of flat ``(lo, hi)`` ranges. Every segment (a contiguous range; *segments*
-    must cut ``[0, n_elems)`` in order, default one segment) is cut into F balanced contiguous pieces
-    (``shard_bounds``) and fragment ``f`` takes piece ``f`` of each: with one segment, F contiguous
-    balanced slices. An element's fragment thus depends only on its segment: a tied parameter given
-    as a segment of its own falls in the same fragments on every stage that holds a copy."""
-    segs = [(0, n_elems)] if segments is None else [(int(lo), int(hi)) for lo, hi in segments]
-    pos = 0
-    for lo, hi in segs:
-        if lo != pos or hi < lo:
-            raise ConfigError(f"averaging segments must cut [0, {n_elems}) in order, got {segs[:8]}")
-        pos = hi
-    if pos != n_elems:
-        raise ConfigError(f"averaging segments cover {pos} of {n_elems} elements")
-    n_frag = max(1, min(tau, n_elems))
-    frags: list[list[tuple[int, int]]] = [[] for _ in range(n_frag)]
-    for lo, hi in segs:
-        for f, (a, b) in enumerate(shard_bounds(hi - lo, n_frag)):
-            if b <= a:
-                continue
-            if frags[f] and frags[f][-1][1] == lo + a:   # adjacent pieces: one range
-                frags[f][-1] = (frags[f][-1][0], lo + b)
-            else:
-                frags[f].append((lo + a, lo + b))
-    return tuple(tuple(fr) for fr in frags)
 
 
 def round_buffer_pool(round_elems: int, replicas: int, *, bf16: bool) -> BufferPool:
