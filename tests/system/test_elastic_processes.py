@@ -42,6 +42,7 @@ def _status(cluster: LocalCluster, job: str, home: Path) -> dict[str, object] | 
     return json.loads(p.stdout) if p.returncode == 0 else None
 
 
+@pytest.mark.heavy
 def test_member_and_publisher_killed_the_job_ends_done_and_is_attached(tmp_path: Path) -> None:
     key_home = tmp_path / "key"
     with LocalCluster(5, tmp_path / "cluster", dead_timeout=6.0, probe_interval=60.0) as cluster:

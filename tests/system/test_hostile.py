@@ -137,6 +137,7 @@ def _attack_and_train(tmp_path: Path, *, nodes: int, duration: float, steps: int
     assert answers.get("offer: accepted", 0) <= 2 * nodes, answers
 
 
+@pytest.mark.heavy
 def test_a_hostile_peer_cannot_take_down_or_bloat_a_node_and_a_job_completes(tmp_path: Path) -> None:
     _attack_and_train(tmp_path, nodes=2, duration=30, steps=4)
 
