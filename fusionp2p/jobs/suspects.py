@@ -104,11 +104,13 @@ class Suspects:
     def convict(self, v: Verdict, plan: Plan | None) -> bool:
         """Act on a spot-check verdict: True when it excludes the stage replica it convicts (the first
         time). Evidence only when both signatures hold, the claim is of *plan*'s job and epoch, the stage
-        replica serves the claimed stage in *plan* and the checker is another member not excluded."""
+        replica serves the claimed stage in *plan*, the checker is another member not excluded, and a stamp
+        the verdict carries (``train/receipts.py``) is signed by a member."""
         c = v.claim
         if (plan is None or c.job != plan.job or c.epoch != plan.epoch or not 0 <= c.stage < len(plan.stages)
                 or c.peer not in plan.stages[c.stage].replicas or v.checker not in plan.peers
-                or v.checker in self.excluded or c.peer in self.excluded or not v.valid()):
+                or v.checker in self.excluded or c.peer in self.excluded
+                or (v.stamp is not None and v.stamp.signer not in plan.peers) or not v.valid()):
             return False
         self.excluded.add(c.peer)
         log.warning("job %s: %s excluded from the next plan: %s's spot-check of its stage %d found %s", c.job,

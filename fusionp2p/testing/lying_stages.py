@@ -5,7 +5,10 @@ Every lie is finite and well-shaped, so every check on bytes lets it through:
 * ``bias``: a stage adds ``BIAS`` times the tensor's own standard deviation, along one fixed direction of
   its features, to every activation it sends (a small, steady push on everything downstream);
 * ``zeros``: a stage skips its backward and sends zeros for the gradients it owes upstream (it saves
-  its backward's compute; the stages before it stop learning).
+  its backward's compute; the stages before it stop learning);
+* ``bias-hidden`` and ``zeros-hidden``: the same lies on the wire, while the stage's transcript (what it
+  claims and serves to its checker) holds the honest tensors: the recomputation agrees with the claim,
+  and only the neighbours' stamps of what they received (``train/receipts.py``) give it away.
 
 A liar lies on a fraction ``lie_rate`` of its micro-batches (drawn from its own seeded generator) and is
 honest on the others. :func:`spot_checked_run` trains a :class:`~fusionp2p.graph.local.LocalPipeline`
@@ -36,6 +39,7 @@ from fusionp2p.net.identity import Identity
 from fusionp2p.plan.plan import Fence, Plan, Stage
 from fusionp2p.testing.channels import memory_channel_pair
 from fusionp2p.train.config import TrainConfig
+from fusionp2p.train.receipts import Stamp, StampBook, StampedChannel
 from fusionp2p.train.spot import Bundle, Checker, Ledger, TappedExecutor
 from fusionp2p.train.verify import (
     Claim,
@@ -50,7 +54,7 @@ from fusionp2p.train.verify import (
 )
 from fusionp2p.train.worker import DataFn, StageContext, StageReport, StageWorker
 
-STAGE_ATTACKS = ("bias", "zeros")
+STAGE_ATTACKS = ("bias", "zeros", "bias-hidden", "zeros-hidden")
 BIAS = 0.05     # of the activation's standard deviation
 
 
@@ -64,6 +68,7 @@ class LyingStage(TappedExecutor):
             raise ValueError(f"attack must be one of {STAGE_ATTACKS}, got {attack!r}")
         super().__init__(*args, **kwargs)
         self.attack, self.lie_rate = attack, lie_rate
+        self.hidden = attack is not None and attack.endswith("-hidden")   # honest in the transcript, lying on the wire
         self._gen = torch.Generator().manual_seed(seed)
         self.lying: set[tuple[int, int]] = set()     # (step, micro) it lied on
         self._lie_now = False
@@ -78,15 +83,19 @@ class LyingStage(TappedExecutor):
 
     def forward(self, micro: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self._lie_now = self._lies(micro)
-        return super().forward(micro, inputs)
+        out = super().forward(micro, inputs)      # the tap has recorded the honest outputs of a hidden liar
+        return self._bias(out) if self._lie_now and self.hidden and self.attack == "bias-hidden" else out
 
     def _outputs(self, outs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         res = super()._outputs(outs)
-        if self._lie_now and self.attack == "bias":
-            for o in self.program.send:
-                t = res[o.name]
-                if t.is_floating_point():
-                    res[o.name] = t + BIAS * t.float().std() * self._direction(t.shape[-1]).to(t.dtype)
+        return self._bias(res) if self._lie_now and self.attack == "bias" else res
+
+    def _bias(self, res: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        res = dict(res)
+        for o in self.program.send:
+            t = res[o.name]
+            if t.is_floating_point():
+                res[o.name] = t + BIAS * t.float().std() * self._direction(t.shape[-1]).to(t.dtype)
         return res
 
     def _direction(self, n: int) -> torch.Tensor:
@@ -100,8 +109,11 @@ class LyingStage(TappedExecutor):
 
     def backward(self, micro: int, grad_outputs: Mapping[str, torch.Tensor], *,
                  loss_scale: float = 1.0) -> dict[str, torch.Tensor]:
-        if self.attack != "zeros" or (self.step, micro) not in self.lying:
+        if self.attack not in ("zeros", "zeros-hidden") or (self.step, micro) not in self.lying:
             return super().backward(micro, grad_outputs, loss_scale=loss_scale)
+        if self.hidden:       # the honest backward, recorded, and zeros sent
+            honest = super().backward(micro, grad_outputs, loss_scale=loss_scale)
+            return {k: torch.zeros_like(v) for k, v in honest.items()}
         self.drop(micro)      # the backward it skips
         out = {r.name: torch.zeros(r.meta.shape, dtype=self.wire_dtype(r.meta.dtype)) for r in self.program.recv
                if r.needs_grad}
@@ -219,19 +231,22 @@ class VerifiedJob:
     ledgers: dict[tuple[int, int], Ledger]
     checkers: dict[tuple[int, int], Checker]              # the checker OF (stage, replica)
     reports: list[StageReport]
+    books: dict[tuple[int, int], StampBook] = field(default_factory=dict)   # each node's stamps (stamped runs)
     cpu_s: float = 0.0                                    # the process's CPU seconds (user + sys) for the run
 
 
 def verified_job(programs: Sequence[StageProgram], data: DataFn, config: TrainConfig, *, rate: float | None,
                  liar: tuple[int, int] | None = None, attack: str | None = None, lie_rate: float = 1.0,
-                 timeout: float = 600.0) -> VerifiedJob:
+                 timeout: float = 600.0, stamped: bool = True) -> VerifiedJob:
     """Run a job of ``len(programs)`` stages (a chain) x ``config.replicas`` replicas on real
     :class:`~fusionp2p.train.worker.StageWorker` s over in-memory channels, in one process. With *rate*,
     every stage replica keeps a :class:`~fusionp2p.train.spot.Ledger` and is checked by the next replica
     of its stage (``train/spot.py``); a verdict goes to the leader's :class:`Suspects`, and its
     ``StageConvicted`` event through the wire codec to another node's. The request of a bundle is a direct
     call here (the in-process stand-in of the node-to-node request). *rate* None: no ledgers, no checkers,
-    plain executors (the baseline). Replica *liar* = (stage, replica) lies with *attack*."""
+    plain executors (the baseline). Replica *liar* = (stage, replica) lies with *attack*. With *stamped* (and
+*rate*), the pipeline links sign and check every boundary message (``train/receipts.py``) and a checker
+compares the claims with the neighbours' stamps (their books, read directly)."""
     S, R = len(programs), config.replicas or 1
     if R < 2 and rate is not None:
         raise ValueError("verified_job checks a replica by another: replicas >= 2")
@@ -263,7 +278,9 @@ def verified_job(programs: Sequence[StageProgram], data: DataFn, config: TrainCo
     checkers = {(s, r): Checker(checker_of(s, r), programs[s], vcfg, job=plan.job, epoch=plan.epoch,
                                 on_verdict=on_verdict) for (s, r) in ids} if rate is not None else {}
     ledgers: dict[tuple[int, int], Ledger] = {}
-    pipe = {(s, r): memory_channel_pair(f"s{s}r{r}", f"s{s + 1}r{r}", window=8) for s in range(S - 1) for r in range(R)}
+    pipe = {(s, r): memory_channel_pair(ids[s, r].peer_id, ids[s + 1, r].peer_id, window=8)
+            for s in range(S - 1) for r in range(R)}
+    books = {k: StampBook() for k in ids} if rate is not None and stamped else {}
     peer_ch: dict[tuple[int, int], list[Any]] = {k: [] for k in ids}
     for s in range(S):
         for a in range(R):
@@ -276,7 +293,10 @@ def verified_job(programs: Sequence[StageProgram], data: DataFn, config: TrainCo
         prog = programs[s]
         ex: StageExecutor = (LyingStage(prog, attack=attack if (s, r) == liar else None, lie_rate=lie_rate)
                              if rate is not None or (s, r) == liar else StageExecutor(prog))
-        links = {**({s - 1: pipe[s - 1, r][1]} if s > 0 else {}), **({s + 1: pipe[s, r][0]} if s < S - 1 else {})}
+        links: dict[int, Any] = {**({s - 1: pipe[s - 1, r][1]} if s > 0 else {}),
+                                 **({s + 1: pipe[s, r][0]} if s < S - 1 else {})}
+        if books:
+            links = {d: StampedChannel(ch, idt, epoch=plan.epoch, book=books[s, r]) for d, ch in links.items()}
         if rate is not None:
             assert isinstance(ex, TappedExecutor)
             ledgers[s, r] = Ledger(idt, ex, job=plan.job, epoch=plan.epoch, replica=r,
@@ -288,8 +308,11 @@ def verified_job(programs: Sequence[StageProgram], data: DataFn, config: TrainCo
     async def check_loop(k: tuple[int, int]) -> None:
         async def fetch(c: Claim, seed: bytes) -> Bundle:
             return ledgers[k].bundle(checkers[k].me.peer_id, seed, c.step, c.micro)
+        async def stamps(c: Claim) -> list[Stamp]:   # what the replica's neighbours hold of the micro-batch
+            s, r = k
+            return [st for n in ((s - 1, r), (s + 1, r)) if n in books for st in books[n].of(c.peer, c.step, c.micro)]
         async for claims in inbox[k][1]:
-            await checkers[k].step(claims, fetch)
+            await checkers[k].step(claims, fetch, stamps if books else None)
 
     async def main() -> None:
         with trio.fail_after(timeout):
@@ -306,7 +329,7 @@ def verified_job(programs: Sequence[StageProgram], data: DataFn, config: TrainCo
     trio.run(main)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     return VerifiedJob(ids=ids, plan=plan, leader=leader, others=others, events=events, workers=workers,
-                       ledgers=ledgers, checkers=checkers, reports=reports,
+                       ledgers=ledgers, checkers=checkers, reports=reports, books=books,
                        cpu_s=(r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime))
 
 

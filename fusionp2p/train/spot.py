@@ -16,15 +16,15 @@ draws its sample only now: its seed is its own Ed25519 signature over (job, epoc
 For each sampled micro-batch it fetches the bundle (the state and the transcript) from the stage, which
 serves it only to one of its checkers whose seed samples that micro-batch (:meth:`Ledger.bundle`: a
 checker cannot make a stage ship every state), checks it against the claim's digests and recomputes it
-(``verify.check``). A mismatch is a :class:`~fusionp2p.train.verify.Verdict` handed to ``on_verdict``:
+(``verify.check``), after comparing the claimed transcript with the stamps its neighbours hold of what
+crossed its links (``train/receipts.py``: a stage that sends a lie and claims the honest tensors is caught there). A mismatch is a :class:`~fusionp2p.train.verify.Verdict` handed to ``on_verdict``:
 the job gossips it as a ``StageConvicted`` event and every node's ``Suspects`` leaves the stage replica
 out of the next plan (``jobs/suspects.py``).
 
 Limits (docs/security.md): the ledger keeps ``keep`` steps of transcripts and states (memory: that many
 copies of the stage's state and of its boundary tensors); a bundle asked for later is gone, and a check
-the stage does not answer is no evidence. The claims bind what the stage says it sent: that it is what
-its neighbours received (the digests of the same tensors at both ends of a dense link) is not compared
-yet. The random state is the process's CPU generator: two stages of one process drawing dropout at once
+the stage does not answer is no evidence. That the claims are what crossed the links is checked against
+the neighbours' stamps (``train/receipts.py``) on dense links only. The random state is the process's CPU generator: two stages of one process drawing dropout at once
 cannot be replayed (a node runs one stage).
 """
 
@@ -42,6 +42,7 @@ from fusionp2p import device as dev
 from fusionp2p.graph.executor import StageExecutor
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.net.identity import Identity
+from fusionp2p.train.receipts import Stamp
 from fusionp2p.train.verify import (
     Claim,
     Tap,
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 
 Bundle = tuple[dict[str, torch.Tensor], Transcript]          # (the stage's state at the step's start, transcript)
 Fetch = Callable[[Claim, bytes], Awaitable[Bundle]]          # (claim, the checker's seed) -> the stage's bundle
+Stamps = Callable[[Claim], Awaitable[Sequence[Stamp]]]     # claim -> its neighbours' stamps of its micro-batch
 
 
 class StepHooks(Protocol):
@@ -183,21 +185,23 @@ class Checker:
                       self.program.stage, step) and sampled(seed, c.stage, c.replica, c.micro, self.cfg.rate)
                       and c.valid()]
 
-    def _check(self, c: Claim, b: Bundle) -> Verdict | None:
+    def _check(self, c: Claim, b: Bundle, stamps: Sequence[Stamp] = ()) -> Verdict | None:
         t0 = _cpu()
         try:
-            return check(c, self.program, b[0], b[1], self.cfg, self.me, executor=self._ex)
+            return check(c, self.program, b[0], b[1], self.cfg, self.me, executor=self._ex, stamps=stamps)
         finally:
             self.cpu_s += _cpu() - t0
 
-    async def step(self, claims: Sequence[Claim], fetch: Fetch) -> list[Verdict]:
-        """Check one step's *claims* of one stage replica, fetching each sampled bundle with *fetch*."""
+    async def step(self, claims: Sequence[Claim], fetch: Fetch, stamps: Stamps | None = None) -> list[Verdict]:
+        """Check one step's *claims* of one stage replica, fetching each sampled bundle with *fetch* and,
+        with *stamps*, its neighbours' stamps of the micro-batch (train/receipts.py)."""
         seed, chosen = self.sample(claims)
         found: list[Verdict] = []
         for c in chosen:
             try:
                 bundle = await fetch(c, seed)
-                v = await trio.to_thread.run_sync(self._check, c, bundle)
+                got = await stamps(c) if stamps is not None else ()
+                v = await trio.to_thread.run_sync(self._check, c, bundle, got)
             except (Refused, Unverifiable) as exc:
                 self.unverifiable += 1
                 log.info("spot-check of %s's stage %d step %d micro %d: %s", short_peer(c.peer), c.stage, c.step,
@@ -216,4 +220,4 @@ def _cpu() -> float:
     return time.thread_time()   # the work runs in worker threads: their own CPU, not the process's
 
 
-__all__ = ["Bundle", "Checker", "Fetch", "Ledger", "Refused", "StepHooks", "TappedExecutor"]
+__all__ = ["Bundle", "Checker", "Fetch", "Ledger", "Refused", "Stamps", "StepHooks", "TappedExecutor"]

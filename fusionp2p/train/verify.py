@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +50,8 @@ from fusionp2p.errors import ConfigError, RemoteProtocolError
 from fusionp2p.graph.executor import StageExecutor
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.net.identity import MAX_PEER_ID, Identity, verify
+from fusionp2p.train.receipts import Stamp, decode_stamp, message_digest
+from fusionp2p.types import short_peer
 from fusionp2p.wire.check import as_bytes, as_int, as_list, as_str, malformed
 from fusionp2p.wire.msg import packb, unpackb
 
@@ -58,7 +60,7 @@ _DOMAIN_CLAIM = b"fusionp2p/spot-claim/1"
 _DOMAIN_VERDICT = b"fusionp2p/spot-verdict/1"
 DIGEST = 32                 # bytes of every digest (SHA-256: 3x blake2b where the CPU has SHA extensions)
 MAX_REASON = 200            # characters of a verdict's reason
-MAX_VERDICT = 4096          # bytes of an encoded verdict
+MAX_VERDICT = 4096          # bytes of an encoded verdict (a stamp adds at most ~700)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,15 +187,23 @@ class Verdict:
     claim: Claim
     checker: str
     reason: str
+    # the boundary message the claim contradicts (train/receipts.py): signed by the stage for what it sent,
+    # by its neighbour for what it was sent; None for a recomputation that disagrees
+    stamp: Stamp | None = None
     signature: bytes = b""
 
     def body(self) -> bytes:
-        return _DOMAIN_VERDICT + packb([self.claim.body(), self.claim.signature, self.checker, self.reason])
+        return _DOMAIN_VERDICT + packb([self.claim.body(), self.claim.signature, self.checker, self.reason]
+                                       + ([self.stamp.wire()] if self.stamp is not None else []))
 
     def valid(self) -> bool:
-        """Both signatures hold and the checker is not the stage itself."""
-        return (self.checker != self.claim.peer and self.claim.valid()
-                and verify(self.checker, self.body(), self.signature))
+        """Both (with a stamp: all three) signatures hold, the checker is not the stage itself, and the stamp
+        is of the claim's micro-batch, sent by or to its stage."""
+        c, s = self.claim, self.stamp
+        if s is not None and not ((s.job, s.epoch, s.step, s.micro) == (c.job, c.epoch, c.step, c.micro)
+                                  and (s.signer == c.peer) != (s.dst == c.stage) and s.valid()):
+            return False
+        return self.checker != c.peer and c.valid() and verify(self.checker, self.body(), self.signature)
 
 
 class Tap:
@@ -275,21 +285,50 @@ def mismatch(claimed: Transcript, honest: Transcript, cfg: VerifyConfig) -> str:
     return ""
 
 
+def stamp_mismatch(c: Claim, t: Transcript, stamps: Sequence[Stamp]) -> tuple[str, Stamp | None]:
+    """Why transcript *t* of claim *c* is not what its neighbours' *stamps* say crossed its links ('' when
+    it is; train/receipts.py): a message the stage signed must be its claimed output (``act``) or input
+    gradient (``grad``), a message signed to it its claimed input or received gradient. Stamps of another
+    micro-batch, not valid, or of a compressed link are passed over, and so is a gradient summed from
+    several receivers."""
+    ok = [s for s in stamps if (s.job, s.epoch, s.step, s.micro) == (c.job, c.epoch, c.step, c.micro)
+          and (s.signer == c.peer) != (s.dst == c.stage) and not s.coded and s.valid()]
+    into = [(s.kind, s.name) for s in ok if s.dst == c.stage]
+    for s in ok:
+        out = s.signer == c.peer
+        if not out and s.kind == "grad" and into.count((s.kind, s.name)) > 1:
+            continue
+        what = (("output", t.outputs) if s.kind == "act" else ("input gradient", t.grad_inputs)) if out else (
+            ("input", t.inputs) if s.kind == "act" else ("output gradient", t.grad_outputs))
+        got = what[1].get(s.name)
+        link = f"to stage {s.dst}" if out else f"from {short_peer(s.signer)}"
+        if got is None:
+            return f"{'sent' if out else 'was sent'} {s.kind} {s.name!r} ({link}) that its claim has no {what[0]} of", s
+        if message_digest(s.kind, s.name, {}, (got,)) != s.digest:
+            return (f"{'sent' if out else 'was sent'} {s.kind} {s.name!r} ({link}) other than the {what[0]} it "
+                    "claims"), s
+    return "", None
+
+
 def check(c: Claim, program: StageProgram, state: Mapping[str, torch.Tensor], t: Transcript, cfg: VerifyConfig,
-          me: Identity, *, executor: StageExecutor | None = None) -> Verdict | None:
-    """Recompute the micro-batch of claim *c* from its bundle (*state*, *t*): None when the stage's
-    outputs hold, else *me*'s signed verdict. :class:`Unverifiable` when *c* is not signed by its stage
-    or the bundle does not match its digests."""
+          me: Identity, *, executor: StageExecutor | None = None, stamps: Sequence[Stamp] = ()) -> Verdict | None:
+    """Recompute the micro-batch of claim *c* from its bundle (*state*, *t*) and compare its transcript
+    with the neighbours' *stamps* of it (:func:`stamp_mismatch`): None when the stage's outputs hold, else
+    *me*'s signed verdict. :class:`Unverifiable` when *c* is not signed by its stage or the bundle does not
+    match its digests."""
     if not c.valid():
         raise Unverifiable("the claim is not signed by its stage")
     if digest(state) != c.params:
         raise Unverifiable("the parameters given are not those the stage claims")
     if t.digests() != c.transcript or (t.step, t.micro) != (c.step, c.micro):
         raise Unverifiable("the transcript given is not the one the stage claims")
-    reason = mismatch(t, recompute(program, state, t, executor=executor), cfg)
+    reason, stamp = stamp_mismatch(c, t, stamps)
+    if not reason:
+        reason = mismatch(t, recompute(program, state, t, executor=executor), cfg)
     if not reason:
         return None
-    v = Verdict(claim=c, checker=me.peer_id, reason=f"step {c.step} micro {c.micro}: {reason}"[:MAX_REASON])
+    v = Verdict(claim=c, checker=me.peer_id, reason=f"step {c.step} micro {c.micro}: {reason}"[:MAX_REASON],
+                stamp=stamp)
     return dataclasses.replace(v, signature=me.sign(v.body()))
 
 
@@ -302,6 +341,8 @@ def arbitrate(v: Verdict, program: StageProgram, state: Mapping[str, torch.Tenso
     c = v.claim
     if digest(state) != c.params or t.digests() != c.transcript:
         raise Unverifiable("the bundle is not the one the stage claims")
+    if v.stamp is not None:
+        return c.peer if stamp_mismatch(c, t, [v.stamp])[0] else v.checker
     return c.peer if mismatch(t, recompute(program, state, t), cfg) else v.checker
 
 
@@ -310,7 +351,7 @@ def encode_verdict(v: Verdict) -> bytes:
     c = v.claim
     return packb({"c": [c.job, c.epoch, c.stage, c.replica, c.peer, c.step, c.micro, c.params, list(c.transcript),
                         c.signature],
-                  "k": v.checker, "r": v.reason, "s": v.signature})
+                  "k": v.checker, "r": v.reason, "s": v.signature, **({"t": v.stamp.wire()} if v.stamp else {})})
 
 
 def decode_verdict(data: bytes) -> Verdict:
@@ -319,8 +360,8 @@ def decode_verdict(data: bytes) -> Verdict:
     what = "spot-check verdict"
     m = unpackb(data, max_size=MAX_VERDICT)
     with malformed(what):
-        if not isinstance(m, dict) or set(m) != {"c", "k", "r", "s"}:
-            raise RemoteProtocolError(f"{what}: expected the fields c, k, r, s")
+        if not isinstance(m, dict) or not {"c", "k", "r", "s"} <= set(m) <= {"c", "k", "r", "s", "t"}:
+            raise RemoteProtocolError(f"{what}: expected the fields c, k, r, s (and t)")
         f = as_list(m["c"], f"{what} claim", min_len=10, max_len=10)
         digests = as_list(f[8], f"{what} digests", min_len=5, max_len=5)
         c = Claim(job=as_str(f[0], f"{what} job"), epoch=as_int(f[1], f"{what} epoch", lo=0),
@@ -333,9 +374,10 @@ def decode_verdict(data: bytes) -> Verdict:
                   signature=as_bytes(f[9], f"{what} claim signature", max_len=64))
         return Verdict(claim=c, checker=as_str(m["k"], f"{what} checker", max_len=MAX_PEER_ID),
                        reason=as_str(m["r"], f"{what} reason", max_len=MAX_REASON),
+                       stamp=decode_stamp(m["t"], f"{what} stamp") if "t" in m else None,
                        signature=as_bytes(m["s"], f"{what} signature", max_len=64))
 
 
 __all__ = ["Claim", "Tap", "Transcript", "Unverifiable", "Verdict", "VerifyConfig", "arbitrate", "challenge",
            "challenge_ok", "check", "claim", "decode_verdict", "digest", "encode_verdict", "mismatch", "p_catch",
-           "recompute", "sampled"]
+           "recompute", "sampled", "stamp_mismatch"]

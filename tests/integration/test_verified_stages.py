@@ -33,7 +33,7 @@ def job() -> tuple[list[StageProgram], list[str]]:
 
 
 def _run(job: tuple[list[StageProgram], list[str]], rate: float | None, liar: tuple[int, int] | None = None,
-         attack: str | None = None) -> VerifiedJob:
+         attack: str | None = None, stamped: bool = True) -> VerifiedJob:
     progs, names = job
 
     def data(sstep: int, mu: int) -> dict[str, torch.Tensor]:
@@ -41,7 +41,7 @@ def _run(job: tuple[list[StageProgram], list[str]], rate: float | None, liar: tu
         return dict(zip(names, (torch.randn(2, 4, generator=g), torch.randint(0, 3, (2,), generator=g)), strict=True))
 
     cfg = TrainConfig(steps=STEPS, micro_batch=2, micro_batches=MICROS, lr=0.05, replicas=R, averaging=CO2(tau=1))
-    return verified_job(progs, data, cfg, rate=rate, liar=liar, attack=attack, timeout=60.0)
+    return verified_job(progs, data, cfg, rate=rate, liar=liar, attack=attack, timeout=60.0, stamped=stamped)
 
 
 def test_honest_job_with_every_micro_batch_checked_is_never_convicted(job: tuple[list[StageProgram], list[str]]) -> None:
@@ -51,6 +51,12 @@ def test_honest_job_with_every_micro_batch_checked_is_never_convicted(job: tuple
     assert sum(c.unverifiable for c in ch) == 0
     assert not got.events and not got.leader.excluded and not got.others.excluded
     assert all(led.cpu_s > 0 for led in got.ledgers.values())
+    # every boundary message was stamped, and each end of a link holds its stamps: a micro-batch's act and
+    # grad on each of the R links, at both ends (of the steps the books keep)
+    assert all(len(got.books[0, r].of(got.ids[1, r].peer_id, STEPS - 1, m)) == 2 for r in range(R)
+               for m in range(MICROS))
+    assert all(len(got.books[1, r].of(got.ids[0, r].peer_id, STEPS - 1, m)) == 2 for r in range(R)
+               for m in range(MICROS))
     # the checks change nothing in the training: the losses of the run without them, to the bit
     base = _run(job, rate=None)
     assert sorted((r.step, r.replica, r.loss) for r in got.reports if r.loss is not None) == sorted(
@@ -72,6 +78,26 @@ def test_lying_stage_is_convicted_and_left_out_of_the_next_plan(job: tuple[list[
     # without the checks the same liar goes unnoticed
     off = _run(job, rate=None, liar=liar, attack=attack)
     assert not off.events and not off.leader.excluded
+
+
+@pytest.mark.parametrize(("liar", "attack"), [((0, 1), "bias-hidden"), ((1, 0), "zeros-hidden")])
+def test_stage_that_claims_other_tensors_than_it_sent_is_convicted_by_its_stamps(
+        job: tuple[list[StageProgram], list[str]], liar: tuple[int, int], attack: str) -> None:
+    """A stage that sends a lie and claims (and serves) the honest tensors: the recomputation agrees with
+    its claim, and only its neighbour's stamps of what it received give it away."""
+    got = _run(job, rate=0.5, liar=liar, attack=attack)
+    bad = got.ids[liar].peer_id
+    ex = got.workers[liar].ex
+    assert isinstance(ex, LyingStage) and ex.lying
+    assert got.leader.excluded == {bad} and got.others.excluded == {bad}
+    verdicts = [v for c in got.checkers.values() for v in c.verdicts]
+    assert verdicts and all(v.claim.peer == bad and v.valid() for v in verdicts)
+    # the evidence is the stage's own signature over what it sent, contradicting its signed claim
+    assert all(v.stamp is not None and v.stamp.signer == bad and "other than the" in v.reason for v in verdicts)
+    # without the stamps the same liar passes every recomputation
+    off = _run(job, rate=0.5, liar=liar, attack=attack, stamped=False)
+    assert not off.events and not off.leader.excluded
+    assert sum(c.checks for c in off.checkers.values()) > 0
 
 
 def test_ledger_serves_only_its_checkers_sample(job: tuple[list[StageProgram], list[str]]) -> None:
