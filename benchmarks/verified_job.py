@@ -12,8 +12,12 @@ sampled micro-batches: ``train/spot.py``). Runs, alternated so that the machine'
   times each: the process's CPU seconds (user + sys) of the whole run, and the threads' CPU seconds of
   the stages' commitments and of the checkers;
 * ``bias`` (stage 0, replica 1 adds 5% of its activations' spread to them) and ``zeros`` (stage 1,
-  replica 0 sends zeros for its backward), lying on ``--lie-rate`` of their micro-batches: the step of
-  the first conviction, and whether anyone else was convicted.
+  replica 0 sends zeros for its backward), and their ``-hidden`` forms (the same lies sent, the honest
+  tensors claimed: caught only by the neighbours' stamps, ``train/receipts.py``), lying on ``--lie-rate``
+  of their micro-batches: the step of the first conviction, and whether anyone else was convicted.
+
+With the checks on, every pipeline message is also stamped (its sender signs a SHA-256 of its encoded
+payload, its receiver checks it): ``stamp_cpu_s``, counted with the commitments.
 
 Headline: the CPU seconds the checks add (the stages' commitments and the checkers, measured on the threads
 that run them) over the unchecked run's CPU seconds, the median over the pairs, target <= 0.05. The whole
@@ -74,7 +78,9 @@ def main() -> None:
         ch = list(job.checkers.values())
         conv = sorted(v.claim.step for c in ch for v in c.verdicts)
         out = {"run": name, "rate": rate, "cpu_s": job.cpu_s, "wall_s": wall,
-               "stage_commit_cpu_s": sum(led.cpu_s for led in job.ledgers.values()),
+               "stage_commit_cpu_s": sum(led.cpu_s for led in job.ledgers.values()) + sum(
+                   b.cpu_s for b in job.books.values()),
+               "stamp_cpu_s": sum(b.cpu_s for b in job.books.values()),
                "checker_cpu_s": sum(c.cpu_s for c in ch), "checks": sum(c.checks for c in ch),
                "unverifiable": sum(c.unverifiable for c in ch), "verdicts": sum(len(c.verdicts) for c in ch),
                "convicted": sorted(job.leader.excluded), "first_conviction_step": conv[0] if conv else None,
@@ -91,7 +97,8 @@ def main() -> None:
     ratios = [c["cpu_s"] / b["cpu_s"] for b, c in zip(base, checked, strict=True)]
     added = [(c["stage_commit_cpu_s"] + c["checker_cpu_s"]) / b["cpu_s"] for b, c in zip(base, checked, strict=True)]
     per: dict[str, Any] = {}
-    for attack, liar in zip(STAGE_ATTACKS, ((0, 1), (1, 0)), strict=True):
+    for attack in STAGE_ATTACKS:
+        liar = (0, 1) if attack.startswith("bias") else (1, 0)
         out, job = go(attack, args.rate, liar=liar, attack=attack, lie_rate=args.lie_rate)
         bad = job.ids[liar].peer_id
         per[attack] = {"liar": list(liar), "first_conviction_step": out["first_conviction_step"],
@@ -104,6 +111,7 @@ def main() -> None:
         "cpu_ratio_per_pair": ratios, "added_cpu_per_pair": added,
         "wall_ratio_per_pair": [c["wall_s"] / b["wall_s"] for b, c in zip(base, checked, strict=True)],
         "stage_commit_over_unchecked_cpu": statistics.median(c["stage_commit_cpu_s"] for c in checked) / b_cpu,
+        "stamps_over_unchecked_cpu": statistics.median(c["stamp_cpu_s"] for c in checked) / b_cpu,
         "checker_over_unchecked_cpu": statistics.median(c["checker_cpu_s"] for c in checked) / b_cpu,
         "honest_verdicts": sum(c["verdicts"] for c in checked),
         "p_catch_per_stage_run": p_catch(args.rate, args.lie_rate, steps * MICROS),

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,10 +107,12 @@ def decode_stamp(f: Any, what: str = "stamp") -> Stamp:
 
 class StampBook:
     """The stamps of one node's pipeline links, both directions, for the last ``keep`` steps: what it sent
-    (signed by itself) and what it received (signed by the sender, checked on arrival)."""
+    (signed by itself) and what it received (signed by the sender, checked on arrival). ``cpu_s``: thread
+    CPU seconds its channels spent digesting, signing and checking."""
 
     def __init__(self, keep: int = 3) -> None:
         self.keep = keep
+        self.cpu_s = 0.0
         self._by: dict[tuple[int, int], list[tuple[str, Stamp]]] = {}   # (step, micro) -> (the link's peer, stamp)
         self._newest = -1
 
@@ -147,10 +150,12 @@ class StampedChannel:
 
     async def send(self, msg: TensorMessage) -> None:
         if msg.kind in STAMPED:
+            t0 = time.thread_time()
             s = self._stamp(msg, self.me.peer_id)
             s = dataclasses.replace(s, signature=self.me.sign(s.body()))
             self.book.add(self.remote_peer, s)
             msg = dataclasses.replace(msg, meta={**msg.meta, SIG: s.signature})
+            self.book.cpu_s += time.thread_time() - t0
         await self.inner.send(msg)
 
     async def receive(self) -> TensorMessage:
@@ -162,8 +167,11 @@ class StampedChannel:
         if not isinstance(sig, bytes) or len(sig) > SIG_LEN:
             raise RemoteProtocolError(f"{msg.kind} {msg.name[:64]!r} of step {msg.step}: no stamp from its sender")
         msg = dataclasses.replace(msg, meta=meta)
+        t0 = time.thread_time()
         s = dataclasses.replace(self._stamp(msg, self.remote_peer), signature=sig)
-        if not s.valid():
+        ok = s.valid()
+        self.book.cpu_s += time.thread_time() - t0
+        if not ok:
             raise RemoteProtocolError(f"{msg.kind} {msg.name[:64]!r} of step {msg.step}: its stamp is not its "
                                       "sender's signature over what arrived")
         self.book.add(self.remote_peer, s)
