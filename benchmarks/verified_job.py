@@ -16,7 +16,7 @@ sampled micro-batches: ``train/spot.py``). Runs, alternated so that the machine'
   tensors claimed: caught only by the neighbours' stamps, ``train/receipts.py``), lying on ``--lie-rate``
   of their micro-batches: the step of the first conviction, and whether anyone else was convicted.
 
-With the checks on, every pipeline message is also stamped (its sender signs a SHA-256 of its encoded
+With the checks on, every pipeline message is also stamped (its sender signs a BLAKE3 digest of its encoded
 payload, its receiver checks it): ``stamp_cpu_s``, counted with the commitments.
 
 Headline: the CPU seconds the checks add (the stages' commitments and the checkers, measured on the threads

@@ -4,7 +4,7 @@ A stage's claim (``train/verify.py``) binds it to the tensors it says it receive
 recomputes them; without more, a stage that sends a lie and claims (and serves) the honest tensors passes,
 since nothing ties the claim to the bytes its neighbours got. Here each pipeline message (activations
 ``act``, gradients ``grad``) carries its sender's :class:`Stamp`: an Ed25519 signature over the message's
-key (job, epoch, kind, step, micro-batch, name, destination stage) and a SHA-256 digest of its payload as
+key (job, epoch, kind, step, micro-batch, name, destination stage) and a BLAKE3 digest of its payload as
 encoded for the wire (the codec's meta and the tensors' dtypes, shapes and bytes: :func:`message_digest`).
 The receiver checks the stamp on arrival (:class:`StampedChannel`: a message without a valid one is a
 protocol error, like any malformed frame) and both ends keep the link's stamps for a few steps
@@ -29,12 +29,12 @@ that is no evidence.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import torch
 
 from fusionp2p.errors import RemoteProtocolError
@@ -51,9 +51,9 @@ DIGEST = 32
 
 
 def message_digest(kind: str, name: str, meta: Mapping[str, Any], tensors: Sequence[torch.Tensor]) -> bytes:
-    """SHA-256 of a message's payload as the wire carries it: kind, name, codec meta, and each tensor's
+    """BLAKE3 of a message's payload as the wire carries it: kind, name, codec meta, and each tensor's
     dtype, shape and bytes (the bytes already encoded: no copy)."""
-    h = hashlib.sha256(packb([kind, name, dict(meta)]))
+    h = blake3.blake3(packb([kind, name, dict(meta)]))
     for t in tensors:
         h.update(packb([str(t.dtype), list(t.shape)]))
         if t.numel():

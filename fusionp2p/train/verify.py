@@ -44,6 +44,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import blake3
 import torch
 
 from fusionp2p.errors import ConfigError, RemoteProtocolError
@@ -58,7 +59,7 @@ from fusionp2p.wire.msg import packb, unpackb
 _DOMAIN_SEED = b"fusionp2p/spot-seed/1"
 _DOMAIN_CLAIM = b"fusionp2p/spot-claim/1"
 _DOMAIN_VERDICT = b"fusionp2p/spot-verdict/1"
-DIGEST = 32                 # bytes of every digest (SHA-256: 3x blake2b where the CPU has SHA extensions)
+DIGEST = 32                 # bytes of every digest (BLAKE3: 2.1x SHA-256 with the CPU's SHA extensions, 4.6x blake2b)
 MAX_REASON = 200            # characters of a verdict's reason
 MAX_VERDICT = 4096          # bytes of an encoded verdict (a stamp adds at most ~700)
 
@@ -118,8 +119,8 @@ class Unverifiable(ValueError):
 
 # ------------------------------------------------------------------------------------------ digests
 def digest(named: Mapping[str, torch.Tensor]) -> bytes:
-    """A digest of named tensors: names, dtypes, shapes and bytes (order-free)."""
-    h = hashlib.sha256()
+    """A digest of named tensors: names, dtypes, shapes and bytes (order-free; BLAKE3, one thread)."""
+    h = blake3.blake3()
     for name in sorted(named):
         t = named[name].detach()
         if t.device.type != "cpu":
