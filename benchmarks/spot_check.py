@@ -32,7 +32,7 @@ from benchmarks.convergence import SEQ, base_config, heldout_loss, make_model
 from fusionp2p.data import BatchSampler, SamplerConfig, corpus_tokens
 from fusionp2p.graph import coarsen, partition, stages_from_fences, trace
 from fusionp2p.graph.trace import load_into
-from fusionp2p.testing.lying_stages import STAGE_ATTACKS, SpotRun, spot_checked_run
+from fusionp2p.testing.lying_stages import SpotRun, spot_checked_run
 from fusionp2p.train.verify import VerifyConfig, p_catch
 
 MICROS = 4
@@ -87,7 +87,7 @@ def main() -> None:
     micro_cpu = full["train_cpu_s"] / (full["steps"] * MICROS * len(programs))
     per_check = full["check_cpu_s"] / max(full["checks"], 1)
     per: dict[str, Any] = {}
-    for attack, liar in zip(STAGE_ATTACKS, (0, 1), strict=True):
+    for attack, liar in (("bias", 0), ("zeros", 1)):   # the hidden forms need stamps: benchmarks.verified_job
         on = go(f"{attack}-checked", args.rate, liar=liar, attack=attack, lie_rate=args.lie_rate)
         off = go(f"{attack}-unchecked", 0.0, liar=liar, attack=attack, lie_rate=args.lie_rate)
         per[attack] = {"liar_stage": liar, "excluded_at_step": on["excluded_at"],
