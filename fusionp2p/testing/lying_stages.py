@@ -39,7 +39,7 @@ from fusionp2p.net.identity import Identity
 from fusionp2p.plan.plan import Fence, Plan, Stage
 from fusionp2p.testing.channels import memory_channel_pair
 from fusionp2p.train.config import TrainConfig
-from fusionp2p.train.receipts import Stamp, StampBook, StampedChannel
+from fusionp2p.train.receipts import Stamp, StampBook, StampedChannel, TensorDigests
 from fusionp2p.train.spot import Bundle, Checker, Ledger, TappedExecutor
 from fusionp2p.train.verify import (
     Claim,
@@ -280,7 +280,7 @@ compares the claims with the neighbours' stamps (their books, read directly)."""
     ledgers: dict[tuple[int, int], Ledger] = {}
     pipe = {(s, r): memory_channel_pair(ids[s, r].peer_id, ids[s + 1, r].peer_id, window=8)
             for s in range(S - 1) for r in range(R)}
-    books = {k: StampBook() for k in ids} if rate is not None and stamped else {}
+    books = {k: StampBook(memo=TensorDigests()) for k in ids} if rate is not None and stamped else {}
     peer_ch: dict[tuple[int, int], list[Any]] = {k: [] for k in ids}
     for s in range(S):
         for a in range(R):
@@ -300,7 +300,8 @@ compares the claims with the neighbours' stamps (their books, read directly)."""
         if rate is not None:
             assert isinstance(ex, TappedExecutor)
             ledgers[s, r] = Ledger(idt, ex, job=plan.job, epoch=plan.epoch, replica=r,
-                                   checkers=[checker_of(s, r).peer_id], cfg=vcfg, publish=inbox[s, r][0].send)
+                                   checkers=[checker_of(s, r).peer_id], cfg=vcfg, publish=inbox[s, r][0].send,
+                                   memo=books[s, r].memo if books else None)
         workers[s, r] = StageWorker(StageContext(
             job=plan.job, executor=ex, config=config, replica=r, replicas=R, links=links, peers=peer_ch[s, r],
             data=data, tokens_per_micro=1, report=report, recv_timeout=timeout, spot=ledgers.get((s, r))))

@@ -29,7 +29,9 @@ that is no evidence.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,17 +52,53 @@ SIG_LEN = 64
 DIGEST = 32
 
 
-def message_digest(kind: str, name: str, meta: Mapping[str, Any], tensors: Sequence[torch.Tensor]) -> bytes:
+def tensor_bytes_digest(t: torch.Tensor) -> bytes:
+    """BLAKE3 of a tensor's bytes (read in place when it is a contiguous host tensor)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    h = blake3.blake3()
+    if t.numel():
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.digest()
+
+
+class TensorDigests:
+    """:func:`tensor_bytes_digest` remembered for the last ``size`` tensors, so that a node digests each
+    boundary tensor once: its stamp (sent or received) and its claim's transcript read the same tensor. A
+    remembered tensor is held (no other tensor takes its memory meanwhile) and its version counter is part
+    of the key (an in-place change is a new tensor); a stage's tap holds these tensors for longer anyway.
+    Safe across threads (the claims are made in a worker thread while the links stamp on the event loop)."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._memo: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def of(self, t: torch.Tensor) -> bytes:
+        t = t.detach()
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t._version)
+        with self._lock:
+            got = self._memo.get(key)
+            if got is not None:
+                self._memo.move_to_end(key)
+                return got[1]
+        d = tensor_bytes_digest(t)
+        with self._lock:
+            self._memo[key] = (t, d)
+            while len(self._memo) > self.size:
+                self._memo.popitem(last=False)
+        return d
+
+
+def message_digest(kind: str, name: str, meta: Mapping[str, Any], tensors: Sequence[torch.Tensor], *,
+                   memo: TensorDigests | None = None) -> bytes:
     """BLAKE3 of a message's payload as the wire carries it: kind, name, codec meta, and each tensor's
-    dtype, shape and bytes (the bytes already encoded: no copy)."""
+    dtype, shape and bytes' digest (the bytes already encoded: no copy; *memo* remembers them)."""
     h = blake3.blake3(packb([kind, name, dict(meta)]))
     for t in tensors:
         h.update(packb([str(t.dtype), list(t.shape)]))
-        if t.numel():
-            t = t.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        h.update(memo.of(t) if memo is not None else tensor_bytes_digest(t))
     return h.digest()
 
 
@@ -110,8 +148,9 @@ class StampBook:
     (signed by itself) and what it received (signed by the sender, checked on arrival). ``cpu_s``: thread
     CPU seconds its channels spent digesting, signing and checking."""
 
-    def __init__(self, keep: int = 3) -> None:
+    def __init__(self, keep: int = 3, memo: TensorDigests | None = None) -> None:
         self.keep = keep
+        self.memo = memo     # shared with the node's ledger (Ledger(memo=)): each boundary tensor digested once
         self.cpu_s = 0.0
         self._by: dict[tuple[int, int], list[tuple[str, Stamp]]] = {}   # (step, micro) -> (the link's peer, stamp)
         self._newest = -1
@@ -145,8 +184,8 @@ class StampedChannel:
 
     def _stamp(self, msg: TensorMessage, signer: str) -> Stamp:
         return Stamp(job=msg.job, epoch=self.epoch, kind=msg.kind, step=msg.step, micro=msg.micro, name=msg.name,
-                     dst=msg.stage, coded=bool(msg.meta), digest=message_digest(msg.kind, msg.name, msg.meta,
-                                                                                msg.tensors), signer=signer)
+                     dst=msg.stage, coded=bool(msg.meta), signer=signer,
+                     digest=message_digest(msg.kind, msg.name, msg.meta, msg.tensors, memo=self.book.memo))
 
     async def send(self, msg: TensorMessage) -> None:
         if msg.kind in STAMPED:

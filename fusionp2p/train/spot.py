@@ -41,7 +41,7 @@ import trio
 from fusionp2p.graph.executor import StageExecutor
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.net.identity import Identity
-from fusionp2p.train.receipts import Stamp
+from fusionp2p.train.receipts import Stamp, TensorDigests
 from fusionp2p.train.verify import (
     Claim,
     Tap,
@@ -105,13 +105,15 @@ class Ledger:
 
     def __init__(self, me: Identity, executor: TappedExecutor, *, job: str, epoch: int, replica: int,
                  checkers: Collection[str], cfg: VerifyConfig,
-                 publish: Callable[[list[Claim]], Awaitable[None]], keep: int = 3) -> None:
+                 publish: Callable[[list[Claim]], Awaitable[None]], keep: int = 3,
+                 memo: TensorDigests | None = None) -> None:
         if keep < 2:
             raise ValueError("Ledger.keep must be >= 2 (a checker fetches a step's bundles after the step)")
         self.me, self.ex, self.job, self.epoch, self.replica = me, executor, job, epoch, replica
         self.stage = executor.program.stage
         self.checkers = frozenset(checkers)
         self.cfg, self.publish, self.keep = cfg, publish, keep
+        self.memo = memo      # the node's stamp book's (train/receipts.py): boundary tensors digested once
         executor.tap.keep = keep
         self._states: dict[int, tuple[dict[str, torch.Tensor], bytes]] = {}
         self.cpu_s = 0.0          # thread CPU seconds of the commitments (state copies, digests, claims)
@@ -143,7 +145,7 @@ class Ledger:
         t0 = _cpu()
         _, params = self._states[step]
         out = [claim(self.me, job=self.job, epoch=self.epoch, stage=self.stage, replica=self.replica, params=params,
-                     t=t) for t in self.ex.tap.of(step)]
+                     t=t, memo=self.memo) for t in self.ex.tap.of(step)]
         self.cpu_s += _cpu() - t0
         return out
 

@@ -51,7 +51,7 @@ from fusionp2p.errors import ConfigError, RemoteProtocolError
 from fusionp2p.graph.executor import StageExecutor
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.net.identity import MAX_PEER_ID, Identity, verify
-from fusionp2p.train.receipts import Stamp, decode_stamp, message_digest
+from fusionp2p.train.receipts import Stamp, TensorDigests, decode_stamp, message_digest, tensor_bytes_digest
 from fusionp2p.types import short_peer
 from fusionp2p.wire.check import as_bytes, as_int, as_list, as_str, malformed
 from fusionp2p.wire.msg import packb, unpackb
@@ -118,16 +118,14 @@ class Unverifiable(ValueError):
 
 
 # ------------------------------------------------------------------------------------------ digests
-def digest(named: Mapping[str, torch.Tensor]) -> bytes:
-    """A digest of named tensors: names, dtypes, shapes and bytes (order-free; BLAKE3, one thread)."""
+def digest(named: Mapping[str, torch.Tensor], memo: TensorDigests | None = None) -> bytes:
+    """A digest of named tensors: names, dtypes, shapes and each one's bytes' digest (order-free; BLAKE3,
+    one thread; *memo*: the node's digests of tensors its stamps already read)."""
     h = blake3.blake3()
     for name in sorted(named):
-        t = named[name].detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
+        t = named[name]
         h.update(packb([name, str(t.dtype), list(t.shape)]))
-        if t.numel():
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)   # no copy of the bytes
+        h.update(memo.of(t) if memo is not None else tensor_bytes_digest(t))
     return h.digest()
 
 
@@ -145,8 +143,9 @@ class Transcript:
     grad_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
     loss_scale: float = 1.0
 
-    def digests(self) -> tuple[bytes, bytes, bytes, bytes, bytes]:
-        return (digest(self.inputs), digest(self.outputs), digest(self.grad_outputs), digest(self.grad_inputs),
+    def digests(self, memo: TensorDigests | None = None) -> tuple[bytes, bytes, bytes, bytes, bytes]:
+        return (digest(self.inputs, memo), digest(self.outputs, memo), digest(self.grad_outputs, memo),
+                digest(self.grad_inputs, memo),
                 digest({"rng": self.rng, "loss_scale": torch.tensor(self.loss_scale, dtype=torch.float64)}))
 
 
@@ -173,10 +172,12 @@ class Claim:
         return verify(self.peer, self.body(), self.signature)
 
 
-def claim(me: Identity, *, job: str, epoch: int, stage: int, replica: int, params: bytes, t: Transcript) -> Claim:
-    """*me*'s signed claim of transcript *t* computed with the state of digest *params*."""
+def claim(me: Identity, *, job: str, epoch: int, stage: int, replica: int, params: bytes, t: Transcript,
+          memo: TensorDigests | None = None) -> Claim:
+    """*me*'s signed claim of transcript *t* computed with the state of digest *params* (*memo*: see
+    :func:`digest`)."""
     c = Claim(job=job, epoch=epoch, stage=stage, replica=replica, peer=me.peer_id, step=t.step, micro=t.micro,
-              params=params, transcript=t.digests())
+              params=params, transcript=t.digests(memo))
     return dataclasses.replace(c, signature=me.sign(c.body()))
 
 

@@ -18,7 +18,15 @@ from fusionp2p.net.channel import TensorMessage
 from fusionp2p.net.identity import Identity
 from fusionp2p.plan.plan import Fence, Plan, Stage
 from fusionp2p.testing.channels import memory_channel_pair
-from fusionp2p.train.receipts import SIG, Stamp, StampBook, StampedChannel, message_digest
+from fusionp2p.train.receipts import (
+    SIG,
+    Stamp,
+    StampBook,
+    StampedChannel,
+    TensorDigests,
+    message_digest,
+    tensor_bytes_digest,
+)
 from fusionp2p.train.verify import (
     Transcript,
     Verdict,
@@ -90,6 +98,20 @@ def test_a_message_without_its_senders_stamp_is_a_protocol_error(bad: str) -> No
             with pytest.raises(RemoteProtocolError, match="stamp"):
                 await b.receive()
     trio.run(main)
+
+
+def test_a_node_digests_each_boundary_tensor_once_and_sees_in_place_changes() -> None:
+    memo = TensorDigests(size=2)
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert memo.of(x) == tensor_bytes_digest(x) and memo.of(x.detach()) == memo.of(x)    # a view of the same bytes
+    assert message_digest("act", "h", {}, (x,), memo=memo) == message_digest("act", "h", {}, (x,))
+    before = memo.of(x)
+    x.add_(1)                                            # in place: its version counter moves
+    assert memo.of(x) == tensor_bytes_digest(x) != before
+    assert memo.of(x[:, :2]) == tensor_bytes_digest(x[:, :2].contiguous())              # a strided view
+    for k in range(5):
+        memo.of(torch.full((3,), float(k)))
+    assert len(memo._memo) == 2                          # bounded
 
 
 def test_the_book_forgets_old_steps() -> None:
