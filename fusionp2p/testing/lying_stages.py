@@ -280,7 +280,8 @@ compares the claims with the neighbours' stamps (their books, read directly)."""
     ledgers: dict[tuple[int, int], Ledger] = {}
     pipe = {(s, r): memory_channel_pair(ids[s, r].peer_id, ids[s + 1, r].peer_id, window=8)
             for s in range(S - 1) for r in range(R)}
-    books = {k: StampBook(memo=TensorDigests()) for k in ids} if rate is not None and stamped else {}
+    books = ({k: StampBook(memo=TensorDigests(size=8 * config.micro_batches)) for k in ids}
+             if rate is not None and stamped else {})
     peer_ch: dict[tuple[int, int], list[Any]] = {k: [] for k in ids}
     for s in range(S):
         for a in range(R):

@@ -67,10 +67,12 @@ class TensorDigests:
     """:func:`tensor_bytes_digest` remembered for the last ``size`` tensors, so that a node digests each
     boundary tensor once: its stamp (sent or received) and its claim's transcript read the same tensor. A
     remembered tensor is held (no other tensor takes its memory meanwhile) and its version counter is part
-    of the key (an in-place change is a new tensor); a stage's tap holds these tensors for longer anyway.
-    Safe across threads (the claims are made in a worker thread while the links stamp on the event loop)."""
+    of the key (an in-place change is a new tensor). ``size``: about one step's boundary tensors (4 a
+    micro-batch: its inputs, outputs and the gradients both ways), which the claims read right after the
+    step; a stage's tap holds all but the received gradients (it keeps their sum) for longer anyway. Safe
+    across threads (the claims are made in a worker thread while the links stamp on the event loop)."""
 
-    def __init__(self, size: int = 256) -> None:
+    def __init__(self, size: int = 64) -> None:
         self.size = size
         self._memo: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, bytes]] = OrderedDict()
         self._lock = threading.Lock()
