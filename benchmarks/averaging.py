@@ -282,7 +282,8 @@ async def anchor_set(peers: list[str], n_elems: int, *, hivemind: bool) -> dict[
         async with tcp_mesh(peers) as mesh:
             res[wire] = a = await allreduce_throughput(mesh, n_elems, AR_ROUNDS, 600, wire=wire)
         print(f"ours, {wire}: all-reduce of {n_elems / 1e6:.1f}M floats among {REPLICAS}: best {a['t_allreduce_s']:.3f} s, "
-              f"median {a['t_allreduce_median_s']:.3f} s, CPU {a['cpu_per_round_s']:.3f} s a round (all replicas)")
+              f"median {a['t_allreduce_median_s']:.3f} s, CPU {a['cpu_per_round_s']:.3f} s a round (all replicas; "
+              f"{a['loop_cpu_per_round_s']:.3f} on the event loop's thread)")
     if hivemind:
         from benchmarks.allreduce_procs import run_procs
         from benchmarks.anchors import run_hivemind
