@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 from collections.abc import Awaitable, Callable
 
@@ -296,6 +297,28 @@ def test_bulk_sockets_drop_trios_notsent_lowat() -> None:
             for c in (ch, chb):
                 for lane in c._lanes:
                     assert lane.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == 0
+
+    run(body)
+
+
+def test_bulk_sockets_block_with_kernel_timeouts() -> None:
+    """The channel threads' sockets stay blocking (no poll before each call: a GIL hand-off each) with
+    SO_RCVTIMEO/SO_SNDTIMEO of dead_after / 2; the deadline itself is judged on the last progress."""
+
+    async def body(net: MemoryNetwork) -> None:
+        ta, tb = net.add_host(), net.add_host()
+        async with open_data_plane(ta, dead_after=3.0) as da, open_data_plane(tb, dead_after=3.0) as db:
+            ch = await da.connect(tb.peer_id)
+            chb = await db.incoming.receive()
+            for c in (ch, chb):
+                for lane in c._lanes:
+                    assert lane.sock.gettimeout() is None and lane.sock.getblocking()
+                    for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+                        sec, usec = struct.unpack("ll", lane.sock.getsockopt(socket.SOL_SOCKET, opt, 16))
+                        assert sec + usec / 1e6 == pytest.approx(1.5, abs=0.01)
+            await ch.send(MSG)   # and a message still goes through
+            got = await chb.receive()
+            assert torch.equal(got.tensors[0], MSG.tensors[0])
 
     run(body)
 

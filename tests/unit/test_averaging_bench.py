@@ -23,6 +23,7 @@ def test_allreduce_throughput_over_encrypted_tcp_checks_every_mean(wire: str) ->
     res = trio.run(main)
     assert res["wire"] == wire and len(res["t_allreduce_all_s"]) == 3  # type: ignore[arg-type]
     assert 0 < res["t_allreduce_s"] <= res["t_allreduce_median_s"]  # type: ignore[operator]
+    assert 0 < res["loop_cpu_per_round_s"] <= res["cpu_per_round_s"]  # type: ignore[operator]
 
 
 @pytest.mark.slow
