@@ -450,11 +450,14 @@ class Leading:
         return cached[1] if cached is not None and cached[0] == snap.snapshot_hash() else None
 
     async def _fast_adopt(self, req: Any, mine: Plan) -> bool:
-        """A re-plan's start names the plan its leader computed; a member that computed the same from the
-        same snapshot adopts it at once instead of holding a gossip election (seconds: 2.5-4.6 s in
-        benchmarks.churn on main). Only from the leader this node sees, so that two nodes that both think
-        they lead cannot split the members between two plans. The vote still goes out, in the background,
-        for any member that computed otherwise (it can then adopt by quorum) and for the DHT's plan record."""
+        """A re-plan's start names the plan its leader computed, the first epoch's the plan its publisher
+        computed; a member that computed the same from the same snapshot adopts it at once instead of holding
+        a gossip election (seconds: 2.5-4.6 s in benchmarks.churn on main; the demo's first epoch 0.7-3.4 s
+        idle, 2-10 s under load). Only from the leader this node sees (in the first epoch there is none: the
+        start came from the publisher or the member that offered the job, ``NodeJobService._start``), so that
+        two nodes that both think they lead cannot split the members between two plans. The vote still goes
+        out, in the background, for any member that computed otherwise (it can then adopt by quorum) and for
+        the DHT's plan record."""
         plan = self.plan
         leader = self._leader(plan) if plan is not None else None
         if plan is not None and leader is not None and req.plan_hash == mine.plan_hash() and req.sender != leader \
@@ -465,8 +468,8 @@ class Leading:
             leader = self._leader(plan)
         if not req.plan_hash or req.plan_hash != mine.plan_hash() or req.sender != (leader or req.sender):
             return False
-        log.info("job %s epoch %d: plan %s adopted as its leader %s computed it", self.job_id, mine.epoch,
-                 mine.plan_hash()[:12], short_peer(req.sender))
+        log.info("job %s epoch %d: plan %s adopted as its %s %s computed it", self.job_id, mine.epoch,
+                 mine.plan_hash()[:12], "leader" if plan is not None else "starter", short_peer(req.sender))
         self.svc.nursery.start_soon(self._vote, req.snapshot, mine)
         return True
 

@@ -13,7 +13,9 @@ tensors; ``jobs/build.py``). Once an epoch's plan names its stage, :func:`prepar
    size and checked against its hash. No tensor of another stage is fetched or built.
 
 Each piece is asked first of the nodes that announced it on the DHT (they fetched it before: a node
-of a later epoch or a later joiner spreads its fetches over them), then of the publisher. A peer that
+of a later epoch or a later joiner spreads its fetches over them), then of the publisher; a piece whose
+turn to be fetched comes before its DHT lookup answered is asked of the publisher at once (in a job's
+first epoch nobody else holds it yet, and every lookup of the 4-node demo ran into its 5 s cap). A peer that
 serves a piece of the wrong size or bytes is counted against it (``Refusals``) and the piece is asked
 of the next holder. A node whose content store is on disk keeps each piece it fetched there and
 announces it (``fetch_piece``); one whose store is in memory does not keep them, as that copy would
@@ -118,6 +120,7 @@ def stage_fit(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, pro
 
 
 PROVIDERS_TIMEOUT = 5.0   # seconds the DHT lookups of a stage's pieces may take before its named peers are asked alone
+LOOKUP_GRACE = 0.5        # seconds from a stage's start its fetches wait for their lookups; then the publisher
 LOOKUPS_AT_ONCE = 16      # DHT lookups in flight at once (a stage of a large model has hundreds of pieces)
 FETCHES_AT_ONCE = 1       # pieces in flight at once per node: 4 (16 streams to a 4-node job's publisher) broke
                           # py-libp2p's connection to it under load (streams refused, then reset): a re-plan
@@ -141,10 +144,11 @@ async def find_holders(content: ContentService, hashes: Sequence[str]) -> dict[s
 
 
 async def fetch_piece(content: ContentService, h: str, size: int, peers: Sequence[str], *,
-                      announce: Callable[[str], None] | None = None, holders: Sequence[str] | None = None) -> bytes:
+                      announce: Callable[[str], None] | None = None, holders: Sequence[str] | None = None,
+                      rounds: int = FETCH_ROUNDS) -> bytes:
     """Content *h* of exactly *size* bytes (a weight piece, a data shard: any bounded blob by its hash): from
     the store, else from its *holders* (default: the DHT's providers of it, the nodes that fetched it
-    before) and then *peers* (its publisher), in turn, in up to ``FETCH_ROUNDS`` rounds (a stream that
+    before) and then *peers* (its publisher), in turn, in up to *rounds* rounds (a stream that
     fails under load is tried again after a backoff). A peer that serves bytes of the wrong hash is
     counted against it and not asked again; PeerUnavailable when none delivers.
 
@@ -166,7 +170,7 @@ async def fetch_piece(content: ContentService, h: str, size: int, peers: Sequenc
     errors: list[str] = []
     bad: set[str] = set()
     delay = FETCH_BACKOFF
-    for attempt in range(FETCH_ROUNDS):
+    for attempt in range(rounds):
         if attempt:
             await trio.sleep(delay)   # a bounded backoff between rounds
             delay *= 2
@@ -198,10 +202,14 @@ async def fetch_tensors(content: ContentService, manifest: WeightManifest, names
                         announce: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
     """The published tensors *names*, each rebuilt from its pieces (and nothing else; see :func:`fetch_piece`).
 
-    The pieces are fetched :data:`FETCHES_AT_ONCE` at a time, each as soon as its own DHT lookup has
-    answered (the lookups, :data:`LOOKUPS_AT_ONCE` at a time, all end within :data:`PROVIDERS_TIMEOUT`),
-    not after every lookup ended: a 4-node demo's stage of 27 pieces (1.7 MB) took 11-19 s under load,
-    most of the job's start (issue 40)."""
+    The pieces are fetched :data:`FETCHES_AT_ONCE` at a time, each from the holders its own DHT lookup
+    found (the lookups, :data:`LOOKUPS_AT_ONCE` at a time, all end within :data:`PROVIDERS_TIMEOUT`). A
+    piece whose turn comes before its lookup answered (and after :data:`LOOKUP_GRACE` from the start) does
+    not hold the turn for it: it is asked of *peers*
+    (the publisher) in one round, and only if none delivers does it wait for the holders. In a job's first
+    epoch nobody but the publisher holds a piece, and in the 4-node demo every lookup ran into its 5 s cap
+    with no holder: the fetches waited 5 s for nothing (issue 40). With many pieces (a large model) the
+    later ones' lookups have answered by their turn, so holders still take the load off the publisher."""
     by_name = manifest.by_name()
     for name in names:
         if name not in by_name:
@@ -209,16 +217,40 @@ async def fetch_tensors(content: ContentService, manifest: WeightManifest, names
     store = content.store
     lookups, fetching = trio.CapacityLimiter(LOOKUPS_AT_ONCE), trio.CapacityLimiter(FETCHES_AT_ONCE)
     lookup_deadline = trio.current_time() + PROVIDERS_TIMEOUT
+    lookup_grace = trio.current_time() + LOOKUP_GRACE
     out: dict[str, torch.Tensor] = {}
 
     async def piece(h: str, size: int, blobs: list[bytes], i: int) -> None:
         holders: list[str] = []
-        if not (store.has(h) and store.size(h) == size):
-            async with lookups:
-                with trio.move_on_at(lookup_deadline):   # past it, the named peers are asked alone
-                    holders = await content.transport.find_providers(h)
-        async with fetching:
-            blobs[i] = await fetch_piece(content, h, size, peers, announce=announce, holders=holders)
+        looked_up = trio.Event()
+
+        async def lookup() -> None:
+            nonlocal holders
+            try:
+                async with lookups:
+                    with trio.move_on_at(lookup_deadline):   # past it, the named peers are asked alone
+                        holders = await content.transport.find_providers(h)
+            finally:
+                looked_up.set()
+
+        async with trio.open_nursery() as nursery:
+            if store.has(h) and store.size(h) == size:
+                looked_up.set()
+            else:
+                nursery.start_soon(lookup)
+            async with fetching:
+                with trio.move_on_at(lookup_grace):   # a lookup that answers soon is waited for
+                    await looked_up.wait()
+                if not looked_up.is_set() and any(p != content.transport.peer_id for p in peers):
+                    try:   # the lookup has not answered: the publisher now, rather than the fetch slot idle
+                        blobs[i] = await fetch_piece(content, h, size, peers, announce=announce, holders=(), rounds=1)
+                        nursery.cancel_scope.cancel()
+                        return
+                    except PeerUnavailable:
+                        await looked_up.wait()
+                else:
+                    await looked_up.wait()
+                blobs[i] = await fetch_piece(content, h, size, peers, announce=announce, holders=holders)
 
     async def tensor(name: str) -> None:
         entry = by_name[name]

@@ -236,3 +236,39 @@ def test_a_manifest_that_does_not_match_the_dag_is_refused_and_counted_against_t
             assert n.swarm.refusals.by_reason["job/content"] >= 1
             assert n.jobs.content.store.has(spec.weights_hash)
             assert not any(n.jobs.content.store.has(h) for h in pieces)   # no weight piece was fetched
+
+
+def test_pieces_whose_lookup_does_not_answer_come_from_the_publisher_without_waiting_for_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40: in the 4-node demo every DHT lookup of a piece ran into its 5 s cap with no holder (the job's
+    first epoch: nobody but the publisher holds one), and every fetch waited for it. A lookup that has not
+    answered when its piece's turn comes (after LOOKUP_GRACE) no longer holds the fetch: the publisher is asked."""
+    import trio
+    import trio.testing
+
+    from fusionp2p.jobs.content import ContentService, ContentStore
+    from fusionp2p.jobs.weights import LOOKUP_GRACE, PROVIDERS_TIMEOUT, fetch_tensors
+    from fusionp2p.net.memory import MemoryTransport, memory_network
+    from fusionp2p.wire.pieces import make_manifest
+
+    async def silent(self: MemoryTransport, key: str) -> list[str]:
+        await trio.sleep_forever()   # a DHT whose lookups never answer
+        raise AssertionError
+
+    async def main() -> float:
+        with trio.fail_after(30):
+            async with memory_network() as net:
+                publisher, node = (ContentService(net.add_host(), ContentStore()) for _ in range(2))
+                publisher.install()
+                ts = {"w": torch.randn(40, 30), "b": torch.randn(30)}
+                man, pieces = make_manifest(ts, 1024)
+                for blob in pieces.values():
+                    await publisher.publish(blob)
+                monkeypatch.setattr(MemoryTransport, "find_providers", silent)
+                t0 = trio.current_time()
+                out = await fetch_tensors(node, man, ["w", "b"], peers=[publisher.transport.peer_id])
+                assert torch.equal(out["w"], ts["w"]) and torch.equal(out["b"], ts["b"])
+                return trio.current_time() - t0
+
+    took = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert took < PROVIDERS_TIMEOUT and took <= LOOKUP_GRACE + 0.1, took
