@@ -178,6 +178,8 @@ class JobDriver:
         self.current: tuple[str, ...] = ()    # the members of the newest plan we heard of
         self._stages = 0                      # the stages of that plan (0: none heard of)
         self.epoch = -1
+        self._behind = -1                     # the newest epoch heard of (its steps) whose plan has not come
+        self._next_pull = 0.0                 # when the plan record may be read again (_pull_plan)
         self.book = ProgressBook(job=self.job, steps=self.steps)
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[str, Any]](math.inf)
         self._ckpts: set[tuple[int, int]] = set()
@@ -350,8 +352,11 @@ class JobDriver:
         next_poll = trio.current_time() + cfg.status_poll
         done_since: float | None = None
         while True:
+            if self._behind > self.epoch and trio.current_time() >= self._next_pull:
+                await self._pull_plan()
             now = trio.current_time()
-            wait = max(0.0, min(next_poll, done_since + cfg.done_grace if done_since is not None else math.inf) - now)
+            wait = max(0.0, min(next_poll, done_since + cfg.done_grace if done_since is not None else math.inf,
+                                self._next_pull if self._behind > self.epoch else math.inf) - now)
             with trio.move_on_after(wait):
                 kind, item = await self._inbox.receive()
                 last_news = trio.current_time()
@@ -369,6 +374,8 @@ class JobDriver:
             if done_since is not None and now >= done_since + cfg.done_grace:
                 await self._end(self._status_from_dones())
                 return
+            if now < next_poll:
+                continue   # woken to read the plan record (above)
             next_poll = now + cfg.status_poll
             st = await self.read_status()
             if st is not None and st.terminal:
@@ -376,6 +383,8 @@ class JobDriver:
                 return
             if st is not None and st.step > self.book.reached:
                 last_news = now
+            if st is not None and st.epoch > self.epoch:
+                self._heard_of(st.epoch)
             if now - last_news > cfg.idle_timeout:
                 raise JobError(f"no progress from the swarm for {cfg.idle_timeout:.0f} s")
 
@@ -459,7 +468,11 @@ class JobDriver:
         if isinstance(ev, PlanChanged):
             if sender in self.members and ev.epoch > self.epoch:
                 self._on_plan(ev)
+            elif ev.epoch > self.epoch:   # from a member we never heard of: read the plan record instead
+                self._heard_of(ev.epoch)
             return
+        if isinstance(ev, StepProgress) and ev.epoch > self.epoch:
+            self._heard_of(ev.epoch)   # an epoch whose plan event has not come (yet)
         if isinstance(ev, LinksUp | AveragingOutlier | StageConvicted):
             if ev.peer == sender and sender in self.members:
                 self._emit(ev)
@@ -483,11 +496,31 @@ class JobDriver:
         self.epoch = ev.epoch
         self.current = ev.members
         self._stages = len(sizes)
-        self.members |= set(ev.members)
+        self.members |= {*ev.members, *ev.idle}   # its standbys too: one may announce a later plan
         self.book.set_plan(ev.epoch, len(sizes) - 1, ev.members[sum(sizes[:-1]):])
         self._emit(ev)
         if self.life.state is JobState.PLANNED and ev.epoch > 0:
             self._state(JobState.RUNNING)
+
+    def _heard_of(self, epoch: int) -> None:
+        """Steps (or a status record) of *epoch*, newer than the plan we know: its plan event normally follows
+        within moments; the plan record is read if it has not come a second later."""
+        if self._behind <= self.epoch:
+            self._next_pull = max(self._next_pull, trio.current_time() + 1.0)
+        self._behind = max(self._behind, epoch)
+
+    async def _pull_plan(self) -> None:
+        """Steps of an epoch whose plan event has not come (its announcer died, the gossip dropped it, or a
+        member we never heard of sent it): take the plan from the job's latest plan record, elected by
+        members' signed votes, one of them a member we know (``election.fetch_latest``). At most once a
+        second, each read within ``status_poll``; the next step or status poll asks again until it is there."""
+        self._next_pull = trio.current_time() + 1.0
+        with trio.move_on_after(self.config.status_poll):
+            rec = await fetch_latest(self.transport, self.job, known=self.members)
+            if rec is not None and rec[0] > self.epoch:
+                log.info("job %s: plan of epoch %d read from its plan record (its announcement did not come)",
+                         self.job, rec[0])
+                self._on_plan(PlanChanged.of(rec[1], at=time.time()))
 
     async def _cancel_members(self) -> None:
         async def one(peer: str) -> None:
