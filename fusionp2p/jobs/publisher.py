@@ -51,6 +51,7 @@ from fusionp2p.jobs.events import (
     EvalProgress,
     JobStateChanged,
     LinksUp,
+    MembersChanged,
     PlanChanged,
     ProgressEvent,
     StageConvicted,
@@ -180,6 +181,7 @@ class JobDriver:
         self.epoch = -1
         self._behind = -1                     # the newest epoch heard of (its steps) whose plan has not come
         self._next_pull = 0.0                 # when the plan record may be read again (_pull_plan)
+        self._pull_every = 1.0                # seconds between reads of it, doubled up to status_poll
         self.book = ProgressBook(job=self.job, steps=self.steps)
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[str, Any]](math.inf)
         self._ckpts: set[tuple[int, int]] = set()
@@ -471,6 +473,10 @@ class JobDriver:
             elif ev.epoch > self.epoch:   # from a member we never heard of: read the plan record instead
                 self._heard_of(ev.epoch)
             return
+        if isinstance(ev, MembersChanged):
+            if sender in self.members:   # a member's leader vouches for the joiners it took in
+                self.members |= set(ev.joined)
+            return
         if isinstance(ev, StepProgress) and ev.epoch > self.epoch:
             self._heard_of(ev.epoch)   # an epoch whose plan event has not come (yet)
         if isinstance(ev, LinksUp | AveragingOutlier | StageConvicted):
@@ -506,15 +512,18 @@ class JobDriver:
         """Steps (or a status record) of *epoch*, newer than the plan we know: its plan event normally follows
         within moments; the plan record is read if it has not come a second later."""
         if self._behind <= self.epoch:
+            self._pull_every = 1.0
             self._next_pull = max(self._next_pull, trio.current_time() + 1.0)
         self._behind = max(self._behind, epoch)
 
     async def _pull_plan(self) -> None:
         """Steps of an epoch whose plan event has not come (its announcer died, the gossip dropped it, or a
         member we never heard of sent it): take the plan from the job's latest plan record, elected by
-        members' signed votes, one of them a member we know (``election.fetch_latest``). At most once a
-        second, each read within ``status_poll``; the next step or status poll asks again until it is there."""
-        self._next_pull = trio.current_time() + 1.0
+        members' signed votes, one of them a member we know (``election.fetch_latest``). A second after the
+        first such step, then every 2, 4 ... up to ``status_poll`` seconds until it is there, each read within
+        ``status_poll``."""
+        self._next_pull = trio.current_time() + self._pull_every
+        self._pull_every = min(2 * self._pull_every, self.config.status_poll)
         with trio.move_on_after(self.config.status_poll):
             rec = await fetch_latest(self.transport, self.job, known=self.members)
             if rec is not None and rec[0] > self.epoch:
