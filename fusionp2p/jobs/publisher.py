@@ -408,6 +408,9 @@ class JobDriver:
         state = msg.get("state")
         if state not in ("done", "failed", "cancelled"):
             return None
+        ep = msg.get("epoch")   # the leader's last epoch (a report of an older node has none)
+        if isinstance(ep, int) and not isinstance(ep, bool) and ep > self.epoch:
+            self._heard_of(ep)
         raw = msg.get("files")
         files = [StageFile(stage=f[0], hash=f[1], holders=tuple(h for h in f[2] if isinstance(h, str)))
                  for f in (raw if isinstance(raw, list) else [])
@@ -440,6 +443,13 @@ class JobDriver:
         return str(self._done[(stage, 0)].get("_peer", ""))
 
     async def _end(self, st: JobStatus) -> None:
+        # the last epoch's plan first, if it never came (that epoch may have ended within a second of its first
+        # step, or its steps be in flight behind the report): its record is stored once its members voted
+        with trio.move_on_after(self.config.status_poll):
+            while self._behind > self.epoch:
+                await self._pull_plan()
+                if self._behind > self.epoch:
+                    await trio.sleep(0.5)   # a bounded wait for the members' votes to be stored
         for ev in self.book.flush(now=time.time()):
             self._emit(ev)
         if st.state != "done":

@@ -654,7 +654,7 @@ class JobRun(Leading):
                               reason="" if ok else "the final stage files were not all reported")
         report = {"op": "report", "job": self.job_id, "state": status.state, "reason": status.reason,
                   "final_loss": status.final_loss, "files": [[f.stage, f.hash, list(f.holders)] for f in files],
-                  "step": self.spec.config.steps}
+                  "step": self.spec.config.steps, "epoch": plan.epoch}
         async with trio.open_nursery() as nursery:   # the DHT put (seconds under load) does not hold up the report
             nursery.start_soon(self._put_status, status)
             try:
