@@ -1,7 +1,8 @@
 """Training under churn: the same job with and without members dying, on real node processes.
 
 A bootstrap and 5 ``fusionp2p node`` processes on loopback (CLI, ``LocalCluster``) train the demo's
-GPT-2 (2 stages x 2 replicas, CO2, AdaTopK; the fifth node stands by). The undisturbed run trains the
+GPT-2 (CO2, AdaTopK) in a layout pinned for both runs (``--stages``, default 1, x 2 replicas; the other
+nodes stand by). The undisturbed run trains the
 job to the end. The churn run trains the same job while a seeded schedule SIGKILLs one member of the
 current plan every ``--every`` seconds (no goodbye) and starts a fresh node ``--rejoin`` seconds later;
 the members re-plan around each loss and take the newcomer in.
@@ -15,14 +16,17 @@ the held-out loss of the two trained models (evaluation batches no step trained 
 of steps. Headline: the goodput ratio (target 0.9 at one kill a minute, 0.75 at one every 25 s with
 ``--quick``); ``recovery_s_median`` among the results (target 5 s).
 
-**Equal samples.** A step trains ``replicas x micro_batches x micro_batch`` samples (``data/stream.py``), so
-the held-out losses compare like for like only while every plan has as many replicas per stage as the
-undisturbed run's. The job asks for 2 (``demo_config(steps, 4)``): 4 or 5 nodes are planned 2 stages x 2
-replicas, 3 nodes one stage x 2 replicas (each holds the whole model), so every plan trains 2 x 4 x 8
-samples a step while 3 nodes hold the job. The kill schedule keeps at least 4: the next kill waits until
-the last one recovered and the fresh node started after it accepted the job (``kill_waited_s`` per kill). The
-result says whether it held (``equal_samples``, from the replica counts of every plan, with each run's
-samples).
+**The same layout in both runs.** Goodput and the held-out loss compare churn with calm only if both
+train the same layout: left free, the planner chose 1 stage x 2 replicas for the calm run and 2 x 2, then
+1 x 2, under churn (its measured speeds differ run to run), so the ratios compared layouts. Both runs' jobs
+pin it: ``TrainConfig.stages`` (``--stages``, default 1: the calm run's own choice on this model) and
+``replicas=2``, the hint and bound of the replica count, which OP-Fence keeps unless another count is
+predicted 10% faster (data parallel on loopback is nearly twice as fast, so it keeps it). A step trains
+``replicas x micro_batches x micro_batch`` samples (``data/stream.py``), so equal replicas are equal samples.
+The kill schedule keeps enough nodes for the layout: the next kill waits until the last one recovered and
+the fresh node started after it accepted the job (``kill_waited_s`` per kill). The result says whether it
+held (``same_layout``: every plan of both runs had the same stages x replicas; ``equal_samples``: the
+same replicas per stage, with each run's samples).
 
 **Failing fast.** A run in which no step completes for ``--stall`` seconds (every member killed faster
 than fresh nodes came up, under a loaded machine) stops with the reason (the last step, the plan, the
@@ -32,6 +36,7 @@ live nodes) instead of waiting out the job's 900 s.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import datetime
 import logging
 import math
@@ -55,6 +60,7 @@ from fusionp2p.cli.demo import SEQ_LEN, demo_config, demo_model
 from fusionp2p.data import BatchSampler, BuiltinCorpus, SamplerConfig, corpus_tokens
 from fusionp2p.jobs.events import JobStateChanged, PlanChanged, StepProgress
 from fusionp2p.sdk import Swarm
+from fusionp2p.train.config import TrainConfig
 
 HELD_OUT_FROM = 1_000_000     # sampler steps far beyond any job's: batches no step trained on
 # Where a recovery's time goes: the nodes' log lines that mark each phase, in the order they happen. For
@@ -179,10 +185,15 @@ def held_out_loss(path: Path, steps: int, batches: int = 16) -> float:
                               for b in range(batches)]))
 
 
+def job_config(steps: int, stages: int) -> TrainConfig:
+    """The demo's job (2 replicas) with its layout pinned: *stages* stages (module docstring)."""
+    return dataclasses.replace(demo_config(steps, 4), stages=stages)
+
+
 def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn: bool,
-        kills: int = 0, stall: float = 120.0) -> dict[str, Any]:
+        kills: int = 0, stall: float = 120.0, stages: int = 1) -> dict[str, Any]:
     rng = random.Random(seed)
-    cfg = demo_config(steps, 4)
+    cfg = job_config(steps, stages)
     events: list[dict[str, Any]] = []
     with LocalCluster(5, home, dead_timeout=3.0, probe_interval=60.0) as cluster, CpuMeter(cluster) as cpu, \
             Swarm.connect([cluster.bootstrap], home=home / "client", listen="/ip4/127.0.0.1/tcp/0") as sw:
@@ -289,6 +300,8 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=0, help="kill at most this many members (default: every interval)")
     ap.add_argument("--no-calm", action="store_true",
                     help="skip the undisturbed run (no goodput): a recovery's timeline only")
+    ap.add_argument("--stages", type=int, default=1,
+                    help="pipeline stages of every plan of both runs (x 2 replicas; default 1)")
     ap.add_argument("--stall", type=float, default=120.0,
                     help="stop with the reason when no step completes for this many seconds (default 120)")
     args = ap.parse_args()
@@ -302,9 +315,10 @@ def main() -> None:
     try:
         base: dict[str, Any] = ({"steps_per_s": math.nan, "train_s": math.nan, "epochs": 0, "held_out_loss": math.nan, "layouts": [],
                  "events": [], "cpu_s_per_step": math.nan, "samples": 0} if args.no_calm else
-                run(steps, root / "calm", every=every, rejoin=args.rejoin, seed=args.seed, churn=False, stall=args.stall))
+                run(steps, root / "calm", every=every, rejoin=args.rejoin, seed=args.seed, churn=False, stall=args.stall,
+                    stages=args.stages))
         churn = run(steps, root / "churn", every=every, rejoin=args.rejoin, seed=args.seed, churn=True,
-                    kills=args.kills, stall=args.stall)
+                    kills=args.kills, stall=args.stall, stages=args.stages)
     except Stalled as exc:
         raise SystemExit(f"benchmarks.churn stopped: {exc} (node logs under {root})") from None
     rec = [e["recovery_s"] for e in churn["events"] if e["recovery_s"] is not None]
@@ -335,14 +349,17 @@ def main() -> None:
     print(f"median CPU-seconds of all node processes in each phase (from the previous phase's end): {cpu_med}")
     # equal samples: every plan of the churn run with the undisturbed run's replicas per stage (module docstring)
     equal = not args.no_calm and {sz[0] for _, sz, _ in churn["layouts"]} == {sz[0] for _, sz, _ in base["layouts"]}
+    same = not args.no_calm and len({tuple(sz) for _, sz, _ in [*churn["layouts"], *base["layouts"]]}) == 1
     cpu_goodput = base["cpu_s_per_step"] / churn["cpu_s_per_step"]   # the same work for the CPU it took: load-proof
     print(f"samples trained: calm {base['samples']}, churn {churn['samples']} ({'equal' if equal else 'NOT equal'}); "
           f"CPU-seconds a step of all node processes: calm {base['cpu_s_per_step']:.2f}, churn "
-          f"{churn['cpu_s_per_step']:.2f} ({cpu_goodput:.2f}x)")
+          f"{churn['cpu_s_per_step']:.2f} ({cpu_goodput:.2f}x); every plan of both runs "
+          f"{'in one layout' if same else 'NOT in one layout'}")
     print(f"goodput {goodput:.2f}, recovery median {med:.1f} s over {len(rec)} events, "
           f"held-out loss ratio {loss_ratio:.3f} at equal steps{'' if equal else ' (samples differ: see the plans)'}")
     write("churn", args.out, {"calm": base, "churn": churn, "goodput": goodput, "recovery_s_median": med,
                               "recovery_s": rec, "held_out_loss_ratio": loss_ratio, "equal_samples": equal,
+                              "same_layout": same, "stages": args.stages,
                               "cpu_goodput": cpu_goodput, "steps_lost": lost,
                               "phases_s_median": phase_med, "phases_cpu_s_median": cpu_med, "every_s": every,
                               "rejoin_s": args.rejoin, "seed": args.seed, "recovery_s_target": 5.0},

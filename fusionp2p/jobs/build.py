@@ -460,7 +460,7 @@ def choose_plan(spec: JobSpec, dag: OpDAG, members: Mapping[str, DeviceProfile],
             return plan_even_layers(wl, snap, pc, seed=cfg.seed, replicas=cfg.replicas or 1)
         if cfg.planner == "even_flops":
             return plan_even_flops(wl, snap, pc, seed=cfg.seed, replicas=cfg.replicas or 1)
-        return plan_joint(wl, snap, pc, replicas=cfg.replicas, seed=cfg.seed)
+        return plan_joint(wl, snap, pc, replicas=cfg.replicas, stages=cfg.stages, seed=cfg.seed)
 
     if cfg.recompute == "always":
         return plan(planner_config(cfg, recompute=True))

@@ -27,6 +27,7 @@ from fusionp2p.errors import FusionError, PeerUnavailable, PlanError, RemoteProt
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import AcceptedJob, plan_for_snapshot
 from fusionp2p.jobs.election import ElectionConfig, open_elector
+from fusionp2p.jobs.events import MembersChanged, encode_event
 from fusionp2p.jobs.host import JobHost
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
@@ -55,6 +56,7 @@ from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
 from fusionp2p.train.worker import StageWorker
 from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.jobrecords import JobStatus, StageFile, encode_record, status_key
+from fusionp2p.wire.protocols import TOPIC_JOBS
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +388,20 @@ class Leading:
         if reply.get("ok"):
             log.info("job %s: %s accepted as a joiner", self.job_id, short_peer(peer))
             self.joiners.add(peer)
+            self.svc.nursery.start_soon(self._tell_joined, peer)
             self._poke()
+
+    async def _tell_joined(self, peer: str) -> None:
+        """Vouch for a joiner to the publisher, which believes plans (and plan records) only from members it
+        knows: one that gets a role, or leads, before any plan it heard of names it would be a stranger to it
+        (benchmarks.churn: every member of an epoch that fresh nodes carried had joined since the last plan
+        the publisher saw, and it followed none of that job's later plans)."""
+        ev = MembersChanged(job=self.job_id, epoch=self.epoch, joined=(peer,), at=time.time())
+        try:
+            with trio.move_on_after(5):
+                await self.transport.publish(TOPIC_JOBS, encode_event(ev))
+        except FusionError as exc:
+            log.debug("joiner %s not announced: %s", short_peer(peer), exc)
 
     async def _lead(self, plan: Plan, *, at: int | None, why: str) -> None:
         """Halt the members (at once, or before step *at*), gather their states, start the next epoch."""

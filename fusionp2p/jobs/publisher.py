@@ -51,6 +51,7 @@ from fusionp2p.jobs.events import (
     EvalProgress,
     JobStateChanged,
     LinksUp,
+    MembersChanged,
     PlanChanged,
     ProgressEvent,
     StageConvicted,
@@ -178,6 +179,9 @@ class JobDriver:
         self.current: tuple[str, ...] = ()    # the members of the newest plan we heard of
         self._stages = 0                      # the stages of that plan (0: none heard of)
         self.epoch = -1
+        self._behind = -1                     # the newest epoch heard of (its steps) whose plan has not come
+        self._next_pull = 0.0                 # when the plan record may be read again (_pull_plan)
+        self._pull_every = 1.0                # seconds between reads of it, doubled up to status_poll
         self.book = ProgressBook(job=self.job, steps=self.steps)
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[str, Any]](math.inf)
         self._ckpts: set[tuple[int, int]] = set()
@@ -353,8 +357,11 @@ class JobDriver:
         next_poll = trio.current_time() + cfg.status_poll
         done_since: float | None = None
         while True:
+            if self._behind > self.epoch and trio.current_time() >= self._next_pull:
+                await self._pull_plan()
             now = trio.current_time()
-            wait = max(0.0, min(next_poll, done_since + cfg.done_grace if done_since is not None else math.inf) - now)
+            wait = max(0.0, min(next_poll, done_since + cfg.done_grace if done_since is not None else math.inf,
+                                self._next_pull if self._behind > self.epoch else math.inf) - now)
             with trio.move_on_after(wait):
                 kind, item = await self._inbox.receive()
                 last_news = trio.current_time()
@@ -372,6 +379,8 @@ class JobDriver:
             if done_since is not None and now >= done_since + cfg.done_grace:
                 await self._end(self._status_from_dones())
                 return
+            if now < next_poll:
+                continue   # woken to read the plan record (above)
             next_poll = now + cfg.status_poll
             st = await self.read_status()
             if st is not None and st.terminal:
@@ -379,6 +388,8 @@ class JobDriver:
                 return
             if st is not None and st.step > self.book.reached:
                 last_news = now
+            if st is not None and st.epoch > self.epoch:
+                self._heard_of(st.epoch)
             if now - last_news > cfg.idle_timeout:
                 raise JobError(f"no progress from the swarm for {cfg.idle_timeout:.0f} s")
 
@@ -400,6 +411,9 @@ class JobDriver:
         state = msg.get("state")
         if state not in ("done", "failed", "cancelled"):
             return None
+        ep = msg.get("epoch")   # the leader's last epoch (a report of an older node has none)
+        if isinstance(ep, int) and not isinstance(ep, bool) and ep > self.epoch:
+            self._heard_of(ep)
         raw = msg.get("files")
         files = [StageFile(stage=f[0], hash=f[1], holders=tuple(h for h in f[2] if isinstance(h, str)))
                  for f in (raw if isinstance(raw, list) else [])
@@ -432,6 +446,13 @@ class JobDriver:
         return str(self._done[(stage, 0)].get("_peer", ""))
 
     async def _end(self, st: JobStatus) -> None:
+        # the last epoch's plan first, if it never came (that epoch may have ended within a second of its first
+        # step, or its steps be in flight behind the report): its record is stored once its members voted
+        with trio.move_on_after(self.config.status_poll):
+            while self._behind > self.epoch:
+                await self._pull_plan()
+                if self._behind > self.epoch:
+                    await trio.sleep(0.5)   # a bounded wait for the members' votes to be stored
         for ev in self.book.flush(now=time.time()):
             self._emit(ev)
         if st.state != "done":
@@ -462,7 +483,15 @@ class JobDriver:
         if isinstance(ev, PlanChanged):
             if sender in self.members and ev.epoch > self.epoch:
                 self._on_plan(ev)
+            elif ev.epoch > self.epoch:   # from a member we never heard of: read the plan record instead
+                self._heard_of(ev.epoch)
             return
+        if isinstance(ev, MembersChanged):
+            if sender in self.members:   # a member's leader vouches for the joiners it took in
+                self.members |= set(ev.joined)
+            return
+        if isinstance(ev, StepProgress) and ev.epoch > self.epoch:
+            self._heard_of(ev.epoch)   # an epoch whose plan event has not come (yet)
         if isinstance(ev, LinksUp | AveragingOutlier | StageConvicted):
             if ev.peer == sender and sender in self.members:
                 self._emit(ev)
@@ -486,11 +515,34 @@ class JobDriver:
         self.epoch = ev.epoch
         self.current = ev.members
         self._stages = len(sizes)
-        self.members |= set(ev.members)
+        self.members |= {*ev.members, *ev.idle}   # its standbys too: one may announce a later plan
         self.book.set_plan(ev.epoch, len(sizes) - 1, ev.members[sum(sizes[:-1]):])
         self._emit(ev)
         if self.life.state is JobState.PLANNED and ev.epoch > 0:
             self._state(JobState.RUNNING)
+
+    def _heard_of(self, epoch: int) -> None:
+        """Steps (or a status record) of *epoch*, newer than the plan we know: its plan event normally follows
+        within moments; the plan record is read if it has not come a second later."""
+        if self._behind <= self.epoch:
+            self._pull_every = 1.0
+            self._next_pull = max(self._next_pull, trio.current_time() + 1.0)
+        self._behind = max(self._behind, epoch)
+
+    async def _pull_plan(self) -> None:
+        """Steps of an epoch whose plan event has not come (its announcer died, the gossip dropped it, or a
+        member we never heard of sent it): take the plan from the job's latest plan record, elected by
+        members' signed votes, one of them a member we know (``election.fetch_latest``). A second after the
+        first such step, then every 2, 4 ... up to ``status_poll`` seconds until it is there, each read within
+        ``status_poll``."""
+        self._next_pull = trio.current_time() + self._pull_every
+        self._pull_every = min(2 * self._pull_every, self.config.status_poll)
+        with trio.move_on_after(self.config.status_poll):
+            rec = await fetch_latest(self.transport, self.job, known=self.members)
+            if rec is not None and rec[0] > self.epoch:
+                log.info("job %s: plan of epoch %d read from its plan record (its announcement did not come)",
+                         self.job, rec[0])
+                self._on_plan(PlanChanged.of(rec[1], at=time.time()))
 
     async def _cancel_members(self) -> None:
         async def one(peer: str) -> None:

@@ -164,6 +164,22 @@ def leader_of(members: Iterable[str], alive: Callable[[str], bool], *, standbys:
     return None
 
 
+
+def announcer(members: Iterable[str], previous: Iterable[str] | None) -> str:
+    """The member that announces an epoch's plan to the publisher (its ``PlanChanged``): the lowest peer id
+    of the epoch's *members* (the snapshot's: standbys included) that held a role
+    in the *previous* plan, which the publisher heard of; the lowest member at the first epoch or when none
+    did. The publisher believes plans only from members it knows, so a joiner it never heard of must not
+    announce: choosing among the new plan's role holders alone picked one whenever the plan gave every role
+    to joiners and left the old members standing by (three of three benchmarks.churn runs lost an epoch's
+    plan event that way)."""
+    ms = sorted(set(members))
+    if not ms:
+        raise ValueError("an epoch without members has no announcer")
+    held = set(previous or ())
+    return next((p for p in ms if p in held), ms[0])
+
+
 # checkpoints known to a node: {step: {(start, end): (hash, holders)}}
 Checkpoints = Mapping[int, Mapping[tuple[int, int], tuple[str, Sequence[str]]]]
 
@@ -282,5 +298,5 @@ def halt_step(current: Iterable[int], *, tau: int = 1, margin: int = 2, steps: i
     return at
 
 
-__all__ = ["Checkpoints", "Halted", "Resume", "Source", "complete_checkpoint", "fill_unmeasured", "halt_step", "leader_of",
+__all__ = ["Checkpoints", "Halted", "Resume", "Source", "announcer", "complete_checkpoint", "fill_unmeasured", "halt_step", "leader_of",
            "plan_resume", "still_taking_off"]

@@ -77,7 +77,7 @@ from fusionp2p.jobs.lead import Leading, _Epoch
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
 from fusionp2p.jobs.rebalance import epoch_speed
-from fusionp2p.jobs.replan import Halted, Resume, Source, leader_of
+from fusionp2p.jobs.replan import Halted, Resume, Source, announcer, leader_of
 from fusionp2p.jobs.shadow import Shadows
 from fusionp2p.jobs.status import ProgressBatch, StepStats
 from fusionp2p.jobs.suspects import Suspects
@@ -366,12 +366,12 @@ class JobRun(Leading):
         n_st = len(plan.stages)
         self.book.set_plan(plan.epoch, n_st - 1, plan.stages[-1].replicas)
         self.data_history = plan_history(req.resume.data, req.resume.step, plan, self.spec.config.micro_batches)
-        # One member announces the plan: one the publisher already knows (a member of the plan before), since
-        # it believes plans only from members it has seen (a joiner with the lowest id is not one yet).
-        known = sorted(set(plan.peers) & set(req.previous.peers)) if req.previous is not None else []
-        if (known or sorted(plan.peers))[0] == self.me:
+        # The plan's lowest member writes the status record (a member of the plan it names); the plan event
+        # comes from a member the publisher knows (replan.announcer), the standbys listed as idle
+        if plan.peers and plan.peers[0] == self.me:
             self.svc.nursery.start_soon(self._put_status, self._status(JobState.RUNNING, plan))
-            self.svc.nursery.start_soon(self._gossip, PlanChanged.of(plan, at=time.time()))
+        if announcer(snap.members, req.previous.peers if req.previous is not None else None) == self.me:
+            self.svc.nursery.start_soon(self._gossip, PlanChanged.of(plan, at=time.time(), accepted=snap.members))
         roles = [(s, r) for s, st in enumerate(plan.stages) for r, p in enumerate(st.replicas) if p == self.me]
         if not roles:
             self.role = None
@@ -654,7 +654,7 @@ class JobRun(Leading):
                               reason="" if ok else "the final stage files were not all reported")
         report = {"op": "report", "job": self.job_id, "state": status.state, "reason": status.reason,
                   "final_loss": status.final_loss, "files": [[f.stage, f.hash, list(f.holders)] for f in files],
-                  "step": self.spec.config.steps}
+                  "step": self.spec.config.steps, "epoch": plan.epoch}
         async with trio.open_nursery() as nursery:   # the DHT put (seconds under load) does not hold up the report
             nursery.start_soon(self._put_status, status)
             try:

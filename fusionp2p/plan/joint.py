@@ -113,9 +113,10 @@ def _trimmed(layout: Layout, r: int) -> Layout:
 
 
 def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfig | None = None, *,
-               replicas: int | None = None, seed: int = 0) -> Plan:
+               replicas: int | None = None, stages: int | None = None, seed: int = 0) -> Plan:
     """The best plan over stages x replicas with AdaTopK ratios (module docstring). *replicas* is the
-    job's hint and bound (None: any count up to the number of members).
+    job's hint and bound (None: any count up to the number of members); *stages* the only stage count
+    considered (None: any).
 
     Raises :class:`InfeasiblePlanError` when no candidate fits the members' memory.
     """
@@ -180,7 +181,7 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
     for idx, (how, layout, vcm) in enumerate(layouts):
         layout = refine(vcm, layout, vcm.cut * vcm.min_byte_factor)
         key = tuple((i, j, tuple(sorted(g))) for i, j, g in layout)
-        if key in seen or not layout_fits(cm, layout):
+        if key in seen or not layout_fits(cm, layout) or (stages is not None and len(layout) != stages):
             continue
         seen.add(key)
         plan = build_plan(cm, layout, choose_ratios(cm, layout), job=snapshot.job, epoch=snapshot.epoch,
@@ -190,6 +191,9 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
         adj = plan.step_time_s if (replicas is None or r == r_max) else plan.step_time_s / (1.0 - HINT_MARGIN)
         scored.append((adj, r, idx, how, plan))
     if not scored:
+        if stages is not None:
+            raise InfeasiblePlanError(f"job {snapshot.job!r}: no layout of {stages} stage(s) among those the planner "
+                                      f"considers for {d} member(s) fits their memory (TrainConfig.stages)")
         if infeasible is not None:
             raise infeasible
         raise InfeasiblePlanError(f"job {snapshot.job!r}: no stage layout fits the members' memory")

@@ -204,7 +204,8 @@ class TrainConfig:
 
     One step = ``micro_batches`` micro-batches of ``micro_batch`` samples through the pipeline, then an
     optimizer step on every stage. ``checkpoint_every=0`` saves only at the end; ``replicas`` is a hint
-    for the planner (replicas per stage), ``None`` lets it choose. ``planner`` picks OP-Fence (default)
+    for the planner (replicas per stage), ``None`` lets it choose; ``stages`` pins OP-Fence's stage count
+    (``None``: it chooses; a benchmark comparing runs holds the layout with it). ``planner`` picks OP-Fence (default)
     or a network-blind baseline (``"even_layers"``, ``"even_flops"``) with exactly ``replicas`` (default 1)
     replicas per stage; with ``averaging=None`` the replicas all-reduce gradients every step.
     """
@@ -227,6 +228,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     seed: int = 0
     replicas: int | None = None
+    # exactly this many pipeline stages in every plan OP-Fence makes (None: it chooses); a plan is refused where
+    # no layout of that many stages fits. Left out of the wire map at its default
+    stages: int | None = field(default=None, metadata={"wire": {"omit_default": True}})
     on_nonfinite: str = field(default="fail", metadata={"wire": {"choices": NONFINITE}})  # a NaN/inf loss: "fail" the job, or "skip" the step
     eval_every: int = 0                         # held-out loss every K steps (0: only at the end)
     # who cuts the model: "opfence" (stages, replicas and AdaTopK ratios from the measured links), or a
@@ -288,6 +292,11 @@ class TrainConfig:
             raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.replicas is not None:
             _pos_int("replicas", self.replicas)
+        if self.stages is not None:
+            _pos_int("stages", self.stages)
+            if self.planner != "opfence":
+                raise ConfigError(f"stages pins OP-Fence's stage count; planner={self.planner!r} cuts its own "
+                                  "(one group of replicas per stage): leave stages=None")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.recompute not in RECOMPUTE:

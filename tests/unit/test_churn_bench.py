@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
-from benchmarks.churn import _events, samples
+import torch
+
+from benchmarks.churn import _events, job_config, samples
+from fusionp2p.cli.demo import SEQ_LEN, demo_model
+from fusionp2p.data import BuiltinCorpus
+from fusionp2p.jobs.build import build_job, choose_plan
 from fusionp2p.jobs.events import JobStateChanged
+from fusionp2p.net.identity import Identity
+from fusionp2p.testing.swarm import TEST_PROFILE
 
 
 def test_samples_add_up_each_plans_steps_times_its_replicas() -> None:
@@ -36,3 +44,20 @@ class _Job:
 def test_a_quiet_job_yields_ticks_and_the_events_go_on_after_them() -> None:
     done = JobStateChanged(job="j", state="done", reason="", at=0.0)
     assert list(_events(_Job(["a", None, None, "b", done]), 0.01)) == ["a", None, None, "b", done]
+
+
+def test_both_runs_plan_one_stage_of_two_replicas_whatever_the_members() -> None:
+    """Issue 41: the calm and churn runs planned different layouts (1 x 2, and 2 x 2 then 1 x 2), so goodput
+    compared layouts. The benchmark's job pins it: for 2 to 5 members of unequal measured speed (a fresh
+    node measured slower or faster than the rest), every plan is 1 stage x 2 replicas."""
+    torch.set_num_threads(1)
+    me = Identity.generate()
+    cfg = job_config(30, 1)
+    assert (cfg.stages, cfg.replicas) == (1, 2)
+    built = build_job(demo_model(), None, BuiltinCorpus(seq_len=SEQ_LEN), cfg, publisher=me.peer_id,
+                      sign=me.sign, now=1.7e9, nonce=b"c" * 16)
+    for n in (2, 3, 5):
+        members = {f"12D3KooW{i:040d}": dataclasses.replace(TEST_PROFILE, flops_fp32=TEST_PROFILE.flops_fp32 * f)
+                   for i, f in enumerate([1.0, 0.6, 1.7, 0.9, 1.3][:n])}
+        plan = choose_plan(built.spec, built.dag, members)
+        assert [len(s.replicas) for s in plan.stages] == [2], (n, plan.stages)

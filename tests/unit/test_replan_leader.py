@@ -3,7 +3,7 @@ lowest live standby, so that a plan whose every member died still has a leader."
 
 import pytest
 
-from fusionp2p.jobs.replan import leader_of, still_taking_off
+from fusionp2p.jobs.replan import announcer, leader_of, still_taking_off
 
 
 def test_the_lowest_live_member_of_the_plan_leads() -> None:
@@ -16,6 +16,23 @@ def test_when_the_whole_plan_died_the_lowest_live_standby_leads() -> None:
     assert leader_of(["c"], alive, standbys=["a", "c", "e", "d"]) == "d"
     assert leader_of(["c"], alive) is None
     assert leader_of(["c"], lambda _: False, standbys=["d"]) is None
+
+
+# announcer: who tells the publisher of an epoch's plan (issue 41: a plan of joiners only never reached it)
+@pytest.mark.parametrize(("members", "previous", "who"), [
+    (["j1", "j2", "b", "a"], ["a", "x"], "a"),    # the survivor standing by, not the lowest joiner with a role
+    (["j1", "b", "c"], ["c", "b"], "b"),          # the lowest of the previous plan's members
+    (["j1", "j2"], ["x"], "j1"),                  # no one of the previous plan is left: the lowest member
+    (["c", "b"], None, "b"),                      # the first epoch: the lowest member
+])
+def test_the_announcer_is_a_member_the_publisher_heard_of(members: list[str], previous: list[str] | None,
+                                                          who: str) -> None:
+    assert announcer(members, previous) == who
+
+
+def test_an_epoch_without_members_has_no_announcer() -> None:
+    with pytest.raises(ValueError, match="no announcer"):
+        announcer([], ["a"])
 
 
 # still_taking_off: the leader's guard over the epoch it proposed (issue 41: it delayed a second kill's re-plan)
