@@ -9,6 +9,8 @@ A node now listens and joins before it imports torch and runs its device benchma
 record carries no profile until then), so "after listen" overlaps them (20 processes on 2 cores: some 60
 CPU-seconds); the protocol's own convergence is timed from the moment the bootstrap's view first holds
 all N nodes.
+`--start` times only one node's start to listening (5 in turn, with the CPU-seconds it spent until then:
+imports, identity, libp2p host), issue 40's 2 s target on an idle machine.
 Headline: the time from then until every pair a node measures has a direct measurement (the last size
 run, 20 by default; at most ``probe.peers`` + 1 = 25 nodes that is every pair), target 15 s; the table
 also shows the time after listen, and until every pair has a figure, measured or estimated.
@@ -134,12 +136,53 @@ def run_one(n: int, timeout: float, log_dir: str | None = None) -> dict[str, Any
             "matrix_after_spawn_s": None if t_matrix is None else t_matrix + t_listen - t_spawn}
 
 
+def start_times(runs: int) -> list[dict[str, float]]:
+    """One ``fusionp2p node`` at a time against a bootstrap: seconds from spawning it to its listen address,
+    and the CPU-seconds it spent until then (imports, identity, libp2p host; issue 40's target: 2 s idle)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        boot = subprocess.Popen([*CLI, "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--home", f"{tmp}/boot"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        try:
+            assert boot.stdout is not None
+            addr = boot.stdout.readline().strip()
+            for i in range(runs):
+                t0 = time.monotonic()
+                p = subprocess.Popen([*CLI, "node", "--bootstrap", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--home",
+                                      f"{tmp}/n{i}", "--torch-threads", "1", "--log-level", "warning"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                assert p.stdout is not None
+                p.stdout.readline()
+                wall = time.monotonic() - t0
+                with open(f"/proc/{p.pid}/stat") as f:   # utime, stime: fields 14 and 15, after the name
+                    st = f.read().rsplit(")", 1)[1].split()
+                cpu = (int(st[11]) + int(st[12])) / os.sysconf("SC_CLK_TCK")
+                out.append({"start_to_listen_s": wall, "cpu_s": cpu, "load": os.getloadavg()[0]})
+                print(f"node {i}: listening {wall:.2f} s after its start, {cpu:.2f} CPU-s (load {out[-1]['load']:.1f})")
+                p.terminate()
+                p.wait(timeout=20)
+        finally:
+            boot.terminate()
+            boot.wait(timeout=20)
+    return out
+
+
 def main() -> None:
     ap = parser("membership", __doc__)
     ap.add_argument("--sizes", default=None, help="comma-separated N (default 4,8,16,20; --quick: 4,8)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for convergence per size")
     ap.add_argument("--log-dir", default=None, help="keep every process's debug log (stderr) in this directory")
+    ap.add_argument("--start", action="store_true", help="only time one node's start to listening, 5 times in turn")
     args = ap.parse_args()
+    if args.start:
+        rows = start_times(5)
+        med = sorted(r["start_to_listen_s"] for r in rows)[len(rows) // 2]
+        write("membership_start", args.out.with_name("membership_start.json"), rows,
+              headline("a node's start to listening (median of 5)", med, "s", 2.0, "lower",
+                       f"CPU-s until listening: median {sorted(r['cpu_s'] for r in rows)[len(rows) // 2]:.2f}"),
+              quick=args.quick)
+        return
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([4, 8] if args.quick else [4, 8, 16, 20])
     rows = []
     print(f"{'N':>4} {'spawn->listen s':>16} {'members s':>10} {'all pairs s':>12} {'measured s':>11}  (after listen)"

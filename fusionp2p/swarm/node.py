@@ -622,10 +622,11 @@ class SwarmNode:
             self._notify()
 
     def _connected(self) -> set[str]:
-        """The peers we are connected to, as of at most half a heartbeat ago: asked for every record we
-        take, and the transport's answer costs a pass over all of them (per-node work that grew with N²)."""
+        """The peers we are connected to, as of at most half a period ago (our dials are added at once):
+        asked for every record we take, and the transport's answer costs a pass over all of them, so once
+        per half period (members / gossip_rate), not per half heartbeat: per-node work flat in N, not linear."""
         now = trio.current_time()
-        if now - self._connected_at > self.config.heartbeat / 2:
+        if now - self._connected_at > self.period() / 2:
             self._connected_at, self._connected_set = now, set(self.transport.connected_peers())
         return self._connected_set
 
@@ -675,6 +676,7 @@ class SwarmNode:
                 for addr in addrs:
                     try:
                         await self.transport.connect(f"{addr}/p2p/{rec.peer}")
+                        self._connected_set.add(rec.peer)
                         self._dial_after.pop(rec.peer, None)
                         self._dial_wait.pop(rec.peer, None)
                         break
