@@ -32,6 +32,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -152,27 +153,30 @@ def file_manifest(dag: OpDAG, path: str | os.PathLike[str], piece_bytes: int
 
 @contextlib.contextmanager
 def stand_ins(model: nn.Module) -> Iterator[set[int]]:
-    """*model*'s ``meta`` parameters replaced, while the block runs, by uninitialised CPU tensors of their
+    """*model*'s ``meta`` parameters and buffers replaced, while the block runs, by uninitialised CPU tensors of their
     dtypes and shapes (``torch.empty``: pages never written, so never resident), tied ones by one tensor;
     yields the stand-ins' data pointers. The trace then records exactly the graph of a model on the CPU
     (traced on ``meta`` it differs: ``aten.arange(device=meta)``, device copies of the inputs) and counts
     the same FLOPs (its one run reads the stand-ins: their values do not matter, and a page never
     written reads as the shared zero page)."""
-    made: dict[int, nn.Parameter] = {}
-    undo: list[tuple[nn.Module, str, nn.Parameter]] = []
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is None or p.device.type != "meta":
-                continue
-            if id(p) not in made:
-                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-            mod._parameters[name] = made[id(p)]
-            undo.append((mod, name, p))
+    made: dict[int, torch.Tensor] = {}
+    undo: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for mod in model.modules():   # buffers too: a model built under torch.device("meta") has meta buffers
+        tables: tuple[dict[str, Any], ...] = (mod._parameters, mod._buffers)
+        for table in tables:
+            for name, t in list(table.items()):
+                if t is None or t.device.type != "meta":
+                    continue
+                if id(t) not in made:
+                    new = torch.empty(t.shape, dtype=t.dtype)
+                    made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+                table[name] = made[id(t)]
+                undo.append((table, name, t))
     try:
         yield {t.data_ptr() for t in made.values() if t.numel()}
     finally:
-        for mod, name, p in undo:
-            mod._parameters[name] = p
+        for table, name, t in undo:
+            table[name] = t
 
 
 @contextlib.contextmanager

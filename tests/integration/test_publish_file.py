@@ -85,6 +85,7 @@ def test_bad_weights_are_refused_with_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="on the meta device: pass weights="):
         _build(lazy)
     state = _llama().state_dict()
+    safetensors.torch.save_file(state, str(tmp_path / "full.safetensors"))
     short = tmp_path / "short.safetensors"
     safetensors.torch.save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(short))
     with pytest.raises(ConfigError, match=r"lacks 1 tensors .*lm_head\.weight"):
@@ -93,6 +94,10 @@ def test_bad_weights_are_refused_with_what_to_do(tmp_path: Path) -> None:
     safetensors.torch.save_file({k: v.half() for k, v in state.items()}, str(half))
     with pytest.raises(ConfigError, match=r"torch\.float16 .* torch\.float32 .* file.s configuration and dtype"):
         _build(lazy, weights=half)
+    with torch.device("meta"):   # buffers on meta too: Llama's rotary inv_freq is in no state_dict file
+        all_meta = _llama()
+    with pytest.raises(ConfigError, match=r"lacks 2 tensors .*inv_freq.*empty_parameters"):
+        _build(all_meta, weights=short.with_name("full.safetensors"))
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"\xff" * 64)
     with pytest.raises(ConfigError, match="not a safetensors file"):
