@@ -40,6 +40,7 @@ _LAZY = {
     "AdaTopK": ("fusionp2p.train.config", "AdaTopK"),
     "LRSchedule": ("fusionp2p.train.config", "LRSchedule"),
     "trace": ("fusionp2p.graph", "trace"),
+    "empty_parameters": ("fusionp2p.jobs.publish_file", "empty_parameters"),
     "data": ("fusionp2p.data", None),
     "models": ("fusionp2p.models", None),
 }
@@ -74,6 +75,7 @@ __all__ = [
     "TrainConfig",
     "__version__",
     "data",
+    "empty_parameters",
     "models",
     "trace",
 ]

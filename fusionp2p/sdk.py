@@ -388,7 +388,7 @@ class Swarm:
     # -------------------------------------------------- user API
     def publish(self, *, model: nn.Module, dataset: Dataset | HFTokens | str | os.PathLike[str], config: TrainConfig,
                 loss: LossFn | None = None,
-                resources: Resources | None = None, name: str = "") -> Job:
+                resources: Resources | None = None, name: str = "", weights: str | os.PathLike[str] | None = None) -> Job:
         """Trace *model* (with *loss*, or returning ``(output, loss)``), sign and announce the job.
 
         *dataset*: ``BuiltinCorpus``/``TokenFile`` (token windows: ``model(x, y)`` or ``loss(model(x), y)``),
@@ -396,11 +396,15 @@ class Swarm:
         the fields the loss function names go to it). Raises ConfigError right away when the model
         cannot be traced or the data does not fit it; everything later (no node
         fits, a refused spec, a failed node) ends the job FAILED with the reason.
+
+        *weights*: a safetensors file of the model's ``state_dict`` whose tensors are published instead of
+        the module's, read a piece at a time: with the model built under ``fusionp2p.empty_parameters()``
+        (its parameters on ``meta``), weights larger than this process's memory (docs/models.md).
         """
         if self._token is None or self._nursery is None:
             raise JobError("the swarm is closed: publish on an open Swarm (Swarm.local(...) or Swarm.connect(...))")
         built = build_job(model, loss, dataset, config, publisher=self._identity.peer_id, sign=self._identity.sign,
-                          now=time.time(), nonce=os.urandom(16), resources=resources, name=name)
+                          now=time.time(), nonce=os.urandom(16), resources=resources, name=name, weights=weights)
         return self.publish_built(built)
 
     def publish_built(self, built: BuiltJob) -> Job:

@@ -84,9 +84,13 @@ class Unit:
     bwd_flops: float        # per micro-batch (≈ 2 × forward when unknown)
     param_bytes: int        # parameters (fp32 unless stated)
     act_bytes: int          # activation memory kept for backward, per micro-batch
+    # the largest trainable tensor: from a step's second micro-batch on, its new gradient is held whole
+    # before autograd adds it into the accumulated one (a transient the planner prices per stage)
+    max_param_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.fwd_flops < 0 or self.bwd_flops < 0 or self.param_bytes < 0 or self.act_bytes < 0:
+        if (self.fwd_flops < 0 or self.bwd_flops < 0 or self.param_bytes < 0 or self.act_bytes < 0
+                or self.max_param_bytes < 0):
             raise ValueError(f"unit {self.name}: negative cost")
 
 

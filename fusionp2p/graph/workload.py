@@ -5,7 +5,8 @@
 Edge per pair of units that exchange tensors. Costs come from the trace: forward FLOPs counted by
 ``torch.utils.flop_counter`` per ATen op, backward taken as twice the forward (the usual estimate;
 ALGORITHMS.md §1.4), activation bytes as the bytes every op of the unit produces, parameter bytes as
-the tensors the unit reads (a tied weight counted once, in its first unit). The DAG was traced for
+the tensors the unit reads (a tied weight counted once, in its first unit), and the largest
+trainable one of them (a micro-batch's new gradient of it is a transient the planner prices). The DAG was traced for
 ``dag.batch_size`` samples; per-sample costs (FLOPs, activations, edge bytes) scale linearly to
 *micro_batch*. Replicated nodes (built from constants only) never become edges.
 """
@@ -37,7 +38,7 @@ def to_workload(graph: OpDAG | CoarseDAG, micro_batch: int) -> WorkloadGraph:
     for j, u in enumerate(coarse.units):
         flops = 0.0
         act = 0
-        params = 0
+        params = largest = 0
         for name in u.nodes:
             n = nodes[name]
             flops += n.flops
@@ -48,6 +49,8 @@ def to_workload(graph: OpDAG | CoarseDAG, micro_batch: int) -> WorkloadGraph:
                     if spec.kind != "input" and r not in counted:
                         counted.add(r)
                         params += spec.meta.nbytes
+                        if spec.kind == "param":
+                            largest = max(largest, spec.meta.nbytes)
                     continue
                 i = unit_of[r]
                 if i == j or r in shared or (r, j) in seen_edges:
@@ -57,6 +60,6 @@ def to_workload(graph: OpDAG | CoarseDAG, micro_batch: int) -> WorkloadGraph:
                 nbytes = src.out[0].nbytes if not src.multi and src.out[0] is not None else 0
                 edge_bytes[(i, j)] = edge_bytes.get((i, j), 0) + round(nbytes * scale)
         units.append(Unit(name=u.name, kind=u.kind, fwd_flops=flops * scale, bwd_flops=2.0 * flops * scale,
-                          param_bytes=params, act_bytes=round(act * scale)))
+                          param_bytes=params, act_bytes=round(act * scale), max_param_bytes=largest))
     edges = tuple(Edge(src=i, dst=j, nbytes=b) for (i, j), b in sorted(edge_bytes.items()))
     return WorkloadGraph(units=tuple(units), edges=edges, micro_batch=micro_batch)

@@ -49,6 +49,7 @@ from fusionp2p.graph.program import StageProgram
 from fusionp2p.graph.trace import with_flops
 from fusionp2p.jobs.content import ContentService, sha256_hex
 from fusionp2p.jobs.data_shards import StreamFeed, window_bytes
+from fusionp2p.jobs.publish_file import file_manifest, stand_ins
 from fusionp2p.jobs.spec import (
     JobSpec,
     Resources,
@@ -244,18 +245,32 @@ def check_vocab(dag: OpDAG, dataset: Dataset) -> None:
 
 def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset | HFTokens | str | os.PathLike[str], cfg: TrainConfig, *, publisher: str,
               sign: Callable[[bytes], bytes], now: float, nonce: bytes, resources: Resources | None = None,
-              name: str = "", piece_bytes: int = DEFAULT_PIECE_BYTES, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> BuiltJob:
+              name: str = "", piece_bytes: int = DEFAULT_PIECE_BYTES, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+              weights: str | os.PathLike[str] | None = None) -> BuiltJob:
     """Trace, encode and sign a job (the publisher's side). ConfigError on a model that cannot be traced.
 
     The DAG travels without its tensors; they travel as content-addressed pieces of at most
     *piece_bytes* (``wire/pieces.py``), named in the weight manifest whose hash the spec signs
-    (``weights_hash``), so that each node fetches only the pieces of its own stage."""
+    (``weights_hash``), so that each node fetches only the pieces of its own stage. With *weights* (a
+    safetensors file), the tensors' values come from that file a piece at a time, and the model's
+    parameters may be on the ``meta`` device (``jobs/publish_file.py``): weights larger than the publisher's
+    memory."""
     dataset = as_dataset(dataset)
-    dag = trace_job(model, loss, dataset, cfg)
+    if weights is None and any(p.device.type == "meta" for p in model.parameters()):
+        raise ConfigError("the model's parameters are on the meta device: pass weights= the safetensors file they are in")
+    with stand_ins(model) as placeholders:
+        dag = trace_job(model, loss, dataset, cfg)
+    if placeholders:   # the DAG declares them (meta); their values come from the file
+        dag = dataclasses.replace(dag, tensors={n: t.to("meta") if t.numel() and t.data_ptr() in placeholders else t
+                                                for n, t in dag.tensors.items()})
     if dag.loss is None:
         raise ConfigError("the model returns no loss: return (output, loss) or pass loss=fn(output, target)")
     dag_blob = encode_dag(dag, weights=False)
-    manifest, pieces = make_manifest(dag.tensors, piece_bytes, copy=False)   # no second copy of the weights
+    pieces: Mapping[str, bytes | memoryview | FileRange]
+    if weights is not None:
+        manifest, pieces = file_manifest(dag, weights, piece_bytes)
+    else:
+        manifest, pieces = make_manifest(dag.tensors, piece_bytes, copy=False)   # no second copy of the weights
     man_blob = manifest.encode()
     ref, _manifest, data_blobs = prepare_dataset(dataset, shard_tokens=shard_tokens)
     blobs: dict[str, bytes | memoryview | FileRange] = {sha256_hex(dag_blob): dag_blob, manifest.content_hash: man_blob, **pieces,

@@ -31,6 +31,7 @@ class PlannerConfig:
 
         param_bytes * (param_memory_factor + replica_memory_factor if replicated else 0)
         + act_bytes * in_flight_limit(schedule, stages, stage, micro_batches)
+        + the largest trainable tensor of [i, j) when micro_batches > 1 (its new gradient before accumulation)
         <= memory_bytes * memory_headroom
 
     The activations are those of the micro-batches the stage's schedule keeps in flight at once

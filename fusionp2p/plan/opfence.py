@@ -125,7 +125,7 @@ def _levels(cm: CostModel, states: _States) -> int:
     micro-batch in flight fits each device: then the layouts are the same whatever the pricing)."""
     if cm.in_flight(0, 1) == cm.config.micro_batches:
         return 0   # a stage holds every micro-batch whatever the pipeline (GPipe, or one micro-batch a step)
-    if float(cm.mem[-1]) <= float(cm.mem_cap.min()):
+    if float(cm.mem[-1]) + float(cm.range_largest(0, cm.n_units)) <= float(cm.mem_cap.min()):
         return 0
     return min(cm.config.micro_batches, len(set(states.dev)))
 
@@ -164,6 +164,23 @@ class _Search:
             got = cache[(cap, key)] = np.searchsorted(prefix, prefix[: self.n] + cap, side="right") - 1
         return got
 
+    def _mem_limit(self, held: int, cap: float) -> npt.NDArray[np.intp]:
+        """For every start i, the last end j whose range fits *cap* with *held* micro-batches in flight: the
+        prefix sum's limit, then lowered while the range's largest tensor (not a prefix sum) does not fit
+        (both terms grow with j, so the first end that fits is the last)."""
+        got = self._mem_limits.get((cap, held))
+        if got is None:
+            prefix = self.cm.mem_prefix(held)
+            got = np.searchsorted(prefix, prefix[: self.n] + cap, side="right") - 1
+            idx = np.arange(self.n)
+            while True:
+                bad = (got > idx) & (prefix[got] - prefix[idx] + self.cm.range_largest(idx, got) > cap)
+                if not bad.any():
+                    break
+                got = np.where(bad, got - 1, got)
+            self._mem_limits[(cap, held)] = got
+        return got
+
     def thr(self, a: npt.NDArray[np.intp] | int, b: int, T: float) -> F64:
         """Largest cut (effective bytes) a link a->b carries within T."""
         if self.ignore_links:
@@ -189,7 +206,7 @@ class _Search:
             if rmax is None:
                 rmax = self.rmax[(d, held)] = np.minimum(
                     self._limit(cm.work, T * float(cm.flops[d]), by_cap),
-                    self._limit(cm.mem_prefix(held), float(cm.mem_cap[d]), self._mem_limits, held))
+                    self._mem_limit(held, float(cm.mem_cap[d])))
             entry = self.E[s]
             preds = self.st.preds[s]
             if len(preds):
@@ -300,7 +317,7 @@ def _mem_ok(cm: CostModel, i: Idx, j: Idx, g: tuple[int, ...], stage: int, stage
     batches its schedule holds at once); vectorised over arrays of range ends, at the search's upper bound."""
     i_a, j_a = np.asarray(i), np.asarray(j)
     mem = cm.mem_prefix(cm.in_flight(stage, stages))
-    need = mem[j_a] - mem[i_a]
+    need = mem[j_a] - mem[i_a] + cm.range_largest(i_a, j_a)
     if len(g) > 1:
         need = need + cm.config.replica_memory_factor * (cm.params[j_a] - cm.params[i_a])
     return np.asarray(need <= float(cm.mem_cap[list(g)].min()), dtype=bool)

@@ -55,6 +55,7 @@ from fusionp2p.train.config import TrainConfig
 from fusionp2p.train.deal import REDEAL_MIN_MICROS, Deal, redeals_in_band
 from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
 from fusionp2p.train.local_step import is_local, local_actions, nonfinite_loss, run_local
+from fusionp2p.train.optim import make_optimizer
 from fusionp2p.train.schedule import (
     ActivationArrived,
     BackwardDone,
@@ -153,15 +154,6 @@ class Halt:
     """
 
     at: int | None = None
-
-
-def make_optimizer(params: Sequence[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The job's local optimizer over a stage's parameters (same settings on every replica); one group, empty
-    for a stage that holds none (the loss alone: a plan under tight memory may cut there)."""
-    groups = [{"params": list(params)}]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 class StageWorker:

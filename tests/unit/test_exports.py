@@ -8,7 +8,7 @@ import fusionp2p
 EXPECTED = {
     "CO2", "AdaTopK", "ConfigError", "FusionError", "IntegrityError", "Job", "JobError", "LRSchedule",
     "LocalProtocolError", "PeerUnavailable", "PlanError", "ProtocolError", "RemoteProtocolError", "Swarm",
-    "TrainConfig", "__version__", "data", "models", "trace",
+    "TrainConfig", "__version__", "data", "empty_parameters", "models", "trace",
 }
 
 

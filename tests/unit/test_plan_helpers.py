@@ -67,6 +67,8 @@ def brute_force(
 
     def stage(i: int, j: int, dev: int, held: int) -> float | None:
         mem = sum(u.param_bytes * cfg.param_memory_factor + u.act_bytes * held for u in units[i:j])
+        if cfg.micro_batches > 1:   # the largest tensor's new gradient before accumulation
+            mem += max((u.max_param_bytes for u in units[i:j]), default=0)
         if mem > profs[dev].memory_bytes * cfg.memory_headroom:
             return None
         return sum((u.fwd_flops + u.bwd_flops) / (profs[dev].flops_fp32 * cfg.efficiency_of(u.kind)) for u in units[i:j])
