@@ -20,14 +20,13 @@ Configured as LIBP2P_NOTES.md measured it must be:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
 import sys
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +45,7 @@ from libp2p.network.config import ConnectionConfig
 from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamError, StreamReset
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
-from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.records.validator import Validator
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -60,6 +59,7 @@ from fusionp2p.net.addrs import GLOBAL, LOOPBACK, PRIVATE, peer_dial_addrs
 from fusionp2p.net.advertised import WildcardExpander
 from fusionp2p.net.dht_fresh import freshest
 from fusionp2p.net.dial_errors import dial_cause
+from fusionp2p.net.gossip_router import GossipRouter
 from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits, HolePunchPolicy
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.pubsub_retry import install as install_pubsub_retry
@@ -226,55 +226,6 @@ class _CountingNotifee(INotifee):
         pass
 
 
-class _GossipSub(GossipSub):
-    """GossipSub that does not replay its message cache to new peers on *state_topics*.
-
-    py-libp2p 0.8.1 sends every cached message of a topic (the last ``gossip_window`` heartbeats), one RPC
-    each, to every peer that subscribes. For heartbeats that is pure overhead, since the next heartbeat
-    supersedes them, and it lands exactly when a swarm forms: measured at 20 processes, 50-90 received
-    messages/s per node during the first 10 s for 2-10 new ones.
-    """
-
-    def __init__(self, state_topics: tuple[str, ...], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._state_topics = frozenset(state_topics)
-        self.stats: collections.Counter[str] = collections.Counter()   # control messages received, by kind
-
-    async def handle_rpc(self, rpc: Any, sender_peer_id: ID) -> None:
-        if rpc.HasField("control"):
-            c = rpc.control
-            for kind in ("ihave", "iwant", "graft", "prune"):
-                if n := len(getattr(c, kind)):
-                    self.stats[kind] += n
-        await super().handle_rpc(rpc, sender_peer_id)
-
-    async def send_recent_messages(self, peer_id: ID, topic: str) -> None:
-        if topic not in self._state_topics:
-            await super().send_recent_messages(peer_id, topic)
-
-    def _get_peers_to_send(self, topic_ids: Iterable[str], msg_forwarder: ID, origin: ID,
-                           msg_id: bytes | None = None) -> Iterable[ID]:
-        """Our own messages on a state topic reach at least ``degree`` peers even when our mesh is thin.
-
-        py-libp2p 0.8.1 sends a published message only to the topic's mesh, and has no flood publishing.
-        A node whose grafts were all pruned while a swarm forms (more than D_high grafts at once) sits
-        out the 60 s prune backoff with an empty mesh, and its heartbeats reach nobody: at 20 processes
-        that showed up as every member being alive at once only after 63 s. Topping up to ``degree``
-        subscribed peers costs nothing while the mesh is healthy.
-        """
-        topics = list(topic_ids)
-        peers = set(super()._get_peers_to_send(topics, msg_forwarder, origin, msg_id))
-        if self.pubsub is None or origin != self.pubsub.my_id:
-            return peers
-        for topic in topics:
-            want = self.degree - len(peers)
-            if (want > 0 and topic in self._state_topics and topic in self.pubsub.peer_topics
-                    and len(self.mesh.get(topic, ())) < self.degree_low):
-                extra = self._get_in_topic_gossipsub_peers_from_minus(topic, want, peers | {msg_forwarder, origin})
-                peers.update(extra)
-        return peers
-
-
 _SPR_SEND_TTL = 10.0     # seconds our serialised signed peer record is reused for outgoing RPCs
 _SPR_RECHECK = 600.0     # seconds after which a peer's unchanged record is verified (and its TTL refreshed) again
 _SPR_MAX_PEERS = 4096
@@ -378,7 +329,7 @@ class Libp2pTransport:
         self._rankers = _RankingValidator()
         assert self.dht.validator is not None
         self.dht.validator.add_validator("fusionp2p", self._rankers)
-        self.router = _GossipSub(
+        self.router = GossipRouter(
             config.state_topics,
             protocols=[PROTOCOL_ID_V11],
             degree=config.gossip_degree[0], degree_low=config.gossip_degree[1], degree_high=config.gossip_degree[2],

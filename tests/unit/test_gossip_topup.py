@@ -8,16 +8,16 @@ from types import SimpleNamespace
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
 
+from fusionp2p.net.gossip_router import GossipRouter
 from fusionp2p.net.identity import Identity
-from fusionp2p.net.libp2p_host import _GossipSub
 
 
 def _peer() -> ID:
     return ID.from_pubkey(Identity.generate().key_pair.public_key)
 
 
-def _router(n_subscribed: int, mesh: int) -> tuple[_GossipSub, ID, list[ID]]:
-    router = _GossipSub(("members",), protocols=[PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=12)
+def _router(n_subscribed: int, mesh: int) -> tuple[GossipRouter, ID, list[ID]]:
+    router = GossipRouter(("members",), protocols=[PROTOCOL_ID_V11], degree=6, degree_low=4, degree_high=12)
     router.scorer = None
     me, peers = _peer(), [_peer() for _ in range(n_subscribed)]
     router.pubsub = SimpleNamespace(my_id=me, peer_topics={"members": set(peers), "jobs": set(peers)})  # type: ignore[assignment]
