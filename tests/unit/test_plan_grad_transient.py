@@ -19,7 +19,7 @@ from fusionp2p.plan.config import PlannerConfig
 from fusionp2p.plan.estimator import CostModel
 from fusionp2p.plan.opfence import InfeasiblePlanError, make_plan
 from fusionp2p.types import Edge, Unit, WorkloadGraph
-from tests.unit.test_plan_helpers import brute_force, snapshot
+from tests.unit.test_plan_helpers import assert_matches_brute_force, snapshot
 
 CFG = PlannerConfig(compression=False, replicas=False, schedule="1f1b", micro_batches=4)
 
@@ -83,12 +83,4 @@ def test_the_search_with_the_transient_is_exact_against_brute_force(data: st.Dat
     snap = snapshot(d, memory=lambda i: mem[i])
     w = WorkloadGraph(units=tuple(units), edges=edges)
     cfg = dataclasses.replace(CFG, micro_batches=data.draw(st.integers(1, 6)), exact_search_devices=5)
-    want = brute_force(w, snap, cfg)
-    if want is None:
-        with pytest.raises(InfeasiblePlanError):
-            make_plan(w, snap, cfg)
-        return
-    plan = make_plan(w, snap, cfg)
-    assert plan.bottleneck_s == pytest.approx(want, rel=1e-6)
-    for stage in plan.stages:
-        assert stage.memory_bytes <= snap.members[stage.replicas[0]].memory_bytes * cfg.memory_headroom
+    assert_matches_brute_force(w, snap, cfg, memory=True)

@@ -11,7 +11,10 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
+import pytest
+
 from fusionp2p.plan.config import PlannerConfig, in_flight_limit
+from fusionp2p.plan.opfence import InfeasiblePlanError, make_plan
 from fusionp2p.plan.snapshot import Link, Snapshot
 from fusionp2p.types import DeviceProfile, Edge, Unit, WorkloadGraph
 
@@ -100,6 +103,22 @@ def brute_force(
                 if math.isfinite(worst) and (best is None or worst < best):
                     best = worst
     return best
+
+
+def assert_matches_brute_force(workload: WorkloadGraph, snap: Snapshot, cfg: PlannerConfig, *,
+                               orders: Sequence[Sequence[int]] | None = None, memory: bool = False) -> None:
+    """The planner's bottleneck equals the brute force's (an InfeasiblePlanError where nothing fits); with
+    *memory*, every stage also fits its first replica's offer."""
+    want = brute_force(workload, snap, cfg, orders=orders)
+    if want is None:
+        with pytest.raises(InfeasiblePlanError):
+            make_plan(workload, snap, cfg)
+        return
+    plan = make_plan(workload, snap, cfg)
+    assert plan.bottleneck_s == pytest.approx(want, rel=1e-6)
+    if memory:
+        for stage in plan.stages:
+            assert stage.memory_bytes <= snap.members[stage.replicas[0]].memory_bytes * cfg.memory_headroom
 
 
 def test_brute_force_on_a_trivial_case() -> None:

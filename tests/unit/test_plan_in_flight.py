@@ -26,7 +26,7 @@ from fusionp2p.sdk import LOCAL_PROFILE
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.train.schedule import ScheduleConfig
 from fusionp2p.types import Edge, Unit, WorkloadGraph
-from tests.unit.test_plan_helpers import brute_force, chain, snapshot
+from tests.unit.test_plan_helpers import assert_matches_brute_force, chain, snapshot
 
 ONE_F_ONE_B = PlannerConfig(compression=False, replicas=False, schedule="1f1b")
 
@@ -100,15 +100,7 @@ def test_the_1f1b_search_is_exact_against_brute_force(data: st.DataObject) -> No
     if cfg.exact_search_devices == 0:   # the cluster order: exact over its subsequences
         cm = CostModel(w, snap, cfg)
         orders = [device_order(cm.bw, cm.flops, cfg.cluster_theta, 0)[1]]
-    want = brute_force(w, snap, cfg, orders=orders)
-    if want is None:
-        with pytest.raises(InfeasiblePlanError):
-            make_plan(w, snap, cfg)
-        return
-    plan = make_plan(w, snap, cfg)
-    assert plan.bottleneck_s == pytest.approx(want, rel=1e-6)
-    for stage in plan.stages:
-        assert stage.memory_bytes <= snap.members[stage.replicas[0]].memory_bytes * cfg.memory_headroom
+    assert_matches_brute_force(w, snap, cfg, orders=orders, memory=True)
 
 
 def test_a_node_holds_its_stage_against_the_planners_own_figure() -> None:

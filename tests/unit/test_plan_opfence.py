@@ -16,7 +16,7 @@ from fusionp2p.plan.estimator import CostModel
 from fusionp2p.plan.opfence import InfeasiblePlanError, make_plan
 from fusionp2p.plan.predict import predict
 from fusionp2p.types import Edge, Unit, WorkloadGraph
-from tests.unit.test_plan_helpers import GiB, brute_force, chain, snapshot
+from tests.unit.test_plan_helpers import GiB, assert_matches_brute_force, brute_force, chain, snapshot
 
 NO_EXTRAS = PlannerConfig(compression=False, replicas=False)
 
@@ -149,13 +149,7 @@ def random_case(data: st.DataObject, n_max: int = 10, d_max: int = 4):  # type: 
 def test_bottleneck_equals_brute_force_over_all_assignments(data: st.DataObject) -> None:
     w, snap = random_case(data)
     cfg = PlannerConfig(compression=False, replicas=False, efficiency=(("a", 0.5),))
-    want = brute_force(w, snap, cfg)
-    if want is None:
-        with pytest.raises(InfeasiblePlanError):
-            make_plan(w, snap, cfg)
-        return
-    plan = make_plan(w, snap, cfg)
-    assert plan.bottleneck_s == pytest.approx(want, rel=1e-6)
+    assert_matches_brute_force(w, snap, cfg)
 
 
 @settings(max_examples=25, deadline=None)
