@@ -164,7 +164,6 @@ def leader_of(members: Iterable[str], alive: Callable[[str], bool], *, standbys:
     return None
 
 
-
 def announcer(members: Iterable[str], previous: Iterable[str] | None) -> str:
     """The member that announces an epoch's plan to the publisher (its ``PlanChanged``): the lowest peer id
     of the epoch's *members* (the snapshot's: standbys included) that held a role

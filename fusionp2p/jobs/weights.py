@@ -24,6 +24,7 @@ double its stage's weights.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -242,14 +243,13 @@ async def fetch_tensors(content: ContentService, manifest: WeightManifest, names
                 with trio.move_on_at(lookup_grace):   # a lookup that answers soon is waited for
                     await looked_up.wait()
                 if not looked_up.is_set() and any(p != content.transport.peer_id for p in peers):
-                    try:   # the lookup has not answered: the publisher now, rather than the fetch slot idle
+                    # the lookup has not answered: the publisher now, rather than the fetch slot idle; if it
+                    # does not deliver, the holders the lookup finds
+                    with contextlib.suppress(PeerUnavailable):
                         blobs[i] = await fetch_piece(content, h, size, peers, announce=announce, holders=(), rounds=1)
                         nursery.cancel_scope.cancel()
                         return
-                    except PeerUnavailable:
-                        await looked_up.wait()
-                else:
-                    await looked_up.wait()
+                await looked_up.wait()
                 blobs[i] = await fetch_piece(content, h, size, peers, announce=announce, holders=holders)
 
     async def tensor(name: str) -> None:
