@@ -75,6 +75,7 @@ from fusionp2p.jobs.failures import describe, split_cancelled
 from fusionp2p.jobs.host import JobHost
 from fusionp2p.jobs.lead import Leading, _Epoch
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
+from fusionp2p.jobs.links import Linking
 from fusionp2p.jobs.progress import ProgressBook
 from fusionp2p.jobs.rebalance import epoch_speed
 from fusionp2p.jobs.replan import Halted, Resume, Source, announcer, leader_of
@@ -83,25 +84,19 @@ from fusionp2p.jobs.status import ProgressBatch, StepStats
 from fusionp2p.jobs.suspects import Suspects
 from fusionp2p.jobs.weights import WeightFetches, prepare_stage, stage_fit, stage_recompute
 from fusionp2p.net.channel import TensorChannel
-from fusionp2p.net.dataplane_config import PATH_LIBP2P, PATH_RELAY
-from fusionp2p.net.resilient import ResilientChannel, open_resilient_channel
-from fusionp2p.net.transport import Relaying
+from fusionp2p.net.resilient import ResilientChannel
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.train.state import StageState, merge_states
 from fusionp2p.train.worker import Halt, StageContext, StageReport, StageWorker
-from fusionp2p.types import short_peer
 from fusionp2p.wire.jobrecords import StageFile
 from fusionp2p.wire.protocols import TOPIC_JOBS
 from fusionp2p.wire.stfile import chunks
 
 if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
+    pass
 
 log = logging.getLogger(__name__)
-
-HALT_CLOSE_TIMEOUT = 0.3    # seconds a halted epoch's channel waits for a link to say goodbye on
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StartRequest:
@@ -114,7 +109,7 @@ class StartRequest:
     plan_hash: str = ""        # the plan its leader computed from the snapshot (no election when ours agrees)
 
 
-class JobRun(Leading):
+class JobRun(Leading, Linking):
     """See the module docstring. Created by the node's job service when it accepts a job."""
 
     def __init__(self, svc: JobHost, accepted: AcceptedJob, publisher: str) -> None:
@@ -690,7 +685,7 @@ class JobRun(Leading):
         except FusionError as exc:
             log.debug("progress not published: %s", exc)
 
-    # ------------------------------------------------------------------ election and links
+    # ------------------------------------------------------------------ election
     async def _elect(self, snap: Snapshot, mine: Plan) -> Plan:
         """The plan adopted by the members' gossip election (``jobs/election.py``), or PlanError."""
         deadline = trio.current_time() + self.svc.config.election_timeout
@@ -708,92 +703,6 @@ class JobRun(Leading):
                 if trio.current_time() >= deadline:
                     raise PlanError(f"no plan adopted for job {snap.job} epoch {snap.epoch} after {rounds} rounds: "
                                     f"{outcome.decision}")
-
-    def _path(self, ch: Any) -> str:
-        """A link's path for the LinksUp event: ``direct``, ``libp2p`` (the fallback stream), or ``relay``
-        (that stream, on a libp2p connection carried by a circuit relay: net/relay.py)."""
-        path = getattr(ch, "path", "") or "pending"
-        t = self.svc.transport
-        if path == PATH_LIBP2P and isinstance(t, Relaying) and t.is_relayed(ch.remote_peer):
-            return PATH_RELAY
-        return str(path)
-
-    async def _open_links(self, plan: Plan, programs: list[Any], s: int, r: int,
-                          holders: trio.Nursery) -> tuple[dict[int, TensorChannel], list[TensorChannel]]:
-        """Channels to this pipeline's neighbour stages and to the other replicas of stage *s*."""
-        dial: list[tuple[str, str, int | None]] = []     # (link name, peer, pipeline stage or None)
-        accept: list[tuple[str, str, int | None]] = []
-        e = plan.epoch
-        for p in programs:
-            for src in sorted(t for t in p.peer_stages if t < p.stage):   # boundary and tied-weight peers
-                name = f"e{e}/p{r}:{src}-{p.stage}"
-                if src == s:
-                    dial.append((name, plan.stages[p.stage].replicas[r], p.stage))
-                elif p.stage == s:
-                    accept.append((name, plan.stages[src].replicas[r], src))
-        reps = plan.stages[s].replicas
-        for j, peer in enumerate(reps):
-            if j != r:
-                name = f"e{e}/s{s}:{min(r, j)}-{max(r, j)}"
-                (dial if r < j else accept).append((name, peer, None))
-        got: dict[str, TensorChannel] = {}
-        self.closed = trio.Event()
-        with trio.move_on_after(self.svc.config.link_timeout):
-            async with trio.open_nursery() as nursery:
-                for name, peer, _ in dial:
-                    nursery.start_soon(self._dial_link, name, peer, got, holders)
-                for name, peer, _ in accept:
-                    nursery.start_soon(self._claim_link, name, peer, got)
-        if late := [(name, peer) for name, peer, _ in [*dial, *accept] if name not in got]:   # a broken pipeline, not a
-            # failed job: its leader re-plans (issue 43: a NAT'd peer's relay link dropped under a loaded machine)
-            raise PeerUnavailable(late[0][1], f"link {late[0][0]} not up within {self.svc.config.link_timeout:.0f} s")
-        links = {st: got[name] for name, _, st in [*dial, *accept] if st is not None}
-        peers = [got[f"e{e}/s{s}:{min(r, j)}-{max(r, j)}"] for j in range(len(reps)) if j != r]
-        return links, peers
-
-    async def _dial_link(self, name: str, peer: str, got: dict[str, TensorChannel], holders: trio.Nursery) -> None:
-        delay = 0.2
-        while True:
-            if not self._alive(peer):
-                raise PeerUnavailable(peer, f"gone before link {name} was set up")
-            try:
-                ch: ResilientChannel = await holders.start(self._hold_channel, name, peer)
-                break
-            except (PeerUnavailable, BaseExceptionGroup) as exc:
-                if not all(isinstance(e, PeerUnavailable) for e in leaf_errors(exc)):
-                    raise
-                log.info("data plane to %s: %s; retrying", short_peer(peer), describe(exc))
-                await trio.sleep(delay)     # retry backoff, bounded by link_timeout
-                delay = min(2.0, delay * 2)
-        got[name] = ch
-
-    async def _hold_channel(self, name: str, peer: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Dial one channel and keep it open until the epoch's channels are closed. In the job's nursery: an
-        epoch ends when its channels said goodbye, not when their links' sockets closed (a link's close waits, shielded,
-        up to ``dead_after`` for a peer that reads no more after a halt: 3 s of each re-plan in benchmarks.churn)."""
-        closed = self.closed
-        async with open_resilient_channel(self.svc.data_plane, peer, name=f"{self.job_id}/{name}",
-                                          config=self.svc.config.channels(), peer_gone=self.svc.peer_gone) as ch:
-            self.channels.append(ch)
-            task_status.started(ch)
-            await closed.wait()
-
-    async def _claim_link(self, name: str, peer: str, got: dict[str, TensorChannel]) -> None:
-        ch = await self.svc.claim(self.job_id, name, peer, alive=self._alive)
-        self.channels.append(ch)
-        got[name] = ch
-
-    async def _close_channels(self) -> None:
-        """Goodbye on each of the epoch's channels, all at once (each bounded by close_timeout; briefly
-        after a halt "now", when every member is tearing its channels down and nobody waits for goodbyes)."""
-        timeout = HALT_CLOSE_TIMEOUT if self._broken else None
-        with trio.CancelScope(shield=True):
-            async with trio.open_nursery() as n:
-                for ch in self.channels:
-                    n.start_soon(lambda ch=ch: ch.aclose(timeout=timeout))
-            self.channels.clear()
-            self.closed.set()
-            self.svc.drop_arrived(self.job_id, older_than=self.epoch + 1)
 
 
 __all__ = ["JobRun", "StartRequest", "describe"]

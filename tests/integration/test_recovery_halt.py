@@ -43,7 +43,7 @@ def test_a_halt_does_not_wait_for_the_links_to_close(tmp_path: Path, caplog: pyt
                 with trio.CancelScope(shield=True):
                     await trio.sleep(LINGER)
 
-    monkeypatch.setattr("fusionp2p.jobs.run.open_resilient_channel", lingering)
+    monkeypatch.setattr("fusionp2p.jobs.links.open_resilient_channel", lingering)
     cfg = TrainConfig(steps=16, micro_batch=2, micro_batches=2, lr=3e-3, replicas=2, averaging=CO2(tau=2),
                       compression="none", checkpoint_every=0, seed=1)
     killed: list[str] = []
