@@ -41,6 +41,7 @@ from fusionp2p.jobs.rebalance import (
 )
 from fusionp2p.jobs.replan import (
     Halted,
+    Resume,
     complete_checkpoint,
     fill_unmeasured,
     halt_step,
@@ -50,6 +51,7 @@ from fusionp2p.jobs.replan import (
 )
 from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.jobs.suspects import Suspects
+from fusionp2p.jobs.verified import rollback
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
@@ -115,6 +117,7 @@ class Leading:
     _told: tuple[int, str] | None
     _wake: trio.Event
     _plan_cache: tuple[str, Plan] | None
+    _rolled: set[str]
 
     # ------------------------------------------------------------------ leading re-plans
     def _alive(self, peer: str) -> bool:
@@ -197,7 +200,8 @@ class Leading:
         """
         cfg = self.svc.config
         now = trio.current_time()
-        left = self.svc.swarm.view.left
+        # a member that announced it leaves, or that a spot-check convicted (jobs/verified.py), is gone without asking
+        left = {*self.svc.swarm.view.left, *self.suspects.convicted}
         ask = [p for p in peers if p not in left and p != self.me and now - self._answered.get(p, -math.inf) > cfg.confirm_ttl]
         if ask:
             answers = await self._ask_all(ask, {"op": "status", "job": self.job_id}, timeout=cfg.confirm_timeout)
@@ -434,6 +438,7 @@ class Leading:
         self._led = nxt
         resume = dataclasses.replace(plan_resume(plan.n_units, halted, self.checkpoints, self._alive,
                                                  reached=self.book.reached), data=self.data_history)
+        resume = self._roll_back(plan, resume)
         if resume.from_checkpoint:
             log.warning("job %s: some units lost every live state; resuming from %s (%d steps lost)", self.job_id,
                         f"the checkpoint of step {resume.step}" if resume.sources else "the published weights",
@@ -458,6 +463,25 @@ class Leading:
         if refused or len(replies) < len(members):
             log.warning("job %s: epoch %d start refused or unanswered: %s", self.job_id, nxt, refused)
         self.joiners -= set(members)
+
+    def _roll_back(self, plan: Plan, resume: Resume) -> Resume:
+        """After a spot-check conviction, once per convicted member: the newest complete checkpoint no later than
+        its convicted step (``jobs/verified.py`` :func:`rollback`), else *resume* (said in the log: the lies
+        before the conviction stay in the members' states)."""
+        new = {p: step for p, step in self.suspects.convicted.items() if p not in self._rolled}
+        if not new:
+            return resume
+        self._rolled |= set(new)
+        before = min(new.values())
+        rb = rollback(self.checkpoints, plan.n_units, self._alive, before=before, reached=self.book.reached)
+        who = [short_peer(p) for p in new]
+        if rb is None:
+            log.warning("job %s: %s convicted at step %d; no complete checkpoint of a step <= %d held by members: "
+                        "no roll-back, the next epoch goes on from the members' states", self.job_id, who, before, before)
+            return resume
+        log.warning("job %s: %s convicted at step %d; rolling back to the checkpoint of step %d (%d steps lost)",
+                    self.job_id, who, before, rb.step, rb.lost_steps)
+        return dataclasses.replace(rb, data=resume.data)
 
     def _planned(self, snap: Snapshot) -> Plan | None:
         """The plan this node computed for *snap* when it led the re-plan (computed once, not twice)."""

@@ -276,6 +276,8 @@ class NodeJobService:
         if op == "done":
             run.on_done(peer, req)
             return {"ok": True}
+        if op in ("claims", "bundle", "stamps", "verdict"):
+            return await run.on_spot(peer, req)
         return {"ok": False, "error": f"op {op} is not served by nodes"}
 
     def _start(self, peer: str, run: JobRun, req: dict[str, Any]) -> dict[str, Any]:

@@ -82,6 +82,7 @@ from fusionp2p.jobs.replan import Halted, Resume, Source, announcer, leader_of
 from fusionp2p.jobs.shadow import Shadows
 from fusionp2p.jobs.status import ProgressBatch, StepStats
 from fusionp2p.jobs.suspects import Suspects
+from fusionp2p.jobs.verified import SPOT_OPS, EpochChecks, read_verdict, tapped_executor
 from fusionp2p.jobs.weights import WeightFetches, prepare_stage, stage_fit, stage_recompute
 from fusionp2p.net.channel import TensorChannel
 from fusionp2p.net.resilient import ResilientChannel
@@ -156,6 +157,8 @@ class JobRun(Leading, Linking):
         self._cur = _Epoch()
         self._last: Halted | None = None   # the newest state this node handed over (answers later halts)
         self._worker: StageWorker | None = None
+        self.checks: EpochChecks | None = None    # the epoch's verified stages (TrainConfig.spot_rate; jobs/verified.py)
+        self._rolled: set[str] = set()            # convicted members a re-plan already rolled back for (jobs/lead.py)
         self._worker_scope: trio.CancelScope | None = None      # the epoch's setup and training
         self._halt = Halt()
         self._broken = False           # our pipeline broke (a neighbour died): a re-plan is needed
@@ -257,7 +260,8 @@ class JobRun(Leading, Linking):
             self._holds(ev.step, (ev.start, ev.end), ev.hash, sender)
         elif isinstance(ev, StepProgress):
             self.book.add(sender, ev, now=now)
-        self.suspects.observe(sender, ev, self.plan)
+        if self.suspects.observe(sender, ev, self.plan):
+            self._poke()   # a convicted member: the leader re-plans without it
 
     def on_done(self, peer: str, msg: dict[str, Any]) -> None:
         """A member's ``done`` report (the leader aggregates them into the final status)."""
@@ -267,6 +271,22 @@ class JobRun(Leading, Linking):
             return
         self._done_from[(stage, replica)] = msg
         self._poke()
+
+    async def on_spot(self, peer: str, req: dict[str, Any]) -> dict[str, Any]:
+        """A verified-stage request of a member (jobs/verified.py): claims, a bundle or stamps for the epoch's
+        checks; a ``verdict`` for the leader, which convicts on the evidence and re-plans without the stage."""
+        if req["op"] == "verdict":
+            v = read_verdict(req)
+            ev = self.suspects.verdict(v, self.plan)
+            if ev is None:
+                return {"ok": True, "new": False}
+            self.svc.nursery.start_soon(self._gossip, ev)   # the checker's gossip may not have reached everyone
+            self._poke()
+            return {"ok": True, "new": True}
+        checks = self.checks
+        if checks is None or req["op"] not in SPOT_OPS:
+            return {"ok": False, "error": "this node runs no spot-checks now"}
+        return await checks.on_request(peer, req)
 
     def _holds(self, step: int, units: tuple[int, int], h: str, peer: str) -> None:
         h0, holders = self.checkpoints.setdefault(step, {}).get(units, (h, []))
@@ -406,15 +426,20 @@ class JobRun(Leading, Linking):
                         self.svc.nursery.start_soon(self._gossip, LinksUp(
                             job=self.job_id, epoch=plan.epoch, stage=s, peer=self.me,
                             links=tuple(f"{p}={path}" for p, path in sorted(paths.items())), at=time.time()))
+                        checks = self.checks = self._checks(plan, programs, s, r)
+                        if checks is not None:   # verified stages: stamped links, the ledger, the checker
+                            links = checks.links(links)
+                            await holders.start(checks.serve, self.closed)
                         feed = stage_feed(self.svc.content, self.accepted, plan, s, r, self.data_history, programs[s],
                                           peers=[self.publisher], stats=self.data, gossip=self._gossip)
                         if feed is not None:   # a reading stage of a streamed dataset: its shards, a window ahead
                             await holders.start(feed.serve, self.closed)
                         worker = self._worker = StageWorker(self._context(plan, snap, programs, s, r, links, peers,
-                                                                          req.resume, restore, feed))
+                                                                          req.resume, restore, feed, checks))
                         async with self.shadows.running(plan, s):
                             await worker.run()
                     finally:
+                        self.checks = None
                         await self._close_channels()
         except Exception as exc:
             lost = [e for e in leaf_errors(exc) if not isinstance(e, trio.Cancelled)]
@@ -532,7 +557,7 @@ class JobRun(Leading, Linking):
     # ------------------------------------------------------------------ training
     def _context(self, plan: Plan, snap: Snapshot, programs: list[Any], s: int, r: int, links: dict[int, TensorChannel],
                  peers: list[TensorChannel], resume: Resume, restore: StageState | None,
-                 feed: StreamFeed | None = None) -> StageContext:
+                 feed: StreamFeed | None = None, checks: EpochChecks | None = None) -> StageContext:
         cfg = self.spec.config
         n_st = len(plan.stages)
         rho_out: dict[int, float] = {}
@@ -584,8 +609,10 @@ class JobRun(Leading, Linking):
                                                start=units[0], end=units[1], at=time.time()))
             self.svc.nursery.start_soon(self.shadows.replicate, plan, s, h, step)
 
-        ex = StageExecutor(programs[s], device=self.svc.config.device, precision=cfg.precision,   # docs/gpu.md
-                           recompute=stage_recompute(self.accepted, plan, snap, s, programs[s]))
+        kw: dict[str, Any] = {"device": self.svc.config.device, "precision": cfg.precision,   # docs/gpu.md
+                              "recompute": stage_recompute(self.accepted, plan, snap, s, programs[s])}
+        tapped = tapped_executor(self.me, r, programs[s], **kw) if checks is not None else None
+        ex = tapped or StageExecutor(programs[s], **kw)
         programs[s] = ex.program   # holds the executor's tensors: the fetched ones go (jobs/weights.py)
         return StageContext(job=self.job_id, executor=ex, config=cfg, replica=r,
                             replicas=len(plan.stages[s].replicas), links=links, peers=peers,
@@ -596,7 +623,19 @@ class JobRun(Leading, Linking):
                             micro=plan.micro, micro_period=plan.micro_period,
                             averaging_lag=averaging_lag(self.spec, self.accepted.dag, plan, snap, s),
                             averaging_bf16=averaging_bf16(self.spec, self.accepted.dag, plan, snap, s, r),
-                            compute_slowdown=self.svc.config.compute_slowdown, compute_cpus=self.svc.config.compute_cpus)
+                            compute_slowdown=self.svc.config.compute_slowdown, compute_cpus=self.svc.config.compute_cpus,
+                            spot=checks.keep_ledger(tapped) if checks is not None and tapped is not None else None)
+
+    def _checks(self, plan: Plan, programs: list[Any], s: int, r: int) -> EpochChecks | None:
+        """The epoch's verified-stage checks (None when the job's ``spot_rate`` is 0)."""
+        rate = self.spec.config.spot_rate
+        if rate <= 0:
+            return None
+        return EpochChecks(transport=self.transport, content=self.svc.content, job=self.job_id, plan=plan, stage=s,
+                           replica=r, programs=programs, rate=rate, micro_batches=self.spec.config.micro_batches,
+                           timeout=self.svc.config.report_timeout, max_bundle=self.svc.config.max_state_bytes,
+                           suspects=self.suspects, gossip=self._gossip,
+                           leader=lambda: leader_of(plan.peers, self._alive, standbys=self.members or ()))
 
     async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str, *,
                    shadow: bool = False) -> None:

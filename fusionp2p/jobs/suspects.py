@@ -44,6 +44,7 @@ class Suspects:
     def __init__(self, allow: Iterable[str] = ()) -> None:
         self.reports: dict[str, set[str]] = {}
         self.excluded: set[str] = set()
+        self.convicted: dict[str, int] = {}   # stage replica convicted by a spot-check -> the convicted step
         self.allow = frozenset(allow)   # TrainConfig.allow_members: empty = any node
 
     def admits(self, peer: str) -> bool:
@@ -63,17 +64,19 @@ class Suspects:
             self.report(me, ev, plan)
         return out
 
-    def observe(self, sender: str, ev: ProgressEvent, plan: Plan | None) -> None:
-        """A progress event of the job from *sender*: an outlier report is counted, a conviction judged."""
+    def observe(self, sender: str, ev: ProgressEvent, plan: Plan | None) -> bool:
+        """A progress event of the job from *sender*: an outlier report is counted, a conviction judged. True
+        when it excludes a member."""
         if isinstance(ev, AveragingOutlier):
-            self.report(sender, ev, plan)
-        elif isinstance(ev, StageConvicted) and ev.peer == sender:
+            return self.report(sender, ev, plan)
+        if isinstance(ev, StageConvicted) and ev.peer == sender:
             try:
                 v = decode_verdict(ev.evidence)
             except RemoteProtocolError:
-                return
+                return False
             if v.checker == sender and v.claim.peer == ev.suspect:
-                self.convict(v, plan)
+                return self.convict(v, plan)
+        return False
 
     def verdict(self, v: Verdict, plan: Plan | None) -> StageConvicted | None:
         """This node's own verdict (it is the checker): the event to gossip when it convicts (counted here
@@ -113,6 +116,7 @@ class Suspects:
                 or (v.stamp is not None and v.stamp.signer not in plan.peers) or not v.valid()):
             return False
         self.excluded.add(c.peer)
+        self.convicted[c.peer] = c.step
         log.warning("job %s: %s excluded from the next plan: %s's spot-check of its stage %d found %s", c.job,
                     short_peer(c.peer), short_peer(v.checker), c.stage, v.reason)
         return True

@@ -254,9 +254,17 @@ class TrainConfig:
     # no layout fits the members' memory without it, and then only the stages over their node's offer use it;
     # "never"; "always" (every stage). Left out of the wire map at its default
     recompute: str = field(default="auto", metadata={"wire": {"choices": RECOMPUTE, "omit_default": True}})
+    # verified stages (jobs/verified.py, docs/security.md): the probability that a checker (the next replica of
+    # the stage) recomputes any one micro-batch of a stage replica; 0 turns the checks, the stamps on the
+    # pipeline links and the ledger's state copies off. Off by default: the ledger holds copies of the stage's
+    # state (2-3x its weights' memory), which the planner does not count yet; 0.01 costs 4.4% CPU in
+    # benchmarks/verified_job.py (within the 5% target) and catches a stage lying on every micro-batch within
+    # 100 of them with probability 63%, 460 with 99%. Left out of the wire map at its default
+    spot_rate: float = field(default=0.0, metadata={"wire": {"omit_default": True}})
 
     def __post_init__(self) -> None:
         _pos_int("steps", self.steps)
+        _float(self, "spot_rate", self.spot_rate, lo=0.0, hi=1.0)
         allow = self.allow_members
         if isinstance(allow, str) or not isinstance(allow, tuple | list) or \
                 not all(isinstance(p, str) and 0 < len(p) <= 128 for p in allow) or len(set(allow)) != len(allow):

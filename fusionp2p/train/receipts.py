@@ -34,14 +34,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import blake3
 import torch
 
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.net.channel import TensorChannel, TensorMessage
-from fusionp2p.net.identity import MAX_PEER_ID, Identity, verify
+from fusionp2p.net.identity import MAX_PEER_ID, verify
 from fusionp2p.wire.check import as_bool, as_bytes, as_int, as_list, as_str, malformed
 from fusionp2p.wire.msg import packb
 
@@ -50,6 +50,16 @@ STAMPED = ("act", "grad")       # the pipeline kinds a stage's claim covers
 SIG = "sig"                     # the meta key of a stamped message's signature
 SIG_LEN = 64
 DIGEST = 32
+
+
+class Signer(Protocol):
+    """Who signs stamps, claims, seeds and verdicts: an :class:`~fusionp2p.net.identity.Identity`, or a node's
+    transport (its key stays there: ``Transport.sign``)."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    def sign(self, data: bytes) -> bytes: ...
 
 
 def tensor_bytes_digest(t: torch.Tensor) -> bytes:
@@ -177,7 +187,7 @@ class StampedChannel:
     arrived) and hands the message on without the signature; both sides are recorded in ``book``. Other
     kinds pass as they are."""
 
-    def __init__(self, inner: TensorChannel, me: Identity, *, epoch: int, book: StampBook) -> None:
+    def __init__(self, inner: TensorChannel, me: Signer, *, epoch: int, book: StampBook) -> None:
         self.inner, self.me, self.epoch, self.book = inner, me, epoch, book
 
     @property

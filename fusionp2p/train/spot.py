@@ -40,8 +40,7 @@ import trio
 
 from fusionp2p.graph.executor import StageExecutor
 from fusionp2p.graph.program import StageProgram
-from fusionp2p.net.identity import Identity
-from fusionp2p.train.receipts import Stamp, TensorDigests
+from fusionp2p.train.receipts import Signer, Stamp, TensorDigests
 from fusionp2p.train.verify import (
     Claim,
     Tap,
@@ -103,7 +102,7 @@ class Ledger:
     """One stage replica's side (see the module docstring): its state per step, its signed claims, and
     the bundles it serves to its *checkers* (peer ids). ``publish`` receives each step's claims."""
 
-    def __init__(self, me: Identity, executor: TappedExecutor, *, job: str, epoch: int, replica: int,
+    def __init__(self, me: Signer, executor: TappedExecutor, *, job: str, epoch: int, replica: int,
                  checkers: Collection[str], cfg: VerifyConfig,
                  publish: Callable[[list[Claim]], Awaitable[None]], keep: int = 3,
                  memo: TensorDigests | None = None) -> None:
@@ -174,7 +173,7 @@ class Checker:
     """A checker of one stage (see the module docstring): it draws its sample of each step's claims,
     fetches and recomputes the sampled micro-batches, and hands a mismatch to ``on_verdict``."""
 
-    def __init__(self, me: Identity, program: StageProgram, cfg: VerifyConfig, *, job: str, epoch: int,
+    def __init__(self, me: Signer, program: StageProgram, cfg: VerifyConfig, *, job: str, epoch: int,
                  on_verdict: Callable[[Verdict], Awaitable[None]]) -> None:
         self.me, self.program, self.cfg, self.job, self.epoch = me, program, cfg, job, epoch
         self.on_verdict = on_verdict
@@ -199,6 +198,13 @@ class Checker:
         t0 = _cpu()
         try:
             return check(c, self.program, b[0], b[1], self.cfg, self.me, executor=self._ex, stamps=stamps)
+        except Unverifiable:
+            raise
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+            # a bundle from another node that matches its claim's digests, yet does not run through the
+            # stage's program (names or shapes it does not take): the stage signed nonsense, which no
+            # recomputation can judge; no evidence, and never the checker's crash
+            raise Unverifiable(f"the bundle does not run through the stage's program: {exc}"[:200]) from None
         finally:
             self.cpu_s += _cpu() - t0
 

@@ -50,8 +50,15 @@ import torch
 from fusionp2p.errors import ConfigError, RemoteProtocolError
 from fusionp2p.graph.executor import StageExecutor
 from fusionp2p.graph.program import StageProgram
-from fusionp2p.net.identity import MAX_PEER_ID, Identity, verify
-from fusionp2p.train.receipts import Stamp, TensorDigests, decode_stamp, message_digest, tensor_bytes_digest
+from fusionp2p.net.identity import MAX_PEER_ID, verify
+from fusionp2p.train.receipts import (
+    Signer,
+    Stamp,
+    TensorDigests,
+    decode_stamp,
+    message_digest,
+    tensor_bytes_digest,
+)
 from fusionp2p.types import short_peer
 from fusionp2p.wire.check import as_bytes, as_int, as_list, as_str, malformed
 from fusionp2p.wire.msg import packb, unpackb
@@ -95,7 +102,7 @@ def _seed_body(job: str, epoch: int, step: int) -> bytes:
     return _DOMAIN_SEED + packb([job, epoch, step])
 
 
-def challenge(leader: Identity, job: str, epoch: int, step: int) -> bytes:
+def challenge(leader: Signer, job: str, epoch: int, step: int) -> bytes:
     """The seed of *step*'s sample: the leader's signature (Ed25519 is deterministic), revealed after
     the step's outputs are sent."""
     return leader.sign(_seed_body(job, epoch, step))
@@ -172,7 +179,7 @@ class Claim:
         return verify(self.peer, self.body(), self.signature)
 
 
-def claim(me: Identity, *, job: str, epoch: int, stage: int, replica: int, params: bytes, t: Transcript,
+def claim(me: Signer, *, job: str, epoch: int, stage: int, replica: int, params: bytes, t: Transcript,
           memo: TensorDigests | None = None) -> Claim:
     """*me*'s signed claim of transcript *t* computed with the state of digest *params* (*memo*: see
     :func:`digest`)."""
@@ -313,7 +320,7 @@ def stamp_mismatch(c: Claim, t: Transcript, stamps: Sequence[Stamp]) -> tuple[st
 
 
 def check(c: Claim, program: StageProgram, state: Mapping[str, torch.Tensor], t: Transcript, cfg: VerifyConfig,
-          me: Identity, *, executor: StageExecutor | None = None, stamps: Sequence[Stamp] = ()) -> Verdict | None:
+          me: Signer, *, executor: StageExecutor | None = None, stamps: Sequence[Stamp] = ()) -> Verdict | None:
     """Recompute the micro-batch of claim *c* from its bundle (*state*, *t*) and compare its transcript
     with the neighbours' *stamps* of it (:func:`stamp_mismatch`): None when the stage's outputs hold, else
     *me*'s signed verdict. :class:`Unverifiable` when *c* is not signed by its stage or the bundle does not
@@ -349,11 +356,28 @@ def arbitrate(v: Verdict, program: StageProgram, state: Mapping[str, torch.Tenso
 
 
 # ------------------------------------------------------------------------------------------ wire
+def claim_wire(c: Claim) -> list[object]:
+    return [c.job, c.epoch, c.stage, c.replica, c.peer, c.step, c.micro, c.params, list(c.transcript), c.signature]
+
+
+def decode_claim(f: object, what: str = "spot-check claim") -> Claim:
+    """A claim from its :func:`claim_wire` list (a peer's; signature unchecked); RemoteProtocolError."""
+    with malformed(what):
+        f = as_list(f, what, min_len=10, max_len=10)
+        digests = as_list(f[8], f"{what} digests", min_len=5, max_len=5)
+        return Claim(job=as_str(f[0], f"{what} job"), epoch=as_int(f[1], f"{what} epoch", lo=0),
+                     stage=as_int(f[2], f"{what} stage", lo=0), replica=as_int(f[3], f"{what} replica", lo=0),
+                     peer=as_str(f[4], f"{what} peer", max_len=MAX_PEER_ID), step=as_int(f[5], f"{what} step", lo=0),
+                     micro=as_int(f[6], f"{what} micro", lo=0),
+                     params=as_bytes(f[7], f"{what} params", min_len=DIGEST, max_len=DIGEST),
+                     transcript=tuple(as_bytes(d, f"{what} digest", min_len=DIGEST, max_len=DIGEST)
+                                      for d in digests),  # type: ignore[arg-type]
+                     signature=as_bytes(f[9], f"{what} signature", max_len=64))
+
+
 def encode_verdict(v: Verdict) -> bytes:
-    c = v.claim
-    return packb({"c": [c.job, c.epoch, c.stage, c.replica, c.peer, c.step, c.micro, c.params, list(c.transcript),
-                        c.signature],
-                  "k": v.checker, "r": v.reason, "s": v.signature, **({"t": v.stamp.wire()} if v.stamp else {})})
+    return packb({"c": claim_wire(v.claim), "k": v.checker, "r": v.reason, "s": v.signature,
+                  **({"t": v.stamp.wire()} if v.stamp else {})})
 
 
 def decode_verdict(data: bytes) -> Verdict:
@@ -364,22 +388,13 @@ def decode_verdict(data: bytes) -> Verdict:
     with malformed(what):
         if not isinstance(m, dict) or not {"c", "k", "r", "s"} <= set(m) <= {"c", "k", "r", "s", "t"}:
             raise RemoteProtocolError(f"{what}: expected the fields c, k, r, s (and t)")
-        f = as_list(m["c"], f"{what} claim", min_len=10, max_len=10)
-        digests = as_list(f[8], f"{what} digests", min_len=5, max_len=5)
-        c = Claim(job=as_str(f[0], f"{what} job"), epoch=as_int(f[1], f"{what} epoch", lo=0),
-                  stage=as_int(f[2], f"{what} stage", lo=0), replica=as_int(f[3], f"{what} replica", lo=0),
-                  peer=as_str(f[4], f"{what} peer", max_len=MAX_PEER_ID), step=as_int(f[5], f"{what} step", lo=0),
-                  micro=as_int(f[6], f"{what} micro", lo=0),
-                  params=as_bytes(f[7], f"{what} params", min_len=DIGEST, max_len=DIGEST),
-                  transcript=tuple(as_bytes(d, f"{what} digest", min_len=DIGEST, max_len=DIGEST)
-                                   for d in digests),  # type: ignore[arg-type]
-                  signature=as_bytes(f[9], f"{what} claim signature", max_len=64))
+        c = decode_claim(m["c"], f"{what} claim")
         return Verdict(claim=c, checker=as_str(m["k"], f"{what} checker", max_len=MAX_PEER_ID),
                        reason=as_str(m["r"], f"{what} reason", max_len=MAX_REASON),
                        stamp=decode_stamp(m["t"], f"{what} stamp") if "t" in m else None,
                        signature=as_bytes(m["s"], f"{what} signature", max_len=64))
 
 
-__all__ = ["Claim", "Tap", "Transcript", "Unverifiable", "Verdict", "VerifyConfig", "arbitrate", "challenge",
+__all__ = ["Claim", "claim_wire", "decode_claim", "Tap", "Transcript", "Unverifiable", "Verdict", "VerifyConfig", "arbitrate", "challenge",
            "challenge_ok", "check", "claim", "decode_verdict", "digest", "encode_verdict", "mismatch", "p_catch",
            "recompute", "sampled", "stamp_mismatch"]

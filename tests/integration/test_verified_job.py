@@ -1,0 +1,101 @@
+"""Verified stages between the nodes of a real job (issue 46, jobs/verified.py): four embedded nodes (the node
+job service and the publisher, as in ``fusionp2p node``) train a tiny GPT-2 in 2 stages x 2 replicas with
+``spot_rate=1.0``; every pipeline message is stamped, every micro-batch's claim goes to the other replica of its
+stage over the JOB protocol, which fetches the bundle through the content store and recomputes it.
+
+A replica that lies from step LIE_FROM on (``fusionp2p.testing.lying_stages``: a bias on its activations, or
+zeros for its backward) is convicted by its checker, the verdict reaches the leader, which re-plans without it
+and rolls back to the checkpoint before the lie; the job ends DONE. An honest job is never convicted.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from fusionp2p.jobs.events import PlanChanged, ProgressEvent, StageConvicted
+from fusionp2p.testing.lying_stages import LyingStage
+from fusionp2p.train.config import CO2, TrainConfig
+from fusionp2p.train.spot import Checker, TappedExecutor
+from tests.integration.test_elastic import _built, _check_done, _publish, _swarm
+
+LIE_FROM = 3
+CFG = TrainConfig(steps=8, micro_batch=2, micro_batches=2, lr=3e-3, replicas=2, averaging=CO2(tau=2),
+                  checkpoint_every=2, seed=3, spot_rate=1.0)
+
+
+class _LateLiar(LyingStage):
+    """Honest before step LIE_FROM (so that the checkpoint of step 2 predates the lie)."""
+
+    def _lies(self, micro: int) -> bool:
+        return self.step >= LIE_FROM and super()._lies(micro)
+
+
+def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, lie: bool,
+         checked: list[bool] | None = None) -> tuple[list[ProgressEvent], list[str]]:
+    liars: list[str] = []
+    ids: list[str] = []
+    real_check = Checker._check
+
+    def counted(self: Checker, *args: Any, **kwargs: Any) -> Any:
+        v = real_check(self, *args, **kwargs)
+        if checked is not None:
+            checked.append(v is None)   # (in a worker thread: list.append is atomic)
+        return v
+
+    monkeypatch.setattr(Checker, "_check", counted)
+
+    def executor(me: str, replica: int, *args: Any, **kwargs: Any) -> TappedExecutor:
+        # the first replica 1 that is not the job's leader (the lowest id) lies: on stage 0 with a bias on its
+        # activations, on stage 1 (the loss stage, which sends no activations) with zeros for its backward
+        if lie and (me in liars or (not liars and replica == 1 and me != min(ids))):
+            liars.append(me)
+            return _LateLiar(*args, attack="bias" if args[0].stage == 0 else "zeros", **kwargs)
+        return TappedExecutor(*args, **kwargs)
+
+    monkeypatch.setattr("fusionp2p.jobs.run.tapped_executor", executor)
+
+    async def main() -> list[ProgressEvent]:
+        with trio.fail_after(240):
+            async with _swarm(4, tmp_path) as (emb, pub, client):
+                ids.extend(n.peer_id for n in emb.nodes)
+                return await _publish(pub, await _built(client, CFG, b"v" if lie else b"h"), tmp_path, lambda ev: None)
+
+    return trio.run(main), liars
+
+
+@pytest.mark.slow   # about 40 s on the shared 2-core VM
+def test_a_lying_stage_is_convicted_excluded_and_the_job_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="fusionp2p.jobs")
+    torch.set_num_threads(1)
+    events, liars = _run(tmp_path, monkeypatch, lie=True)
+    plans, steps = _check_done(events, CFG)
+    assert len(liars) == 1
+    convicted = [e for e in events if isinstance(e, StageConvicted)]
+    assert convicted and {e.suspect for e in convicted} == set(liars), convicted
+    assert min(e.step for e in convicted) >= LIE_FROM             # nobody framed before the lie
+    assert liars[0] in plans[0].members and liars[0] not in plans[-1].members
+    log = [r.getMessage() for r in caplog.records]
+    assert any("rolling back to the checkpoint of step 2" in m for m in log), [m for m in log if "convicted" in m]
+    resumed = min(s for s, e in steps.items() if isinstance(e, object) and getattr(e, "epoch", 0) >= 1)
+    assert resumed == 2, resumed
+
+
+@pytest.mark.slow   # about 30 s on the shared 2-core VM
+def test_an_honest_job_with_every_micro_batch_checked_has_no_conviction(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(1)
+    checked: list[bool] = []
+    events, _ = _run(tmp_path, monkeypatch, lie=False, checked=checked)
+    plans, _ = _check_done(events, CFG)
+    assert not [e for e in events if isinstance(e, StageConvicted)]
+    # 4 replicas x 8 steps x 2 micro-batches, each recomputed by the other replica of its stage (a step's claims
+    # still on the way when the epoch ends are not)
+    assert len(checked) >= 48 and all(checked), (len(checked), checked.count(False))
+    assert len({p.epoch for p in plans if isinstance(p, PlanChanged)}) == 1   # no re-plan
