@@ -657,12 +657,59 @@ def _node_record() -> Target:
     return Target("wire.records.node", lambda b: decode_signed(b, _verify_all), (encode_signed(node, _sign),))
 
 
+def _spot_verdict() -> Target:
+    from fusionp2p.net.identity import Identity
+    from fusionp2p.train.receipts import Stamp
+    from fusionp2p.train.verify import Claim, Verdict, decode_verdict, encode_verdict
+
+    a, b = Identity(bytes([1]) * 32), Identity(bytes([2]) * 32)
+    c = Claim(job="j", epoch=1, stage=0, replica=1, peer=a.peer_id, step=3, micro=1, params=bytes(32),
+              transcript=(bytes(32),) * 5, signature=bytes(64))
+    st = Stamp(job="j", epoch=1, kind="act", step=3, micro=1, name="x", dst=1, coded=False, digest=bytes(32),
+               signer=a.peer_id, signature=bytes(64))
+    seeds = (encode_verdict(Verdict(claim=c, checker=b.peer_id, reason="step 3 micro 1: output differs",
+                                    signature=bytes(64))),
+             encode_verdict(Verdict(claim=c, checker=b.peer_id, reason="r", stamp=st, signature=bytes(64))))
+    return Target("train.verify.verdict", decode_verdict, seeds)
+
+
+def _spot_lists() -> Target:
+    from fusionp2p.train.spot_wire import decode_claims, encode_claims
+    from fusionp2p.train.verify import Claim
+
+    c = Claim(job="j", epoch=1, stage=0, replica=1, peer="peerA", step=3, micro=1, params=bytes(32),
+              transcript=(bytes(32),) * 5, signature=bytes(64))
+
+    return Target("train.spot_wire.claims", decode_claims, (encode_claims([c, c]), encode_claims([])))
+
+
+def _spot_stamps() -> Target:
+    from fusionp2p.train.receipts import Stamp
+    from fusionp2p.train.spot_wire import decode_stamps, encode_stamps
+
+    st = Stamp(job="j", epoch=1, kind="grad", step=3, micro=1, name="x", dst=0, coded=True, digest=bytes(32),
+               signer="peerB", signature=bytes(64))
+    return Target("train.spot_wire.stamps", decode_stamps, (encode_stamps([st, st]), encode_stamps([])))
+
+
+def _spot_bundle() -> Target:
+    from fusionp2p.train.spot_wire import decode_bundle, encode_bundle
+    from fusionp2p.train.verify import Transcript
+
+    t = Transcript(step=2, micro=1, inputs={"x": torch.ones(2, 3)}, outputs={"y": torch.zeros(2, 3)},
+                   rng=torch.get_rng_state(), grad_outputs={"y": torch.ones(2, 3)},
+                   grad_inputs={"x": torch.full((2, 3), 0.5)}, loss_scale=0.5)
+    blob = encode_bundle(({"w": torch.arange(6, dtype=torch.float32), "b": torch.zeros(1, dtype=torch.int64)}, t))
+    return Target("train.spot_wire.bundle", lambda b: decode_bundle(b, max_size=1 << 20), (blob,))
+
+
 TARGETS: dict[str, Callable[[], Target]] = {
     f.__name__.lstrip("_"): f for f in (
         _msgpack, _framing, _records, _jobrecords, _dag, _stage, _tensor_message, _tensor, _dataplane_small, _tickets,
         _record_reader, _spec, _events, _votes, _plan_record, _plan_wire, _snapshot_wire, _replan, _resilient, _shards,
         _codec, _averaging, _checkpoint_state, _spec_body, _probe_ctrl, _content, _view, _job_message,
         _dht_rankers, _example_manifest, _example_shards, _events_new, _plan_rationale, _reach, _stream_channel,
-        _tied_gradient, _node_record, _spec_examples, _dag_weightless, _weight_manifest,
+        _tied_gradient, _node_record, _spec_examples, _dag_weightless, _weight_manifest, _spot_verdict, _spot_lists,
+        _spot_stamps, _spot_bundle,
     )
 }
