@@ -19,7 +19,7 @@ checker cannot make a stage ship every state), checks it against the claim's dig
 (``verify.check``), after comparing the claimed transcript with the stamps its neighbours hold of what
 crossed its links (``train/receipts.py``: a stage that sends a lie and claims the honest tensors is caught there). A mismatch is a :class:`~fusionp2p.train.verify.Verdict` handed to ``on_verdict``:
 the job gossips it as a ``StageConvicted`` event and every node's ``Suspects`` leaves the stage replica
-out of the next plan (``jobs/suspects.py``).
+out of the next plan (``jobs/suspects.py``). Between the nodes of a real job: ``jobs/verified.py``.
 
 Limits (docs/security.md): the ledger keeps ``keep`` steps of transcripts and states (memory: that many
 copies of the stage's state and of its boundary tensors); a bundle asked for later is gone, and a check
