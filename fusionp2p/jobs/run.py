@@ -197,6 +197,9 @@ class JobRun(Leading, Linking):
             return "the snapshot does not name this node"
         if unlisted := self.suspects.unlisted(req.snapshot.members):
             return f"the snapshot names {len(unlisted)} node(s) outside the job's allow-list (TrainConfig.allow_members)"
+        if convicted := sorted(set(req.snapshot.members) & set(self.suspects.convicted)):
+            # a convicted member (jobs/verified.py) that still thinks it leads cannot bring itself back
+            return f"the snapshot names {len(convicted)} member(s) a spot-check convicted"
         try:
             self._starts_send.send_nowait(req)
         except trio.WouldBlock:
