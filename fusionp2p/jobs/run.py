@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -94,10 +93,8 @@ from fusionp2p.wire.jobrecords import StageFile
 from fusionp2p.wire.protocols import TOPIC_JOBS
 from fusionp2p.wire.stfile import chunks
 
-if sys.version_info < (3, 11):  # pragma: no cover
-    pass
-
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StartRequest:
@@ -615,7 +612,7 @@ class JobRun(Leading, Linking):
         kw: dict[str, Any] = {"device": self.svc.config.device, "precision": cfg.precision,   # docs/gpu.md
                               "recompute": stage_recompute(self.accepted, plan, snap, s, programs[s])}
         tapped = tapped_executor(self.me, r, programs[s], **kw) if checks is not None else None
-        ex = tapped or StageExecutor(programs[s], **kw)
+        ex = tapped if tapped is not None else StageExecutor(programs[s], **kw)
         programs[s] = ex.program   # holds the executor's tensors: the fetched ones go (jobs/weights.py)
         return StageContext(job=self.job_id, executor=ex, config=cfg, replica=r,
                             replicas=len(plan.stages[s].replicas), links=links, peers=peers,

@@ -104,7 +104,7 @@ class EpochChecks:
         # a bundle is the stage's state and one micro-batch's boundary tensors both ways: bounded by this node's
         # own copy of the same program (twice that, for slack), and by the job's max_state_bytes
         state = sum(t.numel() * t.element_size() for t in self.program.tensors.values())
-        edge = sum(x.meta.nbytes for x in (*self.program.recv, *self.program.send))
+        edge = sum(x.meta.nbytes for x in self.program.recv) + sum(x.meta.nbytes for x in self.program.send)
         self.timeout, self.max_bundle = timeout, min(max_bundle, 2 * (state + 2 * edge) + (1 << 20))
         self.suspects, self.gossip, self.leader = suspects, gossip, leader
         self.book = StampBook(keep=KEEP, memo=TensorDigests(size=8 * micro_batches))

@@ -70,7 +70,7 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, lie: bool,
     return trio.run(main), liars
 
 
-@pytest.mark.slow   # about 40 s on the shared 2-core VM
+@pytest.mark.slow   # 20-60 s on the shared 2-core VM (load 20)
 def test_a_lying_stage_is_convicted_excluded_and_the_job_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="fusionp2p.jobs")
@@ -92,7 +92,7 @@ def test_a_lying_stage_is_convicted_excluded_and_the_job_goes_on(tmp_path: Path,
     assert resumed == rolled[0], (resumed, rolled)
 
 
-@pytest.mark.slow   # about 30 s on the shared 2-core VM
+@pytest.mark.slow   # 15-50 s on the shared 2-core VM (load 20)
 def test_an_honest_job_with_every_micro_batch_checked_has_no_conviction(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     torch.set_num_threads(1)
