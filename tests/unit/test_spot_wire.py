@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import trio
 
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.jobs.verified import checker_of, rollback
@@ -103,3 +104,53 @@ def test_a_conviction_rolls_back_to_the_newest_complete_checkpoint_before_the_li
     assert rollback(ck, 2, alive, before=1, reached=9) is None                  # nothing before the lie: say so
     rb = rollback(ck, 2, lambda p: p != "p10", before=9, reached=9)             # files only the convicted holds
     assert rb is None
+
+
+@pytest.mark.slow   # 26 s at a load of 20 on the 2-core VM, most of it tracing the model (torch.export)
+def test_the_epoch_checks_refuse_strangers_and_malformed_requests() -> None:
+    """EpochChecks.on_request, the JOB operations' handler (jobs/verified.py), without the network: claims only from
+    the replica this node checks, a bundle only to the stage's checker with its seed, malformed fields a
+    RemoteProtocolError (the JOB server answers ok: False and counts the refusal)."""
+    from fusionp2p.graph import coarsen, partition, stages_from_fences, trace
+    from fusionp2p.jobs.content import ContentService, ContentStore
+    from fusionp2p.jobs.suspects import Suspects
+    from fusionp2p.jobs.verified import EpochChecks
+    from fusionp2p.net.memory import memory_network
+    from tests.integration.test_hostile_training import _Net
+
+    torch.manual_seed(0)
+    dag = trace(_Net(), (torch.randn(2, 4), torch.tensor([0, 2])))
+    progs = partition(coarsen(dag), stages_from_fences(len(coarsen(dag).units), [1]))
+
+    async def main() -> None:
+        async with memory_network() as net:
+            hosts = [net.add_host(Identity(bytes([i + 1]) * 32)) for i in range(4)]
+            ids = [h.peer_id for h in hosts]
+            plan = Plan(job="j", epoch=1, snapshot_hash="h", algorithm="test", seed=0, n_units=2, micro_batches=2,
+                        stages=(Stage(start=0, end=1, replicas=(ids[0], ids[1])),
+                                Stage(start=1, end=2, replicas=(ids[2], ids[3]))),
+                        fences=(Fence(index=0, unit=1, dense_bytes=1.0, rho=1.0),))
+
+            async def gossip(ev: object) -> None:
+                return None
+
+            ec = EpochChecks(transport=hosts[0], content=ContentService(hosts[0], ContentStore()), job="j", plan=plan,
+                             stage=0, replica=0, programs=progs, rate=1.0, micro_batches=2, timeout=5.0,
+                             max_bundle=1 << 30, suspects=Suspects(), gossip=gossip, leader=lambda: ids[0])
+            assert ec.checked == ids[1] and ec.checker is not None
+            c = claim(hosts[1], job="j", epoch=1, stage=0, replica=1, params=bytes(32), t=_transcript())
+            ok = {"op": "claims", "job": "j", "epoch": 1, "claims": encode_claims([c])}
+            assert (await ec.on_request(ids[1], ok))["ok"]
+            assert not (await ec.on_request(ids[2], ok))["ok"]                          # not the replica it checks
+            assert not (await ec.on_request(ids[1], {**ok, "epoch": 2}))["ok"]         # another epoch
+            bundle = {"op": "bundle", "job": "j", "epoch": 1, "step": 0, "micro": 0, "seed": bytes(64)}
+            assert "no ledger" in (await ec.on_request(ids[1], bundle))["error"]
+            stamps = await ec.on_request(ids[1], {"op": "stamps", "job": "j", "epoch": 1, "peer": ids[1], "step": 0,
+                                                  "micro": 0})
+            assert stamps["ok"] and decode_stamps(stamps["stamps"]) == []
+            for bad in ({**ok, "claims": "x"}, {**ok, "claims": b"\xc1"}, {**ok, "epoch": "1"},
+                        {**bundle, "seed": 7}, {**bundle, "step": True}, {"op": "stamps", "job": "j", "epoch": 1}):
+                with pytest.raises(RemoteProtocolError):
+                    await ec.on_request(ids[1], bad)
+
+    trio.run(main)
