@@ -44,11 +44,14 @@ import trio.testing
 
 from benchmarks._common import headline, parser, write
 from fusionp2p.net.identity import verify
-from fusionp2p.net.memory import memory_network
+from fusionp2p.net.memory import MemoryTransport, memory_network
+from fusionp2p.net.transport import GossipMessage
 from fusionp2p.swarm import node as swarm_mod
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
+from fusionp2p.swarm.probe import ProbeServer
 from fusionp2p.testing.swarm import TEST_PROFILE
-from fusionp2p.wire.records import Record, decode_signed
+from fusionp2p.wire.protocols import PROBE, TOPIC_MEMBERS
+from fusionp2p.wire.records import NodeRecord, Record, decode_signed, encode_bundle, encode_signed
 
 STEADY = 30.0   # simulated seconds of steady state measured
 
@@ -152,10 +155,81 @@ def run_one(n: int, decoder: Decoder) -> dict[str, Any]:
     return out
 
 
+def one_node(n: int, steady: float = 120.0) -> dict[str, Any]:
+    """The collector of one real node with a view of *n* members, at its own pace (the cross-check of
+    ``run_one``'s threshold): one ``SwarmNode`` at default collector settings; *n* - 1 passive peers (a probe
+    server each, to answer its watcher) announce themselves once, then send the swarm's heartbeats,
+    ``gossip_rate`` a second (signed beforehand), as a swarm of *n* would. Nothing is frozen: the node's view
+    is on the heap its full collections walk, with the passive peers' objects beside it in place of a real
+    process's imports. ``process_ms_per_s`` is then the node's own CPU (and the passive peers' answers to its
+    watcher's pings). Not counted: the pings of the node's own watchers (about 8 every 10 s)."""
+    cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, probing=False)
+    period = n / cfg.gossip_rate
+    out: dict[str, Any] = {"n": n}
+
+    async def main() -> None:
+        async with memory_network(gossip_buffer=4 * n) as net:
+            me = SwarmNode(net.add_host(), cfg, TEST_PROFILE)
+            peers = [net.add_host() for _ in range(n - 1)]
+            for h in peers:
+                h.set_stream_handler(PROBE, ProbeServer())
+
+            def beat(h: MemoryTransport, seq: int) -> bytes:
+                rec = NodeRecord(peer=h.peer_id, role="node", addrs=(f"/memory/{h.peer_id}",), profile=TEST_PROFILE,
+                                 started=0.0, seq=seq, period=period)
+                return encode_bundle([encode_signed(rec, h.sign)])
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(me.run, [])
+                for h in peers:
+                    await h.publish(TOPIC_MEMBERS, beat(h, 1))
+                await me.wait_until(lambda: len(me.members()) == n, 600)
+                beats = [(peers[i % len(peers)], beat(peers[i % len(peers)], 2 + i // len(peers)))
+                         for i in range(int(steady * cfg.gossip_rate))]
+                await trio.sleep(10.0)
+                gc.collect()
+                gc_s[0], counts[:] = 0.0, [0, 0, 0]
+                c0, s0 = time.process_time(), trio.current_time()
+                inbox = me.transport._subs[TOPIC_MEMBERS]   # type: ignore[attr-defined]
+                for h, raw in beats:
+                    # delivered as MemoryTransport.publish does, without its pass over every host of the
+                    # network for subscribers (the simulation's work, linear in N, not the node's)
+                    for ch in inbox:
+                        ch.send_nowait(GossipMessage(TOPIC_MEMBERS, h.peer_id, raw))
+                    await trio.sleep(1 / cfg.gossip_rate)
+                cpu, sim = time.process_time() - c0, trio.current_time() - s0
+                out["members"] = len(me.members())
+                out["gc_ms_per_s"] = gc_s[0] / sim * 1e3
+                out["process_ms_per_s"] = cpu / sim * 1e3
+                out["collections_per_s"] = [c / sim for c in counts]
+                nursery.cancel_scope.cancel()
+
+    gc_s, counts = [0.0, 0.0], [0, 0, 0]
+
+    def timed(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_s[1] = time.process_time()
+        else:
+            gc_s[0] += time.process_time() - gc_s[1]
+            counts[info["generation"]] += 1
+
+    gc.callbacks.append(timed)
+    try:
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        gc.callbacks.remove(timed)
+    return out
+
+
 def main() -> None:
     ap = parser("swarm_scale", __doc__)
     ap.add_argument("--sizes", default=None, help="comma-separated N (default 100,300,1000; --quick: 50,150)")
+    ap.add_argument("--one-node", type=int, default=0, metavar="N",
+                    help="only the cross-check: the collector of one node with a view of N members (one_node)")
     args = ap.parse_args()
+    if args.one_node:
+        print(one_node(args.one_node))
+        return
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([50, 150] if args.quick else [100, 300, 1000])
 
     decoder = Decoder()
