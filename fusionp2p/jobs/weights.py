@@ -125,6 +125,10 @@ def stage_fit(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, pro
 
 PROVIDERS_TIMEOUT = 5.0   # seconds the DHT lookup of a stage's holders may take before its named peers are asked alone
 LOOKUP_GRACE = 0.5        # seconds from a stage's start its fetches wait for that lookup; then the publisher
+# a stage of fewer bytes waits only SMALL_GRACE: the publisher serves it in well under LOOKUP_GRACE, and a job's first
+# epoch (nobody else holds a piece) waited the whole grace for a lookup that took 0.5-4 s to find nobody (issue 40)
+SMALL_STAGE_BYTES = 16 * 2**20
+SMALL_GRACE = 0.05
 FETCHES_AT_ONCE = 1       # pieces in flight at once per node: 4 (16 streams to a 4-node job's publisher) broke
                           # py-libp2p's connection to it under load (streams refused, then reset): a re-plan
 
@@ -206,7 +210,8 @@ async def fetch_tensors(content: ContentService, manifest: WeightManifest, names
     One DHT lookup finds the holders of the manifest (*manifest_hash*, the spec's ``weights_hash``; computed
     from *manifest* when not given), bounded by :data:`PROVIDERS_TIMEOUT`; the pieces are fetched
     :data:`FETCHES_AT_ONCE` at a time from those holders, then *peers* (the publisher). A piece whose turn
-    comes before the lookup answered (and after :data:`LOOKUP_GRACE` from the start) does not wait for it:
+    comes before the lookup answered (and after :data:`LOOKUP_GRACE` from the start, :data:`SMALL_GRACE` for a
+    stage under :data:`SMALL_STAGE_BYTES`) does not wait for it:
     it is asked of *peers* in one round, and only if none delivers does it wait for the holders. In a job's
     first epoch nobody but the publisher holds a piece, and in the 4-node demo every lookup ran into its cap
     with no holder (issue 40).
@@ -220,7 +225,8 @@ async def fetch_tensors(content: ContentService, manifest: WeightManifest, names
             raise RemoteProtocolError(f"the weight manifest has no tensor {name[:80]!r}")
     store = content.store
     fetching = trio.CapacityLimiter(FETCHES_AT_ONCE)
-    grace = trio.current_time() + LOOKUP_GRACE
+    small = sum(n for _, n in manifest.pieces_of(names)) < SMALL_STAGE_BYTES
+    grace = trio.current_time() + (SMALL_GRACE if small else LOOKUP_GRACE)
     key_of = manifest_hash if manifest_hash is not None else manifest.content_hash
     me = content.transport.peer_id
     keep = announce is not None

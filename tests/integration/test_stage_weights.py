@@ -248,7 +248,7 @@ def test_pieces_whose_lookup_does_not_answer_come_from_the_publisher_without_wai
     import trio.testing
 
     from fusionp2p.jobs.content import ContentService, ContentStore
-    from fusionp2p.jobs.weights import LOOKUP_GRACE, PROVIDERS_TIMEOUT, fetch_tensors
+    from fusionp2p.jobs.weights import LOOKUP_GRACE, PROVIDERS_TIMEOUT, SMALL_GRACE, fetch_tensors
     from fusionp2p.net.memory import MemoryTransport, memory_network
     from fusionp2p.wire.pieces import make_manifest
 
@@ -275,7 +275,8 @@ def test_pieces_whose_lookup_does_not_answer_come_from_the_publisher_without_wai
     # pieces in worker threads, and with a threshold of 0 the clock jumped to the test's own deadline while
     # one of them ran (took read 30.0 in CI).
     took = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=1.0))
-    assert took < PROVIDERS_TIMEOUT and took <= LOOKUP_GRACE + 0.1, took
+    # a stage this small (under SMALL_STAGE_BYTES) waits SMALL_GRACE for the lookup, not LOOKUP_GRACE
+    assert took < PROVIDERS_TIMEOUT and took <= SMALL_GRACE + 0.1 < LOOKUP_GRACE, took
 
 
 def test_a_stage_costs_one_lookup_and_one_announcement_and_holders_of_another_stage_are_asked_last(
