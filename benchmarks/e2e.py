@@ -5,8 +5,15 @@ real loopback swarm: a bootstrap and 4 ``fusionp2p node`` processes, the job pub
 ``Swarm.connect`` over libp2p, tensors over the encrypted data plane. For reference the same job also
 runs on the embedded ``Swarm.local`` (one process, in-memory channels). The baseline trains the same
 module, same data order and optimizer, in one process. Headline: throughput ratio (processes / single),
-tokens counted over the training phase (RUNNING to DONE, so swarm start-up and the offer are excluded
+tokens counted from the publisher's RUNNING to the last step (swarm start-up and the offer are excluded
 and reported separately).
+
+What that wall holds changed without its code changing: on 2026-11-21 (1.48x and 1.40x, full runs of 100
+steps) a node fetched the whole model's weights while it verified the offer, before RUNNING; since issue 37
+each member fetches its own stage's weight pieces once the plan names its stage, after RUNNING, so the
+wall now also holds that fetch (with opening the links and the first step: ``running_to_first_step_s``),
+and ``--quick`` spreads it over 20 steps instead of 100. ``ratio_steady`` (first to last step on the
+nodes' clock) is the training alone.
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ class Followed:
     tokens_per_s: list[float] = field(default_factory=list)
     started: float = 0.0      # perf_counter at the RUNNING state
     ended: float = 0.0        # perf_counter at the terminal state
+    first_step: float = 0.0   # perf_counter when the first step's progress came
+    last_step: float = 0.0    # perf_counter when the last step's progress came
 
     def summary(self, job: Job) -> Table:
         table = Table(title=f"job {job.id}: {job.state.value}")
@@ -54,9 +56,10 @@ class Followed:
         return table
 
 
-def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
-    """Show a job's progress live until it ends (TimeoutError after *timeout* s without an event)."""
-    seen = Followed()
+def follow(job: Job, console: Console, *, timeout: float = 900.0, seen: Followed | None = None) -> Followed:
+    """Show a job's progress live until it ends (TimeoutError after *timeout* s without an event); what it saw
+    goes into *seen* (a new :class:`Followed` by default)."""
+    seen = seen if seen is not None else Followed()
     steps = job.spec.config.steps
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
@@ -102,16 +105,18 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0) -> Followed:
             elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
                 seen.losses.append(ev.loss)
                 seen.tokens_per_s.append(ev.tokens_per_s)
+                seen.last_step = time.perf_counter()
+                seen.first_step = seen.first_step or seen.last_step
                 bar.update(task, completed=ev.step + 1, info=f"loss {ev.loss:.3f}  {ev.tokens_per_s:,.0f} tok/s")
     return seen
 
 
 def follow_and_download(job: Job, console: Console, out: Path, *, on_interrupt: Callable[[], int],
-                        metrics: bool = False) -> int:
+                        metrics: bool = False, seen: Followed | None = None) -> int:
     """Show *job* live to its end, download the model to *out* and print the summary: 0 when DONE, 1 when
-    it failed, ``on_interrupt()`` after Ctrl-C."""
+    it failed, ``on_interrupt()`` after Ctrl-C. What the display saw goes into *seen* when given."""
     try:
-        seen = follow(job, console)
+        seen = follow(job, console, seen=seen)
     except KeyboardInterrupt:
         return on_interrupt()
     try:

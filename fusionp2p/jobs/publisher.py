@@ -236,9 +236,6 @@ class JobDriver:
                 self.content.store.put_range(h, blob)
             else:
                 self.content.store.put_view(h, blob) if isinstance(blob, memoryview) else self.content.store.put(blob)
-        with trio.move_on_after(cfg.start_timeout):
-            await self.transport.dht_put(spec_key(self.job), built.envelope)
-            await add_to_index(self.transport, self.job, built.spec.name, built.spec.created)
         accepted: dict[str, DeviceProfile] = {}
         refused: dict[str, str] = {}
 
@@ -302,6 +299,13 @@ class JobDriver:
         if failures:
             log.warning("job %s: some members did not start: %s", self.job, "; ".join(failures))
         self._state(JobState.RUNNING)
+        # the spec and index records are for following the job from elsewhere (no member reads them: the offer
+        # carries the spec), so they are stored once the members run, not before the offers: each is a DHT walk
+        # and the index a read before its write, seconds on the demo's critical path (issue 40). Progress that
+        # comes meanwhile waits in the inbox.
+        with trio.move_on_after(cfg.start_timeout):
+            await self.transport.dht_put(spec_key(self.job), built.envelope)
+            await add_to_index(self.transport, self.job, built.spec.name, built.spec.created)
         await self._follow()
 
     async def _attach(self) -> None:

@@ -12,14 +12,16 @@ tensors; ``jobs/build.py``). Once an epoch's plan names its stage, :func:`prepar
    copies and shared buffers included, as the partition lists them), each piece fetched at its exact
    size and checked against its hash. No tensor of another stage is fetched or built.
 
-Each piece is asked first of the nodes that announced it on the DHT (they fetched it before: a node
-of a later epoch or a later joiner spreads its fetches over them), then of the publisher; a piece whose
-turn to be fetched comes before its DHT lookup answered is asked of the publisher at once (in a job's
-first epoch nobody else holds it yet, and every lookup of the 4-node demo ran into its 5 s cap). A peer that
-serves a piece of the wrong size or bytes is counted against it (``Refusals``) and the piece is asked
-of the next holder. A node whose content store is on disk keeps each piece it fetched there and
-announces it (``fetch_piece``); one whose store is in memory does not keep them, as that copy would
-double its stage's weights.
+A node that keeps its pieces (a content store on disk) announces once, when its stage's pieces are all
+in, that it holds pieces of the job's manifest (``wire/pieces.py: holders_key``): one DHT provider record
+a node and job. A fetcher looks that key up once for its stage and asks each piece of the holders (those
+of its own stage first: a holder that answered "not found" for a piece is asked after the others), then
+of the publisher; a piece whose turn comes before the lookup answered is asked of the publisher at once
+(in a job's first epoch nobody else holds it yet). Before, every piece had its own lookup and its own
+announcement, each a DHT walk of about ten streams: in the 4-node demo (26 pieces a stage) those were
+85% of the weight phase's CPU (issue 40). A peer that serves a piece of the wrong size or bytes is
+counted against it (``Refusals``) and the piece is asked of the next holder; every piece is checked
+against its hash.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import dataclasses
 import hashlib
 import logging
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,7 +47,7 @@ from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.train.state import StageState
 from fusionp2p.types import DeviceProfile, short_peer
-from fusionp2p.wire.pieces import WeightManifest, join_pieces
+from fusionp2p.wire.pieces import WeightManifest, holders_key, join_pieces
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -120,54 +123,53 @@ def stage_fit(accepted: AcceptedJob, plan: Plan, snap: Snapshot, stage: int, pro
             "(--memory)")
 
 
-PROVIDERS_TIMEOUT = 5.0   # seconds the DHT lookups of a stage's pieces may take before its named peers are asked alone
-LOOKUP_GRACE = 0.5        # seconds from a stage's start its fetches wait for their lookups; then the publisher
-LOOKUPS_AT_ONCE = 16      # DHT lookups in flight at once (a stage of a large model has hundreds of pieces)
+PROVIDERS_TIMEOUT = 5.0   # seconds the DHT lookup of a stage's holders may take before its named peers are asked alone
+LOOKUP_GRACE = 0.5        # seconds from a stage's start its fetches wait for that lookup; then the publisher
+# a stage of fewer bytes waits only SMALL_GRACE: the publisher serves it in well under LOOKUP_GRACE, and a job's first
+# epoch (nobody else holds a piece) waited the whole grace for a lookup that took 0.5-4 s to find nobody (issue 40)
+SMALL_STAGE_BYTES = 16 * 2**20
+SMALL_GRACE = 0.05
 FETCHES_AT_ONCE = 1       # pieces in flight at once per node: 4 (16 streams to a 4-node job's publisher) broke
                           # py-libp2p's connection to it under load (streams refused, then reset): a re-plan
 
 
-async def find_holders(content: ContentService, hashes: Sequence[str]) -> dict[str, list[str]]:
-    """The DHT's providers of each of *hashes* (the nodes that fetched it before), looked up at once and
-    within :data:`PROVIDERS_TIMEOUT` in all: what a lookup did not return by then is left empty."""
-    found: dict[str, list[str]] = {}
-    limit = trio.CapacityLimiter(LOOKUPS_AT_ONCE)
-
-    async def one(h: str) -> None:
-        async with limit:
-            found[h] = await content.transport.find_providers(h)
-
+async def find_holders(content: ContentService, manifest_hash: str) -> list[str]:
+    """The nodes that announced pieces of the weight manifest *manifest_hash* (its :func:`holders_key`), from
+    one DHT lookup bounded by :data:`PROVIDERS_TIMEOUT`: [] when it has not answered by then."""
     with trio.move_on_after(PROVIDERS_TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            for h in dict.fromkeys(hashes):
-                nursery.start_soon(one, h)
-    return found
+        return await content.transport.find_providers(holders_key(manifest_hash))
+    return []
 
 
 async def fetch_piece(content: ContentService, h: str, size: int, peers: Sequence[str], *,
-                      announce: Callable[[str], None] | None = None, holders: Sequence[str] | None = None,
+                      holders: Sequence[str] = (), misses: Counter[str] | None = None, keep: bool = False,
                       rounds: int = FETCH_ROUNDS) -> bytes:
     """Content *h* of exactly *size* bytes (a weight piece, a data shard: any bounded blob by its hash): from
-    the store, else from its *holders* (default: the DHT's providers of it, the nodes that fetched it
-    before) and then *peers* (its publisher), in turn, in up to *rounds* rounds (a stream that
-    fails under load is tried again after a backoff). A peer that serves bytes of the wrong hash is
-    counted against it and not asked again; PeerUnavailable when none delivers.
+    the store, else from its *holders* (nodes that announced pieces of its manifest) and then *peers* (its
+    publisher), in turn, in up to *rounds* rounds (a stream that fails under load is tried again after a
+    backoff). Every blob is checked against its hash as it comes (``ContentService.fetch_from``). A peer that
+    serves bytes of the wrong hash is counted against it and not asked again; PeerUnavailable when none
+    delivers.
 
-    With *announce*, a node whose store is on disk keeps the piece there (no memory copy: the tensors built
-    from it are the stage's) and calls ``announce(h)`` so that the caller provides it on the DHT: later
-    fetchers then find this node as well as the publisher. A store in memory does not keep it (its copy
-    would double the stage's weights in memory for as long as the node runs)."""
+    A holder announced the manifest, not this piece: one of another stage answers "not found". *misses*
+    (shared by the pieces of one stage) counts those answers per holder, and holders that missed are asked
+    after those that did not, so a stage's pieces go to the holders of the same stage first.
+
+    With *keep*, a node whose store is on disk keeps the piece there (no memory copy: the tensors built from
+    it are the stage's), so that it can serve it to later fetchers. A store in memory does not keep it (its
+    copy would double the stage's weights in memory for as long as the node runs)."""
     store = content.store
     if store.has(h) and store.size(h) == size:
         return store.get(h)
-    if holders is None:
-        holders = (await find_holders(content, [h])).get(h, [])
     me = content.transport.peer_id
-    # the holders first, each fetcher starting at its own place among them (spreads the load), the publisher last
+    # the holders first, each fetcher starting at its own place among them (spreads the load), those that missed
+    # an earlier piece after the others (a stable sort keeps the rotation among equals), the publisher last
     ring = sorted(p for p in holders if p != me and p not in peers)
     if ring:
         k = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "big") % len(ring)
         ring = ring[k:] + ring[:k]
+    missed = misses if misses is not None else Counter[str]()
+    ring.sort(key=lambda p: missed[p])
     errors: list[str] = []
     bad: set[str] = set()
     delay = FETCH_BACKOFF
@@ -184,73 +186,75 @@ async def fetch_piece(content: ContentService, h: str, size: int, peers: Sequenc
                 content.refusals.refuse(peer, "weights/piece", now=trio.current_time(), detail=str(exc)[:200])
                 errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
                 bad.add(peer)
+                missed[peer] += 1
                 continue
             except (PeerUnavailable, trio.TooSlowError) as exc:
                 log.info("piece %s… from %s: %s", h[:16], short_peer(peer), exc)
                 errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
+                missed[peer] += 1
                 continue
             if len(blob) != size:   # the right hash of the wrong size: the manifest is the publisher's mistake
                 raise RemoteProtocolError(f"piece {h[:16]}… has {len(blob)} bytes, the manifest says {size}")
-            if announce is not None and store.on_disk:
+            if keep and store.on_disk:
                 await content.put_chunks([blob], size)
-                announce(h)
             return blob
-    raise PeerUnavailable(f"holders of piece {h[:16]}…", "; ".join(errors[-6:]) or "no provider found")
+    raise PeerUnavailable(f"holders of piece {h[:16]}…", "; ".join(errors[-6:]) or "no holder delivered it")
 
 
 async def fetch_tensors(content: ContentService, manifest: WeightManifest, names: Sequence[str], *,
                         peers: Sequence[str], fetches: WeightFetches | None = None,
-                        announce: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+                        announce: Callable[[str], None] | None = None,
+                        manifest_hash: str | None = None) -> dict[str, torch.Tensor]:
     """The published tensors *names*, each rebuilt from its pieces (and nothing else; see :func:`fetch_piece`).
 
-    The pieces are fetched :data:`FETCHES_AT_ONCE` at a time, each from the holders its own DHT lookup
-    found (the lookups, :data:`LOOKUPS_AT_ONCE` at a time, all end within :data:`PROVIDERS_TIMEOUT`). A
-    piece whose turn comes before its lookup answered (and after :data:`LOOKUP_GRACE` from the start) does
-    not hold the turn for it: it is asked of *peers*
-    (the publisher) in one round, and only if none delivers does it wait for the holders. In a job's first
-    epoch nobody but the publisher holds a piece, and in the 4-node demo every lookup ran into its 5 s cap
-    with no holder: the fetches waited 5 s for nothing (issue 40). With many pieces (a large model) the
-    later ones' lookups have answered by their turn, so holders still take the load off the publisher."""
+    One DHT lookup finds the holders of the manifest (*manifest_hash*, the spec's ``weights_hash``; computed
+    from *manifest* when not given), bounded by :data:`PROVIDERS_TIMEOUT`; the pieces are fetched
+    :data:`FETCHES_AT_ONCE` at a time from those holders, then *peers* (the publisher). A piece whose turn
+    comes before the lookup answered (and after :data:`LOOKUP_GRACE` from the start, :data:`SMALL_GRACE` for a
+    stage under :data:`SMALL_STAGE_BYTES`) does not wait for it:
+    it is asked of *peers* in one round, and only if none delivers does it wait for the holders. In a job's
+    first epoch nobody but the publisher holds a piece, and in the 4-node demo every lookup ran into its cap
+    with no holder (issue 40).
+
+    With *announce*, a node whose store is on disk keeps the pieces there and, once the stage's pieces are
+    all in, calls ``announce(holders_key(manifest_hash))`` once, for the caller to provide that key on the
+    DHT: later fetchers then find this node as well as the publisher."""
     by_name = manifest.by_name()
     for name in names:
         if name not in by_name:
             raise RemoteProtocolError(f"the weight manifest has no tensor {name[:80]!r}")
     store = content.store
-    lookups, fetching = trio.CapacityLimiter(LOOKUPS_AT_ONCE), trio.CapacityLimiter(FETCHES_AT_ONCE)
-    lookup_deadline = trio.current_time() + PROVIDERS_TIMEOUT
-    lookup_grace = trio.current_time() + LOOKUP_GRACE
+    fetching = trio.CapacityLimiter(FETCHES_AT_ONCE)
+    small = sum(n for _, n in manifest.pieces_of(names)) < SMALL_STAGE_BYTES
+    grace = trio.current_time() + (SMALL_GRACE if small else LOOKUP_GRACE)
+    key_of = manifest_hash if manifest_hash is not None else manifest.content_hash
+    me = content.transport.peer_id
+    keep = announce is not None
+    holders: list[str] = []
+    looked_up = trio.Event()
+    misses: Counter[str] = Counter()
     out: dict[str, torch.Tensor] = {}
 
+    async def lookup() -> None:
+        nonlocal holders
+        try:
+            holders = await find_holders(content, key_of)
+        finally:
+            looked_up.set()
+
     async def piece(h: str, size: int, blobs: list[bytes], i: int) -> None:
-        holders: list[str] = []
-        looked_up = trio.Event()
-
-        async def lookup() -> None:
-            nonlocal holders
-            try:
-                async with lookups:
-                    with trio.move_on_at(lookup_deadline):   # past it, the named peers are asked alone
-                        holders = await content.transport.find_providers(h)
-            finally:
-                looked_up.set()
-
-        async with trio.open_nursery() as nursery:
-            if store.has(h) and store.size(h) == size:
-                looked_up.set()
-            else:
-                nursery.start_soon(lookup)
-            async with fetching:
-                with trio.move_on_at(lookup_grace):   # a lookup that answers soon is waited for
+        async with fetching:
+            if not (store.has(h) and store.size(h) == size):
+                with trio.move_on_at(grace):   # a lookup that answers soon is waited for
                     await looked_up.wait()
-                if not looked_up.is_set() and any(p != content.transport.peer_id for p in peers):
-                    # the lookup has not answered: the publisher now, rather than the fetch slot idle; if it
-                    # does not deliver, the holders the lookup finds
+                if not looked_up.is_set() and any(p != me for p in peers):
+                    # the lookup has not answered: the publisher now, rather than the fetch slot idle; if it does
+                    # not deliver, the holders the lookup finds
                     with contextlib.suppress(PeerUnavailable):
-                        blobs[i] = await fetch_piece(content, h, size, peers, announce=announce, holders=(), rounds=1)
-                        nursery.cancel_scope.cancel()
+                        blobs[i] = await fetch_piece(content, h, size, peers, keep=keep, rounds=1)
                         return
                 await looked_up.wait()
-                blobs[i] = await fetch_piece(content, h, size, peers, announce=announce, holders=holders)
+            blobs[i] = await fetch_piece(content, h, size, peers, holders=holders, misses=misses, keep=keep)
 
     async def tensor(name: str) -> None:
         entry = by_name[name]
@@ -266,15 +270,23 @@ async def fetch_tensors(content: ContentService, manifest: WeightManifest, names
             fetches.bytes += entry.nbytes
 
     try:
-        async with trio.open_nursery() as nursery:
-            for name in dict.fromkeys(names):
-                nursery.start_soon(tensor, name)
+        async with trio.open_nursery() as outer:
+            if any(not store.has(h) for h, _ in manifest.pieces_of(names)):
+                outer.start_soon(lookup)
+            else:
+                looked_up.set()
+            async with trio.open_nursery() as nursery:
+                for name in dict.fromkeys(names):
+                    nursery.start_soon(tensor, name)
+            outer.cancel_scope.cancel()   # every piece is in: the lookup (if it still runs) is not needed
     except BaseExceptionGroup as group:   # the first piece that failed, as one piece fetched alone raises it
         leaves = [e for e in leaf_errors(group) if not isinstance(e, trio.Cancelled)]
         ours = [e for e in leaves if isinstance(e, FusionError)]
         if ours or leaves:
             raise (ours or leaves)[0] from group
         raise
+    if announce is not None and store.on_disk and all(store.has(h) for h, _ in manifest.pieces_of(names)):
+        announce(holders_key(key_of))   # one provider record for the whole stage, not one a piece
     return {name: out[name] for name in names}
 
 
@@ -293,7 +305,8 @@ async def prepare_stage(content: ContentService, accepted: AcceptedJob, prog: St
             raise JobError(f"job {accepted.spec.job_id}: no weight manifest to fetch stage {prog.stage}'s tensors by")
         got = fetches if fetches is not None else WeightFetches()
         before = (got.pieces, got.bytes)
-        tensors = await fetch_tensors(content, accepted.weights, names, peers=peers, fetches=got, announce=announce)
+        tensors = await fetch_tensors(content, accepted.weights, names, peers=peers, fetches=got, announce=announce,
+                                      manifest_hash=accepted.spec.weights_hash)
         log.info("job %s: stage %d's %d tensors from %d published pieces, %.1f MB", accepted.spec.job_id, prog.stage,
                  len(names), got.pieces - before[0], (got.bytes - before[1]) / 1e6)
     return dataclasses.replace(prog, tensors=tensors)

@@ -141,6 +141,14 @@ class WeightManifest:
         return man
 
 
+def holders_key(manifest_hash: str) -> str:
+    """The DHT provider key under which a node announces that it holds pieces of the manifest *manifest_hash*
+    (hex sha256): one announcement a node and job, not one a piece (each costs a DHT walk of about ten
+    streams; the 4-node demo's 26 pieces a stage made that most of its weight phase's CPU, issue 40). A
+    fetcher looks it up once for its whole stage and asks the holders piece by piece, checking each hash."""
+    return hashlib.sha256(b"fusionp2p/weight-holders/1/" + manifest_hash.encode()).hexdigest()
+
+
 def check_against(manifest: WeightManifest, declared: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
     """The manifest names exactly the *declared* tensors (DAG name -> dtype, shape), with their dtypes
     and shapes; RemoteProtocolError naming the first difference (nothing is fetched before this)."""
@@ -204,4 +212,4 @@ def join_pieces(manifest: WeightManifest, entry: TensorPieces, pieces: Sequence[
 
 
 __all__ = ["DEFAULT_PIECE_BYTES", "MAX_MANIFEST_BYTES", "MAX_PIECE_BYTES", "TensorPieces", "WeightManifest",
-           "check_against", "join_pieces", "make_manifest", "split_tensor"]
+           "check_against", "holders_key", "join_pieces", "make_manifest", "split_tensor"]

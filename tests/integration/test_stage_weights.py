@@ -140,7 +140,7 @@ def test_a_piece_with_wrong_bytes_is_counted_against_its_server_and_fetched_else
     from fusionp2p.jobs.content import ContentService, ContentStore
     from fusionp2p.jobs.weights import WeightFetches, fetch_tensors
     from fusionp2p.net.memory import memory_network
-    from fusionp2p.wire.pieces import make_manifest
+    from fusionp2p.wire.pieces import holders_key, make_manifest
 
     async def main() -> None:
         with trio.fail_after(30):
@@ -152,13 +152,13 @@ def test_a_piece_with_wrong_bytes_is_counted_against_its_server_and_fetched_else
                 man, pieces = make_manifest(ts, 1024)
                 for blob in pieces.values():
                     await good.publish(blob)
-                # the liar announces every piece of "w" and answers with another piece's bytes under the asked
-                # hash; holders are asked before the publisher (good), so the liar is asked first
+                # the liar announces that it holds the manifest's pieces and answers with another piece's bytes
+                # under the asked hash; holders are asked before the publisher (good), so the liar is asked first
                 other = bytes(next(iter(pieces.values())))
                 for h in man.by_name()["w"].pieces:
                     liar.store._mem[h] = other   # what a hostile store would serve (held in memory:
                     liar.store._held[h] = len(other)   # a store without a root, jobs/store.py)
-                    await liar.transport.provide(h)
+                await liar.transport.provide(holders_key(man.content_hash))
                 got = WeightFetches()
                 out = await fetch_tensors(client, man, ["w"], peers=[good.transport.peer_id], fetches=got)
                 assert torch.equal(out["w"], ts["w"]) and set(out) == {"w"}
@@ -176,7 +176,7 @@ def test_a_node_that_fetched_pieces_serves_them_to_the_next_instead_of_the_publi
     from fusionp2p.jobs.content import ContentService, ContentStore
     from fusionp2p.jobs.weights import WeightFetches, fetch_tensors
     from fusionp2p.net.memory import memory_network
-    from fusionp2p.wire.pieces import make_manifest
+    from fusionp2p.wire.pieces import holders_key, make_manifest
 
     async def main() -> None:
         with trio.fail_after(30):
@@ -198,14 +198,15 @@ def test_a_node_that_fetched_pieces_serves_them_to_the_next_instead_of_the_publi
                 out = await fetch_tensors(first, man, ["w"], peers=[publisher.transport.peer_id], fetches=got,
                                           announce=announce)
                 assert torch.equal(out["w"], ts["w"])
-                assert sorted(announced) == sorted(man.by_name()["w"].pieces)   # kept on disk, to be announced
+                # one announcement for the stage (issue 40: not one a piece), its pieces kept on disk
+                assert announced == [holders_key(man.content_hash)]
+                assert all(first.store.has(h) for h in man.by_name()["w"].pieces)
                 assert first.store.stats()["memory_bytes"] == 0       # no memory copy of a piece
-                for h in announced:
-                    await first.transport.provide(h)
+                await first.transport.provide(announced[0])
                 served = publisher.served
                 out = await fetch_tensors(second, man, ["w"], peers=[publisher.transport.peer_id])
                 assert torch.equal(out["w"], ts["w"])
-                assert publisher.served == served and first.served == len(announced)   # from the holder alone
+                assert publisher.served == served and first.served == len(man.by_name()["w"].pieces)   # the holder alone
 
     trio.run(main)
 
@@ -247,7 +248,7 @@ def test_pieces_whose_lookup_does_not_answer_come_from_the_publisher_without_wai
     import trio.testing
 
     from fusionp2p.jobs.content import ContentService, ContentStore
-    from fusionp2p.jobs.weights import LOOKUP_GRACE, PROVIDERS_TIMEOUT, fetch_tensors
+    from fusionp2p.jobs.weights import LOOKUP_GRACE, PROVIDERS_TIMEOUT, SMALL_GRACE, fetch_tensors
     from fusionp2p.net.memory import MemoryTransport, memory_network
     from fusionp2p.wire.pieces import make_manifest
 
@@ -274,4 +275,65 @@ def test_pieces_whose_lookup_does_not_answer_come_from_the_publisher_without_wai
     # pieces in worker threads, and with a threshold of 0 the clock jumped to the test's own deadline while
     # one of them ran (took read 30.0 in CI).
     took = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=1.0))
-    assert took < PROVIDERS_TIMEOUT and took <= LOOKUP_GRACE + 0.1, took
+    # a stage this small (under SMALL_STAGE_BYTES) waits SMALL_GRACE for the lookup, not LOOKUP_GRACE
+    assert took < PROVIDERS_TIMEOUT and took <= SMALL_GRACE + 0.1 < LOOKUP_GRACE, took
+
+
+def test_a_stage_costs_one_lookup_and_one_announcement_and_holders_of_another_stage_are_asked_last(
+        tmp_path: Path) -> None:
+    """Issue 40: one DHT lookup and one provider record a stage, not one a piece. A holder of another stage
+    answers "not found" for this stage's pieces: after its first miss it is asked after the holder of the same
+    stage, so it costs one request, not one a piece."""
+    import trio
+
+    from fusionp2p.jobs.content import ContentService, ContentStore
+    from fusionp2p.jobs.weights import fetch_tensors
+    from fusionp2p.net.memory import MemoryTransport, memory_network
+    from fusionp2p.wire.pieces import make_manifest
+
+    lookups: list[str] = []
+    real_find = MemoryTransport.find_providers
+
+    async def find(self: MemoryTransport, key: str) -> list[str]:
+        lookups.append(key)
+        return await real_find(self, key)
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with memory_network() as net:
+                publisher = ContentService(net.add_host(), ContentStore())
+                other, same, node = (ContentService(net.add_host(), ContentStore(tmp_path / n)) for n in "osn")
+                for c in (publisher, other, same, node):
+                    c.install()
+                ts = {"w": torch.randn(40, 30), "b": torch.randn(30)}
+                man, pieces = make_manifest(ts, 1024)
+                for blob in pieces.values():
+                    publisher.store.put(blob)   # the publisher keeps its pieces without announcing them
+                pub = [publisher.transport.peer_id]
+                for c, names in ((other, ["b"]), (same, ["w"])):
+                    keys: list[str] = []
+                    await fetch_tensors(c, man, names, peers=pub, announce=keys.append)
+                    assert keys == [holders_key(man.content_hash)]   # one announcement for the whole stage
+                    await c.transport.provide(keys[0])
+                asked: list[str] = []
+                real_fetch = node.fetch_from
+
+                async def fetch_from(peer: str, h: str, *, max_size: int) -> bytes:
+                    asked.append(peer)
+                    return await real_fetch(peer, h, max_size=max_size)
+
+                node.fetch_from = fetch_from  # type: ignore[method-assign]
+                lookups.clear()
+                served = publisher.served
+                out = await fetch_tensors(node, man, ["w"], peers=pub, announce=lambda key: None)
+                assert torch.equal(out["w"], ts["w"])
+                assert lookups == [holders_key(man.content_hash)]           # one lookup for all its pieces
+                n = len(man.by_name()["w"].pieces)
+                assert asked.count(same.transport.peer_id) == n and publisher.served == served
+                assert asked.count(other.transport.peer_id) <= 1             # one "not found" at most
+
+    from fusionp2p.wire.pieces import holders_key
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MemoryTransport, "find_providers", find)
+        trio.run(main)
