@@ -28,6 +28,18 @@ the fresh node started after it accepted the job (``kill_waited_s`` per kill). T
 held (``same_layout``: every plan of both runs had the same stages x replicas; ``equal_samples``: the
 same replicas per stage, with each run's samples).
 
+**A stable recipe.** The demo's job (lr 2e-3 from step 0, no warm-up) spikes early, and how much depends on
+the micro-batches each replica runs a step, which the plan deals by the nodes' measured speeds: every 1 x 2 run
+dealt evenly spiked at step 8 (loss 5.03 after 3.67, the same in five runs) and stayed on a worse course (Adam's
+second moments keep the spike's gradients for hundreds of steps), while runs dealt 3.625/4.375 did not. So the
+full-rate comparison of issue 41 (held-out loss ratio 0.864) compared a calm run dealt evenly with a churn run
+dealt by speed from step 0, 180 steps before its first kill; their curves part at step 1 and the spike at step 8.
+Both runs' job warms the lr up over ``--warmup`` steps (default ``WARMUP``; no spike in the same embedded runs),
+and the result lists each run's deals and its loss spikes (``loss_spikes``: a run with one compares courses,
+not churn). The deal still moves the loss a little with the warm-up (embedded, the first 100 steps: mean
+training loss over steps 80-99 2.518 dealt evenly, 2.475 dealt 3.5/4.5), and the planner deals by speeds
+measured anew in each run, so ``deals`` says whether a ratio near the 2% target compares equal deals.
+
 **Failing fast.** A run in which no step completes for ``--stall`` seconds (every member killed faster
 than fresh nodes came up, under a loaded machine) stops with the reason (the last step, the plan, the
 live nodes) instead of waiting out the job's 900 s.
@@ -72,6 +84,9 @@ PHASES = (("noticed", re.compile(r"pipeline broken")),
           ("adopted", re.compile(r"epoch \d+: plan \w+ adopted")),
           ("state", re.compile(r"epoch \d+: state of stage")),
           ("links", re.compile(r"epoch \d+: \d+ links up")))
+# lr warm-up steps of both runs' job (module docstring, "A stable recipe"); and what counts as a loss spike
+WARMUP = 20
+SPIKE = 1.15
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
@@ -185,15 +200,34 @@ def held_out_loss(path: Path, steps: int, batches: int = 16) -> float:
                               for b in range(batches)]))
 
 
-def job_config(steps: int, stages: int) -> TrainConfig:
-    """The demo's job (2 replicas) with its layout pinned: *stages* stages (module docstring)."""
-    return dataclasses.replace(demo_config(steps, 4), stages=stages)
+def job_config(steps: int, stages: int, eval_every: int = 0, warmup: int = WARMUP) -> TrainConfig:
+    """The demo's job (2 replicas) with its layout pinned: *stages* stages, and *warmup* steps of linear lr
+    warm-up (module docstring); *eval_every*: a held-out loss every that many steps (a diagnostic: each
+    costs a forward pass)."""
+    cfg = demo_config(steps, 4)
+    sched = cfg.lr_sched
+    assert sched is not None
+    return dataclasses.replace(cfg, stages=stages, eval_every=eval_every,
+                               lr_schedule=dataclasses.replace(sched, warmup_steps=warmup))
+
+
+def spikes(losses: dict[int, float], *, window: int = 5, ratio: float = SPIKE) -> list[tuple[int, float, float]]:
+    """The steps whose training loss is over *ratio* x the lowest of the *window* steps before it: (step,
+    loss, that ratio). A spike early in a run sets its course (module docstring): the runs compare only
+    without one."""
+    out = []
+    for s in sorted(losses):
+        before = [losses[t] for t in range(s - window, s) if t in losses]
+        if len(before) == window and losses[s] > ratio * min(before):
+            out.append((s, round(losses[s], 3), round(losses[s] / min(before), 2)))
+    return out
 
 
 def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn: bool,
-        kills: int = 0, stall: float = 120.0, stages: int = 1) -> dict[str, Any]:
+        kills: int = 0, stall: float = 120.0, stages: int = 1, eval_every: int = 0,
+        warmup: int = WARMUP) -> dict[str, Any]:
     rng = random.Random(seed)
-    cfg = job_config(steps, stages)
+    cfg = job_config(steps, stages, eval_every, warmup)
     events: list[dict[str, Any]] = []
     with LocalCluster(5, home, dead_timeout=3.0, probe_interval=60.0) as cluster, CpuMeter(cluster) as cpu, \
             Swarm.connect([cluster.bootstrap], home=home / "client", listen="/ip4/127.0.0.1/tcp/0") as sw:
@@ -208,6 +242,7 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
         next_kill = np.inf
         pending: list[dict[str, Any]] = []
         layouts: list[tuple[int, list[int], int]] = []
+        deals: list[tuple[int, list[float]]] = []
         stop = threading.Event()
         fresh = [5]
         started: list[str] = []      # fresh nodes started so far
@@ -247,6 +282,7 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
             elif isinstance(ev, PlanChanged):
                 plan, plan_epoch = list(ev.members), ev.epoch
                 layouts.append((ev.epoch, list(ev.stage_sizes), last_step + 1))   # replicas per stage, from about which step
+                deals.append((ev.epoch, list(ev.micro)))   # micro-batches per replica a step ([]: even)
                 epoch = max(epoch, ev.epoch)
             elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
                 for p in [p for p in pending if ev.epoch > p["epoch"]]:
@@ -288,7 +324,25 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
     return {"steps": steps, "train_s": t_end - t_run, "steps_per_s": steps / (t_end - t_run), "events": events,
             "epochs": epochs, "held_out_loss": held_out_loss(path, steps), "final_eval_loss": job.final_loss,
             "layouts": layouts, "cpu_s": round(cpu_s, 1), "cpu_s_per_step": cpu_s / steps,
+            # the loss curve: each step's training loss (the mean over the replicas) and the held-out losses
+            "losses": {s: round(v, 4) for s, v in sorted(job.losses.items())},
+            "eval_losses": {s: round(v, 4) for s, v in sorted(job.eval_losses.items())},
+            "loss_spikes": spikes(job.losses), "deals": deals, "warmup": cfg.lr_sched.warmup_steps if cfg.lr_sched else 0,
             "samples": samples(layouts, steps, cfg.micro_batches * cfg.micro_batch)}
+
+
+def calm_only(args: Any, base: dict[str, Any], steps: int) -> None:
+    """``--no-churn``: the undisturbed run's held-out loss and loss curve (mean training loss per 50 steps)."""
+    curve = base["losses"]
+    bins = {lo: round(statistics.fmean(v), 4) for lo in range(0, steps, 50)
+            if (v := [x for s, x in curve.items() if lo <= s < lo + 50])}
+    print(f"calm: {steps} steps in {base['train_s']:.1f} s, held-out loss {base['held_out_loss']:.4f}; mean training "
+          f"loss per 50 steps {bins}; held-out losses {base['eval_losses']}; micro-batches per replica "
+          f"{base['deals']}; loss spikes {base['loss_spikes']}")
+    write("churn", args.out, {"calm": base, "curve_50": bins, "stages": args.stages, "seed": args.seed,
+                              "warmup": args.warmup},
+          headline("held-out loss of the undisturbed run", base["held_out_loss"], "nats", math.inf, "lower",
+                   "none: the noise of the churn benchmark's baseline"), quick=args.quick)
 
 
 def main() -> None:
@@ -300,13 +354,23 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=0, help="kill at most this many members (default: every interval)")
     ap.add_argument("--no-calm", action="store_true",
                     help="skip the undisturbed run (no goodput): a recovery's timeline only")
+    ap.add_argument("--no-churn", action="store_true",
+                    help="the undisturbed run only (its held-out loss and loss curve: the noise of the baseline)")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="a held-out loss every this many steps in both runs (a diagnostic; default 0: at the end)")
+    ap.add_argument("--warmup", type=int, default=WARMUP,
+                    help=f"lr warm-up steps of both runs' job (default {WARMUP}; 0: the demo's recipe, which spikes)")
     ap.add_argument("--stages", type=int, default=1,
                     help="pipeline stages of every plan of both runs (x 2 replicas; default 1)")
     ap.add_argument("--stall", type=float, default=120.0,
                     help="stop with the reason when no step completes for this many seconds (default 120)")
     args = ap.parse_args()
+    if args.no_calm and args.no_churn:
+        raise SystemExit("--no-calm and --no-churn leave nothing to run: give at most one")
     if args.quick and args.out == RESULTS / "churn.json":
         args.out = RESULTS / "churn_quick.json"   # the quick rate's figures beside the full rate's
+    if args.no_churn and args.out in (RESULTS / "churn.json", RESULTS / "churn_quick.json"):
+        args.out = RESULTS / "churn_calm.json"    # never over the recorded comparison
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     torch.set_num_threads(1)
     steps = args.steps or (300 if args.quick else 900)
@@ -314,11 +378,16 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="fusionp2p-bench-churn-"))
     try:
         base: dict[str, Any] = ({"steps_per_s": math.nan, "train_s": math.nan, "epochs": 0, "held_out_loss": math.nan, "layouts": [],
+                 "deals": [], "loss_spikes": [],
                  "events": [], "cpu_s_per_step": math.nan, "samples": 0} if args.no_calm else
                 run(steps, root / "calm", every=every, rejoin=args.rejoin, seed=args.seed, churn=False, stall=args.stall,
-                    stages=args.stages))
+                    stages=args.stages, eval_every=args.eval_every, warmup=args.warmup))
+        if args.no_churn:
+            calm_only(args, base, steps)
+            return
         churn = run(steps, root / "churn", every=every, rejoin=args.rejoin, seed=args.seed, churn=True,
-                    kills=args.kills, stall=args.stall, stages=args.stages)
+                    kills=args.kills, stall=args.stall, stages=args.stages, eval_every=args.eval_every,
+                    warmup=args.warmup)
     except Stalled as exc:
         raise SystemExit(f"benchmarks.churn stopped: {exc} (node logs under {root})") from None
     rec = [e["recovery_s"] for e in churn["events"] if e["recovery_s"] is not None]
@@ -345,6 +414,9 @@ def main() -> None:
                if (v := [e["phases_cpu_s"][name] for e in stepped if name in e.get("phases_cpu_s", {})])}
     for label, r in (("calm", base), ("churn", churn)):   # the replicas per stage decide the samples per step
         print(f"{label} plans (epoch, replicas per stage, from step): {r['layouts']}")
+    for label, r in (("calm", base), ("churn", churn)):   # a spike early on sets a run's course (module docstring)
+        print(f"{label}: micro-batches per replica (epoch, [] even) {r.get('deals', [])}; loss spikes (step, loss, "
+              f"x the lowest of the 5 before) {r.get('loss_spikes', [])}")
     print(f"steps lost per kill {lost}; median seconds from a kill to each phase's end: {phase_med}")
     print(f"median CPU-seconds of all node processes in each phase (from the previous phase's end): {cpu_med}")
     # equal samples: every plan of the churn run with the undisturbed run's replicas per stage (module docstring)
@@ -362,7 +434,8 @@ def main() -> None:
                               "same_layout": same, "stages": args.stages,
                               "cpu_goodput": cpu_goodput, "steps_lost": lost,
                               "phases_s_median": phase_med, "phases_cpu_s_median": cpu_med, "every_s": every,
-                              "rejoin_s": args.rejoin, "seed": args.seed, "recovery_s_target": 5.0},
+                              "rejoin_s": args.rejoin, "seed": args.seed, "recovery_s_target": 5.0,
+                              "warmup": args.warmup},
           headline(f"goodput under churn (one member SIGKILLed every {every:g} s, a fresh node {args.rejoin:g} s "
                    "later) / undisturbed", goodput, "x", 0.75 if every < 60 else 0.9, "higher",
                    "the same job without churn"),

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-from benchmarks.churn import _events, job_config, samples
+from benchmarks.churn import WARMUP, _events, job_config, samples, spikes
 from fusionp2p.cli.demo import SEQ_LEN, demo_model
 from fusionp2p.data import BuiltinCorpus
 from fusionp2p.jobs.build import build_job, choose_plan
@@ -23,6 +23,25 @@ def test_samples_add_up_each_plans_steps_times_its_replicas() -> None:
     assert samples([(0, [2, 2], 0), (1, [2], 40), (2, [2, 2], 85)], 100, per) == 100 * 2 * per
     # a plan of 1 replica per stage for 20 steps trains fewer samples: the held-out losses are not comparable
     assert samples([(0, [2, 2], 0), (1, [1, 1], 40), (2, [2, 2], 60)], 100, per) == (80 * 2 + 20) * per
+
+
+def test_spikes_are_the_steps_well_above_the_lowest_of_the_five_before() -> None:
+    """Issue 41: the calm run of 1 x 2 replicas in lockstep spiked at step 8 (5.03 after 3.67) and ended 14% above
+    a churn run that did not; the benchmark lists such steps. The measured curve's first 14 steps."""
+    curve = [5.57, 5.02, 4.72, 4.44, 4.22, 3.98, 3.81, 3.67, 5.03, 4.04, 3.42, 3.42, 3.37, 4.44]
+    assert spikes(dict(enumerate(curve))) == [(8, 5.03, 1.37), (13, 4.44, 1.32)]
+    smooth = [5.57, 5.02, 4.73, 4.43, 4.22, 3.98, 3.81, 3.68, 3.58, 3.46, 3.38, 3.36, 3.63, 3.23]   # no spike
+    assert spikes(dict(enumerate(smooth))) == []
+    assert spikes(dict.fromkeys(range(4), 9.0) | {4: 20.0}) == []   # fewer than five steps before it: not judged
+
+
+def test_the_job_warms_its_learning_rate_up() -> None:
+    """Without a warm-up the demo's lr (2e-3 from step 0) spiked: the warm-up ramps it over WARMUP steps, then
+    the demo's cosine."""
+    cfg = job_config(600, 1)
+    assert WARMUP > 0 and cfg.lr_sched is not None and cfg.lr_sched.warmup_steps == WARMUP
+    assert cfg.lr_at(0) == cfg.lr / WARMUP and cfg.lr_at(WARMUP) == cfg.lr
+    assert job_config(600, 1, warmup=0).lr_at(0) == cfg.lr
 
 
 class _Job:
