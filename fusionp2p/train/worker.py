@@ -71,7 +71,13 @@ from fusionp2p.train.schedule import (
     StageSchedule,
 )
 from fusionp2p.train.spot import StepHooks
-from fusionp2p.train.state import StageState, load_optimizer_tensors, momentum_slices, optimizer_tensors
+from fusionp2p.train.state import (
+    StageState,
+    load_optimizer_tensors,
+    momentum_slices,
+    optimizer_tensors,
+    stream_segments,
+)
 from fusionp2p.types import AveragingStats
 
 log = logging.getLogger(__name__)
@@ -297,7 +303,7 @@ class StageWorker:
                 momentum = restored.momentum_vector(self._layout()) if restored is not None else None
                 async with open_replica_averager(acfg, peers=sorted([me, *names]), me=me, channels=names,
                                                  initial=self._flat(), momentum=momentum,
-                                                 segments=self._segments()) as avg:
+                                                 segments=stream_segments(self._layout(), {tp.name for tp in self.prog.tied})) as avg:
                     self._avg = avg
                     try:
                         await self._train(avg)
@@ -382,25 +388,6 @@ class StageWorker:
             log.warning("stage %d, step %d: averaged anchor is not finite; not loaded", self.prog.stage, step)
             return
         load_anchor_(self._params, anchor, ranges)
-
-    def _segments(self) -> list[tuple[int, int]]:
-        """Streaming CO2's segments of the flat vector: every tied parameter alone, the runs between
-        them whole. A tied parameter's elements then fall in the same fragments on every stage that
-        holds a copy (the fragment cut of a segment depends only on its size), so the copies, averaged
-        at the same steps with the same values, stay identical."""
-        tied = {tp.name for tp in self.prog.tied}
-        out: list[tuple[int, int]] = []
-        off, run = 0, 0
-        for name, n in self._layout():
-            if name in tied:
-                if off > run:
-                    out.append((run, off))
-                out.append((off, off + n))
-                run = off + n
-            off += n
-        if off > run or not out:
-            out.append((run, off))
-        return out
 
     async def _replica_names(self) -> dict[str, TensorChannel]:
         """Name each replica channel by the replica index its far end announces (a one-message hello)."""
