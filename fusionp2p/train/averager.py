@@ -137,6 +137,7 @@ class BoundaryResult:
     ranges: tuple[tuple[int, int], ...] = ()
     fragment: int | None = None
     speeds: tuple[tuple[str, float], ...] = ()   # the consumed round's owners' speeds (RoundResult.speeds)
+    arrivals: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()   # ... and arrivals (RoundResult.arrivals)
 
 
 def round_buffer_pool(round_elems: int, replicas: int, *, bf16: bool) -> BufferPool:
@@ -178,6 +179,7 @@ class _Round:
         self.mean_only = mean_only  # publish the plain mean, no outer step (streaming finalize)
         self.done = trio.Event()
         self.result: RoundResult | None = None
+        self.launched_at = trio.current_time()   # when this replica's own part was ready (its step ended)
 
 
 class ReplicaAverager:
@@ -241,6 +243,9 @@ class ReplicaAverager:
         self._inflight: deque[_Round] = deque()   # streaming: the fragment rounds in flight, oldest first
         self._dead: set[str] = set()
         self._stash: dict[int, list[tuple[str, RoundMsg]]] = defaultdict(list)
+        # re-dealing replicas: when each peer's scatter part of a round arrived (train/claims.py checks
+        # the speeds by them); one entry per round and peer, dropped as the rounds before it start
+        self._arrived: dict[int, dict[str, float]] = defaultdict(dict)
         self._events_send, self._events_recv = trio.open_memory_channel[_Event](1024)
         self._queues: dict[str, trio.MemorySendChannel[TensorMessage]] = {}
         self._nursery: trio.Nursery | None = None
@@ -379,7 +384,7 @@ class ReplicaAverager:
             return None, BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=None,
                                         reason="not finite", ranges=ranges, fragment=f)
         return new, BoundaryResult(boundary=b, anchor=new, consumed_round=rnd.round_id, launched_round=None,
-                                   ranges=ranges, fragment=f, speeds=r.speeds)
+                                   ranges=ranges, fragment=f, speeds=r.speeds, arrivals=r.arrivals)
 
     def _launch_fragment(self, f: int, snap: torch.Tensor, boundary: int, lr: float | None, *, mean_only: bool = False,
                          after: _Round | None = None) -> _Round:
@@ -499,7 +504,9 @@ class ReplicaAverager:
                         d = torch.sub(shard.to(torch.float32), base[1][a.lo:a.hi])
                         gather_q.append(d.to(torch.bfloat16))
                         shard = d.copy_(gather_q[0]).add_(base[1][a.lo:a.hi])
-                    todo.extend(sm.publish(shard, scalar, self.speed, a.clipped))
+                    arrived = [(self.me, 0.0)] + [(p, t - rnd.launched_at) for p, t in self._arrived.pop(rnd.round_id, {}).items()
+                               if p in a.contributors] if self.speed else []
+                    todo.extend(sm.publish(shard, scalar, self.speed, a.clipped, arrived))
                 else:
                     result = a.result
 
@@ -509,6 +516,8 @@ class ReplicaAverager:
             d = torch.sub(snap, base[1], out=self._vector(n_elems))
             scatter_q.append(d.to(torch.bfloat16))
             snap = d.copy_(scatter_q[0]).add_(base[1])   # base + q, as above
+        for old in [k for k in self._arrived if k < rnd.round_id]:
+            del self._arrived[old]
         await act(sm.start(snap, self.weight))
         for peer in sorted(self._dead & set(self.alive)):
             await act(sm.peer_lost(peer))
@@ -632,6 +641,8 @@ class ReplicaAverager:
                 except RemoteProtocolError as exc:
                     log.warning("averaging: malformed message from %s: %s", peer, exc)
                     break
+                if msg.phase == "scatter" and abs(msg.round_id - self._next_round) <= 2 * self.config.outer.tau + 2:
+                    self._arrived[msg.round_id].setdefault(peer, trio.current_time())
                 await self._events_send.send(("msg", peer, msg))
         except (PeerUnavailable, trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError) as exc:
             log.info("averaging: channel to %s ended: %r", peer, exc)

@@ -93,7 +93,8 @@ class CO2:
     wire: str = field(default="bf16", metadata={"wire": {"choices": CO2_WIRES, "omit_default": True}})
     # each shard owner reduces the replicas' parts by CenteredClip (average/robust.py): the exact mean when no
     # part is an outlier, a bounded shift when one lies; a replica clipped too often leaves the averaging.
-    # False: the plain mean. Left out of the wire map at its default
+    # Re-dealing replicas also check each other's speed claims against when their parts arrive
+    # (train/claims.py). False: the plain mean, speeds as claimed. Left out of the wire map at its default
     robust: bool = field(default=True, metadata={"wire": {"omit_default": True}})
 
     def __post_init__(self) -> None:

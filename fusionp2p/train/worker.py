@@ -51,6 +51,7 @@ from fusionp2p.net.channel import TensorChannel, TensorMessage
 from fusionp2p.swarm.device import slowed
 from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, load_anchor_, open_replica_averager
 from fusionp2p.train.boundary import check_tied_message, decode_boundary, encoded
+from fusionp2p.train.claims import SpeedCheck
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.train.deal import REDEAL_MIN_MICROS, Deal, redeals_in_band
 from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
@@ -211,6 +212,8 @@ class StageWorker:
         self._deal = Deal(ctx.micro, ctx.micro_period, replica=ctx.replica, replicas=ctx.replicas,
                           micro_batches=ctx.config.micro_batches)
         self._redealing = self._outer is not None and redeals_in_band(ctx.config.co2, ctx.micro, self.prog.num_stages)
+        # ... by the speeds as checked against when each replica's parts arrive (train/claims.py)
+        self.claims = SpeedCheck(enabled=ctx.config.co2 is not None and ctx.config.co2.robust)
         # forward + backward seconds and micro-batches of this epoch's steps after its first (which warms up):
         # the speed this replica trains at, which the job's leader may re-balance the micro-batches by
         # (jobs/rebalance.py). Not the optimizer step nor the all-reduce: they do not scale with the count
@@ -343,8 +346,9 @@ class StageWorker:
                     avg.speed = self.busy_s / self.busy_micros if measured else 0.0
                     res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
                     self._load_anchor(res.anchor, step, ranges=res.ranges)
+                    self.claims.launched(res.launched_round, self._deal.counts(step))
                     if self._redealing and res.speeds:
-                        self._redeal(res.speeds, step + 1, avg)
+                        self._redeal(self.claims.check(res.consumed_round, res.speeds, res.arrivals), step + 1, avg)
             elif avg is not None and self._outer is not None and ((step + 1) % self._outer.tau == 0 or last):
                 res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
                 self._load_anchor(res.anchor, step)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fusionp2p.train.claims import checked, measured
+from fusionp2p.train.claims import SpeedCheck, checked, measured, shared
 from fusionp2p.train.deal import Deal
 
 R, M = 4, 4
@@ -52,3 +52,51 @@ def test_measured_is_robust_to_one_liar_and_checked_keeps_true_claims() -> None:
     assert measured(claimed, {}, arrived) == {}
     # a replica claiming to be slower than it is is not contradicted (it may hold its part back to match)
     assert checked([("a", 1.0)], {"a": 0.1}) == ([("a", 1.0)], ())
+
+
+def _arrivals(true: dict[str, float], micros: dict[str, int], *, offsets: dict[str, float],
+              liar_owner: str | None = None) -> list[tuple[str, list[tuple[str, float]]]]:
+    """Every owner's arrival times (its own clock: *offsets*) of each replica's part: its true step time
+    after a common start, 2 ms on the wire; *liar_owner* reports every other replica 1 s late."""
+    out = []
+    for owner in true:
+        row = []
+        for k in true:
+            t = offsets[owner] + true[k] * micros[k] + (0.002 if k != owner else 0.0)
+            row.append((k, t + (1.0 if owner == liar_owner and k != owner else 0.0)))
+        out.append((owner, row))
+    return out
+
+
+def test_shared_takes_the_other_owners_lower_median_whatever_their_clocks() -> None:
+    true = {"r0": 0.1, "r1": 0.1, "r2": 0.3}
+    micros = {"r0": 2, "r1": 2, "r2": 2}
+    claimed = {"r0": 0.1, "r1": 0.1, "r2": 0.03}            # r2 claims 10x faster than it is
+    offsets = {"r0": 100.0, "r1": -7.0, "r2": 3.5}          # the owners' clocks do not agree
+    got = shared(claimed, micros, _arrivals(true, micros, offsets=offsets))
+    assert got["r2"] == pytest.approx(0.3, abs=0.01) and got["r0"] == pytest.approx(0.1, abs=0.01)
+    # the liar also reports the honest replicas 1 s late: the lower median of the other two owners is honest's
+    lied = shared(claimed, micros, _arrivals(true, micros, offsets=offsets, liar_owner="r2"))
+    assert lied["r0"] <= 0.11 and lied["r1"] <= 0.11 and lied["r2"] == pytest.approx(0.3, abs=0.01)
+    speeds, liars = checked(list(claimed.items()), lied)
+    assert liars == ("r2",) and dict(speeds)["r0"] == 0.1
+
+
+def test_the_speed_check_deals_by_the_measurement_of_the_round_it_launched() -> None:
+    true = {"r0": 0.1, "r1": 0.1, "r2": 0.3}
+    claimed = [("r0", 0.1), ("r1", 0.1), ("r2", 0.03)]
+    sc = SpeedCheck()
+    sc.launched(7, (2, 2, 2))
+    sc.launched(8, (1, 1, 4))
+    arr = _arrivals(true, {"r0": 2, "r1": 2, "r2": 2}, offsets=dict.fromkeys(true, 0.0))
+    assert sc.check(9, claimed, arr) == claimed                  # a round whose deal it does not know: as claimed
+    got = dict(sc.check(7, claimed, arr))
+    assert got["r2"] == pytest.approx(0.3, abs=0.01) and got["r0"] == 0.1 and sc.contradicted == {"r2": 1}
+    assert sc.check(7, claimed, arr) == claimed                  # consumed once
+    assert sc.check(8, [("r0", 0.1), ("r1", 0.0), ("r2", 0.1)], arr)[1] == ("r1", 0.0)   # r1 not measured yet
+    off = SpeedCheck(enabled=False)
+    off.launched(7, (2, 2, 2))
+    assert off.check(7, claimed, arr) == claimed
+    for r in range(100):
+        sc.launched(r + 100, (2, 2, 2))
+    assert len(sc._micros) == SpeedCheck.MAX_ROUNDS
