@@ -25,6 +25,7 @@ import trio
 
 from fusionp2p.errors import FusionError, PeerUnavailable, PlanError, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
+from fusionp2p.jobs import reputation
 from fusionp2p.jobs.build import AcceptedJob, plan_for_snapshot
 from fusionp2p.jobs.election import ElectionConfig, open_elector
 from fusionp2p.jobs.events import MembersChanged, encode_event
@@ -247,7 +248,7 @@ class Leading:
         for peer in view.alive(role="node"):
             rec = view.records.get(peer)
             if (peer in plan.peers or peer in self.joiners or rec is None or rec.profile is None or rec.leaving
-                    or not self.suspects.admits(peer)
+                    or not self.suspects.eligible(peer)
                     or now - self._offered.get(peer, -math.inf) < self.svc.config.offer_retry):
                 continue
             self._offered[peer] = now
@@ -377,6 +378,11 @@ class Leading:
 
     async def _offer_to(self, peer: str) -> None:
         try:
+            # an open swarm's admission (TrainConfig.min_work): the joiner shows its standing first
+            if why := await reputation.admitted(self.transport, peer, self.spec, timeout=self.svc.config.accept_timeout):
+                log.info("job %s: not offered to joiner %s: %s", self.job_id, short_peer(peer), why)
+                return
+            self.suspects.proven(peer, self.suspects.admission.min_work)
             reply = await job_proto.request(self.transport, peer, {"op": "offer", "envelope": self.accepted.envelope,
                                                                    "via": self.job_id},
                                             timeout=self.svc.config.accept_timeout)

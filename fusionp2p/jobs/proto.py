@@ -33,7 +33,7 @@ from fusionp2p.wire.protocols import JOB
 log = logging.getLogger(__name__)
 
 MAX_JOB_FRAME = 8 * 1024 * 1024        # a snapshot of a large swarm fits; blobs never travel here
-OPS = ("offer", "start", "cancel", "status", "report", "halt", "keep", "done", "replan", "end")
+OPS = ("offer", "start", "cancel", "status", "report", "halt", "keep", "done", "replan", "end", "receipt", "receipts")
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]   # (remote peer, request) -> reply
 

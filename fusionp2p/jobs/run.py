@@ -140,7 +140,7 @@ class JobRun(Leading):
         self.offered_by = ""            # the member that first offered us the job as a joiner
         self.offerers: set[str] = set()  # every member that offered it (a later leader offers it again)
         self.book = ProgressBook(job=self.job_id, steps=self.spec.config.steps)
-        self.suspects = Suspects(self.spec.config.allow_members)   # allow-list, outlier replicas (jobs/suspects.py)
+        self.suspects = Suspects.of(self.spec)   # allow-list, standing, outlier replicas (jobs/suspects.py)
         self.final: dict[int, tuple[str, tuple[str, ...]]] = {}   # stage -> final state file (hash, holders)
         self.final_losses: dict[int, float] = {}                  # replica -> its final evaluation loss
         self.weights = WeightFetches()                            # the published weight pieces this node fetched
@@ -197,7 +197,7 @@ class JobRun(Leading):
             return f"epoch {e} already started (this node is in epoch {self.epoch})"
         if self.me not in req.snapshot.members:
             return "the snapshot does not name this node"
-        if unlisted := self.suspects.unlisted(req.snapshot.members):
+        if unlisted := self.suspects.starting(req.snapshot.members):
             return f"the snapshot names {len(unlisted)} node(s) outside the job's allow-list (TrainConfig.allow_members)"
         try:
             self._starts_send.send_nowait(req)
