@@ -33,6 +33,7 @@ from fusionp2p.jobs.host import JobHost
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
 from fusionp2p.jobs.rebalance import (
+    bounded,
     calibrated,
     rebalanced,
     redeals_in_band,
@@ -334,6 +335,10 @@ class Leading:
         states = await self._ask_all(list(plan.peers), {"op": "status", "job": self.job_id})
         micro_s = {p: float(m["micro_s"]) for p, m in states.items()
                    if m.get("epoch") == self.epoch and isinstance(m.get("micro_s"), float)}
+        micro_s, liars = bounded(micro_s, states)   # never a member's own figure over its neighbours' measurement
+        if liars:
+            log.warning("job %s: %s claim more speed than their replica peers measure: planned by the measured figures",
+                        self.job_id, [short_peer(p) for p in liars])
         if set(micro_s) != set(plan.peers):
             log.debug("job %s: %d of %d members measured their speed: not re-balancing", self.job_id,
                       len(micro_s), len(plan.peers))

@@ -251,8 +251,8 @@ class JobRun(Leading):
         out: dict[str, Any] = {"epoch": self.epoch, "step": w.completed if w is not None else -1,
                                "stage": self.role[0] if self.role else -1}
         if w is not None and w.busy_micros > 0:
-            # forward + backward seconds per micro-batch this epoch (the leader re-balances by it; jobs/rebalance.py)
-            out["micro_s"], out["micros"] = w.busy_s / w.busy_micros, w.busy_micros
+            # forward + backward seconds per micro-batch this epoch, its own and its replica peers' as measured
+            out.update(w.speed_report())   # (the leader re-balances by them; jobs/rebalance.py)
         return out
 
     def on_event(self, sender: str, ev: ProgressEvent) -> None:

@@ -570,6 +570,10 @@ class ReplicaAverager:
             self.dropped_outliers.append(peer)
             self._dead.add(peer)
 
+    def peer_of(self, name: str) -> str:
+        """The remote peer id of replica *name* (``r<k>``; itself when not a channel's)."""
+        return self._channels[name].remote_peer if name in self._channels else name
+
     def new_outliers(self) -> tuple[str, ...]:
         """The replicas (remote peer ids) dropped as outliers since the last call (the worker's reports)."""
         new, self._outliers_told = self.dropped_outliers[self._outliers_told:], len(self.dropped_outliers)

@@ -223,6 +223,16 @@ class StageWorker:
         self._pipe_budget = pipeline_budget(self.prog, self._deal.most)
         self._avg_budget = replica_budget(self.prog, len(ctx.peers), sum(p.numel() for p in self._params))
 
+    def speed_report(self) -> dict[str, Any]:
+        """This replica's forward + backward seconds per micro-batch (``micro_s``, over ``micros``; its own
+        figure) and, by peer id, the other replicas' as the averaging rounds measured them (``peers_s``:
+        ``train/claims.py``); the leader re-balances by both (``jobs/rebalance.py:bounded``)."""
+        out: dict[str, Any] = {"micro_s": self.busy_s / self.busy_micros, "micros": self.busy_micros} if self.busy_micros else {}
+        me, avg = f"r{self.ctx.replica}", self._avg
+        if avg is not None and self.claims.measured:
+            out["peers_s"] = {avg.peer_of(n): s for n, s in self.claims.measured.items() if n != me}
+        return out
+
     def seconds_left(self) -> float | None:
         """The job's steps left at the rate this epoch has trained since its first step (which warms up);
         None until a step after the first completed."""

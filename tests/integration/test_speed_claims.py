@@ -92,3 +92,5 @@ def test_a_replica_that_claims_more_speed_is_dealt_by_its_measured_speed(monkeyp
     for w in workers:
         assert set(w.claims.contradicted) == {f"r{LIAR}"}, w.claims.contradicted
         assert w.claims.measured[f"r{LIAR}"] > 2 * max(w.claims.measured[f"r{k}"] for k in range(LIAR))
+    rep = workers[0].speed_report()   # what a member answers its leader (jobs/rebalance.py bounded): by peer id
+    assert set(rep["peers_s"]) == {"p1", f"p{LIAR}"} and rep["peers_s"][f"p{LIAR}"] > 2 * rep["micro_s"]

@@ -100,3 +100,17 @@ def test_the_speed_check_deals_by_the_measurement_of_the_round_it_launched() -> 
     for r in range(100):
         sc.launched(r + 100, (2, 2, 2))
     assert len(sc._micros) == SpeedCheck.MAX_ROUNDS
+
+
+def test_the_leader_plans_a_member_by_its_neighbours_measurement_not_its_own_claim() -> None:
+    """jobs/rebalance.py ``bounded``: each member answers its own seconds per micro-batch and what its averaging
+    rounds measured of its replica peers; a member's own figure that the lower median of the others'
+    contradicts is replaced by it. A member cannot vouch for itself, and one liar cannot slow an honest one."""
+    from fusionp2p.jobs.rebalance import bounded
+
+    own = {"a": 0.1, "b": 0.1, "c": 0.02}      # c claims 5x faster than it is
+    answers = {"a": {"peers_s": {"b": 0.1, "c": 0.1}}, "b": {"peers_s": {"a": 0.1, "c": 0.11}},
+               "c": {"peers_s": {"a": 5.0, "b": 5.0, "c": 0.01}}}   # c's answer also accuses both and vouches for itself
+    got, liars = bounded(own, answers)
+    assert liars == ("c",) and got["c"] == pytest.approx(0.1) and got["a"] == 0.1 and got["b"] == 0.1
+    assert bounded(own, {"a": {"peers_s": "junk"}, "b": {"peers_s": {"c": float("nan"), "x": 9.0}}}) == (own, ())
