@@ -64,6 +64,7 @@ from fusionp2p.jobs.progress import ProgressBook
 from fusionp2p.jobs.rebalance import calibrated
 from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
+from fusionp2p.jobs.reputation import RECEIPT_TIMEOUT
 from fusionp2p.jobs.spec import JobSpec, decode_signed
 from fusionp2p.net.addrs import GLOBAL, LOOPBACK, PRIVATE, peer_dial_addrs
 from fusionp2p.net.identity import verify
@@ -472,8 +473,8 @@ class JobDriver:
             self._emit(EvalProgress(job=self.job, step=self.steps, epoch=st.epoch, loss=st.final_loss, at=time.time()))
         self._state(JobState.DONE)
         if self.built is not None:   # the members' signed work receipts (jobs/reputation.py)
-            with trio.move_on_after(self.config.start_timeout):
-                await reputation.pay(self.transport, self.built.spec, st.members, timeout=self.config.start_timeout)
+            with trio.move_on_after(RECEIPT_TIMEOUT):
+                await reputation.pay(self.transport, self.built.spec, st.members, timeout=RECEIPT_TIMEOUT)
 
     async def _fetch_stage(self, holders: tuple[str, ...], h: str, stage: int, step: int) -> None:
         with trio.fail_after(self.config.fetch_timeout):

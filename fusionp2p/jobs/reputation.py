@@ -36,6 +36,8 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import trio
+
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.spec import JobSpec
@@ -53,6 +55,7 @@ MAX_KEPT = 64              # receipts a node keeps (the most work first)
 MAX_SHOWN = 32             # ... and shows when asked (what one answer can make the asker verify)
 MAX_RECEIPT = 1024         # bytes of one encoded receipt
 MAX_WORK = 1 << 40         # micro-batches one receipt may name
+RECEIPT_TIMEOUT = 10.0     # seconds a job's end may wait for its members to take their receipts
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,17 +192,23 @@ async def ask_standing(transport: Transport, peer: str, job: str, adm: Admission
 
 
 async def hand_out(transport: Transport, receipts: Sequence[WorkReceipt], *, timeout: float) -> int:
-    """Give every receipt to its member (JOB ``receipt``); how many were taken."""
-    taken = 0
-    for r in receipts:
+    """Give every receipt to its member (JOB ``receipt``), all at once; how many were taken."""
+    taken: list[str] = []
+
+    async def one(r: WorkReceipt) -> None:
         try:
             reply = await job_proto.request(transport, r.member, {"op": "receipt", "job": r.job, "receipt": r.encode()},
                                             timeout=timeout)
-            taken += bool(reply.get("ok"))
+            if reply.get("ok"):
+                taken.append(r.member)
         except (PeerUnavailable, RemoteProtocolError) as exc:
             log.info("job %s: receipt for %s not delivered: %s", r.job, short_peer(r.member), exc)
-    return taken
+
+    async with trio.open_nursery() as nursery:
+        for r in receipts:
+            nursery.start_soon(one, r)
+    return len(taken)
 
 
-__all__ = ["MAX_KEPT", "MAX_SHOWN", "Admission", "ReceiptBook", "WorkReceipt", "admission_of", "admitted",
+__all__ = ["MAX_KEPT", "MAX_SHOWN", "RECEIPT_TIMEOUT", "Admission", "ReceiptBook", "WorkReceipt", "admission_of", "admitted",
            "ask_standing", "decode_receipt", "hand_out", "issue", "pay", "shown_standing", "standing"]
