@@ -93,6 +93,10 @@ class SpeedCheck:
         self._micros: dict[int, dict[str, int]] = {}
         self.contradicted: dict[str, int] = {}   # rounds in which each replica's claim was contradicted
         self.measured: dict[str, float] = {}     # the latest shared measurement of each replica
+        # a contradicted replica's measured figure, the floor of what it is dealt by from then on (until the
+        # next time it is the step's last and measured again): dealt less, it arrives early, and its claim
+        # alone would win the work back
+        self.floor: dict[str, float] = {}
 
     def launched(self, round_id: int | None, counts: Sequence[int]) -> None:
         """The round *round_id* was launched after a step whose micro-batches per pipeline were *counts*."""
@@ -112,7 +116,16 @@ class SpeedCheck:
             return list(speeds)
         m = shared(dict(speeds), micros, arrivals)
         self.measured.update(m)
-        out, liars = checked(speeds, m, slack=self.slack)
+        # only the step's last replica is judged: a replica that waits for a slower one has no measured step
+        # time of its own (it ran ahead; the common start is the slower one's), and judging it would blame
+        # an honest replica for the liar's delay
+        last = max(m, key=lambda k: (m[k] * micros.get(k, 0), k), default=None)
+        if last is not None:
+            self.floor.pop(last, None)
+        out, liars = checked(speeds, {last: m[last]} if last is not None else {}, slack=self.slack)
+        for name in liars:
+            self.floor[name] = m[name]
+        out = [(name, max(s, self.floor.get(name, 0.0))) for name, s in out]
         for name in liars:
             self.contradicted[name] = self.contradicted.get(name, 0) + 1
             if self.contradicted[name] == 1:

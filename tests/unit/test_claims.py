@@ -114,3 +114,18 @@ def test_the_leader_plans_a_member_by_its_neighbours_measurement_not_its_own_cla
     got, liars = bounded(own, answers)
     assert liars == ("c",) and got["c"] == pytest.approx(0.1) and got["a"] == 0.1 and got["b"] == 0.1
     assert bounded(own, {"a": {"peers_s": "junk"}, "b": {"peers_s": {"c": float("nan"), "x": 9.0}}}) == (own, ())
+
+
+def test_only_the_steps_last_replica_is_judged_and_a_contradicted_one_keeps_its_floor() -> None:
+    """An honest replica that ran ahead (its part early, its measurement meaningless) is never judged; the
+    liar, judged when it is the step's last, is dealt by at least its measured figure from then on, even
+    when, dealt less, it arrives early and its claim alone would win the work back."""
+    sc = SpeedCheck()
+    claimed = [("r0", 0.1), ("r1", 0.1), ("r2", 0.01)]
+    sc.launched(1, (2, 2, 2))
+    arr = _arrivals({"r0": 0.1, "r1": 0.25, "r2": 0.3}, {"r0": 2, "r1": 2, "r2": 2}, offsets=dict.fromkeys(("r0", "r1", "r2"), 0.0))
+    got = dict(sc.check(1, claimed, arr))
+    assert got["r1"] == 0.1 and got["r2"] > 0.125 and sc.contradicted == {"r2": 1}   # r1 is slow too, but not last
+    sc.launched(2, (3, 3, 0 + 1))
+    early = _arrivals({"r0": 0.1, "r1": 0.1, "r2": 0.01}, {"r0": 3, "r1": 3, "r2": 1}, offsets=dict.fromkeys(("r0", "r1", "r2"), 0.0))
+    assert dict(sc.check(2, claimed, early))["r2"] == got["r2"]     # the floor holds
