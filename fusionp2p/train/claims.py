@@ -22,7 +22,10 @@ agree), a complete round hands every owner's figures to every replica (``RoundRe
 cannot vouch for itself, and one lying owner (of three or more) can neither hide a liar nor make an honest
 replica look slow (the lower median of two is the honest one). :class:`SpeedCheck` is the worker's side:
 it keeps the deal of each round in flight (its micro-batches per replica) and turns a consumed round's
-claimed speeds into the checked ones, the same on every replica (``train/worker.py``).
+claimed speeds into the checked ones, the same on every replica (``train/worker.py``). It judges only the
+step's last replica: one that waited for a slower one ran ahead, so the common start is not its own (judging
+it blamed honest replicas for a liar's delay); and a contradicted replica's measured figure stays its floor
+until it is the last again (dealt less, a liar arrives early and its claim alone would win the work back).
 
 Limits. A replica can always claim to be *slower* than it is and hold its part back to match (it then
 takes less work, which costs the job throughput, not correctness). With two replicas each one's figure is
