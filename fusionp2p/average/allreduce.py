@@ -72,6 +72,9 @@ class RoundMsg:
     speed: float = 0.0            # gather: the owner's seconds per micro-batch (0: not measured; re-dealing)
     fragment: int | None = None   # streaming averaging: which fragment of the vector (lo/hi are within it)
     clipped: tuple[int, ...] = ()  # gather, robust reduction: the ranks whose scatter parts the owner clipped
+    # gather, re-dealing replicas: (rank, seconds after the owner's own part) when each rank's scatter part
+    # reached the owner: the measurement its speed claim is checked against (train/claims.py)
+    arrived: tuple[tuple[int, float], ...] = ()
     base: int | None = None       # on the wire only: the sender's base (a bf16 part is a difference from it)
 
 
@@ -107,6 +110,9 @@ class RoundResult:
     speeds: tuple[tuple[str, float], ...] = ()
     # when complete: every owner's clipped peers (robust reduction) in rank order, the same on every replica
     clipped: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # when complete: every owner's arrival times of the scatter parts (RoundMsg.arrived) in rank order, by
+    # peer id, the same on every replica (the replicas check the speeds by them, train/claims.py)
+    arrivals: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -235,6 +241,10 @@ class AllReduceRound:
         if msg.clipped and (msg.phase != "gather" or len(set(msg.clipped)) != len(msg.clipped)
                             or not all(0 <= r < len(self.peers) for r in msg.clipped)):
             raise RemoteProtocolError(f"{msg.phase} part from {peer} names bad clipped ranks")
+        if msg.arrived and (msg.phase != "gather" or len({r for r, _ in msg.arrived}) != len(msg.arrived)
+                            or not all(0 <= r < len(self.peers) and math.isfinite(t) and abs(t) <= MAX_SPEED_S
+                                       for r, t in msg.arrived)):
+            raise RemoteProtocolError(f"{msg.phase} part from {peer} names bad arrival times")
         r = self.max_weight_ratio
         if msg.phase == "scatter" and not self.weight / r <= msg.weight <= self.weight * r:
             raise RemoteProtocolError(f"scatter part from {peer} has weight {msg.weight:g}, not within a factor "
@@ -269,11 +279,14 @@ class AllReduceRound:
         return self._advance()
 
     def publish(self, shard: torch.Tensor, scalar: float = 0.0, speed: float = 0.0,
-                clipped: tuple[str, ...] = ()) -> list[Action]:
+                clipped: tuple[str, ...] = (), arrived: Sequence[tuple[str, float]] = ()) -> list[Action]:
         """Send this replica's new anchor shard (the outer step's result) to every live peer, with its
-        *speed* (seconds per micro-batch; 0: not measured) and the peers it *clipped* (``Reduced.clipped``)."""
+        *speed* (seconds per micro-batch; 0: not measured), the peers it *clipped* (``Reduced.clipped``) and
+        when the scatter parts *arrived* (peer, seconds after its own part; the shell's clock)."""
         if not 0 <= speed <= MAX_SPEED_S:
             raise LocalProtocolError(f"speed {speed} out of [0, {MAX_SPEED_S}]")
+        if not all(p in self.peers and math.isfinite(t) for p, t in arrived):
+            raise LocalProtocolError(f"arrival times {list(arrived)} name other peers or are not finite")
         if not self._reduced:
             raise LocalProtocolError("publish before the owned shard was reduced")
         if self._own_shard is not None:
@@ -282,7 +295,8 @@ class AllReduceRound:
         if shard.dim() != 1 or shard.numel() != hi - lo:
             raise LocalProtocolError("published shard has the wrong size")
         msg = RoundMsg(round_id=self.round_id, epoch=self.epoch, phase="gather", lo=lo, hi=hi, data=shard.to(torch.float32), scalar=scalar,
-                       speed=speed, fragment=self.fragment, clipped=tuple(self.peers.index(p) for p in clipped))
+                       speed=speed, fragment=self.fragment, clipped=tuple(self.peers.index(p) for p in clipped),
+                       arrived=tuple((self.peers.index(p), max(-MAX_SPEED_S, min(MAX_SPEED_S, t))) for p, t in arrived))
         self._out[lo:hi].copy_(shard)   # not a view of it in the sends: the caller may change the vector
         self._own_shard = msg
         sends: list[Action] = [Send(peer=p, msg=msg) for p in self.peers if p != self.me and p not in self._lost]
@@ -331,4 +345,6 @@ class AllReduceRound:
             scalar += shards[p].scalar
         return RoundResult(round_id=self.round_id, complete=True, vector=vector, scalar_sum=scalar, lost=lost, contributors=contributors,
                            speeds=tuple((p, shards[p].speed) for p in self.peers),
-                           clipped=tuple((p, tuple(self.peers[r] for r in shards[p].clipped)) for p in self.peers))
+                           clipped=tuple((p, tuple(self.peers[r] for r in shards[p].clipped)) for p in self.peers),
+                           arrivals=tuple((p, tuple((self.peers[r], t) for r, t in shards[p].arrived))
+                                          for p in self.peers if shards[p].arrived))

@@ -25,6 +25,7 @@ import trio
 
 from fusionp2p.errors import FusionError, PeerUnavailable, PlanError, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
+from fusionp2p.jobs import reputation
 from fusionp2p.jobs.build import AcceptedJob, plan_for_snapshot
 from fusionp2p.jobs.election import ElectionConfig, open_elector
 from fusionp2p.jobs.events import MembersChanged, encode_event
@@ -32,6 +33,7 @@ from fusionp2p.jobs.host import JobHost
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
 from fusionp2p.jobs.rebalance import (
+    bounded,
     calibrated,
     rebalanced,
     redeals_in_band,
@@ -251,7 +253,7 @@ class Leading:
         for peer in view.alive(role="node"):
             rec = view.records.get(peer)
             if (peer in plan.peers or peer in self.joiners or rec is None or rec.profile is None or rec.leaving
-                    or not self.suspects.admits(peer)
+                    or not self.suspects.eligible(peer)
                     or now - self._offered.get(peer, -math.inf) < self.svc.config.offer_retry):
                 continue
             self._offered[peer] = now
@@ -337,6 +339,10 @@ class Leading:
         states = await self._ask_all(list(plan.peers), {"op": "status", "job": self.job_id})
         micro_s = {p: float(m["micro_s"]) for p, m in states.items()
                    if m.get("epoch") == self.epoch and isinstance(m.get("micro_s"), float)}
+        micro_s, liars = bounded(micro_s, states)   # never a member's own figure over its neighbours' measurement
+        if liars:
+            log.warning("job %s: %s claim more speed than their replica peers measure: planned by the measured figures",
+                        self.job_id, [short_peer(p) for p in liars])
         if set(micro_s) != set(plan.peers):
             log.debug("job %s: %d of %d members measured their speed: not re-balancing", self.job_id,
                       len(micro_s), len(plan.peers))
@@ -381,6 +387,11 @@ class Leading:
 
     async def _offer_to(self, peer: str) -> None:
         try:
+            # an open swarm's admission (TrainConfig.min_work): the joiner shows its standing first
+            if why := await reputation.admitted(self.transport, peer, self.spec, timeout=self.svc.config.accept_timeout):
+                log.info("job %s: not offered to joiner %s: %s", self.job_id, short_peer(peer), why)
+                return
+            self.suspects.proven(peer, self.suspects.admission.min_work)
             reply = await job_proto.request(self.transport, peer, {"op": "offer", "envelope": self.accepted.envelope,
                                                                    "via": self.job_id},
                                             timeout=self.svc.config.accept_timeout)

@@ -13,6 +13,8 @@ the JOB control protocol (``jobs/proto.py``):
   job's :class:`JobRun` elects the plan and trains (``jobs/run.py``).
 * ``halt`` / ``status`` / ``keep`` / ``done``: the re-plan and checkpoint traffic between members.
 * ``cancel``: from the publisher.
+* ``receipt`` / ``receipts``: a finished job's publisher hands this node its signed work receipt, which it
+  shows to whoever asks (a publisher or leader that requires a standing: ``jobs/reputation.py``).
 
 Data-plane channels are encrypted TCP (``net/bulk.py``) wrapped in reconnecting channels
 (``net/resilient.py``) named ``"<job>/e<epoch>/<link>"``. The lower stage (or replica index) dials;
@@ -47,6 +49,7 @@ from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.liveness import DeathProbes
 from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
+from fusionp2p.jobs.reputation import ReceiptBook, decode_receipt
 from fusionp2p.jobs.run import JobRun, StartRequest, describe
 from fusionp2p.jobs.status import JobView
 from fusionp2p.net.addrs import tcp_endpoint, tcp_multiaddr
@@ -82,6 +85,7 @@ class NodeJobService:
         self.content = ContentService(self.transport, ContentStore(home / "content", self.config.store),
                                       refusals=self.refusals)
         self.jobs: dict[str, JobRun] = {}
+        self.receipts = ReceiptBook(self.transport.peer_id)   # this node's work receipts (jobs/reputation.py)
         # peers of lost links asked directly; a refusal breaks the pipelines of their jobs (jobs/liveness.py)
         self.deaths = DeathProbes(self.transport, self.config.probes, on_dead=self._on_dead)
         self._offers: dict[str, float] = {}          # job -> when accepted (until its first start)
@@ -230,6 +234,8 @@ class NodeJobService:
             via = req.get("via")
             return await self._offer(peer, env, via if isinstance(via, str) else None)
         job_id = job_proto.str_field(req, "job", op, limit=64)
+        if op == "receipts":   # asked before an offer: the job need not be known here
+            return {"ok": True, "receipts": self.receipts.shown()}
         run = self.jobs.get(job_id)
         if op == "status":
             if run is None:
@@ -245,6 +251,10 @@ class NodeJobService:
             return {"ok": True}
         if op == "start":
             return self._start(peer, run, req)
+        if op == "receipt":    # only from the publisher of a job this node ran, about that job
+            r = decode_receipt(req.get("receipt"))
+            ok = peer == run.publisher == r.issuer and r.job == job_id and self.receipts.add(r)
+            return {"ok": ok} if ok else {"ok": False, "error": "not a receipt of this node's work signed by the job's publisher"}
         if not member and peer != self.transport.peer_id:
             return {"ok": False, "error": f"{op} from a peer that is no member of job {job_id}"}
         if op == "halt":

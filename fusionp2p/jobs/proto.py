@@ -33,9 +33,10 @@ from fusionp2p.wire.protocols import JOB
 log = logging.getLogger(__name__)
 
 MAX_JOB_FRAME = 8 * 1024 * 1024        # a snapshot of a large swarm fits; blobs never travel here
-# claims, bundle, stamps and verdict: verified stages between the members (jobs/verified.py)
+# claims, bundle, stamps and verdict: verified stages between the members (jobs/verified.py); receipt and receipts:
+# work receipts for reputation admission (jobs/reputation.py)
 OPS = ("offer", "start", "cancel", "status", "report", "halt", "keep", "done", "replan", "end", "claims", "bundle",
-       "stamps", "verdict")
+       "stamps", "verdict", "receipt", "receipts")
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]   # (remote peer, request) -> reply
 

@@ -41,6 +41,7 @@ import trio
 from fusionp2p.data.file_shards import FileRange
 from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
+from fusionp2p.jobs import reputation
 from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
 from fusionp2p.jobs.checkpoint import decode_state, save_stage, stage_path
 from fusionp2p.jobs.content import ContentService
@@ -63,6 +64,7 @@ from fusionp2p.jobs.progress import ProgressBook
 from fusionp2p.jobs.rebalance import calibrated
 from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
+from fusionp2p.jobs.reputation import RECEIPT_TIMEOUT
 from fusionp2p.jobs.spec import JobSpec, decode_signed
 from fusionp2p.net.addrs import GLOBAL, LOOPBACK, PRIVATE, peer_dial_addrs
 from fusionp2p.net.identity import verify
@@ -249,6 +251,10 @@ class JobDriver:
                             break
                         except (PeerUnavailable, FusionError) as exc:
                             log.debug("dial %s at %s: %s", short_peer(peer), a, exc)
+                # an open swarm's admission: the work the node did for publishers we trust (TrainConfig.min_work)
+                if why := await reputation.admitted(self.transport, peer, built.spec, timeout=cfg.start_timeout):
+                    refused[peer] = why
+                    return
                 reply = await job_proto.request(self.transport, peer, {"op": "offer", "envelope": built.envelope},
                                                 timeout=cfg.offer_timeout)
             except (PeerUnavailable, RemoteProtocolError) as exc:
@@ -470,6 +476,9 @@ class JobDriver:
             # an EvalProgress, not a StepProgress of a step past the last
             self._emit(EvalProgress(job=self.job, step=self.steps, epoch=st.epoch, loss=st.final_loss, at=time.time()))
         self._state(JobState.DONE)
+        if self.built is not None:   # the members' signed work receipts (jobs/reputation.py)
+            with trio.move_on_after(RECEIPT_TIMEOUT):
+                await reputation.pay(self.transport, self.built.spec, st.members, timeout=RECEIPT_TIMEOUT)
 
     async def _fetch_stage(self, holders: tuple[str, ...], h: str, stage: int, step: int) -> None:
         with trio.fail_after(self.config.fetch_timeout):

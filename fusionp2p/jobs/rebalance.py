@@ -15,7 +15,11 @@ re-plans at a step boundary when the plan for the scaled profiles is
 predicted ``gain`` faster than the plan in force under the same profiles (:func:`rebalanced`). The
 members elect the new plan from the leader's snapshot, which carries the scaled profiles, as for any
 re-plan. A member can lie about its speed as it can about its start-up benchmark; the scale is bounded
-(``MAX_SCALE``) so that one answer cannot move a profile by more than that factor either way.
+(``MAX_SCALE``) so that one answer cannot move a profile by more than that factor either way, and a
+member's own figure is not taken over its neighbours' measurement (:func:`bounded`): replicas of a stage
+that re-deal in band measure each other's seconds per micro-batch from when their averaging parts arrive
+(``train/claims.py``) and answer them too (``peers_s``); a member whose own figure the lower median of the
+others' contradicts (faster by more than ``claims.SLACK``) is planned by the measured one.
 
 A speed measured in one job also serves the next ones of the same model: when a member's job ends on a
 single-stage plan (:func:`epoch_speed` says why not a pipeline stage), it works out its own factor
@@ -34,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from fusionp2p.graph import OpDAG
 from fusionp2p.jobs.build import job_cost_model, plan_for_snapshot
@@ -42,6 +47,7 @@ from fusionp2p.plan import Plan, Snapshot
 from fusionp2p.plan.estimator import CostModel, compute_rate
 from fusionp2p.plan.predict import predict
 from fusionp2p.train import deal
+from fusionp2p.train.claims import SLACK
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.types import DeviceProfile
 
@@ -74,6 +80,31 @@ def speed_factors(cm: CostModel, plan: Plan, members: Mapping[str, DeviceProfile
             if prof is not None and t is not None and t > 0 and math.isfinite(t) and work > 0:
                 out[peer] = min(MAX_SCALE, max(1.0 / MAX_SCALE, work * over / compute_rate(prof, cm.config) / t))
     return out
+
+
+MAX_REPORTED = 1024   # peers one member's answer may report figures of
+
+
+def bounded(own: Mapping[str, float], answers: Mapping[str, Mapping[str, Any]], *, slack: float = SLACK
+            ) -> tuple[dict[str, float], tuple[str, ...]]:
+    """Each member's seconds per micro-batch to plan by: its *own* figure, unless the lower median of what the
+    other members measured of it (``peers_s`` in their status *answers*) is slower by more than *slack*; and
+    the members so contradicted. Bounded trust: a claim never outweighs the measurements of it."""
+    seen: dict[str, list[float]] = {}
+    for reporter, ans in answers.items():
+        peers = ans.get("peers_s")
+        if not isinstance(peers, dict):
+            continue
+        for p, s in list(peers.items())[:MAX_REPORTED]:
+            if p != reporter and p in own and isinstance(s, float) and math.isfinite(s) and s > 0:
+                seen.setdefault(p, []).append(s)
+    out, liars = dict(own), []
+    for p, v in seen.items():
+        m = sorted(v)[(len(v) - 1) // 2]
+        if m > own[p] * (1.0 + slack):
+            out[p] = m
+            liars.append(p)
+    return out, tuple(sorted(liars))
 
 
 def typical(factors: Mapping[str, float]) -> float:
@@ -146,5 +177,5 @@ def rebalanced(spec: JobSpec, dag: OpDAG, plan: Plan, snap: Snapshot, micro_s: M
     return factors, trial, new, base
 
 
-__all__ = ["MAX_SCALE", "SPEED_MIN_MICROS", "calibrated", "epoch_speed", "own_speed", "rebalanced", "redeals_in_band",
+__all__ = ["MAX_SCALE", "bounded", "SPEED_MIN_MICROS", "calibrated", "epoch_speed", "own_speed", "rebalanced", "redeals_in_band",
            "same_layout", "scale_profile", "speed_factors", "typical"]

@@ -133,7 +133,7 @@ class JobRun(Leading, Linking):
         self.offered_by = ""            # the member that first offered us the job as a joiner
         self.offerers: set[str] = set()  # every member that offered it (a later leader offers it again)
         self.book = ProgressBook(job=self.job_id, steps=self.spec.config.steps)
-        self.suspects = Suspects(self.spec.config.allow_members)   # allow-list, outlier replicas (jobs/suspects.py)
+        self.suspects = Suspects.of(self.spec)   # allow-list, standing, outlier replicas (jobs/suspects.py)
         self.final: dict[int, tuple[str, tuple[str, ...]]] = {}   # stage -> final state file (hash, holders)
         self.final_losses: dict[int, float] = {}                  # replica -> its final evaluation loss
         self.weights = WeightFetches()                            # the published weight pieces this node fetched
@@ -192,7 +192,7 @@ class JobRun(Leading, Linking):
             return f"epoch {e} already started (this node is in epoch {self.epoch})"
         if self.me not in req.snapshot.members:
             return "the snapshot does not name this node"
-        if unlisted := self.suspects.unlisted(req.snapshot.members):
+        if unlisted := self.suspects.starting(req.snapshot.members):
             return f"the snapshot names {len(unlisted)} node(s) outside the job's allow-list (TrainConfig.allow_members)"
         if convicted := sorted(set(req.snapshot.members) & set(self.suspects.convicted)):
             # a convicted member (jobs/verified.py) that still thinks it leads cannot bring itself back
@@ -249,8 +249,8 @@ class JobRun(Leading, Linking):
         out: dict[str, Any] = {"epoch": self.epoch, "step": w.completed if w is not None else -1,
                                "stage": self.role[0] if self.role else -1}
         if w is not None and w.busy_micros > 0:
-            # forward + backward seconds per micro-batch this epoch (the leader re-balances by it; jobs/rebalance.py)
-            out["micro_s"], out["micros"] = w.busy_s / w.busy_micros, w.busy_micros
+            # forward + backward seconds per micro-batch this epoch, its own and its replica peers' as measured
+            out.update(w.speed_report())   # (the leader re-balances by them; jobs/rebalance.py)
         return out
 
     def on_event(self, sender: str, ev: ProgressEvent) -> None:

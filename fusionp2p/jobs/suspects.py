@@ -11,6 +11,9 @@ exclusion does not itself start a re-plan (the averaging already runs without it
 The job's allow-list (``TrainConfig.allow_members``, a private swarm's Sybil admission) is kept here too:
 ``admits`` is what ``Leading._alive`` and the leader's offers to joiners ask, and ``unlisted`` what a member
 checks before it starts an epoch (``JobRun.offer_start``); the publisher offers the job to listed nodes only.
+An open swarm's admission by reputation (``TrainConfig.min_work``, ``jobs/reputation.py``) is kept here as
+well: ``admits`` also asks that a peer's standing was shown to this node (``proven``), or that it is a member
+of a snapshot this node accepted to start (``vouch``: the publisher or an elected leader checked it).
 
 A stage replica convicted by a spot-check (``train/verify.py``: a checker recomputed one of its sampled
 micro-batches and got other outputs) is excluded at once on the evidence, a :class:`~fusionp2p.train.verify.Verdict`
@@ -31,6 +34,8 @@ from collections.abc import Iterable, Sequence
 
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.jobs.events import AveragingOutlier, ProgressEvent, StageConvicted
+from fusionp2p.jobs.reputation import Admission, admission_of
+from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.plan.plan import Plan
 from fusionp2p.train.verify import Verdict, decode_verdict, encode_verdict
 from fusionp2p.types import short_peer
@@ -41,15 +46,52 @@ log = logging.getLogger(__name__)
 class Suspects:
     """Reports of outlying replicas, per suspect, and the suspects excluded (see the module docstring)."""
 
-    def __init__(self, allow: Iterable[str] = ()) -> None:
+    def __init__(self, allow: Iterable[str] = (), admission: Admission | None = None) -> None:
         self.reports: dict[str, set[str]] = {}
         self.excluded: set[str] = set()
         self.convicted: dict[str, int] = {}   # stage replica convicted by a spot-check -> the convicted step
         self.allow = frozenset(allow)   # TrainConfig.allow_members: empty = any node
+        self.admission = admission or Admission()   # TrainConfig.min_work and the issuers it trusts
+        self.standing: dict[str, int] = {}          # the standing each peer showed this node (micro-batches)
+        self.vouched: set[str] = set()              # members of the snapshots this node accepted to start
 
     def admits(self, peer: str) -> bool:
-        """Whether *peer* may be a member of the next plan: on the allow-list (if any), not excluded."""
+        """Whether *peer* may be a member of the next plan: on the allow-list (if any), of the standing the
+        job requires (if any), not excluded."""
+        return (not self.allow or peer in self.allow) and self.stands(peer) and peer not in self.excluded
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> Suspects:
+        """A job's: its allow-list, and its standing requirement with the issuers its publisher trusts."""
+        return cls(spec.config.allow_members, admission_of(spec))
+
+    def starting(self, members: Iterable[str]) -> list[str]:
+        """The *members* of a snapshot this node is asked to start that are outside the allow-list
+        (:meth:`unlisted`); none: the node starts it, and vouches for them (:meth:`vouch`)."""
+        members = list(members)
+        out = self.unlisted(members)
+        if not out:
+            self.vouch(members)
+        return out
+
+    def eligible(self, peer: str) -> bool:
+        """Whether *peer* may be asked to join: on the allow-list (if any), not excluded (its standing is
+        asked before the offer: ``reputation.admitted``)."""
         return (not self.allow or peer in self.allow) and peer not in self.excluded
+
+    def stands(self, peer: str) -> bool:
+        """Whether *peer* showed the work the job requires (``TrainConfig.min_work``), or was vouched for."""
+        return (not self.admission.required or peer in self.vouched
+                or self.standing.get(peer, 0) >= self.admission.min_work)
+
+    def proven(self, peer: str, standing: int) -> bool:
+        """*peer* showed receipts worth *standing* micro-batches (``reputation.ask_standing``); whether it stands."""
+        self.standing[peer] = standing
+        return self.stands(peer)
+
+    def vouch(self, members: Iterable[str]) -> None:
+        """The members of a snapshot this node accepted to start: admitted by whoever made it."""
+        self.vouched.update(members)
 
     def unlisted(self, members: Iterable[str]) -> list[str]:
         """The *members* (of a snapshot a node is asked to start) outside the allow-list."""

@@ -62,7 +62,6 @@ from dataclasses import dataclass
 import torch
 import trio
 
-from fusionp2p import device as dev
 from fusionp2p.average.allreduce import PHASES, AllReduceRound, Finished, Reduced, RoundMsg, RoundResult, Send
 from fusionp2p.average.outer import OuterConfig, OuterOptimizer
 from fusionp2p.average.robust import ClipBook, RobustConfig, clipped_by_majority
@@ -75,6 +74,12 @@ from fusionp2p.train.averager_wire import KIND, _encode
 from fusionp2p.train.averager_wire import from_message as from_message  # re-exported: the wire API
 from fusionp2p.train.averager_wire import to_message as to_message
 from fusionp2p.train.config import CO2_WIRES
+from fusionp2p.train.flat import flatten as flatten  # re-exported: the flat-vector API
+from fusionp2p.train.flat import load_anchor_ as load_anchor_
+from fusionp2p.train.flat import load_flat_ as load_flat_
+from fusionp2p.train.flat import load_slice_ as load_slice_
+from fusionp2p.train.flat import read_ranges as read_ranges
+from fusionp2p.train.flat import read_slice as read_slice
 from fusionp2p.types import AveragingStats
 
 log = logging.getLogger(__name__)
@@ -132,95 +137,7 @@ class BoundaryResult:
     ranges: tuple[tuple[int, int], ...] = ()
     fragment: int | None = None
     speeds: tuple[tuple[str, float], ...] = ()   # the consumed round's owners' speeds (RoundResult.speeds)
-
-
-def flatten(params: torch.Tensor | Iterable[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """A NEW flat fp32 copy of *params* (never a view of live memory), in host memory: the averaging
-    state lives on the host, where the peers' parts arrive, whatever device the parameters are on.
-    Written into *out* (a flat fp32 vector of the right size, e.g. a recycled one) when given."""
-    if isinstance(params, torch.Tensor):
-        host = dev.to_host([params])[0].reshape(-1)
-        return host.to(torch.float32, copy=True) if out is None else out.copy_(host)
-    pieces = [p.reshape(-1).to(torch.float32) for p in dev.to_host(list(params))]
-    return torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
-
-
-def load_flat_(params: Iterable[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy the flat vector *flat* into *params* in place (sizes must add up)."""
-    off = 0
-    with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            p.copy_(flat[off : off + n].view_as(p))
-            off += n
-    if off != flat.numel():
-        raise ValueError(f"flat vector has {flat.numel()} elements, parameters {off}")
-
-
-def _pieces(params: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return [params.reshape(-1)] if isinstance(params, torch.Tensor) else [p.reshape(-1) for p in params]
-
-
-def read_slice(params: torch.Tensor | Iterable[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-    """A NEW fp32 copy of the elements ``[lo, hi)`` of the flattened *params*."""
-    out = torch.empty(hi - lo, dtype=torch.float32)
-    off = 0
-    for p in _pieces(params):
-        a, b = max(lo, off), min(hi, off + p.numel())
-        if a < b:
-            out[a - lo:b - lo] = p.detach()[a - off:b - off].to(torch.float32)
-        off += p.numel()
-    if hi > off:
-        raise ValueError(f"slice [{lo}, {hi}) beyond the {off} parameters")
-    return out
-
-
-def load_slice_(params: torch.Tensor | Iterable[torch.Tensor], lo: int, values: torch.Tensor) -> None:
-    """Copy *values* into the elements ``[lo, lo + len)`` of the flattened *params*, in place."""
-    hi = lo + values.numel()
-    off = 0
-    with torch.no_grad():
-        for p in ([params] if isinstance(params, torch.Tensor) else params):
-            n = p.numel()
-            a, b = max(lo, off), min(hi, off + n)
-            if a < b:
-                vals = values[a - lo:b - lo].to(p.dtype)
-                if p.is_contiguous():
-                    p.view(-1)[a - off:b - off] = vals
-                else:   # a strided parameter: write through a flat copy
-                    tmp = p.detach().reshape(-1).clone()
-                    tmp[a - off:b - off] = vals
-                    p.copy_(tmp.view_as(p))
-            off += n
-    if hi > off:
-        raise ValueError(f"slice [{lo}, {hi}) beyond the {off} parameters")
-
-
-def read_ranges(params: torch.Tensor | Iterable[torch.Tensor], ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """A NEW fp32 copy of the flat *ranges* of *params*, concatenated."""
-    params = params if isinstance(params, torch.Tensor) else list(params)
-    if len(ranges) == 1:
-        return read_slice(params, *ranges[0])
-    return torch.cat([read_slice(params, lo, hi) for lo, hi in ranges]) if ranges else torch.zeros(0)
-
-
-def load_anchor_(params: torch.Tensor | Iterable[torch.Tensor], anchor: torch.Tensor,
-                 ranges: Sequence[tuple[int, int]] = ()) -> None:
-    """Load a :class:`BoundaryResult`'s ``anchor``: into the flat *ranges* (one after the other), or
-    the whole vector when *ranges* is empty."""
-    params = params if isinstance(params, torch.Tensor) else list(params)
-    if not ranges:
-        if isinstance(params, torch.Tensor):
-            load_slice_(params, 0, anchor)
-        else:
-            load_flat_(params, anchor)
-        return
-    off = 0
-    for lo, hi in ranges:
-        load_slice_(params, lo, anchor[off:off + hi - lo])
-        off += hi - lo
-    if off != anchor.numel():
-        raise ValueError(f"{anchor.numel()} values for ranges of {off} elements")
+    arrivals: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()   # ... and arrivals (RoundResult.arrivals)
 
 
 def round_buffer_pool(round_elems: int, replicas: int, *, bf16: bool) -> BufferPool:
@@ -262,6 +179,7 @@ class _Round:
         self.mean_only = mean_only  # publish the plain mean, no outer step (streaming finalize)
         self.done = trio.Event()
         self.result: RoundResult | None = None
+        self.launched_at = trio.current_time()   # when this replica's own part was ready (its step ended)
 
 
 class ReplicaAverager:
@@ -325,6 +243,9 @@ class ReplicaAverager:
         self._inflight: deque[_Round] = deque()   # streaming: the fragment rounds in flight, oldest first
         self._dead: set[str] = set()
         self._stash: dict[int, list[tuple[str, RoundMsg]]] = defaultdict(list)
+        # re-dealing replicas: when each peer's scatter part of a round arrived (train/claims.py checks
+        # the speeds by them); one entry per round and peer, dropped as the rounds before it start
+        self._arrived: dict[int, dict[str, float]] = defaultdict(dict)
         self._events_send, self._events_recv = trio.open_memory_channel[_Event](1024)
         self._queues: dict[str, trio.MemorySendChannel[TensorMessage]] = {}
         self._nursery: trio.Nursery | None = None
@@ -463,7 +384,7 @@ class ReplicaAverager:
             return None, BoundaryResult(boundary=b, anchor=None, consumed_round=rnd.round_id, launched_round=None,
                                         reason="not finite", ranges=ranges, fragment=f)
         return new, BoundaryResult(boundary=b, anchor=new, consumed_round=rnd.round_id, launched_round=None,
-                                   ranges=ranges, fragment=f, speeds=r.speeds)
+                                   ranges=ranges, fragment=f, speeds=r.speeds, arrivals=r.arrivals)
 
     def _launch_fragment(self, f: int, snap: torch.Tensor, boundary: int, lr: float | None, *, mean_only: bool = False,
                          after: _Round | None = None) -> _Round:
@@ -583,7 +504,9 @@ class ReplicaAverager:
                         d = torch.sub(shard.to(torch.float32), base[1][a.lo:a.hi])
                         gather_q.append(d.to(torch.bfloat16))
                         shard = d.copy_(gather_q[0]).add_(base[1][a.lo:a.hi])
-                    todo.extend(sm.publish(shard, scalar, self.speed, a.clipped))
+                    arrived = [(self.me, 0.0)] + [(p, t - rnd.launched_at) for p, t in self._arrived.pop(rnd.round_id, {}).items()
+                               if p in a.contributors] if self.speed else []
+                    todo.extend(sm.publish(shard, scalar, self.speed, a.clipped, arrived))
                 else:
                     result = a.result
 
@@ -593,6 +516,8 @@ class ReplicaAverager:
             d = torch.sub(snap, base[1], out=self._vector(n_elems))
             scatter_q.append(d.to(torch.bfloat16))
             snap = d.copy_(scatter_q[0]).add_(base[1])   # base + q, as above
+        for old in [k for k in self._arrived if k < rnd.round_id]:
+            del self._arrived[old]
         await act(sm.start(snap, self.weight))
         for peer in sorted(self._dead & set(self.alive)):
             await act(sm.peer_lost(peer))
@@ -644,6 +569,10 @@ class ReplicaAverager:
                         peer, self.clips.config.strikes, self.clips.config.window)
             self.dropped_outliers.append(peer)
             self._dead.add(peer)
+
+    def peer_of(self, name: str) -> str:
+        """The remote peer id of replica *name* (``r<k>``; itself when not a channel's)."""
+        return self._channels[name].remote_peer if name in self._channels else name
 
     def new_outliers(self) -> tuple[str, ...]:
         """The replicas (remote peer ids) dropped as outliers since the last call (the worker's reports)."""
@@ -716,6 +645,8 @@ class ReplicaAverager:
                 except RemoteProtocolError as exc:
                     log.warning("averaging: malformed message from %s: %s", peer, exc)
                     break
+                if msg.phase == "scatter" and abs(msg.round_id - self._next_round) <= 2 * self.config.outer.tau + 2:
+                    self._arrived[msg.round_id].setdefault(peer, trio.current_time())
                 await self._events_send.send(("msg", peer, msg))
         except (PeerUnavailable, trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError) as exc:
             log.info("averaging: channel to %s ended: %r", peer, exc)

@@ -10,7 +10,7 @@ import torch
 from fusionp2p.average.allreduce import RoundMsg
 from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.net.channel import TensorMessage
-from fusionp2p.wire.check import U63, as_float, as_int, as_list, as_map, as_str
+from fusionp2p.wire.check import U63, as_float, as_int, as_list, as_map, as_pair_list, as_str
 
 KIND = "avg"
 MAX_FRAGMENTS = 1 << 20   # a fragment index on the wire is below this (streaming: one fragment per tau)
@@ -26,15 +26,19 @@ def to_message(job: str, stage: int, msg: RoundMsg) -> TensorMessage:
         meta["b"] = msg.base
     if msg.clipped:                # robust reduction: the ranks the owner clipped (none: the part keeps its bytes)
         meta["c"] = list(msg.clipped)
+    if msg.arrived:                # re-dealing replicas: when the owner got each rank's scatter part
+        meta["a"] = [[r, t] for r, t in msg.arrived]
     return TensorMessage(job=job, kind=KIND, stage=stage, step=msg.round_id, name=msg.phase, meta=meta, tensors=(msg.data,))
 
 
 def from_message(tm: TensorMessage) -> RoundMsg:
     """Decode a peer's averaging message; anything malformed raises RemoteProtocolError."""
     w = "averaging message"
-    m = as_map(tm.meta, w, required=("epoch", "lo", "hi", "w", "s"), optional=("f", "b", "v", "c"))
+    m = as_map(tm.meta, w, required=("epoch", "lo", "hi", "w", "s"), optional=("f", "b", "v", "c", "a"))
     clipped = tuple(as_int(r, f"{w} clipped rank", lo=0, hi=MAX_FRAGMENTS) for r in as_list(m["c"], f"{w} clipped",
                                                                                           max_len=1024)) if "c" in m else ()
+    arrived = tuple((as_int(r, f"{w} arrival rank", lo=0, hi=MAX_FRAGMENTS), as_float(t, f"{w} arrival time"))
+                    for r, t in as_pair_list(m["a"], f"{w} arrivals", max_len=1024, arity=2)) if "a" in m else ()
     fragment = as_int(m["f"], f"{w} fragment", lo=0, hi=MAX_FRAGMENTS - 1) if "f" in m else None
     base = as_int(m["b"], f"{w} base", lo=0, hi=U63) if "b" in m else None
     lo, hi = as_int(m["lo"], f"{w} lo", lo=0, hi=U63), as_int(m["hi"], f"{w} hi", lo=0, hi=U63)
@@ -46,7 +50,7 @@ def from_message(tm: TensorMessage) -> RoundMsg:
     return RoundMsg(round_id=tm.step, epoch=as_str(m["epoch"], f"{w} epoch", max_len=64), phase=tm.name, lo=lo, hi=hi,
                     data=tm.tensors[0], weight=as_float(m["w"], f"{w} weight"), scalar=as_float(m["s"], f"{w} scalar"),
                     speed=as_float(m["v"], f"{w} speed") if "v" in m else 0.0, fragment=fragment, base=base,
-                    clipped=clipped)
+                    clipped=clipped, arrived=arrived)
 
 
 def _encode(msg: RoundMsg, base: tuple[int, torch.Tensor] | None, scatter_q: torch.Tensor | None,

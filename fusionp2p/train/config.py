@@ -93,7 +93,8 @@ class CO2:
     wire: str = field(default="bf16", metadata={"wire": {"choices": CO2_WIRES, "omit_default": True}})
     # each shard owner reduces the replicas' parts by CenteredClip (average/robust.py): the exact mean when no
     # part is an outlier, a bounded shift when one lies; a replica clipped too often leaves the averaging.
-    # False: the plain mean. Left out of the wire map at its default
+    # Re-dealing replicas also check each other's speed claims against when their parts arrive
+    # (train/claims.py). False: the plain mean, speeds as claimed. Left out of the wire map at its default
     robust: bool = field(default=True, metadata={"wire": {"omit_default": True}})
 
     def __post_init__(self) -> None:
@@ -249,6 +250,12 @@ class TrainConfig:
     # its default
     allow_members: tuple[str, ...] = field(default=(), metadata={"wire": {"omit_default": True, "max_len": 4096,
                                                                           "item": {"max_len": 128, "min_len": 1}}})
+    # reputation-based admission for open swarms (jobs/reputation.py): a member must show signed receipts of at
+    # least min_work micro-batches of work in finished jobs of issuers the publisher trusts (itself and
+    # trust_issuers). 0: no requirement. Left out of the wire map at their defaults
+    min_work: int = field(default=0, metadata={"wire": {"omit_default": True}})
+    trust_issuers: tuple[str, ...] = field(default=(), metadata={"wire": {"omit_default": True, "max_len": 256,
+                                                                          "item": {"max_len": 128, "min_len": 1}}})
     # activation recomputation: a stage keeps only its received tensors per micro-batch in flight and runs its
     # forward again in backward (about one more forward of compute). "auto": the planner turns to it only when
     # no layout fits the members' memory without it, and then only the stages over their node's offer use it;
@@ -271,6 +278,13 @@ class TrainConfig:
             raise ConfigError("allow_members must be a list of distinct peer ids (the nodes' 12D3KooW... ids), "
                               f"got {allow!r}"[:300])
         object.__setattr__(self, "allow_members", tuple(allow))
+        _pos_int("min_work", self.min_work, minimum=0)
+        trust = self.trust_issuers
+        if isinstance(trust, str) or not isinstance(trust, tuple | list) or \
+                not all(isinstance(p, str) and 0 < len(p) <= 128 for p in trust) or len(set(trust)) != len(trust):
+            raise ConfigError("trust_issuers must be a list of distinct peer ids (publishers whose work receipts "
+                              f"count), got {trust!r}"[:300])
+        object.__setattr__(self, "trust_issuers", tuple(trust))
         _pos_int("eval_every", self.eval_every, minimum=0)
         if self.on_nonfinite not in NONFINITE:
             raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")

@@ -18,7 +18,7 @@ The byte layout (safetensors, never pickle) is in ``jobs/checkpoint.py``.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,4 +148,24 @@ def load_optimizer_tensors(
     opt.load_state_dict({"state": state, "param_groups": pg})
 
 
-__all__ = ["StageState", "load_optimizer_tensors", "merge_states", "momentum_slices", "optimizer_tensors"]
+def stream_segments(layout: Sequence[tuple[str, int]], tied: Collection[str]) -> list[tuple[int, int]]:
+    """Streaming CO2's segments of a stage's flat vector (*layout*: its parameters' names and sizes in
+    order): every *tied* parameter alone, the runs between them whole. A tied parameter's elements then
+    fall in the same fragments on every stage that holds a copy (the fragment cut of a segment depends only
+    on its size), so the copies, averaged at the same steps with the same values, stay identical."""
+    out: list[tuple[int, int]] = []
+    off, run = 0, 0
+    for name, n in layout:
+        if name in tied:
+            if off > run:
+                out.append((run, off))
+            out.append((off, off + n))
+            run = off + n
+        off += n
+    if off > run or not out:
+        out.append((run, off))
+    return out
+
+
+__all__ = ["StageState", "load_optimizer_tensors", "merge_states", "momentum_slices", "optimizer_tensors",
+           "stream_segments"]

@@ -51,6 +51,7 @@ from fusionp2p.net.channel import TensorChannel, TensorMessage
 from fusionp2p.swarm.device import slowed
 from fusionp2p.train.averager import AveragerConfig, ReplicaAverager, load_anchor_, open_replica_averager
 from fusionp2p.train.boundary import check_tied_message, decode_boundary, encoded
+from fusionp2p.train.claims import SpeedCheck
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.train.deal import REDEAL_MIN_MICROS, Deal, redeals_in_band
 from fusionp2p.train.guard import StepGuard, all_finite, pipeline_budget, replica_budget
@@ -71,7 +72,13 @@ from fusionp2p.train.schedule import (
     StageSchedule,
 )
 from fusionp2p.train.spot import StepHooks
-from fusionp2p.train.state import StageState, load_optimizer_tensors, momentum_slices, optimizer_tensors
+from fusionp2p.train.state import (
+    StageState,
+    load_optimizer_tensors,
+    momentum_slices,
+    optimizer_tensors,
+    stream_segments,
+)
 from fusionp2p.types import AveragingStats
 
 log = logging.getLogger(__name__)
@@ -205,6 +212,8 @@ class StageWorker:
         self._deal = Deal(ctx.micro, ctx.micro_period, replica=ctx.replica, replicas=ctx.replicas,
                           micro_batches=ctx.config.micro_batches)
         self._redealing = self._outer is not None and redeals_in_band(ctx.config.co2, ctx.micro, self.prog.num_stages)
+        # ... by the speeds as checked against when each replica's parts arrive (train/claims.py)
+        self.claims = SpeedCheck(enabled=ctx.config.co2 is not None and ctx.config.co2.robust)
         # forward + backward seconds and micro-batches of this epoch's steps after its first (which warms up):
         # the speed this replica trains at, which the job's leader may re-balance the micro-batches by
         # (jobs/rebalance.py). Not the optimizer step nor the all-reduce: they do not scale with the count
@@ -213,6 +222,16 @@ class StageWorker:
         self._first_done: tuple[float, int] | None = None   # (when, completed) at the end of this epoch's first step
         self._pipe_budget = pipeline_budget(self.prog, self._deal.most)
         self._avg_budget = replica_budget(self.prog, len(ctx.peers), sum(p.numel() for p in self._params))
+
+    def speed_report(self) -> dict[str, Any]:
+        """This replica's forward + backward seconds per micro-batch (``micro_s``, over ``micros``; its own
+        figure) and, by peer id, the other replicas' as the averaging rounds measured them (``peers_s``:
+        ``train/claims.py``); the leader re-balances by both (``jobs/rebalance.py:bounded``)."""
+        out: dict[str, Any] = {"micro_s": self.busy_s / self.busy_micros, "micros": self.busy_micros} if self.busy_micros else {}
+        me, avg = f"r{self.ctx.replica}", self._avg
+        if avg is not None and self.claims.measured:
+            out["peers_s"] = {avg.peer_of(n): s for n, s in self.claims.measured.items() if n != me}
+        return out
 
     def seconds_left(self) -> float | None:
         """The job's steps left at the rate this epoch has trained since its first step (which warms up);
@@ -297,7 +316,7 @@ class StageWorker:
                 momentum = restored.momentum_vector(self._layout()) if restored is not None else None
                 async with open_replica_averager(acfg, peers=sorted([me, *names]), me=me, channels=names,
                                                  initial=self._flat(), momentum=momentum,
-                                                 segments=self._segments()) as avg:
+                                                 segments=stream_segments(self._layout(), {tp.name for tp in self.prog.tied})) as avg:
                     self._avg = avg
                     try:
                         await self._train(avg)
@@ -337,8 +356,9 @@ class StageWorker:
                     avg.speed = self.busy_s / self.busy_micros if measured else 0.0
                     res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
                     self._load_anchor(res.anchor, step, ranges=res.ranges)
+                    self.claims.launched(res.launched_round, self._deal.counts(step))
                     if self._redealing and res.speeds:
-                        self._redeal(res.speeds, step + 1, avg)
+                        self._redeal(self.claims.check(res.consumed_round, res.speeds, res.arrivals), step + 1, avg)
             elif avg is not None and self._outer is not None and ((step + 1) % self._outer.tau == 0 or last):
                 res = await avg.round_boundary(self._params, lr=cfg.lr_at(step))
                 self._load_anchor(res.anchor, step)
@@ -382,25 +402,6 @@ class StageWorker:
             log.warning("stage %d, step %d: averaged anchor is not finite; not loaded", self.prog.stage, step)
             return
         load_anchor_(self._params, anchor, ranges)
-
-    def _segments(self) -> list[tuple[int, int]]:
-        """Streaming CO2's segments of the flat vector: every tied parameter alone, the runs between
-        them whole. A tied parameter's elements then fall in the same fragments on every stage that
-        holds a copy (the fragment cut of a segment depends only on its size), so the copies, averaged
-        at the same steps with the same values, stay identical."""
-        tied = {tp.name for tp in self.prog.tied}
-        out: list[tuple[int, int]] = []
-        off, run = 0, 0
-        for name, n in self._layout():
-            if name in tied:
-                if off > run:
-                    out.append((run, off))
-                out.append((off, off + n))
-                run = off + n
-            off += n
-        if off > run or not out:
-            out.append((run, off))
-        return out
 
     async def _replica_names(self) -> dict[str, TensorChannel]:
         """Name each replica channel by the replica index its far end announces (a one-message hello)."""

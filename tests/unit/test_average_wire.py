@@ -67,6 +67,48 @@ def test_a_gather_part_carries_its_owners_speed_and_a_round_gathers_them() -> No
 GOOD: dict[str, Any] = {"epoch": "e", "lo": 0, "hi": 2, "w": 1.0, "s": 0.0}
 
 
+def test_a_gather_part_carries_when_the_scatter_parts_reached_its_owner() -> None:
+    """Speed claims checked (train/claims.py): an owner's anchor shard names, per rank, when that rank's
+    scatter part reached it ("a", left out when empty), and a complete round hands every owner's figures
+    over by peer id. Ranks out of range, named twice, or times not finite are a bad part."""
+    from fusionp2p.average.allreduce import AllReduceRound, Finished, Reduced, Send
+
+    msg = RoundMsg(round_id=1, epoch="e", phase="gather", lo=0, hi=2, data=torch.zeros(2), arrived=((0, 0.0), (1, 0.25)))
+    assert from_message(to_message("j", 0, msg)).arrived == ((0, 0.0), (1, 0.25))
+    assert "a" not in to_message("j", 0, RoundMsg(round_id=1, epoch="e", phase="gather", lo=0, hi=2,
+                                                  data=torch.zeros(2))).meta
+    peers = ["r0", "r1"]
+    rounds = {p: AllReduceRound(peers=peers, me=p, n_elems=4, round_id=1, epoch="e") for p in peers}
+    inbox: list[tuple[str, str, RoundMsg]] = []
+    done: dict[str, Finished] = {}
+
+    def act(me: str, actions: list[Any]) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                inbox.append((me, a.peer, from_message(to_message("j", 0, a.msg))))
+            elif isinstance(a, Reduced):
+                other = "r1" if me == "r0" else "r0"
+                act(me, rounds[me].publish(a.mean, 0.0, 0.1, (), [(me, 0.0), (other, 0.5)]))
+            elif isinstance(a, Finished):
+                done[me] = a
+
+    for p in peers:
+        act(p, rounds[p].start(torch.ones(4), 1.0))
+    while inbox:
+        src, dst, m = inbox.pop(0)
+        act(dst, rounds[dst].receive(src, m))
+    want = (("r0", (("r0", 0.0), ("r1", 0.5))), ("r1", (("r1", 0.0), ("r0", 0.5))))
+    assert {p: f.result.arrivals for p, f in done.items()} == dict.fromkeys(peers, want)
+    for bad in (((2, 0.0),), ((1, 0.0), (1, 1.0)), ((0, float("inf")),)):
+        r = AllReduceRound(peers=peers, me="r0", n_elems=4, round_id=1, epoch="e")
+        r.start(torch.ones(4), 1.0)
+        with pytest.raises(RemoteProtocolError, match="arrival"):
+            r.receive("r1", RoundMsg(round_id=1, epoch="e", phase="gather", lo=2, hi=4, data=torch.ones(2), arrived=bad))
+    for meta in ({**GOOD, "a": [[0]]}, {**GOOD, "a": [[0, "x"]]}, {**GOOD, "a": [[-1, 0.0]]}, {**GOOD, "a": 3}):
+        with pytest.raises(RemoteProtocolError):
+            from_message(TensorMessage(job="j", kind="avg", meta=meta, tensors=(torch.zeros(2),)))
+
+
 @pytest.mark.parametrize(
     ("meta", "tensors"),
     [

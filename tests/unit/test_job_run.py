@@ -19,7 +19,8 @@ from fusionp2p.net.memory import memory_network
 def _run(transport: object, tmp_path: Path) -> JobRun:
     svc = SimpleNamespace(transport=transport, config=NodeJobConfig(report_timeout=1.0),
                           drop_arrived=lambda *a, **k: None)
-    spec = SimpleNamespace(job_id="j1", config=SimpleNamespace(steps=10, allow_members=()))
+    spec = SimpleNamespace(job_id="j1", publisher="pub", config=SimpleNamespace(steps=10, allow_members=(), min_work=0,
+                                                                             trust_issuers=()))
     return JobRun(svc, SimpleNamespace(spec=spec), "pub")  # type: ignore[arg-type]
 
 

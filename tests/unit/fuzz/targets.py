@@ -393,8 +393,20 @@ def _averaging() -> Target:
     from fusionp2p.wire import tensor_frame as tf
 
     rm = RoundMsg(round_id=3, epoch="e1", phase="scatter", lo=0, hi=4, data=torch.ones(4), weight=1.0, scalar=0.5)
+    # a re-dealing owner's anchor shard: its speed, whom it clipped, when the scatter parts reached it (issue 46)
+    gm = RoundMsg(round_id=3, epoch="e1", phase="gather", lo=0, hi=4, data=torch.ones(4), speed=0.05, clipped=(1,),
+                  arrived=((0, 0.0), (1, 0.25)))
     return Target("train.averager.part", lambda b: from_message(TensorMessage(**tf.decode_message(b))),
-                  (tf.message_bytes(to_message("job1", 0, rm)),))
+                  (tf.message_bytes(to_message("job1", 0, rm)), tf.message_bytes(to_message("job1", 0, gm))))
+
+
+def _work_receipt() -> Target:
+    """A finished job's publisher's signed work receipt, as a node shows it (jobs/reputation.py, issue 46)."""
+    from fusionp2p.jobs.reputation import WorkReceipt, decode_receipt
+
+    r = WorkReceipt(job="0123456789abcdef", member=_identity(0).peer_id, issuer=_identity(1).peer_id, steps=100,
+                    work=800, at=1.7e9, signature=b"\x01" * 64)
+    return Target("jobs.reputation.receipt", decode_receipt, (r.encode(),))
 
 
 def _checkpoint_state() -> Target:
@@ -710,6 +722,6 @@ TARGETS: dict[str, Callable[[], Target]] = {
         _codec, _averaging, _checkpoint_state, _spec_body, _probe_ctrl, _content, _view, _job_message,
         _dht_rankers, _example_manifest, _example_shards, _events_new, _plan_rationale, _reach, _stream_channel,
         _tied_gradient, _node_record, _spec_examples, _dag_weightless, _weight_manifest, _spot_verdict, _spot_lists,
-        _spot_stamps, _spot_bundle,
+        _spot_stamps, _spot_bundle, _work_receipt,
     )
 }
