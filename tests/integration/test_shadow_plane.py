@@ -123,3 +123,15 @@ def test_a_holder_that_sends_other_bytes_is_refused_and_nothing_is_kept(tmp_path
         assert not list((tmp_path / "b").glob("*.tmp"))
 
     _pair(tmp_path, body)
+
+
+@pytest.mark.parametrize("req", [{"link": 5, "size": 3}, {"link": "x" * 129, "size": 3}, {"link": "e0/s", "size": 0},
+                                 {"link": "e0/s", "size": True}, {"link": "e0/s"}, {"link": "", "size": 3},
+                                 {"link": "e0/s", "size": 2**63}])
+def test_a_keep_requests_link_is_checked(req: dict[str, Any]) -> None:
+    from fusionp2p.jobs.node import _keep_link
+
+    assert _keep_link({}) == {}
+    assert _keep_link({"link": "e0/shadow1@7", "size": 12}) == {"link": "e0/shadow1@7", "size": 12}
+    with pytest.raises(RemoteProtocolError):
+        _keep_link(req)
