@@ -11,6 +11,10 @@ predicted size, 1.10-1.15x their offer, the resident size rising at each step's 
 an embedding's steps on fresh threads peaked 338 MiB against 230 MiB priced (parameters, gradient, AdamW
 state, one gradient transient), 243 MiB with one arena. Allocations are few and large (tensors, messages;
 Python's small objects have their own allocator), so one arena's lock costs nothing measurable.
+
+The limit binds arenas made after it is set: a thread that took an arena before keeps it (importing torch
+starts one). The daemon sets it first thing (``cli/main.py``); ``MALLOC_ARENA_MAX=1`` in the environment
+(``LocalCluster``'s node processes, the Docker image) sets it from the process's first allocation.
 """
 
 from __future__ import annotations

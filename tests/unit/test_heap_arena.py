@@ -5,7 +5,9 @@ node takes at its first channel): an embedding's training steps, each micro-batc
 optimizer step on a thread of their own as trio's worker threads run them, peak within a small part of the
 planner's figure for the stage (parameters, gradient, AdamW's two moments, one more gradient for the
 accumulation transient). With an arena per thread the freed transients of each thread stayed in its own
-arena: 338 MiB against 230 MiB priced for a 47 MiB embedding (this test's 16 MiB: about 1.4x)."""
+arena: 338 MiB against 230 MiB priced for a 47 MiB embedding (this test's 16 MiB: about 1.4x). The limit
+holds for arenas made after it is set, so the node sets it before anything else (and ``LocalCluster`` and the
+Docker image set ``MALLOC_ARENA_MAX=1`` for the whole process): a thread that took an arena before keeps it."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import textwrap
 import pytest
 
 _STEPS = textwrap.dedent("""
+    from fusionp2p.net.heap import one_arena
+    one_arena()          # as early as a node can: before torch's import starts a thread that may take an arena
     import threading
     import torch
     from fusionp2p.net.bulk_channel import _keep_freed_heap
