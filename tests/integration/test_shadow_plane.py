@@ -135,3 +135,25 @@ def test_a_keep_requests_link_is_checked(req: dict[str, Any]) -> None:
     assert _keep_link({"link": "e0/shadow1@7", "size": 12}) == {"link": "e0/shadow1@7", "size": 12}
     with pytest.raises(RemoteProtocolError):
         _keep_link(req)
+
+
+def test_a_push_cut_at_the_epochs_end_never_ends_the_epoch(tmp_path: Path) -> None:
+    """The lane's nursery is cancelled while a copy is pushed (the keeper never takes it): only the
+    cancellation leaves the nursery, never the channel's error ("channel stopped" ended a job's epoch)."""
+    from fusionp2p.jobs.shadow import ShadowConfig, Shadows
+
+    async def body(holder: _Svc, keeper: _Svc, a: str, b: str) -> None:
+        h = holder.content.store.put(os.urandom(16 * shadow_plane.CHUNK))
+
+        @dataclass
+        class _Run:
+            svc: _Svc
+            job_id: str = JOB
+
+        shadows = Shadows(_Run(holder), ShadowConfig())   # type: ignore[arg-type]
+        async with trio.open_nursery() as lane:
+            lane.start_soon(shadows._push, b, NAME, h)
+            await keeper.acc.incoming.receive()   # the link is up; nobody reads it: the push waits on its window
+            lane.cancel_scope.cancel()
+
+    _pair(tmp_path, body)
