@@ -15,9 +15,11 @@ FROM python:3.11-slim
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
+# MALLOC_ARENA_MAX=1: one glibc heap arena for the node's threads (fusionp2p/net/heap.py)
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_NO_CACHE_DIR=1
+    PIP_NO_CACHE_DIR=1 \
+    MALLOC_ARENA_MAX=1
 
 # libp2p 0.8.1 depends on fastecdsa, which compiles against GMP: a C compiler, libc headers and
 # libgmp-dev (whose runtime library, libgmp10, the node needs afterwards as well).

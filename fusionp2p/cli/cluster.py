@@ -59,7 +59,8 @@ class LocalCluster:
         d.mkdir(parents=True, exist_ok=True)
         err = open(self.home / f"{name}.log", "wb")   # noqa: SIM115 - closed in stop()
         self._logs.append(err)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.torch_threads)}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.torch_threads),
+               "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "1")}   # from the first malloc (net/heap.py)
         p = subprocess.Popen([sys.executable, "-m", "fusionp2p.cli", *args, "--home", str(d), "--log-level", self.log_level],
                              stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
         self.procs[name] = p

@@ -246,6 +246,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _run_daemon(args: argparse.Namespace) -> int:
+    from fusionp2p.net.heap import one_arena
+
+    one_arena()   # before any thread allocates: a node's memory is what its stage was priced at (net/heap.py)
     import trio
 
     from fusionp2p.swarm.daemon import DaemonConfig, check_home, run_daemon

@@ -273,7 +273,7 @@ class NodeJobService:
                 raise RemoteProtocolError("keep: units must be [start, end]")
             with self.content.store.pinned_to(job_id):   # a replicated checkpoint is kept while the job runs
                 await run.keep(h, job_proto.int_field(req, "step", "keep"), job_proto.int_field(req, "stage", "keep"),
-                               (units[0], units[1]), holder, shadow=req.get("shadow") is True)
+                               (units[0], units[1]), holder, shadow=req.get("shadow") is True, **_keep_link(req))
             if run.state.terminal:
                 self.content.store.release(job_id)   # the job ended while we fetched: only cached from now on
             return {"ok": True}
@@ -493,6 +493,17 @@ class NodeJobService:
         self._arrived[key] = ch
         self._arrival.set()
         self._arrival = trio.Event()
+
+
+def _keep_link(req: dict[str, Any]) -> dict[str, Any]:
+    """The data-plane link a ``keep`` request names for its bytes (jobs/shadow_plane.py), checked; {} if none."""
+    link, size = req.get("link"), req.get("size")
+    if link is None:
+        return {}
+    if not (isinstance(link, str) and 0 < len(link) <= 128 and isinstance(size, int) and not isinstance(size, bool)
+            and 0 < size < 2**63):
+        raise RemoteProtocolError("keep: 'link' must be a link name with its 'size'")
+    return {"link": link, "size": size}
 
 
 def _trim_heap() -> None:

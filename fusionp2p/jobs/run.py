@@ -638,9 +638,9 @@ class JobRun(Leading, Linking):
                            leader=lambda: leader_of(plan.peers, self._alive, standbys=self.members or ()))
 
     async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str, *,
-                   shadow: bool = False) -> None:
+                   shadow: bool = False, **link: Any) -> None:
         """Hold a copy of another member's stage file (we are its keeper) and announce it (jobs/shadow.py)."""
-        await self.shadows.keep(h, step, stage, units, holder, shadow=shadow)
+        await self.shadows.keep(h, step, stage, units, holder, shadow=shadow, **link)
 
     async def _finish(self, plan: Plan, s: int, r: int, worker: StageWorker) -> None:
         """The last step is done here: save the final stage file (replica 0), report to the leader."""

@@ -46,6 +46,7 @@ import trio
 
 from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
+from fusionp2p.jobs import shadow_plane
 from fusionp2p.jobs.checkpoint import StageCheckpointMeta, read_state_meta, state_layout
 from fusionp2p.jobs.events import CheckpointSaved, ProgressEvent
 from fusionp2p.plan import Plan
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+LINK_LINGER = 5.0   # seconds a copy's push may go on after the keeper answered (it closes the link)
 MAX_SHELVED = 64    # stages (unit ranges) a keeper holds shadow copies of for one job: bounds what peers pin here
 
 
@@ -227,11 +229,18 @@ class Shadows:
         run, plan, s = self.run, lane.plan, lane.stage
         store = run.svc.content.store
         units = (plan.stages[s].start, plan.stages[s].end)
+        name = shadow_plane.link_name(plan.epoch, s, step)
         try:
             t1 = trio.current_time()
-            await job_proto.request(run.transport, lane.keeper, {
-                "op": "keep", "job": run.job_id, "hash": h, "step": step, "stage": s, "holder": run.me,
-                "units": list(units), "shadow": True}, timeout=run.svc.config.accept_timeout)
+            async with trio.open_nursery() as pushing:   # the bytes over the data plane (jobs/shadow_plane.py)
+                pushing.start_soon(self._push, lane.keeper, name, h)
+                try:
+                    await job_proto.request(run.transport, lane.keeper, {
+                        "op": "keep", "job": run.job_id, "hash": h, "step": step, "stage": s, "holder": run.me,
+                        "units": list(units), "shadow": True, "link": name, "size": size},
+                        timeout=run.svc.config.accept_timeout)
+                finally:   # a keeper that fetched instead (an older node) never claims the link
+                    pushing.cancel_scope.deadline = trio.current_time() + LINK_LINGER
             lane.cadence.on_copy(size, write_s, trio.current_time() - t1)
             lane.copies += 1
             run._holds(step, units, h, lane.keeper)
@@ -245,6 +254,15 @@ class Shadows:
         finally:
             store.discard(run.job_id, h)   # the keeper holds the copy; our live state is newer
             lane.busy = False
+
+    async def _push(self, keeper: str, name: str, h: str) -> None:
+        """Send copy *h* to *keeper* on the data plane; a failure only logged (the keeper fetches instead)."""
+        try:
+            await shadow_plane.send_copy(self.run.svc, self.run.job_id, keeper, name, h)
+        except Exception as exc:   # groups too: the channel's own nursery wraps a link lost as the epoch ends,
+            # and a background copy must never end its epoch ("pipeline broken ... channel stopped", 4 CLI nodes)
+            log.info("job %s: shadow copy %s… not pushed to %s (%s); it fetches it", self.run.job_id, h[:12],
+                     short_peer(keeper), exc)
 
     async def replicate(self, plan: Plan, s: int, h: str, step: int) -> None:
         """Ask one other member (the keeper) to hold a copy of a (checkpoint or final) stage file, so that it
@@ -265,11 +283,23 @@ class Shadows:
         except (PeerUnavailable, RemoteProtocolError) as exc:
             log.info("checkpoint %s of stage %d not replicated to %s: %s", h[:12], s, keeper[:12], exc)
 
-    async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str, *, shadow: bool) -> None:
+    async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str, *, shadow: bool,
+                   link: str = "", size: int = 0) -> None:
         """Hold a copy of another member's stage file (we are its keeper) and announce it. A shadow copy
-        supersedes the older ones of its stage beyond ``keep``, which leave the store."""
+        supersedes the older ones of its stage beyond ``keep``, which leave the store. With *link* (and its
+        *size*) the holder pushes the bytes on that data-plane link; else, or when the link fails, they are
+        fetched over the content protocol."""
         run = self.run
         with trio.fail_after(run.svc.config.accept_timeout):   # to disk as it comes: never whole in memory
+            if link and 0 < size <= run.svc.config.max_state_bytes:
+                try:
+                    t0 = trio.current_time()
+                    await shadow_plane.receive_copy(run.svc, run.job_id, holder, link, h, size, alive=run._alive)
+                    log.info("job %s: shadow copy %s… of stage %d from %s: %d bytes on the data plane in %.2f s",
+                             run.job_id, h[:12], stage, short_peer(holder), size, trio.current_time() - t0)
+                except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:   # IntegrityError too
+                    log.info("job %s: shadow copy %s… from %s not received on the data plane (%s); fetching it",
+                             run.job_id, h[:12], short_peer(holder), exc)
             await run.svc.content.fetch_to_store(h, max_size=run.svc.config.max_state_bytes, peers=[holder], provide=False)
         with run.svc.content.store.reader(h) as f:
             meta = read_state_meta(f, job=run.job_id)   # a stage file of this job, not any blob

@@ -27,6 +27,7 @@ from fusionp2p.net.admission import BufferBudget
 from fusionp2p.net.aead import Opener, Sealer
 from fusionp2p.net.channel import TensorMessage
 from fusionp2p.net.dataplane_config import PATH_DIRECT, PATH_LIBP2P, PATH_RELAY, DataPlaneConfig
+from fusionp2p.net.heap import one_arena
 from fusionp2p.net.shaping import TokenBucket
 from fusionp2p.net.tensor_stream import BufferPool, RecordReader, RecordWriter, SlotCursor, Stripe
 from fusionp2p.wire import tensor_frame as tf
@@ -784,6 +785,7 @@ def _keep_freed_heap() -> None:
     except (OSError, AttributeError):
         return  # not glibc
     m_trim_threshold, m_mmap_threshold = -1, -3
+    one_arena()   # kept freed memory in one arena, not one per thread (net/heap.py)
     mallopt(m_mmap_threshold, 256 * MiB)
     mallopt(m_trim_threshold, 1024 * MiB)
 

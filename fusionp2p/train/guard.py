@@ -30,10 +30,22 @@ from fusionp2p.net.channel import TensorMessage
 log = logging.getLogger(__name__)
 
 
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on *t*'s device: whether *t* holds no NaN and no infinity. Through its minimum and
+    maximum (one reduction, NaN propagates into both), not ``torch.isfinite(t)``, which builds ``t.abs()`` and
+    two bool masks: 1.77x the tensor at once (measured, 227 MiB over a 128 MiB one), a node's peak over its
+    planned stage memory by that much of its largest gradient (the embedding's) at every step."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t.detach())
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
 def all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
     """True when no tensor holds a NaN or an infinity (None entries are skipped). The flags of tensors on
-    one device are read at once: one device sync a check, not one a tensor."""
-    flags = [torch.isfinite(t).all() for t in tensors if t is not None and t.is_floating_point()]
+    one device are read at once: one device sync a check, not one a tensor; no temporary of a tensor's size
+    (:func:`finite_flag`)."""
+    flags = [finite_flag(t) for t in tensors if t is not None and t.is_floating_point()]
     if not flags:
         return True
     if all(f.device == flags[0].device for f in flags):
@@ -124,4 +136,4 @@ def replica_budget(prog: StageProgram, peers: int, n_params: int) -> MessageBudg
     return MessageBudget(f"stage {prog.stage} replica links", max_messages=count, max_bytes=max(1, count * 4 * n_params))
 
 
-__all__ = ["MessageBudget", "StepGuard", "all_finite", "pipeline_budget", "replica_budget"]
+__all__ = ["MessageBudget", "StepGuard", "all_finite", "finite_flag", "pipeline_budget", "replica_budget"]

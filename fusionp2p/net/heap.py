@@ -1,0 +1,42 @@
+"""One glibc heap arena for the whole process (a node's memory stays what the planner priced).
+
+glibc gives threads that allocate at once heaps (arenas) of their own, up to eight per core, and memory a
+thread frees stays in its arena for that arena's next allocations only. A node's tensors are allocated by
+whichever thread runs them: trio's worker threads (a stage's forward, backward and optimizer step, a new
+one whenever the cached ones are busy) and the data plane's reader threads (each received message). With
+the data plane's heap settings (``bulk_channel._keep_freed_heap``: freed memory is kept, not unmapped), each
+arena kept its own copy of the stage's transients: measured on 4 CLI nodes of ``benchmarks.model_scale``
+(--memory 768MiB, Llama 34.3M), the stages holding the 47 MiB embedding and head peaked 1.14-1.22x their
+predicted size, 1.10-1.15x their offer, the resident size rising at each step's backward; in one process,
+an embedding's steps on fresh threads peaked 338 MiB against 230 MiB priced (parameters, gradient, AdamW
+state, one gradient transient), 243 MiB with one arena. Allocations are few and large (tensors, messages;
+Python's small objects have their own allocator), so one arena's lock costs nothing measurable.
+
+The limit binds arenas made after it is set: a thread that took an arena before keeps it (importing torch
+starts one). The daemon sets it first thing (``cli/main.py``); ``MALLOC_ARENA_MAX=1`` in the environment
+(``LocalCluster``'s node processes, the Docker image) sets it from the process's first allocation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+
+M_ARENA_MAX = -8   # glibc's mallopt parameter
+
+_done = False
+
+
+def one_arena() -> None:
+    """Make every thread allocate from one glibc arena from now on (threads that already have an arena of
+    their own keep it: call this before the process starts its threads). Once per process; glibc only."""
+    global _done
+    if _done:
+        return
+    _done = True
+    with contextlib.suppress(OSError, AttributeError):   # not glibc
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(M_ARENA_MAX, 1)
+
+
+__all__ = ["one_arena"]
