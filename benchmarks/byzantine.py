@@ -1,31 +1,44 @@
-"""One replica of four lies in CO2 averaging: held-out loss with the robust averaging on, and off.
+"""One replica of four lies in CO2 averaging, and one stage lies in its pipeline: held-out loss with the
+defences on, and off.
 
-Four replicas of the GPT-2 reference of benchmarks.convergence (1 stage, ``R = 4``) train in one process
-(one trio loop, each replica's local steps in a worker thread) and average with the product's
+Replicas. Four replicas of the GPT-2 reference of benchmarks.convergence (1 stage, ``R = 4``) train in one
+process (one trio loop, each replica's local steps in a worker thread) and average with the product's
 ``ReplicaAverager`` over the in-memory channel pair (real wire encoding, the bf16 wire), streaming CO2
 with ``CO2()``'s defaults (tau 4, one fragment per step, applied one step late). Each replica draws its own
-micro-batch of 8 (``step * R + r``) a step from the pydoc corpus's first 90%; the held-out loss is taken on its last
-10% with the consensus weights after ``finalize``. Replica 3 is a ``LyingAverager``
-(``fusionp2p.testing.byzantine``) for each attack: ``scale`` (10x its update; ``--scale``), ``signflip``, ``noise`` (at
-its update's norm), ``stale`` (the average of 4 rounds before). Runs:
+micro-batch of 8 (``step * R + r``) a step from the pydoc corpus's first 90%; AdamW at ``LR`` (``--lr``: the
+honest run's best at 40 steps; at convergence's 2e-3 the honest run is under-stepped and every lie that adds
+movement lowered the loss); the held-out loss is taken on its last 10% with the consensus weights after
+``finalize``. Replica 3 is a ``LyingAverager`` (``fusionp2p.testing.byzantine``) for each attack: ``scale``
+(10x its update; ``--scale``), ``signflip``, ``noise`` (at its update's norm), ``stale`` (the average of 4
+rounds before). Runs:
 
 * ``honest`` (defence on) and ``honest-plain`` (defence off, the mean as before): the baselines, and the
   defence's cost on an honest run: wall seconds and process CPU seconds per step, robust over plain (two
   runs each); and the reduction alone (``reduce_cost``: one owned shard, robust against plain, over a
   replica's CPU seconds per step), the figure the machine's load moves least;
-* per attack, defence on and off.
+* per attack, defence on and off: the held-out loss, the step at which each honest replica dropped the liar
+  from its averaging, and the rounds in which a majority of owners clipped it (``liar_clipped_rounds``).
 
-Headline: the worst, over the attacks, of the held-out loss with the defence on over the honest run's
-(target <= 1.02). Beside it: the same ratio with the defence off (it should be visibly worse: the attack
-is real), the step at which each honest replica dropped the liar from its averaging, and the cost.
+Stages (``benchmarks.spot_check.stage_attacks``; ``--stage-steps 0``: none): the same GPT-2 cut in two
+stages, one holder each, spot-checked by a second holder at ``--stage-rate``; stage 0 adds
+``--stage-bias`` standard deviations to its activations (``bias``), or stage 1 sends zeros for its backward
+(``zeros``), on ``--stage-lie-rate`` of its micro-batches: the step of conviction, and the held-out loss with
+the checks on and off over the honest run's.
 
-``python -m benchmarks.byzantine`` (``--quick``: 40 steps instead of 300).
+Headline: the worst, over the replica and stage attacks, of the held-out loss with the defences on over the
+honest run's (target <= 1.02). Beside it: the same ratio with the defences off (it should be visibly worse:
+the attack is real), the step at which the liar was dropped or convicted, and the cost.
+
+``python -m benchmarks.byzantine`` (``--quick``: 40 replica steps instead of 300, 30 stage steps instead of
+200; ``--replicas-from results.json``: the stage runs only, the replica runs taken from an earlier run).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +47,7 @@ import trio
 
 from benchmarks._common import headline, parser, write
 from benchmarks.convergence import SEQ, base_config, heldout_loss, make_model
+from benchmarks.spot_check import stage_attacks
 from fusionp2p.average.outer import OuterConfig
 from fusionp2p.average.robust import RobustConfig, robust_mean
 from fusionp2p.average.shard import weighted_mean
@@ -46,6 +60,14 @@ from fusionp2p.train.config import CO2, TrainConfig
 
 R = 4
 LIAR = R - 1
+# the honest run's best learning rate at 40 steps (AdamW, cosine; the held-out loss of the honest run at 2e-3 /
+# 6e-3 / 1.2e-2: 3.256 / 3.121 / 3.207). At benchmarks.convergence's 2e-3 the honest run is under-stepped in 40
+# steps, so any lie that adds movement (a scaled update, noise, fewer replicas in the average) lowered the loss
+LR = 6e-3
+# the stage attacks (benchmarks.spot_check): checks at p = 0.05; each liar lies on every micro-batch (a stage
+# that skips its backward saves all of it) and the bias is a whole standard deviation of its activations (at
+# 5% on half the micro-batches GPT-2's held-out loss did not move: 0.999x)
+STAGE_RATE, STAGE_LIE_RATE, STAGE_BIAS = 0.05, 1.0, 1.0
 
 
 class Replica:
@@ -81,6 +103,8 @@ async def run(cfg: TrainConfig, train: np.ndarray, held: np.ndarray, *, attack: 
             mesh[a][b], mesh[b][a] = memory_channel_pair(a, b, window=16)
     reps = [Replica(r, cfg, train) for r in range(R)]
     dropped_at: dict[str, int] = {}
+    clipped: dict[str, int] = {}   # per honest replica: rounds in which a majority of owners clipped the liar
+    clipped_all: dict[str, int] = {}
     honest_done = [trio.Event() for _ in range(LIAR)]
 
     async def one(rank: int) -> None:
@@ -99,6 +123,10 @@ async def run(cfg: TrainConfig, train: np.ndarray, held: np.ndarray, *, attack: 
                     load_anchor_(params, res.anchor, res.ranges)
                 if avg.dropped_outliers and me not in dropped_at:
                     dropped_at[me] = s
+            if avg.clips is not None:
+                clipped[me] = avg.clips.clipped.get(peers[LIAR], 0)
+                if rank == 0:   # an honest replica's count of every peer (an honest one clipped: a false alarm)
+                    clipped_all.update(avg.clips.clipped)
         if rank < LIAR:
             honest_done[rank].set()
 
@@ -114,6 +142,8 @@ async def run(cfg: TrainConfig, train: np.ndarray, held: np.ndarray, *, attack: 
     agree = max(float((f - finals[0]).abs().max()) for f in finals)
     return {"attack": attack or "none", "robust": robust, "heldout_loss": heldout_loss(reps[0].model, held, cfg),
             "honest_replicas_max_diff": agree, "dropped_liar_at_step": {p: dropped_at[p] for p in sorted(dropped_at)},
+            "liar_clipped_rounds": {p: clipped[p] for p in sorted(clipped) if p != peers[LIAR]},
+            "clipped_rounds_seen_by_r0": {p: clipped_all[p] for p in sorted(clipped_all)},
             "step_s": wall / cfg.steps, "cpu_step_s": cpu / cfg.steps}
 
 
@@ -123,13 +153,17 @@ def reduce_cost(n_elems: int, *, reps: int = 30) -> dict[str, float]:
     a shared machine moves far less than it moves step times."""
     shard = n_elems // CO2().tau // R
     g = torch.Generator().manual_seed(0)
-    base = torch.randn(shard, generator=g)
-    parts = [base + 0.1 * torch.randn(shard, generator=g) for _ in range(R)]
+    base = torch.randn(shard, generator=g)    # the last average: the test of direction runs too
+    step = 0.05 * torch.randn(shard, generator=g)
+    parts = [base + step + 0.1 * torch.randn(shard, generator=g) for _ in range(R)]
+
     def plain() -> torch.Tensor:
         return weighted_mean(parts, [1.0] * R)
 
     def robust() -> torch.Tensor:
-        return robust_mean(parts, [1.0] * R, RobustConfig()).mean
+        got = robust_mean(parts, [1.0] * R, RobustConfig(), reference=base)
+        assert not got.clipped    # honest: the exact-mean path
+        return got.mean
 
     out = {}
     for name, fn in (("plain", plain), ("robust", robust)):
@@ -142,24 +176,18 @@ def reduce_cost(n_elems: int, *, reps: int = 30) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    ap = parser("byzantine", __doc__)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--attacks", default=",".join(ATTACKS))
-    ap.add_argument("--scale", type=float, default=SCALE, help="the factor of the scale attack")
-    args = ap.parse_args()
-    steps = 40 if args.quick else args.steps
-    torch.set_num_threads(1)
+def replica_attacks(steps: int, lr: float, scale: float, attacks: list[str]) -> dict[str, Any]:
+    """The replica runs of the module docstring: the honest baselines and the cost, and each attack on and off."""
     # one micro-batch of 8 a step per replica (benchmarks.convergence's step has 4): four replicas share the
     # process, and on the 2-core VM four of its steps took 3.4 s
-    cfg = dataclasses.replace(base_config(steps), micro_batches=1)
+    cfg = dataclasses.replace(base_config(steps), micro_batches=1, lr=lr)
     tokens = corpus_tokens("pydoc")
     cut = int(len(tokens) * 0.9)
     train, held = tokens[:cut], tokens[cut:]
     runs: list[dict[str, Any]] = []
 
     def go(attack: str | None, robust: bool) -> dict[str, Any]:
-        out = trio.run(lambda: run(cfg, train, held, attack=attack, robust=robust, scale=args.scale))
+        out = trio.run(lambda: run(cfg, train, held, attack=attack, robust=robust, scale=scale))
         runs.append(out)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}, flush=True)
         return out
@@ -171,24 +199,57 @@ def main() -> None:
     plain.append(go(None, False))
     base = honest[0]["heldout_loss"]
     per: dict[str, Any] = {}
-    for attack in [a for a in args.attacks.split(",") if a]:
+    for attack in attacks:
         on, off = go(attack, True), go(attack, False)
         per[attack] = {"defended_over_honest": on["heldout_loss"] / base, "undefended_over_honest": off["heldout_loss"] / base,
-                       "dropped_liar_at_step": on["dropped_liar_at_step"]}
+                       "dropped_liar_at_step": on["dropped_liar_at_step"],
+                       "liar_clipped_rounds": on["liar_clipped_rounds"]}
     red = reduce_cost(sum(p.numel() for p in make_model("gpt2").parameters()))
     # each replica reduces one shard per step: the robust reduction's extra CPU over a replica's CPU per step
     cost_reduce = (red["robust_s"] - red["plain_s"]) / (sum(r["cpu_step_s"] for r in plain) / len(plain) / R)
     cost_wall = sum(r["step_s"] for r in honest) / sum(r["step_s"] for r in plain)
     cost_cpu = sum(r["cpu_step_s"] for r in honest) / sum(r["cpu_step_s"] for r in plain)
-    worst = max((v["defended_over_honest"] for v in per.values()), default=1.0)
-    results = {"steps": steps, "replicas": R, "scale": args.scale, "liar": f"r{LIAR}", "per_attack": per, "runs": runs,
-               "honest_heldout": base, "honest_plain_heldout": [r["heldout_loss"] for r in plain],
-               "cost_step_wall_robust_over_plain": cost_wall, "cost_step_cpu_robust_over_plain": cost_cpu,
-               "reduce": red, "cost_reduce_over_replica_step_cpu": cost_reduce}
+    return {"steps": steps, "replicas": R, "scale": scale, "lr": lr, "liar": f"r{LIAR}", "per_attack": per,
+            "runs": runs, "honest_heldout": base, "honest_plain_heldout": [r["heldout_loss"] for r in plain],
+            "cost_step_wall_robust_over_plain": cost_wall, "cost_step_cpu_robust_over_plain": cost_cpu,
+            "reduce": red, "cost_reduce_over_replica_step_cpu": cost_reduce}
+
+
+def main() -> None:
+    ap = parser("byzantine", __doc__)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--attacks", default=",".join(ATTACKS), help="the replica attacks ('': none)")
+    ap.add_argument("--scale", type=float, default=SCALE, help="the factor of the scale attack")
+    ap.add_argument("--lr", type=float, default=LR, help="the replicas' AdamW learning rate (peak of the cosine)")
+    ap.add_argument("--stage-steps", type=int, default=None,
+                    help="steps of the stage runs (default: 30 with --quick, else 200; 0: no stage runs)")
+    ap.add_argument("--stage-rate", type=float, default=STAGE_RATE, help="the spot checks' sampling rate p")
+    ap.add_argument("--stage-lie-rate", type=float, default=STAGE_LIE_RATE,
+                    help="the fraction of its micro-batches a lying stage lies on")
+    ap.add_argument("--stage-bias", type=float, default=STAGE_BIAS,
+                    help="the bias attack's strength, in its activations' standard deviations")
+    ap.add_argument("--replicas-from", type=Path, default=None,
+                    help="a results JSON of this benchmark: its replica runs are taken (marked with where they came "
+                         "from) instead of run again")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    steps = 40 if args.quick else args.steps
+    if args.replicas_from is not None:
+        doc = json.loads(args.replicas_from.read_text())
+        results = {**doc["results"], "replicas_from": f"{args.replicas_from} ({doc.get('time', '?')})"}
+        results.pop("stages", None)
+    else:
+        results = replica_attacks(steps, args.lr, args.scale, [a for a in args.attacks.split(",") if a])
+    stage_steps = (30 if args.quick else 200) if args.stage_steps is None else args.stage_steps
+    if stage_steps:
+        results["stages"] = stage_attacks(stage_steps, rate=args.stage_rate, lie_rate=args.stage_lie_rate,
+                                          bias=args.stage_bias)
     print({k: v for k, v in results.items() if k != "runs"})
+    ratios = [v["defended_over_honest"] for v in results["per_attack"].values()]
+    ratios += [v["checked_over_honest"] for v in results.get("stages", {}).get("per_attack", {}).values()]
     write("byzantine", args.out, results,
-          headline("attacked (defended) over honest held-out loss, worst attack", worst, "x", 1.02, "lower",
-                   "honest run with the defence on, same process"), quick=args.quick)
+          headline("attacked (defended) over honest held-out loss, worst attack", max(ratios, default=1.0), "x",
+                   1.02, "lower", "honest run with the defences on, same process"), quick=args.quick)
 
 
 if __name__ == "__main__":

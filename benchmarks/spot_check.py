@@ -8,7 +8,7 @@ micro-batches the leader's signed seed samples (``train/verify.py``). Runs:
 * ``honest`` at rate 0 (the baseline) and at ``--rate`` (the cost): the stages' own cost (their state kept
   and hashed every step, a signed claim per micro-batch) over their training CPU, and the checkers' cost
   per check over a stage's forward and backward of one micro-batch (measured at rate 1);
-* per attack (``bias``: stage 0 adds 5% of its activations' spread to them; ``zeros``: stage 1 sends zeros
+* per attack (``bias``: stage 0 adds 5% (``--bias``) of its activations' spread to them; ``zeros``: stage 1 sends zeros
   for its backward), lying on a fraction ``--lie-rate`` of micro-batches: the step at which the checks
   exclude it (an honest holder then takes its stage over), and the held-out loss (the corpus's last 10%)
   with the checks on and off, over the honest run's.
@@ -21,7 +21,7 @@ Headline: the worst, over the attacks, of the held-out loss with the checks on o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,20 +32,17 @@ from benchmarks.convergence import SEQ, base_config, heldout_loss, make_model
 from fusionp2p.data import BatchSampler, SamplerConfig, corpus_tokens
 from fusionp2p.graph import coarsen, partition, stages_from_fences, trace
 from fusionp2p.graph.trace import load_into
-from fusionp2p.testing.lying_stages import SpotRun, spot_checked_run
+from fusionp2p.testing.lying_stages import BIAS, SpotRun, spot_checked_run
 from fusionp2p.train.verify import VerifyConfig, p_catch
 
 MICROS = 4
 LR = 0.1    # plain SGD (the harness has no AdamW); at 0.5 runs were chaotic (a liar excluded at step 2 still ended 12% up)
 
 
-def main() -> None:
-    p = parser("spot_check", __doc__)
-    p.add_argument("--rate", type=float, default=0.05, help="the sampling rate p")
-    p.add_argument("--lie-rate", type=float, default=0.5, help="the fraction f of micro-batches a liar lies on")
-    args = p.parse_args()
-    steps = 30 if args.quick else 200
-    torch.set_num_threads(1)
+def stage_attacks(steps: int, *, rate: float, lie_rate: float, bias: float = BIAS,
+                  log: Callable[[dict[str, Any]], None] = print) -> dict[str, Any]:
+    """The runs of the module docstring at *steps* steps: the honest baselines and costs, and per attack the
+    checked and unchecked runs (``bias``: the bias attack's strength, in its activations' standard deviations)."""
     cfg = base_config(steps)
     tokens = corpus_tokens("pydoc")
     cut = int(len(tokens) * 0.9)
@@ -71,41 +68,50 @@ def main() -> None:
 
     def go(name: str, rate: float, n: int = steps, **kw: Any) -> dict[str, Any]:
         run = spot_checked_run(programs, data, steps=n, cfg=VerifyConfig(rate=rate), lr=LR,
-                               stop_when_excluded=False, **kw)
+                               stop_when_excluded=False, bias=bias, **kw)
         out = {"run": name, "rate": rate, "steps": len(run.losses), "checks": run.checks, "lies": run.lies,
                "verdicts": len(run.verdicts), "excluded_at": run.excluded_at,
                "train_cpu_s": run.train_cpu_s, "commit_cpu_s": run.commit_cpu_s, "check_cpu_s": run.check_cpu_s,
                "heldout_loss": held_loss(run), "train_loss_last": float(np.mean(run.losses[-5:]))}
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}, flush=True)
+        log({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()})
         runs.append(out)
         return out
 
     base = go("honest", 0.0)
-    checked = go("honest-checked", args.rate)
+    checked = go("honest-checked", rate)
     full = go("honest-every-micro", 1.0, n=min(steps, 5))
     # a stage's forward and backward of one micro-batch: the training CPU over the stages' micro-batches
     micro_cpu = full["train_cpu_s"] / (full["steps"] * MICROS * len(programs))
     per_check = full["check_cpu_s"] / max(full["checks"], 1)
     per: dict[str, Any] = {}
     for attack, liar in (("bias", 0), ("zeros", 1)):   # the hidden forms need stamps: benchmarks.verified_job
-        on = go(f"{attack}-checked", args.rate, liar=liar, attack=attack, lie_rate=args.lie_rate)
-        off = go(f"{attack}-unchecked", 0.0, liar=liar, attack=attack, lie_rate=args.lie_rate)
+        on = go(f"{attack}-checked", rate, liar=liar, attack=attack, lie_rate=lie_rate)
+        off = go(f"{attack}-unchecked", 0.0, liar=liar, attack=attack, lie_rate=lie_rate)
         per[attack] = {"liar_stage": liar, "excluded_at_step": on["excluded_at"],
                        "checked_over_honest": on["heldout_loss"] / base["heldout_loss"],
                        "unchecked_over_honest": off["heldout_loss"] / base["heldout_loss"]}
-    n_micros = steps * MICROS
-    results = {
-        "steps": steps, "micro_batches": MICROS, "stages": len(programs), "rate": args.rate, "lie_rate": args.lie_rate,
-        "runs": runs, "per_attack": per,
+    return {
+        "steps": steps, "micro_batches": MICROS, "stages": len(programs), "rate": rate, "lie_rate": lie_rate,
+        "bias": bias, "runs": runs, "per_attack": per,
         "honest_heldout": base["heldout_loss"], "honest_checked_verdicts": checked["verdicts"],
         "stage_cost_over_train_cpu": checked["commit_cpu_s"] / checked["train_cpu_s"],
         "check_cpu_per_check_s": per_check, "stage_micro_cpu_s": micro_cpu,
         "check_over_micro": per_check / micro_cpu,
-        "checker_cost_over_train_cpu_at_rate": args.rate * per_check / micro_cpu,
-        "p_catch_per_stage_run": p_catch(args.rate, args.lie_rate, n_micros),
+        "checker_cost_over_train_cpu_at_rate": rate * per_check / micro_cpu,
+        "p_catch_per_stage_run": p_catch(rate, lie_rate, steps * MICROS),
     }
+
+
+def main() -> None:
+    p = parser("spot_check", __doc__)
+    p.add_argument("--rate", type=float, default=0.05, help="the sampling rate p")
+    p.add_argument("--lie-rate", type=float, default=0.5, help="the fraction f of micro-batches a liar lies on")
+    p.add_argument("--bias", type=float, default=BIAS, help="the bias attack's strength, in standard deviations")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    results = stage_attacks(30 if args.quick else 200, rate=args.rate, lie_rate=args.lie_rate, bias=args.bias)
     print({k: v for k, v in results.items() if k != "runs"})
-    worst = max(v["checked_over_honest"] for v in per.values())
+    worst = max(v["checked_over_honest"] for v in results["per_attack"].values())
     write("spot_check", args.out, results,
           headline("attacked stage (checked) over honest held-out loss, worst attack", worst, "x", 1.02, "lower",
                    "honest run without checks, same process"), quick=args.quick)

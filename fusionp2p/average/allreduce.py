@@ -135,7 +135,7 @@ class AllReduceRound:
     def __init__(self, *, peers: Sequence[str], me: str, n_elems: int, round_id: int, epoch: str,
                  weight: float = 1.0, max_weight_ratio: float = 4.0, fragment: int | None = None,
                  robust: RobustConfig | None = None, out: torch.Tensor | None = None,
-                 alloc: Callable[[int], torch.Tensor] | None = None) -> None:
+                 alloc: Callable[[int], torch.Tensor] | None = None, reference: torch.Tensor | None = None) -> None:
         if not (weight > 0 and math.isfinite(weight)) or not max_weight_ratio >= 1:
             raise LocalProtocolError("weight must be positive and finite, max_weight_ratio >= 1")
         if out is not None and (out.dim() != 1 or out.numel() != n_elems or out.dtype != torch.float32):
@@ -159,6 +159,7 @@ class AllReduceRound:
         self.epoch = epoch
         self.fragment = fragment   # None: the whole vector; else the fragment every part must name
         self.robust = robust       # None: the plain weighted mean of the parts
+        self.reference = reference   # the last average of the whole vector (robust: the test of direction)
         self.bounds = shard_bounds(n_elems, len(self.peers))
         others = {p for p in self.peers if p != me}
         self._scatter = _Phase(pending=set(others))
@@ -317,7 +318,9 @@ class AllReduceRound:
                 lo, hi = self.my_bounds
                 mean = weighted_mean(parts, weights, None if self._alloc is None else self._alloc(hi - lo))
             else:
-                rm = robust_mean(parts, weights, self.robust)
+                lo, hi = self.my_bounds
+                ref = None if self.reference is None else self.reference[lo:hi]
+                rm = robust_mean(parts, weights, self.robust, reference=ref)
                 mean, clipped = rm.mean, tuple(order[i] for i in rm.clipped)
             lo, hi = self.my_bounds
             out.append(Reduced(lo=lo, hi=hi, mean=mean, weight=sum(weights), contributors=tuple(order), clipped=clipped))

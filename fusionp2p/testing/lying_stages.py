@@ -2,8 +2,8 @@
 
 Every lie is finite and well-shaped, so every check on bytes lets it through:
 
-* ``bias``: a stage adds ``BIAS`` times the tensor's own standard deviation, along one fixed direction of
-  its features, to every activation it sends (a small, steady push on everything downstream);
+* ``bias``: a stage adds ``BIAS`` (or its ``bias``) times the tensor's own standard deviation, along one
+  fixed direction of its features, to every activation it sends (a small, steady push on everything downstream);
 * ``zeros``: a stage skips its backward and sends zeros for the gradients it owes upstream (it saves
   its backward's compute; the stages before it stop learning);
 * ``bias-hidden`` and ``zeros-hidden``: the same lies on the wire, while the stage's transcript (what it
@@ -63,11 +63,11 @@ class LyingStage(TappedExecutor):
     It lies in its forward *and* in its backward for the same micro-batch (``lying``)."""
 
     def __init__(self, *args: Any, attack: str | None = None, lie_rate: float = 1.0, seed: int = 0,
-                 **kwargs: Any) -> None:
+                 bias: float = BIAS, **kwargs: Any) -> None:
         if attack is not None and attack not in STAGE_ATTACKS:
             raise ValueError(f"attack must be one of {STAGE_ATTACKS}, got {attack!r}")
         super().__init__(*args, **kwargs)
-        self.attack, self.lie_rate = attack, lie_rate
+        self.attack, self.lie_rate, self.bias = attack, lie_rate, bias
         self.hidden = attack is not None and attack.endswith("-hidden")   # honest in the transcript, lying on the wire
         self._gen = torch.Generator().manual_seed(seed)
         self.lying: set[tuple[int, int]] = set()     # (step, micro) it lied on
@@ -95,7 +95,7 @@ class LyingStage(TappedExecutor):
         for o in self.program.send:
             t = res[o.name]
             if t.is_floating_point():
-                res[o.name] = t + BIAS * t.float().std() * self._direction(t.shape[-1]).to(t.dtype)
+                res[o.name] = t + self.bias * t.float().std() * self._direction(t.shape[-1]).to(t.dtype)
         return res
 
     def _direction(self, n: int) -> torch.Tensor:
@@ -144,12 +144,12 @@ def _cpu() -> float:
 def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Sequence[Mapping[str, torch.Tensor]]],
                      *, steps: int, liar: int | None = None, attack: str | None = None, lie_rate: float = 1.0,
                      cfg: VerifyConfig | None = None, lr: float = 0.05, seed: int = 0,
-                     stop_when_excluded: bool = True) -> SpotRun:
+                     stop_when_excluded: bool = True, bias: float = BIAS) -> SpotRun:
     """Train *programs* for *steps* steps of SGD (gradients clipped to norm 1) on ``data(step)``'s
-    micro-batches, stage *liar* lying with *attack*, every stage spot-checked at ``cfg.rate`` by a second
-    holder of it. With *stop_when_excluded* the run ends at the step whose check excluded the liar;
-    otherwise an honest holder takes its stage over from the next step (its state as the liar left it:
-    no roll-back)."""
+    micro-batches, stage *liar* lying with *attack* (``bias``: its strength in standard deviations), every
+    stage spot-checked at ``cfg.rate`` by a second holder of it. With *stop_when_excluded* the run ends at
+    the step whose check excluded the liar; otherwise an honest holder takes its stage over from the next
+    step (its state as the liar left it: no roll-back)."""
     cfg = cfg or VerifyConfig()
     torch.manual_seed(seed)
     pipe = LocalPipeline(programs)
@@ -158,7 +158,7 @@ def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Seq
     leader = Identity(bytes([200]) * 32)
     execs: list[LyingStage] = []
     for s, prog in enumerate(programs):
-        ex = LyingStage(prog, attack=attack if s == liar else None, lie_rate=lie_rate, seed=seed + 7)
+        ex = LyingStage(prog, attack=attack if s == liar else None, lie_rate=lie_rate, seed=seed + 7, bias=bias)
         execs.append(ex)
     pipe.executors = list(execs)
     n = len(programs)

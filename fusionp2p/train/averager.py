@@ -460,12 +460,13 @@ class ReplicaAverager:
         reinit = self._needs_reinit if f is None else self._freinit[f]
         started = trio.current_time()
         n_elems = self.n_elems if f is None else self._flen[f]
-        sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=n_elems, round_id=rnd.round_id, epoch=self.epoch,
-                            weight=self.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f,
-                            robust=self.config.robust, out=self._vector(n_elems), alloc=self._vector)
-        result: RoundResult | None = None
         bf16 = self._bf16_wire()
         base = self._bases.get(f) if bf16 else None
+        sm = AllReduceRound(peers=self.alive, me=self.me, n_elems=n_elems, round_id=rnd.round_id, epoch=self.epoch,
+                            weight=self.weight, max_weight_ratio=self.config.max_weight_ratio, fragment=f,
+                            robust=self.config.robust, out=self._vector(n_elems), alloc=self._vector,
+                            reference=None if base is None else base[1])
+        result: RoundResult | None = None
         links = self.config.bf16_peers
         shared = self._shared.get(f, frozenset())  # the peers our scatter parts go to as differences
         tags: dict[str, int | None] = {}          # the base each peer's scatter part named (None: fp32)

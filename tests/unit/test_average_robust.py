@@ -92,6 +92,27 @@ def test_each_attack_bites_without_the_defence_and_not_with_it(attack: str) -> N
         assert robust.clipped == (3,), (attack, robust.clipped)
 
 
+@pytest.mark.parametrize("attack", ["signflip", "stale", "noise"])
+def test_lies_within_a_noisy_honest_spread_are_caught_by_their_direction(attack: str) -> None:
+    """Noise-dominated updates (each replica's own noise 3x the common update, as GPT-2's are): a sign flip,
+    a stale replay and noise at the honest norm lie inside the clip radius, so CenteredClip alone takes them
+    whole; the test of direction against the last average leaves them out."""
+    caught = 0
+    for seed in range(20):
+        prev, history, snaps = _honest(4, seed, spread=3.0)
+        honest_mean = weighted_mean(snaps[:3], [1.0] * 3)
+        parts = [*snaps[:3], lie(attack, snaps[3], history, torch.Generator().manual_seed(seed))]
+        assert robust_mean(parts, [1.0] * 4, CFG).clipped == ()   # without the test: the plain mean
+        got = robust_mean(parts, [1.0] * 4, CFG, reference=prev)
+        assert got.clipped in ((), (3,)), (attack, seed, got.clipped)
+        if got.clipped:
+            caught += 1
+            assert float((got.mean - honest_mean).norm()) < 0.5 * float((weighted_mean(parts, [1.0] * 4) - honest_mean).norm())
+        honest = robust_mean(snaps, [1.0] * 4, CFG, reference=prev)   # four honest: never one left out
+        assert honest.clipped == () and torch.equal(honest.mean, weighted_mean(snaps, [1.0] * 4))
+    assert caught >= (18 if attack == "noise" else 20), (attack, caught)   # noise: in 98% of rounds
+
+
 def test_a_liar_within_the_radius_moves_the_shard_by_a_fraction_of_it() -> None:
     """The bound that holds whatever the liar sends: a part at the edge of the radius (not clipped, or
     barely) moves the result by at most rho / (n - 1) from the honest mean."""
