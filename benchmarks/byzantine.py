@@ -23,7 +23,9 @@ Stages (``benchmarks.spot_check.stage_attacks``; ``--stage-steps 0``: none): the
 stages, one holder each, spot-checked by a second holder at ``--stage-rate``; stage 0 adds
 ``--stage-bias`` standard deviations to its activations (``bias``), or stage 1 sends zeros for its backward
 (``zeros``), on ``--stage-lie-rate`` of its micro-batches: the step of conviction, and the held-out loss with
-the checks on and off over the honest run's.
+the checks on and off over the honest run's. A checked run, once the liar is convicted, goes back to its newest
+checkpoint at or before the conviction (every ``--stage-checkpoint-every`` steps) and trains on to the same
+step count with an honest holder, as a job's leader rolls back (``jobs/verified.py:rollback``).
 
 Headline: the worst, over the replica and stage attacks, of the held-out loss with the defences on over the
 honest run's (target <= 1.02). Beside it: the same ratio with the defences off (it should be visibly worse:
@@ -47,7 +49,7 @@ import trio
 
 from benchmarks._common import headline, parser, write
 from benchmarks.convergence import SEQ, base_config, heldout_loss, make_model
-from benchmarks.spot_check import stage_attacks
+from benchmarks.spot_check import CHECKPOINT_EVERY, stage_attacks
 from fusionp2p.average.outer import OuterConfig
 from fusionp2p.average.robust import RobustConfig, robust_mean
 from fusionp2p.average.shard import weighted_mean
@@ -228,6 +230,9 @@ def main() -> None:
                     help="the fraction of its micro-batches a lying stage lies on")
     ap.add_argument("--stage-bias", type=float, default=STAGE_BIAS,
                     help="the bias attack's strength, in its activations' standard deviations")
+    ap.add_argument("--stage-checkpoint-every", type=int, default=CHECKPOINT_EVERY,
+                    help="the stage runs' checkpoint cadence: a conviction rolls back to the newest checkpoint at or "
+                         "before it, as a job's leader does (0: no roll-back)")
     ap.add_argument("--replicas-from", type=Path, default=None,
                     help="a results JSON of this benchmark: its replica runs are taken (marked with where they came "
                          "from) instead of run again")
@@ -243,7 +248,7 @@ def main() -> None:
     stage_steps = (30 if args.quick else 200) if args.stage_steps is None else args.stage_steps
     if stage_steps:
         results["stages"] = stage_attacks(stage_steps, rate=args.stage_rate, lie_rate=args.stage_lie_rate,
-                                          bias=args.stage_bias)
+                                          bias=args.stage_bias, checkpoint_every=args.stage_checkpoint_every)
     print({k: v for k, v in results.items() if k != "runs"})
     ratios = [v["defended_over_honest"] for v in results["per_attack"].values()]
     ratios += [v["checked_over_honest"] for v in results.get("stages", {}).get("per_attack", {}).values()]

@@ -127,6 +127,7 @@ class SpotRun:
 
     losses: list[float] = field(default_factory=list)     # mean micro-batch loss per step
     excluded_at: int | None = None                        # the step whose check excluded the liar
+    rolled_back_to: int | None = None                     # the checkpoint's step the run went back to, if any
     checks: int = 0                                       # micro-batches recomputed
     lies: int = 0                                         # micro-batches the liar lied on (all steps run)
     verdicts: list[Verdict] = field(default_factory=list)
@@ -144,12 +145,15 @@ def _cpu() -> float:
 def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Sequence[Mapping[str, torch.Tensor]]],
                      *, steps: int, liar: int | None = None, attack: str | None = None, lie_rate: float = 1.0,
                      cfg: VerifyConfig | None = None, lr: float = 0.05, seed: int = 0,
-                     stop_when_excluded: bool = True, bias: float = BIAS) -> SpotRun:
+                     stop_when_excluded: bool = True, bias: float = BIAS, checkpoint_every: int = 0) -> SpotRun:
     """Train *programs* for *steps* steps of SGD (gradients clipped to norm 1) on ``data(step)``'s
     micro-batches, stage *liar* lying with *attack* (``bias``: its strength in standard deviations), every
     stage spot-checked at ``cfg.rate`` by a second holder of it. With *stop_when_excluded* the run ends at
     the step whose check excluded the liar; otherwise an honest holder takes its stage over from the next
-    step (its state as the liar left it: no roll-back)."""
+    step: with *checkpoint_every* > 0, from the newest checkpoint (every stage's state at the start of a
+    step that is a multiple of it) no later than the convicted step, and the run trains on from there to
+    *steps*, as a job's leader rolls back after a conviction (``jobs/verified.py:rollback``); with 0 from
+    the state the liar left (no roll-back)."""
     cfg = cfg or VerifyConfig()
     torch.manual_seed(seed)
     pipe = LocalPipeline(programs)
@@ -170,7 +174,13 @@ def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Seq
     run = SpotRun()
     params = [p for ex in execs for p in ex.parameters().values()]
     checking = [StageExecutor(prog) for prog in programs]      # each checker's own copy of the stage
-    for step in range(steps):
+    checkpoints: dict[int, tuple[list[dict[str, torch.Tensor]], torch.Tensor]] = {}   # step -> (states, RNG state)
+    step = -1
+    while step + 1 < steps:
+        step += 1
+        if checkpoint_every > 0 and step % checkpoint_every == 0 and run.excluded_at is None:
+            checkpoints[step] = ([{k: v.detach().clone() for k, v in ex.state_dict().items()} for ex in execs],
+                                 torch.get_rng_state())
         t0 = _cpu()
         # the stage's own cost: its state at the step's start kept and committed to, a signed claim per micro
         states = [{k: v.clone() for k, v in ex.state_dict().items()} for ex in execs]
@@ -212,6 +222,16 @@ def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Seq
         if run.excluded_at is not None:
             if stop_when_excluded:
                 break
+            if execs[liar if liar is not None else 0].attack is not None and checkpoints:
+                back = max(c for c in checkpoints if c <= run.excluded_at)
+                states_back, rng = checkpoints[back]
+                torch.set_rng_state(rng)   # dropout's draws too, as a checkpoint with its RNG state
+                with torch.no_grad():
+                    for ex, st in zip(execs, states_back):
+                        for k, v in ex.state_dict().items():   # detached views of the parameters: copied in place
+                            v.copy_(st[k])
+                del run.losses[back:]
+                run.rolled_back_to, step = back, back - 1
             execs[liar if liar is not None else 0].attack = None
     run.lies = sum(len(ex.lying) for ex in execs)
     run.state = {k: v for ex in reversed(execs) for k, v in ex.state_dict().items()}

@@ -205,6 +205,23 @@ def test_a_lying_stage_is_caught_and_excluded(gpt2: Pipe, attack: str, liar: int
         assert max(abs(a - b) for a, b in zip(off.losses, honest, strict=True)) > 1e-3
 
 
+def test_a_conviction_rolls_back_to_the_checkpoint_before_it(gpt2: Pipe) -> None:
+    """After the conviction an honest holder takes the stage over from the newest checkpoint no later than
+    it (as a job's leader rolls back): with the only checkpoint at step 0 the run then trains exactly the
+    honest run's course, none of the lies left in its state."""
+    dag, progs = gpt2
+
+    def data(step: int) -> Sequence[Mapping[str, torch.Tensor]]:   # a step's batches are a function of the step
+        return _data(dag, seed=100 + step)(step)
+
+    honest = spot_checked_run(progs, data, steps=8, cfg=VerifyConfig(rate=0.0))
+    run = spot_checked_run(progs, data, steps=8, liar=1, attack="zeros", lie_rate=1.0,
+                           cfg=VerifyConfig(rate=0.5), stop_when_excluded=False, checkpoint_every=100)
+    assert run.excluded_at is not None and run.lies > 0 and run.rolled_back_to == 0
+    assert run.losses == pytest.approx(honest.losses, rel=1e-6)
+    assert all(torch.equal(run.state[k], v) for k, v in honest.state.items())
+
+
 def test_honest_stages_are_never_convicted(gpt2: Pipe) -> None:
     dag, progs = gpt2
     run = spot_checked_run(progs, _data(dag), steps=6, cfg=VerifyConfig(rate=0.5))
