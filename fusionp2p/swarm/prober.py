@@ -8,7 +8,8 @@ estimated from the nodes' announced capacities (``BandwidthTable.estimate``). Ro
 sample of ``probe.sample`` every ``probe.interval``, none while this node trains. A busy peer is tried
 again within the round; figures are EMA-smoothed, RTTs the smallest of the last ``RTT_WINDOW``. A token
 bucket keeps bulk transfers at ``probe.duty`` of the time (``probe.burst`` seconds at once; refresh
-rounds wait for it). While the peers we chose stay the same and refreshed figures stay within a factor
+rounds wait for it). Refresh rounds also wait ``probe.interval`` after a peer first measured its link to
+us (the swarm is forming: a refresh would hold servers that first measurements wait for). While the peers we chose stay the same and refreshed figures stay within a factor
 ``REFRESH_SHIFT`` of what we had, each refresh round doubles the time to the next, up to
 ``probe.refresh_max``: an idle swarm's links do not change, and re-measuring them every ``probe.interval``
 was a third of an idle node's CPU (loopback transfers run at CPU speed). The node publishes our first figure, and the round that completes our share of
@@ -129,6 +130,7 @@ class LinkProber:
         self.raw_path: RawPath | None = None
         self.training: Callable[[], bool] = lambda: False   # the job service's, once it runs
         self.wake = trio.Event()                   # a member joined or came back: probe now
+        self._inbound_seen = 0                     # peers our server had timed as of the last round
         # (members, the peers we chose, the ones of them we measure), recomputed when the members change, at
         # most once a heartbeat: it costs probe.peers passes over the members (25,000 hashes at 1,000), and a
         # forming swarm changes its members with every node that joins
@@ -202,6 +204,12 @@ class LinkProber:
         a random sample of ``probe.sample`` of ours."""
         connected = set(self.transport.connected_peers())
         now = trio.current_time()
+        if len(self.server.inbound) > self._inbound_seen:
+            # a peer measured its link to us for the first time since the last round: the swarm around us is
+            # still forming, and a refresh now would hold our server and a peer's while first measurements
+            # wait for them (as our own first measurements put it off: _apply_probe)
+            self._inbound_seen = len(self.server.inbound)
+            self.next_refresh = max(self.next_refresh, now + self.config.interval)
         peers_chosen, mine = self.chosen()
         peers = [p for p in peers_chosen if p in connected and self._ours(p, now, mine)]
         self.rng.shuffle(peers)   # every node walking the same sorted list would pile onto one target

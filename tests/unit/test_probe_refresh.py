@@ -61,3 +61,33 @@ def test_refresh_max_is_validated() -> None:
     with pytest.raises(ConfigError):
         ProbeConfig(refresh_max=0)
     assert ProbeConfig(interval=300.0).refresh_max == 160.0   # a longer interval is kept (the top is the larger)
+
+
+def test_refreshes_wait_while_peers_measure_us_for_the_first_time() -> None:
+    """A forming swarm: while new peers keep measuring their links to us, our refresh rounds (which would
+    hold our server and a peer's) wait; they resume probe.interval after the last one."""
+    async def main() -> None:
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0, watch=0,
+                          probe=ProbeConfig(bytes=64 * 1024, interval=1.0, refresh_max=8.0, duty=1.0))
+        async with local_swarm(2, libp2p=False, config=cfg) as (_boot, nodes):
+            await converge(nodes, bandwidth=True, timeout=30)
+            a, b = nodes
+            pr = a.prober if a.prober.links else b.prober     # the pair is measured from one side
+            real_apply = pr._apply_probe
+            measured: list[float] = []
+
+            def count(p: str, res: ProbeResult) -> None:
+                measured.append(trio.current_time())
+                real_apply(p, res)
+
+            pr._apply_probe = count  # type: ignore[method-assign,assignment]
+            for i in range(20):   # a new peer's first probe reaches our server every half second
+                pr.server.record_inbound(f"new-{i}", 1e6)
+                pr.unsettled = True   # the chosen peers change as they join: refreshes every probe.interval
+                await trio.sleep(0.5)
+            assert measured == []
+            t_last = trio.current_time()
+            await trio.sleep(5)
+            assert measured and measured[0] - t_last >= 0.5, (measured, t_last)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
