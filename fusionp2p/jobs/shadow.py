@@ -232,6 +232,7 @@ class Shadows:
         name = shadow_plane.link_name(plan.epoch, s, step)
         try:
             t1 = trio.current_time()
+            refused: FusionError | None = None
             async with trio.open_nursery() as pushing:   # the bytes over the data plane (jobs/shadow_plane.py)
                 pushing.start_soon(self._push, lane.keeper, name, h)
                 try:
@@ -239,8 +240,12 @@ class Shadows:
                         "op": "keep", "job": run.job_id, "hash": h, "step": step, "stage": s, "holder": run.me,
                         "units": list(units), "shadow": True, "link": name, "size": size},
                         timeout=run.svc.config.accept_timeout)
+                except FusionError as exc:   # raised out of the nursery it would come wrapped in a group, which
+                    refused = exc            # the handler below does not catch: the epoch ended ("pipeline broken")
                 finally:   # a keeper that fetched instead (an older node) never claims the link
                     pushing.cancel_scope.deadline = trio.current_time() + LINK_LINGER
+            if refused is not None:
+                raise refused
             lane.cadence.on_copy(size, write_s, trio.current_time() - t1)
             lane.copies += 1
             run._holds(step, units, h, lane.keeper)
