@@ -85,7 +85,7 @@ class NodeJobService:
         self.content = ContentService(self.transport, ContentStore(home / "content", self.config.store),
                                       refusals=self.refusals)
         self.jobs: dict[str, JobRun] = {}
-        self.receipts = ReceiptBook(self.transport.peer_id)   # this node's work receipts (jobs/reputation.py)
+        self._receipts: ReceiptBook | None = None   # this node's work receipts (jobs/reputation.py), made on first use
         # peers of lost links asked directly; a refusal breaks the pipelines of their jobs (jobs/liveness.py)
         self.deaths = DeathProbes(self.transport, self.config.probes, on_dead=self._on_dead)
         self._offers: dict[str, float] = {}          # job -> when accepted (until its first start)
@@ -97,6 +97,13 @@ class NodeJobService:
         self._subs: dict[str, trio.MemorySendChannel[tuple[str, ProgressEvent]]] = {}
         self._intakes: Counter[str] = Counter()   # offers being verified and fetched now, by offering peer (hold a slot)
         self._intake_ids = 0                       # names the pins of an offer being fetched (its job id is not known yet)
+
+    @property
+    def receipts(self) -> ReceiptBook:
+        """This node's work receipts (made on first use: a service may be built before its transport is up)."""
+        if self._receipts is None:
+            self._receipts = ReceiptBook(self.transport.peer_id)
+        return self._receipts
 
     def status(self) -> list[JobView]:
         """The jobs this node holds, as plain data (read by the dashboard and the metrics, ``fusionp2p/ops``)."""
