@@ -228,8 +228,8 @@ def spot_checked_run(programs: Sequence[StageProgram], data: Callable[[int], Seq
                 torch.set_rng_state(rng)   # dropout's draws too, as a checkpoint with its RNG state
                 with torch.no_grad():
                     for ex, st in zip(execs, states_back):
-                        for k, v in ex.state_dict().items():   # detached views of the parameters: copied in place
-                            v.copy_(st[k])
+                        for k, live in ex.state_dict().items():   # detached views of the parameters: copied in place
+                            live.copy_(st[k])
                 del run.losses[back:]
                 run.rolled_back_to, step = back, back - 1
             execs[liar if liar is not None else 0].attack = None
