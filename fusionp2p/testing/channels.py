@@ -90,4 +90,16 @@ def memory_channel_pair(peer_a: str = "peer-a", peer_b: str = "peer-b", *, windo
             MemoryTensorChannel(peer_b, peer_a, b_send, b_recv, shared))
 
 
-__all__ = ["MemoryTensorChannel", "memory_channel_pair"]
+def memory_mesh(n: int, *, window: int = 8, name: str = "p") -> list[list[MemoryTensorChannel]]:
+    """Channels between every pair of *n* replicas (named ``p0``, ``p1``, ...): entry ``r`` holds replica
+    ``r``'s ends, to the others in order, as a stage worker's ``peers``."""
+    peers: list[list[MemoryTensorChannel]] = [[] for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            a, b = memory_channel_pair(f"{name}{i}", f"{name}{j}", window=window)
+            peers[i].append(a)
+            peers[j].append(b)
+    return peers
+
+
+__all__ = ["MemoryTensorChannel", "memory_channel_pair", "memory_mesh"]

@@ -16,7 +16,7 @@ import trio
 
 from fusionp2p.graph import StageExecutor, coarsen, partition, stages_from_fences, trace
 from fusionp2p.testing.byzantine import LyingAverager
-from fusionp2p.testing.channels import memory_channel_pair
+from fusionp2p.testing.channels import memory_mesh
 from fusionp2p.train.averager import open_replica_averager
 from fusionp2p.train.config import CO2, TrainConfig
 from fusionp2p.train.worker import StageContext, StageReport, StageWorker
@@ -52,12 +52,7 @@ def test_honest_workers_report_the_lying_replica_once(monkeypatch: Any) -> None:
         reports.append(rep)
 
     cfg = TrainConfig(steps=10, micro_batch=2, micro_batches=1, lr=0.05, replicas=R, averaging=CO2(tau=1))
-    peers: list[list[Any]] = [[] for _ in range(R)]
-    for i in range(R):
-        for j in range(i + 1, R):
-            a, b = memory_channel_pair(f"p{i}", f"p{j}", window=8)
-            peers[i].append(a)
-            peers[j].append(b)
+    peers = memory_mesh(R)
     workers = [StageWorker(StageContext(job="j", executor=StageExecutor(prog), config=cfg, replica=r, replicas=R,
                                         links={}, peers=peers[r], data=functools.partial(lambda r, s, m: data(s * R + r, m), r),
                                         tokens_per_micro=2, report=report, recv_timeout=10.0)) for r in range(R)]

@@ -15,7 +15,7 @@ import torch
 import trio
 
 from fusionp2p.graph import StageExecutor, coarsen, partition, stages_from_fences, trace
-from fusionp2p.testing.channels import memory_channel_pair
+from fusionp2p.testing.channels import memory_mesh
 from fusionp2p.testing.speed_liar import SpeedLiar
 from fusionp2p.train.averager import open_replica_averager
 from fusionp2p.train.config import CO2, TrainConfig
@@ -50,12 +50,7 @@ def _run(monkeypatch: Any, *, robust: bool) -> list[StageWorker]:
 
     cfg = TrainConfig(steps=10, micro_batch=2, micro_batches=2, lr=0.05, replicas=R,
                       averaging=CO2(tau=2, robust=robust))
-    peers: list[list[Any]] = [[] for _ in range(R)]
-    for i in range(R):
-        for j in range(i + 1, R):
-            a, b = memory_channel_pair(f"p{i}", f"p{j}", window=8)
-            peers[i].append(a)
-            peers[j].append(b)
+    peers = memory_mesh(R)
     workers = [StageWorker(StageContext(job="j", executor=StageExecutor(prog), config=cfg, replica=r, replicas=R,
                                         links={}, peers=peers[r], data=data, tokens_per_micro=2, report=report,
                                         recv_timeout=10.0, micro=(2,) * R, micro_period=1,
