@@ -249,6 +249,7 @@ class Shadows:
             lane.cadence.on_copy(size, write_s, trio.current_time() - t1)
             lane.copies += 1
             run._holds(step, units, h, lane.keeper)
+        # nursery-ok: the keep request's FusionError is raised out of the nursery (above); _push catches its own
         except (PeerUnavailable, RemoteProtocolError, FusionError) as exc:
             log.info("job %s: shadow copy of stage %d at step %d not kept by %s: %s", run.job_id, s, step,
                      short_peer(lane.keeper), exc)
