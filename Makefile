@@ -56,9 +56,13 @@ demo: setup
 bench: setup
 	$(PY) -m benchmarks.all --quick
 
+# tools/lint_nursery.py: `except SomeError:` around a nursery never sees what the nursery raises (strict
+# exception groups); each hit is fixed or marked `# nursery-ok: <why>` after review.
 lint: setup
-	$(VENV)/bin/ruff check fusionp2p node bootstrap benchmarks tests
+	$(VENV)/bin/ruff check fusionp2p node bootstrap benchmarks tests tools
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict tools
+	$(PY) tools/lint_nursery.py fusionp2p node bootstrap benchmarks tests tools
 
 # Headless Chromium (Debian's package) for the dashboard's browser test
 # (tests/system/test_ops_dashboard.py skips, saying so, without it). Needs root.

@@ -20,22 +20,22 @@ liar's step time over the honest run's (target <= 1.1); the unchecked liar's rat
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import torch
-import trio
 from torch import nn
 
 from benchmarks._common import headline, parser, write
-from fusionp2p.graph import StageExecutor, coarsen, partition, stages_from_fences, trace
-from fusionp2p.testing.channels import memory_mesh
+from fusionp2p.testing.replicas import (
+    one_stage,
+    replica_averagers,
+    replica_workers,
+    run_replicas,
+    seeded_batches,
+)
 from fusionp2p.testing.speed_liar import SpeedLiar
-from fusionp2p.train import worker as worker_mod
-from fusionp2p.train.averager import open_replica_averager
 from fusionp2p.train.config import CO2, TrainConfig
-from fusionp2p.train.worker import StageContext, StageReport, StageWorker
+from fusionp2p.train.worker import StageReport
 
 R = 3
 LIAR = R - 1
@@ -54,21 +54,7 @@ class _Net(nn.Module):
 
 def run(*, lie: bool, robust: bool, steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    dag = trace(_Net(), (torch.randn(4, 16), torch.tensor([0, 1, 2, 3])))
-    c = coarsen(dag)
-    (prog,) = partition(c, stages_from_fences(len(c.units), []))
-    names = [r.name for r in prog.recv]
-    real = open_replica_averager
-
-    @asynccontextmanager
-    async def opened(config: Any, *, me: str, **kw: Any) -> AsyncIterator[Any]:
-        async with real(config, me=me, cls=SpeedLiar if lie and me == f"r{LIAR}" else None, **kw) as avg:
-            yield avg
-
-    def data(step: int, mu: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(step * 10 + mu)
-        return {names[0]: torch.randn(4, 16, generator=g), names[1]: torch.randint(0, 4, (4,), generator=g)}
-
+    prog = one_stage(_Net(), (torch.randn(4, 16), torch.tensor([0, 1, 2, 3])))
     stamps: list[float] = []
 
     async def report(rep: StageReport) -> None:
@@ -76,23 +62,11 @@ def run(*, lie: bool, robust: bool, steps: int) -> dict[str, Any]:
             stamps.append(time.perf_counter())
 
     cfg = TrainConfig(steps=steps, micro_batch=4, micro_batches=2, lr=0.05, replicas=R, averaging=CO2(tau=2, robust=robust))
-    peers = memory_mesh(R)
-    workers = [StageWorker(StageContext(job="j", executor=StageExecutor(prog), config=cfg, replica=r, replicas=R,
-                                        links={}, peers=peers[r], data=data, tokens_per_micro=4, report=report,
-                                        recv_timeout=60.0, micro=(2,) * R, micro_period=1,
-                                        compute_slowdown=SLOW["liar"] if r == LIAR else SLOW["honest"]))
-               for r in range(R)]
-    saved = vars(worker_mod)["open_replica_averager"]
-    setattr(worker_mod, "open_replica_averager", opened)   # the liar's averager for replica LIAR  # noqa: B010
-    try:
-        async def main() -> None:
-            with trio.fail_after(600):
-                async with trio.open_nursery() as n:
-                    for w in workers:
-                        n.start_soon(w.run)
-        trio.run(main)
-    finally:
-        setattr(worker_mod, "open_replica_averager", saved)  # noqa: B010
+    workers = replica_workers(prog, cfg, data=seeded_batches(prog, batch=4, features=16, classes=4), report=report,
+                              tokens_per_micro=4, recv_timeout=60.0, micro=(2,) * R, micro_period=1,
+                              slowdown=[SLOW["liar"] if r == LIAR else SLOW["honest"] for r in range(R)])
+    with replica_averagers(lambda me: SpeedLiar if lie and me == f"r{LIAR}" else None):   # the liar's averager
+        run_replicas(workers, timeout=600)
     d = workers[0]._deal
     half = stamps[len(stamps) // 2:]
     return {"deal": [m / d.period for m in d.micro], "redeals": d.redeals,

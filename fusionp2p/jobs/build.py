@@ -47,6 +47,7 @@ from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, PlanError, 
 from fusionp2p.graph import CoarseDAG, OpDAG, Ref, coarsen, partition, stages_from_fences, to_workload, trace
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.graph.trace import with_flops
+from fusionp2p.jobs.accepted import AcceptedJob
 from fusionp2p.jobs.content import ContentService, sha256_hex
 from fusionp2p.jobs.data_shards import StreamFeed, window_bytes
 from fusionp2p.jobs.publish_file import file_manifest, stand_ins
@@ -279,18 +280,6 @@ def build_job(model: nn.Module, loss: LossFn | None, dataset: Dataset | HFTokens
                    model_hash=sha256_hex(dag_blob), weights_hash=manifest.content_hash, dataset=ref, config=cfg,
                    resources=resources or Resources(), name=name)
     return BuiltJob(spec=spec, envelope=sign_spec(spec, sign), blobs=blobs, dag=dag)
-
-
-@dataclass(kw_only=True)
-class AcceptedJob:
-    """What a node holds after verifying a job: the spec, the DAG (its tensors on the ``meta`` device
-    until a stage's are fetched), the weight manifest naming their pieces, the data."""
-
-    spec: JobSpec
-    dag: OpDAG
-    tokens: Any       # np.ndarray, ShardedTokens or ShardedExamples
-    envelope: bytes = b""   # the publisher-signed spec (offered on to joiners)
-    weights: WeightManifest | None = None
 
 
 MAX_MANIFEST_BYTES = 16 << 20   # a ShardManifest of MAX_SHARDS (1e5) hashes is about 7 MB

@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,15 +52,13 @@ from fusionp2p.data.stream import (
 from fusionp2p.data.url import read_range
 from fusionp2p.errors import ConfigError, JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph.program import DATA, StageProgram
+from fusionp2p.jobs.accepted import AcceptedJob
 from fusionp2p.jobs.content import ContentService
 from fusionp2p.jobs.events import DataLate
 from fusionp2p.jobs.store import StoreFull
 from fusionp2p.plan import Plan
 from fusionp2p.train.deal import Deal
 from fusionp2p.types import short_peer
-
-if TYPE_CHECKING:
-    from fusionp2p.jobs.build import AcceptedJob
 
 log = logging.getLogger(__name__)
 

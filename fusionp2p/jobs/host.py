@@ -17,7 +17,7 @@ from fusionp2p.errors import ConfigError
 from fusionp2p.jobs.content import ContentService
 from fusionp2p.jobs.events import ProgressEvent
 from fusionp2p.jobs.liveness import ProbeConfig
-from fusionp2p.jobs.shadow import ShadowConfig
+from fusionp2p.jobs.shadow_config import ShadowConfig
 from fusionp2p.jobs.store import StoreConfig
 from fusionp2p.net.addrs import tcp_endpoint
 from fusionp2p.net.bulk import DataPlane, DataPlaneConfig

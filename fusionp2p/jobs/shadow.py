@@ -44,11 +44,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from fusionp2p.errors import ConfigError, FusionError, PeerUnavailable, RemoteProtocolError
+from fusionp2p.errors import FusionError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs import shadow_plane
 from fusionp2p.jobs.checkpoint import StageCheckpointMeta, read_state_meta, state_layout
 from fusionp2p.jobs.events import CheckpointSaved, ProgressEvent
+from fusionp2p.jobs.shadow_config import ShadowConfig
 from fusionp2p.plan import Plan
 from fusionp2p.types import short_peer
 from fusionp2p.wire.stfile import chunks
@@ -62,22 +63,6 @@ log = logging.getLogger(__name__)
 
 LINK_LINGER = 5.0   # seconds a copy's push may go on after the keeper answered (it closes the link)
 MAX_SHELVED = 64    # stages (unit ranges) a keeper holds shadow copies of for one job: bounds what peers pin here
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ShadowConfig:
-    """Background copies of single-replica stages (the module docstring)."""
-
-    enabled: bool = True
-    share: float = 0.25     # of the step time that copies may take (the cadence rule)
-    max_every: int = 4      # steps between two copies at most: with share, the steps a death costs
-    keep: int = 2           # copies of one stage a keeper holds (the newest)
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.share <= 1.0:
-            raise ConfigError("ShadowConfig.share must be in (0, 1]")
-        if self.max_every < 1 or self.keep < 1:
-            raise ConfigError("ShadowConfig.max_every and keep must be >= 1")
 
 
 class Cadence:
@@ -249,6 +234,7 @@ class Shadows:
             lane.cadence.on_copy(size, write_s, trio.current_time() - t1)
             lane.copies += 1
             run._holds(step, units, h, lane.keeper)
+        # nursery-ok: the keep request's FusionError is raised out of the nursery (above); _push catches its own
         except (PeerUnavailable, RemoteProtocolError, FusionError) as exc:
             log.info("job %s: shadow copy of stage %d at step %d not kept by %s: %s", run.job_id, s, step,
                      short_peer(lane.keeper), exc)

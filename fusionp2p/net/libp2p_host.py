@@ -725,7 +725,7 @@ async def open_libp2p_transport(identity: Identity, config: Libp2pConfig | None 
                         with contextlib.suppress(Exception):
                             t.host.remove_stream_handler(proto)
                     nursery.cancel_scope.cancel()
-    except OSError as exc:
+    except OSError as exc:   # nursery-ok: bare from host.run's start; a group goes to the handler below
         if body_error is not None:
             raise
         raise ConfigError(f"cannot listen on {', '.join(config.listen)}: {exc.strerror or exc}") from None

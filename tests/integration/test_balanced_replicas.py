@@ -11,10 +11,10 @@ import pytest
 import torch
 import trio
 
-from fusionp2p.graph import StageExecutor, coarsen, partition, stages_from_fences, trace
-from fusionp2p.testing.channels import memory_channel_pair
+from fusionp2p.testing.channels import memory_mesh
+from fusionp2p.testing.replicas import final_params, one_stage, replica_workers, run_replicas, seeded_batches
 from fusionp2p.train.config import CO2, TrainConfig
-from fusionp2p.train.worker import StageContext, StageReport, StageWorker
+from fusionp2p.train.worker import StageReport, StageWorker
 from tests.integration.test_hostile_training import _Net
 
 
@@ -22,29 +22,23 @@ def _train(micro: Sequence[int], averaging: CO2 | None = None, *, period: int = 
            slowdown: float = 1.0, workers_out: list[StageWorker] | None = None,
            ) -> tuple[list[dict[str, torch.Tensor]], set[tuple[int, int]], list[StageReport]]:
     torch.manual_seed(0)
-    dag = trace(_Net(), (torch.randn(2, 4), torch.tensor([0, 2])))
-    c = coarsen(dag)
-    (prog,) = partition(c, stages_from_fences(len(c.units), []))
-    names = [r.name for r in prog.recv]
+    prog = one_stage(_Net(), (torch.randn(2, 4), torch.tensor([0, 2])))
+    batches = seeded_batches(prog, batch=2, features=4, classes=3)
     drawn: set[tuple[int, int]] = set()
     reports: list[StageReport] = []
 
     def data(step: int, mu: int) -> dict[str, torch.Tensor]:
         assert (step, mu) not in drawn, f"micro-batch {(step, mu)} dealt twice"
         drawn.add((step, mu))
-        g = torch.Generator().manual_seed(step * 10 + mu)
-        return {names[0]: torch.randn(2, 4, generator=g), names[1]: torch.randint(0, 3, (2,), generator=g)}
+        return batches(step, mu)
 
     async def report(rep: StageReport) -> None:
         reports.append(rep)
 
     cfg = TrainConfig(steps=steps, micro_batch=2, micro_batches=2, lr=0.1, replicas=2, averaging=averaging)
-    a, b = memory_channel_pair("r0", "r1", window=8)
-    workers = [StageWorker(StageContext(job="j", executor=StageExecutor(prog), config=cfg, replica=r, replicas=2,
-                                        links={}, peers=[ch], data=data, tokens_per_micro=2, report=report,
-                                        recv_timeout=10.0, micro=micro, micro_period=period,
-                                        compute_slowdown=slowdown if r == 1 else 1.0))
-               for r, ch in ((0, a), (1, b))]
+    workers = replica_workers(prog, cfg, data=data, report=report, tokens_per_micro=2, recv_timeout=10.0,
+                              peers=memory_mesh(2, name="r"), micro=micro, micro_period=period,
+                              slowdown=(1.0, slowdown))
     if workers_out is not None:
         workers_out.extend(workers)
     return _run_all(workers), drawn, reports
@@ -52,14 +46,8 @@ def _train(micro: Sequence[int], averaging: CO2 | None = None, *, period: int = 
 
 def _run_all(workers: Sequence[StageWorker]) -> list[dict[str, torch.Tensor]]:
     """Run the replicas' workers to their end (within 60 s); their final parameters."""
-    async def main() -> None:
-        with trio.fail_after(60):
-            async with trio.open_nursery() as n:
-                for w in workers:
-                    n.start_soon(w.run)
-
-    trio.run(main)
-    return [{k: v.detach().clone() for k, v in w.ex.parameters().items()} for w in workers]
+    run_replicas(workers, timeout=60)
+    return final_params(workers)
 
 
 def test_a_balanced_step_trains_like_lockstep_on_the_same_samples() -> None:
@@ -156,30 +144,19 @@ def test_a_gradient_of_the_next_step_may_come_before_a_third_replicas_of_this_on
     that one for the next step (benchmarks.wan's six-replica warm-up failed on it), and all three end
     with the same weights as without the hold."""
     torch.manual_seed(0)
-    dag = trace(_Net(), (torch.randn(2, 4), torch.tensor([0, 2])))
-    c = coarsen(dag)
-    (prog,) = partition(c, stages_from_fences(len(c.units), []))
-    names = [r.name for r in prog.recv]
-
-    def data(step: int, mu: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(step * 10 + mu)
-        return {names[0]: torch.randn(2, 4, generator=g), names[1]: torch.randint(0, 3, (2,), generator=g)}
+    prog = one_stage(_Net(), (torch.randn(2, 4), torch.tensor([0, 2])))
 
     async def report(rep: StageReport) -> None:
         pass
 
     def run(hold: bool) -> list[dict[str, torch.Tensor]]:
         cfg = TrainConfig(steps=3, micro_batch=2, micro_batches=2, lr=0.1, replicas=3, averaging=None)
-        p01, p10 = memory_channel_pair("r0", "r1", window=8)
-        p02, p20 = memory_channel_pair("r0", "r2", window=8)
-        p12, p21 = memory_channel_pair("r1", "r2", window=8)
+        (p01, p02), (p10, p12), (p20, p21) = memory_mesh(3, name="r")
         released = trio.Event()
         peers: list[list[Any]] = [[p01, p02], [_Held(p10, released, sets=released) if hold else p10, p12],
                                   [p21, _Held(p20, released) if hold else p20]]    # replica 2 sends to 1 first
-        workers = [StageWorker(StageContext(job="j", executor=StageExecutor(prog), config=cfg, replica=r, replicas=3,
-                                            links={}, peers=peers[r], data=data, tokens_per_micro=2, report=report,
-                                            recv_timeout=10.0))
-                   for r in range(3)]
+        workers = replica_workers(prog, cfg, data=seeded_batches(prog, batch=2, features=4, classes=3),
+                                  report=report, tokens_per_micro=2, recv_timeout=10.0, peers=peers)
         return _run_all(workers)
 
     plain, held = run(False), run(True)

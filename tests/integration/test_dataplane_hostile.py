@@ -23,6 +23,7 @@ from fusionp2p.net.bulk_channel import BulkChannel
 from fusionp2p.net.channel import TensorMessage
 from fusionp2p.net.memory import MemoryNetwork, memory_network
 from fusionp2p.testing.attacks import half_sent
+from fusionp2p.testing.wait import poll_until
 from fusionp2p.wire.limits import MiB
 from fusionp2p.wire.protocols import BULK_TICKET
 
@@ -57,9 +58,7 @@ async def _serve(tb: object, task_status: trio.TaskStatus[DataPlane] = trio.TASK
 
 async def _until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
     """Wait for *cond*, a state the channels' reader threads reach (no trio event marks it), within *timeout*."""
-    with trio.fail_after(timeout):
-        while not cond():  # noqa: ASYNC110 (polled: the state is changed by OS threads)
-            await trio.sleep(0.02)
+    await poll_until(cond, timeout=timeout, interval=0.02)
 
 
 def test_a_stranger_gets_no_ticket() -> None:

@@ -26,6 +26,7 @@ from fusionp2p.net.relay import HOP, RelayLimits
 from fusionp2p.net.transport import Stream
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.testing.swarm import TEST_PROFILE
+from fusionp2p.testing.wait import poll_until
 
 ECHO = "/fusionp2p-test/echo/1.0.0"
 
@@ -80,9 +81,8 @@ def test_a_node_reached_through_a_relay() -> None:
                 # the connection drops: a later stream is opened through the relay again (py-libp2p's own
                 # dial skips circuit addresses)
                 await a.hang_up(b.peer_id)
-                with trio.fail_after(10):
-                    while b.peer_id in a.connected_peers():  # noqa: ASYNC110 (py-libp2p tears the connection down in its own tasks: no event)
-                        await trio.sleep(0.05)
+                # py-libp2p tears the connection down in its own tasks: no event to wait on
+                await poll_until(lambda: b.peer_id not in a.connected_peers(), timeout=10, interval=0.05)
                 a.host.get_peerstore().clear_addrs(ID.from_base58(b.peer_id))   # (identify told it b's loopback address)
                 assert await _round_trip(a, b.peer_id, b"again") == b"again"
                 assert svc.stats["circuits"] == 2
@@ -108,9 +108,7 @@ def test_the_dialled_side_reaches_its_dialer_again_at_the_circuit_its_record_ann
                 await a.connect(next(c for c in b.circuit_addrs() if "/ip4/127.0.0.1/" in c))
                 assert _relayed(b, a.peer_id)
                 await b.hang_up(a.peer_id)
-                with trio.fail_after(10):
-                    while a.peer_id in b.connected_peers():  # noqa: ASYNC110 (py-libp2p tears the connection down in its own tasks: no event)
-                        await trio.sleep(0.05)
+                await poll_until(lambda: a.peer_id not in b.connected_peers(), timeout=10, interval=0.05)   # (as above)
                 b.host.get_peerstore().clear_addrs(ID.from_base58(a.peer_id))   # a's direct addresses lead nowhere
                 with pytest.raises(PeerUnavailable):
                     await b.open_stream(a.peer_id, ECHO)      # no circuit known for a
@@ -182,9 +180,7 @@ def test_relay_limits_bound_what_strangers_get() -> None:
                     await d.reserve(relay.peer_id)
                 # a slot of a peer that disconnected is freed
                 await c.hang_up(relay.peer_id)
-                with trio.fail_after(10):
-                    while c.peer_id in relay.connected_peers():  # noqa: ASYNC110 (as above)
-                        await trio.sleep(0.05)
+                await poll_until(lambda: c.peer_id not in relay.connected_peers(), timeout=10, interval=0.05)   # (as above)
                 await d.reserve(relay.peer_id)
                 assert sorted(svc.reservations()) == sorted([b.peer_id, d.peer_id])
                 # no circuit to a peer without a slot

@@ -15,13 +15,13 @@ Needs root, iproute2 and iptables (``make iptables``); skipped, saying why, with
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from fusionp2p.testbed.emulator import fusionp2p_command, up
 from fusionp2p.testbed.spec import load_spec
+from fusionp2p.testing.wait import wait_until
 from tests.system.nat_support import SPECS, every_node_job, need_nat_testbed, start_swarm
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(600)]
@@ -36,14 +36,13 @@ def test_relayed_connections_are_hole_punched(tmp_path: Path) -> None:
     with up(load_spec(SPEC)) as tb:
         addr, _nodes, peer_of = start_swarm(tb)
         office_log = tb.workdir / "office" / "home" / "libp2p.log"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:   # a log written by another process: polled, with a deadline
+
+        def punched() -> bool:   # a log written by another process: polled, with a deadline
             text = office_log.read_text() if office_log.exists() else ""
-            if sum(f"{PUNCHED} {peer_of[h]}" in text for h in ("home1", "home2")) == 2:
-                break
-            time.sleep(1.0)
-        else:
-            pytest.fail(f"no hole punch between office and both home nodes within 120 s (see {office_log})")
+            return sum(f"{PUNCHED} {peer_of[h]}" in text for h in ("home1", "home2")) == 2
+
+        wait_until(punched, timeout=120, interval=1.0,
+                   what=f"a hole punch between office and both home nodes (see {office_log})")
         boot = tb.host("boot")
         cli = [*fusionp2p_command()]
         out_dir = tmp_path / "job"

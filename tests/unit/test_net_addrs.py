@@ -21,6 +21,7 @@ from fusionp2p.net.identity import Identity
 from fusionp2p.net.memory import memory_network
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.testing.swarm import TEST_PROFILE
+from fusionp2p.testing.wait import poll_until
 from fusionp2p.wire.records import NodeRecord, encode_signed
 
 
@@ -100,9 +101,8 @@ def test_a_gossiped_record_makes_a_node_dial_a_few_addresses_only() -> None:
                 rec = NodeRecord(peer=stranger.peer_id, role="node", addrs=hostile, profile=TEST_PROFILE, started=0.0,
                                  seq=1)
                 node._ingest(encode_signed(rec, stranger.sign), stranger.peer_id)
-                with trio.fail_after(5):
-                    while not dialled or stranger.peer_id in node._dialed:  # noqa: ASYNC110 (the dialer task: no event)
-                        await trio.sleep(0.01)
+                await poll_until(lambda: dialled and stranger.peer_id not in node._dialed, timeout=5,
+                                 interval=0.01)   # the dialer task: no event
                 assert dialled == [f"/ip4/8.8.8.{i}/tcp/{4000 + i}/p2p/{stranger.peer_id}" for i in range(2)]
                 nursery.cancel_scope.cancel()
 
