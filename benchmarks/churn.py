@@ -438,7 +438,10 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
             "losses": {s: round(v, 4) for s, v in sorted(job.losses.items())},
             "eval_losses": {s: round(v, 4) for s, v in sorted(job.eval_losses.items())},
             "loss_spikes": spikes(job.losses), "deals": deals, "cpu_breakdown": cpu_by, "redeals": in_band,
-            "epoch_rates": per_epoch(step_at, step_epoch, deals), "warmup": cfg.lr_sched.warmup_steps if cfg.lr_sched else 0,
+            "epoch_rates": per_epoch(step_at, step_epoch, deals),
+            # steps completed in each 20 s from the start of training: the calm and churn runs side by side
+            "steps_per_20s": [sum(w_run + a <= t < w_run + a + 20.0 for t in step_at.values())
+                              for a in np.arange(0.0, w_end - w_run, 20.0)], "warmup": cfg.lr_sched.warmup_steps if cfg.lr_sched else 0,
             "samples": samples(layouts, steps, cfg.micro_batches * cfg.micro_batch)}
 
 
@@ -534,6 +537,7 @@ def main() -> None:
             if x["steps"]:
                 print(f"{label} {w}: {x['s']} s, {x['steps']} steps ({x['steps_per_s']}/s); CPU-s a step "
                       f"{x['cpu_s_per_step']}; cores {x['cores']}")
+        print(f"{label} steps completed in each 20 s of training: {r.get('steps_per_20s', [])}")
         print(f"{label} per epoch (steps/s over its span, deal): "
               + "; ".join(f"{e['epoch']}: {e['steps']} from {e['first_step']}, {e['steps_per_s']}/s, {e['deal']}"
                           for e in r.get("epoch_rates", []))
