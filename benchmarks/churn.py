@@ -40,6 +40,13 @@ not churn). The deal still moves the loss a little with the warm-up (embedded, t
 training loss over steps 80-99 2.518 dealt evenly, 2.475 dealt 3.5/4.5), and the planner deals by speeds
 measured anew in each run, so ``deals`` says whether a ratio near the 2% target compares equal deals.
 
+**A joiner's own machine** (``--joiner-nice N``, default 0: not used). All the processes share this host's
+cores, so each fresh node's start-up (imports, torch, its device benchmark, the job's intake: several
+CPU-seconds) takes them from the members' training, which a node starting on its own machine would not. With
+N > 0 each fresh node runs at N above the others' nice value until it accepted the job (``READY``), then at
+theirs; the result goes to ``churn[_quick]_joiner_nice.json`` and its headline says so. It is a change of
+method, not of the code measured: read it beside the default run's figure.
+
 **Failing fast.** A run in which no step completes for ``--stall`` seconds (every member killed faster
 than fresh nodes came up, under a loaded machine) stops with the reason (the last step, the plan, the
 live nodes) instead of waiting out the job's 900 s.
@@ -48,6 +55,7 @@ live nodes) instead of waiting out the job's 900 s.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -286,6 +294,14 @@ def redeals(home: Path) -> list[tuple[str, int, int, str]]:
     return sorted(out, key=lambda x: x[2])
 
 
+def renice(pid: int, nice: int) -> None:
+    """Every thread of process *pid* at *nice* (on Linux each thread has its own; threads started later take
+    their creator's). A thread that ended meanwhile is passed over; lowering it again needs CAP_SYS_NICE."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+
+
 def held_out_loss(path: Path, steps: int, batches: int = 16) -> float:
     model = demo_model()
     model.load_state_dict(safetensors.torch.load_file(str(path)), strict=True)
@@ -324,7 +340,7 @@ def spikes(losses: dict[int, float], *, window: int = 5, ratio: float = SPIKE) -
 
 def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn: bool,
         kills: int = 0, stall: float = 120.0, stages: int = 1, eval_every: int = 0,
-        warmup: int = WARMUP) -> dict[str, Any]:
+        warmup: int = WARMUP, joiner_nice: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
     cfg = job_config(steps, stages, eval_every, warmup)
     events: list[dict[str, Any]] = []
@@ -349,6 +365,7 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
         plan_at: list[tuple[float, list[str]]] = []   # (wall clock, the plan's member names) per plan event
         step_at: dict[int, float] = {}   # step -> when it completed (wall clock), and its epoch
         step_epoch: dict[int, int] = {}
+        niced: dict[str, float] = {}     # fresh node -> seconds its start-up ran at --joiner-nice
         killed_n = 0
         last_progress = time.monotonic()
         first_step = False
@@ -360,9 +377,17 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
                 name = f"node{fresh[0]}"
                 fresh[0] += 1
                 joins[name] = time.time()
-                cluster.add_node(name)
+                pid = cluster.add_node(name).pid
+                base = os.getpriority(os.PRIO_PROCESS, pid)
+                if joiner_nice:   # its start-up beside the training as if on a machine of its own (module docstring)
+                    renice(pid, base + joiner_nice)
                 names[cluster.peer_id(name)] = name
                 started.append(name)
+                if joiner_nice:
+                    while not stop.is_set() and READY not in (home / f"{name}.log").read_text(errors="replace"):
+                        time.sleep(0.1)
+                    renice(pid, base)   # a role's training at the priority of every other member
+                    niced[name] = round(time.time() - joins[name], 1)
 
         def ready() -> bool:
             """The last kill recovered and the fresh node started after it accepted the job (a re-plan before then
@@ -438,7 +463,7 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
             "losses": {s: round(v, 4) for s, v in sorted(job.losses.items())},
             "eval_losses": {s: round(v, 4) for s, v in sorted(job.eval_losses.items())},
             "loss_spikes": spikes(job.losses), "deals": deals, "cpu_breakdown": cpu_by, "redeals": in_band,
-            "epoch_rates": per_epoch(step_at, step_epoch, deals),
+            "epoch_rates": per_epoch(step_at, step_epoch, deals), "joiner_nice": joiner_nice, "joiners_niced_s": niced,
             # steps completed in each 20 s from the start of training: the calm and churn runs side by side
             "steps_per_20s": [sum(w_run + a <= t < w_run + a + 20.0 for t in step_at.values())
                               for a in np.arange(0.0, w_end - w_run, 20.0)], "warmup": cfg.lr_sched.warmup_steps if cfg.lr_sched else 0,
@@ -476,6 +501,9 @@ def main() -> None:
                     help=f"lr warm-up steps of both runs' job (default {WARMUP}; 0: the demo's recipe, which spikes)")
     ap.add_argument("--stages", type=int, default=1,
                     help="pipeline stages of every plan of both runs (x 2 replicas; default 1)")
+    ap.add_argument("--joiner-nice", type=int, default=0,
+                    help="run each fresh node's start-up (until it accepted the job) this much nicer than the other "
+                         "nodes: its own machine's start-up, not the members' CPU (module docstring; default 0)")
     ap.add_argument("--stall", type=float, default=120.0,
                     help="stop with the reason when no step completes for this many seconds (default 120)")
     args = ap.parse_args()
@@ -483,6 +511,8 @@ def main() -> None:
         raise SystemExit("--no-calm and --no-churn leave nothing to run: give at most one")
     if args.quick and args.out == RESULTS / "churn.json":
         args.out = RESULTS / "churn_quick.json"   # the quick rate's figures beside the full rate's
+    if args.joiner_nice and args.out in (RESULTS / "churn.json", RESULTS / "churn_quick.json"):
+        args.out = args.out.with_name(args.out.stem + "_joiner_nice.json")   # another method: beside, not over it
     if args.no_churn and args.out in (RESULTS / "churn.json", RESULTS / "churn_quick.json"):
         args.out = RESULTS / "churn_calm.json"    # never over the recorded comparison
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
@@ -501,7 +531,7 @@ def main() -> None:
             return
         churn = run(steps, root / "churn", every=every, rejoin=args.rejoin, seed=args.seed, churn=True,
                     kills=args.kills, stall=args.stall, stages=args.stages, eval_every=args.eval_every,
-                    warmup=args.warmup)
+                    warmup=args.warmup, joiner_nice=args.joiner_nice)
     except Stalled as exc:
         raise SystemExit(f"benchmarks.churn stopped: {exc} (node logs under {root})") from None
     rec = [e["recovery_s"] for e in churn["events"] if e["recovery_s"] is not None]
@@ -559,9 +589,10 @@ def main() -> None:
                               "cpu_goodput": cpu_goodput, "steps_lost": lost,
                               "phases_s_median": phase_med, "phases_cpu_s_median": cpu_med, "every_s": every,
                               "rejoin_s": args.rejoin, "seed": args.seed, "recovery_s_target": 5.0,
+                              "joiner_nice": args.joiner_nice,
                               "warmup": args.warmup},
           headline(f"goodput under churn (one member SIGKILLed every {every:g} s, a fresh node {args.rejoin:g} s "
-                   "later) / undisturbed", goodput, "x", 0.75 if every < 60 else 0.9, "higher",
+                   "later" + (f", its start-up at nice +{args.joiner_nice}" if args.joiner_nice else "") + ") / undisturbed", goodput, "x", 0.75 if every < 60 else 0.9, "higher",
                    "the same job without churn"),
           quick=args.quick)
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 import torch
 
-from benchmarks.churn import WARMUP, _events, breakdown, job_config, per_epoch, samples, spikes
+from benchmarks.churn import WARMUP, _events, breakdown, job_config, per_epoch, renice, samples, spikes
 from fusionp2p.cli.demo import SEQ_LEN, demo_model
 from fusionp2p.data import BuiltinCorpus
 from fusionp2p.jobs.build import build_job, choose_plan
@@ -117,3 +122,24 @@ def test_per_epoch_rates_come_with_their_deal() -> None:
     assert per_epoch(step_at, epochs, [(0, []), (1, [4.5, 3.5])]) == [
         {"epoch": 0, "first_step": 0, "steps": 10, "span_s": 4.5, "steps_per_s": 2.0, "deal": []},
         {"epoch": 1, "first_step": 10, "steps": 5, "span_s": 4.0, "steps_per_s": 1.0, "deal": [4.5, 3.5]}]
+
+
+def test_renice_sets_every_thread_of_a_process_and_back() -> None:
+    """``--joiner-nice``: a fresh node's start-up runs nicer, then at the others' priority (CAP_SYS_NICE to go back)."""
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); print(1, flush=True); time.sleep(30)"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"1\n"   # its second thread runs
+        base = os.getpriority(os.PRIO_PROCESS, p.pid)
+        tids = [int(t.name) for t in Path(f"/proc/{p.pid}/task").iterdir()]
+        assert len(tids) == 2
+        renice(p.pid, base + 5)
+        assert [os.getpriority(os.PRIO_PROCESS, t) for t in tids] == [base + 5] * 2
+        try:
+            renice(p.pid, base)
+        except PermissionError:
+            pytest.skip("lowering a nice value needs CAP_SYS_NICE")
+        assert [os.getpriority(os.PRIO_PROCESS, t) for t in tids] == [base] * 2
+    finally:
+        p.kill()
+        p.wait()
