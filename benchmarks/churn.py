@@ -40,6 +40,13 @@ not churn). The deal still moves the loss a little with the warm-up (embedded, t
 training loss over steps 80-99 2.518 dealt evenly, 2.475 dealt 3.5/4.5), and the planner deals by speeds
 measured anew in each run, so ``deals`` says whether a ratio near the 2% target compares equal deals.
 
+**A joiner's own machine** (``--joiner-nice N``, default 0: not used). All the processes share this host's
+cores, so each fresh node's start-up (imports, torch, its device benchmark, the job's intake: several
+CPU-seconds) takes them from the members' training, which a node starting on its own machine would not. With
+N > 0 each fresh node runs at N above the others' nice value until it accepted the job (``READY``), then at
+theirs; the result goes to ``churn[_quick]_joiner_nice.json`` and its headline says so. It is a change of
+method, not of the code measured: read it beside the default run's figure.
+
 **Failing fast.** A run in which no step completes for ``--stall`` seconds (every member killed faster
 than fresh nodes came up, under a loaded machine) stops with the reason (the last step, the plan, the
 live nodes) instead of waiting out the job's 900 s.
@@ -48,8 +55,10 @@ live nodes) instead of waiting out the job's 900 s.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import datetime
+import itertools
 import logging
 import math
 import os
@@ -141,21 +150,25 @@ def phases(home: Path, kill_at: float, resumed_at: float) -> dict[str, float]:
 class CpuMeter:
     """CPU-seconds (user + system) of a cluster's processes over time, read from /proc every *period*
     seconds by a thread: under a loaded machine wall-clock phases stretch, CPU-seconds say what work a
-    recovery cost. Dead processes keep their last reading."""
+    recovery cost. Dead processes keep their last reading. ``series`` keeps each process's own readings
+    (by its cluster name) for :func:`breakdown`."""
 
     def __init__(self, cluster: LocalCluster, period: float = 0.2) -> None:
         self.cluster, self.period = cluster, period
         self.samples: list[tuple[float, float]] = []   # (wall clock, CPU-seconds of every process so far)
+        self.series: dict[str, list[tuple[float, float]]] = {}   # per process: (wall clock, its CPU-seconds so far)
         self._last: dict[int, float] = {}
         self._stop = threading.Event()
         self._tick = os.sysconf("SC_CLK_TCK")
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _read(self) -> float:
-        for p in list(self.cluster.procs.values()):
+        now = time.time()
+        for name, p in list(self.cluster.procs.items()):
             try:
                 fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                self._last[p.pid] = (int(fields[11]) + int(fields[12])) / self._tick
+                self._last[p.pid] = cpu = (int(fields[11]) + int(fields[12])) / self._tick
+                self.series.setdefault(name, []).append((now, cpu))
             except (OSError, IndexError, ValueError):
                 pass   # gone: its last reading stays
         return sum(self._last.values())
@@ -185,6 +198,108 @@ class CpuMeter:
             out[name] = round(self.at(kill_at + end) - self.at(prev), 2)
             prev = kill_at + end
         return out
+
+
+WINDOW_S = 20.0   # the breakdown's windows: the seconds after a kill, and a fresh node's first seconds (its start-up)
+_REDEAL = re.compile(r"replica (\d+): from step (\d+), ([\d., ]+) micro-batches a step")
+
+
+def breakdown(series: dict[str, list[tuple[float, float]]], *, start: float, end: float, kills: list[float],
+              joins: dict[str, float], plans: list[tuple[float, list[str]]], step_at: dict[int, float],
+              window: float = WINDOW_S) -> dict[str, dict[str, Any]]:
+    """Where a run's CPU went, per window of its training phase [*start*, *end*] (wall clock) and per role.
+
+    Windows (they overlap: a kill's window holds its fresh node's first seconds): ``after_kill`` the
+    *window* seconds after each kill, ``joiner_start`` each fresh node's first *window* seconds (from its
+    start in *joins*), ``between`` the rest, ``all`` the whole phase. Roles at each moment: ``members`` the
+    nodes of the plan in force (*plans*: (from when, member names), in order), ``joiner`` a fresh node in
+    its first *window* seconds and not yet a member, ``bootstrap``, ``standbys`` every other node. A
+    process's CPU between two readings of *series* (name: (wall clock, CPU-seconds so far)) counts at the
+    later one; a process started after *start* counts its CPU from 0. Per window: its seconds, the steps
+    completed in it (*step_at*: step -> wall clock), CPU-seconds per role and per step."""
+    plan_t = [t for t, _ in plans]
+
+    def role(name: str, t: float) -> str:
+        i = bisect.bisect_right(plan_t, t) - 1
+        if i >= 0 and name in plans[i][1]:
+            return "members"
+        if name == "bootstrap":
+            return "bootstrap"
+        return "joiner" if name in joins and joins[name] <= t < joins[name] + window else "standbys"
+
+    def windows(t: float) -> list[str]:
+        out = ["all"]
+        if any(k <= t < k + window for k in kills):
+            out.append("after_kill")
+        if any(j <= t < j + window for j in joins.values()):
+            out.append("joiner_start")
+        if len(out) == 1:
+            out.append("between")
+        return out
+
+    names = ("all", "between", "after_kill", "joiner_start")
+    cpu: dict[str, dict[str, float]] = {w: {} for w in names}
+    for name, readings in series.items():
+        prev = 0.0 if readings and readings[0][0] > start else None
+        for t, c in readings:
+            if prev is not None and start < t <= end:
+                r = role(name, t)
+                for w in windows(t):
+                    cpu[w][r] = cpu[w].get(r, 0.0) + (c - prev)
+            prev = c
+    # each window's seconds: the phase cut at every window's edges
+    edges = sorted({start, end, *(x for k in [*kills, *joins.values()] for x in (k, k + window) if start < x < end)})
+    secs = dict.fromkeys(names, 0.0)
+    for a, b in itertools.pairwise(edges):
+        for w in windows((a + b) / 2):
+            secs[w] += b - a
+    steps = dict.fromkeys(names, 0)
+    for t in step_at.values():
+        if start <= t <= end:
+            for w in windows(t):
+                steps[w] += 1
+    out: dict[str, dict[str, Any]] = {}
+    for w in names:
+        total = sum(cpu[w].values())
+        out[w] = {"s": round(secs[w], 1), "steps": steps[w],
+                  "steps_per_s": round(steps[w] / secs[w], 3) if secs[w] else None,
+                  "cpu_s": {r: round(x, 2) for r, x in sorted(cpu[w].items())}, "cpu_s_all": round(total, 2),
+                  "cpu_s_per_step": ({r: round(x / steps[w], 3) for r, x in sorted(cpu[w].items())}
+                                     | {"all": round(total / steps[w], 3)}) if steps[w] else {},
+                  "cores": {r: round(x / secs[w], 3) for r, x in sorted(cpu[w].items())} if secs[w] else {}}
+    return out
+
+
+def per_epoch(step_at: dict[int, float], step_epoch: dict[int, int], deals: list[tuple[int, list[float]]]
+              ) -> list[dict[str, Any]]:
+    """Per epoch that stepped: its steps, their span in seconds (first to last completed), steps a second
+    over that span and the plan's deal (micro-batches per replica a step; [] even)."""
+    by: dict[int, list[int]] = {}
+    for s, e in step_epoch.items():
+        by.setdefault(e, []).append(s)
+    deal = dict(deals)
+    out = []
+    for e, ss in sorted(by.items()):
+        t0, t1 = min(step_at[s] for s in ss), max(step_at[s] for s in ss)
+        out.append({"epoch": e, "first_step": min(ss), "steps": len(ss), "span_s": round(t1 - t0, 2),
+                    "steps_per_s": round((len(ss) - 1) / (t1 - t0), 3) if t1 > t0 else None,
+                    "deal": deal.get(e, [])})
+    return out
+
+
+def redeals(home: Path) -> list[tuple[str, int, int, str]]:
+    """The in-band re-deals the nodes logged (train/deal.py): (node, replica, from step, micro-batches a step)."""
+    out = [(log_path.stem, int(m.group(1)), int(m.group(2)), m.group(3)) for log_path in sorted(home.glob("node*.log"))
+           for m in _REDEAL.finditer(log_path.read_text(errors="replace"))]
+    return sorted(out, key=lambda x: x[2])
+
+
+def renice(pid: int, nice: int) -> None:
+    """Every thread of process *pid* at *nice* (on Linux each thread has its own; threads started later take
+    their creator's). A thread that ended meanwhile is passed over; lowering it again needs CAP_SYS_NICE."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
 
 
 def held_out_loss(path: Path, steps: int, batches: int = 16) -> float:
@@ -225,7 +340,7 @@ def spikes(losses: dict[int, float], *, window: int = 5, ratio: float = SPIKE) -
 
 def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn: bool,
         kills: int = 0, stall: float = 120.0, stages: int = 1, eval_every: int = 0,
-        warmup: int = WARMUP) -> dict[str, Any]:
+        warmup: int = WARMUP, joiner_nice: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
     cfg = job_config(steps, stages, eval_every, warmup)
     events: list[dict[str, Any]] = []
@@ -246,6 +361,11 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
         stop = threading.Event()
         fresh = [5]
         started: list[str] = []      # fresh nodes started so far
+        joins: dict[str, float] = {}     # fresh node -> its start (wall clock)
+        plan_at: list[tuple[float, list[str]]] = []   # (wall clock, the plan's member names) per plan event
+        step_at: dict[int, float] = {}   # step -> when it completed (wall clock), and its epoch
+        step_epoch: dict[int, int] = {}
+        niced: dict[str, float] = {}     # fresh node -> seconds its start-up ran at --joiner-nice
         killed_n = 0
         last_progress = time.monotonic()
         first_step = False
@@ -256,9 +376,18 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
             if not stop.is_set():
                 name = f"node{fresh[0]}"
                 fresh[0] += 1
-                cluster.add_node(name)
+                joins[name] = time.time()
+                pid = cluster.add_node(name).pid
+                base = os.getpriority(os.PRIO_PROCESS, pid)
+                if joiner_nice:   # its start-up beside the training as if on a machine of its own (module docstring)
+                    renice(pid, base + joiner_nice)
                 names[cluster.peer_id(name)] = name
                 started.append(name)
+                if joiner_nice:
+                    while not stop.is_set() and READY not in (home / f"{name}.log").read_text(errors="replace"):
+                        time.sleep(0.1)
+                    renice(pid, base)   # a role's training at the priority of every other member
+                    niced[name] = round(time.time() - joins[name], 1)
 
         def ready() -> bool:
             """The last kill recovered and the fresh node started after it accepted the job (a re-plan before then
@@ -281,10 +410,13 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
                 next_kill = now + every if churn else np.inf
             elif isinstance(ev, PlanChanged):
                 plan, plan_epoch = list(ev.members), ev.epoch
+                plan_at.append((time.time(), [names.get(p, p) for p in plan]))
                 layouts.append((ev.epoch, list(ev.stage_sizes), last_step + 1))   # replicas per stage, from about which step
                 deals.append((ev.epoch, list(ev.micro)))   # micro-batches per replica a step ([]: even)
                 epoch = max(epoch, ev.epoch)
             elif isinstance(ev, StepProgress) and ev.loss is not None and ev.step < steps:
+                step_at.setdefault(ev.step, ev.at or time.time())
+                step_epoch[ev.step] = max(ev.epoch, step_epoch.get(ev.step, 0))
                 for p in [p for p in pending if ev.epoch > p["epoch"]]:
                     p["recovery_s"] = now - p["t"]
                     wall = time.time()
@@ -321,13 +453,20 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
         path = job.download(out)
         epochs = max((e.epoch for e in job.history if isinstance(e, PlanChanged)), default=0)
         cpu_s = cpu.at(w_end) - cpu.at(w_run)   # every node process's, over the training phase
+        cpu_by = breakdown(cpu.series, start=w_run, end=w_end, kills=[e["wall"] for e in events], joins=joins,
+                           plans=plan_at, step_at=step_at)
+        in_band = redeals(home)
     return {"steps": steps, "train_s": t_end - t_run, "steps_per_s": steps / (t_end - t_run), "events": events,
             "epochs": epochs, "held_out_loss": held_out_loss(path, steps), "final_eval_loss": job.final_loss,
             "layouts": layouts, "cpu_s": round(cpu_s, 1), "cpu_s_per_step": cpu_s / steps,
             # the loss curve: each step's training loss (the mean over the replicas) and the held-out losses
             "losses": {s: round(v, 4) for s, v in sorted(job.losses.items())},
             "eval_losses": {s: round(v, 4) for s, v in sorted(job.eval_losses.items())},
-            "loss_spikes": spikes(job.losses), "deals": deals, "warmup": cfg.lr_sched.warmup_steps if cfg.lr_sched else 0,
+            "loss_spikes": spikes(job.losses), "deals": deals, "cpu_breakdown": cpu_by, "redeals": in_band,
+            "epoch_rates": per_epoch(step_at, step_epoch, deals), "joiner_nice": joiner_nice, "joiners_niced_s": niced,
+            # steps completed in each 20 s from the start of training: the calm and churn runs side by side
+            "steps_per_20s": [sum(w_run + a <= t < w_run + a + 20.0 for t in step_at.values())
+                              for a in np.arange(0.0, w_end - w_run, 20.0)], "warmup": cfg.lr_sched.warmup_steps if cfg.lr_sched else 0,
             "samples": samples(layouts, steps, cfg.micro_batches * cfg.micro_batch)}
 
 
@@ -362,6 +501,9 @@ def main() -> None:
                     help=f"lr warm-up steps of both runs' job (default {WARMUP}; 0: the demo's recipe, which spikes)")
     ap.add_argument("--stages", type=int, default=1,
                     help="pipeline stages of every plan of both runs (x 2 replicas; default 1)")
+    ap.add_argument("--joiner-nice", type=int, default=0,
+                    help="run each fresh node's start-up (until it accepted the job) this much nicer than the other "
+                         "nodes: its own machine's start-up, not the members' CPU (module docstring; default 0)")
     ap.add_argument("--stall", type=float, default=120.0,
                     help="stop with the reason when no step completes for this many seconds (default 120)")
     args = ap.parse_args()
@@ -369,6 +511,8 @@ def main() -> None:
         raise SystemExit("--no-calm and --no-churn leave nothing to run: give at most one")
     if args.quick and args.out == RESULTS / "churn.json":
         args.out = RESULTS / "churn_quick.json"   # the quick rate's figures beside the full rate's
+    if args.joiner_nice and args.out in (RESULTS / "churn.json", RESULTS / "churn_quick.json"):
+        args.out = args.out.with_name(args.out.stem + "_joiner_nice.json")   # another method: beside, not over it
     if args.no_churn and args.out in (RESULTS / "churn.json", RESULTS / "churn_quick.json"):
         args.out = RESULTS / "churn_calm.json"    # never over the recorded comparison
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
@@ -387,7 +531,7 @@ def main() -> None:
             return
         churn = run(steps, root / "churn", every=every, rejoin=args.rejoin, seed=args.seed, churn=True,
                     kills=args.kills, stall=args.stall, stages=args.stages, eval_every=args.eval_every,
-                    warmup=args.warmup)
+                    warmup=args.warmup, joiner_nice=args.joiner_nice)
     except Stalled as exc:
         raise SystemExit(f"benchmarks.churn stopped: {exc} (node logs under {root})") from None
     rec = [e["recovery_s"] for e in churn["events"] if e["recovery_s"] is not None]
@@ -418,6 +562,16 @@ def main() -> None:
         print(f"{label}: micro-batches per replica (epoch, [] even) {r.get('deals', [])}; loss spikes (step, loss, "
               f"x the lowest of the 5 before) {r.get('loss_spikes', [])}")
     print(f"steps lost per kill {lost}; median seconds from a kill to each phase's end: {phase_med}")
+    for label, r in (("calm", base), ("churn", churn)):   # where the CPU went, per window and role (breakdown)
+        for w, x in r.get("cpu_breakdown", {}).items():
+            if x["steps"]:
+                print(f"{label} {w}: {x['s']} s, {x['steps']} steps ({x['steps_per_s']}/s); CPU-s a step "
+                      f"{x['cpu_s_per_step']}; cores {x['cores']}")
+        print(f"{label} steps completed in each 20 s of training: {r.get('steps_per_20s', [])}")
+        print(f"{label} per epoch (steps/s over its span, deal): "
+              + "; ".join(f"{e['epoch']}: {e['steps']} from {e['first_step']}, {e['steps_per_s']}/s, {e['deal']}"
+                          for e in r.get("epoch_rates", []))
+              + f"; in-band re-deals {r.get('redeals', [])}")
     print(f"median CPU-seconds of all node processes in each phase (from the previous phase's end): {cpu_med}")
     # equal samples: every plan of the churn run with the undisturbed run's replicas per stage (module docstring)
     equal = not args.no_calm and {sz[0] for _, sz, _ in churn["layouts"]} == {sz[0] for _, sz, _ in base["layouts"]}
@@ -435,9 +589,10 @@ def main() -> None:
                               "cpu_goodput": cpu_goodput, "steps_lost": lost,
                               "phases_s_median": phase_med, "phases_cpu_s_median": cpu_med, "every_s": every,
                               "rejoin_s": args.rejoin, "seed": args.seed, "recovery_s_target": 5.0,
+                              "joiner_nice": args.joiner_nice,
                               "warmup": args.warmup},
           headline(f"goodput under churn (one member SIGKILLed every {every:g} s, a fresh node {args.rejoin:g} s "
-                   "later) / undisturbed", goodput, "x", 0.75 if every < 60 else 0.9, "higher",
+                   "later" + (f", its start-up at nice +{args.joiner_nice}" if args.joiner_nice else "") + ") / undisturbed", goodput, "x", 0.75 if every < 60 else 0.9, "higher",
                    "the same job without churn"),
           quick=args.quick)
 

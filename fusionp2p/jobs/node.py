@@ -351,6 +351,14 @@ class NodeJobService:
             self.jobs.pop(run.job_id, None)
             self._release(run)
 
+    def _running(self, envelope: bytes) -> str | None:
+        """The id of the job of *envelope* (the same signed bytes) when this node runs it already: started,
+        not ended."""
+        for job_id, run in self.jobs.items():
+            if run.epoch >= 0 and not run.state.terminal and run.accepted.envelope == envelope:
+                return job_id
+        return None
+
     def _slots_used(self) -> int:
         """Jobs holding one of the node's ``max_jobs`` slots: offers still being fetched, offers accepted and
         not started (until ``offer_ttl``) and running jobs; ended jobs hold none."""
@@ -363,6 +371,12 @@ class NodeJobService:
                                          for j in self.jobs.values())
 
     async def _offer(self, peer: str, envelope: bytes, via: str | None) -> dict[str, Any]:
+        held = self._running(envelope)
+        if held is not None:
+            # a standby offered the job it holds again (each re-plan's leader offers it to the live nodes
+            # outside its plan): yes, without fetching and checking its content again (benchmarks.churn: three
+            # such offers a kill); a job not started here yet takes the whole path (its offerers are checked)
+            return {"ok": True, "job": held}
         if self._slots_used() >= self.config.max_jobs:
             return {"ok": False, "error": "this node is busy"}
         if self._pending_of(peer) >= self.config.max_offers_per_publisher:

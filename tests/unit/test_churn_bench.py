@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 import torch
 
-from benchmarks.churn import WARMUP, _events, job_config, samples, spikes
+from benchmarks.churn import WARMUP, _events, breakdown, job_config, per_epoch, renice, samples, spikes
 from fusionp2p.cli.demo import SEQ_LEN, demo_model
 from fusionp2p.data import BuiltinCorpus
 from fusionp2p.jobs.build import build_job, choose_plan
@@ -80,3 +85,61 @@ def test_both_runs_plan_one_stage_of_two_replicas_whatever_the_members() -> None
                    for i, f in enumerate([1.0, 0.6, 1.7, 0.9, 1.3][:n])}
         plan = choose_plan(built.spec, built.dag, members)
         assert [len(s.replicas) for s in plan.stages] == [2], (n, plan.stages)
+
+
+def test_the_breakdown_puts_each_process_cpu_in_its_window_and_role() -> None:
+    """Issue 41: where a churn run's CPU went. Two members train from 0 s (1 CPU-s a second each), a standby
+    idles (0.1), node5 starts at 35 s (a kill at 30 s) and spends 4 CPU-s in its first 4 s; from 40 s it
+    replaces node1 in the plan. A step a second."""
+    def ramp(rate: float, t0: float = 0.0, t1: float = 100.0, burst: tuple[float, float] = (0.0, 0.0)
+             ) -> list[tuple[float, float]]:
+        out, cpu = [], 0.0
+        for k in range(int(t0), int(t1)):
+            cpu += rate + (1.0 if burst[0] <= k < burst[1] else 0.0)
+            out.append((k + 1.0, cpu))
+        return out
+
+    series = {"node0": ramp(1.0), "node1": ramp(1.0, t1=30), "node2": ramp(0.1), "bootstrap": ramp(0.01),
+              "node5": [(t, c) for t, c in ramp(1.0, 35, 100, burst=(35, 38)) if t > 35]}
+    plans = [(0.0, ["node0", "node1"]), (40.0, ["node0", "node5"])]
+    out = breakdown(series, start=0.0, end=100.0, kills=[30.0], joins={"node5": 35.0}, plans=plans,
+                    step_at={s: s + 0.5 for s in range(100)})
+    assert out["all"]["s"] == 100.0 and out["all"]["steps"] == 100
+    # a kill's 20 s and the fresh node's first 20 s overlap: [30, 55) is outside "between"
+    assert (out["after_kill"]["s"], out["joiner_start"]["s"], out["between"]["s"]) == (20.0, 20.0, 75.0)
+    # node5 is a joiner until the plan names it at 40 s: its start-up burst (readings at 36-39: 2, 2, 2, 1)
+    assert out["joiner_start"]["cpu_s"]["joiner"] == 7.0
+    assert out["all"]["cpu_s"]["standbys"] == 10.0 and out["all"]["cpu_s"]["bootstrap"] == 1.0
+    # between: node0 75 s, node1 until its death at 30 s (29 readings), node5 from 55 s (46)
+    assert out["between"]["cpu_s"]["members"] == 150.0 and out["between"]["steps"] == 75
+    assert out["between"]["cpu_s_per_step"]["all"] == round((150.0 + 7.5 + 0.75) / 75, 3)
+    # after the kill: node0's 20 s, node1's last reading (at 30 s), node5 from 40 s
+    assert out["after_kill"]["cores"]["members"] == round((20 + 1 + 10) / 20, 3)
+
+def test_per_epoch_rates_come_with_their_deal() -> None:
+    step_at = {s: 0.5 * s for s in range(10)} | {s: 10.0 + s for s in range(10, 15)}
+    epochs = dict.fromkeys(range(10), 0) | dict.fromkeys(range(10, 15), 1)
+    assert per_epoch(step_at, epochs, [(0, []), (1, [4.5, 3.5])]) == [
+        {"epoch": 0, "first_step": 0, "steps": 10, "span_s": 4.5, "steps_per_s": 2.0, "deal": []},
+        {"epoch": 1, "first_step": 10, "steps": 5, "span_s": 4.0, "steps_per_s": 1.0, "deal": [4.5, 3.5]}]
+
+
+def test_renice_sets_every_thread_of_a_process_and_back() -> None:
+    """``--joiner-nice``: a fresh node's start-up runs nicer, then at the others' priority (CAP_SYS_NICE to go back)."""
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); print(1, flush=True); time.sleep(30)"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"1\n"   # its second thread runs
+        base = os.getpriority(os.PRIO_PROCESS, p.pid)
+        tids = [int(t.name) for t in Path(f"/proc/{p.pid}/task").iterdir()]
+        assert len(tids) == 2
+        renice(p.pid, base + 5)
+        assert [os.getpriority(os.PRIO_PROCESS, t) for t in tids] == [base + 5] * 2
+        try:
+            renice(p.pid, base)
+        except PermissionError:
+            pytest.skip("lowering a nice value needs CAP_SYS_NICE")
+        assert [os.getpriority(os.PRIO_PROCESS, t) for t in tids] == [base] * 2
+    finally:
+        p.kill()
+        p.wait()
