@@ -15,7 +15,7 @@ import trio
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.graph import coarsen, partition, stages_from_fences, trace
 from fusionp2p.graph.program import StageProgram
-from fusionp2p.jobs.events import decode_event, encode_event
+from fusionp2p.jobs.events import StageConvicted, decode_event, encode_event
 from fusionp2p.jobs.suspects import Suspects
 from fusionp2p.jobs.verified import Arbiter
 from fusionp2p.models import GPT2, GPT2Config
@@ -97,6 +97,7 @@ def test_a_real_liar_is_still_convicted(stage0: tuple[StageProgram, dict[str, to
     ev = leader.verdict(v, _plan(), by=LEADER.peer_id)
     assert ev is not None and ev.peer == LEADER.peer_id and leader.convicted == {STAGE.peer_id: 3}
     got = decode_event(encode_event(ev))
+    assert isinstance(got, StageConvicted)
     other = Suspects()
     assert not other.observe(CHECKER.peer_id, dataclasses.replace(got, peer=CHECKER.peer_id), _plan(),
                              LEADER.peer_id)                                     # the checker's word
