@@ -18,8 +18,9 @@ serves it only to one of its checkers whose seed samples that micro-batch (:meth
 checker cannot make a stage ship every state), checks it against the claim's digests and recomputes it
 (``verify.check``), after comparing the claimed transcript with the stamps its neighbours hold of what
 crossed its links (``train/receipts.py``: a stage that sends a lie and claims the honest tensors is caught there). A mismatch is a :class:`~fusionp2p.train.verify.Verdict` handed to ``on_verdict``:
-the job gossips it as a ``StageConvicted`` event and every node's ``Suspects`` leaves the stage replica
-out of the next plan (``jobs/suspects.py``). Between the nodes of a real job: ``jobs/verified.py``.
+between the nodes of a real job (``jobs/verified.py``) the leader re-judges it from the bundle and, when its
+own recomputation agrees, gossips a ``StageConvicted`` event on which every node's ``Suspects`` leaves the
+stage replica out of the next plan (``jobs/suspects.py``).
 
 Limits (docs/security.md): the ledger keeps ``keep`` steps of transcripts and states (memory: that many
 copies of the stage's state and of its boundary tensors); a bundle asked for later is gone, and a check
