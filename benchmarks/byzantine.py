@@ -27,8 +27,19 @@ the checks on and off over the honest run's. A checked run, once the liar is con
 checkpoint at or before the conviction (every ``--stage-checkpoint-every`` steps) and trains on to the same
 step count with an honest holder, as a job's leader rolls back (``jobs/verified.py:rollback``).
 
-Headline: the worst, over the replica and stage attacks, of the held-out loss with the defences on over the
-honest run's (target <= 1.02). Beside it: the same ratio with the defences off (it should be visibly worse:
+Combined (``--combined-steps``, default the replica runs' steps; 0: none): the issue's job, a lying replica
+and a lying stage in the same run. The same four replicas and averaging, each replica the GPT-2 reference cut
+in two stages (``PipeReplica``: a ``LocalPipeline``, AdamW over both stages); replica r3 lies in the averaging
+(``--combined-replica-attack``, default ``scale``) and replica r1's stage in its pipeline
+(``--combined-stage-attack``: ``bias`` on stage 0, ``--stage-bias`` standard deviations, or ``zeros`` from
+stage 1, on every micro-batch). Defences on: the robust reduction, and every stage replica spot-checked at
+``--combined-rate`` (a conviction ends the lie from the next step: an honest holder takes the stage over from
+its live state, the re-plan's resume when no checkpoint predates the lie). Runs: honest (defences on),
+attacked with the defences on, and off: the held-out loss of replica r0 over the honest run's, the step the
+replica liar was dropped and the stage liar convicted, and any honest replica convicted (none expected).
+
+Headline: the worst, over the replica, stage and combined attacks, of the held-out loss with the defences on
+over the honest run's (target <= 1.02). Beside it: the same ratio with the defences off (it should be visibly worse:
 the attack is real), the step at which the liar was dropped or convicted, and the cost.
 
 ``python -m benchmarks.byzantine`` (``--quick``: 40 replica steps instead of 300, 30 stage steps instead of
@@ -40,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +66,19 @@ from fusionp2p.average.outer import OuterConfig
 from fusionp2p.average.robust import RobustConfig, robust_mean
 from fusionp2p.average.shard import weighted_mean
 from fusionp2p.data import BatchSampler, SamplerConfig, corpus_tokens
+from fusionp2p.graph import OpDAG, coarsen, partition, stages_from_fences, trace
+from fusionp2p.graph.executor import StageExecutor
+from fusionp2p.graph.local import LocalPipeline
+from fusionp2p.graph.program import StageProgram
+from fusionp2p.graph.trace import load_into
 from fusionp2p.net.channel import TensorChannel
+from fusionp2p.net.identity import Identity
 from fusionp2p.testing.byzantine import ATTACKS, SCALE, LyingAverager
 from fusionp2p.testing.channels import memory_channel_pair
+from fusionp2p.testing.lying_stages import LyingStage
 from fusionp2p.train.averager import AveragerConfig, load_anchor_, open_replica_averager
 from fusionp2p.train.config import CO2, TrainConfig
+from fusionp2p.train.verify import VerifyConfig, challenge, check, claim, digest, sampled
 
 R = 4
 LIAR = R - 1
@@ -70,6 +90,10 @@ LR = 6e-3
 # that skips its backward saves all of it) and the bias is a whole standard deviation of its activations (at
 # 5% on half the micro-batches GPT-2's held-out loss did not move: 0.999x)
 STAGE_RATE, STAGE_LIE_RATE, STAGE_BIAS = 0.05, 1.0, 1.0
+# the combined job: replica r3 lies in the averaging and replica r1's stage in its pipeline. One micro-batch a
+# replica a step (two stages each) and 40 steps with --quick: at p = 0.05 a liar on every micro-batch goes
+# unchecked for 20 steps on average, half the run; at 0.1, 10 (P(caught by step 40) = 0.985)
+STAGE_LIAR, COMBINED_RATE = 1, 0.1
 
 
 class Replica:
@@ -93,8 +117,70 @@ class Replica:
         self.opt.zero_grad()
 
 
+class PipeReplica:
+    """A replica of the combined job: the GPT-2 reference cut in two stages (a ``LocalPipeline`` of
+    ``LyingStage`` s; stage *stage* lies with *attack* when it is given), AdamW over both stages' parameters, and
+    with *rate* > 0 every stage's micro-batches spot-checked as a checker does (``train/verify.py``: the state
+    at the step's start, the stage's signed claim, a recomputation by the checker's own copy of the stage). A
+    conviction ends the lie from the next step (an honest holder takes the stage over from its live state: the
+    re-plan's resume when no checkpoint predates the lie, ``jobs/verified.py``); ``convicted_at``: its step."""
+
+    def __init__(self, rank: int, cfg: TrainConfig, train: np.ndarray, programs: list[StageProgram], dag: OpDAG, *,
+                 attack: str | None = None, stage: int = 0, rate: float = 0.0, bias: float = STAGE_BIAS) -> None:
+        self.rank, self.cfg, self.train, self.programs, self.dag = rank, cfg, train, programs, dag
+        self.execs = [LyingStage(p, attack=attack if s == stage else None, lie_rate=1.0, seed=rank, bias=bias)
+                      for s, p in enumerate(programs)]
+        self.pipe = LocalPipeline(programs)
+        self.pipe.executors = list(self.execs)
+        self.params = self.pipe.all_parameters()   # tied copies too: each gets the summed gradient
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.sampler = BatchSampler(SamplerConfig(num_tokens=len(train), seq_len=SEQ, micro_batch=cfg.micro_batch,
+                                                  micro_batches=cfg.micro_batches, seed=cfg.seed))
+        self.vcfg = VerifyConfig(rate=rate)
+        self.ids = [Identity(bytes([16 * rank + s + 1]) * 32) for s in range(len(programs))]
+        self.checker = Identity(bytes([16 * rank + 15]) * 32)
+        self.checking = [StageExecutor(p) for p in programs] if rate > 0 else []
+        self.convicted_at: int | None = None
+        self.checks = 0
+
+    def step(self, step: int) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = self.cfg.lr_at(step)
+        states = [{k: v.detach().clone() for k, v in ex.state_dict().items()} for ex in self.execs] if self.checking else []
+        for ex in self.execs:
+            ex.step = step
+        b = step * R + self.rank
+        batches = [dict(zip(self.dag.data_inputs, (torch.from_numpy(self.sampler.inputs(self.train, b, mu)),
+                                                   torch.from_numpy(self.sampler.targets(self.train, b, mu)))))
+                   for mu in range(self.cfg.micro_batches)]
+        self.pipe.zero_grad()
+        self.pipe.step(batches)
+        self.opt.step()
+        if not self.checking:
+            return
+        seed = challenge(self.checker, "combined", self.rank, step)
+        for s, ex in enumerate(self.execs):
+            for m in range(len(batches)):
+                t = ex.tap.take(step, m)
+                if t is None or not sampled(seed, s, 0, m, self.vcfg.rate):
+                    continue
+                c = claim(self.ids[s], job="combined", epoch=0, stage=s, replica=self.rank, params=digest(states[s]), t=t)
+                self.checks += 1
+                if check(c, self.programs[s], states[s], t, self.vcfg, self.checker, executor=self.checking[s]) is None:
+                    continue
+                if self.convicted_at is None:
+                    self.convicted_at = step
+                ex.attack = None   # convicted: an honest holder takes the stage over
+
+    def module(self) -> torch.nn.Module:
+        m = make_model("gpt2")
+        load_into(m, self.dag, {k: v for ex in reversed(self.execs) for k, v in ex.state_dict().items()})
+        return m
+
+
 async def run(cfg: TrainConfig, train: np.ndarray, held: np.ndarray, *, attack: str | None, robust: bool,
-              scale: float = SCALE) -> dict[str, Any]:
+              scale: float = SCALE, pipe: Callable[[int], PipeReplica] | None = None) -> dict[str, Any]:
+    """One run of R replicas (*pipe*: rank -> the replica, the combined job's; else the 1-stage reference)."""
     co2 = CO2()
     outer = OuterConfig(tau=co2.tau, outer_lr=co2.outer_lr, outer_momentum=co2.outer_momentum, sync=co2.sync,
                         stream=co2.stream)
@@ -103,7 +189,7 @@ async def run(cfg: TrainConfig, train: np.ndarray, held: np.ndarray, *, attack: 
     for i, a in enumerate(peers):
         for b in peers[i + 1:]:
             mesh[a][b], mesh[b][a] = memory_channel_pair(a, b, window=16)
-    reps = [Replica(r, cfg, train) for r in range(R)]
+    reps: list[Any] = [pipe(r) if pipe is not None else Replica(r, cfg, train) for r in range(R)]
     dropped_at: dict[str, int] = {}
     clipped: dict[str, int] = {}   # per honest replica: rounds in which a majority of owners clipped the liar
     clipped_all: dict[str, int] = {}
@@ -111,7 +197,7 @@ async def run(cfg: TrainConfig, train: np.ndarray, held: np.ndarray, *, attack: 
 
     async def one(rank: int) -> None:
         me, rep = peers[rank], reps[rank]
-        params = list(rep.model.parameters())
+        params = list(rep.params) if pipe is not None else list(rep.model.parameters())
         acfg = AveragerConfig(outer=outer, job="bench", round_timeout=120.0, wire=co2.wire,
                               robust=RobustConfig() if robust else None)
         async with open_replica_averager(acfg, peers=peers, me=me, channels=mesh[me], initial=params,
@@ -140,9 +226,14 @@ async def run(cfg: TrainConfig, train: np.ndarray, held: np.ndarray, *, attack: 
                 h.start_soon(one, r)
         n.cancel_scope.cancel()   # the liar, dropped by the others, would wait for them until its deadline
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    finals = [torch.cat([p.detach().reshape(-1) for p in reps[r].model.parameters()]) for r in range(LIAR)]
+    finals = [torch.cat([p.detach().reshape(-1) for p in (reps[r].params if pipe is not None else
+                                                          reps[r].model.parameters())]) for r in range(LIAR)]
     agree = max(float((f - finals[0]).abs().max()) for f in finals)
-    return {"attack": attack or "none", "robust": robust, "heldout_loss": heldout_loss(reps[0].model, held, cfg),
+    extra = ({"stage_convicted_at_step": {peers[r]: rep.convicted_at for r, rep in enumerate(reps)
+                                          if rep.convicted_at is not None},
+              "stage_checks": sum(rep.checks for rep in reps)} if pipe is not None else {})
+    model = reps[0].module() if pipe is not None else reps[0].model
+    return {"attack": attack or "none", "robust": robust, "heldout_loss": heldout_loss(model, held, cfg), **extra,
             "honest_replicas_max_diff": agree, "dropped_liar_at_step": {p: dropped_at[p] for p in sorted(dropped_at)},
             "liar_clipped_rounds": {p: clipped[p] for p in sorted(clipped) if p != peers[LIAR]},
             "clipped_rounds_seen_by_r0": {p: clipped_all[p] for p in sorted(clipped_all)},
@@ -217,6 +308,46 @@ def replica_attacks(steps: int, lr: float, scale: float, attacks: list[str]) -> 
             "reduce": red, "cost_reduce_over_replica_step_cpu": cost_reduce}
 
 
+def combined(steps: int, lr: float, scale: float, *, replica_attack: str, stage_attack: str, rate: float,
+             bias: float) -> dict[str, Any]:
+    """The combined job of the module docstring: the honest run (defences on), and the attacked run with the
+    defences on and off."""
+    cfg = dataclasses.replace(base_config(steps), micro_batches=1, lr=lr)
+    tokens = corpus_tokens("pydoc")
+    cut = int(len(tokens) * 0.9)
+    train, held = tokens[:cut], tokens[cut:]
+    sampler = BatchSampler(SamplerConfig(num_tokens=len(train), seq_len=SEQ, micro_batch=cfg.micro_batch,
+                                         micro_batches=1, seed=cfg.seed))
+    dag = trace(make_model("gpt2"), (torch.from_numpy(sampler.inputs(train, 0, 0)),
+                                     torch.from_numpy(sampler.targets(train, 0, 0))), count_flops=False)
+    coarse = coarsen(dag)
+    programs = partition(coarse, stages_from_fences(len(coarse.units), [len(coarse.units) // 2]))
+    stage = 0 if stage_attack.startswith("bias") else 1   # the loss stage sends no activations to bias
+    runs: dict[str, dict[str, Any]] = {}
+
+    def go(name: str, attacked: bool, defended: bool) -> dict[str, Any]:
+        def make(rank: int) -> PipeReplica:
+            return PipeReplica(rank, cfg, train, programs, dag, rate=rate if defended else 0.0, bias=bias,
+                               attack=stage_attack if attacked and rank == STAGE_LIAR else None, stage=stage)
+        c0 = time.process_time()
+        out = trio.run(lambda: run(cfg, train, held, attack=replica_attack if attacked else None, robust=defended,
+                                   scale=scale, pipe=make))
+        out = {"run": name, **out, "cpu_s": time.process_time() - c0}
+        runs[name] = out
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}, flush=True)
+        return out
+
+    honest, on, off = go("honest", False, True), go("attacked-defended", True, True), go("attacked-undefended", True, False)
+    base = honest["heldout_loss"]
+    return {"steps": steps, "replicas": R, "stages": len(programs), "replica_liar": f"r{LIAR}",
+            "replica_attack": replica_attack, "stage_liar": f"r{STAGE_LIAR} stage {stage}", "stage_attack": stage_attack,
+            "rate": rate, "bias": bias, "honest_heldout": base,
+            "defended_over_honest": on["heldout_loss"] / base, "undefended_over_honest": off["heldout_loss"] / base,
+            "replica_liar_dropped_at_step": on["dropped_liar_at_step"],
+            "stage_liar_convicted_at_step": on["stage_convicted_at_step"],
+            "honest_false_convictions": honest["stage_convicted_at_step"], "runs": list(runs.values())}
+
+
 def main() -> None:
     ap = parser("byzantine", __doc__)
     ap.add_argument("--steps", type=int, default=300)
@@ -236,6 +367,12 @@ def main() -> None:
     ap.add_argument("--replicas-from", type=Path, default=None,
                     help="a results JSON of this benchmark: its replica runs are taken (marked with where they came "
                          "from) instead of run again")
+    ap.add_argument("--combined-steps", type=int, default=None,
+                    help="steps of the combined job (a lying replica and a lying stage in one run; default: the "
+                         "replica runs' steps; 0: none)")
+    ap.add_argument("--combined-replica-attack", default="scale", choices=ATTACKS)
+    ap.add_argument("--combined-stage-attack", default="bias", choices=("bias", "zeros"))
+    ap.add_argument("--combined-rate", type=float, default=COMBINED_RATE, help="the combined job's spot-check rate")
     args = ap.parse_args()
     torch.set_num_threads(1)
     steps = 40 if args.quick else args.steps
@@ -249,8 +386,14 @@ def main() -> None:
     if stage_steps:
         results["stages"] = stage_attacks(stage_steps, rate=args.stage_rate, lie_rate=args.stage_lie_rate,
                                           bias=args.stage_bias, checkpoint_every=args.stage_checkpoint_every)
+    combined_steps = steps if args.combined_steps is None else args.combined_steps
+    if combined_steps:
+        results["combined"] = combined(combined_steps, args.lr, args.scale, replica_attack=args.combined_replica_attack,
+                                       stage_attack=args.combined_stage_attack, rate=args.combined_rate,
+                                       bias=args.stage_bias)
     print({k: v for k, v in results.items() if k != "runs"})
     ratios = [v["defended_over_honest"] for v in results["per_attack"].values()]
+    ratios += [results["combined"]["defended_over_honest"]] if "combined" in results else []
     ratios += [v["checked_over_honest"] for v in results.get("stages", {}).get("per_attack", {}).values()]
     write("byzantine", args.out, results,
           headline("attacked (defended) over honest held-out loss, worst attack", max(ratios, default=1.0), "x",

@@ -202,8 +202,9 @@ class Leading:
         """
         cfg = self.svc.config
         now = trio.current_time()
-        # a member that announced it leaves, or that a spot-check convicted (jobs/verified.py), is gone without asking
-        left = {*self.svc.swarm.view.left, *self.suspects.convicted}
+        # a member that announced it leaves, that a spot-check convicted, or whose verdict the leader found false
+        # (jobs/verified.py), is gone without asking
+        left = {*self.svc.swarm.view.left, *self.suspects.convicted, *self.suspects.struck}
         ask = [p for p in peers if p not in left and p != self.me and now - self._answered.get(p, -math.inf) > cfg.confirm_ttl]
         if ask:
             answers = await self._ask_all(ask, {"op": "status", "job": self.job_id}, timeout=cfg.confirm_timeout)

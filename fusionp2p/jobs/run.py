@@ -81,7 +81,7 @@ from fusionp2p.jobs.replan import Halted, Resume, Source, announcer, leader_of
 from fusionp2p.jobs.shadow import Shadows
 from fusionp2p.jobs.status import ProgressBatch, StepStats
 from fusionp2p.jobs.suspects import Suspects
-from fusionp2p.jobs.verified import SPOT_OPS, EpochChecks, read_verdict, tapped_executor
+from fusionp2p.jobs.verified import SPOT_OPS, Arbiter, EpochChecks, tapped_executor
 from fusionp2p.jobs.weights import WeightFetches, prepare_stage, stage_fit, stage_recompute
 from fusionp2p.net.channel import TensorChannel
 from fusionp2p.net.resilient import ResilientChannel
@@ -156,6 +156,7 @@ class JobRun(Leading, Linking):
         self._worker: StageWorker | None = None
         self.checks: EpochChecks | None = None    # the epoch's verified stages (TrainConfig.spot_rate; jobs/verified.py)
         self._rolled: set[str] = set()            # convicted members a re-plan already rolled back for (jobs/lead.py)
+        self.arbiter = Arbiter()                  # the leader's re-judgement of verdicts (jobs/verified.py)
         self._worker_scope: trio.CancelScope | None = None      # the epoch's setup and training
         self._halt = Halt()
         self._broken = False           # our pipeline broke (a neighbour died): a re-plan is needed
@@ -260,7 +261,7 @@ class JobRun(Leading, Linking):
             self._holds(ev.step, (ev.start, ev.end), ev.hash, sender)
         elif isinstance(ev, StepProgress):
             self.book.add(sender, ev, now=now)
-        if self.suspects.observe(sender, ev, self.plan):
+        if self.suspects.observe(sender, ev, self.plan, self._leader(self.plan) if self.plan is not None else None):
             self._poke()   # a convicted member: the leader re-plans without it
 
     def on_done(self, peer: str, msg: dict[str, Any]) -> None:
@@ -275,15 +276,9 @@ class JobRun(Leading, Linking):
     async def on_spot(self, peer: str, req: dict[str, Any]) -> dict[str, Any]:
         """A verified-stage request of a member (jobs/verified.py): claims, a bundle or stamps for the epoch's
         checks; a ``verdict`` for the leader, which convicts on the evidence and re-plans without the stage."""
-        if req["op"] == "verdict":
-            v = read_verdict(req)
-            ev = self.suspects.verdict(v, self.plan)
-            if ev is None:
-                return {"ok": True, "new": False}
-            self.svc.nursery.start_soon(self._gossip, ev)   # the checker's gossip may not have reached everyone
-            self._poke()
-            return {"ok": True, "new": True}
         checks = self.checks
+        if req["op"] == "verdict" and checks is not None:
+            return checks.on_verdict(peer, req)   # re-judged before anyone is convicted (jobs/verified.py)
         if checks is None or req["op"] not in SPOT_OPS:
             return {"ok": False, "error": "this node runs no spot-checks now"}
         return await checks.on_request(peer, req)
@@ -634,7 +629,7 @@ class JobRun(Leading, Linking):
         return EpochChecks(transport=self.transport, content=self.svc.content, job=self.job_id, plan=plan, stage=s,
                            replica=r, programs=programs, rate=rate, micro_batches=self.spec.config.micro_batches,
                            timeout=self.svc.config.report_timeout, max_bundle=self.svc.config.max_state_bytes,
-                           suspects=self.suspects, gossip=self._gossip,
+                           suspects=self.suspects, gossip=self._gossip, arbiter=self.arbiter, poke=self._poke,
                            leader=lambda: leader_of(plan.peers, self._alive, standbys=self.members or ()))
 
     async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str, *,

@@ -18,9 +18,14 @@ of a snapshot this node accepted to start (``vouch``: the publisher or an electe
 A stage replica convicted by a spot-check (``train/verify.py``: a checker recomputed one of its sampled
 micro-batches and got other outputs) is excluded at once on the evidence, a :class:`~fusionp2p.train.verify.Verdict`
 that carries the stage's signed claim and the checker's signature (:meth:`Suspects.convict`): both must be
-members of the plan in force, the stage replica of the claimed stage. The verdict is re-judged by
-recomputation where the bundle is at hand (``verify.arbitrate``): a checker that framed an honest stage is
-named itself.
+members of the plan in force, the stage replica of the claimed stage. The job's leader re-judges a
+checker's verdict before anyone acts on it (``jobs/verified.py`` :class:`~fusionp2p.jobs.verified.Arbiter`:
+it fetches the bundle from the checker and recomputes it, ``verify.arbitrate``), and gossips its ruling;
+the other nodes convict on the leader's ruling (:meth:`Suspects.observe` with the ``leader``), not on a
+checker's word, except a verdict against the leader itself (nobody above it re-judges). A checker whose
+verdict the leader's recomputation contradicts, or whose evidence is not the stage's claim, is struck
+(:meth:`Suspects.strike`): excluded like a convicted member, with no roll-back (it lied in words, not in
+the training state).
 
 Limits: a stage of two replicas cannot tell which one lies (one report is half, not more); colluding
 liars that are a majority of a stage can exclude an honest replica; an exclusion lasts for the job.
@@ -50,6 +55,7 @@ class Suspects:
         self.reports: dict[str, set[str]] = {}
         self.excluded: set[str] = set()
         self.convicted: dict[str, int] = {}   # stage replica convicted by a spot-check -> the convicted step
+        self.struck: set[str] = set()          # checkers whose verdict the leader's recomputation contradicted
         self.allow = frozenset(allow)   # TrainConfig.allow_members: empty = any node
         self.admission = admission or Admission()   # TrainConfig.min_work and the issuers it trusts
         self.standing: dict[str, int] = {}          # the standing each peer showed this node (micro-batches)
@@ -106,9 +112,11 @@ class Suspects:
             self.report(me, ev, plan)
         return out
 
-    def observe(self, sender: str, ev: ProgressEvent, plan: Plan | None) -> bool:
+    def observe(self, sender: str, ev: ProgressEvent, plan: Plan | None, leader: str | None = None) -> bool:
         """A progress event of the job from *sender*: an outlier report is counted, a conviction judged. True
-        when it excludes a member."""
+        when it excludes a member. A conviction counts when it is the ruling of *leader* (the leader of *plan*
+        as this node sees it: it re-judged the checker's verdict), or a checker's own verdict against *leader*
+        itself; with no *leader* given (an in-process pipeline with no leader), a checker's own verdict."""
         if isinstance(ev, AveragingOutlier):
             return self.report(sender, ev, plan)
         if isinstance(ev, StageConvicted) and ev.peer == sender:
@@ -116,18 +124,33 @@ class Suspects:
                 v = decode_verdict(ev.evidence)
             except RemoteProtocolError:
                 return False
-            if v.checker == sender and v.claim.peer == ev.suspect:
+            if v.claim.peer != ev.suspect:
+                return False
+            ruled = leader is not None and sender == leader != ev.suspect
+            own = v.checker == sender and (leader is None or ev.suspect == leader)
+            if ruled or own:
                 return self.convict(v, plan)
         return False
 
-    def verdict(self, v: Verdict, plan: Plan | None) -> StageConvicted | None:
-        """This node's own verdict (it is the checker): the event to gossip when it convicts (counted here
-        too: gossip does not come back to its sender)."""
+    def verdict(self, v: Verdict, plan: Plan | None, *, by: str | None = None) -> StageConvicted | None:
+        """Convict on verdict *v*, this node's own (it is the checker) or one it upheld (*by*: this node, the
+        leader): the event to gossip when it convicts (counted here too: gossip does not come back to its
+        sender)."""
         if not self.convict(v, plan):
             return None
         c = v.claim
-        return StageConvicted(job=c.job, step=c.step, stage=c.stage, peer=v.checker, suspect=c.peer,
+        return StageConvicted(job=c.job, step=c.step, stage=c.stage, peer=by or v.checker, suspect=c.peer,
                               evidence=encode_verdict(v), at=time.time())
+
+    def strike(self, checker: str, why: str) -> bool:
+        """Exclude *checker*, whose verdict the leader's re-judgement found false (``jobs/verified.py``); True
+        the first time."""
+        if checker in self.struck:
+            return False
+        self.struck.add(checker)
+        self.excluded.add(checker)
+        log.warning("%s excluded from the next plan: %s", short_peer(checker), why)
+        return True
 
     def report(self, sender: str, ev: AveragingOutlier, plan: Plan | None) -> bool:
         """Count *sender*'s report; True when it excludes the suspect (the first time)."""
@@ -146,16 +169,21 @@ class Suspects:
                     "from their averaging as an outlier", ev.job, short_peer(ev.suspect), len(got), others)
         return True
 
+    def admissible(self, v: Verdict, plan: Plan | None) -> bool:
+        """Whether verdict *v* is evidence under *plan* (see :meth:`convict`), before any recomputation."""
+        c = v.claim
+        return not (plan is None or c.job != plan.job or c.epoch != plan.epoch or not 0 <= c.stage < len(plan.stages)
+                    or c.peer not in plan.stages[c.stage].replicas or v.checker not in plan.peers
+                    or v.checker in self.excluded or c.peer in self.excluded
+                    or (v.stamp is not None and v.stamp.signer not in plan.peers) or not v.valid())
+
     def convict(self, v: Verdict, plan: Plan | None) -> bool:
         """Act on a spot-check verdict: True when it excludes the stage replica it convicts (the first
         time). Evidence only when both signatures hold, the claim is of *plan*'s job and epoch, the stage
         replica serves the claimed stage in *plan*, the checker is another member not excluded, and a stamp
         the verdict carries (``train/receipts.py``) is signed by a member."""
         c = v.claim
-        if (plan is None or c.job != plan.job or c.epoch != plan.epoch or not 0 <= c.stage < len(plan.stages)
-                or c.peer not in plan.stages[c.stage].replicas or v.checker not in plan.peers
-                or v.checker in self.excluded or c.peer in self.excluded
-                or (v.stamp is not None and v.stamp.signer not in plan.peers) or not v.valid()):
+        if not self.admissible(v, plan):
             return False
         self.excluded.add(c.peer)
         self.convicted[c.peer] = c.step

@@ -21,6 +21,7 @@ replica keeping a ledger and checked by another replica of its stage.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +40,7 @@ from fusionp2p.net.identity import Identity
 from fusionp2p.plan.plan import Fence, Plan, Stage
 from fusionp2p.testing.channels import memory_channel_pair
 from fusionp2p.train.config import TrainConfig
-from fusionp2p.train.receipts import Stamp, StampBook, StampedChannel, TensorDigests
+from fusionp2p.train.receipts import Signer, Stamp, StampBook, StampedChannel, TensorDigests
 from fusionp2p.train.spot import Bundle, Checker, Ledger, TappedExecutor
 from fusionp2p.train.verify import (
     Claim,
@@ -119,6 +120,14 @@ class LyingStage(TappedExecutor):
                if r.needs_grad}
         self.tap.backward(self.step, micro, grad_outputs, out, loss_scale)
         return out
+
+
+def frame(me: Signer, c: Claim, reason: str = "outputs differ (made up)") -> Verdict:
+    """A lying checker's verdict against claim *c*, whatever a recomputation says: signed by *me* over the
+    stage's signed claim, so that it is valid evidence to anyone who does not recompute it
+    (``jobs/verified.py`` ``Arbiter``: the leader does, and strikes *me*)."""
+    v = Verdict(claim=c, checker=me.peer_id, reason=f"step {c.step} micro {c.micro}: {reason}")
+    return dataclasses.replace(v, signature=me.sign(v.body()))
 
 
 @dataclass(kw_only=True)
@@ -355,5 +364,5 @@ compares the claims with the neighbours' stamps (their books, read directly)."""
                        cpu_s=(r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime))
 
 
-__all__ = ["BIAS", "STAGE_ATTACKS", "LyingStage", "SpotRun", "TappedExecutor", "VerifiedJob", "spot_checked_run",
+__all__ = ["BIAS", "STAGE_ATTACKS", "LyingStage", "SpotRun", "TappedExecutor", "VerifiedJob", "frame", "spot_checked_run",
            "verified_job"]

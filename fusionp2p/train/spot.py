@@ -18,8 +18,9 @@ serves it only to one of its checkers whose seed samples that micro-batch (:meth
 checker cannot make a stage ship every state), checks it against the claim's digests and recomputes it
 (``verify.check``), after comparing the claimed transcript with the stamps its neighbours hold of what
 crossed its links (``train/receipts.py``: a stage that sends a lie and claims the honest tensors is caught there). A mismatch is a :class:`~fusionp2p.train.verify.Verdict` handed to ``on_verdict``:
-the job gossips it as a ``StageConvicted`` event and every node's ``Suspects`` leaves the stage replica
-out of the next plan (``jobs/suspects.py``). Between the nodes of a real job: ``jobs/verified.py``.
+between the nodes of a real job (``jobs/verified.py``) the leader re-judges it from the bundle and, when its
+own recomputation agrees, gossips a ``StageConvicted`` event on which every node's ``Suspects`` leaves the
+stage replica out of the next plan (``jobs/suspects.py``).
 
 Limits (docs/security.md): the ledger keeps ``keep`` steps of transcripts and states (memory: that many
 copies of the stage's state and of its boundary tensors); a bundle asked for later is gone, and a check
@@ -31,9 +32,11 @@ cannot be replayed (a node runs one stage).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 import torch
 import trio
@@ -58,6 +61,7 @@ from fusionp2p.train.verify import (
 from fusionp2p.types import short_peer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Bundle = tuple[dict[str, torch.Tensor], Transcript]          # (the stage's state at the step's start, transcript)
 Fetch = Callable[[Claim, bytes], Awaitable[Bundle]]          # (claim, the checker's seed) -> the stage's bundle
@@ -174,9 +178,15 @@ class Checker:
     fetches and recomputes the sampled micro-batches, and hands a mismatch to ``on_verdict``."""
 
     def __init__(self, me: Signer, program: StageProgram, cfg: VerifyConfig, *, job: str, epoch: int,
-                 on_verdict: Callable[[Verdict], Awaitable[None]]) -> None:
+                 on_verdict: Callable[[Verdict], Awaitable[None]], limiter: trio.CapacityLimiter | None = None,
+                 timeout: float = math.inf) -> None:
         self.me, self.program, self.cfg, self.job, self.epoch = me, program, cfg, job, epoch
         self.on_verdict = on_verdict
+        # each recomputation runs in a worker thread, one at a time (*limiter*, shared with the node's bundle
+        # coding: a stage-sized job each), within *timeout* seconds: past it the check is abandoned (no
+        # evidence) and its thread keeps the limiter until it ends, so that no second one starts beside it
+        self.limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
+        self.timeout = timeout
         self._ex = StageExecutor(program)   # the checker's own copy of the stage, reused for every check
         self.checks = 0          # micro-batches recomputed
         self.unverifiable = 0    # bundles refused or not matching their claim (no evidence either way)
@@ -217,8 +227,9 @@ class Checker:
             try:
                 bundle = await fetch(c, seed)
                 got = await stamps(c) if stamps is not None else ()
-                v = await trio.to_thread.run_sync(self._check, c, bundle, got)
-            except (Refused, Unverifiable) as exc:
+                with trio.fail_after(self.timeout):
+                    v = await in_thread(partial(self._check, c, bundle, got), self.limiter)
+            except (Refused, Unverifiable, trio.TooSlowError) as exc:
                 self.unverifiable += 1
                 log.info("spot-check of %s's stage %d step %d micro %d: %s", short_peer(c.peer), c.stage, c.step,
                          c.micro, exc)
@@ -232,8 +243,16 @@ class Checker:
         return found
 
 
+async def in_thread(fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
+    """*fn* in a worker thread under *limiter*. A cancelled wait (a deadline) abandons the thread, which keeps
+    its token until it ends: the next stage-sized job waits for it rather than run beside it."""
+    # trio-typing's stubs predate abandon_on_cancel (as in swarm/probe.py)
+    return await trio.to_thread.run_sync(fn, limiter=limiter, abandon_on_cancel=True)  # type: ignore[call-arg,no-any-return]
+
+
 def _cpu() -> float:
     return time.thread_time()   # the work runs in worker threads: their own CPU, not the process's
 
 
-__all__ = ["Bundle", "Checker", "Fetch", "Ledger", "Refused", "Stamps", "StepHooks", "TappedExecutor"]
+__all__ = ["Bundle", "Checker", "Fetch", "Ledger", "Refused", "Stamps", "StepHooks", "TappedExecutor",
+           "in_thread"]

@@ -20,9 +20,11 @@ import torch
 import trio
 
 from fusionp2p.jobs.events import PlanChanged, ProgressEvent, StageConvicted
-from fusionp2p.testing.lying_stages import LyingStage
+from fusionp2p.testing.lying_stages import LyingStage, frame
 from fusionp2p.train.config import CO2, TrainConfig
 from fusionp2p.train.spot import Checker, TappedExecutor
+from fusionp2p.train.verify import Claim
+from fusionp2p.types import short_peer
 from tests.integration.test_elastic import _built, _check_done, _publish, _swarm
 
 LIE_FROM = 3
@@ -37,16 +39,24 @@ class _LateLiar(LyingStage):
         return self.step >= LIE_FROM and super()._lies(micro)
 
 
-def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, lie: bool,
-         checked: list[bool] | None = None) -> tuple[list[ProgressEvent], list[str]]:
+def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, lie: bool, checked: list[bool] | None = None,
+         framers: list[tuple[str, str]] | None = None) -> tuple[list[ProgressEvent], list[str]]:
     liars: list[str] = []
     ids: list[str] = []
     real_check = Checker._check
 
-    def counted(self: Checker, *args: Any, **kwargs: Any) -> Any:
-        v = real_check(self, *args, **kwargs)
+    def counted(self: Checker, c: Claim, *args: Any, **kwargs: Any) -> Any:
+        v = real_check(self, c, *args, **kwargs)
         if checked is not None:
             checked.append(v is None)   # (in a worker thread: list.append is atomic)
+        # with *framers*: the first checker that is not the leader (the lowest id) and checks a replica that is
+        # not the leader either signs a verdict against an honest micro-batch of step LIE_FROM or later
+        me, lead = self.me.peer_id, min(ids)
+        if (framers is not None and v is None and c.step >= LIE_FROM and lead not in (me, c.peer)
+                and (not framers or framers[0] == (me, c.peer))):
+            if not framers:
+                framers.append((me, c.peer))
+            return frame(self.me, c)
         return v
 
     monkeypatch.setattr(Checker, "_check", counted)
@@ -105,3 +115,24 @@ def test_an_honest_job_with_every_micro_batch_checked_has_no_conviction(tmp_path
     # be on the way when the epoch ends)
     assert len(checked) >= 16 and all(checked), (len(checked), checked.count(False))
     assert len({p.epoch for p in plans if isinstance(p, PlanChanged)}) == 1   # no re-plan
+
+
+@pytest.mark.slow   # 20-60 s on the shared 2-core VM (load 20)
+def test_a_checker_that_frames_an_honest_replica_is_struck_and_the_replica_stays(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A dishonest checker signs a verdict against an honest replica of its stage: the leader fetches the
+    bundle from it, recomputes the micro-batch, finds the replica's claim true and strikes the checker; the
+    replica is never convicted and stays in the job, which ends DONE. Without the leader's re-judgement the
+    replica would be excluded (``StageConvicted``) on the checker's word: this test fails without it."""
+    caplog.set_level(logging.INFO, logger="fusionp2p.jobs")
+    torch.set_num_threads(1)
+    framers: list[tuple[str, str]] = []
+    events, _ = _run(tmp_path, monkeypatch, lie=False, framers=framers)
+    plans, _ = _check_done(events, CFG)
+    assert len(framers) == 1
+    framer, framed = framers[0]
+    assert not [e for e in events if isinstance(e, StageConvicted)]
+    assert framer in plans[0].members and framer not in plans[-1].members
+    assert framed in plans[-1].members
+    assert any(short_peer(framer) in r.getMessage() and "does not hold on the leader's recomputation" in r.getMessage()
+               for r in caplog.records)
