@@ -5,8 +5,9 @@ Theory of operation. A :class:`JobDriver` takes one built, signed job through it
 1. *Discover*: ask a bootstrap for its view (``swarm.fetch_view``: every record verified) and take the
    live training members with their signed device profiles and bandwidth reports.
 2. *Offer*: keep the blobs (DAG, weights, data shards) in our content store, announce the spec in the
-   DHT (so that the job can be followed from elsewhere), dial every member and send it the signed
-   envelope (``job_proto``); each member verifies, fetches the blobs from us by hash, checks that it
+   DHT (so that the job can be followed from elsewhere), dial the candidates (every member, or in a
+   large swarm the ``DriverConfig.candidates`` best by capacity and links: ``jobs/candidates.py``) and
+   send each the signed envelope (``job_proto``); each member verifies, fetches the blobs from us by hash, checks that it
    fits and answers. None accepting ends the job FAILED with their reasons.
 3. *Start*: propose the snapshot of the accepting members (profiles + measured links) as epoch 0.
    Every member plans from it and the members elect the plan over gossip. From then on the job
@@ -43,6 +44,7 @@ from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs import reputation
 from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
+from fusionp2p.jobs.candidates import choose_candidates
 from fusionp2p.jobs.checkpoint import decode_state, save_stage, stage_path
 from fusionp2p.jobs.content import ContentService
 from fusionp2p.jobs.election import fetch_latest
@@ -104,8 +106,13 @@ class DriverConfig:
     status_poll: float = 5.0         # read the job's status record this often while following
     done_grace: float = 10.0         # every stage said done: wait this long for the leader's report
     max_checkpoint: int = 4 << 30
+    # members the job is offered to at most, chosen by capacity and links (jobs/candidates.py): a big swarm's
+    # members do not all verify and fetch it, and the planner and the election see these only
+    candidates: int = 64
 
     def __post_init__(self) -> None:
+        if self.candidates < 1:
+            raise ConfigError("DriverConfig.candidates must be at least 1")
         for name in ("view_timeout", "offer_timeout", "start_timeout", "idle_timeout", "fetch_timeout",
                      "status_poll", "done_grace"):
             if not getattr(self, name) > 0:
@@ -266,8 +273,9 @@ class JobDriver:
                 refused[peer] = str(reply.get("error", "refused"))[:500]
 
         allow = set(built.spec.config.allow_members)   # a private swarm's allow-list (empty: every node)
+        pool = {p: prof for p, prof in view.members.items() if not allow or p in allow}
         async with trio.open_nursery() as nursery:
-            for peer in sorted(p for p in view.members if not allow or p in allow):
+            for peer in choose_candidates(pool, view.links, cfg.candidates):
                 nursery.start_soon(offer, peer)
         for peer, why in sorted(refused.items()):
             log.warning("node %s refused job %s: %s", short_peer(peer), self.job, why)

@@ -4,7 +4,8 @@ Many nodes in one ``trio.run``: streams are pairs of bounded memory channels (so
 real), gossip is delivered to every live subscriber, and the DHT is one shared dict. A host can be
 killed (``MemoryNetwork.kill``): its streams break with PeerUnavailable and it stops hearing gossip.
 Identities and signatures are the real Ed25519 ones, so signed records verify exactly as over libp2p.
-With ``MemoryNetwork.emulator`` set, streams between shaped pairs move at the emulated rates.
+With ``MemoryNetwork.emulator`` set, streams between shaped pairs move at the emulated rates, and
+chunks arrive the emulated latency after they left (each carries its arrival time).
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ _CHUNK = 64 * 1024
 class MemoryStream:
     """One end of an in-memory stream pair."""
 
-    def __init__(self, local: str, remote: str, send: trio.MemorySendChannel[bytes], recv: trio.MemoryReceiveChannel[bytes], net: MemoryNetwork) -> None:
+    def __init__(self, local: str, remote: str, send: trio.MemorySendChannel[tuple[float, bytes]],
+                 recv: trio.MemoryReceiveChannel[tuple[float, bytes]], net: MemoryNetwork) -> None:
         self._local = local
         self._remote = remote
         self._send = send
         self._recv = recv
         self._net = net
         self._pending = b""
+        self._ready_at = 0.0   # when the pending chunk arrives (an emulated latency: the module docstring)
         self._eof = False
 
     @property
@@ -54,15 +57,15 @@ class MemoryStream:
             raise PeerUnavailable(self._remote, "peer is dead")
         mv = memoryview(bytes(data))
         emu = self._net.emulator
-        bucket = emu.bucket(self._local, self._remote, "control") if emu is not None else None
+        latency = emu.latency(self._local, self._remote) if emu is not None else 0.0
         try:
             for i in range(0, len(mv), _CHUNK):
                 chunk = bytes(mv[i : i + _CHUNK])
-                if bucket is not None:   # an emulated link: the chunk leaves at its rate
-                    wait = bucket.reserve(len(chunk), trio.current_time())
+                if emu is not None:   # an emulated link: the chunk leaves at its rate, arrives its latency later
+                    wait = emu.delay(self._local, self._remote, len(chunk), trio.current_time())
                     if wait > 0:
                         await trio.sleep(wait)
-                await self._send.send(chunk)
+                await self._send.send((trio.current_time() + latency if latency else 0.0, chunk))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise PeerUnavailable(self._remote, "stream closed by peer") from None
         self._net.traffic_of(self._local).add("control", self._remote, sent=len(mv))
@@ -72,7 +75,7 @@ class MemoryStream:
             if self._eof:
                 return b""
             try:
-                chunk = await self._recv.receive()
+                self._ready_at, chunk = await self._recv.receive()
             except trio.EndOfChannel:
                 self._eof = True
                 if self._net.is_dead(self._remote):
@@ -81,6 +84,9 @@ class MemoryStream:
             except trio.ClosedResourceError:
                 return b""
             self._pending = chunk
+        if self._ready_at:   # kept pending while it travels: a cancelled wait loses nothing
+            await trio.sleep_until(self._ready_at)
+            self._ready_at = 0.0
         n = len(self._pending) if max_bytes is None else max_bytes
         out, self._pending = self._pending[:n], self._pending[n:]
         self._net.traffic_of(self._local).add("control", self._remote, received=len(out))
@@ -138,8 +144,8 @@ class MemoryTransport:
         handler = remote._handlers.get(protocol)
         if handler is None:
             raise PeerUnavailable(peer, f"protocol {protocol} not supported")
-        a_send, b_recv = trio.open_memory_channel[bytes](self._net.window)
-        b_send, a_recv = trio.open_memory_channel[bytes](self._net.window)
+        a_send, b_recv = trio.open_memory_channel[tuple[float, bytes]](self._net.window)
+        b_send, a_recv = trio.open_memory_channel[tuple[float, bytes]](self._net.window)
         mine = MemoryStream(self.peer_id, peer, a_send, a_recv, self._net)
         theirs = MemoryStream(peer, self.peer_id, b_send, b_recv, self._net)
         self._connected.add(peer)

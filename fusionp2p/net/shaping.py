@@ -6,6 +6,14 @@ rates, and the planner sees them as it would on a WAN) and the encrypted TCP dat
 127.0.0.1 (so activations, gradients and averaging parts really move at those rates, and AdaTopK's
 smaller payloads really arrive sooner). Like ``tc tbf`` it shapes rate only: latency is not added.
 
+**Access links** (``LinkEmulator.set_access``, benchmarks/swarm_scale.py): a node's own uplink and
+downlink rates and one-way latency, as a home, office or datacenter connection. They shape the in-memory
+transport only: a chunk from *a* to *b* leaves when *a*'s uplink bucket, *b*'s downlink bucket and the
+pair's bucket (if set) all let it through, so every stream of a node shares its access link, as on a real
+connection, and it arrives the two nodes' latencies later (``MemoryStream`` holds it until then). Their
+buckets pass a burst of one 64 KiB chunk only: at 5 ms of a 10 Gbit/s rate, a probe's whole transfer
+would pass in the burst and read as infinitely fast.
+
 A :class:`TokenBucket` is a virtual clock of when its link is free again: reserving *n* bytes at
 ``now`` returns how long the sender must wait before the last of them has left at the link's rate
 (a burst of ``burst`` bytes passes at once). It holds a lock because the data plane's lanes send from
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from fusionp2p.errors import ConfigError
 
@@ -45,6 +54,22 @@ class TokenBucket:
         return max(1024, int(self.rate * 0.005))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Access:
+    """A node's access link: uplink and downlink in bytes/s, one-way latency in seconds."""
+
+    up: float
+    down: float
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.up > 0 and self.down > 0) or not 0 <= self.latency < 60:
+            raise ConfigError(f"an access link needs positive rates and a latency in [0, 60) s, got {self}")
+
+
+ACCESS_BURST = 64 * 1024   # bytes an idle access link passes at once (one in-memory chunk; module docstring)
+
+
 class LinkEmulator:
     """Rates of the shaped pairs of an embedded swarm, by peer id; unlisted pairs are not shaped.
 
@@ -57,6 +82,35 @@ class LinkEmulator:
         self._rates: dict[frozenset[str], float] = {}
         self._buckets: dict[tuple[str, str, str], TokenBucket] = {}
         self._lock = threading.Lock()
+        self._access: dict[str, Access] = {}
+        self._ends: dict[tuple[str, str], TokenBucket] = {}   # (peer, "up" | "down") -> its access bucket
+
+    def set_access(self, peer: str, access: Access) -> None:
+        """Give *peer* an access link (the module docstring): every in-memory stream to or from it shares it."""
+        with self._lock:
+            self._access[peer] = access
+            self._ends[(peer, "up")] = TokenBucket(access.up, burst=ACCESS_BURST)
+            self._ends[(peer, "down")] = TokenBucket(access.down, burst=ACCESS_BURST)
+
+    def access(self, peer: str) -> Access | None:
+        return self._access.get(peer)
+
+    def path_rate(self, src: str, dst: str) -> float | None:
+        """The emulated rate from *src* to *dst* with nothing else sent (None: not shaped)."""
+        ends = [a.up for a in (self._access.get(src),) if a] + [a.down for a in (self._access.get(dst),) if a]
+        pair = self._rates.get(frozenset((src, dst)))
+        rates = ends + ([pair] if pair is not None else [])
+        return min(rates) if rates else None
+
+    def latency(self, src: str, dst: str) -> float:
+        """One-way seconds from *src* to *dst*: the sum of their access latencies (0 without access links)."""
+        return sum(a.latency for a in (self._access.get(src), self._access.get(dst)) if a)
+
+    def delay(self, src: str, dst: str, nbytes: int, now: float, plane: str = "control") -> float:
+        """Seconds to wait before *nbytes* sent from *src* to *dst* at *now* have left: the longest wait of
+        the pair's bucket and the two access buckets (each reserved at once; 0.0 when none is shaped)."""
+        buckets = [self.bucket(src, dst, plane), self._ends.get((src, "up")), self._ends.get((dst, "down"))]
+        return max((b.reserve(nbytes, now) for b in buckets if b is not None), default=0.0)
 
     def set_rate(self, a: str, b: str, rate: float) -> None:
         """Shape the link between *a* and *b* (both directions) to *rate* bytes/s."""
@@ -87,4 +141,4 @@ class LinkEmulator:
             return got
 
 
-__all__ = ["LinkEmulator", "TokenBucket"]
+__all__ = ["ACCESS_BURST", "Access", "LinkEmulator", "TokenBucket"]
