@@ -4,7 +4,7 @@ glibc gives threads that allocate at once heaps (arenas) of their own, up to eig
 thread frees stays in its arena for that arena's next allocations only. A node's tensors are allocated by
 whichever thread runs them: trio's worker threads (a stage's forward, backward and optimizer step, a new
 one whenever the cached ones are busy) and the data plane's reader threads (each received message). With
-the data plane's heap settings (``bulk_channel._keep_freed_heap``: freed memory is kept, not unmapped), each
+the data plane's heap settings (:func:`keep_freed_heap`: freed memory is kept, not unmapped), each
 arena kept its own copy of the stage's transients: measured on 4 CLI nodes of ``benchmarks.model_scale``
 (--memory 768MiB, Llama 34.3M), the stages holding the 47 MiB embedding and head peaked 1.14-1.22x their
 predicted size, 1.10-1.15x their offer, the resident size rising at each step's backward; in one process,
@@ -22,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import os
+
+from fusionp2p.wire.limits import MiB
 
 M_ARENA_MAX = -8   # glibc's mallopt parameter
 
@@ -39,4 +42,33 @@ def one_arena() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(M_ARENA_MAX, 1)
 
 
-__all__ = ["one_arena"]
+_heap_kept = False
+
+
+def keep_freed_heap() -> None:
+    """Keep freed message buffers in glibc's heap instead of returning them to the kernel.
+
+    glibc serves allocations above its (adaptive, at most 32 MiB) mmap threshold with fresh mappings and
+    unmaps them on free, so every incoming multi-MiB message would fault in all its pages again: on this
+    VM that cost 0.6-0.8 s per GB, more than the AES-GCM work. Raising the mmap threshold to 256 MiB and
+    the trim threshold to 1 GiB lets the next message reuse the memory of the last one. The price: a
+    node's resident size does not shrink after a burst of large messages. Once per process; glibc only.
+    """
+    global _heap_kept
+    if _heap_kept:
+        return
+    _heap_kept = True
+    if os.environ.get("FUSIONP2P_KEEP_HEAP", "1") == "0":
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return  # not glibc
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    one_arena()   # kept freed memory in one arena, not one per thread
+    mallopt(m_mmap_threshold, 256 * MiB)
+    mallopt(m_trim_threshold, 1024 * MiB)
+
+
+__all__ = ["keep_freed_heap", "one_arena"]
