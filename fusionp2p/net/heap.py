@@ -42,17 +42,27 @@ def one_arena() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(M_ARENA_MAX, 1)
 
 
+MMAP_THRESHOLD = 1 * MiB   # the data plane's pooled buffer size (tensor_stream.BufferPool.min_size)
+
 _heap_kept = False
 
 
 def keep_freed_heap() -> None:
-    """Keep freed message buffers in glibc's heap instead of returning them to the kernel.
+    """Keep freed small blocks in glibc's heap; give every block of :data:`MMAP_THRESHOLD` or more a mapping
+    of its own, returned to the kernel when freed.
 
-    glibc serves allocations above its (adaptive, at most 32 MiB) mmap threshold with fresh mappings and
-    unmaps them on free, so every incoming multi-MiB message would fault in all its pages again: on this
-    VM that cost 0.6-0.8 s per GB, more than the AES-GCM work. Raising the mmap threshold to 256 MiB and
-    the trim threshold to 1 GiB lets the next message reuse the memory of the last one. The price: a
-    node's resident size does not shrink after a burst of large messages. Once per process; glibc only.
+    glibc's adaptive mmap threshold (at most 32 MiB) unmapped every incoming multi-MiB message on free, and
+    the next one faulted in all its pages again (0.6-0.8 s per GB on the development VM, more than the
+    AES-GCM work): the data plane now recycles its large buffers itself (``tensor_stream.BufferPool`` for
+    received messages from 1 MiB up, the record-sized sealing buffers of ``bulk_channel`` for sent ones), so
+    the heap is not what keeps them. It used to be: the mmap threshold was 256 MiB, and every tensor under
+    it came from the one heap, where a freed large tensor left a hole that stayed resident and that a
+    larger one could not use once a small block had been placed after it. The head stage of 4 CLI nodes
+    (``benchmarks.model_scale --memory 768MiB``, a 31 MiB output weight sending 8 MiB logits) grew by one
+    weight gradient (31 MiB, the arena's growth steps) at backward after backward with its live memory
+    flat: 1.18x its predicted peak, 1.03x its offer; with this threshold 0.98x (the other stages 0.93-0.96x)
+    for the same step CPU. The trim threshold stays at 1 GiB (blocks under a MiB are cheap to keep).
+    Once per process; glibc only; ``FUSIONP2P_KEEP_HEAP=0`` leaves glibc's defaults.
     """
     global _heap_kept
     if _heap_kept:
@@ -67,8 +77,8 @@ def keep_freed_heap() -> None:
         return  # not glibc
     m_trim_threshold, m_mmap_threshold = -1, -3
     one_arena()   # kept freed memory in one arena, not one per thread
-    mallopt(m_mmap_threshold, 256 * MiB)
+    mallopt(m_mmap_threshold, MMAP_THRESHOLD)
     mallopt(m_trim_threshold, 1024 * MiB)
 
 
-__all__ = ["keep_freed_heap", "one_arena"]
+__all__ = ["MMAP_THRESHOLD", "keep_freed_heap", "one_arena"]
