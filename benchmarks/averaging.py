@@ -194,7 +194,7 @@ async def allreduce_throughput(mesh: Mapping[str, Mapping[str, TensorChannel]], 
     """*rounds* synchronous rounds of a flat *n_elems* vector; the first (buffers, pools) is left out of best and median.
 
     The heap is trimmed once before the rounds, not after each: a node keeps its freed round buffers in
-    glibc's heap (net/bulk_channel.py ``_keep_freed_heap``), and a trim after every round made each round
+    glibc's heap (net/heap.py ``keep_freed_heap``), and a trim after every round made each round
     fault in all its buffers again (a third of the round's CPU at 25M floats), which no node pays."""
     peers = [f"r{i}" for i in range(REPLICAS)]
     times: list[float] = []

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import queue
 import socket
 import struct
@@ -27,11 +26,11 @@ from fusionp2p.net.admission import BufferBudget
 from fusionp2p.net.aead import Opener, Sealer
 from fusionp2p.net.channel import TensorMessage
 from fusionp2p.net.dataplane_config import PATH_DIRECT, PATH_LIBP2P, PATH_RELAY, DataPlaneConfig
-from fusionp2p.net.heap import one_arena
+from fusionp2p.net.heap import keep_freed_heap
 from fusionp2p.net.shaping import TokenBucket
 from fusionp2p.net.tensor_stream import BufferPool, RecordReader, RecordWriter, SlotCursor, Stripe
 from fusionp2p.wire import tensor_frame as tf
-from fusionp2p.wire.limits import KiB, MiB
+from fusionp2p.wire.limits import KiB
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +110,7 @@ class BulkChannel:
     def __init__(self, stream: trio.SocketStream | socket.socket | list[trio.SocketStream | socket.socket],
                  peer: str, keys: tuple[bytes, bytes], cfg: DataPlaneConfig, budget: BufferBudget | None = None,
                  *, shape: TokenBucket | None = None) -> None:
-        _keep_freed_heap()
+        keep_freed_heap()
         streams = stream if isinstance(stream, list) else [stream]
         if not 1 <= len(streams) <= tf.MAX_LANES:
             raise ConfigError(f"a bulk channel has 1 to {tf.MAX_LANES} lanes")
@@ -756,38 +755,6 @@ def _detach(stream: trio.SocketStream) -> socket.socket:
         with suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, 0)
     return sock
-
-
-_heap_kept = False
-
-
-def _keep_freed_heap() -> None:
-    """Keep freed message buffers in glibc's heap instead of returning them to the kernel.
-
-    glibc serves allocations above its (adaptive, at most 32 MiB) mmap threshold with fresh mappings and
-    unmaps them on free, so every incoming multi-MiB message would fault in all its pages again: on this
-    VM that cost 0.6-0.8 s per GB, more than the AES-GCM work. Raising the mmap threshold to 256 MiB and
-    the trim threshold to 1 GiB lets the next message reuse the memory of the last one. The price: a
-    node's resident size does not shrink after a burst of large messages. Once per process; glibc only.
-    """
-    global _heap_kept
-    if _heap_kept:
-        return
-    _heap_kept = True
-    if os.environ.get("FUSIONP2P_KEEP_HEAP", "1") == "0":
-        return
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return  # not glibc
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    one_arena()   # kept freed memory in one arena, not one per thread (net/heap.py)
-    mallopt(m_mmap_threshold, 256 * MiB)
-    mallopt(m_trim_threshold, 1024 * MiB)
 
 
 __all__ = ["PATH_DIRECT", "PATH_LIBP2P", "PATH_RELAY", "BulkChannel", "DataPlaneConfig"]

@@ -4,7 +4,7 @@ glibc gives threads that allocate at once heaps (arenas) of their own, up to eig
 thread frees stays in its arena for that arena's next allocations only. A node's tensors are allocated by
 whichever thread runs them: trio's worker threads (a stage's forward, backward and optimizer step, a new
 one whenever the cached ones are busy) and the data plane's reader threads (each received message). With
-the data plane's heap settings (``bulk_channel._keep_freed_heap``: freed memory is kept, not unmapped), each
+the data plane's heap settings (:func:`keep_freed_heap`: freed memory is kept, not unmapped), each
 arena kept its own copy of the stage's transients: measured on 4 CLI nodes of ``benchmarks.model_scale``
 (--memory 768MiB, Llama 34.3M), the stages holding the 47 MiB embedding and head peaked 1.14-1.22x their
 predicted size, 1.10-1.15x their offer, the resident size rising at each step's backward; in one process,
@@ -22,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import os
+
+from fusionp2p.wire.limits import MiB
 
 M_ARENA_MAX = -8   # glibc's mallopt parameter
 
@@ -39,4 +42,43 @@ def one_arena() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(M_ARENA_MAX, 1)
 
 
-__all__ = ["one_arena"]
+MMAP_THRESHOLD = 1 * MiB   # the data plane's pooled buffer size (tensor_stream.BufferPool.min_size)
+
+_heap_kept = False
+
+
+def keep_freed_heap() -> None:
+    """Keep freed small blocks in glibc's heap; give every block of :data:`MMAP_THRESHOLD` or more a mapping
+    of its own, returned to the kernel when freed.
+
+    glibc's adaptive mmap threshold (at most 32 MiB) unmapped every incoming multi-MiB message on free, and
+    the next one faulted in all its pages again (0.6-0.8 s per GB on the development VM, more than the
+    AES-GCM work): the data plane now recycles its large buffers itself (``tensor_stream.BufferPool`` for
+    received messages from 1 MiB up, the record-sized sealing buffers of ``bulk_channel`` for sent ones), so
+    the heap is not what keeps them. It used to be: the mmap threshold was 256 MiB, and every tensor under
+    it came from the one heap, where a freed large tensor left a hole that stayed resident and that a
+    larger one could not use once a small block had been placed after it. The head stage of 4 CLI nodes
+    (``benchmarks.model_scale --memory 768MiB``, a 31 MiB output weight sending 8 MiB logits) grew by one
+    weight gradient (31 MiB, the arena's growth steps) at backward after backward with its live memory
+    flat: 1.18x its predicted peak, 1.03x its offer; with this threshold 0.98x (the other stages 0.93-0.96x)
+    for the same step CPU. The trim threshold stays at 1 GiB (blocks under a MiB are cheap to keep).
+    Once per process; glibc only; ``FUSIONP2P_KEEP_HEAP=0`` leaves glibc's defaults.
+    """
+    global _heap_kept
+    if _heap_kept:
+        return
+    _heap_kept = True
+    if os.environ.get("FUSIONP2P_KEEP_HEAP", "1") == "0":
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return  # not glibc
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    one_arena()   # kept freed memory in one arena, not one per thread
+    mallopt(m_mmap_threshold, MMAP_THRESHOLD)
+    mallopt(m_trim_threshold, 1024 * MiB)
+
+
+__all__ = ["MMAP_THRESHOLD", "keep_freed_heap", "one_arena"]
