@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--gossip-rate", type=float, default=5.0, help=_GOSSIP_RATE_HELP)
     n.add_argument("--probe-interval", type=float, default=10.0, help="seconds between bandwidth probe rounds")
     n.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    n.add_argument("--defer-startup", type=float, default=15.0, metavar="SECONDS",
+                   help="the node imports torch, starts its job service and measures its device once its first "
+                        "bandwidth probes are done, when a job request comes, or at the latest this long after "
+                        "joining (default 15; the swarm forms first)")
     n.add_argument("--emulate-slowdown", type=float, default=None, metavar="FACTOR",
                    help="testbeds: run every forward, backward and optimizer step FACTOR times slower than at this "
                         "host's CPU share (a sleep after each, as a slower accelerator would; default: "
@@ -254,6 +258,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
     from fusionp2p.swarm.daemon import DaemonConfig, check_home, run_daemon
     from fusionp2p.swarm.node import SwarmConfig, SwarmNode
     from fusionp2p.swarm.probe import ProbeConfig
+    from fusionp2p.swarm.startup import Startup, StartupConfig
 
     role = args.cmd
     home = check_home(args.home, _data_home() / role)
@@ -275,6 +280,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
                        device=getattr(args, "device", "cpu"), swarm=swarm, relay=relay,
                        hole_punch=bool(getattr(args, "hole_punch", False)), compute_slowdown=slowdown,
                        memory=_memory(args))
+    startup = Startup(StartupConfig(defer=args.defer_startup)) if role == "node" else None
     cpus = None
     disk = None
     if role == "node":
@@ -322,6 +328,11 @@ def _run_daemon(args: argparse.Namespace) -> int:
         if args.torch_threads:
             torch.set_num_threads(args.torch_threads)
 
+    async def serve_jobs(jobs: Any, nursery: trio.Nursery) -> None:
+        await nursery.start(jobs.run)
+        assert startup is not None
+        startup.serve(jobs.handle)   # the job requests that started the start-up are answered now
+
     def services(swarm: SwarmNode, nursery: trio.Nursery) -> None:
         from fusionp2p.jobs.records import register_rankers
 
@@ -335,11 +346,12 @@ def _run_daemon(args: argparse.Namespace) -> int:
                                     progress_interval=args.progress_interval, compute_slowdown=slowdown,
                                     device=cfg.device, compute_cpus=cpus, store=StoreConfig(disk_bytes=disk))
             jobs = NodeJobService(swarm, home, job_cfg)
-            nursery.start_soon(jobs.run)
+            nursery.start_soon(serve_jobs, jobs, nursery)
         if http is not None:
             nursery.start_soon(ops, swarm, jobs)
 
-    trio.run(lambda: run_daemon(cfg, on_ready=ready, extra_services=services, prepare=prepare if role == "node" else None))
+    trio.run(lambda: run_daemon(cfg, on_ready=ready, extra_services=services, prepare=prepare if role == "node" else None,
+                                startup=startup))
     return 0
 
 

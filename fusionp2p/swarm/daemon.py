@@ -20,6 +20,7 @@ from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport, parse_peer_addr
 from fusionp2p.net.relay import RelayLimits
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
+from fusionp2p.swarm.startup import Startup
 from fusionp2p.types import DeviceProfile
 
 log = logging.getLogger(__name__)
@@ -58,25 +59,34 @@ class DaemonConfig:
 
 async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], None],
                      extra_services: Callable[[SwarmNode, trio.Nursery], None] | None = None,
-                     prepare: Callable[[], None] | None = None) -> None:
+                     prepare: Callable[[], None] | None = None, startup: Startup | None = None) -> None:
     """Run until SIGINT/SIGTERM; *on_ready* receives the listen addresses once we listen.
 
-    A node listens and joins first; then, in a worker thread, it runs *prepare* (the CLI's heavy imports:
-    torch and the job service) and its device benchmark, and announces its profile with its next record.
-    torch's import and the benchmark were most of the 4.5 s from start to listening, and 3-5 CPU-seconds
-    a node before it joined: 20 processes starting at once on 2 cores joined after the last one's (issue
-    40). No planner counts a member whose record has no profile yet (jobs/publisher.py, jobs/lead.py),
-    and the job service starts only once the profile is there. A signal is answered at once, even
-    while the thread still imports (the process does not wait for it)."""
+    A node listens, joins and probes first; its heavy start-up (*prepare*: the CLI's torch and job
+    service imports, then its device benchmark) waits until *startup* wants it (swarm/startup.py: a job
+    request, its first probe round done, or a bounded delay), and the node announces its profile with
+    its next record. Run in the first seconds, torch's import and the benchmark held up the probes of 20
+    processes starting at once on 2 cores (issue 40). No planner counts a member whose record has no
+    profile yet (jobs/publisher.py, jobs/lead.py); until the job service serves, a JOB request starts
+    the start-up and waits for it (``Startup.early_job``). A signal is answered at once, even while the
+    start-up still runs (the process does not wait for it)."""
     identity = Identity.load_or_create(cfg.home)
+    startup = startup if startup is not None else Startup()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce,
                                                                     relay=cfg.relay, hole_punch=cfg.hole_punch)) as t:
+            if cfg.role == "node":
+                from fusionp2p.jobs import proto as job_proto
+                from fusionp2p.wire.protocols import JOB
+
+                # (the JOB wire format only: no torch) replaced by the job service's own handler once it runs (jobs/node.py)
+                t.set_stream_handler(JOB, job_proto.serve(startup.early_job,
+                                                          timeout=startup.config.on_demand_timeout + 600))
             on_ready(t.listen_addrs())
             swarm = SwarmNode(t, replace(cfg.swarm, role=cfg.role), None)   # the bootstrap never has a profile
             async with trio.open_nursery() as nursery:
                 await nursery.start(swarm.run, list(cfg.bootstrap))
-                nursery.start_soon(_serve, cfg, swarm, nursery, extra_services, prepare)
+                nursery.start_soon(_serve, cfg, swarm, nursery, extra_services, prepare, startup)
                 async for signum in signals:
                     log.info("signal %s: leaving", signal.Signals(signum).name)
                     break
@@ -86,11 +96,16 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
 
 async def _serve(cfg: DaemonConfig, swarm: SwarmNode, nursery: trio.Nursery,
                  extra_services: Callable[[SwarmNode, trio.Nursery], None] | None,
-                 prepare: Callable[[], None] | None) -> None:
-    """A node's profile (worker thread, abandoned on a signal), announced at once; then *extra_services*."""
+                 prepare: Callable[[], None] | None, startup: Startup) -> None:
+    """A node's start-up once wanted (imports in a niced thread, the benchmark in a worker thread, both
+    abandoned on a signal), its profile announced at once; then *extra_services*."""
     if cfg.role == "node":
+        probing = swarm.config.probing
+        await startup.trigger(swarm.prober.first_round if probing else None)
+        if prepare is not None:
+            await startup.run_prepare(prepare)
         # trio-typing's stubs predate abandon_on_cancel (as in swarm/probe.py)
-        swarm.profile = await trio.to_thread.run_sync(_node_profile, cfg, prepare,
+        swarm.profile = await trio.to_thread.run_sync(_node_profile, cfg,
                                                       abandon_on_cancel=True)  # type: ignore[call-arg]
         swarm.beat_soon()
     if extra_services is not None:
@@ -98,13 +113,11 @@ async def _serve(cfg: DaemonConfig, swarm: SwarmNode, nursery: trio.Nursery,
     log.info("%s %s joined; %d members", cfg.role, swarm.peer_id, len(swarm.members()))
 
 
-def _node_profile(cfg: DaemonConfig, prepare: Callable[[], None] | None) -> DeviceProfile:
-    """(worker thread) *prepare*, then the device benchmark, slowed by the emulated slowdown; its memory
-    is ``--memory`` where the user gave one."""
+def _node_profile(cfg: DaemonConfig) -> DeviceProfile:
+    """(worker thread, normal priority: it measures the rate stages will get) the device benchmark,
+    slowed by the emulated slowdown; its memory is ``--memory`` where the user gave one."""
     from fusionp2p.swarm.device import enable_tf32, measure_profile, resident, stage_memory_of
 
-    if prepare is not None:
-        prepare()
     enable_tf32(cfg.device)   # before the benchmark: the fp32 rate it announces is the one stages get
     profile = measure_profile(cfg.device).slowed(cfg.compute_slowdown)
     if cfg.memory is not None:

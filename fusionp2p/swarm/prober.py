@@ -130,6 +130,9 @@ class LinkProber:
         self.raw_path: RawPath | None = None
         self.training: Callable[[], bool] = lambda: False   # the job service's, once it runs
         self.wake = trio.Event()                   # a member joined or came back: probe now
+        # our links measured once, by us or the peers (the first round done): the node's deferred start-up
+        # may run now (swarm/startup.py) without its CPU holding up our first probes or theirs of us
+        self.first_round = trio.Event()
         self._inbound_seen = 0                     # peers our server had timed as of the last round
         # (members, the peers we chose, the ones of them we measure), recomputed when the members change, at
         # most once a heartbeat: it costs probe.peers passes over the members (25,000 hashes at 1,000), and a
@@ -234,6 +237,12 @@ class LinkProber:
             return True
         return any(not self._measured(p) and self._ours(p, now, mine) for p in peers)
 
+    def _links_measured(self) -> bool:
+        """Every link to the members we chose is measured, from our side or theirs (``first_round``)."""
+        peers, _ = self.chosen()
+        return bool(peers) and all(self._measured(p) or p in self.server.inbound
+                                   or self.bandwidth.direct(self.peer_id, p) is not None for p in peers)
+
     async def _probe_round(self) -> float:
         """Probe this round's peers; the seconds of bulk transfer spent.
 
@@ -265,6 +274,8 @@ class LinkProber:
                 # every round: each gossip message costs the swarm ~N x D RPCs, which a forming swarm feels)
                 self.new_pairs = False
                 self.beat_soon()
+            if not self.first_round.is_set() and self._links_measured():
+                self.first_round.set()
             # Our bulk transfers take at most probe_duty of the time in the long run (they load the peer's link
             # and, on one machine, its CPU: py-libp2p streams cost ~3 CPU-s per GB on each side): a token bucket
             # refills at probe_duty seconds per second up to probe_burst, and every transfer draws from it. A
@@ -274,7 +285,7 @@ class LinkProber:
             # coming back starts a round at once.
             self._refill()
             self.credit -= spent
-            if self._pending():
+            if self._pending() or not self.first_round.is_set():   # (the others' probes of us are not heard)
                 wait = self.heartbeat
             else:
                 wait = max(self.heartbeat, self.next_refresh - trio.current_time(), -self.credit / self.config.duty)

@@ -1,6 +1,7 @@
-"""A node joins before its heavy start-up (issue 40): ``run_daemon`` listens and joins the swarm, then imports
-torch and runs its device benchmark in a worker thread, and announces its profile once it has one; the job
-service (``extra_services``) starts only then. Real libp2p on loopback, one process."""
+"""A node joins before its heavy start-up (issue 40): ``run_daemon`` listens and joins the swarm, then (here at
+once: no deferral, swarm/startup.py) imports torch and runs its device benchmark in a worker thread, and
+announces its profile once it has one; the job service (``extra_services``) starts only then. Real libp2p
+on loopback, one process."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
 from fusionp2p.swarm import device
 from fusionp2p.swarm.daemon import DaemonConfig, run_daemon
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
+from fusionp2p.swarm.startup import Startup, StartupConfig
 from fusionp2p.testing.swarm import TEST_PROFILE
 
 
@@ -39,7 +41,8 @@ def test_a_node_joins_before_its_profile_and_announces_it_when_measured(tmp_path
                                         bootstrap=(bt.listen_addrs()[0],), swarm=cfg)
                     nursery.start_soon(lambda: run_daemon(dcfg, on_ready=addrs.extend,
                                                           extra_services=lambda s, _n: served.append(s),
-                                                          prepare=prepare))
+                                                          prepare=prepare,
+                                                          startup=Startup(StartupConfig(defer=0))))
                     # a member of the swarm while it still prepares: no profile yet, no job service
                     await boot.wait_until(lambda: len(boot.members()) == 1, 30)
                     peer = boot.members()[0]
