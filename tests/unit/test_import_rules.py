@@ -71,25 +71,23 @@ ALLOWED_UP: set[tuple[str, str]] = set()
 
 
 @functools.cache
-def _modules() -> dict[str, ast.Module]:
-    """Every module of the package by dotted name, parsed (once for all the tests here)."""
-    out = {}
+def _imports() -> dict[str, list[tuple[str, tuple[str, ...]]]]:
+    """Every module of the package by dotted name: the package modules it imports, each with the names
+    imported from it (() for a plain ``import``); parsed and walked once for all the tests here."""
+    out: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
     for p in py_files(PKG):
         parts = p.relative_to(ROOT).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = ast.parse(p.read_text(), filename=str(p))
+        found = out.setdefault(".".join(parts[:-1] if parts[-1] == "__init__" else parts), [])
+        for node in ast.walk(ast.parse(p.read_text(), filename=str(p))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("fusionp2p"):
+                found.append((node.module, tuple(a.name for a in node.names)))
+            elif isinstance(node, ast.Import):
+                found.extend((a.name, ()) for a in node.names if a.name.startswith("fusionp2p"))
     return out
 
 
 def _module_edges() -> dict[str, set[str]]:
-    edges: dict[str, set[str]] = {}
-    for mod, tree in _modules().items():
-        out = edges.setdefault(mod, set())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("fusionp2p"):
-                out.add(node.module)
-            elif isinstance(node, ast.Import):
-                out.update(a.name for a in node.names if a.name.startswith("fusionp2p"))
-    return edges
+    return {mod: {m for m, _ in found} for mod, found in _imports().items()}
 
 
 def _top(mod: str) -> str:
@@ -147,20 +145,13 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle_between_modules() -> None:
     """Module by module, every import counted (under TYPE_CHECKING and inside functions too): a cycle is a
     piece both sides need, to be moved down into a module of its own (jobs/accepted.py, jobs/shadow_config.py)."""
-    mods = _modules()
+    mods = _imports()
 
     def target(name: str) -> str:   # the module an import loads: the name itself, else its package
         while name not in mods and "." in name:
             name = name.rsplit(".", 1)[0]
         return name
 
-    graph: dict[str, set[str]] = {}
-    for mod, tree in mods.items():
-        out = graph.setdefault(mod, set())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("fusionp2p"):
-                out.update(target(f"{node.module}.{a.name}") for a in node.names)
-            elif isinstance(node, ast.Import):
-                out.update(target(a.name) for a in node.names if a.name.startswith("fusionp2p"))
-        out.discard(mod)
+    graph = {mod: {target(f"{m}.{n}" if n else m) for m, names in found for n in names or ("",)} - {mod}
+             for mod, found in mods.items()}
     assert _cycle(graph) is None
