@@ -296,10 +296,12 @@ def redeals(home: Path) -> list[tuple[str, int, int, str]]:
 
 def renice(pid: int, nice: int) -> None:
     """Every thread of process *pid* at *nice* (on Linux each thread has its own; threads started later take
-    their creator's). A thread that ended meanwhile is passed over; lowering it again needs CAP_SYS_NICE."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(ProcessLookupError):
-            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+    their creator's). A thread or process that ended meanwhile is passed over; lowering it again needs
+    CAP_SYS_NICE."""
+    with contextlib.suppress(FileNotFoundError):   # the process was killed and reaped (a joiner the run killed)
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
 
 
 def held_out_loss(path: Path, steps: int, batches: int = 16) -> float:

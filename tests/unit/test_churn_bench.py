@@ -143,3 +143,4 @@ def test_renice_sets_every_thread_of_a_process_and_back() -> None:
     finally:
         p.kill()
         p.wait()
+    renice(p.pid, base)   # killed and reaped: nothing to set, no error
