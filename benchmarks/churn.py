@@ -287,6 +287,23 @@ def per_epoch(step_at: dict[int, float], step_epoch: dict[int, int], deals: list
     return out
 
 
+def ready_after(home: Path, joins: dict[str, float]) -> dict[str, float]:
+    """Per fresh node, seconds from its start to its first ``READY`` line (it holds the job: its start-up and
+    intake done); nodes that never logged one are left out."""
+    out = {}
+    for name, t0 in joins.items():
+        log_path = home / f"{name}.log"
+        if not log_path.exists():
+            continue
+        for line in log_path.read_text(errors="replace").splitlines():
+            m = _STAMP.match(line)
+            if m is not None and READY in line:
+                t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                out[name] = round(t - t0, 1)
+                break
+    return out
+
+
 def redeals(home: Path) -> list[tuple[str, int, int, str]]:
     """The in-band re-deals the nodes logged (train/deal.py): (node, replica, from step, micro-batches a step)."""
     out = [(log_path.stem, int(m.group(1)), int(m.group(2)), m.group(3)) for log_path in sorted(home.glob("node*.log"))
@@ -296,10 +313,12 @@ def redeals(home: Path) -> list[tuple[str, int, int, str]]:
 
 def renice(pid: int, nice: int) -> None:
     """Every thread of process *pid* at *nice* (on Linux each thread has its own; threads started later take
-    their creator's). A thread that ended meanwhile is passed over; lowering it again needs CAP_SYS_NICE."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(ProcessLookupError):
-            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+    their creator's). A thread or process that ended meanwhile is passed over; lowering it again needs
+    CAP_SYS_NICE."""
+    with contextlib.suppress(FileNotFoundError):   # the process was killed and reaped (a joiner the run killed)
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
 
 
 def held_out_loss(path: Path, steps: int, batches: int = 16) -> float:
@@ -464,6 +483,7 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
             "eval_losses": {s: round(v, 4) for s, v in sorted(job.eval_losses.items())},
             "loss_spikes": spikes(job.losses), "deals": deals, "cpu_breakdown": cpu_by, "redeals": in_band,
             "epoch_rates": per_epoch(step_at, step_epoch, deals), "joiner_nice": joiner_nice, "joiners_niced_s": niced,
+            "joiners_ready_s": ready_after(home, joins),   # each fresh node's start to holding the job
             # steps completed in each 20 s from the start of training: the calm and churn runs side by side
             "steps_per_20s": [sum(w_run + a <= t < w_run + a + 20.0 for t in step_at.values())
                               for a in np.arange(0.0, w_end - w_run, 20.0)], "warmup": cfg.lr_sched.warmup_steps if cfg.lr_sched else 0,
@@ -568,6 +588,8 @@ def main() -> None:
                 print(f"{label} {w}: {x['s']} s, {x['steps']} steps ({x['steps_per_s']}/s); CPU-s a step "
                       f"{x['cpu_s_per_step']}; cores {x['cores']}")
         print(f"{label} steps completed in each 20 s of training: {r.get('steps_per_20s', [])}")
+        if r.get("joiners_ready_s"):
+            print(f"{label}: seconds from each fresh node's start to holding the job {r['joiners_ready_s']}")
         print(f"{label} per epoch (steps/s over its span, deal): "
               + "; ".join(f"{e['epoch']}: {e['steps']} from {e['first_step']}, {e['steps_per_s']}/s, {e['deal']}"
                           for e in r.get("epoch_rates", []))

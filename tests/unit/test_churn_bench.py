@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import subprocess
 import sys
@@ -12,7 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.churn import WARMUP, _events, breakdown, job_config, per_epoch, renice, samples, spikes
+from benchmarks.churn import (
+    WARMUP,
+    _events,
+    breakdown,
+    job_config,
+    per_epoch,
+    ready_after,
+    renice,
+    samples,
+    spikes,
+)
 from fusionp2p.cli.demo import SEQ_LEN, demo_model
 from fusionp2p.data import BuiltinCorpus
 from fusionp2p.jobs.build import build_job, choose_plan
@@ -143,3 +154,13 @@ def test_renice_sets_every_thread_of_a_process_and_back() -> None:
     finally:
         p.kill()
         p.wait()
+    renice(p.pid, base)   # killed and reaped: nothing to set, no error
+
+
+def test_a_fresh_nodes_start_up_lasts_until_it_holds_the_job(tmp_path: Path) -> None:
+    start = datetime.datetime(2026, 11, 29, 19, 0, 0).timestamp()
+    (tmp_path / "node5.log").write_text("2026-11-29 19:00:09,500 INFO fusionp2p.jobs.node: job service ready\n"
+                                        "2026-11-29 19:00:42,250 INFO fusionp2p.jobs.node: accepted job ab from cd\n"
+                                        "2026-11-29 19:01:42,250 INFO fusionp2p.jobs.node: accepted job ab from ef\n")
+    (tmp_path / "node6.log").write_text("2026-11-29 19:00:09,500 INFO fusionp2p.jobs.node: job service ready\n")
+    assert ready_after(tmp_path, {"node5": start, "node6": start, "node7": start}) == {"node5": 42.2}
