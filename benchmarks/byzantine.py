@@ -33,10 +33,11 @@ in two stages (``PipeReplica``: a ``LocalPipeline``, AdamW over both stages); re
 (``--combined-replica-attack``, default ``scale``) and replica r1's stage in its pipeline
 (``--combined-stage-attack``: ``bias`` on stage 0, ``--stage-bias`` standard deviations, or ``zeros`` from
 stage 1, on every micro-batch). Defences on: the robust reduction, and every stage replica spot-checked at
-``--combined-rate`` (a conviction ends the lie from the next step: an honest holder takes the stage over from
-its live state, the re-plan's resume when no checkpoint predates the lie). Runs: honest (defences on),
-attacked with the defences on, and off: the held-out loss of replica r0 over the honest run's, the step the
-replica liar was dropped and the stage liar convicted, and any honest replica convicted (none expected).
+``--combined-rate``; a conviction rolls the job back to its newest checkpoint (``--stage-checkpoint-every``)
+at or before the convicted step, as its leader does, replayed deterministically (``combined``). Runs: honest
+(defences on), attacked with the defences on (and its replay from the roll-back), and off: the held-out loss
+of replica r0 over the honest run's, the step the replica liar was dropped and the stage liar convicted, the
+roll-back's step, and any honest replica convicted (none expected).
 
 Headline: the worst, over the replica, stage and combined attacks, of the held-out loss with the defences on
 over the honest run's (target <= 1.02). Beside it: the same ratio with the defences off (it should be visibly worse:
@@ -117,19 +118,32 @@ class Replica:
         self.opt.zero_grad()
 
 
+class UntilLiar(LyingStage):
+    """A lying stage that lies only before step ``until`` (None: always): the replay of a roll-back."""
+
+    until: int | None = None
+
+    def _lies(self, micro: int) -> bool:
+        return (self.until is None or self.step < self.until) and super()._lies(micro)
+
+
 class PipeReplica:
     """A replica of the combined job: the GPT-2 reference cut in two stages (a ``LocalPipeline`` of
     ``LyingStage`` s; stage *stage* lies with *attack* when it is given), AdamW over both stages' parameters, and
     with *rate* > 0 every stage's micro-batches spot-checked as a checker does (``train/verify.py``: the state
     at the step's start, the stage's signed claim, a recomputation by the checker's own copy of the stage). A
     conviction ends the lie from the next step (an honest holder takes the stage over from its live state: the
-    re-plan's resume when no checkpoint predates the lie, ``jobs/verified.py``); ``convicted_at``: its step."""
+    re-plan's resume when no checkpoint predates the lie, ``jobs/verified.py``); ``convicted_at``: its step.
+    *until*: the liar lies only before that step (:func:`combined` replays a roll-back with it)."""
 
     def __init__(self, rank: int, cfg: TrainConfig, train: np.ndarray, programs: list[StageProgram], dag: OpDAG, *,
-                 attack: str | None = None, stage: int = 0, rate: float = 0.0, bias: float = STAGE_BIAS) -> None:
+                 attack: str | None = None, stage: int = 0, rate: float = 0.0, bias: float = STAGE_BIAS,
+                 until: int | None = None) -> None:
         self.rank, self.cfg, self.train, self.programs, self.dag = rank, cfg, train, programs, dag
-        self.execs = [LyingStage(p, attack=attack if s == stage else None, lie_rate=1.0, seed=rank, bias=bias)
+        self.execs = [UntilLiar(p, attack=attack if s == stage else None, lie_rate=1.0, seed=rank, bias=bias)
                       for s, p in enumerate(programs)]
+        for ex in self.execs:
+            ex.until = until
         self.pipe = LocalPipeline(programs)
         self.pipe.executors = list(self.execs)
         self.params = self.pipe.all_parameters()   # tied copies too: each gets the summed gradient
@@ -309,9 +323,13 @@ def replica_attacks(steps: int, lr: float, scale: float, attacks: list[str]) -> 
 
 
 def combined(steps: int, lr: float, scale: float, *, replica_attack: str, stage_attack: str, rate: float,
-             bias: float) -> dict[str, Any]:
+             bias: float, checkpoint_every: int = CHECKPOINT_EVERY) -> dict[str, Any]:
     """The combined job of the module docstring: the honest run (defences on), and the attacked run with the
-    defences on and off."""
+    defences on and off. A conviction in the defended run rolls the job back, as its leader does, to the newest
+    checkpoint (every *checkpoint_every* steps) at or before the convicted step, and the job trains on from
+    there to the same step count: run here as a replay (``defended-replay``) in which the stage lies only before
+    that checkpoint's step. The runs are deterministic (the honest run repeats to the bit), so the replay holds
+    at the checkpoint's step exactly the state the defended run checkpointed there, lies before it included."""
     cfg = dataclasses.replace(base_config(steps), micro_batches=1, lr=lr)
     tokens = corpus_tokens("pydoc")
     cut = int(len(tokens) * 0.9)
@@ -325,10 +343,11 @@ def combined(steps: int, lr: float, scale: float, *, replica_attack: str, stage_
     stage = 0 if stage_attack.startswith("bias") else 1   # the loss stage sends no activations to bias
     runs: dict[str, dict[str, Any]] = {}
 
-    def go(name: str, attacked: bool, defended: bool) -> dict[str, Any]:
+    def go(name: str, attacked: bool, defended: bool, until: int | None = None) -> dict[str, Any]:
         def make(rank: int) -> PipeReplica:
             return PipeReplica(rank, cfg, train, programs, dag, rate=rate if defended else 0.0, bias=bias,
-                               attack=stage_attack if attacked and rank == STAGE_LIAR else None, stage=stage)
+                               attack=stage_attack if attacked and rank == STAGE_LIAR else None, stage=stage,
+                               until=until)
         c0 = time.process_time()
         out = trio.run(lambda: run(cfg, train, held, attack=replica_attack if attacked else None, robust=defended,
                                    scale=scale, pipe=make))
@@ -338,13 +357,18 @@ def combined(steps: int, lr: float, scale: float, *, replica_attack: str, stage_
         return out
 
     honest, on, off = go("honest", False, True), go("attacked-defended", True, True), go("attacked-undefended", True, False)
+    convicted = on["stage_convicted_at_step"].get(f"r{STAGE_LIAR}")
+    back = None
+    if convicted is not None and checkpoint_every > 0:
+        back = convicted // checkpoint_every * checkpoint_every
+        on = go("attacked-defended-replay", True, True, until=back)
     base = honest["heldout_loss"]
     return {"steps": steps, "replicas": R, "stages": len(programs), "replica_liar": f"r{LIAR}",
             "replica_attack": replica_attack, "stage_liar": f"r{STAGE_LIAR} stage {stage}", "stage_attack": stage_attack,
             "rate": rate, "bias": bias, "honest_heldout": base,
             "defended_over_honest": on["heldout_loss"] / base, "undefended_over_honest": off["heldout_loss"] / base,
             "replica_liar_dropped_at_step": on["dropped_liar_at_step"],
-            "stage_liar_convicted_at_step": on["stage_convicted_at_step"],
+            "stage_liar_convicted_at_step": convicted, "rolled_back_to": back, "checkpoint_every": checkpoint_every,
             "honest_false_convictions": honest["stage_convicted_at_step"], "runs": list(runs.values())}
 
 
@@ -390,7 +414,7 @@ def main() -> None:
     if combined_steps:
         results["combined"] = combined(combined_steps, args.lr, args.scale, replica_attack=args.combined_replica_attack,
                                        stage_attack=args.combined_stage_attack, rate=args.combined_rate,
-                                       bias=args.stage_bias)
+                                       bias=args.stage_bias, checkpoint_every=args.stage_checkpoint_every)
     print({k: v for k, v in results.items() if k != "runs"})
     ratios = [v["defended_over_honest"] for v in results["per_attack"].values()]
     ratios += [results["combined"]["defended_over_honest"]] if "combined" in results else []

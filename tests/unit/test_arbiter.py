@@ -6,6 +6,7 @@ What a verdict can make the leader do is bounded (one at a time, one per checker
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -21,6 +22,7 @@ from fusionp2p.jobs.verified import Arbiter
 from fusionp2p.models import GPT2, GPT2Config
 from fusionp2p.net.identity import Identity
 from fusionp2p.plan.plan import Fence, Plan, Stage
+from fusionp2p.train.spot import Checker
 from fusionp2p.train.spot_wire import encode_bundle
 from fusionp2p.train.verify import Transcript, Verdict, VerifyConfig, check, claim, digest, recompute
 
@@ -163,3 +165,35 @@ def test_what_a_verdict_makes_the_leader_do_is_bounded(stage0: tuple[StageProgra
         with trio.fail_after(10):
             return await Arbiter(timeout=0.1).judge(v, prog, never, max_bundle=len(blob), cfg=CFG)
     assert trio.run(late) is None                                                 # the deadline: no evidence
+
+
+def test_a_checkers_recomputation_past_its_deadline_is_no_evidence(
+        stage0: tuple[StageProgram, dict[str, torch.Tensor], Transcript], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker's recomputation runs in a worker thread within its deadline (train/spot.py): past it the
+    check is abandoned (no evidence either way), and the thread keeps the limiter until it ends."""
+    prog, state, t = stage0
+    c = claim(STAGE, job="j", epoch=0, stage=0, replica=0, params=digest(state), t=t)
+    release = threading.Event()
+
+    def stuck(self: Checker, *args: object) -> None:
+        release.wait(10)
+        return None
+
+    monkeypatch.setattr(Checker, "_check", stuck)
+
+    async def on_verdict(v: Verdict) -> None:
+        raise AssertionError(v)
+
+    ch = Checker(CHECKER, prog, CFG, job="j", epoch=0, on_verdict=on_verdict, timeout=0.05)
+
+    async def fetch(c: object, seed: bytes) -> tuple[dict[str, torch.Tensor], Transcript]:
+        return state, t
+
+    async def main() -> None:
+        with trio.fail_after(10):
+            assert await ch.step([c], fetch) == []
+            assert (ch.unverifiable, ch.checks, ch.limiter.borrowed_tokens) == (1, 0, 1)
+            release.set()
+            async with ch.limiter:       # free once the abandoned thread ended
+                pass
+    trio.run(main)

@@ -4,6 +4,7 @@ job itself runs in tests/integration/test_verified_job.py (slow); the decoders a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -24,7 +25,7 @@ from fusionp2p.train.spot_wire import (
     encode_claims,
     encode_stamps,
 )
-from fusionp2p.train.verify import Claim, Transcript, claim, digest
+from fusionp2p.train.verify import Claim, Transcript, Verdict, claim, digest, encode_verdict
 from fusionp2p.wire.msg import packb
 
 ME = Identity(bytes([7]) * 32)
@@ -152,5 +153,16 @@ def test_the_epoch_checks_refuse_strangers_and_malformed_requests() -> None:
                         {**bundle, "seed": 7}, {**bundle, "step": True}, {"op": "stamps", "job": "j", "epoch": 1}):
                 with pytest.raises(RemoteProtocolError):
                     await ec.on_request(ids[1], bad)
+            # a verdict for this node, the leader, to re-judge (jobs/verified.py Arbiter): only from the checker
+            # that signed it, with a bundle's hash; none while the epoch's checks do not run
+            v = Verdict(claim=c, checker=ids[2], reason="r")
+            v = dataclasses.replace(v, signature=hosts[2].sign(v.body()))
+            req = {"op": "verdict", "job": "j", "evidence": encode_verdict(v), "bundle": "0" * 64}
+            assert "no spot-checks now" in ec.on_verdict(ids[2], req)["error"]
+            other = dataclasses.replace(v, claim=dataclasses.replace(c, epoch=2))      # another epoch: not evidence
+            assert ec.on_verdict(ids[2], {**req, "evidence": encode_verdict(other)}) == {"ok": True, "new": False}
+            for who, wrong in ((ids[3], req), (ids[2], {**req, "bundle": 7}), (ids[2], {**req, "evidence": b"\xc1"})):
+                with pytest.raises(RemoteProtocolError):
+                    ec.on_verdict(who, wrong)
 
     trio.run(main)
