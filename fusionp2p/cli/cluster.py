@@ -7,7 +7,7 @@ exit codes are kept in ``cluster.exit_codes`` (a clean node leaves with 0). Each
 stderr to ``<home>/<name>.log``. With ``http=True`` every process also serves its dashboard on a free
 loopback port (``--http 127.0.0.1:0``); :meth:`LocalCluster.http_urls` reads the URLs they print.
 
-With ``preload=True`` (the demo's and the e2e benchmark's) the processes are forked from one multiprocessing
+With ``preload=True`` (the demo's and the e2e benchmark's) the nodes are forked from one multiprocessing
 forkserver that imported torch, ``torch._dynamo`` and the node's modules once (``cli/forked.py``) instead of each
 paying them: they run the same ``main(argv)``, each with its own PID, session, stdout pipe and log. The program
 that holds such a cluster must guard its entry point (``if __name__ == "__main__":``), as multiprocessing asks:
@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
-from fusionp2p.cli.forked import Forked
+from fusionp2p.cli.forked import Forked, start_forkserver
 from fusionp2p.cli.forked import server_pid as forked_server_pid
 from fusionp2p.errors import PeerUnavailable
 
@@ -68,9 +68,8 @@ class LocalCluster:
         d = self.home / name
         d.mkdir(parents=True, exist_ok=True)
         argv = [*args, "--home", str(d), "--log-level", self.log_level]
-        if self.preload:
-            env = {"OMP_NUM_THREADS": str(self.torch_threads), "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "1")}
-            f = Forked(argv, env, self.home / f"{name}.log")
+        if self.preload and name != "bootstrap":
+            f = Forked(argv, self._fork_env(), self.home / f"{name}.log")
             self.procs[name] = f
             return f
         err = open(self.home / f"{name}.log", "wb")   # noqa: SIM115 - closed in stop()
@@ -82,9 +81,16 @@ class LocalCluster:
         self.procs[name] = p
         return p
 
+    def _fork_env(self) -> dict[str, str]:
+        return {"OMP_NUM_THREADS": str(self.torch_threads), "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "1")}
+
     def start(self) -> LocalCluster:
         """Start the bootstrap (wait for its address) and the nodes. PeerUnavailable if it fails."""
         self.home.mkdir(parents=True, exist_ok=True)
+        if self.preload:
+            # the forkserver imports while the bootstrap, which trains nothing and needs no torch, starts as its own
+            # command beside it: the nodes, forked after both, wait for the longer of the two, not their sum
+            start_forkserver(self._fork_env())
         self._spawn("bootstrap", ["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", *self.http])
         addr = self._read_line("bootstrap", b"/", time.monotonic() + self.start_timeout)
         if addr is None or "/p2p/" not in addr:

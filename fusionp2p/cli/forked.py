@@ -38,9 +38,10 @@ PRELOAD = ("fusionp2p.cli.main", "torch", "torch._dynamo", "fusionp2p.swarm.node
 _ctx: multiprocessing.context.ForkServerContext | None = None
 
 
-def _context(env: Mapping[str, str]) -> multiprocessing.context.ForkServerContext:
-    """The forkserver context, its server started on first use with *env*'s ``MALLOC_ARENA_MAX`` and
-    ``OMP_NUM_THREADS`` (read by glibc and OpenMP when it starts and imports torch, not later)."""
+def start_forkserver(env: Mapping[str, str]) -> multiprocessing.context.ForkServerContext:
+    """The forkserver context, its server started (importing :data:`PRELOAD`, without waiting for it) on first
+    use with *env*'s ``MALLOC_ARENA_MAX`` and ``OMP_NUM_THREADS`` (read by glibc and OpenMP when it starts and
+    imports torch, not later)."""
     global _ctx
     if _ctx is None:
         from multiprocessing import forkserver
@@ -110,7 +111,7 @@ class Forked:
     """A node process forked from the pre-imported forkserver (see the module docstring)."""
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> None:
-        ctx = _context(env)
+        ctx = start_forkserver(env)
         reader, writer = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=_child, args=(list(argv), dict(env), writer, str(log_path)), daemon=False)
         try:
@@ -139,4 +140,4 @@ class Forked:
         self._proc.kill()
 
 
-__all__ = ["PRELOAD", "Forked", "server_pid"]
+__all__ = ["PRELOAD", "Forked", "server_pid", "start_forkserver"]

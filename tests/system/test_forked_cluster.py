@@ -1,4 +1,4 @@
-"""``LocalCluster(preload=True)`` (the demo's): its processes are forked from one pre-imported forkserver, and are
+"""``LocalCluster(preload=True)`` (the demo's): its nodes are forked from one pre-imported forkserver, and are
 still real processes of their own: own PID and session, their address on stdout, their log, SIGTERM and SIGKILL
 by PID, exit codes as ``subprocess`` reports them."""
 
@@ -29,7 +29,8 @@ def test_forked_processes_are_real_processes_of_their_own(tmp_path: Path) -> Non
         for name, p in c.procs.items():
             assert p.pid not in (os.getpid(), server)
             assert os.getsid(p.pid) == p.pid, f"{name} is not in its own session"
-            assert _ppid(p.pid) == server, f"{name} was not forked from the forkserver"
+            # the bootstrap (no torch) is a command of its own, started beside the forkserver's imports
+            assert _ppid(p.pid) == (os.getpid() if name == "bootstrap" else server), f"{name}: wrong parent"
         cpu = c.cpu_seconds()
         assert set(cpu) == {"bootstrap", "node0", "node1", "forkserver"}
         # the imports were paid once, in the forkserver: a node's own CPU time is a fraction of them
