@@ -35,6 +35,9 @@ from pathlib import Path
 PRELOAD = ("fusionp2p.cli.main", "torch", "torch._dynamo", "fusionp2p.swarm.node", "fusionp2p.jobs.node",
            "fusionp2p.jobs.run", "fusionp2p.train.worker")
 
+# multiprocessing runs one forkserver per process: parallel/rendezvous.py's (its preload: torch, fusionp2p.parallel)
+# is this same server, and whichever starts it first sets the preload (both still work: a child imports what the
+# server did not). It lives until the process that started it ends (~310 MiB resident after PRELOAD).
 _ctx: multiprocessing.context.ForkServerContext | None = None
 
 
