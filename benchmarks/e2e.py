@@ -81,7 +81,9 @@ def processes(steps: int, nodes: int) -> dict[str, float]:
     losses: list[float] = []
     t_start = time.perf_counter()
     home = Path(tempfile.mkdtemp(prefix="fusionp2p-bench-e2e-"))
-    with LocalCluster(nodes, home) as cluster, \
+    # preload: the nodes are forked from one forkserver that imported torch and torch._dynamo (each node's first
+    # optimizer imports it, after RUNNING: inside the headline's wall) once, as the demo's (cli/forked.py)
+    with LocalCluster(nodes, home, preload=True) as cluster, \
             Swarm.connect([cluster.bootstrap], home=home / "client", listen="/ip4/127.0.0.1/tcp/0") as sw:
         wait_until(lambda: len(sw.members()) >= nodes, timeout=120, interval=0.5, what="members")
         t0 = time.perf_counter()

@@ -6,6 +6,12 @@ every process it started (by PID, nodes first), waits for them, and SIGKILLs any
 exit codes are kept in ``cluster.exit_codes`` (a clean node leaves with 0). Each process writes its
 stderr to ``<home>/<name>.log``. With ``http=True`` every process also serves its dashboard on a free
 loopback port (``--http 127.0.0.1:0``); :meth:`LocalCluster.http_urls` reads the URLs they print.
+
+With ``preload=True`` (the demo's and the e2e benchmark's) the nodes are forked from one multiprocessing
+forkserver that imported torch, ``torch._dynamo`` and the node's modules once (``cli/forked.py``) instead of each
+paying them: they run the same ``main(argv)``, each with its own PID, session, stdout pipe and log. The program
+that holds such a cluster must guard its entry point (``if __name__ == "__main__":``), as multiprocessing asks:
+the forkserver imports a script's main module. :meth:`LocalCluster.cpu_seconds` reads each process's CPU time.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
+from fusionp2p.cli.forked import Forked, start_forkserver
+from fusionp2p.cli.forked import server_pid as forked_server_pid
 from fusionp2p.errors import PeerUnavailable
 
 log = logging.getLogger(__name__)
@@ -33,7 +41,8 @@ class LocalCluster:
 
     def __init__(self, nodes: int, home: Path, *, torch_threads: int = 1, heartbeat: float = 1.0,
                  dead_timeout: float = 10.0, probe_interval: float = 30.0, start_timeout: float = 60.0,
-                 log_level: str = "info", http: bool = False, progress_interval: float | None = None) -> None:
+                 log_level: str = "info", http: bool = False, progress_interval: float | None = None,
+                 preload: bool = False) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
         self.n = nodes
@@ -43,32 +52,45 @@ class LocalCluster:
                           "--probe-interval", str(probe_interval),
                           *(["--progress-interval", str(progress_interval)] if progress_interval is not None else [])]
         self.start_timeout = start_timeout
+        self.preload = preload   # fork the processes from one pre-imported forkserver (cli/forked.py)
         self.log_level = log_level
         self.http = ["--http", "127.0.0.1:0"] if http else []
         self._urls: dict[str, str] = {}
         self._out: dict[str, bytes] = {}    # stdout read but not consumed yet, per process
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, subprocess.Popen[bytes] | Forked] = {}
         self._logs: list[IO[bytes]] = []
         self.bootstrap = ""
         self.exit_codes: dict[str, int | None] = {}
         self._peers: dict[str, str] = {}
         self._old_term: Any = None         # the SIGTERM handler to restore on exit
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes] | Forked:
         d = self.home / name
         d.mkdir(parents=True, exist_ok=True)
+        argv = [*args, "--home", str(d), "--log-level", self.log_level]
+        if self.preload and name != "bootstrap":
+            f = Forked(argv, self._fork_env(), self.home / f"{name}.log")
+            self.procs[name] = f
+            return f
         err = open(self.home / f"{name}.log", "wb")   # noqa: SIM115 - closed in stop()
         self._logs.append(err)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.torch_threads),
                "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "1")}   # from the first malloc (net/heap.py)
-        p = subprocess.Popen([sys.executable, "-m", "fusionp2p.cli", *args, "--home", str(d), "--log-level", self.log_level],
+        p = subprocess.Popen([sys.executable, "-m", "fusionp2p.cli", *argv],
                              stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
         self.procs[name] = p
         return p
 
+    def _fork_env(self) -> dict[str, str]:
+        return {"OMP_NUM_THREADS": str(self.torch_threads), "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "1")}
+
     def start(self) -> LocalCluster:
         """Start the bootstrap (wait for its address) and the nodes. PeerUnavailable if it fails."""
         self.home.mkdir(parents=True, exist_ok=True)
+        if self.preload:
+            # the forkserver imports while the bootstrap, which trains nothing and needs no torch, starts as its own
+            # command beside it: the nodes, forked after both, wait for the longer of the two, not their sum
+            start_forkserver(self._fork_env())
         self._spawn("bootstrap", ["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", *self.http])
         addr = self._read_line("bootstrap", b"/", time.monotonic() + self.start_timeout)
         if addr is None or "/p2p/" not in addr:
@@ -79,7 +101,7 @@ class LocalCluster:
             self.add_node(f"node{i}")
         return self
 
-    def add_node(self, name: str) -> subprocess.Popen[bytes]:
+    def add_node(self, name: str) -> subprocess.Popen[bytes] | Forked:
         """Start one more node process (a joiner), or restart *name* with its home (same identity)."""
         old = self.procs.get(name)
         if old is not None and old.poll() is None:
@@ -141,6 +163,25 @@ class LocalCluster:
                 if not chunk:
                     return None   # the process closed its stdout (it ended)
                 self._out[name] = buf + chunk
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, seconds) of every process still running, from ``/proc`` (Linux; empty
+        elsewhere), and of the forkserver they were forked from (``preload=True``): load-independent, unlike
+        their wall times."""
+        pids = {n: p.pid for n, p in self.procs.items() if p.poll() is None}
+        server = forked_server_pid() if self.preload else None
+        if server is not None:
+            pids["forkserver"] = server
+        out: dict[str, float] = {}
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        for name, pid in pids.items():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()   # after the command name, which may hold spaces
+            out[name] = (int(fields[11]) + int(fields[12])) / tick   # utime, stime (fields 14 and 15)
+        return out
 
     def alive(self) -> list[str]:
         """Names of the processes still running."""

@@ -104,8 +104,9 @@ def _embedded(swarm: Swarm, steps: int, nodes: int, out: Path, console: Console)
 
 
 def run_demo(nodes: int = 4, steps: int = 60, out: Path = Path("out/demo"), *, embedded: bool = False,
-             home: Path | None = None, wan: str | None = None) -> int:
-    """Run the demo; 0 on success. *wan*: emulate two sites joined by links of that rate (embedded)."""
+             home: Path | None = None, wan: str | None = None, preload: bool = True) -> int:
+    """Run the demo; 0 on success. *wan*: emulate two sites joined by links of that rate (embedded). *preload*:
+    fork the node processes from one pre-imported forkserver (False: each is its own ``python -m fusionp2p.cli``)."""
     t0 = time.perf_counter()
     console = Console()
     if wan is not None or embedded:
@@ -126,12 +127,13 @@ def run_demo(nodes: int = 4, steps: int = 60, out: Path = Path("out/demo"), *, e
             with Swarm.local(n_nodes=nodes) as swarm:
                 rc = _embedded(swarm, steps, nodes, out, console)
     else:
-        rc = _processes(nodes, steps, out, home, console, t0)
+        rc = _processes(nodes, steps, out, home, console, t0, preload)
     console.print(f"total wall time {time.perf_counter() - t0:.1f} s")
     return rc
 
 
-def _processes(nodes: int, steps: int, out: Path, home: Path | None, console: Console, t0: float) -> int:
+def _processes(nodes: int, steps: int, out: Path, home: Path | None, console: Console, t0: float,
+               preload: bool) -> int:
     """The demo on a bootstrap and *nodes* node processes: they are started first, and this process imports
     torch and traces the job in a thread while they boot; it publishes once the bootstrap lists them all. At the
     end, where the wall time went (each phase from this process's clock)."""
@@ -147,7 +149,10 @@ def _processes(nodes: int, steps: int, out: Path, home: Path | None, console: Co
     root = home or Path(tempfile.mkdtemp(prefix="fusionp2p-demo-"))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-build") as pool:
         building: Future[tuple[BuiltJob, int]] = pool.submit(build_demo_job, steps, nodes, identity)
-        with LocalCluster(nodes, root) as cluster:
+        # the nodes are forked from one forkserver that imported torch, torch._dynamo (each node's first optimizer
+        # and first DAG check import it: sympy, mpmath, ~800 modules) and the node's modules once: ~5 CPU-s a node
+        # spared on a machine whose cores this process, the bootstrap and the nodes share (cli/forked.py)
+        with LocalCluster(nodes, root, preload=preload) as cluster:
             console.print(f"bootstrap {cluster.bootstrap}\n{nodes} node processes, logs in {root}")
             from fusionp2p.sdk import Swarm
 
@@ -162,6 +167,7 @@ def _processes(nodes: int, steps: int, out: Path, home: Path | None, console: Co
                 console.print(f"swarm ready after {ready - t0:.1f} s: {nodes} members")
                 rc, seen = _follow(swarm.publish_built(built), out, console)
                 downloaded = time.perf_counter()
+                cpu = cluster.cpu_seconds()
             codes = cluster.exit_codes
         stopped = time.perf_counter()
     console.print("swarm stopped: " + ", ".join(f"{n} exit {c}" for n, c in codes.items()))
@@ -176,6 +182,9 @@ def _processes(nodes: int, steps: int, out: Path, home: Path | None, console: Co
         parts.append(f"{label} {at - last:.1f} s")
         last = at
     console.print("phases: " + ", ".join(parts) + f" (the job was traced beside the start-up, by {traced - t0:.1f} s)")
+    if cpu:   # load-independent, unlike the wall times above
+        console.print("CPU-s by process, at the end of the job: " + ", ".join(f"{n} {c:.1f}" for n, c in cpu.items())
+                      + f"; total {sum(cpu.values()):.1f}")
     return rc
 
 
