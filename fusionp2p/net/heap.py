@@ -61,7 +61,10 @@ def keep_freed_heap() -> None:
     (``benchmarks.model_scale --memory 768MiB``, a 31 MiB output weight sending 8 MiB logits) grew by one
     weight gradient (31 MiB, the arena's growth steps) at backward after backward with its live memory
     flat: 1.18x its predicted peak, 1.03x its offer; with this threshold 0.98x (the other stages 0.93-0.96x)
-    for the same step CPU. The trim threshold stays at 1 GiB (blocks under a MiB are cheap to keep).
+    for the same step CPU. The cost falls on transients that are neither pooled nor kept: a bf16 all-reduce
+    round (``benchmarks.averaging --quick --allreduce-only --links tcp``, 5.3M floats among 4 replicas in
+    one process, load 16-21) took 0.49-0.53 CPU-s against 0.34-0.37 with 256 MiB, its conversion buffers
+    faulted in afresh each round; fp32 0.33-0.35 against 0.31. The trim threshold stays at 1 GiB.
     Once per process; glibc only; ``FUSIONP2P_KEEP_HEAP=0`` leaves glibc's defaults.
     """
     global _heap_kept
