@@ -188,9 +188,10 @@ class LinkEstimate:
     measured: bool     # False: estimated from capacities
 
 
-# An announced capacity is taken at most at this multiple of the best rate other nodes measured on a link
-# of the node (a link's rate is at most either end's capacity, so the best one is a lower bound of it; the
-# slack leaves room for a node whose measured peers were all slower than itself).
+# An announced capacity more than this multiple of the best rate other nodes measured on a link of the node
+# is contradicted by them: the estimates take that measured rate instead, and the announcement is counted
+# against the node (``BandwidthTable.strikes``). A link's rate is at most either end's capacity, so the best
+# one is a lower bound of it; the slack leaves room for a node whose measured peers were all slower than itself.
 CAPACITY_SLACK = 4.0
 
 
@@ -199,12 +200,15 @@ class BandwidthTable:
 
     A pair is measured (some node's report has it) or estimated from the two nodes' capacities, each the
     node's own announcement checked against what others measured of it (``CAPACITY_SLACK``): a node that
-    announces absurd capacities spoils only the estimates of its own pairs, and never a measurement."""
+    announces capacities its peers' measurements contradict is estimated at what they measured, never above
+    a measurement, and each such announcement is counted against it (``strikes``)."""
 
     def __init__(self) -> None:
         self.reports: dict[str, BandwidthReport] = {}
         # dst -> src -> the figure src measured of its link to dst (every report's measurements, by dst)
         self._of: dict[str, dict[str, Measurement]] = {}
+        self.strikes: dict[str, int] = {}    # per node, its announcements (reports) that measurements contradicted
+        self._struck: dict[str, int] = {}    # per node, the seq of its report last counted (each counted once)
 
     def on_report(self, rep: BandwidthReport) -> bool:
         old = self.reports.get(rep.peer)
@@ -215,6 +219,12 @@ class BandwidthTable:
         for m in rep.measurements:
             if m.samples > 0 and m.dst != rep.peer:
                 self._of.setdefault(m.dst, {})[rep.peer] = m
+        # the report's own announcement, and those of the nodes it measured, may be contradicted now
+        for peer in {rep.peer, *(m.dst for m in rep.measurements)}:
+            r = self.reports.get(peer)
+            if r is not None and self._struck.get(peer) != r.seq and self.contradicted(peer):
+                self._struck[peer] = r.seq
+                self.strikes[peer] = self.strikes.get(peer, 0) + 1
         return True
 
     def _unindex(self, rep: BandwidthReport | None) -> None:
@@ -239,16 +249,27 @@ class BandwidthTable:
         m = max(found, key=lambda x: (x[0], x[1]))[2]
         return LinkEstimate(m.bandwidth, m.rtt, True)
 
+    def measured_of(self, peer: str) -> float | None:
+        """The best rate other nodes measured on a link of *peer* (a lower bound of its capacities; None: none)."""
+        by_others = self._of.get(peer)
+        return max(m.bandwidth for m in by_others.values()) if by_others else None
+
+    def contradicted(self, peer: str) -> bool:
+        """Whether *peer*'s announced uplink or downlink is more than ``CAPACITY_SLACK`` times what others
+        measured of it (:meth:`measured_of`)."""
+        rep, best = self.reports.get(peer), self.measured_of(peer)
+        return rep is not None and best is not None and max(rep.uplink, rep.downlink) > CAPACITY_SLACK * best
+
     def capacity(self, peer: str) -> tuple[float, float, float]:
-        """(uplink, downlink, latency) of *peer* for estimates: its announced capacities (0: unknown), at most
-        ``CAPACITY_SLACK`` times the best rate others measured of it; its latency, half the smallest RTT
-        measured on any of its links (0: none measured)."""
+        """(uplink, downlink, latency) of *peer* for estimates: its announced capacities (0: unknown), each
+        one more than ``CAPACITY_SLACK`` times the best rate others measured of it replaced by that measured
+        rate; its latency, half the smallest RTT measured on any of its links (0: none measured)."""
         rep = self.reports.get(peer)
         up, down = (rep.uplink, rep.downlink) if rep is not None else (0.0, 0.0)
+        best = self.measured_of(peer)
+        if best is not None:
+            up, down = (best if c > CAPACITY_SLACK * best else c for c in (up, down))
         by_others = list(self._of.get(peer, {}).values())
-        if by_others:
-            cap = CAPACITY_SLACK * max(m.bandwidth for m in by_others)
-            up, down = min(up, cap), min(down, cap)
         rtts = [m.rtt for m in by_others if m.rtt > 0]
         if rep is not None:
             rtts += [m.rtt for m in rep.measurements if m.samples > 0 and m.rtt > 0]

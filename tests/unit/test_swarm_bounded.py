@@ -73,11 +73,13 @@ def test_estimates_use_capacities_checked_against_measurements() -> None:
     # unmeasured: min(uplink, downlink), latencies from the measured RTTs (half the smallest of each end)
     e = t.estimate(b, c)
     assert not e.measured and e.bandwidth == 5e6 and e.rtt == (0.020 + 0.030) / 2
-    # a liar announcing absurd capacities: others measured 1 MB/s of it, it is taken at 4 MB/s at most
+    # a liar announcing absurd capacities: others measured 1 MB/s of it (more than CAPACITY_SLACK times less), it
+    # is taken at the measured 1 MB/s and the announcement is counted against it
     t.on_report(_rep(liar, 1, 9e12, 9e12))
     t.on_report(_rep(a, 2, 10e6, 10e6, (b, 8e6, 0.020), (liar, 1e6, 0.040)))
-    assert t.estimate(liar, b).bandwidth == 4e6
-    assert t.estimate(b, liar).bandwidth == 4e6
+    assert t.estimate(liar, b).bandwidth == 1e6
+    assert t.estimate(b, liar).bandwidth == 1e6
+    assert t.strikes == {liar: 1}
     # it spoils no other pair, and no measurement
     assert t.estimate(b, c).bandwidth == 5e6 and t.estimate(a, b).bandwidth == 8e6
     # a report replaced or forgotten leaves no figure behind
