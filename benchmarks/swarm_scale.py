@@ -53,7 +53,7 @@ the N nodes ever held the job (an offer reached them): the candidates only. ``--
 compares publish to RUNNING with 30 s, the demo's end-to-end budget (the issue sets no target for it).
 
 One command for all three phases: ``python -m benchmarks.swarm_scale`` (about 3 GiB at 1,000 nodes; the
-links phase at 300 took 185 CPU-s and about 0.4 GiB).
+links phase at 300 took 185 CPU-s and 0.6 GiB).
 """
 
 from __future__ import annotations
