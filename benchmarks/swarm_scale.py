@@ -29,13 +29,41 @@ What one node is charged for in the steady state, and how (a real node pays each
   (it runs when a quarter of the old generation is new), so its cost per second does not depend on the
   view's size. The collector's share is reported (``gc_share``).
 
-Not measured yet: emulated link rates, planning a job on 8 nodes, estimated against measured links.
+**Links** (``run_links``, sizes ``--link-sizes``, default 100,300): a second swarm of N nodes with probing
+on, each node given an access link (``LinkEmulator.set_access``: every stream of a node shares its uplink
+and downlink, chunks arrive the two nodes' latencies later) drawn from ``LINK_MIX``: half home (downlink
+20-300 Mbit/s, uplink 5-40, 8-25 ms one way), 30% office (symmetric 100-1,000 Mbit/s, 2-8 ms), 20%
+datacenter (symmetric 1-10 Gbit/s, 0.5-2 ms), each rate log-uniform in its range. Once a reference node
+has a capacity report from every node (or ``CAPACITY_WAIT`` simulated seconds), ``pairs`` node pairs that
+no report measured (random perfect matchings, so no node is in two at once) are estimated by the source
+node's ``BandwidthTable.estimate`` (from the nodes' announced capacities, checked against what others
+measured) and then measured by the real probe from the source (``swarm.probe.probe``, its transfer sized
+from the estimate, the swarm's own probing going on). Figures: the median and 90th percentile relative
+error |estimate - measured| / measured, the same against the emulated rate (min of the source's uplink
+and the destination's downlink), and the probe's own error (measured against emulated, and the directly
+measured pairs of the reports against their emulated rate).
+
+**Job** (``run_job``, sizes ``--job-sizes``, default 100,300; --quick: 30): plan and start a job on 8 of N
+nodes. ``Swarm.local`` (real node and job services, in-memory transport, the TCP data plane on loopback:
+wall-clock time, not simulated), the nodes' compute log-uniform over 0.5-2x, probing off (so the
+candidates are chosen by compute: no link is measured); once the bootstrap sees every node, a tiny GPT-2
+job (2 steps) is published with ``DriverConfig(candidates=8)`` (jobs/candidates.py). Figures: seconds from
+publish to PLANNED and to RUNNING, the process's CPU-s over that span, the plan's members, and how many of
+the N nodes ever held the job (an offer reached them): the candidates only. ``--job-only``'s headline
+compares publish to RUNNING with 30 s, the demo's end-to-end budget (the issue sets no target for it).
+
+One command for all three phases: ``python -m benchmarks.swarm_scale`` (about 3 GiB at 1,000 nodes; the
+links phase at 300 took 185 CPU-s and 0.6 GiB).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
+import math
+import random
+import statistics
 import time
 from typing import Any
 
@@ -43,17 +71,27 @@ import trio
 import trio.testing
 
 from benchmarks._common import headline, parser, write
+from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net.identity import verify
 from fusionp2p.net.memory import MemoryTransport, memory_network
+from fusionp2p.net.shaping import Access, LinkEmulator
 from fusionp2p.net.transport import GossipMessage
 from fusionp2p.swarm import node as swarm_mod
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
-from fusionp2p.swarm.probe import ProbeServer
+from fusionp2p.swarm.probe import MEASURE_BYTES, ProbeBusy, ProbeServer, probe, probe_size
 from fusionp2p.testing.swarm import TEST_PROFILE
 from fusionp2p.wire.protocols import PROBE, TOPIC_MEMBERS
 from fusionp2p.wire.records import NodeRecord, Record, decode_signed, encode_bundle, encode_signed
 
 STEADY = 30.0   # simulated seconds of steady state measured
+MBIT = 1e6 / 8  # bytes/s
+# (kind, share of the nodes, downlink range, uplink range (None: = downlink, symmetric), one-way latency range)
+LINK_MIX: tuple[tuple[str, float, tuple[float, float], tuple[float, float] | None, tuple[float, float]], ...] = (
+    ("home", 0.5, (20 * MBIT, 300 * MBIT), (5 * MBIT, 40 * MBIT), (0.008, 0.025)),
+    ("office", 0.3, (100 * MBIT, 1000 * MBIT), None, (0.002, 0.008)),
+    ("datacenter", 0.2, (1000 * MBIT, 10000 * MBIT), None, (0.0005, 0.002)),
+)
+CAPACITY_WAIT = 300.0   # simulated seconds after joining for every node's capacity report to reach the reference
 
 
 class Decoder:
@@ -155,6 +193,165 @@ def run_one(n: int, decoder: Decoder) -> dict[str, Any]:
     return out
 
 
+def draw_access(rng: random.Random) -> tuple[str, Access]:
+    """One node's access link from ``LINK_MIX`` (rates log-uniform in their ranges)."""
+    kind, _, down_r, up_r, lat_r = rng.choices(LINK_MIX, weights=[m[1] for m in LINK_MIX])[0]
+
+    def log_uniform(lo: float, hi: float) -> float:
+        return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+
+    down = log_uniform(*down_r)
+    up = log_uniform(*up_r) if up_r is not None else down
+    return kind, Access(up=up, down=down, latency=rng.uniform(*lat_r))
+
+
+def _errors(pairs: list[tuple[float, float]]) -> dict[str, float | None]:
+    """Median and 90th percentile of |got - want| / want over (got, want) pairs."""
+    errs = sorted(abs(g - w) / w for g, w in pairs if w > 0)
+    if not errs:
+        return {"median": None, "p90": None}
+    return {"median": statistics.median(errs), "p90": errs[min(len(errs) - 1, int(0.9 * len(errs)))]}
+
+
+def run_links(n: int, pairs: int, seed: int = 40) -> dict[str, Any]:
+    """The links phase (module docstring): estimated against measured links under emulated access links."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    rng = random.Random(seed)
+    cfg = SwarmConfig(heartbeat=1.0, dead_timeout=5.0)   # probing on, ProbeConfig as a real node's
+    out: dict[str, Any] = {"n": n}
+
+    async def main() -> None:
+        async with memory_network(gossip_buffer=4 * n) as net:
+            emu = net.emulator = LinkEmulator()
+            hosts = [net.add_host() for _ in range(n + 1)]
+            emu.set_access(hosts[0].peer_id, Access(up=1000 * MBIT, down=1000 * MBIT, latency=0.001))
+            kinds: dict[str, int] = {}
+            for h in hosts[1:]:
+                kind, acc = draw_access(rng)
+                kinds[kind] = kinds.get(kind, 0) + 1
+                emu.set_access(h.peer_id, acc)
+            out["kinds"] = kinds
+            boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=5.0), None)
+            nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
+            by_id = {x.peer_id: x for x in nodes}
+            async with trio.open_nursery() as nursery:
+                t0 = trio.current_time()
+                await nursery.start(boot.run, [])
+                for node in nodes:
+                    await nursery.start(node.run, [hosts[0].listen_addrs()[0]])
+                ids = sorted(by_id)
+                for node in nodes:
+                    await node.wait_until(lambda node=node: node.members() == ids, 600)   # type: ignore[misc]
+                out["join_s"] = trio.current_time() - t0
+                ref, t1 = nodes[0], trio.current_time()
+
+                def known() -> bool:
+                    return all(min(ref.bandwidth.capacity(p)[:2]) > 0 for p in ids if p != ref.peer_id)
+
+                with trio.move_on_after(CAPACITY_WAIT):
+                    await ref.wait_until(known, CAPACITY_WAIT + 1)
+                out["capacities_s"] = trio.current_time() - t1
+                out["capacities_known"] = sum(min(ref.bandwidth.capacity(p)[:2]) > 0 for p in ids) / n
+                # the directly measured pairs of the reports, against their emulated rate (the probe's accuracy)
+                direct = [(m.bandwidth, emu.path_rate(r.peer, m.dst) or 0.0) for r in ref.bandwidth.reports.values()
+                          for m in r.measurements if m.samples > 0]
+                out["measured_pairs"] = len(direct)
+                out["direct_vs_emulated"] = _errors(direct)
+                # unmeasured pairs: random matchings, each pair estimated by its source, then probed from it
+                chosen: list[tuple[str, str]] = []
+                for _ in range(20):
+                    order = rng.sample(ids, len(ids))
+                    chosen += [(a, b) for a, b in zip(order[::2], order[1::2], strict=False)
+                               if by_id[a].bandwidth.direct(a, b) is None]
+                    if len(chosen) >= pairs:
+                        break
+                rows: list[dict[str, Any]] = []
+                rounds = [chosen[i : i + n // 2] for i in range(0, min(len(chosen), pairs), n // 2)]
+                for batch in rounds:
+                    async with trio.open_nursery() as inner:
+                        for a, b in batch[: pairs - len(rows)]:
+                            inner.start_soon(_estimate_and_probe, by_id[a], b, emu, rows)
+                out["pairs"] = len(rows)
+                out["unmeasured"] = sum(r["measured"] is None for r in rows)
+                ok = [r for r in rows if r["measured"] is not None and r["estimate"] is not None]
+                out["no_estimate"] = sum(r["estimate"] is None for r in rows)
+                out["estimate_vs_measured"] = _errors([(r["estimate"], r["measured"]) for r in ok])
+                out["estimate_vs_emulated"] = _errors([(r["estimate"], r["emulated"]) for r in ok])
+                out["measured_vs_emulated"] = _errors([(r["measured"], r["emulated"]) for r in ok])
+                out["rows"] = rows
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=clock)
+    return out
+
+
+async def _estimate_and_probe(node: SwarmNode, peer: str, emu: LinkEmulator, rows: list[dict[str, Any]]) -> None:
+    """Estimate the link *node* -> *peer* from *node*'s table, then measure it with the probe (a busy peer is
+    asked again, at most 10 times a second apart)."""
+    est = node.bandwidth.estimate(node.peer_id, peer)
+    row: dict[str, Any] = {"src": node.peer_id, "dst": peer, "estimate": est.bandwidth if est else None,
+                           "emulated": emu.path_rate(node.peer_id, peer), "measured": None}
+    rows.append(row)
+    size = probe_size(est.bandwidth if est else None, lo=256 * 1024)
+    for _ in range(10):
+        try:
+            res = await probe(node.transport, peer, nbytes=size, max_bytes=MEASURE_BYTES, timeout=20.0)
+        except ProbeBusy:
+            await trio.sleep(1.0)
+            continue
+        except PeerUnavailable:
+            return
+        if res.measured:
+            row["measured"] = res.bandwidth
+            return
+        size = probe_size(res.bandwidth, lo=256 * 1024)
+
+
+def run_job(n: int, candidates: int = 8, timeout: float = 900.0, seed: int = 40) -> dict[str, Any]:
+    """The job phase (module docstring): publish to PLANNED and RUNNING on *candidates* of *n* embedded nodes."""
+    import tempfile
+
+    import torch
+
+    from fusionp2p.data import BuiltinCorpus
+    from fusionp2p.jobs.embedded import EmbeddedConfig
+    from fusionp2p.jobs.events import JobStateChanged, PlanChanged
+    from fusionp2p.jobs.publisher import DriverConfig
+    from fusionp2p.models.gpt2 import GPT2, GPT2Config
+    from fusionp2p.sdk import LOCAL_PROFILE, Swarm
+    from fusionp2p.train.config import TrainConfig
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rng = random.Random(seed)
+    profiles = [dataclasses.replace(LOCAL_PROFILE, flops_fp32=LOCAL_PROFILE.flops_fp32 * 2 ** rng.uniform(-1, 1))
+                for _ in range(n)]
+    model = GPT2(GPT2Config.tiny(block_size=32, n_layer=2, n_head=2, n_embd=32))
+    out: dict[str, Any] = {"n": n, "candidates": candidates}
+    w0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as home, \
+            Swarm.local(n_nodes=n, profiles=profiles, home=home, config=EmbeddedConfig(heartbeat=1.0, join_timeout=timeout)) as sw:
+        out["swarm_start_s"] = time.monotonic() - w0
+        assert sw._publisher is not None and sw.embedded is not None
+        sw._publisher.config = DriverConfig(candidates=candidates)   # the benchmark's setting, not the default 64
+        cfg = TrainConfig(steps=2, micro_batch=4, micro_batches=2, lr=2e-3, averaging=None)
+        t0, c0 = time.monotonic(), time.process_time()
+        job = sw.publish(model=model, dataset=BuiltinCorpus(seq_len=32), config=cfg)
+        for ev in job.events(timeout=timeout):
+            if isinstance(ev, PlanChanged) and "plan_members" not in out:
+                out["plan_members"] = len(ev.members)
+            if isinstance(ev, JobStateChanged):
+                out[f"{ev.state}_s"] = time.monotonic() - t0
+                if ev.state == "running":
+                    out["cpu_to_running_s"] = time.process_time() - c0
+                if ev.state in ("running", "failed", "cancelled"):
+                    out["reason"] = ev.reason
+                    break
+        out["held_job"] = sum(job.id in node.jobs.jobs for node in sw.embedded.nodes)
+        job.cancel()
+    return out
+
+
 def one_node(n: int, steady: float = 120.0) -> dict[str, Any]:
     """The collector of one real node with a view of *n* members, at its own pace (the cross-check of
     ``run_one``'s threshold): one ``SwarmNode`` at default collector settings; *n* - 1 passive peers (a probe
@@ -224,6 +421,15 @@ def one_node(n: int, steady: float = 120.0) -> dict[str, Any]:
 def main() -> None:
     ap = parser("swarm_scale", __doc__)
     ap.add_argument("--sizes", default=None, help="comma-separated N (default 100,300,1000; --quick: 50,150)")
+    ap.add_argument("--link-sizes", default=None,
+                    help="comma-separated N of the links phase (default 100,300; --quick: 50; 0: skip)")
+    ap.add_argument("--job-sizes", default=None,
+                    help="comma-separated N of the job phase (default 100,300; --quick: 30; 0: skip)")
+    ap.add_argument("--job-only", action="store_true",
+                    help="only the job phase (written to swarm_scale_job.json; headline: publish to RUNNING)")
+    ap.add_argument("--links-only", action="store_true",
+                    help="only the links phase (written to swarm_scale_links.json; headline: the estimate's error)")
+    ap.add_argument("--pairs", type=int, default=100, help="unmeasured pairs estimated and probed per size")
     ap.add_argument("--one-node", type=int, default=0, metavar="N",
                     help="only the cross-check: the collector of one node with a view of N members (one_node)")
     args = ap.parse_args()
@@ -231,27 +437,81 @@ def main() -> None:
         print(one_node(args.one_node))
         return
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([50, 150] if args.quick else [100, 300, 1000])
+    link_sizes = ([int(x) for x in args.link_sizes.split(",") if int(x)] if args.link_sizes is not None
+                  else ([50] if args.quick else [100, 300]))
+    job_sizes = ([int(x) for x in args.job_sizes.split(",") if int(x)] if args.job_sizes is not None
+                 else ([30] if args.quick else [100, 300]))
+    pairs = min(args.pairs, 40) if args.quick else args.pairs
+    if args.links_only:
+        sizes, job_sizes = [], []
+    if args.job_only:
+        sizes, link_sizes = [], []
 
     decoder = Decoder()
     swarm_mod.decode_signed = decoder   # type: ignore[assignment]
-    rows = []
-    print(f"{'N':>5} {'join s':>7} {'cpu/node':>9} {'gc':>5} {'verify':>6} {'pings/s':>8} {'probe set':>9} {'period s':>9} "
-          f"{'detect s':>9}")
+    rows: list[dict[str, Any]] = []
+    if sizes:
+        print(f"{'N':>5} {'join s':>7} {'cpu/node':>9} {'gc':>5} {'verify':>6} {'pings/s':>8} {'probe set':>9} "
+              f"{'period s':>9} {'detect s':>9}")
     for n in sizes:
         r = run_one(n, decoder)
-        rows.append(r)
+        rows.append({"phase": "swarm", **r})
         print(f"{n:>5} {r['join_s']:>7.1f} {r['cpu_per_node']:>9.5f} {r['gc_share']:>5.0%} {r['verify_share']:>6.0%} "
               f"{r['pings_per_node_s']:>8.2f} "
               f"{r['probe_set_max']:>9} {r['period_s']:>9.1f} {r['detect_s']:>9.2f}", flush=True)
+    links: list[dict[str, Any]] = []
+    if link_sizes:
+        print(f"{'N':>5} {'caps s':>7} {'known':>6} {'pairs':>6} {'est/meas med':>12} {'p90':>6} {'est/emu med':>11} "
+              f"{'meas/emu med':>12} {'direct/emu':>10} {'cpu s':>7}")
+    for n in link_sizes:
+        c0 = time.process_time()
+        r = run_links(n, pairs)
+        r["cpu_s"] = time.process_time() - c0
+        links.append({"phase": "links", **r})
+
+        def pct(x: float | None) -> str:
+            return "-" if x is None else f"{x:.1%}"
+
+        print(f"{n:>5} {r['capacities_s']:>7.1f} {r['capacities_known']:>6.0%} {r['pairs'] - r['unmeasured']:>6} "
+              f"{pct(r['estimate_vs_measured']['median']):>12} {pct(r['estimate_vs_measured']['p90']):>6} "
+              f"{pct(r['estimate_vs_emulated']['median']):>11} {pct(r['measured_vs_emulated']['median']):>12} "
+              f"{pct(r['direct_vs_emulated']['median']):>10} {r['cpu_s']:>7.1f}", flush=True)
+    jobs: list[dict[str, Any]] = []
+    if job_sizes:
+        print(f"{'N':>5} {'offered':>7} {'members':>7} {'held':>5} {'planned s':>9} {'running s':>9} {'cpu s':>7}")
+    for n in job_sizes:
+        r = run_job(n)
+        jobs.append({"phase": "job", **r})
+        print(f"{n:>5} {r['candidates']:>7} {r.get('plan_members', 0):>7} {r['held_job']:>5} "
+              f"{r.get('planned_s', math.nan):>9.2f} {r.get('running_s', math.nan):>9.2f} "
+              f"{r.get('cpu_to_running_s', math.nan):>7.1f} {r.get('reason', '')}", flush=True)
+    est = "; ".join(f"estimated links' median error at {r['n']}: {r['estimate_vs_measured']['median']:.1%} of the "
+                    f"measured rate ({r['pairs'] - r['unmeasured']} pairs)" for r in links
+                    if r["estimate_vs_measured"]["median"] is not None)
+    job = "; ".join(f"a job on {r['candidates']} of {r['n']}: publish to RUNNING {r.get('running_s', math.nan):.1f} s "
+                    f"(wall), held by {r['held_job']} nodes" for r in jobs)
+    more = "; ".join(x for x in (est, job) if x)
+    if not rows and links:
+        write("swarm_scale_links", args.out.with_name(args.out.stem + "_links.json"), links + jobs,
+              headline(f"median relative error of estimated links at {links[-1]['n']} nodes",
+                       links[-1]["estimate_vs_measured"]["median"] or math.inf, "ratio", 0.25, "lower", more),
+              quick=args.quick)
+        return
+    if not rows:
+        write("swarm_scale_job", args.out.with_name(args.out.stem + "_job.json"), jobs,
+              headline(f"publish to RUNNING of a job on 8 of {jobs[-1]['n']} nodes (wall)",
+                       jobs[-1].get("running_s", math.inf), "s", 30.0, "lower", more),
+              quick=args.quick)
+        return
     ratio = rows[-1]["cpu_per_node"] / rows[0]["cpu_per_node"]
     ex_gc = rows[-1]["cpu_per_node_ex_gc"] / rows[0]["cpu_per_node_ex_gc"]
     own = [r["cpu_per_node"] * (1 - r["gc_share"] - r["verify_share"]) for r in (rows[0], rows[-1])]
-    write("swarm_scale", args.out, rows,
+    write("swarm_scale", args.out, rows + links + jobs,
           headline(f"per-node CPU at {rows[-1]['n']} simulated nodes over that at {rows[0]['n']}", ratio, "x", 1.5, "lower",
                    f"dead-peer detection at {rows[-1]['n']}: {rows[-1]['detect_s']:.2f} s (target 30 s); the CPU "
-                   f"outside Python's collector {ex_gc:.2f}x, outside it and verifying records {own[1] / own[0]:.2f}x"),
+                   f"outside Python's collector {ex_gc:.2f}x, outside it and verifying records {own[1] / own[0]:.2f}x"
+                   + (f"; {more}" if more else "")),
           quick=args.quick)
-
 
 if __name__ == "__main__":
     main()
