@@ -74,7 +74,8 @@ async def watch(addr: str, n: int, timeout: float, cpu: Callable[[], float] = la
     """Poll the bootstrap's view until every pair is measured or *timeout*: the moments reached (trio time
     since the start) and the processes' CPU-seconds (*cpu*) at each of them and at the start (``listen``).
 
-    Moments: ``members`` (all *n* nodes alive), ``needed`` (every pair some node measures has a direct
+    Moments: ``members`` (all *n* nodes alive), ``profiles`` (all of them announce a device profile: their
+    start-up done, which waits for their first probes, a job request or ``--defer-startup``), ``needed`` (every pair some node measures has a direct
     measurement: :func:`needed_pairs`), ``estimated`` (every pair has a figure, measured or estimated from
     the nodes' capacities), ``measured`` (every pair measured directly). A moment not reached is absent.
     """
@@ -105,6 +106,9 @@ async def watch(addr: str, n: int, timeout: float, cpu: Callable[[], float] = la
                 nodes = sorted(r.peer for r in v["records"] if isinstance(r, NodeRecord) and r.role == "node" and r.peer in alive)
                 if len(nodes) == n:
                     reached("members")
+                    # every node's deferred start-up done (torch, job service, device benchmark: swarm/startup.py)
+                    if all(r.profile is not None for r in v["records"] if isinstance(r, NodeRecord) and r.peer in nodes):
+                        reached("profiles")
                     table = BandwidthTable()
                     for r in v["bw"]:
                         if isinstance(r, BandwidthReport):
@@ -170,7 +174,7 @@ def run_one(n: int, timeout: float, log_dir: str | None = None) -> dict[str, Any
     cpu = ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime
     t_members, t_matrix = times.get("members"), times.get("measured")
     return {"n": n, "processes_cpu_s": cpu, "spawn_to_listen_s": t_listen - t_spawn, "members_after_listen_s": t_members,
-            "needed_after_listen_s": times.get("needed"),
+            "needed_after_listen_s": times.get("needed"), "profiles_after_listen_s": times.get("profiles"),
             "matrix_after_members_s": None if t_matrix is None or t_members is None else t_matrix - t_members,
             "estimated_matrix_after_listen_s": times.get("estimated"),
             "matrix_after_listen_s": t_matrix, "members_after_spawn_s": None if t_members is None else t_members + t_listen - t_spawn,
