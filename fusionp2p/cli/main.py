@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the node imports torch, starts its job service and measures its device once its first "
                         "bandwidth probes are done, when a job request comes, or at the latest this long after "
                         "joining (default 15; the swarm forms first)")
+    n.add_argument("--startup-nice", type=int, default=5, metavar="N",
+                   help="that start-up's imports run N steps nicer than the node (0-19, default 5; a job request "
+                        "that starts it runs them at the node's own priority)")
     n.add_argument("--emulate-slowdown", type=float, default=None, metavar="FACTOR",
                    help="testbeds: run every forward, backward and optimizer step FACTOR times slower than at this "
                         "host's CPU share (a sleep after each, as a slower accelerator would; default: "
@@ -280,7 +283,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
                        device=getattr(args, "device", "cpu"), swarm=swarm, relay=relay,
                        hole_punch=bool(getattr(args, "hole_punch", False)), compute_slowdown=slowdown,
                        memory=_memory(args))
-    startup = Startup(StartupConfig(defer=args.defer_startup)) if role == "node" else None
+    startup = Startup(StartupConfig(defer=args.defer_startup, nice=args.startup_nice)) if role == "node" else None
     cpus = None
     disk = None
     if role == "node":

@@ -13,7 +13,9 @@ and the matrix took 80-207 s. So the start-up waits until the first of:
 * ``StartupConfig.defer`` seconds after the node joined (a lone node, or peers it cannot measure).
 
 In the last two cases torch's and the job service's imports run in a thread of their own at a lower CPU
-priority (``nice``; Linux sets it per thread), so that other processes' probes go first. The device
+priority (``nice``, 5 by default; Linux sets it per thread), so that other processes' probes go first
+(a thread holding the GIL while descheduled also holds up its own event loop, for at most a scheduler
+period: CFS runs every runnable thread once a period, whatever its weight). The device
 benchmark itself runs at normal priority: it measures the rate stages will get. A node whose record has
 no profile yet is offered no job (jobs/publisher.py, jobs/lead.py count only members with one): its
 FLOP/s are not guessed, and it re-publishes its signed record with them once measured.
@@ -42,7 +44,10 @@ JobHandler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StartupConfig:
     defer: float = 15.0          # at most this many seconds after joining before the start-up runs anyway
-    nice: int = 10               # the imports' thread runs this much nicer than the process (0: as the process)
+    # the imports' thread runs this much nicer than the process (0: as the process). Not more: on a host
+    # busy with other work a thread at nice 19 all but stops (4 nodes of a benchmark run at nice 10, at
+    # load 25 on 2 cores, 2026-11-29: no profile 100 s after their start-up began with 10 here)
+    nice: int = 5
     # a job request that started the start-up waits this long for the job service (torch's import and
     # the benchmark take a few seconds idle; a node on a loaded machine is given room)
     on_demand_timeout: float = 120.0
@@ -51,7 +56,7 @@ class StartupConfig:
         if not self.defer >= 0:
             raise ConfigError("--defer-startup must be >= 0 seconds")
         if not 0 <= self.nice <= 19:
-            raise ConfigError("the start-up's nice must be in [0, 19]")
+            raise ConfigError("--startup-nice must be in [0, 19]")
         if not self.on_demand_timeout > 0:
             raise ConfigError("on_demand_timeout must be positive")
 
