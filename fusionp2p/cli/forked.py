@@ -9,7 +9,7 @@ that state: the pages are shared copy-on-write and a child starts with everythin
 
 The children stay real node processes: each has its own PID and session (``os.setsid``), its own TCP listener,
 takes SIGTERM and SIGKILL by PID, writes its stdout to a pipe the cluster reads and its stderr to its log file,
-and runs the same ``fusionp2p.cli.main.main(argv)`` as the command line. Forking is safe because the forkserver
+and runs the same ``node``/``bootstrap`` command as the command line (``fusionp2p.cli.daemon_cmd.daemon_main``). Forking is safe because the forkserver
 is a fresh single-threaded interpreter that has only imported modules (no torch thread pool, no trio loop, no
 socket); ``MALLOC_ARENA_MAX`` reaches it through its environment before its first allocation, and each daemon
 still calls ``mallopt`` first thing (``net/heap.py``).
@@ -32,7 +32,7 @@ from pathlib import Path
 
 # What a node imports before it can train: the forkserver imports these once (a module that fails to import
 # is skipped by multiprocessing, and the child then imports it itself)
-PRELOAD = ("fusionp2p.cli.main", "torch", "torch._dynamo", "fusionp2p.swarm.node", "fusionp2p.jobs.node",
+PRELOAD = ("fusionp2p.cli.daemon_cmd", "torch", "torch._dynamo", "fusionp2p.swarm.node", "fusionp2p.jobs.node",
            "fusionp2p.jobs.run", "fusionp2p.train.worker")
 
 # multiprocessing runs one forkserver per process: parallel/rendezvous.py's (its preload: torch, fusionp2p.parallel)
@@ -78,7 +78,7 @@ def _child(argv: Sequence[str], env: Mapping[str, str], stdout: Connection, log_
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(write_through=True)   # what PYTHONUNBUFFERED gives a spawned one
-    from fusionp2p.cli.main import main
+    from fusionp2p.cli.daemon_cmd import daemon_main as main
 
     try:
         rc = main(list(argv))
@@ -86,7 +86,7 @@ def _child(argv: Sequence[str], env: Mapping[str, str], stdout: Connection, log_
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-    os._exit(rc)   # no interpreter teardown, as a daemon started from the command line (cli/main.py _exit_now)
+    os._exit(rc)   # no interpreter teardown, as a daemon started from the command line (cli/base.py _exit_now)
 
 
 def server_pid() -> int | None:

@@ -19,6 +19,7 @@ from fusionp2p.errors import ConfigError
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport, parse_peer_addr
 from fusionp2p.net.relay import RelayLimits
+from fusionp2p.net.transport import StreamHandler
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.startup import Startup
 from fusionp2p.types import DeviceProfile
@@ -59,7 +60,8 @@ class DaemonConfig:
 
 async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], None],
                      extra_services: Callable[[SwarmNode, trio.Nursery], None] | None = None,
-                     prepare: Callable[[], None] | None = None, startup: Startup | None = None) -> None:
+                     prepare: Callable[[], None] | None = None, startup: Startup | None = None,
+                     early_handlers: Sequence[tuple[str, StreamHandler]] = ()) -> None:
     """Run until SIGINT/SIGTERM; *on_ready* receives the listen addresses once we listen.
 
     A node listens, joins and probes first; its heavy start-up (*prepare*: the CLI's torch and job
@@ -68,20 +70,18 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
     its next record. Run in the first seconds, torch's import and the benchmark held up the probes of 20
     processes starting at once on 2 cores (issue 40). No planner counts a member whose record has no
     profile yet (jobs/publisher.py, jobs/lead.py); until the job service serves, a JOB request starts
-    the start-up and waits for it (``Startup.early_job``). A signal is answered at once, even while the
+    the start-up and waits for it (``Startup.early_job``, installed by the caller in *early_handlers*
+    before the node listens). A signal is answered at once, even while the
     start-up still runs (the process does not wait for it)."""
     identity = Identity.load_or_create(cfg.home)
     startup = startup if startup is not None else Startup()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce,
                                                                     relay=cfg.relay, hole_punch=cfg.hole_punch)) as t:
-            if cfg.role == "node":
-                from fusionp2p.jobs import proto as job_proto
-                from fusionp2p.wire.protocols import JOB
-
-                # (the JOB wire format only: no torch) replaced by the job service's own handler once it runs (jobs/node.py)
-                t.set_stream_handler(JOB, job_proto.serve(startup.early_job,
-                                                          timeout=startup.config.on_demand_timeout + 600))
+            for protocol, handler in early_handlers:
+                # e.g. the CLI's JOB handler that starts the start-up on demand (``Startup.early_job``), replaced
+                # by the job service's own once it runs (jobs/node.py); the jobs layer is above this one
+                t.set_stream_handler(protocol, handler)
             on_ready(t.listen_addrs())
             swarm = SwarmNode(t, replace(cfg.swarm, role=cfg.role), None)   # the bootstrap never has a profile
             async with trio.open_nursery() as nursery:

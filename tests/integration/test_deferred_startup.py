@@ -35,6 +35,7 @@ from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
 from fusionp2p.swarm.daemon import DaemonConfig, run_daemon
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.startup import Startup, StartupConfig
+from fusionp2p.wire.protocols import JOB
 
 
 def prepare():
@@ -58,8 +59,9 @@ async def main(home):
                 cfg = DaemonConfig(role="node", home=home, listen=("/ip4/127.0.0.1/tcp/0",),
                                    bootstrap=(bt.listen_addrs()[0],),
                                    swarm=SwarmConfig(heartbeat=0.3, dead_timeout=5.0, watch=0))
+                early = [(JOB, proto.serve(startup.early_job, timeout=60))]   # as the CLI installs it
                 nursery.start_soon(lambda: run_daemon(cfg, on_ready=lambda a: None, extra_services=services,
-                                                      prepare=prepare, startup=startup))
+                                                      prepare=prepare, startup=startup, early_handlers=early))
                 await boot.wait_until(lambda: len(boot.members()) == 1, 30)
                 peer = boot.members()[0]
                 seq = boot.view.records[peer].seq

@@ -22,7 +22,7 @@ def _service(tmp_path: Path) -> NodeJobService:
 
 
 def _job(state: JobState, publisher: str = "pub", offered_by: str = "") -> SimpleNamespace:
-    return SimpleNamespace(state=state, publisher=publisher, offered_by=offered_by)
+    return SimpleNamespace(state=state, publisher=publisher, offered_by=offered_by, epoch=-1)   # not started
 
 
 def test_offers_being_fetched_hold_a_slot(tmp_path: Path) -> None:
