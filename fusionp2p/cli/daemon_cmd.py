@@ -121,7 +121,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
             nursery.start_soon(ops, swarm, jobs)
 
     early: list[tuple[str, Any]] = []
-    if role == "node":
+    if startup is not None:   # a node
         # the JOB wire format only (no torch): a request before the job service runs starts the start-up
         from fusionp2p.jobs import proto as job_proto
         from fusionp2p.wire.protocols import JOB
