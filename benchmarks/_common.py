@@ -58,9 +58,17 @@ def headline(metric: str, value: float, unit: str, target: float, better: str, b
     return {"metric": metric, "value": float(value), "unit": unit, "target": float(target), "better": better, "baseline": baseline}
 
 
+def _scalar(o: Any) -> Any:
+    """A numpy or torch scalar as its Python number (a run of many minutes lost its result to an np.int64)."""
+    item = getattr(o, "item", None)
+    if callable(item) and getattr(o, "ndim", getattr(o, "dim", lambda: 1)) in (0, ()):
+        return item()
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
 def write(name: str, out: Path, results: Any, head: dict[str, Any], *, quick: bool) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"benchmark": name, "quick": quick, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "results": results, "headline": head}
-    out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True, default=_scalar) + "\n")
     ok = head["value"] >= head["target"] if head["better"] == "higher" else head["value"] <= head["target"]
     print(f"headline: {head['metric']} = {head['value']:.4g} {head['unit']} (target {head['better']} than {head['target']}: {'met' if ok else 'NOT met'}) -> {out}")

@@ -485,7 +485,7 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
             "epoch_rates": per_epoch(step_at, step_epoch, deals), "joiner_nice": joiner_nice, "joiners_niced_s": niced,
             "joiners_ready_s": ready_after(home, joins),   # each fresh node's start to holding the job
             # steps completed in each 20 s from the start of training: the calm and churn runs side by side
-            "steps_per_20s": [sum(w_run + a <= t < w_run + a + 20.0 for t in step_at.values())
+            "steps_per_20s": [int(sum(w_run + a <= t < w_run + a + 20.0 for t in step_at.values()))   # JSON: no np.int64
                               for a in np.arange(0.0, w_end - w_run, 20.0)], "warmup": cfg.lr_sched.warmup_steps if cfg.lr_sched else 0,
             "samples": samples(layouts, steps, cfg.micro_batches * cfg.micro_batch)}
 

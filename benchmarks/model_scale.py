@@ -26,6 +26,7 @@ full size is ``--memory 3GiB`` (the default) on 4 nodes: about 14 GiB of this ma
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -287,6 +288,8 @@ def main() -> None:
     ap.add_argument("--memory", default=None, help="each node's --memory (default 3GiB; --quick 640MiB)")
     ap.add_argument("--steps", type=int, default=None, help="steps per job (default 3; --quick 2)")
     ap.add_argument("--only", type=int, default=None, help="train only this swarm size (1 or --nodes)")
+    ap.add_argument("--one-from", default=None, metavar="JSON",
+                    help="carry the one-node run from this earlier result (same --memory) instead of running it")
     args = ap.parse_args()
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     torch.set_num_threads(1)
@@ -294,8 +297,14 @@ def main() -> None:
     steps = args.steps or (2 if args.quick else 3)
     rungs = ladder(args.quick)
     results: dict[str, Any] = {"memory": memory, "nodes": args.nodes, "runs": {}}
+    if args.one_from is not None:
+        earlier = json.loads(Path(args.one_from).read_text())
+        earlier = earlier.get("results", earlier)   # a result file (benchmarks/_common.write) or its results
+        if earlier.get("memory") != memory:
+            raise SystemExit(f"--one-from {args.one_from}: its --memory was {earlier.get('memory')} bytes, not {memory}")
+        results["runs"]["1"] = dict(earlier["runs"]["1"], carried_from=args.one_from)
     for n in (1, args.nodes):
-        if args.only is not None and n != args.only:
+        if (args.only is not None and n != args.only) or str(n) in results["runs"]:
             continue
         got = train(rungs, n, memory, steps, Path(tempfile.mkdtemp(prefix=f"fusionp2p-bench-scale{n}-")))
         results["runs"][str(n)] = got
