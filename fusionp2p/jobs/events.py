@@ -333,15 +333,17 @@ def idle_reason(plan: Plan, used: int, replicas_hint: int | None) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageConvicted:
-    """A checker recomputed a sampled micro-batch of a stage replica and got other outputs: *evidence* is the
-    encoded verdict (``train/verify.py``), signed by the checker (*peer*) and carrying the stage replica's
-    signed claim. Every node verifies it and leaves *suspect* out of the next plan (``jobs/suspects.py``)."""
+    """A checker recomputed a sampled micro-batch of a stage replica and got other outputs, and the job's leader,
+    recomputing it from the checker's bundle, agreed (``jobs/verified.py`` ``Arbiter``): *evidence* is the
+    encoded verdict (``train/verify.py``), signed by the checker and carrying the stage replica's signed
+    claim; *peer* is the leader that ruled (the checker, for a verdict against the leader itself). Every node
+    verifies it and, taken as the leader's ruling, leaves *suspect* out of the next plan (``jobs/suspects.py``)."""
 
     KIND: ClassVar[str] = "convicted"
     job: str
     step: int
     stage: int
-    peer: str = ""       # the checker
+    peer: str = ""       # the leader that ruled (the checker, for a verdict against the leader)
     suspect: str = ""    # the stage replica convicted
     evidence: bytes = field(default=b"", metadata={"wire": {"max_len": 4096}})
     at: float = 0.0
