@@ -23,12 +23,18 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Callable
 
 from fusionp2p.wire.limits import MiB
 
 M_ARENA_MAX = -8   # glibc's mallopt parameter
 
 _done = False
+
+
+def _mallopt() -> Callable[[int, int], int]:
+    """glibc's ``mallopt``; OSError or AttributeError where there is no glibc."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
 
 
 def one_arena() -> None:
@@ -39,7 +45,7 @@ def one_arena() -> None:
         return
     _done = True
     with contextlib.suppress(OSError, AttributeError):   # not glibc
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(M_ARENA_MAX, 1)
+        _mallopt()(M_ARENA_MAX, 1)
 
 
 MMAP_THRESHOLD = 1 * MiB   # the data plane's pooled buffer size (tensor_stream.BufferPool.min_size)
@@ -74,8 +80,7 @@ def keep_freed_heap() -> None:
     if os.environ.get("FUSIONP2P_KEEP_HEAP", "1") == "0":
         return
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _mallopt()
     except (OSError, AttributeError):
         return  # not glibc
     m_trim_threshold, m_mmap_threshold = -1, -3
