@@ -22,16 +22,12 @@ import torch
 import trio
 
 from benchmarks._common import headline, parser, write
+from benchmarks._embedded import embedded_job
 from fusionp2p.cli.demo import SEQ_LEN, demo_model
 from fusionp2p.data import BuiltinCorpus
-from fusionp2p.jobs.build import build_job
-from fusionp2p.jobs.content import ContentService, ContentStore
-from fusionp2p.jobs.embedded import EmbeddedConfig, open_embedded_swarm
 from fusionp2p.jobs.events import JobStateChanged, ProgressEvent, StepProgress
 from fusionp2p.jobs.host import NodeJobConfig
-from fusionp2p.jobs.publisher import DriverConfig, Publisher
 from fusionp2p.jobs.shadow import ShadowConfig
-from fusionp2p.testing.swarm import TEST_PROFILE
 from fusionp2p.train.config import TrainConfig
 
 
@@ -48,17 +44,9 @@ async def _one(home: Path, steps: int, shadow: bool, nonce: bytes) -> dict[str, 
             states.append(ev.state)
 
     with trio.fail_after(900):
-        async with open_embedded_swarm([TEST_PROFILE] * 3, home, config=EmbeddedConfig(jobs=jobs)) as emb, \
-                trio.open_nursery() as nursery:
-            client = emb.add_host()
-            boot = await client.connect(emb.bootstrap_addr)
-            pub = Publisher(client, ContentService(client, ContentStore()), [boot], DriverConfig(idle_timeout=120))
-            await nursery.start(pub.run)
-            built = await trio.to_thread.run_sync(lambda: build_job(
-                demo_model(), None, BuiltinCorpus(seq_len=SEQ_LEN), cfg, publisher=client.peer_id, sign=client.sign,
-                now=1.0, nonce=nonce * 16))
+        async with embedded_job(3, home, jobs=jobs, model=demo_model(), dataset=BuiltinCorpus(seq_len=SEQ_LEN), cfg=cfg,
+                                nonce=nonce) as (pub, built):
             await pub.run_job(built, emit, home / "checkpoints")
-            nursery.cancel_scope.cancel()
     if not states or states[-1] != "done" or len(seen) < 2:
         raise RuntimeError(f"the job did not train to the end: states {states}, {len(seen)} steps seen")
     first, last = min(seen), max(seen)

@@ -46,17 +46,13 @@ import torch
 import trio
 
 from benchmarks._common import headline, parser, write
+from benchmarks._embedded import embedded_job
 from fusionp2p.data import BuiltinCorpus
 from fusionp2p.jobs import run as job_run
-from fusionp2p.jobs.build import build_job
-from fusionp2p.jobs.content import ContentService, ContentStore
-from fusionp2p.jobs.embedded import EmbeddedConfig, open_embedded_swarm
 from fusionp2p.jobs.events import JobStateChanged, PlanChanged, ProgressEvent, StageConvicted, StepProgress
 from fusionp2p.jobs.host import NodeJobConfig
-from fusionp2p.jobs.publisher import DriverConfig, Publisher
 from fusionp2p.jobs.verified import EpochChecks
 from fusionp2p.models.gpt2 import GPT2, GPT2Config
-from fusionp2p.testing.swarm import TEST_PROFILE
 from fusionp2p.train.config import CO2, TrainConfig
 from fusionp2p.train.verify import sampled
 
@@ -153,22 +149,14 @@ async def _one(home: Path, steps: int, rate: float, nonce: bytes, model: GPT2, s
             convicted.append(ev)
 
     with trio.fail_after(1800):
-        async with open_embedded_swarm([TEST_PROFILE] * 4, home, config=EmbeddedConfig(jobs=jobs)) as emb, \
-                trio.open_nursery() as nursery:
-            client = emb.add_host()
-            boot = await client.connect(emb.bootstrap_addr)
-            pub = Publisher(client, ContentService(client, ContentStore()), [boot], DriverConfig(idle_timeout=120))
-            await nursery.start(pub.run)
-            built = await trio.to_thread.run_sync(lambda: build_job(
-                model, None, BuiltinCorpus(seq_len=SEQ), cfg, publisher=client.peer_id, sign=client.sign,
-                now=1.0, nonce=nonce * 16))
+        async with embedded_job(4, home, jobs=jobs, model=model, dataset=BuiltinCorpus(seq_len=SEQ), cfg=cfg,
+                                nonce=nonce) as (pub, built):
             # the swarm's own CPU per wall second with no job (heartbeats, gossip, probes: timer-driven): a step
             # that takes longer on a loaded machine accrues more of it, whatever the checks cost
             w0, c0 = time.monotonic(), _cpu()
             await trio.sleep(IDLE_S)
             idle = (_cpu() - c0) / (time.monotonic() - w0)
             await pub.run_job(built, emit, home / "checkpoints")
-            nursery.cancel_scope.cancel()
     if not states or states[-1] != "done" or len(at) < 3:
         raise RuntimeError(f"the job did not train to the end: states {states}, {len(at)} steps seen")
     # from the second step seen: the first carries the pipeline's warm-up (links, first allocations)

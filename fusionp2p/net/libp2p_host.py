@@ -62,6 +62,7 @@ from fusionp2p.net.dial_errors import dial_cause
 from fusionp2p.net.gossip_router import GossipRouter
 from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits, HolePunchPolicy
 from fusionp2p.net.identity import Identity
+from fusionp2p.net.listening import not_listening
 from fusionp2p.net.pubsub_retry import install as install_pubsub_retry
 from fusionp2p.net.relay import RelayClient, RelayLimits, RelayService, is_circuit
 from fusionp2p.net.traffic import Traffic
@@ -699,9 +700,13 @@ async def open_libp2p_transport(identity: Identity, config: Libp2pConfig | None 
     t = Libp2pTransport(identity, config)
     listen = [parse_multiaddr(a) for a in config.listen]
     body_error: BaseException | None = None
+    refused: ConfigError | None = None
     try:
         async with t.host.run(listen_addrs=listen), trio.open_nursery() as nursery:
             t._nursery = nursery
+            # py-libp2p logs a listener that failed (a port in use) and comes up without it
+            if (refused := not_listening(t.host.get_network().listeners, listen)) is not None:
+                raise refused
             async with background_trio_service(t.dht), background_trio_service(t.pubsub), background_trio_service(t.router), \
                     contextlib.AsyncExitStack() as extra:
                 if t.dcutr is not None:
@@ -730,6 +735,8 @@ async def open_libp2p_transport(identity: Identity, config: Libp2pConfig | None 
             raise
         raise ConfigError(f"cannot listen on {', '.join(config.listen)}: {exc.strerror or exc}") from None
     except BaseExceptionGroup as group:
+        if refused is not None:
+            raise refused from None
         # The same race inside py-libp2p's own services (a stream handled while they stop) surfaces as
         # RuntimeError("Nursery is closed to new arrivals") after our body finished; nothing is lost then.
         rest = group.split(_is_teardown_race)[1]
@@ -737,5 +744,7 @@ async def open_libp2p_transport(identity: Identity, config: Libp2pConfig | None 
             raise
         log.debug("ignored a py-libp2p teardown race: %s", group)
     # py-libp2p's service contexts can swallow an exception raised in our body; never let that happen
+    if refused is not None:
+        raise refused
     if body_error is not None and not isinstance(body_error, trio.Cancelled):
         raise body_error

@@ -18,6 +18,7 @@ from fusionp2p.swarm.membership import prober_of
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.probe import ProbeConfig
 from fusionp2p.testing.swarm import TEST_PROFILE
+from fusionp2p.testing.wait import poll_until
 from fusionp2p.wire.records import Record, decode_signed
 
 K = 12   # probe.peers: smaller than the default (24), so that 30 members already exceed it
@@ -45,7 +46,10 @@ def _swarm(n: int) -> tuple[float, float, list[int], list[float]]:
                 with trio.fail_after(120):   # virtual seconds
                     for node in nodes:
                         await node.wait_until(lambda node=node: node.members() == ids, 120)
-                    await trio.sleep(2 * cfg.heartbeat)   # every watcher has its streams open
+                    # every node watches its chosen members (a task each) before the kill is timed
+                    def watching() -> bool:
+                        return all(set(x.watcher.scopes) == set(x.watcher.chosen()) for x in nodes)
+                    await poll_until(watching, 120, interval=cfg.heartbeat / 4)
                 sizes = [len(x.prober.chosen()[1]) for x in nodes]
                 periods = [x.period() for x in nodes]
                 victim = nodes[n // 2]

@@ -1,4 +1,4 @@
-"""``--http`` mistakes end with one line and exit status 2, before the daemon starts."""
+"""``--http`` and ``--listen`` mistakes end with one line and exit status 2, before the daemon starts."""
 
 from __future__ import annotations
 
@@ -35,3 +35,15 @@ def test_http_bad_address(tmp_path: Path, addr: str) -> None:
     r = run(tmp_path, addr)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("fusionp2p: error: --http")
+
+
+def test_listen_port_in_use(tmp_path: Path) -> None:
+    """py-libp2p logs a listener it could not start and runs on; the node must not join listening nowhere."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}"
+        r = subprocess.run([*CLI, "bootstrap", "--listen", busy, "--home", str(tmp_path)],
+                           capture_output=True, text=True, env=ENV, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith(f"fusionp2p: error: cannot listen on {busy}:")
