@@ -92,6 +92,14 @@ KEEP = 3            # steps of states and transcripts a ledger keeps (a checker 
 BUNDLES = 8         # bundles served and kept in the content store for their checker to fetch
 OUTBOX = 4          # steps of claims waiting to go to the checker (older ones are dropped: no evidence lost)
 EVIDENCE = 2        # bundles a checker keeps pinned as the evidence of its verdicts (for the leader to fetch)
+# What the checks hold in memory on a replica of a checked stage, in copies of the stage's state: the ledger's
+# KEEP states, the checker's own executor of the stage, the bundle it checks (its bytes as fetched, kept as the
+# evidence until the next step, and decoded) and the bundle it serves to its own checker (the clone of a kept
+# state, waiting for the node's limiter while a check runs); and in steps of boundary tensors, the ledger's
+# KEEP transcripts. The planner prices both when spot_rate > 0 (jobs/build.py: planner_config); the bundles
+# served and the evidence pinned live in the content store, under its own caps (--disk, its memory cache).
+SPOT_STATE_COPIES = KEEP + 4
+SPOT_BOUNDARY_STEPS = KEEP
 ARBITRATE_EVERY = 30.0     # seconds: the leader re-judges at most one verdict of a checker in that time
 ARBITRATE_TIMEOUT = 120.0  # seconds: the leader's fetch, decoding and recomputation of one verdict's bundle
 
