@@ -59,6 +59,7 @@ from fusionp2p.jobs.spec import (
     prepare_dataset,
     sign_spec,
 )
+from fusionp2p.jobs.verified import SPOT_BOUNDARY_STEPS, SPOT_STATE_COPIES
 from fusionp2p.plan import (
     InfeasiblePlanError,
     Link,
@@ -390,6 +391,7 @@ def planner_config(cfg: TrainConfig, *, recompute: bool = False) -> PlannerConfi
     CO2 round (half with ``CO2.wire="bf16"``); with *recompute*, activation recomputation's memory and compute."""
     comp, co2 = cfg.adatopk, cfg.co2
     bf16 = co2 is not None and co2.wire == "bf16"
+    spot = cfg.spot_rate > 0
     return PlannerConfig(micro_batches=cfg.micro_batches, compression=comp is not None, recompute=recompute,
                          schedule=cfg.schedule,   # the micro-batches in flight a stage's memory is priced with
                          rho_min=comp.rho_min if comp is not None else PlannerConfig().rho_min,
@@ -399,8 +401,11 @@ def planner_config(cfg: TrainConfig, *, recompute: bool = False) -> PlannerConfi
                          averaging_wire=0.5 if bf16 else 1.0, gradient_exchange=co2 is None,
                          # replicas of unequal speed: fractional micro-batches a step where no round blocks it
                          micro_period=MICRO_PERIOD if co2 is not None and not co2.sync else 1,
-                         # the bf16 wire keeps the last average of every fragment: one more fp32 copy
-                         replica_memory_factor=PlannerConfig().replica_memory_factor + (1.0 if bf16 else 0.0),
+                         # the bf16 wire keeps the last average of every fragment: one more fp32 copy; the spot
+                         # checks (jobs/verified.py) their state copies and transcripts on every checked replica
+                         replica_memory_factor=PlannerConfig().replica_memory_factor + (1.0 if bf16 else 0.0)
+                         + (SPOT_STATE_COPIES if spot else 0.0),
+                         replica_boundary_steps=SPOT_BOUNDARY_STEPS if spot else 0,
                          # mixed precision: compute at the bf16 rate, activations in 2-byte values
                          half_precision=cfg.precision != "fp32", value_bytes=2 if cfg.precision != "fp32" else 4)
 

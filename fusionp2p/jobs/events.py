@@ -336,14 +336,15 @@ class StageConvicted:
     """A checker recomputed a sampled micro-batch of a stage replica and got other outputs, and the job's leader,
     recomputing it from the checker's bundle, agreed (``jobs/verified.py`` ``Arbiter``): *evidence* is the
     encoded verdict (``train/verify.py``), signed by the checker and carrying the stage replica's signed
-    claim; *peer* is the leader that ruled (the checker, for a verdict against the leader itself). Every node
-    verifies it and, taken as the leader's ruling, leaves *suspect* out of the next plan (``jobs/suspects.py``)."""
+    claim; *peer* is the node that ruled: the leader, or its deputy for a verdict against the leader itself (the
+    checker where there is no deputy: ``jobs/suspects.py:judge_of``). Every node verifies it and, taken as the
+    judge's ruling, leaves *suspect* out of the next plan (``jobs/suspects.py``)."""
 
     KIND: ClassVar[str] = "convicted"
     job: str
     step: int
     stage: int
-    peer: str = ""       # the leader that ruled (the checker, for a verdict against the leader)
+    peer: str = ""       # the node that ruled: the leader, or its deputy for a verdict against the leader
     suspect: str = ""    # the stage replica convicted
     evidence: bytes = field(default=b"", metadata={"wire": {"max_len": 4096}})
     at: float = 0.0

@@ -22,7 +22,8 @@ members of the plan in force, the stage replica of the claimed stage. The job's 
 checker's verdict before anyone acts on it (``jobs/verified.py`` :class:`~fusionp2p.jobs.verified.Arbiter`:
 it fetches the bundle from the checker and recomputes it, ``verify.arbitrate``), and gossips its ruling;
 the other nodes convict on the leader's ruling (:meth:`Suspects.observe` with the ``leader``), not on a
-checker's word, except a verdict against the leader itself (nobody above it re-judges). A checker whose
+checker's word; a verdict against the leader itself is re-judged by its deputy, the lowest other member
+that is not the checker (:func:`judge_of`), and convicts on the deputy's ruling. A checker whose
 verdict the leader's recomputation contradicts, or whose evidence is not the stage's claim, is struck
 (:meth:`Suspects.strike`): excluded like a convicted member, with no roll-back (it lied in words, not in
 the training state).
@@ -46,6 +47,19 @@ from fusionp2p.train.verify import Verdict, decode_verdict, encode_verdict
 from fusionp2p.types import short_peer
 
 log = logging.getLogger(__name__)
+
+
+def judge_of(members: Iterable[str], leader: str | None, accused: str, checker: str) -> str | None:
+    """Who re-judges a checker's verdict against *accused*: the job's *leader*, unless the leader is the
+    accused; then its deputy, the lowest other member of the plan (*members*) that is neither the leader nor
+    the *checker*; None when there is none (a verdict's own checker is then taken at its word), or without a
+    leader (an in-process pipeline). Every node computes the same from the plan in force and the leader it
+    sees, so the checker sends its verdict there and every other node takes that node's ruling alone."""
+    if leader is None:
+        return None
+    if leader != accused:
+        return leader
+    return min((p for p in members if p not in (leader, checker)), default=None)
 
 
 class Suspects:
@@ -114,9 +128,10 @@ class Suspects:
 
     def observe(self, sender: str, ev: ProgressEvent, plan: Plan | None, leader: str | None = None) -> bool:
         """A progress event of the job from *sender*: an outlier report is counted, a conviction judged. True
-        when it excludes a member. A conviction counts when it is the ruling of *leader* (the leader of *plan*
-        as this node sees it: it re-judged the checker's verdict), or a checker's own verdict against *leader*
-        itself; with no *leader* given (an in-process pipeline with no leader), a checker's own verdict."""
+        when it excludes a member. A conviction counts when it is the ruling of the verdict's judge
+        (:func:`judge_of`: *leader*, the leader of *plan* as this node sees it, or its deputy when the leader
+        is the accused), who re-judged the checker's verdict; a checker's own verdict only where there is no
+        judge (no *leader* given: an in-process pipeline; or a plan of the leader and the checker alone)."""
         if isinstance(ev, AveragingOutlier):
             return self.report(sender, ev, plan)
         if isinstance(ev, StageConvicted) and ev.peer == sender:
@@ -126,8 +141,9 @@ class Suspects:
                 return False
             if v.claim.peer != ev.suspect:
                 return False
-            ruled = leader is not None and sender == leader != ev.suspect
-            own = v.checker == sender and (leader is None or ev.suspect == leader)
+            judge = judge_of(plan.peers if plan is not None else (), leader, ev.suspect, v.checker)
+            ruled = judge is not None and sender == judge != ev.suspect
+            own = judge is None and v.checker == sender
             if ruled or own:
                 return self.convict(v, plan)
         return False
@@ -192,4 +208,4 @@ class Suspects:
         return True
 
 
-__all__ = ["Suspects"]
+__all__ = ["Suspects", "judge_of"]

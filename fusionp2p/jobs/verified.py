@@ -32,8 +32,11 @@ checker is struck (``Suspects.strike``: excluded at the next re-plan, no roll-ba
 What a verdict makes the leader do is bounded: one arbitration at a time per job, one verdict per checker
 every ``ARBITRATE_EVERY`` seconds (others are refused at once), a bundle no larger than the stage's own
 bound, ``ARBITRATE_TIMEOUT`` seconds in all. A checker that leads convicts on its own recomputation; a
-verdict against the leader itself is gossiped by its checker and taken by every node as it stands (nobody
-above the leader re-judges it: docs/security.md).
+verdict against the leader itself goes to the leader's deputy, the lowest other member that is not the
+checker (``suspects.judge_of``), which re-judges it the same way and gossips its ruling, on which every node
+convicts the leader (a re-plan then elects another); a checker's own word only where there is no third
+member. A checker the deputy finds false is struck by the deputy alone (the accused leader makes the plan:
+docs/security.md).
 
 A stage with one replica has no checker: its ledger is not kept (no cost) and nothing of it is recomputed;
 its links are still stamped (its neighbours' checkers compare the stamps with their own stage's claims).
@@ -58,7 +61,7 @@ from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.content import ContentService
 from fusionp2p.jobs.events import StageConvicted
 from fusionp2p.jobs.replan import Checkpoints, Resume, complete_checkpoint
-from fusionp2p.jobs.suspects import Suspects
+from fusionp2p.jobs.suspects import Suspects, judge_of
 from fusionp2p.net.channel import TensorChannel
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Plan
@@ -92,6 +95,14 @@ KEEP = 3            # steps of states and transcripts a ledger keeps (a checker 
 BUNDLES = 8         # bundles served and kept in the content store for their checker to fetch
 OUTBOX = 4          # steps of claims waiting to go to the checker (older ones are dropped: no evidence lost)
 EVIDENCE = 2        # bundles a checker keeps pinned as the evidence of its verdicts (for the leader to fetch)
+# What the checks hold in memory on a replica of a checked stage, in copies of the stage's state: the ledger's
+# KEEP states, the checker's own executor of the stage, the bundle it checks (its bytes as fetched, kept as the
+# evidence until the next step, and decoded) and the bundle it serves to its own checker (the clone of a kept
+# state, waiting for the node's limiter while a check runs); and in steps of boundary tensors, the ledger's
+# KEEP transcripts. The planner prices both when spot_rate > 0 (jobs/build.py: planner_config); the bundles
+# served and the evidence pinned live in the content store, under its own caps (--disk, its memory cache).
+SPOT_STATE_COPIES = KEEP + 4
+SPOT_BOUNDARY_STEPS = KEEP
 ARBITRATE_EVERY = 30.0     # seconds: the leader re-judges at most one verdict of a checker in that time
 ARBITRATE_TIMEOUT = 120.0  # seconds: the leader's fetch, decoding and recomputation of one verdict's bundle
 
@@ -355,10 +366,10 @@ class EpochChecks:
         return out
 
     async def _on_verdict(self, v: Verdict) -> None:
-        lead = self.leader()
-        if lead is None or lead in (self.me, v.claim.peer):
-            # this node leads (its own recomputation is the judgement), or the accused does (nobody above it
-            # re-judges: every node takes this verdict from its checker, Suspects.observe)
+        judge = judge_of(self.plan.peers, self.leader(), v.claim.peer, self.me)
+        if judge is None or judge == self.me:
+            # this node leads (its own recomputation is the judgement), or there is no judge (no leader, or
+            # the leader is accused and no third member can re-judge: every node takes this checker's word)
             ev = self.suspects.verdict(v, self.plan)
             if ev is not None:
                 await self.gossip(ev)
@@ -370,12 +381,12 @@ class EpochChecks:
             return
         msg = {"op": "verdict", "job": self.job, "evidence": encode_verdict(v), "bundle": h}
         try:
-            reply = await job_proto.request(self.transport, lead, msg, timeout=self.timeout)
+            reply = await job_proto.request(self.transport, judge, msg, timeout=self.timeout)
             if not reply.get("ok"):
-                log.info("job %s: the leader %s refused the verdict: %s", self.job, short_peer(lead),
+                log.info("job %s: the judge %s refused the verdict: %s", self.job, short_peer(judge),
                          str(reply.get("error"))[:200])
         except (PeerUnavailable, RemoteProtocolError) as exc:
-            log.info("job %s: verdict to the leader %s: %s", self.job, short_peer(lead), exc)
+            log.info("job %s: verdict to the judge %s: %s", self.job, short_peer(judge), exc)
 
     def _pin_evidence(self, v: Verdict) -> str | None:
         """The content hash of the bundle *v* was found on, pinned for the leader to fetch (None: not kept)."""
@@ -396,12 +407,15 @@ class EpochChecks:
 
     # ------------------------------------------------------------------ the leader's re-judgement
     def on_verdict(self, peer: str, req: dict[str, Any]) -> dict[str, Any]:
-        """A checker's ``verdict`` (this node leads): admitted, it is re-judged in the background (the reply
+        """A checker's ``verdict`` for this node to judge (it leads, or deputises for the accused leader:
+        :func:`~fusionp2p.jobs.suspects.judge_of`): admitted, it is re-judged in the background (the reply
         does not wait for it); RemoteProtocolError for a malformed one or one *peer* did not sign."""
         v = read_verdict(req)
         h = job_proto.str_field(req, "bundle", "verdict", limit=64)
         if v.checker != peer:
             raise RemoteProtocolError("verdict: sent by another node than the checker that signed it")
+        if judge_of(self.plan.peers, self.leader(), v.claim.peer, v.checker) != self.me:
+            return {"ok": False, "error": "this node does not judge that verdict (neither the leader nor its deputy)"}
         if not self.suspects.admissible(v, self.plan):
             return {"ok": True, "new": False}
         nursery = self._nursery

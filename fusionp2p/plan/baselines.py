@@ -88,7 +88,8 @@ def _group_flops_layout(cm: CostModel, workload: WorkloadGraph, groups: list[tup
         members[name] = DeviceProfile(device="group", kind="group", name=name, flops_fp32=speed, flops_bf16=0.0,
                                       act_rate=speed / cm.act_flops if cm.act_flops > 0 else 0.0,
                                       memory_bytes=max(1, int(mem)))
-    gcfg = dataclasses.replace(cfg, param_memory_factor=cfg.param_memory_factor + cfg.replica_memory_factor)
+    gcfg = dataclasses.replace(cfg, param_memory_factor=cfg.param_memory_factor + cfg.replica_memory_factor,
+                               replicated_devices=len(groups[0]) > 1)
     gcm = CostModel(workload, Snapshot(job=job, epoch=0, members=members, links={}), gcfg)
     layout = min_bottleneck_layout(gcm, _States.ordered(list(range(len(groups)))), job=job, ignore_links=True)
     return [(i, j, groups[g[0]]) for i, j, g in layout]

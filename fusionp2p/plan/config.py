@@ -31,6 +31,7 @@ class PlannerConfig:
 
         param_bytes * (param_memory_factor + replica_memory_factor if replicated else 0)
         + act_bytes * in_flight_limit(schedule, stages, stage, micro_batches)
+        + replica_boundary_steps * micro_batches * 2 * (its two fences' bytes) if replicated
         + the largest trainable tensor of [i, j) when micro_batches > 1 (its new gradient before accumulation)
         <= memory_bytes * memory_headroom
 
@@ -44,6 +45,12 @@ class PlannerConfig:
     default_efficiency: float = 1.0         # flops_fp32 is a measured matmul rate, so ~1 for matmul-bound units
     param_memory_factor: float = 4.0        # weights + grads + Adam m and v (fp32)
     replica_memory_factor: float = 2.0      # CO2 anchor + outer momentum, only for replicated stages
+    # steps of every micro-batch's boundary tensors (received and sent, and their gradients) a replicated
+    # stage keeps besides its activations: the spot checks' transcripts (jobs/build.py: planner_config)
+    replica_boundary_steps: int = 0
+    # every device of the search is a replica group (plan/joint.py, plan/baselines.py: groups as super-devices,
+    # CO2's state folded into param_memory_factor): each range is charged its replica_boundary_steps as well
+    replicated_devices: bool = False
     memory_headroom: float = 0.9            # keep 10% of memory_bytes free
     full_duplex: bool = False               # False: activations and gradients share a link (cost x2)
     compression: bool = True                # AdaTopK on links slower than the compute bottleneck
@@ -92,6 +99,8 @@ class PlannerConfig:
             raise ConfigError("default_efficiency must be in (0, 1]")
         if self.param_memory_factor < 1 or self.replica_memory_factor < 0:
             raise ConfigError("param_memory_factor must be >= 1 and replica_memory_factor >= 0")
+        if not 0 <= self.replica_boundary_steps <= 64:
+            raise ConfigError("replica_boundary_steps must be in [0, 64]")
         if not (0 < self.memory_headroom <= 1):
             raise ConfigError("memory_headroom must be in (0, 1]")
         if not (0 < self.rho_min <= 1):

@@ -231,8 +231,9 @@ class CostModel:
         optimizer's factor (plus CO2's anchor and momentum when *replicated*), and the activations of the
         micro-batches in flight; with recomputation (*recompute*, default the config's) one micro-batch's
         activations and, per micro-batch in flight, only the tensors the stage receives and sends
-        (*boundary* bytes, default its two fences); and its largest tensor's new gradient
-        (:meth:`range_largest`)."""
+        (*boundary* bytes, default its two fences); its largest tensor's new gradient
+        (:meth:`range_largest`); and when *replicated*, the boundary tensors of
+        ``replica_boundary_steps`` steps (:meth:`replica_boundary`)."""
         k = self.config.micro_batches if in_flight is None else in_flight
         factor = self.config.param_memory_factor + (self.config.replica_memory_factor if replicated else 0.0)
         acts = float(self.acts[j] - self.acts[i])
@@ -241,7 +242,25 @@ class CostModel:
             act_mem = acts + k * held
         else:
             act_mem = k * acts
-        return factor * self.range_params(i, j) + act_mem + float(self.range_largest(i, j))
+        kept = float(self.replica_boundary(i, j)) if replicated or self.config.replicated_devices else 0.0
+        return factor * self.range_params(i, j) + act_mem + float(self.range_largest(i, j)) + kept
+
+    def range_extra(self, i: npt.ArrayLike, j: npt.ArrayLike, *, replicated: bool = False) -> F64:
+        """What a range's memory adds to its prefix sums (``mem_prefix``): its largest tensor's new gradient and,
+        when *replicated* (or every device of the search is a replica group: ``replicated_devices``), its
+        kept boundary tensors; vectorised over arrays of range ends."""
+        out = self.range_largest(i, j)
+        if (replicated or self.config.replicated_devices) and self.config.replica_boundary_steps:
+            out = out + self.replica_boundary(i, j)
+        return out
+
+    def replica_boundary(self, i: npt.ArrayLike, j: npt.ArrayLike) -> F64:
+        """Bytes of the boundary tensors a replica of a stage of units ``[i, j)`` keeps beyond its step
+        (``replica_boundary_steps`` steps of every micro-batch: what it received and sent through its two
+        fences, and their gradients; the spot checks' transcripts); vectorised over arrays of range ends."""
+        i_a, j_a = np.asarray(i, dtype=np.intp), np.asarray(j, dtype=np.intp)
+        steps = self.config.replica_boundary_steps * self.config.micro_batches
+        return np.asarray(2.0 * steps * (self.fence_bytes[i_a] + self.fence_bytes[j_a]), dtype=np.float64)
 
     # -- groups of replicas -----------------------------------------------------------------------
     def group_link(self, a: Sequence[int], b: Sequence[int]) -> Link:

@@ -89,7 +89,8 @@ def _group_layout(cm: CostModel, workload: WorkloadGraph, groups: list[tuple[int
         for b in range(a + 1, len(groups)):
             lk = cm.group_link(groups[a], groups[b])
             links[(names[a], names[b])] = Link(bandwidth_bps=min(lk.bandwidth_bps, 1e30), latency_s=lk.latency_s)
-    gcfg = dataclasses.replace(cfg, param_memory_factor=cfg.param_memory_factor + (cfg.replica_memory_factor if r > 1 else 0.0))
+    gcfg = dataclasses.replace(cfg, param_memory_factor=cfg.param_memory_factor + (cfg.replica_memory_factor if r > 1 else 0.0),
+                               replicated_devices=r > 1)
     gsnap = Snapshot(job=job, epoch=0, members=members, links=links)
     gcm = CostModel(workload, gsnap, gcfg)
     n = len(groups)

@@ -125,7 +125,7 @@ def _levels(cm: CostModel, states: _States) -> int:
     micro-batch in flight fits each device: then the layouts are the same whatever the pricing)."""
     if cm.in_flight(0, 1) == cm.config.micro_batches:
         return 0   # a stage holds every micro-batch whatever the pipeline (GPipe, or one micro-batch a step)
-    if float(cm.mem[-1]) + float(cm.range_largest(0, cm.n_units)) <= float(cm.mem_cap.min()):
+    if float(cm.mem[-1]) + float(cm.range_extra(0, cm.n_units)) <= float(cm.mem_cap.min()):
         return 0
     return min(cm.config.micro_batches, len(set(states.dev)))
 
@@ -174,7 +174,7 @@ class _Search:
             got = np.searchsorted(prefix, prefix[: self.n] + cap, side="right") - 1
             idx = np.arange(self.n)
             while True:
-                bad = (got > idx) & (prefix[got] - prefix[idx] + self.cm.range_largest(idx, got) > cap)
+                bad = (got > idx) & (prefix[got] - prefix[idx] + self.cm.range_extra(idx, got) > cap)
                 if not bad.any():
                     break
                 got = np.where(bad, got - 1, got)
@@ -317,7 +317,7 @@ def _mem_ok(cm: CostModel, i: Idx, j: Idx, g: tuple[int, ...], stage: int, stage
     batches its schedule holds at once); vectorised over arrays of range ends, at the search's upper bound."""
     i_a, j_a = np.asarray(i), np.asarray(j)
     mem = cm.mem_prefix(cm.in_flight(stage, stages))
-    need = mem[j_a] - mem[i_a] + cm.range_largest(i_a, j_a)
+    need = mem[j_a] - mem[i_a] + cm.range_extra(i_a, j_a, replicated=len(g) > 1)
     if len(g) > 1:
         need = need + cm.config.replica_memory_factor * (cm.params[j_a] - cm.params[i_a])
     return np.asarray(need <= float(cm.mem_cap[list(g)].min()), dtype=bool)

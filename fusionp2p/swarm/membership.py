@@ -18,6 +18,7 @@ import heapq
 from dataclasses import dataclass
 from enum import Enum
 
+from fusionp2p.swarm.capacity_trust import StrikeHistory, TrustConfig, corroborated
 from fusionp2p.wire.records import BandwidthReport, Measurement, NodeRecord
 
 
@@ -201,20 +202,25 @@ class BandwidthTable:
     A pair is measured (some node's report has it) or estimated from the two nodes' capacities, each the
     node's own announcement checked against what others measured of it (``CAPACITY_SLACK``): a node that
     announces capacities its peers' measurements contradict is estimated at what they measured, never above
-    a measurement, and each such announcement is counted against it (``strikes``)."""
+    a measurement, and each such announcement is counted against it (``strikes``). A node contradicted
+    report after report is distrusted (``swarm/capacity_trust.py``): its announcements and its own
+    uncorroborated measurements of its pairs no longer count."""
 
-    def __init__(self) -> None:
+    def __init__(self, trust: TrustConfig | None = None) -> None:
         self.reports: dict[str, BandwidthReport] = {}
         # dst -> src -> the figure src measured of its link to dst (every report's measurements, by dst)
         self._of: dict[str, dict[str, Measurement]] = {}
         self.strikes: dict[str, int] = {}    # per node, its announcements (reports) that measurements contradicted
         self._struck: dict[str, int] = {}    # per node, the seq of its report last counted (each counted once)
+        self.trust = StrikeHistory(trust)    # nodes contradicted again and again: .distrusted
 
     def on_report(self, rep: BandwidthReport) -> bool:
         old = self.reports.get(rep.peer)
         if old is not None and rep.seq <= old.seq:
             return False
         self._unindex(old)
+        if old is not None:
+            self.trust.settle(rep.peer, self._struck.get(rep.peer) == old.seq)
         self.reports[rep.peer] = rep
         for m in rep.measurements:
             if m.samples > 0 and m.dst != rep.peer:
@@ -222,9 +228,12 @@ class BandwidthTable:
         # the report's own announcement, and those of the nodes it measured, may be contradicted now
         for peer in {rep.peer, *(m.dst for m in rep.measurements)}:
             r = self.reports.get(peer)
-            if r is not None and self._struck.get(peer) != r.seq and self.contradicted(peer):
+            if r is None:
+                continue
+            if self._struck.get(peer) != r.seq and self.contradicted(peer):
                 self._struck[peer] = r.seq
                 self.strikes[peer] = self.strikes.get(peer, 0) + 1
+            self.trust.judge(peer, self._struck.get(peer) == r.seq)
         return True
 
     def _unindex(self, rep: BandwidthReport | None) -> None:
@@ -239,20 +248,40 @@ class BandwidthTable:
 
     def forget(self, peer: str) -> None:
         self._unindex(self.reports.pop(peer, None))
+        self.trust.forget(peer)
 
     def direct(self, a: str, b: str) -> LinkEstimate | None:
-        """The measurement of a->b or b->a; the one with more samples wins (then the smaller bandwidth)."""
+        """The measurement of a->b or b->a; the one with more samples wins (then the smaller bandwidth). A
+        distrusted node's measurement counts only when the other end measured nothing of the pair and
+        corroborates it (``swarm/capacity_trust.py``)."""
         found = [(m.samples, -m.bandwidth, m) for m in (self._of.get(b, {}).get(a), self._of.get(a, {}).get(b))
                  if m is not None]
         if not found:
             return None
+        if self.trust.distrusted:
+            found = self._credible(found)
+            if not found:
+                return None
         m = max(found, key=lambda x: (x[0], x[1]))[2]
         return LinkEstimate(m.bandwidth, m.rtt, True)
 
+    def _credible(self, found: list[tuple[int, float, Measurement]]) -> list[tuple[int, float, Measurement]]:
+        bad = self.trust.distrusted
+        kept = [f for f in found if f[2].src not in bad]
+        if kept:
+            return kept   # the other end measured the pair: its figure, whatever sample count the other claims
+        return [f for f in found if corroborated(f[2], self.reports.get(f[2].dst), CAPACITY_SLACK)]
+
     def measured_of(self, peer: str) -> float | None:
-        """The best rate other nodes measured on a link of *peer* (a lower bound of its capacities; None: none)."""
+        """The best rate other (trusted) nodes measured on a link of *peer* (a lower bound of its capacities;
+        None: none)."""
         by_others = self._of.get(peer)
-        return max(m.bandwidth for m in by_others.values()) if by_others else None
+        if not by_others:
+            return None
+        bad = self.trust.distrusted
+        if not bad:
+            return max(m.bandwidth for m in by_others.values())
+        return max((m.bandwidth for src, m in by_others.items() if src not in bad), default=None)
 
     def contradicted(self, peer: str) -> bool:
         """Whether *peer*'s announced uplink or downlink is more than ``CAPACITY_SLACK`` times what others
@@ -267,7 +296,9 @@ class BandwidthTable:
         rep = self.reports.get(peer)
         up, down = (rep.uplink, rep.downlink) if rep is not None else (0.0, 0.0)
         best = self.measured_of(peer)
-        if best is not None:
+        if best is not None and peer in self.trust.distrusted:
+            up = down = best   # its word counts for nothing: what others measured of it
+        elif best is not None:
             up, down = (best if c > CAPACITY_SLACK * best else c for c in (up, down))
         by_others = list(self._of.get(peer, {}).values())
         rtts = [m.rtt for m in by_others if m.rtt > 0]

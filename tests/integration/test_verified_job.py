@@ -40,7 +40,8 @@ class _LateLiar(LyingStage):
 
 
 def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, lie: bool, checked: list[bool] | None = None,
-         framers: list[tuple[str, str]] | None = None) -> tuple[list[ProgressEvent], list[str]]:
+         framers: list[tuple[str, str]] | None = None, frame_leader: bool = False,
+         ) -> tuple[list[ProgressEvent], list[str]]:
     liars: list[str] = []
     ids: list[str] = []
     real_check = Checker._check
@@ -50,9 +51,11 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, lie: bool, checked:
         if checked is not None:
             checked.append(v is None)   # (in a worker thread: list.append is atomic)
         # with *framers*: the first checker that is not the leader (the lowest id) and checks a replica that is
-        # not the leader either signs a verdict against an honest micro-batch of step LIE_FROM or later
+        # not the leader either (with *frame_leader*: the leader's checker, against the leader) signs a verdict
+        # against an honest micro-batch of step LIE_FROM or later
         me, lead = self.me.peer_id, min(ids)
-        if (framers is not None and v is None and c.step >= LIE_FROM and lead not in (me, c.peer)
+        target = c.peer == lead != me if frame_leader else lead not in (me, c.peer)
+        if (framers is not None and v is None and c.step >= LIE_FROM and target
                 and (not framers or framers[0] == (me, c.peer))):
             if not framers:
                 framers.append((me, c.peer))
@@ -134,5 +137,26 @@ def test_a_checker_that_frames_an_honest_replica_is_struck_and_the_replica_stays
     assert not [e for e in events if isinstance(e, StageConvicted)]
     assert framer in plans[0].members and framer not in plans[-1].members
     assert framed in plans[-1].members
+    assert any(short_peer(framer) in r.getMessage() and "does not hold on the leader's recomputation" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.slow   # 20-60 s on the shared 2-core VM (load 20)
+def test_a_checker_that_frames_the_leader_is_re_judged_by_the_deputy_and_the_leader_stays(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The leader's own checker signs a verdict against an honest micro-batch of the leader: it goes to the
+    leader's deputy (the lowest other member that is not the checker, ``suspects.judge_of``), which fetches the
+    bundle, recomputes, finds the leader's claim true and strikes the checker; nobody convicts the leader, which
+    stays and leads the job to DONE. Before the deputy, every node took the checker's word against the leader
+    (``StageConvicted``, a re-plan without it): this test fails without it."""
+    caplog.set_level(logging.INFO, logger="fusionp2p.jobs")
+    torch.set_num_threads(1)
+    framers: list[tuple[str, str]] = []
+    events, _ = _run(tmp_path, monkeypatch, lie=False, framers=framers, frame_leader=True)
+    plans, _ = _check_done(events, CFG)
+    assert len(framers) == 1
+    framer, leader = framers[0]
+    assert not [e for e in events if isinstance(e, StageConvicted)]
+    assert leader in plans[-1].members
     assert any(short_peer(framer) in r.getMessage() and "does not hold on the leader's recomputation" in r.getMessage()
                for r in caplog.records)

@@ -8,12 +8,14 @@ by every node's Suspects; an honest run with every micro-batch checked is never 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import pytest
 import torch
 
 from fusionp2p.graph import coarsen, partition, stages_from_fences, trace
 from fusionp2p.graph.program import StageProgram
+from fusionp2p.jobs.verified import KEEP, SPOT_BOUNDARY_STEPS, SPOT_STATE_COPIES
 from fusionp2p.testing.lying_stages import LyingStage, VerifiedJob, verified_job
 from fusionp2p.train.config import CO2, TrainConfig
 from fusionp2p.train.spot import Ledger, Refused
@@ -22,6 +24,10 @@ from tests.integration.test_hostile_training import _Net
 
 S = R = 2
 STEPS, MICROS = 4, 2
+
+
+def _nbytes(ts: Iterable[object]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +63,21 @@ def test_honest_job_with_every_micro_batch_checked_is_never_convicted(job: tuple
                for m in range(MICROS))
     assert all(len(got.books[1, r].of(got.ids[0, r].peer_id, STEPS - 1, m)) == 2 for r in range(R)
                for m in range(MICROS))
+    # what the checks hold is within what the planner prices (jobs/verified.py: SPOT_STATE_COPIES copies of the
+    # state, SPOT_BOUNDARY_STEPS steps of every micro-batch's boundary tensors and their gradients): the ledger
+    # keeps exactly KEEP states, the checker one copy of its stage; the random states (5 KB a transcript) apart
+    progs = job[0]
+    for (s, r), led in got.ledgers.items():
+        state = sum(v.numel() * v.element_size() for v in led.ex.state_dict().values())
+        kept = [sum(v.numel() * v.element_size() for v in st.values()) for st, _ in led._states.values()]
+        assert kept == [state] * KEEP
+        ex = got.checkers[s, r]._ex
+        assert sum(_nbytes(d.values()) for d in (ex.parameters(), ex.buffers())) == state
+        boundary = sum(b.meta.nbytes for b in progs[s].recv) + sum(o.meta.nbytes for o in progs[s].send)
+        held = sum(_nbytes(d.values()) for t in led.ex.tap._fwd.values()
+                   for d in (t.inputs, t.outputs, t.grad_outputs, t.grad_inputs))
+        assert 0 < held <= SPOT_BOUNDARY_STEPS * MICROS * 2 * boundary
+        assert KEEP + 1 <= SPOT_STATE_COPIES
     # the checks change nothing in the training: the losses of the run without them, to the bit
     base = _run(job, rate=None)
     assert sorted((r.step, r.replica, r.loss) for r in got.reports if r.loss is not None) == sorted(

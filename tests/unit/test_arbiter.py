@@ -17,7 +17,7 @@ from fusionp2p.errors import PeerUnavailable
 from fusionp2p.graph import coarsen, partition, stages_from_fences, trace
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.jobs.events import StageConvicted, decode_event, encode_event
-from fusionp2p.jobs.suspects import Suspects
+from fusionp2p.jobs.suspects import Suspects, judge_of
 from fusionp2p.jobs.verified import Arbiter
 from fusionp2p.models import GPT2, GPT2Config
 from fusionp2p.net.identity import Identity
@@ -105,9 +105,28 @@ def test_a_real_liar_is_still_convicted(stage0: tuple[StageProgram, dict[str, to
                              LEADER.peer_id)                                     # the checker's word
     assert not other.observe(LEADER.peer_id, got, _plan(), CHECKER.peer_id)      # not the leader's view of the leader
     assert other.observe(LEADER.peer_id, got, _plan(), LEADER.peer_id) and not other.admits(STAGE.peer_id)
-    # a verdict against the leader itself: its checker's word is taken (nobody above the leader re-judges)
+    # a verdict against the leader itself (here STAGE leads): its deputy re-judges it, the lowest other member
+    # that is not the checker (LEADER here), and only the deputy's ruling convicts; not the checker's own word
+    assert judge_of(_plan().peers, STAGE.peer_id, STAGE.peer_id, CHECKER.peer_id) == LEADER.peer_id
     third = Suspects()
-    assert third.observe(CHECKER.peer_id, dataclasses.replace(got, peer=CHECKER.peer_id), _plan(), STAGE.peer_id)
+    assert not third.observe(CHECKER.peer_id, dataclasses.replace(got, peer=CHECKER.peer_id), _plan(), STAGE.peer_id)
+    assert third.admits(STAGE.peer_id)
+    assert third.observe(LEADER.peer_id, got, _plan(), STAGE.peer_id) and not third.admits(STAGE.peer_id)
+    # with no third member to re-judge, the checker's word is taken as before
+    pair = dataclasses.replace(_plan(), stages=_plan().stages[:1], fences=(), n_units=1)
+    assert judge_of(pair.peers, STAGE.peer_id, STAGE.peer_id, CHECKER.peer_id) is None
+    assert Suspects().observe(CHECKER.peer_id, dataclasses.replace(got, peer=CHECKER.peer_id), pair, STAGE.peer_id)
+
+
+def test_a_verdict_against_the_leader_goes_to_its_deputy() -> None:
+    """Who re-judges a verdict (``suspects.judge_of``): the leader, unless it is the accused; then the lowest
+    other member that is not the checker; every node computes the same."""
+    a, b, c, d = "a", "b", "c", "d"
+    assert judge_of((a, b, c, d), a, c, b) == a                     # the leader judges others
+    assert judge_of((a, b, c, d), a, a, b) == c                     # the accused leader: its deputy, not the checker
+    assert judge_of((a, b, c, d), a, a, c) == b
+    assert judge_of((a, b), a, a, b) is None                        # nobody else: the checker's word
+    assert judge_of((a, b, c), None, b, c) is None                  # no leader (an in-process pipeline)
 
 
 def test_evidence_that_is_not_the_claims_is_refused(stage0: tuple[StageProgram, dict[str, torch.Tensor],

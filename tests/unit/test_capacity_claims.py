@@ -83,3 +83,71 @@ def test_estimates_never_exceed_what_measurements_allow(announced: list[tuple[fl
     # every contradicted announcement (one a node here) is counted once against its node
     assert all(n == 1 for n in t.strikes.values())
     assert all(p in t.strikes for p in P if t.contradicted(p))
+
+
+# --- strikes acted on (swarm/capacity_trust.py): a node contradicted again and again is planned from others'
+# measurements only; its own measurements of its pairs count only where the other end backs them
+
+def test_a_node_contradicted_report_after_report_is_planned_from_others_measurements_only() -> None:
+    liar, witness, honest = P[0], P[1], P[2]
+    t = BandwidthTable()
+    t.on_report(_report(honest, 1, 2 * MEASURED, 2 * MEASURED))        # the honest end: its probe server saw 2 MB/s
+    t.on_report(_report(witness, 1, 50e6, 50e6, (liar, MEASURED)))     # others measured the liar at 1 MB/s
+    # the liar announces 100x that and reports its own pair with the honest node at 100x, claiming many samples
+    seq = 0
+
+    def lie() -> None:
+        nonlocal seq
+        seq += 1
+        t.on_report(BandwidthReport(peer=liar, seq=seq, uplink=100 * MEASURED, downlink=100 * MEASURED,
+                                    measurements=(Measurement(src=liar, dst=honest, bandwidth=100 * MEASURED,
+                                                              rtt=0.01, samples=1000),)))
+
+    for _ in range(2):
+        lie()
+    e = t.direct(liar, honest)
+    assert t.strikes[liar] == 2 and liar not in t.trust.distrusted
+    assert e is not None and e.bandwidth == 100 * MEASURED          # two strikes: its measurement still stands
+    lie()                                                            # the third of its last 8 reports
+    assert liar in t.trust.distrusted and witness not in t.trust.distrusted and honest not in t.trust.distrusted
+    assert t.direct(liar, honest) is None                            # uncorroborated (the honest end saw 2 MB/s)
+    e = t.estimate(liar, honest)
+    assert e is not None and not e.measured and e.bandwidth == MEASURED   # what the witness measured of it
+    assert t.capacity(liar)[:2] == (MEASURED, MEASURED)
+    # the other end's own measurement of the pair wins, whatever sample count the liar claims
+    t.on_report(_report(honest, 2, 2 * MEASURED, 2 * MEASURED, (liar, 1.5 * MEASURED)))
+    e = t.direct(liar, honest)
+    assert e is not None and e.measured and e.bandwidth == 1.5 * MEASURED
+    # "for a while": honest reports clear it once fewer than 3 of its last 8 were contradicted (6 in a row)
+    for i in range(6):
+        assert liar in t.trust.distrusted, i
+        seq += 1
+        t.on_report(_report(liar, seq, MEASURED, MEASURED))
+    assert liar not in t.trust.distrusted
+
+
+def test_a_contradicted_honest_node_keeps_the_fast_pair_its_other_end_backs() -> None:
+    """A node on a fast LAN and a slow WAN announces its LAN rate, which its WAN peers contradict every report;
+    distrusted, its LAN pair still stands: the other end's probe server timed the same transfer."""
+    lan, mate, wan = P[0], P[1], P[2]
+    t = BandwidthTable()
+    t.on_report(_report(mate, 1, 100 * MEASURED, 100 * MEASURED))               # it timed lan's probe at 100 MB/s
+    t.on_report(_report(wan, 1, MEASURED, MEASURED, (lan, MEASURED)))
+    for seq in range(1, 5):
+        t.on_report(_report(lan, seq, 100 * MEASURED, 100 * MEASURED, (mate, 100 * MEASURED)))
+    assert lan in t.trust.distrusted
+    e = t.direct(lan, mate)
+    assert e is not None and e.measured and e.bandwidth == 100 * MEASURED
+    assert t.direct(lan, wan) is not None and t.direct(lan, wan).bandwidth == MEASURED   # type: ignore[union-attr]
+
+
+def test_trust_config_is_validated() -> None:
+    import pytest
+
+    from fusionp2p.errors import ConfigError
+    from fusionp2p.swarm.capacity_trust import TrustConfig
+
+    with pytest.raises(ConfigError):
+        TrustConfig(strikes=9, window=8)
+    with pytest.raises(ConfigError):
+        TrustConfig(strikes=0)
