@@ -252,9 +252,9 @@ class Leading:
 
         Not to a node whose death a direct question confirmed: the view calls a killed member alive for
         ``dead_timeout``, and after the re-plan around it its leader dialled it every ``OFFER_AGAIN`` seconds
-        until then (benchmarks.churn: each kill). A standby of a started epoch (in ``members``, no role in the
-        plan) holds the job already: it is a joiner at once, without an offer (each re-plan's leader offered
-        the job to every standby again: three requests a kill in benchmarks.churn)."""
+        until then (benchmarks.churn: each kill). A standby of an earlier epoch is offered the job again (it
+        answers at once: jobs/node.py), not taken as holding it: a node that restarted with the same identity
+        holds nothing and is a joiner like any other (docs/jobs.md)."""
         view = self.svc.swarm.view
         now = trio.current_time()
         for peer in view.alive(role="node"):
@@ -262,9 +262,6 @@ class Leading:
             if (peer in plan.peers or peer in self.joiners or rec is None or rec.profile is None or rec.leaving
                     or not self.suspects.eligible(peer) or self.svc.confirmed_dead(peer)
                     or now - self._offered.get(peer, -math.inf) < self.svc.config.offer_retry):
-                continue
-            if peer in (self.members or ()) and self._alive(peer):
-                self.joiners.add(peer)   # judged with the other joiners (_take_in_joiners), halted with them
                 continue
             self._offered[peer] = now
             self.svc.nursery.start_soon(self._offer_to, peer)
