@@ -686,7 +686,8 @@ def main() -> None:
         print(f"{label} steps completed in each 20 s of training: {r.get('steps_per_20s', [])}")
         for row in r.get("cpu_first_s", []):   # the first 80 s, per process: where the members' CPU went
             print(f"{label} from {row['from_s']:g} s: {row['steps']} steps; CPU-s nodes {row['nodes']}, benchmark "
-                  f"{row['cpu_s'].get(BENCH)}, outside {row.get(OUTSIDE)}; per node {row['cpu_s']}")
+                  f"{row['cpu_s'].get(BENCH)}, machine {row['cpu_s'].get(MACHINE)}, outside {row.get(OUTSIDE)}; per node "
+                  f"{ {k: v for k, v in row['cpu_s'].items() if k not in (BENCH, MACHINE)} }")
         if r.get("joiners_ready_s"):
             print(f"{label}: seconds from each fresh node's start to holding the job {r['joiners_ready_s']}")
         print(f"{label} per epoch (steps/s over its span, deal): "
