@@ -47,6 +47,21 @@ N > 0 each fresh node runs at N above the others' nice value until it accepted t
 theirs; the result goes to ``churn[_quick]_joiner_nice.json`` and its headline says so. It is a change of
 method, not of the code measured: read it beside the default run's figure.
 
+**Nodes forked pre-imported** (``--preload``, default off). Every node process, the fresh ones included, is
+forked from one forkserver that imported torch and the node's modules (``LocalCluster(preload=True)``, as the
+demo and benchmarks.e2e run): a fresh node's start-up then costs the members no imports (torch's alone is
+some 2.2 CPU-seconds idle), the rest (listening, probes, its device benchmark, the job's intake) as before.
+Like ``--joiner-nice`` it changes the method, not the code measured: the result goes to
+``churn[_quick][_joiner_nice]_preload.json`` and its headline says so.
+
+**A quiet start, and where the first seconds' CPU went.** Each run starts once the machine is quiet
+(``settle``: under ``QUIET_CORES`` busy outside this process, at most ``SETTLE_S`` seconds; the result's
+``settled``), and its result holds, per 20 s of its first 80 s, the CPU-seconds of every node process, of
+this process and of the machine beyond both (``cpu_first_s``, ``outside``): the full rate's churn run
+trained its first 98 steps, before any kill, at 1.75 steps/s against the calm run's 2.68 (2026-11-29 20:33),
+with the node processes' CPU a step nearly equal. A diagnostic without kills: ``--every 100000`` runs the
+calm job twice (give ``--out``).
+
 **Failing fast.** A run in which no step completes for ``--stall`` seconds (every member killed faster
 than fresh nodes came up, under a loaded machine) stops with the reason (the last step, the plan, the
 live nodes) instead of waiting out the job's 900 s.
@@ -171,6 +186,17 @@ class CpuMeter:
                 self.series.setdefault(name, []).append((now, cpu))
             except (OSError, IndexError, ValueError):
                 pass   # gone: its last reading stays
+        # beside the nodes: this benchmark's own process (its client swarm, the meter) and the whole machine's
+        # busy CPU, so that a slow window says whether the CPU the members lacked went to a node, to us or to
+        # something outside the cluster (OUTSIDE in first_windows)
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+            self.series.setdefault(BENCH, []).append((now, (int(fields[11]) + int(fields[12])) / self._tick))
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            cpu_line = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+            # user nice system (idle iowait excluded) irq softirq steal
+            busy = sum(int(cpu_line[i]) for i in (0, 1, 2, 5, 6, 7)) / self._tick
+            self.series.setdefault(MACHINE, []).append((now, busy))
         return sum(self._last.values())
 
     def _run(self) -> None:
@@ -200,6 +226,8 @@ class CpuMeter:
         return out
 
 
+BENCH, MACHINE, OUTSIDE = "benchmark", "machine", "outside"   # CpuMeter's series beside the nodes'
+FIRST_S = 80.0    # first_windows: the training phase's first seconds (the full rate's first kill comes after 60)
 WINDOW_S = 20.0   # the breakdown's windows: the seconds after a kill, and a fresh node's first seconds (its start-up)
 _REDEAL = re.compile(r"replica (\d+): from step (\d+), ([\d., ]+) micro-batches a step")
 
@@ -240,6 +268,8 @@ def breakdown(series: dict[str, list[tuple[float, float]]], *, start: float, end
     names = ("all", "between", "after_kill", "joiner_start")
     cpu: dict[str, dict[str, float]] = {w: {} for w in names}
     for name, readings in series.items():
+        if name in (BENCH, MACHINE):
+            continue   # not a node: first_windows reads them
         prev = 0.0 if readings and readings[0][0] > start else None
         for t, c in readings:
             if prev is not None and start < t <= end:
@@ -267,6 +297,61 @@ def breakdown(series: dict[str, list[tuple[float, float]]], *, start: float, end
                   "cpu_s_per_step": ({r: round(x / steps[w], 3) for r, x in sorted(cpu[w].items())}
                                      | {"all": round(total / steps[w], 3)}) if steps[w] else {},
                   "cores": {r: round(x / secs[w], 3) for r, x in sorted(cpu[w].items())} if secs[w] else {}}
+    return out
+
+
+QUIET_CORES = 0.3   # settle: a run starts once the machine's CPU outside this process is under this many cores
+SETTLE_S = 60.0     # ... or after this long (a shared machine is never quiet: the wait is recorded, not hidden)
+
+
+def busy_cpu() -> float:
+    """CPU-seconds the whole machine spent busy so far, less this process's (/proc/stat, /proc/self/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu_line = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return (sum(int(cpu_line[i]) for i in (0, 1, 2, 5, 6, 7)) - int(fields[11]) - int(fields[12])) / tick
+
+
+def settle(busy: Any = busy_cpu, *, quiet: float = QUIET_CORES, timeout: float = SETTLE_S, period: float = 1.0,
+           clock: Any = time.monotonic, sleep: Any = time.sleep) -> dict[str, float]:
+    """Wait until the machine is quiet: the cores busy outside this process over the last *period* (*busy*:
+    CPU-seconds so far) under *quiet*, or *timeout* passed. The undisturbed run's processes are gone when it
+    returns, but what their exit set off (the kernel freeing their memory, a previous benchmark's tail, another
+    program) would land in the next run's first seconds; the full rate's churn run trained its first 98 steps at
+    1.75 steps/s against the calm run's 2.68, before any kill (BENCHMARKS.md). Both runs wait the same way;
+    the result says how long and how busy the machine was (``settled``)."""
+    t0 = clock()
+    last = busy()
+    cores = math.inf
+    while True:
+        sleep(period)
+        now = busy()
+        cores, last = (now - last) / period, now
+        if cores < quiet or clock() - t0 >= timeout:
+            return {"waited_s": round(clock() - t0, 1), "cores": round(cores, 2)}
+
+
+def first_windows(series: dict[str, list[tuple[float, float]]], *, start: float, step_at: dict[int, float],
+                  span: float = FIRST_S, width: float = WINDOW_S) -> list[dict[str, Any]]:
+    """CPU-seconds per process in each *width* seconds of the first *span* of a training phase from *start*
+    (wall clock), with the steps completed in it: every node by name, ``nodes`` their sum, ``benchmark`` this
+    process, ``machine`` the whole host's busy CPU and ``outside`` what the machine spent beyond both (another
+    program, a process of an earlier run). Series as CpuMeter's (name: (wall clock, CPU-seconds so far)); a
+    process's CPU at a moment is its last reading then (0 before its first: started later)."""
+    def at(readings: list[tuple[float, float]], t: float) -> float:
+        i = bisect.bisect_right(readings, (t, math.inf)) - 1
+        return readings[i][1] if i >= 0 else 0.0
+
+    out = []
+    for a in np.arange(0.0, span, width):
+        t0, t1 = start + float(a), start + float(a) + width
+        cpu = {name: round(at(r, t1) - at(r, t0), 2) for name, r in sorted(series.items()) if r}
+        nodes = sum(x for name, x in cpu.items() if name not in (BENCH, MACHINE))
+        row: dict[str, Any] = {"from_s": float(a), "steps": sum(t0 <= t < t1 for t in step_at.values()),
+                               "cpu_s": cpu, "nodes": round(nodes, 2)}
+        if MACHINE in cpu:
+            row[OUTSIDE] = round(cpu[MACHINE] - nodes - cpu.get(BENCH, 0.0), 2)
+        out.append(row)
     return out
 
 
@@ -359,11 +444,14 @@ def spikes(losses: dict[int, float], *, window: int = 5, ratio: float = SPIKE) -
 
 def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn: bool,
         kills: int = 0, stall: float = 120.0, stages: int = 1, eval_every: int = 0,
-        warmup: int = WARMUP, joiner_nice: int = 0) -> dict[str, Any]:
+        warmup: int = WARMUP, joiner_nice: int = 0, preload: bool = False) -> dict[str, Any]:
     rng = random.Random(seed)
     cfg = job_config(steps, stages, eval_every, warmup)
     events: list[dict[str, Any]] = []
-    with LocalCluster(5, home, dead_timeout=3.0, probe_interval=60.0) as cluster, CpuMeter(cluster) as cpu, \
+    quiet = settle()   # a quiet machine at the start of each run (settle)
+    print(f"{datetime.datetime.now():%H:%M:%S} {'churn' if churn else 'calm'} run starts after {quiet['waited_s']} s "
+          f"(the machine {quiet['cores']} cores busy outside this process)", flush=True)
+    with LocalCluster(5, home, dead_timeout=3.0, probe_interval=60.0, preload=preload) as cluster, CpuMeter(cluster) as cpu, \
             Swarm.connect([cluster.bootstrap], home=home / "client", listen="/ip4/127.0.0.1/tcp/0") as sw:
         wait_until(lambda: len(sw.members()) >= 5, timeout=120, interval=0.5, what="5 members")
         names = {cluster.peer_id(f"node{i}"): f"node{i}" for i in range(5)}
@@ -475,6 +563,7 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
         cpu_by = breakdown(cpu.series, start=w_run, end=w_end, kills=[e["wall"] for e in events], joins=joins,
                            plans=plan_at, step_at=step_at)
         in_band = redeals(home)
+        first = first_windows(cpu.series, start=w_run, step_at=step_at)
     return {"steps": steps, "train_s": t_end - t_run, "steps_per_s": steps / (t_end - t_run), "events": events,
             "epochs": epochs, "held_out_loss": held_out_loss(path, steps), "final_eval_loss": job.final_loss,
             "layouts": layouts, "cpu_s": round(cpu_s, 1), "cpu_s_per_step": cpu_s / steps,
@@ -482,7 +571,9 @@ def run(steps: int, home: Path, *, every: float, rejoin: float, seed: int, churn
             "losses": {s: round(v, 4) for s, v in sorted(job.losses.items())},
             "eval_losses": {s: round(v, 4) for s, v in sorted(job.eval_losses.items())},
             "loss_spikes": spikes(job.losses), "deals": deals, "cpu_breakdown": cpu_by, "redeals": in_band,
+            "cpu_first_s": first,   # CPU-s per process in each 20 s of the first 80 s (first_windows)
             "epoch_rates": per_epoch(step_at, step_epoch, deals), "joiner_nice": joiner_nice, "joiners_niced_s": niced,
+            "settled": quiet, "preload": preload,
             "joiners_ready_s": ready_after(home, joins),   # each fresh node's start to holding the job
             # steps completed in each 20 s from the start of training: the calm and churn runs side by side
             "steps_per_20s": [int(sum(w_run + a <= t < w_run + a + 20.0 for t in step_at.values()))   # JSON: no np.int64
@@ -524,6 +615,9 @@ def main() -> None:
     ap.add_argument("--joiner-nice", type=int, default=0,
                     help="run each fresh node's start-up (until it accepted the job) this much nicer than the other "
                          "nodes: its own machine's start-up, not the members' CPU (module docstring; default 0)")
+    ap.add_argument("--preload", action="store_true",
+                    help="fork every node from one forkserver that imported torch and the node's modules once, as the "
+                         "demo and benchmarks.e2e do: a fresh node's start-up without its imports (module docstring)")
     ap.add_argument("--stall", type=float, default=120.0,
                     help="stop with the reason when no step completes for this many seconds (default 120)")
     args = ap.parse_args()
@@ -533,6 +627,8 @@ def main() -> None:
         args.out = RESULTS / "churn_quick.json"   # the quick rate's figures beside the full rate's
     if args.joiner_nice and args.out in (RESULTS / "churn.json", RESULTS / "churn_quick.json"):
         args.out = args.out.with_name(args.out.stem + "_joiner_nice.json")   # another method: beside, not over it
+    if args.preload and args.out.parent == RESULTS and args.out.stem.startswith("churn"):
+        args.out = args.out.with_name(args.out.stem + "_preload.json")   # the same: beside the default figure
     if args.no_churn and args.out in (RESULTS / "churn.json", RESULTS / "churn_quick.json"):
         args.out = RESULTS / "churn_calm.json"    # never over the recorded comparison
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
@@ -545,13 +641,13 @@ def main() -> None:
                  "deals": [], "loss_spikes": [],
                  "events": [], "cpu_s_per_step": math.nan, "samples": 0} if args.no_calm else
                 run(steps, root / "calm", every=every, rejoin=args.rejoin, seed=args.seed, churn=False, stall=args.stall,
-                    stages=args.stages, eval_every=args.eval_every, warmup=args.warmup))
+                    stages=args.stages, eval_every=args.eval_every, warmup=args.warmup, preload=args.preload))
         if args.no_churn:
             calm_only(args, base, steps)
             return
         churn = run(steps, root / "churn", every=every, rejoin=args.rejoin, seed=args.seed, churn=True,
                     kills=args.kills, stall=args.stall, stages=args.stages, eval_every=args.eval_every,
-                    warmup=args.warmup, joiner_nice=args.joiner_nice)
+                    warmup=args.warmup, joiner_nice=args.joiner_nice, preload=args.preload)
     except Stalled as exc:
         raise SystemExit(f"benchmarks.churn stopped: {exc} (node logs under {root})") from None
     rec = [e["recovery_s"] for e in churn["events"] if e["recovery_s"] is not None]
@@ -588,6 +684,10 @@ def main() -> None:
                 print(f"{label} {w}: {x['s']} s, {x['steps']} steps ({x['steps_per_s']}/s); CPU-s a step "
                       f"{x['cpu_s_per_step']}; cores {x['cores']}")
         print(f"{label} steps completed in each 20 s of training: {r.get('steps_per_20s', [])}")
+        for row in r.get("cpu_first_s", []):   # the first 80 s, per process: where the members' CPU went
+            print(f"{label} from {row['from_s']:g} s: {row['steps']} steps; CPU-s nodes {row['nodes']}, benchmark "
+                  f"{row['cpu_s'].get(BENCH)}, machine {row['cpu_s'].get(MACHINE)}, outside {row.get(OUTSIDE)}; per node "
+                  f"{ {k: v for k, v in row['cpu_s'].items() if k not in (BENCH, MACHINE)} }")
         if r.get("joiners_ready_s"):
             print(f"{label}: seconds from each fresh node's start to holding the job {r['joiners_ready_s']}")
         print(f"{label} per epoch (steps/s over its span, deal): "
@@ -611,10 +711,11 @@ def main() -> None:
                               "cpu_goodput": cpu_goodput, "steps_lost": lost,
                               "phases_s_median": phase_med, "phases_cpu_s_median": cpu_med, "every_s": every,
                               "rejoin_s": args.rejoin, "seed": args.seed, "recovery_s_target": 5.0,
-                              "joiner_nice": args.joiner_nice,
+                              "joiner_nice": args.joiner_nice, "preload": args.preload,
                               "warmup": args.warmup},
           headline(f"goodput under churn (one member SIGKILLed every {every:g} s, a fresh node {args.rejoin:g} s "
-                   "later" + (f", its start-up at nice +{args.joiner_nice}" if args.joiner_nice else "") + ") / undisturbed", goodput, "x", 0.75 if every < 60 else 0.9, "higher",
+                   "later" + (f", its start-up at nice +{args.joiner_nice}" if args.joiner_nice else "")
+                   + (", nodes forked pre-imported" if args.preload else "") + ") / undisturbed", goodput, "x", 0.75 if every < 60 else 0.9, "higher",
                    "the same job without churn"),
           quick=args.quick)
 

@@ -248,13 +248,19 @@ class Leading:
         self._poke()
 
     def _offer_joiners(self, plan: Plan) -> None:
-        """Offer the job to live nodes outside it (at most once per ``offer_retry`` each)."""
+        """Offer the job to live nodes outside it (at most once per ``offer_retry`` each).
+
+        Not to a node whose death a direct question confirmed: the view calls a killed member alive for
+        ``dead_timeout``, and after the re-plan around it its leader dialled it every ``OFFER_AGAIN`` seconds
+        until then (benchmarks.churn: each kill). A standby of an earlier epoch is offered the job again (it
+        answers at once: jobs/node.py), not taken as holding it: a node that restarted with the same identity
+        holds nothing and is a joiner like any other (docs/jobs.md)."""
         view = self.svc.swarm.view
         now = trio.current_time()
         for peer in view.alive(role="node"):
             rec = view.records.get(peer)
             if (peer in plan.peers or peer in self.joiners or rec is None or rec.profile is None or rec.leaving
-                    or not self.suspects.eligible(peer)
+                    or not self.suspects.eligible(peer) or self.svc.confirmed_dead(peer)
                     or now - self._offered.get(peer, -math.inf) < self.svc.config.offer_retry):
                 continue
             self._offered[peer] = now

@@ -14,14 +14,18 @@ import pytest
 import torch
 
 from benchmarks.churn import (
+    BENCH,
+    MACHINE,
     WARMUP,
     _events,
     breakdown,
+    first_windows,
     job_config,
     per_epoch,
     ready_after,
     renice,
     samples,
+    settle,
     spikes,
 )
 from fusionp2p.cli.demo import SEQ_LEN, demo_model
@@ -126,6 +130,45 @@ def test_the_breakdown_puts_each_process_cpu_in_its_window_and_role() -> None:
     assert out["between"]["cpu_s_per_step"]["all"] == round((150.0 + 7.5 + 0.75) / 75, 3)
     # after the kill: node0's 20 s, node1's last reading (at 30 s), node5 from 40 s
     assert out["after_kill"]["cores"]["members"] == round((20 + 1 + 10) / 20, 3)
+
+def test_the_first_windows_say_where_the_cpu_went_outside_the_nodes() -> None:
+    """Issue 41: the full rate's churn run trained its first 80 s at 2/3 of the calm run's rate, its nodes' CPU a
+    step nearly equal. Per 20 s: each node's CPU-s, this process's, and the machine's beyond both. Readings
+    every second from -10 s: two members at 1 core, the machine 2 cores busy from 20 s (0.5 outside before)."""
+    def line(rate: float, t0: float = -10.0, extra: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> list[tuple[float, float]]:
+        out, cpu = [], 0.0
+        for k in range(int(t0), 100):
+            cpu += rate + (extra[2] if extra[0] <= k < extra[1] else 0.0)
+            out.append((k + 1.0, cpu))
+        return out
+
+    series = {"node0": line(1.0), "node1": line(1.0), BENCH: line(0.05), MACHINE: line(2.55, extra=(20, 100, -0.5)),
+              "node5": line(0.5, t0=30.0)}   # a process started later counts from 0
+    rows = first_windows(series, start=0.0, step_at={s: s * 0.5 for s in range(200)})
+    assert [r["from_s"] for r in rows] == [0.0, 20.0, 40.0, 60.0] and [r["steps"] for r in rows] == [40] * 4
+    assert rows[0]["nodes"] == 40.0 and rows[0]["cpu_s"][BENCH] == 1.0 and rows[0]["outside"] == 10.0
+    assert rows[1]["cpu_s"]["node5"] == 5.0 and rows[1]["nodes"] == 45.0 and rows[1]["outside"] == -5.0
+    assert rows[2]["outside"] == -10.0   # node5 a core's half: the machine's 2.05 spent by the nodes and us
+
+
+def test_settle_waits_for_a_quiet_machine_and_no_longer_than_its_timeout() -> None:
+    """Each run starts once the machine's CPU outside the benchmark is quiet (the calm run's exit, another
+    program), or after the timeout; the result records the wait and the cores busy."""
+    t = [0.0]
+    rates = iter([1.5, 1.2, 0.8, 0.1, 0.1])
+    used = [0.0]
+
+    def busy() -> float:
+        return used[0]
+
+    def sleep(dt: float) -> None:
+        t[0] += dt
+        used[0] += next(rates) * dt
+
+    assert settle(busy, quiet=0.3, timeout=60.0, clock=lambda: t[0], sleep=sleep) == {"waited_s": 4.0, "cores": 0.1}
+    t[0], rates = 0.0, iter([1.0] * 100)
+    assert settle(busy, quiet=0.3, timeout=5.0, clock=lambda: t[0], sleep=sleep) == {"waited_s": 5.0, "cores": 1.0}
+
 
 def test_per_epoch_rates_come_with_their_deal() -> None:
     step_at = {s: 0.5 * s for s in range(10)} | {s: 10.0 + s for s in range(10, 15)}

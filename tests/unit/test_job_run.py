@@ -213,3 +213,24 @@ def test_the_halt_skips_a_member_whose_death_a_direct_question_confirmed(tmp_pat
 
     trio.run(main)
     assert halted_to == [["a", "b", "d"]]
+
+
+def test_the_leader_offers_the_job_to_no_node_a_direct_question_found_dead(tmp_path: Path) -> None:
+    """Issue 41: after each re-plan in benchmarks.churn its leader dialled the killed member, which the view calls
+    alive for dead_timeout, every OFFER_AGAIN seconds. A node a direct question found dead is not offered the job;
+    a standby of an earlier epoch and a fresh node are (a standby may have restarted: it answers at once)."""
+    offered: list[str] = []
+
+    async def main() -> None:
+        run = _run(SimpleNamespace(peer_id="a"), tmp_path)
+        rec = SimpleNamespace(profile=object(), leaving=False)
+        alive = ["b", "c", "d", "e"]
+        run.svc.swarm = SimpleNamespace(view=SimpleNamespace(  # type: ignore[attr-defined]
+            alive=lambda role: alive, records=dict.fromkeys(alive, rec), is_alive=lambda p: p in alive, left=set()))
+        run.svc.confirmed_dead = lambda p: p == "d"  # type: ignore[method-assign, assignment]
+        run.svc.nursery = SimpleNamespace(start_soon=lambda fn, peer: offered.append(peer))  # type: ignore[attr-defined]
+        run.members = frozenset({"a", "b", "c", "d"})       # c: a standby of the started epoch; d: just killed
+        run._offer_joiners(SimpleNamespace(peers=("a", "b")))  # type: ignore[arg-type]
+        assert offered == ["c", "e"]
+
+    trio.run(main)
