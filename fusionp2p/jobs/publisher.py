@@ -13,9 +13,10 @@ Theory of operation. A :class:`JobDriver` takes one built, signed job through it
    fits and answers. None accepting ends the job FAILED with their reasons. A member without a profile yet
    is offered the job too: the offer starts its start-up (``Startup.early_job``), it answers once its
    device benchmark ran, and its accept carries the profile it measured (``profile``, from the node itself
-   over its own authenticated stream), which the plan then uses. A job submitted just after the nodes
-   started ran on whichever had measured already (one node of five). ``offer_timeout`` bounds the wait; a
-   node whose start-up does not serve within its ``on_demand_timeout`` (120 s) answers no and is left out.
+   over its own authenticated stream), which the plan then uses, with the links read again from the view
+   after the offers (its probes ran on meanwhile). A job submitted just after the nodes started ran on
+   whichever had measured already (one node of five). ``offer_timeout`` bounds the wait; a node whose
+   start-up does not serve within its ``on_demand_timeout`` (120 s) answers no and is left out.
 3. *Start*: propose the snapshot of the accepting members (profiles + measured links) as epoch 0.
    Every member plans from it and the members elect the plan over gossip. From then on the job
    belongs to its members: they re-plan among themselves when members die, leave or join
@@ -314,6 +315,14 @@ class JobDriver:
                                                               "allow_members is live in the swarm" if allow else "")
             raise JobError(f"no node accepted the job ({why})")
         self.members = set(accepted)
+        if set(accepted) & set(view.unmeasured):
+            # members that had not run their start-up (swarm/startup.py: it waits for their first probe round)
+            # probed on while it ran and we waited: the links measured since, from a second read of the view
+            try:
+                fresh = await discover(self.transport, self.bootstraps, timeout=cfg.view_timeout)
+                view = dataclasses.replace(view, links=fresh.links)
+            except PeerUnavailable as exc:
+                log.info("job %s: planned with the links read before the offers (%s)", self.job, exc)
         # the profiles scaled by the speeds the nodes trained at in earlier jobs of this model (jobs/rebalance.py)
         speeds = {p: r.speed_on(built.spec.model_hash) for p, r in view.records.items()}
         snap = snapshot_from_records(self.job, 0, calibrated(accepted, speeds).items(), view.links)

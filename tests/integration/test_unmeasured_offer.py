@@ -48,6 +48,14 @@ def test_members_without_a_profile_are_offered_the_job_and_planned_with_the_prof
         return real_plan(spec, dag, snap, **kw)
 
     monkeypatch.setattr(publisher, "plan_for_snapshot", planned)
+    reads: list[str] = []
+    real_discover = publisher.discover
+
+    async def discover(t: Any, bootstraps: list[str], *, timeout: float) -> publisher.SwarmView:
+        reads.append(t.peer_id)
+        return await real_discover(t, bootstraps, timeout=timeout)
+
+    monkeypatch.setattr(publisher, "discover", discover)
     cfg = TrainConfig(steps=2, micro_batch=2, micro_batches=1, seed=1)
     jobs = NodeJobConfig(election_timeout=20, link_timeout=20, recv_timeout=20, progress_interval=0.0)
 
@@ -93,3 +101,6 @@ def test_members_without_a_profile_are_offered_the_job_and_planned_with_the_prof
     # their start-ups were started by the offer (at normal priority), the stuck one's too, which was left out
     assert all(s.on_demand and s.reason.startswith("a job request") for s in got["late"])
     assert got["stuck"].on_demand and got["never"] not in snap.members
+    # the view read once by the test, then by the publisher before its offers and again before it planned
+    # (the links the unmeasured members' probes measured meanwhile)
+    assert len(reads) == 3
