@@ -299,7 +299,9 @@ class Swarm:
                                       at=time.time()))
 
     def members(self, timeout: float = 15.0) -> list[str]:
-        """Peer ids of the live training nodes (the bootstrap's verified view)."""
+        """Peer ids of the live training nodes that have measured their device profile (the bootstrap's
+        verified view; a node's start-up is deferred, swarm/startup.py, and a job published before it ran is
+        offered to that node too)."""
         if self._token is None:
             raise JobError("the swarm is closed")
         t = self._transport

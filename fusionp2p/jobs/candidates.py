@@ -11,7 +11,12 @@ is the better of its measured fp32 and bf16 FLOP/s (its signed profile), its lin
 reports do not rank it, so a node that inflates its own figures gains nothing here). The smaller of the two
 because a pipeline stage or a replica waits on the slower of its compute and its transfers: a fast GPU
 behind a home uplink ranks with the home uplink. Members nobody measured yet rank after every measured one,
-by compute. Ties: by peer id, so every run over the same view makes the same choice.
+by compute. Members without a profile yet (a node defers its device benchmark until a job request or its
+first probe round: swarm/startup.py) rank after every member with one, by their links: their compute is
+unknown, and an offer to one waits for its start-up. In a swarm of at most *k* live members they are
+offered the job like the rest (jobs/publisher.py: a swarm started moments before a job is submitted would
+otherwise run it on whichever nodes happened to have measured). Ties: by peer id, so every run over the
+same view makes the same choice.
 
 Not considered: which pairs of candidates are near each other (the planner sees the pairs' links and lays
 the stages out; a candidate it cannot use costs only its offer), and a member's memory (the planner checks
@@ -33,8 +38,10 @@ def compute_of(profile: DeviceProfile) -> float:
     return max(profile.flops_fp32, profile.flops_bf16)
 
 
-def choose_candidates(members: Mapping[str, DeviceProfile], links: Iterable[tuple[str, str, Link]], k: int) -> list[str]:
-    """The *k* best members (the module docstring), sorted by peer id; every member when there are at most *k*."""
+def choose_candidates(members: Mapping[str, DeviceProfile | None], links: Iterable[tuple[str, str, Link]],
+                      k: int) -> list[str]:
+    """The *k* best members (the module docstring; None: no profile yet), sorted by peer id; every member
+    when there are at most *k*."""
     if k < 1:
         raise ValueError("a job needs at least one candidate")
     if len(members) <= k:
@@ -44,11 +51,13 @@ def choose_candidates(members: Mapping[str, DeviceProfile], links: Iterable[tupl
         if src != dst and src in members and dst in members:
             seen.setdefault(dst, []).append(link.bandwidth_bps)
     link_of = {p: statistics.median(v) for p, v in seen.items()}
-    compute = {p: compute_of(prof) for p, prof in members.items()}
-    c_med = statistics.median(compute.values())
+    compute = {p: compute_of(prof) for p, prof in members.items() if prof is not None}
+    c_med = statistics.median(compute.values()) if compute else 1.0
     l_med = statistics.median(link_of.values()) if link_of else 1.0
 
     def rank(p: str) -> tuple[int, float, str]:
+        if p not in compute:
+            return (2, -link_of[p] / l_med if p in link_of else 0.0, p)
         if p not in link_of:
             return (1, -compute[p] / c_med, p)
         return (0, -min(compute[p] / c_med, link_of[p] / l_med), p)

@@ -17,7 +17,10 @@ measured. Rates only: latency is not emulated.
 Nodes can be stopped individually: :meth:`EmbeddedSwarm.kill` makes one vanish at once (its streams
 break, its tasks are cancelled, like a SIGKILL), :meth:`EmbeddedSwarm.leave` makes it announce its
 departure first (like SIGTERM), and :meth:`EmbeddedSwarm.add_node` starts another one (a joiner,
-or a restart under the same identity).
+or a restart under the same identity). ``add_node(profile, startup=Startup(...))`` starts one whose
+start-up is deferred as ``fusionp2p node``'s is (``swarm/startup.py``): it joins without a profile, a JOB
+request before its start-up starts it (``Startup.early_job``), and once the start-up is wanted the node
+takes *profile* (its "device benchmark"), announces it and starts its job service.
 """
 
 from __future__ import annotations
@@ -33,13 +36,16 @@ from typing import Any
 import trio
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.node import NodeJobConfig, NodeJobService
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.memory import MemoryNetwork, MemoryTransport, memory_network
 from fusionp2p.net.shaping import LinkEmulator
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
+from fusionp2p.swarm.startup import Startup
 from fusionp2p.testbed.netns import parse_rate
 from fusionp2p.types import DeviceProfile
+from fusionp2p.wire.protocols import JOB
 
 log = logging.getLogger(__name__)
 
@@ -148,25 +154,33 @@ class EmbeddedSwarm:
         """A bare transport on this network (a publisher or a client)."""
         return self.net.add_host(identity)
 
-    async def add_node(self, profile: DeviceProfile, *, identity: Identity | None = None) -> EmbeddedNode:
-        """Start one more node (a fresh identity, or *identity* to restart a node that died)."""
-        node: EmbeddedNode = await self._nursery.start(self._run_node, len(self.nodes), profile, identity)
+    async def add_node(self, profile: DeviceProfile, *, identity: Identity | None = None,
+                       startup: Startup | None = None) -> EmbeddedNode:
+        """Start one more node (a fresh identity, or *identity* to restart a node that died); with *startup*,
+        one that takes *profile* and starts its job service only when its start-up is wanted (module docstring)."""
+        node: EmbeddedNode = await self._nursery.start(self._run_node, len(self.nodes), profile, identity, startup)
         self.nodes.append(node)
         return node
 
-    async def _run_node(self, index: int, profile: DeviceProfile, identity: Identity | None, *,
-                        task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_node(self, index: int, profile: DeviceProfile, identity: Identity | None,
+                        startup: Startup | None, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         identity = identity or Identity.generate()
         self._shape(index, identity.peer_id)
         transport = self.net.add_host(identity)
-        swarm = SwarmNode(transport, self.config.swarm(), profile)
+        swarm = SwarmNode(transport, self.config.swarm(), profile if startup is None else None)
         stopped = trio.Event()
         try:
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
+                    if startup is not None:   # as the CLI installs it (cli/daemon_cmd.py), before the node joins
+                        transport.set_stream_handler(JOB, job_proto.serve(
+                            startup.early_job, timeout=startup.config.on_demand_timeout + 600))
                     await nursery.start(swarm.run, [self.bootstrap_addr])
                     service = NodeJobService(swarm, self.home / f"node{index}-{swarm.peer_id[-8:]}", self.config.jobs)
-                    await nursery.start(service.run)
+                    if startup is None:
+                        await nursery.start(service.run)
+                    else:
+                        nursery.start_soon(_deferred, swarm, service, profile, startup)
                     task_status.started(EmbeddedNode(index=index, identity=identity, swarm=swarm, jobs=service,
                                                      scope=scope, stopped=stopped))
         finally:
@@ -209,6 +223,17 @@ class EmbeddedSwarm:
         """Until the bootstrap sees exactly *n* live nodes (TooSlowError after *timeout*)."""
         await self.bootstrap.wait_until(lambda: len(self.bootstrap.members()) == n,
                                         self.config.join_timeout if timeout is None else timeout)
+
+
+async def _deferred(swarm: SwarmNode, service: NodeJobService, profile: DeviceProfile, startup: Startup) -> None:
+    """A node's deferred start-up (as ``swarm/daemon.py`` ``_serve`` runs it): once wanted, *profile* is its
+    measured one, announced at once, then its job service runs and answers the requests that waited."""
+    await startup.trigger(swarm.prober.first_round if swarm.config.probing else None)
+    swarm.profile = profile
+    swarm.beat_soon()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        startup.serve(service.handle)
 
 
 @asynccontextmanager

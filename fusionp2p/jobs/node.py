@@ -7,7 +7,9 @@ the JOB control protocol (``jobs/proto.py``):
 * ``offer``: the signed envelope is verified (the offering peer must be the spec's publisher, or a
   member of the job's adopted plan taking in a joiner), the node checks that it fits and fetches the
   DAG, weights and data shards by hash (``ContentService``: every blob checked against its hash).
-  ``ok`` means "accepted". An offer that no ``start`` follows within ``offer_ttl`` is forgotten.
+  ``ok`` means "accepted", with the device profile the node checked the fit against (``profile``: a
+  publisher that found no profile in the node's record, its start-up not run yet, plans with this one).
+  An offer that no ``start`` follows within ``offer_ttl`` is forgotten.
 * ``start``: a snapshot of the members for an epoch, with the resume (where each stage's state comes
   from). Epoch 0 comes from the publisher; later epochs from a member of the job (its leader). The
   job's :class:`JobRun` elects the plan and trains (``jobs/run.py``).
@@ -376,7 +378,8 @@ class NodeJobService:
             # a standby offered the job it holds again (each re-plan's leader offers it to the live nodes
             # outside its plan): yes, without fetching and checking its content again (benchmarks.churn: three
             # such offers a kill); a job not started here yet takes the whole path (its offerers are checked)
-            return {"ok": True, "job": held}
+            prof = self.swarm.profile
+            return {"ok": True, "job": held} | ({"profile": prof.to_wire()} if prof is not None else {})
         if self._slots_used() >= self.config.max_jobs:
             return {"ok": False, "error": "this node is busy"}
         if self._pending_of(peer) >= self.config.max_offers_per_publisher:
@@ -429,7 +432,7 @@ class NodeJobService:
             run.offerers.add(peer)
         self.nursery.start_soon(self._provide, intake.fetched)   # we can serve these blobs to others now
         log.info("accepted job %s from %s", job_id, short_peer(peer))
-        return {"ok": True, "job": job_id}
+        return {"ok": True, "job": job_id, "profile": profile.to_wire()}
 
     async def _expire_offers(self) -> None:
         """An accepted offer that no start followed holds a job slot; free it after ``offer_ttl``."""

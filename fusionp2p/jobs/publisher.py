@@ -3,12 +3,20 @@
 Theory of operation. A :class:`JobDriver` takes one built, signed job through its lifecycle:
 
 1. *Discover*: ask a bootstrap for its view (``swarm.fetch_view``: every record verified) and take the
-   live training members with their signed device profiles and bandwidth reports.
+   live training members with their signed device profiles and bandwidth reports, and those whose record
+   has no profile yet (``SwarmView.unmeasured``: a node measures it only when its deferred start-up runs,
+   ``swarm/startup.py``, up to ``--defer-startup`` 15 s after it joined).
 2. *Offer*: keep the blobs (DAG, weights, data shards) in our content store, announce the spec in the
    DHT (so that the job can be followed from elsewhere), dial the candidates (every member, or in a
    large swarm the ``DriverConfig.candidates`` best by capacity and links: ``jobs/candidates.py``) and
    send each the signed envelope (``job_proto``); each member verifies, fetches the blobs from us by hash, checks that it
-   fits and answers. None accepting ends the job FAILED with their reasons.
+   fits and answers. None accepting ends the job FAILED with their reasons. A member without a profile yet
+   is offered the job too: the offer starts its start-up (``Startup.early_job``), it answers once its
+   device benchmark ran, and its accept carries the profile it measured (``profile``, from the node itself
+   over its own authenticated stream), which the plan then uses, with the links read again from the view
+   after the offers (its probes ran on meanwhile). A job submitted just after the nodes started ran on
+   whichever had measured already (one node of five). ``offer_timeout`` bounds the wait; a node whose
+   start-up does not serve within its ``on_demand_timeout`` (120 s) answers no and is left out.
 3. *Start*: propose the snapshot of the accepting members (profiles + measured links) as epoch 0.
    Every member plans from it and the members elect the plan over gossip. From then on the job
    belongs to its members: they re-plan among themselves when members die, leave or join
@@ -87,7 +95,7 @@ from fusionp2p.wire.jobrecords import (
     status_key,
 )
 from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
-from fusionp2p.wire.records import BandwidthReport, NodeRecord
+from fusionp2p.wire.records import BandwidthReport, NodeRecord, decode_profile
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +135,9 @@ class SwarmView:
     addrs: dict[str, tuple[str, ...]]
     links: list[tuple[str, str, Link]]
     records: dict[str, NodeRecord] = field(default_factory=dict)   # the members' records (their speeds)
+    # live training members whose record has no profile yet (their start-up has not measured it: offered the
+    # job all the same; the accept carries the profile); their records and addresses are in the fields above
+    unmeasured: tuple[str, ...] = ()
 
 
 async def discover(t: Transport, bootstraps: list[str], *, timeout: float) -> SwarmView:
@@ -158,15 +169,32 @@ async def discover(t: Transport, bootstraps: list[str], *, timeout: float) -> Sw
     members: dict[str, DeviceProfile] = {}
     records: dict[str, NodeRecord] = {}
     addrs: dict[str, tuple[str, ...]] = {}
+    unmeasured: list[str] = []
     for rec in view["records"]:
-        if isinstance(rec, NodeRecord) and rec.role == "node" and rec.peer in alive and not rec.leaving and rec.profile:
-            members[rec.peer] = rec.profile
+        if isinstance(rec, NodeRecord) and rec.role == "node" and rec.peer in alive and not rec.leaving:
+            if rec.profile:
+                members[rec.peer] = rec.profile
+            else:
+                unmeasured.append(rec.peer)
             records[rec.peer] = rec
             addrs[rec.peer] = rec.addrs
     links = [(m.src, m.dst, Link(bandwidth_bps=m.bandwidth, latency_s=max(0.0, m.rtt / 2)))
              for r in view["bw"] if isinstance(r, BandwidthReport) for m in r.measurements
              if m.bandwidth > 0 and math.isfinite(m.bandwidth) and math.isfinite(m.rtt)]
-    return SwarmView(members=members, addrs=addrs, links=links, records=records)
+    return SwarmView(members=members, addrs=addrs, links=links, records=records,
+                     unmeasured=tuple(sorted(set(unmeasured) - set(members))))
+
+
+def accepted_profile(reply: dict[str, Any], known: DeviceProfile | None) -> DeviceProfile:
+    """The profile a member accepted an offer with: the one its reply carries (measured by its start-up,
+    perhaps after the view we ranked it by), else *known* (its record's; a node of an older version sends none).
+    RemoteProtocolError when the reply's is malformed, or there is none for a member whose record had none."""
+    raw = reply.get("profile")
+    if raw is not None:
+        return decode_profile(raw, "profile of an accept")
+    if known is None:
+        raise RemoteProtocolError("accepted the job without a device profile (none in its record either)")
+    return known
 
 
 class JobDriver:
@@ -238,7 +266,7 @@ class JobDriver:
         assert built is not None
         cfg = self.config
         view = await discover(self.transport, self.bootstraps, timeout=cfg.view_timeout)
-        if not view.members:
+        if not view.members and not view.unmeasured:
             raise JobError("the swarm has no live training nodes")
         for h, blob in built.blobs.items():   # weight pieces as views of the module, token shards as ranges of
             if isinstance(blob, FileRange):    # the file: served, not copied
@@ -258,22 +286,25 @@ class JobDriver:
                             break
                         except (PeerUnavailable, FusionError) as exc:
                             log.debug("dial %s at %s: %s", short_peer(peer), a, exc)
-                # an open swarm's admission: the work the node did for publishers we trust (TrainConfig.min_work)
-                if why := await reputation.admitted(self.transport, peer, built.spec, timeout=cfg.start_timeout):
+                # an open swarm's admission: the work the node did for publishers we trust (TrainConfig.min_work);
+                # a node without a profile answers it once its start-up ran (the question starts it)
+                why = await reputation.admitted(self.transport, peer, built.spec, timeout=cfg.start_timeout
+                                                if peer in view.members else cfg.offer_timeout)
+                if why:
                     refused[peer] = why
                     return
                 reply = await job_proto.request(self.transport, peer, {"op": "offer", "envelope": built.envelope},
                                                 timeout=cfg.offer_timeout)
+                if reply["ok"]:
+                    accepted[peer] = accepted_profile(reply, view.members.get(peer))
+                else:
+                    refused[peer] = str(reply.get("error", "refused"))[:500]
             except (PeerUnavailable, RemoteProtocolError) as exc:
                 refused[peer] = str(exc)
-                return
-            if reply["ok"]:
-                accepted[peer] = view.members[peer]
-            else:
-                refused[peer] = str(reply.get("error", "refused"))[:500]
 
         allow = set(built.spec.config.allow_members)   # a private swarm's allow-list (empty: every node)
-        pool = {p: prof for p, prof in view.members.items() if not allow or p in allow}
+        pool: dict[str, DeviceProfile | None] = {p: view.members.get(p) for p in (*view.members, *view.unmeasured)
+                                                 if not allow or p in allow}
         async with trio.open_nursery() as nursery:
             for peer in choose_candidates(pool, view.links, cfg.candidates):
                 nursery.start_soon(offer, peer)
@@ -284,6 +315,14 @@ class JobDriver:
                                                               "allow_members is live in the swarm" if allow else "")
             raise JobError(f"no node accepted the job ({why})")
         self.members = set(accepted)
+        if set(accepted) & set(view.unmeasured):
+            # members that had not run their start-up (swarm/startup.py: it waits for their first probe round)
+            # probed on while it ran and we waited: the links measured since, from a second read of the view
+            try:
+                fresh = await discover(self.transport, self.bootstraps, timeout=cfg.view_timeout)
+                view = dataclasses.replace(view, links=fresh.links)
+            except PeerUnavailable as exc:
+                log.info("job %s: planned with the links read before the offers (%s)", self.job, exc)
         # the profiles scaled by the speeds the nodes trained at in earlier jobs of this model (jobs/rebalance.py)
         speeds = {p: r.speed_on(built.spec.model_hash) for p, r in view.records.items()}
         snap = snapshot_from_records(self.job, 0, calibrated(accepted, speeds).items(), view.links)
@@ -671,4 +710,5 @@ class Publisher:
             del self.drivers[job]
 
 
-__all__ = ["DriverConfig", "JobDriver", "Publisher", "SwarmView", "add_to_index", "discover", "read_index", "read_spec"]
+__all__ = ["DriverConfig", "JobDriver", "Publisher", "SwarmView", "accepted_profile", "add_to_index", "discover",
+           "read_index", "read_spec"]

@@ -68,8 +68,9 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
     service imports, then its device benchmark) waits until *startup* wants it (swarm/startup.py: a job
     request, its first probe round done, or a bounded delay), and the node announces its profile with
     its next record. Run in the first seconds, torch's import and the benchmark held up the probes of 20
-    processes starting at once on 2 cores (issue 40). No planner counts a member whose record has no
-    profile yet (jobs/publisher.py, jobs/lead.py); until the job service serves, a JOB request starts
+    processes starting at once on 2 cores (issue 40). No planner guesses a profile: a publisher offers
+    the job to a member without one and plans with the profile its accept carries (jobs/publisher.py), a
+    re-plan's leader waits for its record (jobs/lead.py); until the job service serves, a JOB request starts
     the start-up and waits for it (``Startup.early_job``, installed by the caller in *early_handlers*
     before the node listens). A signal is answered at once, even while the
     start-up still runs (the process does not wait for it)."""

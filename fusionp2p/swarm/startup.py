@@ -16,9 +16,13 @@ In the last two cases torch's and the job service's imports run in a thread of t
 priority (``nice``, 5 by default; Linux sets it per thread), so that other processes' probes go first
 (a thread holding the GIL while descheduled also holds up its own event loop, for at most a scheduler
 period: CFS runs every runnable thread once a period, whatever its weight). The device
-benchmark itself runs at normal priority: it measures the rate stages will get. A node whose record has
-no profile yet is offered no job (jobs/publisher.py, jobs/lead.py count only members with one): its
-FLOP/s are not guessed, and it re-publishes its signed record with them once measured.
+benchmark itself runs at normal priority: it measures the rate stages will get. Its FLOP/s are never
+guessed: the node re-publishes its signed record with them once measured, and a publisher offers a job to
+a live member whose record has none yet all the same (jobs/publisher.py): the offer starts the start-up
+here, the node answers once measured, and its accept carries the profile it measured, which the plan uses
+(a job submitted moments after a 5-node cluster started had run on the one node that had measured). A
+re-plan's leader still counts only members with a profile (jobs/lead.py: a joiner without one is taken in
+once measured, at most ``defer`` seconds later).
 """
 
 from __future__ import annotations

@@ -57,3 +57,33 @@ def test_own_figures_do_not_rank_a_node_and_unmeasured_rank_last() -> None:
     members["new"] = _prof(1e15)
     assert "new" not in choose_candidates(members, links, 20)
     assert "new" in choose_candidates(members, links, 21)
+
+
+def test_members_without_a_profile_are_candidates_after_every_member_with_one() -> None:
+    members: dict[str, DeviceProfile | None] = dict(_swarm()[0])
+    _, links = _swarm()
+    members |= {"u1": None, "u2": None}
+    # a small swarm: everyone, measured or not
+    assert choose_candidates(members, links, 22) == sorted(members)
+    # a big one: after every member with a profile, the one others measured a link to first
+    links.append(("p00", "u2", Link(bandwidth_bps=1e6)))
+    assert choose_candidates(members, links, 21) == sorted([*_swarm()[0], "u2"])
+    assert "u1" not in choose_candidates(members, links, 21)
+    # a swarm of none measured yet (all started moments ago) still has candidates
+    assert choose_candidates({"a": None, "b": None, "c": None}, [], 2) == ["a", "b"]
+
+
+def test_the_profile_an_accept_carries_is_the_one_planned_with() -> None:
+    from fusionp2p.errors import RemoteProtocolError
+    from fusionp2p.jobs.publisher import accepted_profile
+
+    known, measured = _prof(1e10), _prof(3e10)
+    assert accepted_profile({"ok": True, "profile": measured.to_wire()}, None) == measured
+    assert accepted_profile({"ok": True, "profile": measured.to_wire()}, known) == measured
+    assert accepted_profile({"ok": True}, known) == known          # a node of an older version: its record's
+    with pytest.raises(RemoteProtocolError, match="without a device profile"):
+        accepted_profile({"ok": True}, None)
+    for bad in ({"flops_fp32": -1.0}, "x", {"flops_fp32": float("inf")}):
+        raw = measured.to_wire() | bad if isinstance(bad, dict) else bad
+        with pytest.raises(RemoteProtocolError):
+            accepted_profile({"ok": True, "profile": raw}, known)

@@ -11,11 +11,12 @@ import trio
 
 from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.node import NodeJobConfig, NodeJobService
+from fusionp2p.testing.swarm import TEST_PROFILE
 
 
 def _service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, epoch: int, state: JobState
              ) -> tuple[NodeJobService, list[str]]:
-    svc = NodeJobService(SimpleNamespace(transport=None), tmp_path, NodeJobConfig())  # type: ignore[arg-type]
+    svc = NodeJobService(SimpleNamespace(transport=None, profile=TEST_PROFILE), tmp_path, NodeJobConfig())  # type: ignore[arg-type]
     svc.jobs["j1"] = SimpleNamespace(  # type: ignore[assignment]
         job_id="j1", epoch=epoch, state=state, accepted=SimpleNamespace(envelope=b"signed spec of j1"),
         offered_by=None, publisher="publisher")
@@ -35,7 +36,9 @@ def test_a_standby_offered_its_running_job_again_says_yes_without_an_intake(
     """Issue 41: after every re-plan its leader offered the job again to every standby (three a kill in
     benchmarks.churn), and each fetched, decoded and checked the job's content again (0.15 CPU-s)."""
     svc, intakes = _service(tmp_path, monkeypatch, epoch=2, state=JobState.RUNNING)
-    assert trio.run(svc._offer, "leader", b"signed spec of j1", "j1") == {"ok": True, "job": "j1"}
+    # with its profile, as every accept (a publisher that found none in its record plans with it)
+    assert trio.run(svc._offer, "leader", b"signed spec of j1", "j1") == {"ok": True, "job": "j1",
+                                                                         "profile": TEST_PROFILE.to_wire()}
     assert intakes == []
     trio.run(svc._offer, "leader", b"signed spec of another job", None)   # another envelope: the whole path
     assert intakes == ["leader"]
