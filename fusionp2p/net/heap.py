@@ -71,7 +71,8 @@ def keep_freed_heap() -> None:
     round (``benchmarks.averaging --quick --allreduce-only --links tcp``, 5.3M floats among 4 replicas in
     one process, load 16-21) took 0.49-0.53 CPU-s against 0.34-0.37 with 256 MiB, its conversion buffers
     faulted in afresh each round; fp32 0.33-0.35 against 0.31. The trim threshold stays at 1 GiB.
-    Once per process; glibc only; ``FUSIONP2P_KEEP_HEAP=0`` leaves glibc's defaults.
+    Once per process; glibc only; ``FUSIONP2P_KEEP_HEAP=0`` leaves glibc's defaults, and
+    ``FUSIONP2P_MMAP_THRESHOLD=<bytes>`` sets another threshold (A/B runs: ``benchmarks.heap_step``).
     """
     global _heap_kept
     if _heap_kept:
@@ -85,7 +86,7 @@ def keep_freed_heap() -> None:
         return  # not glibc
     m_trim_threshold, m_mmap_threshold = -1, -3
     one_arena()   # kept freed memory in one arena, not one per thread
-    mallopt(m_mmap_threshold, MMAP_THRESHOLD)
+    mallopt(m_mmap_threshold, int(os.environ.get("FUSIONP2P_MMAP_THRESHOLD", MMAP_THRESHOLD)))
     mallopt(m_trim_threshold, 1024 * MiB)
 
 

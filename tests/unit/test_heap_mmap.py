@@ -38,3 +38,11 @@ def test_a_freed_large_tensor_leaves_no_resident_hole() -> None:
     grown = int(out.stdout.split()[-1])
     # live: b (40 MiB) and the pin; the old settings kept a's 32 MiB resident too (72 MiB)
     assert grown < 48 * MiB, f"resident size grew {grown / MiB:.1f} MiB for 40 MiB live"
+
+
+def test_the_old_threshold_leaves_the_hole() -> None:
+    """``FUSIONP2P_MMAP_THRESHOLD`` (A/B runs of benchmarks.heap_step) sets the threshold: at the old 256 MiB
+    the freed 32 MiB block stays resident beside the 40 MiB one (the probe above tells the settings apart)."""
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "FUSIONP2P_KEEP_HEAP": "1", "FUSIONP2P_MMAP_THRESHOLD": str(256 * MiB)}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout.split()[-1]) >= 70 * MiB
