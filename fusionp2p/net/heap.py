@@ -22,12 +22,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 import os
 from collections.abc import Callable
 
 from fusionp2p.wire.limits import MiB
 
 M_ARENA_MAX = -8   # glibc's mallopt parameter
+
+log = logging.getLogger(__name__)
 
 _done = False
 
@@ -86,8 +89,24 @@ def keep_freed_heap() -> None:
         return  # not glibc
     m_trim_threshold, m_mmap_threshold = -1, -3
     one_arena()   # kept freed memory in one arena, not one per thread
-    mallopt(m_mmap_threshold, int(os.environ.get("FUSIONP2P_MMAP_THRESHOLD", MMAP_THRESHOLD)))
+    mallopt(m_mmap_threshold, _threshold())
     mallopt(m_trim_threshold, 1024 * MiB)
+
+
+def _threshold() -> int:
+    """:data:`MMAP_THRESHOLD`, or ``FUSIONP2P_MMAP_THRESHOLD`` in bytes (a bad value keeps the default, with
+    a warning that says what to give)."""
+    raw = os.environ.get("FUSIONP2P_MMAP_THRESHOLD")
+    if raw is None:
+        return MMAP_THRESHOLD
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 < value <= 1 << 40:
+        log.warning("FUSIONP2P_MMAP_THRESHOLD=%r is not a number of bytes (e.g. 4194304); using %d", raw, MMAP_THRESHOLD)
+        return MMAP_THRESHOLD
+    return value
 
 
 __all__ = ["MMAP_THRESHOLD", "keep_freed_heap", "one_arena"]

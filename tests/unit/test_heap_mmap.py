@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 MiB = 2**20
 
 SCRIPT = textwrap.dedent("""
@@ -46,3 +48,13 @@ def test_the_old_threshold_leaves_the_hole() -> None:
     env = {**os.environ, "MALLOC_ARENA_MAX": "1", "FUSIONP2P_KEEP_HEAP": "1", "FUSIONP2P_MMAP_THRESHOLD": str(256 * MiB)}
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120, check=True)
     assert int(out.stdout.split()[-1]) >= 70 * MiB
+
+
+def test_a_bad_threshold_keeps_the_default(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from fusionp2p.net import heap
+
+    monkeypatch.setenv("FUSIONP2P_MMAP_THRESHOLD", "4MiB")
+    assert heap._threshold() == heap.MMAP_THRESHOLD
+    assert "not a number of bytes" in caplog.text
+    monkeypatch.setenv("FUSIONP2P_MMAP_THRESHOLD", str(4 * MiB))
+    assert heap._threshold() == 4 * MiB
