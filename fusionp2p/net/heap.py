@@ -70,10 +70,12 @@ def keep_freed_heap() -> None:
     (``benchmarks.model_scale --memory 768MiB``, a 31 MiB output weight sending 8 MiB logits) grew by one
     weight gradient (31 MiB, the arena's growth steps) at backward after backward with its live memory
     flat: 1.18x its predicted peak, 1.03x its offer; with this threshold 0.98x (the other stages 0.93-0.96x)
-    for the same step CPU. The cost falls on transients that are neither pooled nor kept: a bf16 all-reduce
-    round (``benchmarks.averaging --quick --allreduce-only --links tcp``, 5.3M floats among 4 replicas in
-    one process, load 16-21) took 0.49-0.53 CPU-s against 0.34-0.37 with 256 MiB, its conversion buffers
-    faulted in afresh each round; fp32 0.33-0.35 against 0.31. The trim threshold stays at 1 GiB.
+    for the same step CPU. The cost falls on transients that are neither pooled nor kept: the bf16
+    all-reduce's conversions did (+41% CPU a round) until the round's pool took them in
+    (``train/averager.round_buffer_pool``); a training step's activations and gradients of 1 MiB or more
+    still do: 388k pages a step on a 512-wide GPT-2, +23-33% step CPU against 256 MiB for an 11-15% lower
+    peak resident size, a few hundred pages on the demo's (``benchmarks.heap_step``; docs/dataplane.md).
+    The trim threshold stays at 1 GiB.
     Once per process; glibc only; ``FUSIONP2P_KEEP_HEAP=0`` leaves glibc's defaults, and
     ``FUSIONP2P_MMAP_THRESHOLD=<bytes>`` sets another threshold (A/B runs: ``benchmarks.heap_step``).
     """
