@@ -25,6 +25,8 @@ processes is recorded beside it.
 from __future__ import annotations
 
 import ctypes
+import itertools
+import resource
 import statistics
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -198,6 +200,7 @@ async def allreduce_throughput(mesh: Mapping[str, Mapping[str, TensorChannel]], 
     fault in all its buffers again (a third of the round's CPU at 25M floats), which no node pays."""
     peers = [f"r{i}" for i in range(REPLICAS)]
     times: list[float] = []
+    faults: list[int] = []   # this process's minor page faults when replica 0 ended each round
     cfg = AveragerConfig(outer=OuterConfig(), job="bench-ar", stage=0, round_timeout=timeout, wire=wire)
 
     async def one(p: str, rank: int) -> None:
@@ -208,6 +211,7 @@ async def allreduce_throughput(mesh: Mapping[str, Mapping[str, TensorChannel]], 
                 res = await avg.round_boundary(vec)
                 if rank == 0:
                     times.append(time.perf_counter() - t0)
+                    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
                 if res.anchor is None or abs(float(res.anchor[-1]) - 1.5) > 1e-6:
                     raise RuntimeError(f"all-reduce gave a wrong mean: {res}")
                 del res
@@ -220,6 +224,7 @@ async def allreduce_throughput(mesh: Mapping[str, Mapping[str, TensorChannel]], 
     cpu, loop_cpu = time.process_time() - c0, time.thread_time() - l0
     trim_heap()
     timed = times[1:] if len(times) > 1 else times
+    per_round = [b - a for a, b in itertools.pairwise(faults)]
     best, median = min(timed), statistics.median(timed)
     size = n_elems * 4
     return {"n_elems": n_elems, "rounds": rounds, "wire": wire, "t_allreduce_s": best, "t_allreduce_median_s": median,
@@ -227,6 +232,10 @@ async def allreduce_throughput(mesh: Mapping[str, Mapping[str, TensorChannel]], 
             # the event loop's own thread (every replica's tensor work, message framing, trio): it runs one
             # core at a time, so it bounds the round from below when the channel threads fill the other
             "loop_cpu_per_round_s": loop_cpu / rounds,
+            # pages faulted in a round (every replica; the median round: the first ones fill the pools, and the
+            # bf16 wire's second): unlike CPU seconds, the machine's load does not move it
+            "minflt_per_round": statistics.median(per_round) if per_round else 0,
+            "minflt_all": per_round,
             "algbw_GBps": size / best / 1e9, "busbw_GBps": 2 * (REPLICAS - 1) / REPLICAS * size / best / 1e9}
 
 
@@ -283,7 +292,7 @@ async def anchor_set(peers: list[str], n_elems: int, *, hivemind: bool) -> dict[
             res[wire] = a = await allreduce_throughput(mesh, n_elems, AR_ROUNDS, 600, wire=wire)
         print(f"ours, {wire}: all-reduce of {n_elems / 1e6:.1f}M floats among {REPLICAS}: best {a['t_allreduce_s']:.3f} s, "
               f"median {a['t_allreduce_median_s']:.3f} s, CPU {a['cpu_per_round_s']:.3f} s a round (all replicas; "
-              f"{a['loop_cpu_per_round_s']:.3f} on the event loop's thread)")
+              f"{a['loop_cpu_per_round_s']:.3f} on the event loop's thread), {a['minflt_per_round']:.0f} page faults a round")
     if hivemind:
         from benchmarks.allreduce_procs import run_procs
         from benchmarks.anchors import run_hivemind

@@ -22,12 +22,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 import os
 from collections.abc import Callable
 
 from fusionp2p.wire.limits import MiB
 
 M_ARENA_MAX = -8   # glibc's mallopt parameter
+
+log = logging.getLogger(__name__)
 
 _done = False
 
@@ -67,11 +70,14 @@ def keep_freed_heap() -> None:
     (``benchmarks.model_scale --memory 768MiB``, a 31 MiB output weight sending 8 MiB logits) grew by one
     weight gradient (31 MiB, the arena's growth steps) at backward after backward with its live memory
     flat: 1.18x its predicted peak, 1.03x its offer; with this threshold 0.98x (the other stages 0.93-0.96x)
-    for the same step CPU. The cost falls on transients that are neither pooled nor kept: a bf16 all-reduce
-    round (``benchmarks.averaging --quick --allreduce-only --links tcp``, 5.3M floats among 4 replicas in
-    one process, load 16-21) took 0.49-0.53 CPU-s against 0.34-0.37 with 256 MiB, its conversion buffers
-    faulted in afresh each round; fp32 0.33-0.35 against 0.31. The trim threshold stays at 1 GiB.
-    Once per process; glibc only; ``FUSIONP2P_KEEP_HEAP=0`` leaves glibc's defaults.
+    for the same step CPU. The cost falls on transients that are neither pooled nor kept: the bf16
+    all-reduce's conversions did (+41% CPU a round) until the round's pool took them in
+    (``train/averager.round_buffer_pool``); a training step's activations and gradients of 1 MiB or more
+    still do: 388k pages a step on a 512-wide GPT-2, +23-33% step CPU against 256 MiB for an 11-15% lower
+    peak resident size, a few hundred pages on the demo's (``benchmarks.heap_step``; docs/dataplane.md).
+    The trim threshold stays at 1 GiB.
+    Once per process; glibc only; ``FUSIONP2P_KEEP_HEAP=0`` leaves glibc's defaults, and
+    ``FUSIONP2P_MMAP_THRESHOLD=<bytes>`` sets another threshold (A/B runs: ``benchmarks.heap_step``).
     """
     global _heap_kept
     if _heap_kept:
@@ -85,8 +91,24 @@ def keep_freed_heap() -> None:
         return  # not glibc
     m_trim_threshold, m_mmap_threshold = -1, -3
     one_arena()   # kept freed memory in one arena, not one per thread
-    mallopt(m_mmap_threshold, MMAP_THRESHOLD)
+    mallopt(m_mmap_threshold, _threshold())
     mallopt(m_trim_threshold, 1024 * MiB)
+
+
+def _threshold() -> int:
+    """:data:`MMAP_THRESHOLD`, or ``FUSIONP2P_MMAP_THRESHOLD`` in bytes (a bad value keeps the default, with
+    a warning that says what to give)."""
+    raw = os.environ.get("FUSIONP2P_MMAP_THRESHOLD")
+    if raw is None:
+        return MMAP_THRESHOLD
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 < value <= 1 << 40:
+        log.warning("FUSIONP2P_MMAP_THRESHOLD=%r is not a number of bytes (e.g. 4194304); using %d", raw, MMAP_THRESHOLD)
+        return MMAP_THRESHOLD
+    return value
 
 
 __all__ = ["MMAP_THRESHOLD", "keep_freed_heap", "one_arena"]

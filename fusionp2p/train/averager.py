@@ -142,20 +142,28 @@ class BoundaryResult:
 
 def round_buffer_pool(round_elems: int, replicas: int, *, bf16: bool) -> BufferPool:
     """The pool a :class:`ReplicaAverager` takes its round vectors from: the snapshot and gathered vector of
-    a whole-vector round (the bf16 wire: its bases and differences too), the owned shard's mean and outer
-    anchors. A fresh model-sized vector faults in every page (most of a 25M-float round's CPU, measured);
-    the pool hands one out again once nothing holds it (not the round, not a send, not the caller).
+    a whole-vector round (the bf16 wire: its bases, differences and conversions too), the owned shard's
+    mean and outer anchors. A fresh vector of 1 MiB or more faults in every page (``net/heap.py`` maps each
+    one afresh: a bf16 round's conversions cost +41% of its CPU, measured); the pool hands one out again
+    once nothing holds it (not the round, not a send, not the caller).
 
     Bounded by one round's working set, what a round holds at its peak anyway (so the pool adds nothing to
     a node's peak memory, it only keeps that set between rounds): 4 vectors of the round's size (snapshot,
     gathered vector, and in async mode the next snapshot and the anchor the caller still holds; 6 with the
-    bf16 wire's base and difference) and 4 of its shard's (mean, new anchor, anchor, previous anchor).
-    *round_elems*: the largest round's vector (streaming: the largest fragment, about n/tau elements, so
-    the set is that much smaller). Past the bound a vector is a plain tensor, freed as usual."""
+    bf16 wire's base and difference) and 4 of its shard's (mean, new anchor, anchor, previous anchor); the
+    bf16 wire's conversions add the snapshot's bf16 difference, the published shard's difference in fp32
+    and bf16, and the received parts in fp32 (the other replicas' scatter parts, held until the mean, and
+    one gather part at a time). *round_elems*: the largest round's vector (streaming: the largest fragment,
+    about n/tau elements, so the set is that much smaller). Past the bound a vector is a plain tensor,
+    freed as usual."""
     size = round_elems
     shard = -(-size // max(1, replicas))
     vectors = 6 if bf16 else 4
-    return BufferPool(max_buffers=vectors + 4, max_bytes=4 * (vectors * size + 4 * shard))
+    n_bytes = 4 * (vectors * size + 4 * shard)
+    if not bf16:
+        return BufferPool(max_buffers=vectors + 4, max_bytes=n_bytes)
+    conversions = 2 * size + (4 + 2 + 4 * replicas) * shard   # bytes: the conversions listed above
+    return BufferPool(max_buffers=vectors + 4 + replicas + 3, max_bytes=n_bytes + conversions)
 
 
 def epoch_id(peers: Sequence[str]) -> str:
@@ -429,11 +437,12 @@ class ReplicaAverager:
                                            launched_round=None, reason="; ".join(reasons)))
 
     # ------------------------------------------------------------------ internals
-    def _vector(self, n: int) -> torch.Tensor:
-        """A flat fp32 vector of *n* elements (contents undefined), recycled when one of that size is free."""
-        if n * 4 < self._vectors.min_size:
-            return torch.empty(n, dtype=torch.float32)
-        return torch.frombuffer(self._vectors.get(4 * n), dtype=torch.float32)
+    def _vector(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A flat vector of *n* elements (fp32, or the bf16 wire's conversions; contents undefined), recycled
+        when one of that size is free."""
+        if n * dtype.itemsize < self._vectors.min_size:
+            return torch.empty(n, dtype=dtype)
+        return torch.frombuffer(self._vectors.get(n * dtype.itemsize), dtype=dtype)
 
     def _record(self, res: BoundaryResult) -> BoundaryResult:
         self.last = res
@@ -502,8 +511,8 @@ class ReplicaAverager:
                     if base is not None:
                         # what every replica will compute from the bf16 difference, we load too: bit for bit
                         # (base + q, computed as q + base in the difference's own buffer: the same floats)
-                        d = torch.sub(shard.to(torch.float32), base[1][a.lo:a.hi])
-                        gather_q.append(d.to(torch.bfloat16))
+                        d = torch.sub(shard.to(torch.float32), base[1][a.lo:a.hi], out=self._vector(a.hi - a.lo))
+                        gather_q.append(self._vector(a.hi - a.lo, torch.bfloat16).copy_(d))
                         shard = d.copy_(gather_q[0]).add_(base[1][a.lo:a.hi])
                     arrived = [(self.me, 0.0)] + [(p, t - rnd.launched_at) for p, t in self._arrived.pop(rnd.round_id, {}).items()
                                if p in a.contributors] if self.speed else []
@@ -515,7 +524,7 @@ class ReplicaAverager:
             # our part, rounded the way our peers will read it: the same mean whoever owns a shard (a tied
             # parameter's copies in two stages, whose shards fall to different owners, stay equal)
             d = torch.sub(snap, base[1], out=self._vector(n_elems))
-            scatter_q.append(d.to(torch.bfloat16))
+            scatter_q.append(self._vector(n_elems, torch.bfloat16).copy_(d))
             snap = d.copy_(scatter_q[0]).add_(base[1])   # base + q, as above
         for old in [k for k in self._arrived if k < rnd.round_id]:
             del self._arrived[old]
@@ -601,7 +610,7 @@ class ReplicaAverager:
             d = msg.data
             if d.dim() != 1 or not 0 <= msg.lo <= msg.hi <= base[1].numel() or d.numel() != msg.hi - msg.lo:
                 return self._safe_receive(sm, peer, dataclasses.replace(msg, data=d.to(torch.float32)))   # refused there
-            msg = dataclasses.replace(msg, data=d.to(torch.float32).add_(base[1][msg.lo:msg.hi]))   # base + d
+            msg = dataclasses.replace(msg, data=self._vector(d.numel()).copy_(d).add_(base[1][msg.lo:msg.hi]))   # base + d
         return self._safe_receive(sm, peer, msg)
 
     def _safe_receive(self, sm: AllReduceRound, peer: str, msg: RoundMsg) -> list[Send | Reduced | Finished]:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 MiB = 2**20
 
 SCRIPT = textwrap.dedent("""
@@ -38,3 +40,21 @@ def test_a_freed_large_tensor_leaves_no_resident_hole() -> None:
     grown = int(out.stdout.split()[-1])
     # live: b (40 MiB) and the pin; the old settings kept a's 32 MiB resident too (72 MiB)
     assert grown < 48 * MiB, f"resident size grew {grown / MiB:.1f} MiB for 40 MiB live"
+
+
+def test_the_old_threshold_leaves_the_hole() -> None:
+    """``FUSIONP2P_MMAP_THRESHOLD`` (A/B runs of benchmarks.heap_step) sets the threshold: at the old 256 MiB
+    the freed 32 MiB block stays resident beside the 40 MiB one (the probe above tells the settings apart)."""
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "FUSIONP2P_KEEP_HEAP": "1", "FUSIONP2P_MMAP_THRESHOLD": str(256 * MiB)}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout.split()[-1]) >= 70 * MiB
+
+
+def test_a_bad_threshold_keeps_the_default(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from fusionp2p.net import heap
+
+    monkeypatch.setenv("FUSIONP2P_MMAP_THRESHOLD", "4MiB")
+    assert heap._threshold() == heap.MMAP_THRESHOLD
+    assert "not a number of bytes" in caplog.text
+    monkeypatch.setenv("FUSIONP2P_MMAP_THRESHOLD", str(4 * MiB))
+    assert heap._threshold() == 4 * MiB
