@@ -47,7 +47,7 @@ from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
 from fusionp2p.jobs.candidates import choose_candidates
 from fusionp2p.jobs.checkpoint import decode_state, save_stage, stage_path
 from fusionp2p.jobs.content import ContentService
-from fusionp2p.jobs.election import fetch_latest
+from fusionp2p.jobs.election import fetch_latest, fetch_latest_record
 from fusionp2p.jobs.events import (
     AveragingOutlier,
     CheckpointSaved,
@@ -339,6 +339,13 @@ class JobDriver:
         self.members = set(st.members)
         self.current = st.members
         self.epoch = st.epoch
+        # the epoch's standbys as well, from its plan record (voted by a member the status names): when the plan's
+        # members die one of them leads the job on, and its plans and status records are believed only from a
+        # member we know (a `job attach` that knew only the dead member followed nothing for 10 minutes)
+        with trio.move_on_after(self.config.status_poll):
+            rec = await fetch_latest_record(self.transport, self.job, known=self.members)
+            if rec is not None:
+                self.members |= set(rec[2])
         self.steps = self.steps or st.steps
         self.book.steps = self.steps
         for step, loss in st.losses:
@@ -600,7 +607,9 @@ class JobDriver:
         self._next_pull = trio.current_time() + self._pull_every
         self._pull_every = min(2 * self._pull_every, self.config.status_poll)
         with trio.move_on_after(self.config.status_poll):
-            rec = await fetch_latest(self.transport, self.job, known=self.members)
+            rec = await fetch_latest_record(self.transport, self.job, known=self.members)
+            if rec is not None:
+                self.members |= set(rec[2])   # its standbys too (see _attach)
             if rec is not None and rec[0] > self.epoch:
                 log.info("job %s: plan of epoch %d read from its plan record (its announcement did not come)",
                          self.job, rec[0])
