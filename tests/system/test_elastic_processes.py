@@ -24,7 +24,10 @@ from fusionp2p.sdk import Swarm
 pytestmark = pytest.mark.system
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-BUDGET = 600.0   # pytest-timeout (pyproject.toml): the attach gets what is left less the closing calls' time
+# this test's pytest-timeout: at load 30 on 2 cores the 4 closing CLI calls (each importing torch) took over
+# 120 s, and the attach gets what is left of this less their time and the cluster's stop (CLOSING)
+BUDGET = 900.0
+CLOSING = 240.0
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -65,6 +68,7 @@ def _status(cluster: LocalCluster, job: str, home: Path) -> dict[str, object] | 
 
 
 @pytest.mark.heavy
+@pytest.mark.timeout(BUDGET)
 def test_member_and_publisher_killed_the_job_ends_done_and_is_attached(tmp_path: Path) -> None:
     t0 = time.monotonic()
     key_home = tmp_path / "key"
@@ -96,7 +100,7 @@ def test_member_and_publisher_killed_the_job_ends_done_and_is_attached(tmp_path:
         submit.wait(timeout=30)
 
         # the same key, another client home: follow the job to its end, download the model
-        left = BUDGET - (time.monotonic() - t0) - 150    # the closing CLI calls and the cluster's stop
+        left = BUDGET - (time.monotonic() - t0) - CLOSING - 60    # the closing CLI calls and the cluster's stop
         rc, text = _cli_logged(tmp_path / "attach.log", "job", "--log-level", "info", "attach", job, "--bootstrap",
                                cluster.bootstrap, "--key", str(key_home / "identity.key"), "--home",
                                str(tmp_path / "c2"), "--out", str(tmp_path / "model"), timeout=max(60.0, left))
@@ -112,7 +116,7 @@ def test_member_and_publisher_killed_the_job_ends_done_and_is_attached(tmp_path:
             ("job", "--log-level", "warning", "cancel", job, "--bootstrap", cluster.bootstrap,
              "--home", str(tmp_path / "stranger")),
             ("job", "--log-level", "warning", "status", "0123456789abcdef", "--bootstrap",
-             cluster.bootstrap, "--home", str(tmp_path / "c5")))
+             cluster.bootstrap, "--home", str(tmp_path / "c5")), timeout=CLOSING)
         assert status_done.returncode == 0, status_done.stderr[-2000:]
         final = json.loads(status_done.stdout)
         assert final["state"] == "done" and int(final["epoch"]) >= 1, final
