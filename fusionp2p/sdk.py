@@ -324,15 +324,32 @@ class Swarm:
         assert t is not None and pub is not None
 
         async def fetch() -> BuiltJob:
-            with trio.fail_after(timeout):
-                found = await read_spec(t, job_id)
-                if found is None:
-                    raise ConfigError(f"no job {job_id} in this swarm: check the id with `fusionp2p job list`")
-                spec, envelope = found
-                if spec.publisher != t.peer_id:
-                    raise ConfigError(f"job {job_id} was published by {spec.publisher}, not by this key "
-                                      f"({t.peer_id}): use the publisher's key (--key)")
-                dag = decode_dag(await pub.content.fetch(spec.model_hash, max_size=1 << 31))
+            try:
+                with trio.fail_after(timeout):
+                    return await read()
+            except trio.TooSlowError:
+                raise JobError(f"job {job_id}: its spec and model graph did not arrive within {timeout:.0f} s; "
+                               "is the swarm reachable (`fusionp2p status`)?") from None
+
+        async def read() -> BuiltJob:
+            found = await read_spec(t, job_id)
+            if found is None:
+                raise ConfigError(f"no job {job_id} in this swarm: check the id with `fusionp2p job list`")
+            spec, envelope = found
+            if spec.publisher != t.peer_id:
+                raise ConfigError(f"job {job_id} was published by {spec.publisher}, not by this key "
+                                  f"({t.peer_id}): use the publisher's key (--key)")
+            # its members hold its graph too, whether or not the DHT names them (its publisher may be gone)
+            st = await JobDriver(t, pub.content, [], None, lambda ev: None, self.home, job=job_id).read_status()
+            members = list(st.members) if st is not None else []
+            try:
+                blob = await pub.content.fetch(spec.model_hash, max_size=1 << 31, holders=members)
+            except PeerUnavailable as exc:
+                last = f"its last status: {st.state} at step {st.step} of {st.steps}" if st else "it has no status"
+                raise JobError(f"job {job_id}: no live node holds its model graph ({exc.reason}); its publisher "
+                               f"and its members are gone ({last}), so it can neither finish nor be "
+                               "downloaded: submit it again") from None
+            dag = decode_dag(blob)
             return BuiltJob(spec=spec, envelope=envelope, blobs={}, dag=dag)
 
         built = trio.from_thread.run(fetch, trio_token=self._token)

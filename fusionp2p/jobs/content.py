@@ -21,9 +21,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import trio
 
@@ -45,9 +45,13 @@ log = logging.getLogger(__name__)
 # Rounds over a blob's providers. Opening a stream fails now and then under load (py-libp2p: a
 # multiselect handshake whose read fails), and a blob often has one provider (a stage file, its trainer):
 # on benchmarks.wan a finished job failed at its download on one such stream. A provider that answered
-# (refused, sent bad bytes) or hung for fetch_timeout is not asked again.
+# (refused, sent bad bytes), hung for fetch_timeout or could not be reached at all (no connection to it
+# after the attempt: a dead node, which the DHT goes on naming for hours) is not asked again within the
+# fetch; the rounds after the first look the providers up afresh (net/dht_providers.py).
 FETCH_ROUNDS = 3
-FETCH_BACKOFF = 0.5   # seconds before the second round, doubled for each next one
+FETCH_BACKOFF = 0.5   # seconds before a round that asks a provider again, doubled for each next one
+
+T = TypeVar("T")
 
 
 class _Refused(PeerUnavailable):
@@ -59,6 +63,32 @@ class _Cut(PeerUnavailable):
     TCP connection reset under load ended one inside a frame, and the re-plan whose state fetch it was cost a
     whole second re-plan), so it is worth another round; a provider that cuts every stream is asked
     FETCH_ROUNDS times at most."""
+
+
+class _Asked:
+    """Whom one fetch asked and how it went (see FETCH_ROUNDS): who is not to be asked again, who may be in
+    the next round (their stream failed on a live connection), and a line per failure for the error."""
+
+    def __init__(self, me: str) -> None:
+        self.skip = {me}
+        self.again = False        # a provider's stream failed on a live connection: worth another round
+        self.errors: list[str] = []
+
+    def order(self, candidates: Iterable[str], connected: Iterable[str]) -> list[str]:
+        """*candidates* not to skip, once each, those this node is connected to first (likely alive, no dial)."""
+        todo = [p for p in dict.fromkeys(candidates) if p not in self.skip]
+        live = set(connected)
+        return [p for p in todo if p in live] + [p for p in todo if p not in live]
+
+    def failed(self, peer: str, exc: Exception, *, reachable: bool) -> None:
+        if isinstance(exc, PeerUnavailable) and not isinstance(exc, _Refused) and reachable:
+            self.again = True
+            why = "stream failed"
+        else:
+            self.skip.add(peer)
+            why = ("unreachable" if isinstance(exc, PeerUnavailable) and not isinstance(exc, _Refused)
+                   else "refused" if isinstance(exc, _Refused) else type(exc).__name__)
+        self.errors.append(f"{short_peer(peer)}: {why}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -208,40 +238,38 @@ class ContentService:
                 with trio.CancelScope(shield=True):
                     await stream.aclose()
 
-    async def fetch_to_store(self, h: str, *, max_size: int, peers: list[str], provide: bool = True) -> None:
-        """Blob *h* into the store from *peers* in turn, written to disk frame by frame as it comes (never
-        whole in memory: a stage file a keeper holds for another node), and announced (unless not
-        *provide*). On a store in memory, :meth:`fetch`. Raises as :meth:`fetch`."""
+    async def fetch_to_store(self, h: str, *, max_size: int, peers: list[str] | None = None,
+                             holders: Sequence[str] = (), provide: bool = True) -> None:
+        """Blob *h* into the store from *peers* (or the DHT's providers and *holders*) in turn, as :meth:`fetch`
+        asks them, written to disk frame by frame as it comes (never whole in memory: a stage file a keeper holds
+        for another node), and announced (unless not *provide*). On a store in memory, :meth:`fetch`. Raises as
+        :meth:`fetch`."""
         store = self.store
         if store.has(h):
             return
         if not store.on_disk:
-            await self.fetch(h, max_size=max_size, peers=peers, provide=provide)
+            await self.fetch(h, max_size=max_size, peers=peers, holders=holders, provide=provide)
             return
-        errors: list[str] = []
-        for peer in peers:
+        cap = min(max_size, self.config.max_blob_bytes)
+
+        async def one(peer: str) -> None:
             tmp = store.temp_path()
             try:
                 with trio.fail_after(self.config.fetch_timeout), open(tmp, "wb") as f:  # noqa: ASYNC230 - frame-sized page-cache writes
                     stream = await self.transport.open_stream(peer, CONTENT)
                     try:
-                        await self._fetch_on(stream, peer, h, min(max_size, self.config.max_blob_bytes), f)
+                        await self._fetch_on(stream, peer, h, cap, f)
                     finally:
                         with trio.CancelScope(shield=True):
                             await stream.aclose()
-            except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
-                tmp.unlink(missing_ok=True)
-                log.info("fetch of %s… from %s failed: %s", h[:16], peer, exc)
-                errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
-                continue
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
             store.adopt((tmp, h))
-            if provide:
-                await self.transport.provide(h)
-            return
-        raise PeerUnavailable(f"providers of {h[:16]}…", "; ".join(errors) or "no provider found")
+
+        await self._ask(h, peers, holders, one)
+        if provide:
+            await self.transport.provide(h)
 
     async def _fetch_on(self, stream: Stream, peer: str, h: str, max_size: int, sink: BinaryIO | None = None) -> bytes:
         """The blob from *stream*, hashed as it comes; into *sink* when given (then b"" is returned)."""
@@ -280,47 +308,58 @@ class ContentService:
             raise IntegrityError(f"{peer} served bytes that do not match {h[:16]}…")
         return bytes(buf)
 
-    async def fetch(self, h: str, *, max_size: int, peers: list[str] | None = None, provide: bool = True) -> bytes:
-        """The blob *h*: from the local store, else from *peers* or the DHT's providers, in turn.
+    async def fetch(self, h: str, *, max_size: int, peers: list[str] | None = None, holders: Sequence[str] = (),
+                    provide: bool = True) -> bytes:
+        """The blob *h*: from the local store, else from *peers* (only them), or else from the DHT's providers
+        and *holders* (nodes known to hold it, which the DHT may not name: a job's members hold its graph), in
+        rounds (FETCH_ROUNDS): every candidate once a round, those this node is connected to first; a provider
+        that answered, hung or could not be reached is not asked again, and each round after the first looks
+        the providers up afresh. The caller bounds the whole with its deadline.
 
         A verified blob is stored and announced (this node becomes a provider), unless not *provide*: a DHT
         announcement takes seconds (up to the transport's DHT timeout), and a caller on a critical path (a
-        re-plan's state fetch) announces in the background. Raises
-        PeerUnavailable when no provider delivered it; a provider that sent wrong bytes is logged
-        and skipped.
+        re-plan's state fetch) announces in the background. Raises PeerUnavailable naming every provider asked
+        and how it failed when none delivered it; a provider that sent wrong bytes is logged and skipped.
         """
         if self.store.has(h):
             return self.store.get(h)
-        errors: list[str] = []
-        done: set[str] = {self.transport.peer_id}   # peers not to ask again: they answered, misbehaved or hung
+
+        async def one(peer: str) -> bytes:
+            return await self.fetch_from(peer, h, max_size=max_size)
+
+        blob = await self._ask(h, peers, holders, one)
+        self.store.put(blob)
+        if provide:
+            await self.transport.provide(h)
+        return blob
+
+    async def _ask(self, h: str, peers: list[str] | None, holders: Sequence[str],
+                   one: Callable[[str], Awaitable[T]]) -> T:
+        """``one(peer)`` for the candidates of *h* in rounds (see :meth:`fetch`) until one delivers."""
+        asked = _Asked(self.transport.peer_id)
         delay = FETCH_BACKOFF
         for attempt in range(FETCH_ROUNDS):
             if attempt:
-                await trio.sleep(delay)   # a bounded backoff between rounds (FETCH_ROUNDS)
-                delay *= 2
-            candidates = peers if peers is not None else await self.transport.find_providers(h)
-            again = False
-            for peer in candidates:
-                if peer in done:
-                    continue
+                if asked.again:
+                    await trio.sleep(delay)   # a bounded backoff before asking a provider again (FETCH_ROUNDS)
+                    delay *= 2
+                elif peers is not None or attempt > 1:
+                    break                     # nobody to ask again, and the fresh lookup (round 1) was done
+            asked.again = False
+            if peers is not None:
+                candidates = list(peers)
+            else:   # the first lookup may answer from this node's records; the next ones ask the network
+                candidates = [*await self.transport.find_providers(h, fresh=attempt > 0), *holders]
+            for peer in asked.order(candidates, self.transport.connected_peers()):
                 try:
-                    blob = await self.fetch_from(peer, h, max_size=max_size)
+                    return await one(peer)
                 except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
                     level = logging.WARNING if isinstance(exc, IntegrityError) else logging.INFO
-                    log.log(level, "fetch of %s… from %s failed: %s", h[:16], peer, exc)
-                    errors.append(f"{short_peer(peer)}: {type(exc).__name__}")
-                    if isinstance(exc, PeerUnavailable) and not isinstance(exc, _Refused):
-                        again = True          # the stream failed: worth another round
-                    else:
-                        done.add(peer)
-                    continue
-                self.store.put(blob)
-                if provide:
-                    await self.transport.provide(h)
-                return blob
-            if not again:
-                break
-        raise PeerUnavailable(f"providers of {h[:16]}…", "; ".join(errors) or "no provider found")
+                    log.log(level, "fetch of %s… from %s failed: %s", h[:16], short_peer(peer), exc)
+                    asked.failed(peer, exc, reachable=peer in self.transport.connected_peers())
+        raise PeerUnavailable(f"providers of {h[:16]}…",
+                              f"none of {len(asked.errors)} attempts delivered it ({'; '.join(asked.errors)})"
+                              if asked.errors else "no provider found")
 
 
 __all__ = ["FETCH_BACKOFF", "FETCH_ROUNDS", "ContentConfig", "ContentService", "ContentStore", "decode_request",

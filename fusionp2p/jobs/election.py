@@ -533,6 +533,14 @@ async def fetch_latest(transport: Transport, job: str, *, known: Iterable[str] =
     voters must be one of them, which a stranger cannot forge. Without *known* (a node asked to join,
     the ops dashboard) this is "a plan its own voters elected", no more (docs/security.md). A node that
     has the epoch's snapshot uses :func:`fetch_adopted`."""
+    rec = await fetch_latest_record(transport, job, known=known)
+    return (rec[0], rec[1]) if rec is not None else None
+
+
+async def fetch_latest_record(transport: Transport, job: str, *,
+                              known: Iterable[str] = ()) -> tuple[int, Plan, tuple[str, ...]] | None:
+    """:func:`fetch_latest` with the members the record lists: every node of the epoch's snapshot, the
+    plan's standbys too (what a publisher attaching from elsewhere has no other way to learn)."""
     data = await transport.dht_get(latest_key(job))
     if data is None:
         return None
@@ -547,7 +555,7 @@ async def fetch_latest(transport: Transport, job: str, *, known: Iterable[str] =
     except RemoteProtocolError as exc:
         log.warning("ignoring the latest plan record of %s: %s", job, exc)
         return None
-    return plan.epoch, plan
+    return plan.epoch, plan, tuple(members)
 
 
 async def fetch_adopted(transport: Transport, snapshot: Snapshot) -> tuple[int, Plan] | None:

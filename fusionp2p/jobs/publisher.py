@@ -55,7 +55,7 @@ from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
 from fusionp2p.jobs.candidates import choose_candidates
 from fusionp2p.jobs.checkpoint import decode_state, save_stage, stage_path
 from fusionp2p.jobs.content import ContentService
-from fusionp2p.jobs.election import fetch_latest
+from fusionp2p.jobs.election import fetch_latest, fetch_latest_record
 from fusionp2p.jobs.events import (
     AveragingOutlier,
     CheckpointSaved,
@@ -110,6 +110,10 @@ class DriverConfig:
     offer_timeout: float = 600.0     # a member verifies and fetches everything within this
     start_timeout: float = 30.0
     idle_timeout: float = 600.0      # longest silence (no progress, no report) while running
+    # none of the job's members alive in the swarm's view (read every view_poll s) this long, and no news from
+    # them meanwhile: the job cannot finish, and ends FAILED at once instead of after idle_timeout's silence
+    gone_after: float = 45.0
+    view_poll: float = 15.0
     fetch_timeout: float = 300.0     # downloading one stage checkpoint
     status_poll: float = 5.0         # read the job's status record this often while following
     done_grace: float = 10.0         # every stage said done: wait this long for the leader's report
@@ -122,7 +126,7 @@ class DriverConfig:
         if self.candidates < 1:
             raise ConfigError("DriverConfig.candidates must be at least 1")
         for name in ("view_timeout", "offer_timeout", "start_timeout", "idle_timeout", "fetch_timeout",
-                     "status_poll", "done_grace"):
+                     "status_poll", "done_grace", "gone_after", "view_poll"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"DriverConfig.{name} must be positive")
 
@@ -224,6 +228,8 @@ class JobDriver:
         self._ckpts: set[tuple[int, int]] = set()
         self._evals: set[int] = set()         # steps whose held-out loss was shown
         self._done: dict[tuple[int, int], dict[str, Any]] = {}
+        self._next_view = trio.current_time() + self.config.view_poll   # when to look for live members (_gone)
+        self._gone_since: float | None = None   # since when no member of the job is alive in the swarm's view
         self.life = JobLifecycle(self.job, now=trio.current_time())
 
     # -- fed by the swarm client ----------------------------------------------------------------------
@@ -372,6 +378,13 @@ class JobDriver:
         self.members = set(st.members)
         self.current = st.members
         self.epoch = st.epoch
+        # the epoch's standbys as well, from its plan record (voted by a member the status names): when the plan's
+        # members die one of them leads the job on, and its plans and status records are believed only from a
+        # member we know (a `job attach` that knew only the dead member followed nothing for 10 minutes)
+        with trio.move_on_after(self.config.status_poll):
+            rec = await fetch_latest_record(self.transport, self.job, known=self.members)
+            if rec is not None:
+                self.members |= set(rec[2])
         self.steps = self.steps or st.steps
         self.book.steps = self.steps
         for step, loss in st.losses:
@@ -449,6 +462,32 @@ class JobDriver:
                 self._heard_of(st.epoch)
             if now - last_news > cfg.idle_timeout:
                 raise JobError(f"no progress from the swarm for {cfg.idle_timeout:.0f} s")
+            if now >= self._next_view:
+                self._next_view = now + cfg.view_poll
+                await self._gone(now, last_news)
+
+    async def _gone(self, now: float, last_news: float) -> None:
+        """JobError once none of the job's members (every one we heard of, standbys too) has been alive in the
+        swarm's view for ``gone_after`` seconds with no news from them: a job whose members all died cannot
+        finish, and its follower would wait ``idle_timeout`` in silence (a `job attach` after its only member's
+        SIGKILL waited 10 minutes). No view (the bootstraps unreachable) concludes nothing."""
+        known = self.members | set(self.current)
+        try:
+            view = await discover(self.transport, self.bootstraps, timeout=self.config.view_timeout)
+        except PeerUnavailable as exc:
+            log.info("job %s: no view of the swarm to check its members in: %s", self.job, exc)
+            return
+        if known & set(view.members) or (self._gone_since is not None and last_news > self._gone_since):
+            self._gone_since = None
+            return
+        if self._gone_since is None:
+            self._gone_since = now
+            log.warning("job %s: none of its %d members is alive in the swarm", self.job, len(known))
+        if now - self._gone_since >= self.config.gone_after:
+            names = ", ".join(short_peer(p) for p in sorted(known)[:8])
+            raise JobError(f"none of its {len(known)} members ({names}) has been alive in the swarm for "
+                           f"{now - self._gone_since:.0f} s, so it cannot finish (last step {self.book.reached} of "
+                           f"{self.steps}); submit it again")
 
     def _on_report(self, peer: str, msg: dict[str, Any]) -> JobStatus | None:
         if peer not in self.members:
@@ -529,7 +568,16 @@ class JobDriver:
 
     async def _fetch_stage(self, holders: tuple[str, ...], h: str, stage: int, step: int) -> None:
         with trio.fail_after(self.config.fetch_timeout):
-            blob = await self.content.fetch(h, max_size=self.config.max_checkpoint, peers=list(holders) or None)
+            try:
+                if not holders:
+                    raise PeerUnavailable(f"holders of {h[:16]}…", "none named")
+                blob = await self.content.fetch(h, max_size=self.config.max_checkpoint, peers=list(holders))
+            except PeerUnavailable as exc:
+                # its named holders are gone (a member died after the report): the DHT's providers and the
+                # job's other members (a keeper's copy, a replica that fetched it) in turn
+                log.info("job %s: stage %d's file from its holders: %s; asking its providers", self.job, stage, exc)
+                blob = await self.content.fetch(h, max_size=self.config.max_checkpoint,
+                                                holders=[p for p in self.current if p not in holders])
         meta, st = decode_state(blob, job=self.job)
         if meta.stage != stage:
             raise JobError(f"the final file of stage {stage} holds stage {meta.stage}")
@@ -598,7 +646,9 @@ class JobDriver:
         self._next_pull = trio.current_time() + self._pull_every
         self._pull_every = min(2 * self._pull_every, self.config.status_poll)
         with trio.move_on_after(self.config.status_poll):
-            rec = await fetch_latest(self.transport, self.job, known=self.members)
+            rec = await fetch_latest_record(self.transport, self.job, known=self.members)
+            if rec is not None:
+                self.members |= set(rec[2])   # its standbys too (see _attach)
             if rec is not None and rec[0] > self.epoch:
                 log.info("job %s: plan of epoch %d read from its plan record (its announcement did not come)",
                          self.job, rec[0])

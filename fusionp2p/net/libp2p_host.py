@@ -58,6 +58,7 @@ from fusionp2p.errors import ConfigError, PeerUnavailable
 from fusionp2p.net.addrs import GLOBAL, LOOPBACK, PRIVATE, peer_dial_addrs
 from fusionp2p.net.advertised import WildcardExpander
 from fusionp2p.net.dht_fresh import freshest
+from fusionp2p.net.dht_providers import network_providers
 from fusionp2p.net.dial_errors import dial_cause
 from fusionp2p.net.gossip_router import GossipRouter
 from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits, HolePunchPolicy
@@ -643,8 +644,10 @@ class Libp2pTransport:
         with trio.move_on_after(self._config.dht_timeout):
             await self.dht.provide(key)
 
-    async def find_providers(self, key: str) -> list[str]:
+    async def find_providers(self, key: str, *, fresh: bool = False) -> list[str]:
         with trio.move_on_after(self._config.dht_timeout):
+            if fresh:   # py-libp2p answers from its cache once it holds a record of the key (net/dht_providers.py)
+                return await network_providers(self.dht, key)
             infos = await self.dht.find_providers(key)
             return sorted({i.peer_id.to_base58() for i in infos})
         return []

@@ -199,8 +199,8 @@ class MemoryTransport:
         await trio.lowlevel.checkpoint()
         self._net.providers[key].add(self.peer_id)
 
-    async def find_providers(self, key: str) -> list[str]:
-        await trio.lowlevel.checkpoint()
+    async def find_providers(self, key: str, *, fresh: bool = False) -> list[str]:
+        await trio.lowlevel.checkpoint()   # always the network's whole view: *fresh* changes nothing here
         return sorted(p for p in self._net.providers.get(key, ()) if not self._net.is_dead(p))
 
     async def hang_up(self, peer: str) -> None:

@@ -130,8 +130,9 @@ class Transport(Protocol):
 
     async def provide(self, key: str) -> None: ...
 
-    async def find_providers(self, key: str) -> list[str]:
-        """Peer ids announcing *key*, deduplicated."""
+    async def find_providers(self, key: str, *, fresh: bool = False) -> list[str]:
+        """Peer ids announcing *key*, deduplicated. *fresh*: ask the network even when this node holds records
+        of the key already (a re-lookup: the records it holds may name only providers that died since)."""
         ...
 
     async def hang_up(self, peer: str) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from fusionp2p.errors import IntegrityError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs.content import ContentConfig, ContentService, ContentStore
@@ -21,13 +23,13 @@ BLOB = bytes(range(256)) * 100  # 25.6 KB: several chunks
 H = hashlib.sha256(BLOB).hexdigest()
 
 
-def run(test: Callable[[MemoryNetwork], Awaitable[None]]) -> None:
+def run(test: Callable[[MemoryNetwork], Awaitable[None]], clock: trio.abc.Clock | None = None) -> None:
     async def main() -> None:
         with trio.fail_after(20):
             async with memory_network() as net:
                 await test(net)
 
-    trio.run(main)
+    trio.run(main, clock=clock)
 
 
 def node(net: MemoryNetwork) -> ContentService:
@@ -172,9 +174,9 @@ def test_unreachable_peer() -> None:
 
 
 def test_a_failed_stream_is_tried_again_and_a_refusal_is_not() -> None:
-    """The only provider's first stream fails to open (as py-libp2p's multiselect handshake does now and then
-    under load: benchmarks.wan lost a finished job's download to one): the next round fetches the blob. A
-    provider that answers it cannot serve the blob is asked once."""
+    """The only provider's first stream fails to open on a live connection (as py-libp2p's multiselect handshake
+    does now and then under load: benchmarks.wan lost a finished job's download to one): the next round fetches
+    the blob. A provider that answers it cannot serve the blob is asked once."""
     async def t(net: MemoryNetwork) -> None:
         a, b = node(net), node(net)
         await a.publish(BLOB)
@@ -184,8 +186,9 @@ def test_a_failed_stream_is_tried_again_and_a_refusal_is_not() -> None:
 
         async def flaky(peer: str, proto: str) -> Stream:
             opened.append(peer)
-            if not failed:                 # the first stream ever fails
+            if not failed:                 # the first stream ever fails, on a connection that stays up
                 failed.append(peer)
+                await b.transport.connect(f"/p2p/{peer}")
                 raise PeerUnavailable(peer, "handshake read failed")
             return await open_stream(peer, proto)
 
@@ -221,5 +224,126 @@ def test_a_stream_cut_inside_the_blob_is_tried_again() -> None:
         host.set_stream_handler(CONTENT, handler)
         assert await client.fetch(H, max_size=1 << 20, peers=[host.peer_id]) == BLOB
         assert len(served) == 2
+
+    run(t)
+
+
+def stale_dht(client: ContentService, dead: list[str], *, live_after_first: bool = True) -> list[bool]:
+    """*client*'s provider lookups name the *dead* first, as a real DHT goes on doing for hours after their death
+    (the in-memory one forgets the dead); with not *live_after_first*, the live providers only on a fresh lookup
+    (py-libp2p's first answer came from its cache). Returns the *fresh* flag of every lookup, in order."""
+    real = client.transport.find_providers
+    lookups: list[bool] = []
+
+    async def find_providers(key: str, *, fresh: bool = False) -> list[str]:
+        lookups.append(fresh)
+        live = await real(key, fresh=fresh)
+        return [*dead, *(live if fresh or live_after_first else [])]
+
+    client.transport.find_providers = find_providers  # type: ignore[method-assign]
+    return lookups
+
+
+def count_opens(client: ContentService) -> list[str]:
+    opened: list[str] = []
+    open_stream = client.transport.open_stream
+
+    async def counted(peer: str, proto: str) -> Stream:
+        opened.append(peer)
+        return await open_stream(peer, proto)
+
+    client.transport.open_stream = counted  # type: ignore[method-assign]
+    return opened
+
+
+def test_a_dead_provider_listed_first_is_asked_once_and_a_live_one_serves() -> None:
+    """The job attach that failed in CI: the DHT named a SIGKILLed member first; it is asked once (not once a
+    round) and the live provider after it delivers."""
+    async def t(net: MemoryNetwork) -> None:
+        dead, live, client = node(net), node(net), node(net)
+        for n in (dead, live):
+            await n.publish(BLOB)
+        net.kill(dead.transport.peer_id)
+        stale_dht(client, [dead.transport.peer_id])
+        opened = count_opens(client)
+        assert await client.fetch(H, max_size=1 << 20) == BLOB
+        assert opened == [dead.transport.peer_id, live.transport.peer_id]
+
+    run(t)
+
+
+def test_a_live_provider_found_only_by_the_fresh_lookup() -> None:
+    """The first lookup names only a dead provider (the cached answer); the next round asks the network afresh
+    and fetches from the live one it names; the dead one is not asked again."""
+    async def t(net: MemoryNetwork) -> None:
+        dead, live, client = node(net), node(net), node(net)
+        for n in (dead, live):
+            await n.publish(BLOB)
+        net.kill(dead.transport.peer_id)
+        lookups = stale_dht(client, [dead.transport.peer_id], live_after_first=False)
+        opened = count_opens(client)
+        assert await client.fetch(H, max_size=1 << 20) == BLOB
+        assert lookups == [False, True]
+        assert opened == [dead.transport.peer_id, live.transport.peer_id]
+
+    run(t)
+
+
+def test_a_holder_the_dht_does_not_name_serves() -> None:
+    """Every provider the DHT names is dead (a job's publisher and a member); a node the caller knows to hold
+    the blob (another member of the job) serves it."""
+    async def t(net: MemoryNetwork) -> None:
+        pub, member, other, client = node(net), node(net), node(net), node(net)
+        await pub.publish(BLOB)
+        await member.publish(BLOB)
+        other.store.put(BLOB)                     # holds it, never announced it
+        for n in (pub, member):
+            net.kill(n.transport.peer_id)
+        stale_dht(client, [pub.transport.peer_id, member.transport.peer_id], live_after_first=False)
+        opened = count_opens(client)
+        assert await client.fetch(H, max_size=1 << 20, holders=[other.transport.peer_id]) == BLOB
+        assert opened == [pub.transport.peer_id, member.transport.peer_id, other.transport.peer_id]
+
+    run(t)
+
+
+def test_every_provider_dead_fails_at_once_naming_them() -> None:
+    """No live holder: PeerUnavailable naming each provider as unreachable, each asked once, well within the
+    caller's deadline (no backoff: nobody is worth asking again)."""
+    async def t(net: MemoryNetwork) -> None:
+        a, b, client = node(net), node(net), node(net)
+        for n in (a, b):
+            await n.publish(BLOB)
+            net.kill(n.transport.peer_id)
+        lookups = stale_dht(client, [a.transport.peer_id, b.transport.peer_id])
+        opened = count_opens(client)
+        t0 = trio.current_time()
+        with trio.fail_after(2), pytest.raises(PeerUnavailable, match="unreachable") as err:
+            await client.fetch(H, max_size=1 << 20)
+        assert trio.current_time() == t0           # the mock clock: FETCH_BACKOFF (0.5 s) never slept
+        assert sorted(opened) == sorted([a.transport.peer_id, b.transport.peer_id])
+        assert lookups == [False, True]
+        assert err.value.reason.count("unreachable") == 2
+
+    run(t, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_fetch_to_store_skips_a_dead_holder(tmp_path: Path) -> None:
+    """The on-disk path (a stage file a keeper copies) asks the same way: the dead holder once, the live one
+    after it, the blob written to disk."""
+    async def t(net: MemoryNetwork) -> None:
+        dead, live = node(net), node(net)
+        client = ContentService(net.add_host(), ContentStore(tmp_path / "store"), CFG)
+        for n in (dead, live):
+            await n.publish(BLOB)
+        net.kill(dead.transport.peer_id)
+        opened = count_opens(client)
+        await client.fetch_to_store(H, max_size=1 << 20, peers=[dead.transport.peer_id, live.transport.peer_id],
+                                    provide=False)
+        assert client.store.has(H) and client.store.get(H) == BLOB
+        assert opened == [dead.transport.peer_id, live.transport.peer_id]
+        with pytest.raises(PeerUnavailable, match="unreachable"):
+            await client.fetch_to_store("4" * 64, max_size=1 << 20, peers=[dead.transport.peer_id])
+        assert opened.count(dead.transport.peer_id) == 2     # once per call
 
     run(t)
