@@ -85,6 +85,11 @@ def ema(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else (1 - alpha) * old + alpha * new
 
 
+# seconds a member that died still counts in the swarm's size (MembershipView.counted): a few of a large
+# swarm's stretched heartbeat periods, and the prober keeps a dead member's link as long (KEEP_DEAD)
+RECENT_DEATHS = 120.0
+
+
 class MembershipView:
     """Live members from heartbeats, with a timeout for dead peers."""
 
@@ -97,6 +102,9 @@ class MembershipView:
         self.records: dict[str, NodeRecord] = {}
         self.last_seen: dict[str, float] = {}
         self.dead: set[str] = set()
+        # members that died recently, by the time of death: they still count in the swarm's size
+        # (:meth:`counted`), pruned past the window asked for, so bounded by the recent deaths
+        self._died: dict[str, float] = {}
         self.left: set[str] = set()
         self.rejected = 0   # records older than what we hold (replays) or malformed
         # (deadline, peer), one per live member, earliest first: a tick looks only at the members whose
@@ -115,6 +123,7 @@ class MembershipView:
         if rec.leaving:
             self.last_seen.pop(rec.peer, None)
             self.dead.discard(rec.peer)
+            self._died.pop(rec.peer, None)
             self.left.add(rec.peer)
             self._alive.clear()
             return [MemberEvent(Change.LEFT, rec.peer)]
@@ -125,6 +134,7 @@ class MembershipView:
             self._alive.clear()
         self.last_seen[rec.peer] = now
         if rec.peer in self.dead or rec.peer in self.left:
+            self._died.pop(rec.peer, None)
             self.dead.discard(rec.peer)
             self.left.discard(rec.peer)
             return [MemberEvent(Change.REVIVED, rec.peer)]
@@ -134,6 +144,18 @@ class MembershipView:
         """Seconds without a heartbeat after which *peer* is dead."""
         rec = self.records.get(peer)
         return max(self.timeout, self.beats * rec.period) if rec is not None else self.timeout
+
+    def counted(self, now: float, within: float = RECENT_DEATHS) -> int:
+        """Members alive, ourselves included, plus those that died less than *within* seconds ago: the
+        swarm's size as a heartbeat period follows it. A node that only stopped hearing its peers
+        (a starved process, lost gossip) must not shorten its period on that account: its peers time it
+        out by the period it announces, so a shorter one got it declared dead sooner, and it then heard
+        fewer of them still (20 processes on the loaded 2-core machine, 2026-11-29: 976 deaths in 3
+        minutes, half of them 5-10 s after the member joined or revived, no pair measured in 200 s)."""
+        old = [p for p, t in self._died.items() if now - t >= within]
+        for p in old:
+            del self._died[p]
+        return len(self.last_seen) + len(self._died)
 
     def excuse(self, seconds: float) -> None:
         """This node was not listening for *seconds* (its event loop was held up): the heartbeats peers sent
@@ -154,18 +176,21 @@ class MembershipView:
             if now > deadline:
                 del self.last_seen[peer]
                 self.dead.add(peer)
+                self._died[peer] = now
                 self._alive.clear()
                 out.append(MemberEvent(Change.DEAD, peer))
             else:
                 heapq.heappush(self._due, (deadline, peer))
         return out
 
-    def declare_dead(self, peer: str) -> list[MemberEvent]:
+    def declare_dead(self, peer: str, now: float | None = None) -> list[MemberEvent]:
         """*peer* is dead by a watcher's word (``swarm/watch.py``), not by its silence here; a newer record
-        of it revives it."""
+        of it revives it. *now*: when (for :meth:`counted`; None: not counted as a recent death)."""
         if peer == self.self_peer or self.last_seen.pop(peer, None) is None:
             return []
         self.dead.add(peer)
+        if now is not None:
+            self._died[peer] = now
         self._alive.clear()
         return [MemberEvent(Change.DEAD, peer)]
 

@@ -481,7 +481,7 @@ class SwarmNode:
     # -- heartbeats and records -------------------------------------------------------------------
     def period(self) -> float:
         """Our heartbeat period: the configured one, stretched so the swarm sends ~gossip_rate messages/s."""
-        return max(self.config.heartbeat, len(self.view.last_seen) / self.config.gossip_rate)
+        return max(self.config.heartbeat, self.view.counted(trio.current_time()) / self.config.gossip_rate)
 
     def _record(self, leaving: bool = False, gone: tuple[str, ...] = ()) -> NodeRecord:
         self._seq += 1
@@ -522,7 +522,7 @@ class SwarmNode:
         """Our watcher found *peer* dead: so it is here at once, and everywhere once our notice arrives."""
         if not self.view.is_alive(peer):
             return
-        self._apply_events(self.view.declare_dead(peer))
+        self._apply_events(self.view.declare_dead(peer, trio.current_time()))
         if not self._leaving:
             await self._publish_record(gone=(peer,))
 
@@ -541,7 +541,7 @@ class SwarmNode:
             members = members if members is not None else self.members()
             if watches(rec.peer, peer, members, self.config.watch):
                 log.debug("member %s declared dead by its watcher %s", short_peer(peer), short_peer(rec.peer))
-                self._apply_events(self.view.declare_dead(peer))
+                self._apply_events(self.view.declare_dead(peer, trio.current_time()))
 
     async def _reaper(self) -> None:
         period = self.config.heartbeat / 2

@@ -168,3 +168,34 @@ def test_a_tick_looks_only_at_members_past_their_deadline() -> None:
     assert v.tick(12.0) == [] and v.is_alive(IDS[1])
     assert [e.peer for e in v.tick(19.5)] == [IDS[1]]
     assert [e.peer for e in v.tick(24.5)] == [IDS[2]] and v.alive() == []
+
+
+def test_members_that_went_silent_still_count_in_the_swarms_size() -> None:
+    """A node that stops hearing its peers (starved, or its gossip lost) must not shorten its heartbeat
+    period on that account: its peers time it out by the period it announces (the feedback measured at 20
+    processes on a loaded machine: a member declared dead 5-10 s after it revived, over and over). The
+    dead count for ``within`` seconds after their death, then no more; a revived or departed member once."""
+    import dataclasses
+
+    from fusionp2p.swarm.membership import RECENT_DEATHS
+
+    v = MembershipView(self_peer=IDS[0], timeout=5.0)
+
+    def rec(peer: str, seq: int) -> NodeRecord:
+        return NodeRecord(peer=peer, role="node", addrs=(), profile=None, started=0.0, seq=seq, period=4.0)
+
+    for p in IDS[:20]:
+        v.on_record(rec(p, 1), 0.0)
+    assert v.counted(0.0) == 20
+    for p in IDS[:5]:                          # ourselves and 4 peers keep beating; 15 fall silent
+        v.on_record(rec(p, 2), 30.0)
+    assert len([e for e in v.tick(30.0) if e.change is Change.DEAD]) == 15
+    assert len(v.last_seen) == 5 and v.counted(30.0) == 20          # the size held, not 5
+    assert [e.change for e in v.declare_dead(IDS[4], 31.0)] == [Change.DEAD]
+    assert v.counted(31.0) == 20
+    v.on_record(rec(IDS[5], 2), 32.0)         # revived: counted once, as alive
+    v.on_record(dataclasses.replace(rec(IDS[6], 3), leaving=True), 32.0)   # left: no longer counted
+    assert v.counted(32.0) == 19
+    assert v.counted(30.0 + RECENT_DEATHS) == 6    # 5 alive; the silent ones aged out, IDS[4] died later
+    assert v.counted(31.0 + RECENT_DEATHS) == 5
+    assert not v._died                        # and forgotten: bounded by the recent deaths
