@@ -50,6 +50,7 @@ from fusionp2p.jobs.content import ContentService
 from fusionp2p.jobs.election import fetch_latest
 from fusionp2p.jobs.events import (
     AveragingOutlier,
+    CheckerStruck,
     CheckpointSaved,
     EvalProgress,
     JobStateChanged,
@@ -513,7 +514,7 @@ class JobDriver:
             return
         if isinstance(ev, StepProgress) and ev.epoch > self.epoch:
             self._heard_of(ev.epoch)   # an epoch whose plan event has not come (yet)
-        if isinstance(ev, LinksUp | AveragingOutlier | StageConvicted):
+        if isinstance(ev, LinksUp | AveragingOutlier | StageConvicted | CheckerStruck):
             if ev.peer == sender and sender in self.members:
                 self._emit(ev)
             return

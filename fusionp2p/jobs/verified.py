@@ -59,7 +59,7 @@ from fusionp2p.errors import ConfigError, FusionError, IntegrityError, PeerUnava
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.content import ContentService
-from fusionp2p.jobs.events import StageConvicted
+from fusionp2p.jobs.events import CheckerStruck, StageConvicted
 from fusionp2p.jobs.replan import Checkpoints, Resume, complete_checkpoint
 from fusionp2p.jobs.suspects import Suspects, judge_of
 from fusionp2p.net.channel import TensorChannel
@@ -197,7 +197,7 @@ class EpochChecks:
 
     def __init__(self, *, transport: Transport, content: ContentService, job: str, plan: Plan, stage: int,
                  replica: int, programs: list[StageProgram], rate: float, micro_batches: int, timeout: float,
-                 max_bundle: int, suspects: Suspects, gossip: Callable[[StageConvicted], Awaitable[None]],
+                 max_bundle: int, suspects: Suspects, gossip: Callable[[StageConvicted | CheckerStruck], Awaitable[None]],
                  leader: Callable[[], str | None], arbiter: Arbiter | None = None,
                  poke: Callable[[], None] = lambda: None) -> None:
         self.transport, self.content, self.job, self.plan = transport, content, job, plan
@@ -441,9 +441,13 @@ class EpochChecks:
             ev = self.suspects.verdict(v, self.plan, by=self.me)
             if ev is not None:
                 await self.gossip(ev)
-        elif not self.suspects.strike(v.checker, f"its verdict against {short_peer(c.peer)}'s stage {c.stage} step "
-                                                 f"{c.step} micro {c.micro} does not hold on the leader's recomputation"):
-            return
+        else:
+            struck = self.suspects.struck_by(v, self.me, f"its verdict against {short_peer(c.peer)}'s stage "
+                                             f"{c.stage} step {c.step} micro {c.micro} does not hold on the judge's "
+                                             "recomputation")
+            if struck is None:
+                return
+            await self.gossip(struck)   # every member strikes it too: the accused leader, a later leader
         self.poke()
 
 
