@@ -749,7 +749,8 @@ class SwarmNode:
         if self.refusals.banned(stream.remote_peer, now=trio.current_time()):
             return   # closed unanswered
         body = packb({"records": list(self._raw.values()), "bw": list(self._raw_bw.values()),
-                      "alive": self.view.alive(role=None), "dead": sorted(self.view.dead)})
+                      "alive": self.view.alive(role=None), "dead": sorted(self.view.dead),
+                      "distrusted": sorted(self.bandwidth.trust.distrusted)})   # for a publisher's first plan
         await stream.send_all(encode_frame(body, max_frame=MAX_VIEW))
         await stream.send_eof()
 

@@ -27,7 +27,7 @@ async def fetch_view(transport: Transport, peer: str, *, timeout: float = 10.0) 
         m = await fetch_view_raw(transport, peer)
     records = [decode_signed(r, verify) for r in m["records"]]
     bws = [decode_signed(r, verify) for r in m["bw"]]
-    return {"records": records, "bw": bws, "alive": m["alive"], "dead": m["dead"]}
+    return {"records": records, "bw": bws, "alive": m["alive"], "dead": m["dead"], "distrusted": m["distrusted"]}
 
 
 async def fetch_view_raw(transport: Transport, peer: str) -> dict[str, list[Any]]:
@@ -48,13 +48,18 @@ async def fetch_view_raw(transport: Transport, peer: str) -> dict[str, list[Any]
 
 
 def decode_view(frame: bytes) -> dict[str, list[Any]]:
-    """A VIEW answer: the signed records (bytes, not verified yet), and the alive and dead peer ids."""
-    m = as_map(unpackb(frame, max_size=MAX_VIEW), "view", required=("records", "bw", "alive", "dead"), optional=())
+    """A VIEW answer: the signed records (bytes, not verified yet), and the alive and dead peer ids; the
+    nodes whose capacity claims the answering node distrusts (``swarm/capacity_trust.py``: its strike history,
+    which one view of the latest reports cannot show; none from an older node)."""
+    m = as_map(unpackb(frame, max_size=MAX_VIEW), "view", required=("records", "bw", "alive", "dead"),
+               optional=("distrusted",))
     n = DEFAULT_LIMITS.max_msgpack_items
+    distrusted = as_list(m.get("distrusted", []), "view distrusted", max_len=n)
     return {"records": [as_bytes(r, "view record", max_len=MAX_RECORD) for r in as_list(m["records"], "view records", max_len=n)],
             "bw": [as_bytes(r, "view report", max_len=MAX_RECORD) for r in as_list(m["bw"], "view reports", max_len=n)],
             "alive": [as_str(p, "view peer") for p in as_list(m["alive"], "view alive", max_len=n)],
-            "dead": [as_str(p, "view peer") for p in as_list(m["dead"], "view dead", max_len=n)]}
+            "dead": [as_str(p, "view peer") for p in as_list(m["dead"], "view dead", max_len=n)],
+            "distrusted": [as_str(p, "view peer") for p in distrusted]}
 
 
 __all__ = ["MAX_VIEW", "VIEW", "decode_view", "fetch_view", "fetch_view_raw"]
