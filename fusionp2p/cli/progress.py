@@ -14,6 +14,7 @@ from rich.table import Table
 from fusionp2p.errors import JobError
 from fusionp2p.jobs.events import (
     AveragingOutlier,
+    CheckerStruck,
     CheckpointSaved,
     DataLate,
     EvalProgress,
@@ -97,7 +98,7 @@ def follow(job: Job, console: Console, *, timeout: float = 900.0, seen: Followed
                 bar.console.print(f"warning: {ev.reason}")
             elif isinstance(ev, DataLate):
                 bar.console.print(f"warning: step {ev.step} waits {ev.waited_s:.1f} s for data shard {ev.shard}")
-            elif isinstance(ev, AveragingOutlier | StageConvicted):
+            elif isinstance(ev, AveragingOutlier | StageConvicted | CheckerStruck):
                 bar.console.print(f"warning: {ev}")
             elif isinstance(ev, EvalProgress):
                 final = " (final, mean over the pipelines)" if not ev.peer else ""

@@ -354,6 +354,28 @@ class StageConvicted:
                 f"outputs its parameters do not make (spot-check by {short_peer(self.peer)}); left out of the next plan")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckerStruck:
+    """The judge of a spot-check verdict (the job's leader, or its deputy for a verdict against the leader:
+    ``jobs/suspects.py:judge_of``) recomputed the disputed micro-batch and found the verdict false: the
+    checker that signed it is struck. *evidence* is that verdict (``train/verify.py``), signed by the checker
+    *suspect*, so no judge strikes a member that accused nobody; *peer* is the judge. Every node verifies it
+    and, taken as the judge's ruling, leaves *suspect* out of its next plan (``jobs/suspects.py``)."""
+
+    KIND: ClassVar[str] = "struck"
+    job: str
+    step: int
+    stage: int
+    peer: str = ""       # the judge that ruled: the leader, or its deputy for a verdict against the leader
+    suspect: str = ""    # the checker struck
+    evidence: bytes = field(default=b"", metadata={"wire": {"max_len": 4096}})
+    at: float = 0.0
+
+    def __str__(self) -> str:
+        return (f"job {self.job} step {self.step}: checker {short_peer(self.suspect)} accused a replica of stage "
+                f"{self.stage} falsely ({short_peer(self.peer)}'s recomputation); left out of the next plan")
+
+
 def _where(stage: int, peer: str) -> str:
     """``stage 1 on 9H8u1xWS`` (an aggregated step's *peer* lists its loss replicas, comma-separated)."""
     return f"stage {stage} on {', '.join(short_peer(p) for p in peer.split(','))}" if peer else f"stage {stage}"
@@ -368,10 +390,10 @@ def _is_hash(s: str) -> bool:
 
 
 ProgressEvent = (StepProgress | PlanChanged | MembersChanged | JobStateChanged | CheckpointSaved | StepSkipped
-                 | EvalProgress | LinksUp | DataLate | AveragingOutlier | StageConvicted)
+                 | EvalProgress | LinksUp | DataLate | AveragingOutlier | StageConvicted | CheckerStruck)
 EVENT_TYPES: dict[str, type[ProgressEvent]] = {
     c.KIND: c for c in (StepProgress, PlanChanged, MembersChanged, JobStateChanged, CheckpointSaved, StepSkipped,
-                        EvalProgress, LinksUp, DataLate, AveragingOutlier, StageConvicted)}
+                        EvalProgress, LinksUp, DataLate, AveragingOutlier, StageConvicted, CheckerStruck)}
 
 
 def event_to_dict(ev: ProgressEvent) -> dict[str, Any]:

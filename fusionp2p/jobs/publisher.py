@@ -58,6 +58,7 @@ from fusionp2p.jobs.content import ContentService
 from fusionp2p.jobs.election import fetch_latest, fetch_latest_record
 from fusionp2p.jobs.events import (
     AveragingOutlier,
+    CheckerStruck,
     CheckpointSaved,
     EvalProgress,
     JobStateChanged,
@@ -81,6 +82,7 @@ from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Link
 from fusionp2p.plan.snapshot import snapshot_from_records
+from fusionp2p.swarm.membership import judged_links
 from fusionp2p.swarm.node import fetch_view
 from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.jobrecords import (
@@ -182,9 +184,9 @@ async def discover(t: Transport, bootstraps: list[str], *, timeout: float) -> Sw
                 unmeasured.append(rec.peer)
             records[rec.peer] = rec
             addrs[rec.peer] = rec.addrs
-    links = [(m.src, m.dst, Link(bandwidth_bps=m.bandwidth, latency_s=max(0.0, m.rtt / 2)))
-             for r in view["bw"] if isinstance(r, BandwidthReport) for m in r.measurements
-             if m.bandwidth > 0 and math.isfinite(m.bandwidth) and math.isfinite(m.rtt)]
+    # a node whose capacity claims the bootstrap distrusts is planned from others' measurements of it
+    judged = judged_links([r for r in view["bw"] if isinstance(r, BandwidthReport)], view.get("distrusted", ()))
+    links = [(a, b, Link(bandwidth_bps=e.bandwidth, latency_s=max(0.0, e.rtt / 2))) for a, b, e in judged]
     return SwarmView(members=members, addrs=addrs, links=links, records=records,
                      unmeasured=tuple(sorted(set(unmeasured) - set(members))))
 
@@ -600,7 +602,7 @@ class JobDriver:
             return
         if isinstance(ev, StepProgress) and ev.epoch > self.epoch:
             self._heard_of(ev.epoch)   # an epoch whose plan event has not come (yet)
-        if isinstance(ev, LinksUp | AveragingOutlier | StageConvicted):
+        if isinstance(ev, LinksUp | AveragingOutlier | StageConvicted | CheckerStruck):
             if ev.peer == sender and sender in self.members:
                 self._emit(ev)
             return

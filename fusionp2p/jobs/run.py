@@ -261,7 +261,8 @@ class JobRun(Leading, Linking):
             self._holds(ev.step, (ev.start, ev.end), ev.hash, sender)
         elif isinstance(ev, StepProgress):
             self.book.add(sender, ev, now=now)
-        if self.suspects.observe(sender, ev, self.plan, self._leader(self.plan) if self.plan is not None else None):
+        if self.suspects.observe(sender, ev, self.plan, self._leader(self.plan) if self.plan is not None else None,
+                                 self._alive):
             self._poke()   # a convicted member: the leader re-plans without it
 
     def on_done(self, peer: str, msg: dict[str, Any]) -> None:
@@ -630,7 +631,8 @@ class JobRun(Leading, Linking):
                            replica=r, programs=programs, rate=rate, micro_batches=self.spec.config.micro_batches,
                            timeout=self.svc.config.report_timeout, max_bundle=self.svc.config.max_state_bytes,
                            suspects=self.suspects, gossip=self._gossip, arbiter=self.arbiter, poke=self._poke,
-                           leader=lambda: leader_of(plan.peers, self._alive, standbys=self.members or ()))
+                           leader=lambda: leader_of(plan.peers, self._alive, standbys=self.members or ()),
+                           alive=self._alive)
 
     async def keep(self, h: str, step: int, stage: int, units: tuple[int, int], holder: str, *,
                    shadow: bool = False, **link: Any) -> None:

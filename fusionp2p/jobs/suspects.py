@@ -26,7 +26,11 @@ checker's word; a verdict against the leader itself is re-judged by its deputy, 
 that is not the checker (:func:`judge_of`), and convicts on the deputy's ruling. A checker whose
 verdict the leader's recomputation contradicts, or whose evidence is not the stage's claim, is struck
 (:meth:`Suspects.strike`): excluded like a convicted member, with no roll-back (it lied in words, not in
-the training state).
+the training state). The judge gossips its strike (:meth:`Suspects.struck_by`, a
+:class:`~fusionp2p.jobs.events.CheckerStruck` carrying the checker's signed verdict) and every node of the job
+applies it at its next re-plan (:meth:`Suspects.observe`): only from the verdict's judge under the plan in
+force, over a verdict the struck checker signed, once per checker; so the leader a deputy ruled for, and a
+later leader, plan without the checker too.
 
 Limits: a stage of two replicas cannot tell which one lies (one report is half, not more); colluding
 liars that are a majority of a stage can exclude an honest replica; an exclusion lasts for the job.
@@ -36,10 +40,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.jobs.events import AveragingOutlier, ProgressEvent, StageConvicted
+from fusionp2p.jobs.events import AveragingOutlier, CheckerStruck, ProgressEvent, StageConvicted
 from fusionp2p.jobs.reputation import Admission, admission_of
 from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.plan.plan import Plan
@@ -49,17 +53,24 @@ from fusionp2p.types import short_peer
 log = logging.getLogger(__name__)
 
 
-def judge_of(members: Iterable[str], leader: str | None, accused: str, checker: str) -> str | None:
+def judge_of(members: Iterable[str], leader: str | None, accused: str, checker: str,
+             alive: Callable[[str], bool] | None = None) -> str | None:
     """Who re-judges a checker's verdict against *accused*: the job's *leader*, unless the leader is the
     accused; then its deputy, the lowest other member of the plan (*members*) that is neither the leader nor
-    the *checker*; None when there is none (a verdict's own checker is then taken at its word), or without a
-    leader (an in-process pipeline). Every node computes the same from the plan in force and the leader it
-    sees, so the checker sends its verdict there and every other node takes that node's ruling alone."""
+    the *checker* and is *alive* to this node (a dead deputy's place is taken by the next in line once the
+    membership declares it dead: its ``dead_timeout`` is the deadline); "" when every one in line is dead
+    (nobody judges: no evidence either way); None when there is nobody in line at all (a verdict's own
+    checker is then taken at its word), or without a leader (an in-process pipeline). Every node computes
+    the same from the plan in force, the leader and the deaths it sees, so the checker sends its verdict
+    there and every other node takes that node's ruling alone."""
     if leader is None:
         return None
     if leader != accused:
         return leader
-    return min((p for p in members if p not in (leader, checker)), default=None)
+    line = sorted(p for p in members if p not in (leader, checker))
+    if not line:
+        return None
+    return next((p for p in line if alive is None or alive(p)), "")
 
 
 class Suspects:
@@ -126,7 +137,8 @@ class Suspects:
             self.report(me, ev, plan)
         return out
 
-    def observe(self, sender: str, ev: ProgressEvent, plan: Plan | None, leader: str | None = None) -> bool:
+    def observe(self, sender: str, ev: ProgressEvent, plan: Plan | None, leader: str | None = None,
+                alive: Callable[[str], bool] | None = None) -> bool:
         """A progress event of the job from *sender*: an outlier report is counted, a conviction judged. True
         when it excludes a member. A conviction counts when it is the ruling of the verdict's judge
         (:func:`judge_of`: *leader*, the leader of *plan* as this node sees it, or its deputy when the leader
@@ -134,6 +146,8 @@ class Suspects:
         judge (no *leader* given: an in-process pipeline; or a plan of the leader and the checker alone)."""
         if isinstance(ev, AveragingOutlier):
             return self.report(sender, ev, plan)
+        if isinstance(ev, CheckerStruck) and ev.peer == sender:
+            return self.struck_on(sender, ev, plan, leader, alive)
         if isinstance(ev, StageConvicted) and ev.peer == sender:
             try:
                 v = decode_verdict(ev.evidence)
@@ -141,7 +155,7 @@ class Suspects:
                 return False
             if v.claim.peer != ev.suspect:
                 return False
-            judge = judge_of(plan.peers if plan is not None else (), leader, ev.suspect, v.checker)
+            judge = judge_of(plan.peers if plan is not None else (), leader, ev.suspect, v.checker, alive)
             ruled = judge is not None and sender == judge != ev.suspect
             own = judge is None and v.checker == sender
             if ruled or own:
@@ -157,6 +171,33 @@ class Suspects:
         c = v.claim
         return StageConvicted(job=c.job, step=c.step, stage=c.stage, peer=by or v.checker, suspect=c.peer,
                               evidence=encode_verdict(v), at=time.time())
+
+    def struck_by(self, v: Verdict, judge: str, why: str) -> CheckerStruck | None:
+        """Strike the checker of verdict *v*, which this node (*judge*) found false on its recomputation: the
+        event to gossip the first time (counted here: gossip does not come back to its sender)."""
+        if not self.strike(v.checker, why):
+            return None
+        c = v.claim
+        return CheckerStruck(job=c.job, step=c.step, stage=c.stage, peer=judge, suspect=v.checker,
+                             evidence=encode_verdict(v), at=time.time())
+
+    def struck_on(self, sender: str, ev: CheckerStruck, plan: Plan | None, leader: str | None,
+                  alive: Callable[[str], bool] | None = None) -> bool:
+        """A gossiped strike (:meth:`struck_by`): applied when *sender* is the judge of its verdict under *plan*
+        (:func:`judge_of` with the *leader* this node sees), the verdict is of *plan*'s job and epoch, signed
+        by the checker struck (a member), and the claim it accuses by its stage replica. True the first time."""
+        try:
+            v = decode_verdict(ev.evidence)
+        except RemoteProtocolError:
+            return False
+        c = v.claim
+        if (plan is None or v.checker != ev.suspect or c.job != plan.job or c.epoch != plan.epoch
+                or v.checker not in plan.peers or sender == v.checker or not v.valid()):
+            return False
+        if judge_of(plan.peers, leader, c.peer, v.checker, alive) != sender:
+            return False   # only the verdict's judge strikes: not another member, not the checker's own side
+        return self.strike(v.checker, f"{short_peer(sender)} found its verdict against {short_peer(c.peer)}'s stage "
+                                      f"{c.stage} step {c.step} false on its recomputation")
 
     def strike(self, checker: str, why: str) -> bool:
         """Exclude *checker*, whose verdict the leader's re-judgement found false (``jobs/verified.py``); True

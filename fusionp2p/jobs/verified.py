@@ -33,10 +33,11 @@ What a verdict makes the leader do is bounded: one arbitration at a time per job
 every ``ARBITRATE_EVERY`` seconds (others are refused at once), a bundle no larger than the stage's own
 bound, ``ARBITRATE_TIMEOUT`` seconds in all. A checker that leads convicts on its own recomputation; a
 verdict against the leader itself goes to the leader's deputy, the lowest other member that is not the
-checker (``suspects.judge_of``), which re-judges it the same way and gossips its ruling, on which every node
-convicts the leader (a re-plan then elects another); a checker's own word only where there is no third
-member. A checker the deputy finds false is struck by the deputy alone (the accused leader makes the plan:
-docs/security.md).
+checker and is alive (``suspects.judge_of``: a dead deputy's place goes to the next in line, and a checker
+that cannot reach its judge sends the verdict there, :func:`to_judge`), which re-judges it the same way and
+gossips its ruling, on which every node convicts the leader (a re-plan then elects another); a checker's own
+word only where there is no third member. A checker the judge finds false is struck, and the strike gossiped
+(``CheckerStruck``): every member, the accused leader too, plans without it (docs/security.md).
 
 A stage with one replica has no checker: its ledger is not kept (no cost) and nothing of it is recomputed;
 its links are still stamped (its neighbours' checkers compare the stamps with their own stage's claims).
@@ -59,7 +60,7 @@ from fusionp2p.errors import ConfigError, FusionError, IntegrityError, PeerUnava
 from fusionp2p.graph.program import StageProgram
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.content import ContentService
-from fusionp2p.jobs.events import StageConvicted
+from fusionp2p.jobs.events import CheckerStruck, StageConvicted
 from fusionp2p.jobs.replan import Checkpoints, Resume, complete_checkpoint
 from fusionp2p.jobs.suspects import Suspects, judge_of
 from fusionp2p.net.channel import TensorChannel
@@ -105,6 +106,10 @@ SPOT_STATE_COPIES = KEEP + 4
 SPOT_BOUNDARY_STEPS = KEEP
 ARBITRATE_EVERY = 30.0     # seconds: the leader re-judges at most one verdict of a checker in that time
 ARBITRATE_TIMEOUT = 120.0  # seconds: the leader's fetch, decoding and recomputation of one verdict's bundle
+# seconds a checker whose judge could not be reached waits for the membership to declare it dead (its
+# dead_timeout) and sends the verdict to the next in line (suspects.judge_of); polled every JUDGE_POLL
+JUDGE_DEADLINE = 120.0
+JUDGE_POLL = 1.0
 
 
 def bundle_bound(program: StageProgram, max_bundle: int) -> int:
@@ -197,9 +202,9 @@ class EpochChecks:
 
     def __init__(self, *, transport: Transport, content: ContentService, job: str, plan: Plan, stage: int,
                  replica: int, programs: list[StageProgram], rate: float, micro_batches: int, timeout: float,
-                 max_bundle: int, suspects: Suspects, gossip: Callable[[StageConvicted], Awaitable[None]],
+                 max_bundle: int, suspects: Suspects, gossip: Callable[[StageConvicted | CheckerStruck], Awaitable[None]],
                  leader: Callable[[], str | None], arbiter: Arbiter | None = None,
-                 poke: Callable[[], None] = lambda: None) -> None:
+                 poke: Callable[[], None] = lambda: None, alive: Callable[[str], bool] | None = None) -> None:
         self.transport, self.content, self.job, self.plan = transport, content, job, plan
         self.stage, self.replica, self.program = stage, replica, programs[stage]
         self.programs = programs   # every stage's (the leader re-judges a verdict of any stage)
@@ -208,6 +213,7 @@ class EpochChecks:
         # a bundle is bounded by this node's own copy of the same program, and by the job's max_state_bytes
         self.timeout, self.max_state, self.max_bundle = timeout, max_bundle, bundle_bound(self.program, max_bundle)
         self.suspects, self.gossip, self.leader = suspects, gossip, leader
+        self.alive = alive   # this node's membership view: a dead deputy's place goes to the next in line
         self.arbiter, self.poke = arbiter if arbiter is not None else Arbiter(), poke
         self._cpu = trio.CapacityLimiter(1)   # the stage-sized work in threads: a bundle's coding, a recomputation
         self._blob: tuple[tuple[str, int, int], bytes] | None = None   # the bundle being checked, as fetched
@@ -365,8 +371,11 @@ class EpochChecks:
                 log.info("job %s: stamps of %s from %s: %s", self.job, short_peer(c.peer), short_peer(reps[r]), exc)
         return out
 
+    def _judge_of(self, v: Verdict) -> str | None:
+        return judge_of(self.plan.peers, self.leader(), v.claim.peer, v.checker, self.alive)
+
     async def _on_verdict(self, v: Verdict) -> None:
-        judge = judge_of(self.plan.peers, self.leader(), v.claim.peer, self.me)
+        judge = self._judge_of(v)
         if judge is None or judge == self.me:
             # this node leads (its own recomputation is the judgement), or there is no judge (no leader, or
             # the leader is accused and no third member can re-judge: every node takes this checker's word)
@@ -380,13 +389,22 @@ class EpochChecks:
             log.warning("job %s: the bundle of the verdict against %s is gone: not sent", self.job, short_peer(v.claim.peer))
             return
         msg = {"op": "verdict", "job": self.job, "evidence": encode_verdict(v), "bundle": h}
-        try:
-            reply = await job_proto.request(self.transport, judge, msg, timeout=self.timeout)
-            if not reply.get("ok"):
-                log.info("job %s: the judge %s refused the verdict: %s", self.job, short_peer(judge),
-                         str(reply.get("error"))[:200])
-        except (PeerUnavailable, RemoteProtocolError) as exc:
-            log.info("job %s: verdict to the judge %s: %s", self.job, short_peer(judge), exc)
+
+        async def send(to: str) -> bool:
+            try:
+                reply = await job_proto.request(self.transport, to, msg, timeout=self.timeout)
+                if not reply.get("ok"):
+                    log.info("job %s: the judge %s refused the verdict: %s", self.job, short_peer(to),
+                             str(reply.get("error"))[:200])
+                return bool(reply.get("ok"))
+            except (PeerUnavailable, RemoteProtocolError) as exc:
+                log.info("job %s: verdict to the judge %s: %s", self.job, short_peer(to), exc)
+                return False
+
+        if judge and await send(judge):
+            return
+        if self._nursery is not None:   # the next in line, once this node's view has the judge dead
+            self._nursery.start_soon(partial(to_judge, lambda: self._judge_of(v), send, tried={judge}, me=self.me))
 
     def _pin_evidence(self, v: Verdict) -> str | None:
         """The content hash of the bundle *v* was found on, pinned for the leader to fetch (None: not kept)."""
@@ -414,7 +432,7 @@ class EpochChecks:
         h = job_proto.str_field(req, "bundle", "verdict", limit=64)
         if v.checker != peer:
             raise RemoteProtocolError("verdict: sent by another node than the checker that signed it")
-        if judge_of(self.plan.peers, self.leader(), v.claim.peer, v.checker) != self.me:
+        if self._judge_of(v) != self.me:
             return {"ok": False, "error": "this node does not judge that verdict (neither the leader nor its deputy)"}
         if not self.suspects.admissible(v, self.plan):
             return {"ok": True, "new": False}
@@ -441,10 +459,33 @@ class EpochChecks:
             ev = self.suspects.verdict(v, self.plan, by=self.me)
             if ev is not None:
                 await self.gossip(ev)
-        elif not self.suspects.strike(v.checker, f"its verdict against {short_peer(c.peer)}'s stage {c.stage} step "
-                                                 f"{c.step} micro {c.micro} does not hold on the leader's recomputation"):
-            return
+        else:
+            struck = self.suspects.struck_by(v, self.me, f"its verdict against {short_peer(c.peer)}'s stage "
+                                             f"{c.stage} step {c.step} micro {c.micro} does not hold on the judge's "
+                                             "recomputation")
+            if struck is None:
+                return
+            await self.gossip(struck)   # every member strikes it too: the accused leader, a later leader
         self.poke()
+
+
+async def to_judge(judge: Callable[[], str | None], send: Callable[[str], Awaitable[bool]], *, tried: set[str],
+                   me: str, deadline: float = JUDGE_DEADLINE, poll: float = JUDGE_POLL) -> str | None:
+    """Send a verdict to its *judge* (as this node sees it now), not one *tried* already, until one takes it
+    or *deadline*: a judge that cannot be reached (a dead deputy) is replaced by the next in line when the
+    membership declares it dead (``suspects.judge_of``). The judge that took it; None: nobody did (no
+    evidence either way), or the verdict is no longer this node's to send (it judges, or nobody judges)."""
+    with trio.move_on_after(deadline):
+        while True:
+            j = judge()
+            if j is None or j == me:
+                return None
+            if j and j not in tried:
+                tried.add(j)
+                if await send(j):
+                    return j
+            await trio.sleep(poll)
+    return None
 
 
 def read_verdict(req: dict[str, Any]) -> Verdict:
@@ -455,5 +496,5 @@ def read_verdict(req: dict[str, Any]) -> Verdict:
     return decode_verdict(data)
 
 
-__all__ = ["ARBITRATE_EVERY", "ARBITRATE_TIMEOUT", "KEEP", "MAX_CLAIMS", "SPOT_OPS", "Arbiter", "EpochChecks",
-           "bundle_bound", "checker_of", "read_verdict", "rollback", "tapped_executor"]
+__all__ = ["ARBITRATE_EVERY", "ARBITRATE_TIMEOUT", "JUDGE_DEADLINE", "KEEP", "MAX_CLAIMS", "SPOT_OPS", "Arbiter",
+           "EpochChecks", "bundle_bound", "checker_of", "read_verdict", "rollback", "tapped_executor", "to_judge"]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fusionp2p.errors import ConfigError
@@ -88,6 +89,13 @@ class StrikeHistory:
                 self.distrusted.discard(peer)
                 log.info("%s: its bandwidth reports are trusted again", peer[:16])
         return now
+
+    def assume(self, peers: Iterable[str]) -> None:
+        """*peers* were distrusted by another node's history (a bootstrap's view: ``judged_links``): each is
+        taken as ``strikes`` contradicted reports, so it stays distrusted until its honest reports here
+        outweigh them, as if this node had seen its lies."""
+        for p in peers:
+            self._past[p] = deque([True] * self.config.strikes, maxlen=self.config.window - 1)
 
     def forget(self, peer: str) -> None:
         self._past.pop(peer, None)

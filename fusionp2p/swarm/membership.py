@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -353,3 +355,36 @@ class BandwidthTable:
     def complete(self, peers: list[str]) -> bool:
         """True when every pair of *peers* has a direct measurement."""
         return all(self.direct(a, b) is not None for i, a in enumerate(peers) for b in peers[i + 1 :])
+
+
+def judged_links(reports: Iterable[BandwidthReport], distrusted: Iterable[str] = ()) -> list[tuple[str, str, LinkEstimate]]:
+    """The measured links of *reports* (the latest of each node, as a bootstrap's view gives them: the
+    publisher's first plan), judged as a member's own table judges them (``capacity_trust``): every
+    measurement as reported, but a distrusted node's own one of a pair that the other end measured, or does
+    not corroborate, is dropped, and a pair left without one is estimated (:meth:`BandwidthTable.estimate`:
+    from what others measured of it). One view of the latest reports holds no strike history, so
+    *distrusted* (the view giver's: ``view_wire.decode_view``) seeds it (``StrikeHistory.assume``); a node
+    contradicted in enough of the reports seen since is distrusted here too."""
+    table = BandwidthTable()
+    reports = list(reports)
+    table.trust.assume(distrusted)
+    for r in reports:
+        table.on_report(r)
+    bad = table.trust.distrusted
+    measured = {(m.src, m.dst) for r in reports for m in r.measurements if m.samples > 0}
+    out: list[tuple[str, str, LinkEstimate]] = []
+    dropped: set[tuple[str, str]] = set()
+    for r in reports:
+        for m in r.measurements:
+            if not (m.bandwidth > 0 and math.isfinite(m.bandwidth) and math.isfinite(m.rtt)) or m.src == m.dst:
+                continue
+            other_measured = m.dst not in bad and (m.dst, m.src) in measured
+            if m.src in bad and (other_measured or not corroborated(m, table.reports.get(m.dst), CAPACITY_SLACK)):
+                dropped.add((m.src, m.dst))
+                continue
+            out.append((m.src, m.dst, LinkEstimate(m.bandwidth, m.rtt, True)))
+    kept = {frozenset((a, b)) for a, b, _ in out}
+    for a, b in sorted(dropped):
+        if frozenset((a, b)) not in kept and (e := table.estimate(a, b)) is not None:
+            out.append((a, b, e))
+    return out

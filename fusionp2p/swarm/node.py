@@ -56,17 +56,20 @@ from fusionp2p.swarm.reach import (
     verdict,
 )
 from fusionp2p.swarm.rejoin import keep_joined
+
+# the VIEW protocol's wire lives in swarm/view_wire.py; re-exported here for its older importers
+from fusionp2p.swarm.view_wire import MAX_VIEW, fetch_view_raw
+from fusionp2p.swarm.view_wire import VIEW as VIEW
+from fusionp2p.swarm.view_wire import decode_view as decode_view
+from fusionp2p.swarm.view_wire import fetch_view as fetch_view
 from fusionp2p.swarm.watch import Watcher, watches
 from fusionp2p.types import DeviceProfile, short_peer
-from fusionp2p.wire.check import as_bytes, as_list, as_map, as_str
-from fusionp2p.wire.framing import FrameDecoder, encode_frame
-from fusionp2p.wire.limits import DEFAULT_LIMITS
-from fusionp2p.wire.msg import packb, unpackb
+from fusionp2p.wire.framing import encode_frame
+from fusionp2p.wire.msg import packb
 from fusionp2p.wire.protocols import PROBE, REACH, TOPIC_MEMBERS
 from fusionp2p.wire.records import (
     MAX_ADDRS,
     MAX_BANDWIDTH,
-    MAX_RECORD,
     MAX_RTT,
     MAX_SPEED,
     REACH_DATA,
@@ -87,8 +90,6 @@ from fusionp2p.wire.records import (
 
 log = logging.getLogger(__name__)
 
-VIEW = "/fusionp2p/view/1.0.0"
-MAX_VIEW = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -466,7 +467,7 @@ class SwarmNode:
         them without waiting for a heartbeat period or a gossipsub mesh."""
         try:
             with trio.fail_after(self.config.probe.timeout):
-                raw = await _fetch_view_raw(self.transport, peer)
+                raw = await fetch_view_raw(self.transport, peer)
         except (PeerUnavailable, RemoteProtocolError, trio.TooSlowError) as exc:
             log.debug("view from %s: %s", short_peer(peer), exc)
             return
@@ -748,7 +749,8 @@ class SwarmNode:
         if self.refusals.banned(stream.remote_peer, now=trio.current_time()):
             return   # closed unanswered
         body = packb({"records": list(self._raw.values()), "bw": list(self._raw_bw.values()),
-                      "alive": self.view.alive(role=None), "dead": sorted(self.view.dead)})
+                      "alive": self.view.alive(role=None), "dead": sorted(self.view.dead),
+                      "distrusted": sorted(self.bandwidth.trust.distrusted)})   # for a publisher's first plan
         await stream.send_all(encode_frame(body, max_frame=MAX_VIEW))
         await stream.send_eof()
 
@@ -758,39 +760,3 @@ def _in_range(x: float | None, hi: float) -> float:
     if x is None or not x > 0:
         return 0.0
     return x if x < hi else math.nextafter(hi, 0.0)
-
-
-async def fetch_view(transport: Transport, peer: str, *, timeout: float = 10.0) -> dict[str, Any]:
-    """Ask *peer* for its view; every record in the answer is verified here."""
-    with trio.fail_after(timeout):
-        m = await _fetch_view_raw(transport, peer)
-    records = [decode_signed(r, verify) for r in m["records"]]
-    bws = [decode_signed(r, verify) for r in m["bw"]]
-    return {"records": records, "bw": bws, "alive": m["alive"], "dead": m["dead"]}
-
-
-async def _fetch_view_raw(transport: Transport, peer: str) -> dict[str, list[Any]]:
-    """*peer*'s view with the signed records still as bytes (not verified yet)."""
-    s = await transport.open_stream(peer, VIEW)
-    dec = FrameDecoder(max_frame=MAX_VIEW)
-    frames: list[bytes] = []
-    try:
-        while not frames:
-            data = await s.receive_some()
-            if not data:
-                dec.check_eof()
-                raise PeerUnavailable(peer, "view stream ended early")
-            frames = dec.feed(data)
-    finally:
-        await s.aclose()
-    return decode_view(frames[0])
-
-
-def decode_view(frame: bytes) -> dict[str, list[Any]]:
-    """A VIEW answer: the signed records (bytes, not verified yet), and the alive and dead peer ids."""
-    m = as_map(unpackb(frame, max_size=MAX_VIEW), "view", required=("records", "bw", "alive", "dead"), optional=())
-    n = DEFAULT_LIMITS.max_msgpack_items
-    return {"records": [as_bytes(r, "view record", max_len=MAX_RECORD) for r in as_list(m["records"], "view records", max_len=n)],
-            "bw": [as_bytes(r, "view report", max_len=MAX_RECORD) for r in as_list(m["bw"], "view reports", max_len=n)],
-            "alive": [as_str(p, "view peer") for p in as_list(m["alive"], "view alive", max_len=n)],
-            "dead": [as_str(p, "view peer") for p in as_list(m["dead"], "view dead", max_len=n)]}

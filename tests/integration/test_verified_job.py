@@ -19,7 +19,7 @@ import pytest
 import torch
 import trio
 
-from fusionp2p.jobs.events import PlanChanged, ProgressEvent, StageConvicted
+from fusionp2p.jobs.events import CheckerStruck, PlanChanged, ProgressEvent, StageConvicted
 from fusionp2p.testing.lying_stages import LyingStage, frame
 from fusionp2p.train.config import CO2, TrainConfig
 from fusionp2p.train.spot import Checker, TappedExecutor
@@ -137,7 +137,7 @@ def test_a_checker_that_frames_an_honest_replica_is_struck_and_the_replica_stays
     assert not [e for e in events if isinstance(e, StageConvicted)]
     assert framer in plans[0].members and framer not in plans[-1].members
     assert framed in plans[-1].members
-    assert any(short_peer(framer) in r.getMessage() and "does not hold on the leader's recomputation" in r.getMessage()
+    assert any(short_peer(framer) in r.getMessage() and "does not hold on the judge's recomputation" in r.getMessage()
                for r in caplog.records)
 
 
@@ -147,8 +147,10 @@ def test_a_checker_that_frames_the_leader_is_re_judged_by_the_deputy_and_the_lea
     """The leader's own checker signs a verdict against an honest micro-batch of the leader: it goes to the
     leader's deputy (the lowest other member that is not the checker, ``suspects.judge_of``), which fetches the
     bundle, recomputes, finds the leader's claim true and strikes the checker; nobody convicts the leader, which
-    stays and leads the job to DONE. Before the deputy, every node took the checker's word against the leader
-    (``StageConvicted``, a re-plan without it): this test fails without it."""
+    stays and leads the job to DONE. The deputy gossips its strike (``CheckerStruck``), on which the leader
+    re-plans without the checker. Before the deputy, every node took the checker's word against the leader
+    (``StageConvicted``, a re-plan without it), and before the gossiped strike the checker stayed in the
+    leader's plans: this test fails without either."""
     caplog.set_level(logging.INFO, logger="fusionp2p.jobs")
     torch.set_num_threads(1)
     framers: list[tuple[str, str]] = []
@@ -157,6 +159,11 @@ def test_a_checker_that_frames_the_leader_is_re_judged_by_the_deputy_and_the_lea
     assert len(framers) == 1
     framer, leader = framers[0]
     assert not [e for e in events if isinstance(e, StageConvicted)]
-    assert leader in plans[-1].members
-    assert any(short_peer(framer) in r.getMessage() and "does not hold on the leader's recomputation" in r.getMessage()
+    assert not any(f"{short_peer(leader)} excluded" in r.getMessage() for r in caplog.records)   # nobody's suspect
+    # the deputy gossips its strike, and the accused leader, which makes the plans, re-plans without the checker
+    # (of the 3 nodes left, the plan of 2 replicas may keep the leader as a standby)
+    struck = [e for e in events if isinstance(e, CheckerStruck)]
+    assert struck and {(e.suspect, e.peer != leader) for e in struck} == {(framer, True)}, struck
+    assert framer in plans[0].members and framer not in plans[-1].members
+    assert any(short_peer(framer) in r.getMessage() and "does not hold on the judge's recomputation" in r.getMessage()
                for r in caplog.records)

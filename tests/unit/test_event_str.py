@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fusionp2p.jobs.events import (
     AveragingOutlier,
+    CheckerStruck,
     CheckpointSaved,
     EvalProgress,
     JobStateChanged,
@@ -42,6 +43,7 @@ def test_every_event_is_one_short_line() -> None:
         LinksUp(job="j1", epoch=0, stage=0, peer=A, links=(f"{B}=direct", f"{C}=libp2p")),
         AveragingOutlier(job="j1", step=9, stage=1, peer=A, suspect=B),
         StageConvicted(job="j1", step=9, stage=1, peer=A, suspect=B, evidence=b"x" * 400),
+        CheckerStruck(job="j1", step=9, stage=1, peer=A, suspect=C, evidence=b"x" * 400),
     ]
     for ev in evs:
         s = str(ev)
@@ -60,6 +62,8 @@ def test_every_event_is_one_short_line() -> None:
                            "averaging without it [stage 1 on 9H8u1xWS]")
     assert str(evs[9]) == ("job j1 step 9: replica MjaB4JeV of stage 1 sent outputs its parameters do not make "
                            "(spot-check by 9H8u1xWS); left out of the next plan")
+    assert str(evs[10]) == ("job j1 step 9: checker rfMrrrTT accused a replica of stage 1 falsely (9H8u1xWS's "
+                            "recomputation); left out of the next plan")
 
 
 def test_earlier_steps_keep_their_own_throughput_and_time() -> None:

@@ -453,7 +453,8 @@ def _view() -> Target:
 
     rec = _records().seeds
     return Target("swarm.view", decode_view,
-                  (packb({"records": [rec[0]], "bw": [rec[1]], "alive": ["peerA", "peerB"], "dead": ["peerC"]}),))
+                  (packb({"records": [rec[0]], "bw": [rec[1]], "alive": ["peerA", "peerB"], "dead": ["peerC"]}),
+                   packb({"records": [], "bw": [rec[1]], "alive": ["peerA"], "dead": [], "distrusted": ["peerA"]})))
 
 
 def _job_message() -> Target:
