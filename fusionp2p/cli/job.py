@@ -83,7 +83,9 @@ def _submit(args: Any, console: Any) -> int:
     with _connect(args, Path(args.out) / ".fusionp2p") as swarm:
         job = swarm.publish(model=spec["model"], dataset=spec["dataset"], config=spec["config"],
                             loss=spec.get("loss"), name=str(spec.get("name", "")))
-        console.print(f"published job {job.id} to {len(swarm.members())} nodes (key {swarm.publisher_id})")
+        # no member count here: the offer also goes to nodes that have not measured their profile yet (issue 40),
+        # which the swarm's view does not count; the plan line below names the nodes that took the job
+        console.print(f"published job {job.id} (key {swarm.publisher_id})")
         if args.detach:
             _wait_running(job)
             console.print(f"job {job.id} is running; follow it with: fusionp2p job attach {job.id} "
