@@ -13,12 +13,10 @@ import trio
 
 from fusionp2p.jobs import build
 from fusionp2p.jobs.build import BuiltJob
-from fusionp2p.jobs.content import ContentService, ContentStore
 from fusionp2p.jobs.events import JobStateChanged, PlanChanged, ProgressEvent, StepProgress
-from fusionp2p.jobs.publisher import Publisher
 from fusionp2p.net.identity import Identity
 from fusionp2p.train.config import TrainConfig
-from tests.integration.test_elastic import DRIVER, _built, _check_download, _node, _swarm
+from tests.integration.test_elastic import _attach_elsewhere, _built, _check_download, _node, _swarm
 
 
 @pytest.mark.slow
@@ -53,14 +51,7 @@ def test_the_only_member_and_the_publisher_die_and_an_attach_follows_the_standby
 
                     await pub.run_job(built, emit, tmp_path / "first")
                 # at once, before the standbys re-plan: the job's status still names only the dead member
-                other = emb.add_host(key)
-                boot = await other.connect(emb.bootstrap_addr)
-                pub2 = Publisher(other, ContentService(other, ContentStore()), [boot], DRIVER)
-                later: list[ProgressEvent] = []
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(pub2.run)
-                    await pub2.attach_job(built.spec.job_id, later.append, tmp_path / "checkpoints", steps=cfg.steps)
-                    nursery.cancel_scope.cancel()
+                later = await _attach_elsewhere(emb, key, built, tmp_path / "checkpoints")
                 return later, built
 
     later, built = trio.run(main)

@@ -77,6 +77,19 @@ def _node(emb: EmbeddedSwarm, peer: str) -> EmbeddedNode:
     return next(n for n in emb.nodes if n.peer_id == peer)
 
 
+async def _attach_elsewhere(emb: EmbeddedSwarm, key: Identity, built: BuiltJob, root: Path) -> list[ProgressEvent]:
+    """The same key on another machine: attach to *built*'s job, follow it to its end (and its download)."""
+    other = emb.add_host(key)
+    boot = await other.connect(emb.bootstrap_addr)
+    pub2 = Publisher(other, ContentService(other, ContentStore()), [boot], DRIVER)
+    later: list[ProgressEvent] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pub2.run)
+        await pub2.attach_job(built.spec.job_id, later.append, root, steps=built.spec.config.steps)
+        nursery.cancel_scope.cancel()
+    return later
+
+
 def _stage_peers(plan: PlanChanged, stage: int) -> tuple[str, ...]:
     off = sum(plan.stage_sizes[:stage])
     return plan.members[off:off + plan.stage_sizes[stage]]
@@ -515,14 +528,7 @@ def test_the_job_outlives_its_publisher_and_is_attached_from_elsewhere(tmp_path:
 
                     await pub.run_job(built, emit, tmp_path / "first")
                 # the same key, another machine: follow the job to its end and download it
-                other = emb.add_host(key)
-                boot = await other.connect(emb.bootstrap_addr)
-                pub2 = Publisher(other, ContentService(other, ContentStore()), [boot], DRIVER)
-                later: list[ProgressEvent] = []
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(pub2.run)
-                    await pub2.attach_job(built.spec.job_id, later.append, tmp_path / "checkpoints", steps=cfg.steps)
-                    nursery.cancel_scope.cancel()
+                later = await _attach_elsewhere(emb, key, built, tmp_path / "checkpoints")
                 return first, later, built
 
     first, later, built = trio.run(main)
