@@ -5,18 +5,23 @@ standbys from the epoch's plan record, believes the standby's re-plan and status
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import trio
 
-from fusionp2p.jobs import build
 from fusionp2p.jobs.build import BuiltJob
 from fusionp2p.jobs.events import JobStateChanged, PlanChanged, ProgressEvent, StepProgress
 from fusionp2p.net.identity import Identity
 from fusionp2p.train.config import TrainConfig
-from tests.integration.test_elastic import _attach_elsewhere, _built, _check_download, _node, _swarm
+from tests.integration.test_elastic import (
+    _attach_elsewhere,
+    _built,
+    _check_download,
+    _node,
+    _plan_highest_alone,
+    _swarm,
+)
 
 
 @pytest.mark.slow
@@ -25,13 +30,7 @@ def test_the_only_member_and_the_publisher_die_and_an_attach_follows_the_standby
     torch.set_num_threads(1)
     cfg = TrainConfig(steps=24, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
                       compression="none", checkpoint_every=4, seed=7)
-    choose = build.choose_plan
-
-    def highest_alone(spec: Any, dag: Any, members: Any, *, links: Any = None, epoch: int = 0) -> Any:
-        # the highest live id alone in every epoch (as in test_elastic's only-member test): the others are standbys
-        return choose(spec, dag, {max(members): members[max(members)]}, links=links, epoch=epoch)
-
-    monkeypatch.setattr(build, "choose_plan", highest_alone)
+    _plan_highest_alone(monkeypatch)   # the others are standbys
     key = Identity.generate()
     killed: list[str] = []
 

@@ -77,6 +77,18 @@ def _node(emb: EmbeddedSwarm, peer: str) -> EmbeddedNode:
     return next(n for n in emb.nodes if n.peer_id == peer)
 
 
+def _plan_highest_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node and the publisher plan the same: the highest live id alone, in every epoch (so the standbys,
+    offered the job as joiners, get no role in a planned re-plan: the leader weighs them and keeps them
+    standbys, and the only member is still the only one at the kill)."""
+    choose = build.choose_plan
+
+    def highest_alone(spec: Any, dag: Any, members: Any, *, links: Any = None, epoch: int = 0) -> Any:
+        return choose(spec, dag, {max(members): members[max(members)]}, links=links, epoch=epoch)
+
+    monkeypatch.setattr(build, "choose_plan", highest_alone)
+
+
 async def _attach_elsewhere(emb: EmbeddedSwarm, key: Identity, built: BuiltJob, root: Path) -> list[ProgressEvent]:
     """The same key on another machine: attach to *built*'s job, follow it to its end (and its download)."""
     other = emb.add_host(key)
@@ -476,15 +488,7 @@ def test_the_plans_only_member_dies_and_a_standby_carries_the_job_on(tmp_path: P
     torch.set_num_threads(1)
     cfg = TrainConfig(steps=24, micro_batch=2, micro_batches=2, lr=3e-3, replicas=1, averaging="none",
                       compression="none", checkpoint_every=4, seed=6)
-    choose = build.choose_plan
-
-    def highest_alone(spec: Any, dag: Any, members: Any, *, links: Any = None, epoch: int = 0) -> Any:
-        # every node and the publisher compute the same: the highest live id alone, in every epoch (so the
-        # standbys, offered the job as joiners, get no role in a planned re-plan: the leader weighs them and
-        # keeps them standbys, and the only member is still the only one at the kill)
-        return choose(spec, dag, {max(members): members[max(members)]}, links=links, epoch=epoch)
-
-    monkeypatch.setattr(build, "choose_plan", highest_alone)
+    _plan_highest_alone(monkeypatch)
     killed: list[str] = []
 
     async def main() -> list[ProgressEvent]:
