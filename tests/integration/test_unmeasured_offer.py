@@ -37,6 +37,18 @@ SEQ = 32
 LATE = dataclasses.replace(TEST_PROFILE, name="measured-on-offer", flops_fp32=2e10)
 
 
+async def _run_tiny_job(pub: publisher.Publisher, client: Any, cfg: TrainConfig, nonce: bytes,
+                        root: Path) -> list[ProgressEvent]:
+    """Build (traced in a thread, as the SDK does) and run a tiny GPT-2 job from *pub*; its events."""
+    torch.manual_seed(0)
+    built = await trio.to_thread.run_sync(lambda: build_job(
+        GPT2(GPT2Config.tiny(block_size=SEQ)), None, BuiltinCorpus(seq_len=SEQ), cfg,
+        publisher=client.peer_id, sign=client.sign, now=1.0, nonce=nonce * 16))
+    events: list[ProgressEvent] = []
+    await pub.run_job(built, events.append, root)
+    return events
+
+
 def _planned_snapshots(monkeypatch: pytest.MonkeyPatch) -> list[Snapshot]:
     """The snapshots the publisher plans from (its plan_for_snapshot, wrapped)."""
     snaps: list[Snapshot] = []
@@ -85,12 +97,7 @@ def test_members_without_a_profile_are_offered_the_job_and_planned_with_the_prof
                 view = await publisher.discover(client, [boot.peer_id], timeout=10)
                 assert set(view.members) == {nodes[0].peer_id}
                 assert set(view.unmeasured) == {nodes[1].peer_id, nodes[2].peer_id, never.peer_id} <= set(view.addrs)
-                torch.manual_seed(0)
-                built = await trio.to_thread.run_sync(lambda: build_job(
-                    GPT2(GPT2Config.tiny(block_size=SEQ)), None, BuiltinCorpus(seq_len=SEQ), cfg,
-                    publisher=client.peer_id, sign=client.sign, now=1.0, nonce=b"u" * 16))
-                events: list[ProgressEvent] = []
-                await pub.run_job(built, events.append, tmp_path / "pub")
+                events = await _run_tiny_job(pub, client, cfg, b"u", tmp_path / "pub")
                 return events, {"nodes": [n.peer_id for n in nodes], "never": never.peer_id, "late": late,
                                 "stuck": stuck}
 
@@ -161,12 +168,7 @@ def test_daemons_that_have_not_started_up_are_offered_the_job_over_libp2p(tmp_pa
                     pub = publisher.Publisher(client, ContentService(client, ContentStore()), [boot.peer_id],
                                               publisher.DriverConfig(idle_timeout=30, offer_timeout=60))
                     await nursery.start(pub.run)
-                    torch.manual_seed(0)
-                    built = await trio.to_thread.run_sync(lambda: build_job(
-                        GPT2(GPT2Config.tiny(block_size=SEQ)), None, BuiltinCorpus(seq_len=SEQ), cfg,
-                        publisher=client.peer_id, sign=client.sign, now=1.0, nonce=b"v" * 16))
-                    events: list[ProgressEvent] = []
-                    await pub.run_job(built, events.append, tmp_path / "pub")
+                    events = await _run_tiny_job(pub, client, cfg, b"v", tmp_path / "pub")
                     nursery.cancel_scope.cancel()
                     return events, peers, startups
         raise AssertionError("unreachable")
