@@ -132,10 +132,9 @@ def run_system(sw: Swarm, run: dict[str, Any], system: dict[str, Any], workdir: 
                                 "link_bps": list(plan.link_bps), "fence_s": list(plan.fence_s), "how": plan.how,
                                 "predicted_step_s": plan.step_s, "micro": list(plan.micro)},
         "epochs": sorted(epochs), "replicas": r, "samples": cfg.steps * per_step, **rate,
-        # the plan's step time is throughput-equivalent: the time its replicas take for M micro-batches
-        # together (plan/plan.py), so it predicts M micro-batches per step_s, not R x M (that was r times too
-        # fast until 2026-11-27: it read 679 samples/s for the 2-replica plan measured at 212, and 67 for A at 33)
-        "predicted_samples_per_s": run["micro_batch"] * run["micro_batches"] / plan.step_s if plan.step_s > 0 else None,
+        # the event's step_s is a whole step, R x M micro-batches (jobs/events.py pipeline_step_s; until
+        # 2026-11-30 it was the plan's throughput-equivalent time of M, and this read M per step_s)
+        "predicted_samples_per_s": per_step / plan.step_s if plan.step_s > 0 else None,
         "node_reported_samples_per_s": float(np.median(node_rates)) if node_rates else None,
         "loss_curve": [{"step": s, "loss": float(np.mean(v))} for s, v in sorted(losses.items())],
         "held_out_loss": held_out_loss(path, run), "final_eval_loss": evals[-1] if evals else None,

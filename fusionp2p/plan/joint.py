@@ -28,7 +28,8 @@ module searches that grid and keeps OP-Fence as the inner solver:
    the averaging round's floor), gets its AdaTopK ratios from the policy (``predict.choose_ratios``)
    and is scored by its predicted step time per ``M`` micro-batches of data
    (``Plan.step_time_s``: stage and fence times are throughput-equivalent, so ``r`` pipelines that
-   each run ``M`` micro-batches per step count ``r`` times the data).
+   each run ``M`` micro-batches per step count ``r`` times the data), its stages' compute multiplied by
+   the cores their nodes share on one host (``predict.with_host_shares``).
 
 3. *Choice.* The lowest score wins. A hint ``r_hint`` (the job's ``replicas``) is also the upper
    bound ``r_max``; another ``r`` must be predicted faster by more than ``HINT_MARGIN`` to beat it.
@@ -185,9 +186,11 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
         if key in seen or not layout_fits(cm, layout) or (stages is not None and len(layout) != stages):
             continue
         seen.add(key)
-        plan = build_plan(cm, layout, choose_ratios(cm, layout), job=snapshot.job, epoch=snapshot.epoch,
-                          snapshot_hash=snapshot.snapshot_hash(), algorithm="op-fence", seed=seed,
-                          balance=cfg.balance_micro)
+        # scored with the cores its nodes share (predict.with_host_shares): four 1-thread nodes of a 2-core host
+        # run a 2 x 2 plan at half the speed their benchmarks give, two of them a 1 x 2 plan at full speed
+        plan = with_host_shares(build_plan(cm, layout, choose_ratios(cm, layout), job=snapshot.job, epoch=snapshot.epoch,
+                                           snapshot_hash=snapshot.snapshot_hash(), algorithm="op-fence", seed=seed,
+                                           balance=cfg.balance_micro), cm)
         r = len(layout[0][2])
         adj = plan.step_time_s if (replicas is None or r == r_max) else plan.step_time_s / (1.0 - HINT_MARGIN)
         scored.append((adj, r, idx, how, plan))
@@ -208,7 +211,7 @@ def plan_joint(workload: WorkloadGraph, snapshot: Snapshot, config: PlannerConfi
     best = scored[0][4]
     considered = tuple(Candidate(replicas=r, stages=len(p.stages), how=how, step_time_s=p.step_time_s)
                        for _, r, _, how, p in scored[: Plan.MAX_CANDIDATES])
-    best = with_host_shares(dataclasses.replace(best, considered=considered, how=scored[0][3]), cm)
+    best = dataclasses.replace(best, considered=considered, how=scored[0][3])
     log.debug("joint plan: %d stages x %d replicas (%s), step %.4g s, %d candidates", len(best.stages),
               len(best.stages[0].replicas), best.how, best.step_time_s, len(scored))
     return best

@@ -108,11 +108,14 @@ def host_shares(cm: CostModel, devices: Sequence[int]) -> dict[int, float]:
 
 def with_host_shares(plan: Plan, cm: CostModel) -> Plan:
     """*plan* with its predicted stage and step times counting the cores its nodes share (:func:`host_shares`;
-    the group runs in lockstep at the pace of its most crowded host). Applied to the chosen plan only, not
-    while choosing: on the shared 2-core machine (load 22-35, 2026-11-29) a choice made with the shares put
-    the demo on 2 of its 4 nodes, predicted 1.71 s/step and measured 7.9 s, where the 4-node plan chosen
-    without them measured 2.66 s: under other processes' load, a swarm's CPU share grows with its
-    process count, which a core count cannot see."""
+    the group runs in lockstep at the pace of its most crowded host). The planner scores every candidate
+    with it (plan/joint.py). Measured on the 2-core machine with the demo's processes in a cpu cgroup of
+    their own (cpu.shares 262144: the machine as good as idle to them, 2026-11-30): 1 stage x 2 replicas on
+    2 of the 4 nodes 0.164 s a step, 2 x 2 on all 4 0.212 s; priced without the shares the 2 x 2 plan
+    scored 11% faster and won. (Under other processes' heavy load the reverse can happen: a swarm's share
+    of a busy machine grows with its process count, which a core count cannot see; at load 22-35 on
+    2026-11-29 the 2-node plan measured 7.9 s a step, the 4-node one 2.66 s, both with the device profiles
+    of that time, which read the load itself: swarm/device.py.)"""
     index = cm.index
     share = host_shares(cm, [index[p] for st in plan.stages for p in st.replicas])
     if all(v == 1.0 for v in share.values()):

@@ -65,10 +65,11 @@ def parse_device(spec: str) -> torch.device:
 
 
 def _rate(work: Callable[[], object], per_call: float, dev: torch.device, seconds: float,
-          stalled_seconds: float) -> float:
+          stalled_seconds: float, *, cpu_clock: bool = False) -> float:
     """*per_call* units per second of ``work()`` (called once to warm up) over at least *seconds* of wall
     time; over at least *stalled_seconds* when this thread got less than 2/3 of the wall time (a CPU quota
-    or a busy machine: see the module docstring)."""
+    or a busy machine: see the module docstring). With *cpu_clock*, per second of this thread's CPU time
+    instead of wall time: the device's rate, whatever share of a core other processes left the benchmark."""
     import torch
 
     def call() -> None:
@@ -85,20 +86,22 @@ def _rate(work: Callable[[], object], per_call: float, dev: torch.device, second
         wall = time.perf_counter() - t0
         if wall >= seconds and (wall >= stalled_seconds or time.thread_time() - c0 > STALLED * wall):
             break
-    return per_call * reps / (time.perf_counter() - t0)
+    cpu = time.thread_time() - c0
+    return per_call * reps / (cpu if cpu_clock and cpu > 0 else time.perf_counter() - t0)
 
 
-def _matmul_rate(dev: torch.device, dtype: torch.dtype, seconds: float, n: int, *, stalled_seconds: float = 0.0) -> float:
+def _matmul_rate(dev: torch.device, dtype: torch.dtype, seconds: float, n: int, *, stalled_seconds: float = 0.0,
+                 cpu_clock: bool = False) -> float:
     """FLOP/s of n x n matmuls (:func:`_rate`)."""
     import torch
 
     a = torch.randn(n, n, device=dev, dtype=dtype)
     b = torch.randn(n, n, device=dev, dtype=dtype)
-    return _rate(lambda: a @ b, 2.0 * n**3, dev, seconds, stalled_seconds)
+    return _rate(lambda: a @ b, 2.0 * n**3, dev, seconds, stalled_seconds, cpu_clock=cpu_clock)
 
 
 def _act_rate(dev: torch.device, seconds: float, *, stalled_seconds: float = 0.0, rows: int = 512,
-              width: int = 64) -> float:
+              width: int = 64, cpu_clock: bool = False) -> float:
     """Bytes/s of activation-bound work (:func:`_rate`): a chain of element-wise ops as a transformer
     block has them (layer norm, GELU, scaled softmax, products and a residual add on a ``rows x width``
     fp32 tensor), forward and backward; the bytes are the forward outputs, which is how the workload
@@ -118,7 +121,7 @@ def _act_rate(dev: torch.device, seconds: float, *, stalled_seconds: float = 0.0
         torch.autograd.backward((a * g.view(shape) + h.view(shape)).sum())
 
     # outputs of layer_norm, gelu, mul, softmax, mul, add
-    return _rate(once, 6 * rows * width * 4, dev, seconds, stalled_seconds)
+    return _rate(once, 6 * rows * width * 4, dev, seconds, stalled_seconds, cpu_clock=cpu_clock)
 
 
 # the element-wise benchmark's tensor on a GPU: 8,192 x 1,024 fp32 (32 MiB an op), the activations of a
@@ -173,6 +176,13 @@ def _read(path: Path) -> str | None:
         return path.read_text()
     except OSError:
         return None
+
+
+def cgroups_visible() -> bool:
+    """Whether this process sees the cgroup files a CPU quota would be in (``ip netns exec`` mounts a fresh
+    /sys without them): then :func:`own_cpu_quota`'s None means no quota, not an unknown one."""
+    return (any((r / "cgroup.controllers").exists() or (r / "cpu.max").exists() for r in _CGROUP_ROOTS)
+            or any((r / "cpu.cfs_quota_us").exists() for r in _CGROUP_V1_CPU))
 
 
 def own_cpu_quota() -> tuple[float, float] | None:
@@ -298,7 +308,7 @@ def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfi
 
     dev = parse_device(device)
     n = 512 if dev.type == "cpu" else 4096
-    stalled = 0.0
+    stalled, cap, cpu_clock = 0.0, 1.0, False
     if dev.type == "cpu":
         quota = own_cpu_quota()
         if quota is not None and quota[0] < torch.get_num_threads():
@@ -306,13 +316,21 @@ def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfi
         # the cgroup files may be out of sight (``ip netns exec`` mounts its own /sys): a thread that
         # got much less CPU than wall time is throttled or crowded, and is measured over 10 periods
         stalled = QUOTA_PERIODS * 0.1
-    fp32 = _matmul_rate(dev, torch.float32, seconds, n, stalled_seconds=stalled)
+        # one torch thread where the quota is known (or known to be none): the rate per second of the
+        # benchmark's own CPU time, capped by the quota. The wall-time rate read the machine's load at the
+        # start-up instead: 4 demo nodes benchmarking and importing at once on 2 cores got 20-40% of a core
+        # each, and announced 8-40 GFLOP/s where the core does 100-108 (2026-11-30, load 10-27), different
+        # on every node and run; the cores the nodes of one host share are the planner's to count
+        # (plan/predict.py host_shares). Threads beyond the first run outside this thread's clock.
+        if torch.get_num_threads() == 1 and cgroups_visible():
+            cpu_clock, cap = True, min(1.0, quota[0]) if quota is not None else 1.0
+    fp32 = _matmul_rate(dev, torch.float32, seconds, n, stalled_seconds=stalled, cpu_clock=cpu_clock) * cap
     if dev.type == "cpu":
-        act = _act_rate(dev, seconds, stalled_seconds=stalled)
+        act = _act_rate(dev, seconds, stalled_seconds=stalled, cpu_clock=cpu_clock) * cap
     else:
         act = _act_rate(dev, seconds, rows=ACT_SHAPE_CUDA[0], width=ACT_SHAPE_CUDA[1])
     try:
-        bf16 = _matmul_rate(dev, torch.bfloat16, seconds / 2, n)
+        bf16 = _matmul_rate(dev, torch.bfloat16, seconds / 2, n, cpu_clock=cpu_clock) * cap
     except RuntimeError:
         bf16 = 0.0
     if dev.type == "cuda":

@@ -41,19 +41,21 @@ def test_garbage_is_ignored() -> None:
 def test_a_quota_lengthens_the_cpu_benchmark(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[float] = []
 
-    def fake_rate(dev: object, dtype: object, seconds: float, n: int, *, stalled_seconds: float = 0.0) -> float:
+    def fake_rate(dev: object, dtype: object, seconds: float, n: int, *, stalled_seconds: float = 0.0, **kw: object) -> float:
         seen.append(seconds)
         return 1e9
 
     acts: list[float] = []
 
-    def fake_act(dev: object, seconds: float, *, stalled_seconds: float = 0.0) -> float:
+    def fake_act(dev: object, seconds: float, *, stalled_seconds: float = 0.0, **kw: object) -> float:
         acts.append(seconds)
         return 1e8
 
     monkeypatch.setattr(device, "_matmul_rate", fake_rate)
     monkeypatch.setattr(device, "_act_rate", fake_act)
     monkeypatch.setattr(device, "own_cpu_quota", lambda: (0.25, 0.1))
+    # the rates as measured (the CPU clock's cap by the quota: test_demo_prediction.py)
+    monkeypatch.setattr(device, "cgroups_visible", lambda: False)
     prof = device.measure_profile("cpu")
     assert seen[0] == pytest.approx(device.QUOTA_PERIODS * 0.1)
     assert acts[0] == pytest.approx(device.QUOTA_PERIODS * 0.1)    # the element-wise benchmark too
