@@ -154,8 +154,10 @@ def preload() -> None:
     1,200 modules, ~1 CPU-s idle). ``Swarm.local`` calls it before its nodes' thread starts: imported by the
     first ``publish`` instead, while that thread ran an embedded swarm, every file the import opened waited
     for the GIL (swarm_scale's job on 8 of 30 nodes, load 21-26: 8.9 s of the 10.7 s from publish to RUNNING
-    for 1.5 CPU-s; the same import 2.1 s before the thread started)."""
-    import torch.export._trace  # noqa: F401
+    for 1.5 CPU-s; the same import 2.1 s before the thread started). A private module of torch's: a torch
+    without it is traced as before (the import then happens in :func:`trace`)."""
+    with contextlib.suppress(ImportError):
+        import torch.export._trace  # noqa: F401
 
 
 def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,
