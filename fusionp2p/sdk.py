@@ -45,6 +45,7 @@ from torch import nn
 
 from fusionp2p.data.hf import HFTokens
 from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable
+from fusionp2p.graph.trace import preload as preload_tracer
 from fusionp2p.jobs.build import BuiltJob, Dataset, LossFn, build_job, module_state
 from fusionp2p.jobs.checkpoint import assemble, latest_complete_step
 from fusionp2p.jobs.content import ContentService, ContentStore
@@ -224,6 +225,8 @@ class Swarm:
         if len(profiles) != n_nodes:
             raise ValueError("give one DeviceProfile per node")
         root = Path(home) if home is not None else Path(tempfile.mkdtemp(prefix="fusionp2p-"))
+        # the tracer's imports now, before the nodes' thread runs: in publish they waited on it (graph/trace.py)
+        preload_tracer()
         return cls(root, local=list(profiles), embedded=config)._start()
 
     def _start(self) -> Swarm:

@@ -149,6 +149,17 @@ def _input_names(model: nn.Module, n: int) -> list[str]:
     return names + [f"input_{i}" for i in range(len(names), n)]
 
 
+def preload() -> None:
+    """Import what :func:`trace`'s first call imports: ``torch.export``'s tracer (``torch._dynamo``, sympy: some
+    1,200 modules, ~1 CPU-s idle). ``Swarm.local`` calls it before its nodes' thread starts: imported by the
+    first ``publish`` instead, while that thread ran an embedded swarm, every file the import opened waited
+    for the GIL (swarm_scale's job on 8 of 30 nodes, load 21-26: 8.9 s of the 10.7 s from publish to RUNNING
+    for 1.5 CPU-s; the same import 2.1 s before the thread started). A private module of torch's: a torch
+    without it is traced as before (the import then happens in :func:`trace`)."""
+    with contextlib.suppress(ImportError):
+        import torch.export._trace  # noqa: F401
+
+
 def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,
           loss_fn: Callable[..., torch.Tensor] | None = None, *,
           loss_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] = (), count_flops: bool = True) -> OpDAG:

@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Mapping
+from typing import Any
 
+from fusionp2p.errors import RemoteProtocolError
 from fusionp2p.plan.snapshot import Link
 from fusionp2p.types import DeviceProfile
+from fusionp2p.wire.records import decode_profile
 
 
 def compute_of(profile: DeviceProfile) -> float:
@@ -65,4 +68,17 @@ def choose_candidates(members: Mapping[str, DeviceProfile | None], links: Iterab
     return sorted(sorted(members, key=rank)[:k])
 
 
-__all__ = ["choose_candidates", "compute_of"]
+def accepted_profile(reply: dict[str, Any], known: DeviceProfile | None) -> DeviceProfile:
+    """The profile a member accepted an offer with (the publisher's, or a re-plan leader's to a joiner): the one
+    its reply carries (measured by its start-up, perhaps after the view we ranked it by), else *known* (its
+    record's; a node of an older version sends none). RemoteProtocolError when the reply's is malformed, or
+    there is none for a member whose record had none."""
+    raw = reply.get("profile")
+    if raw is not None:
+        return decode_profile(raw, "profile of an accept")
+    if known is None:
+        raise RemoteProtocolError("accepted the job without a device profile (none in its record either)")
+    return known
+
+
+__all__ = ["accepted_profile", "choose_candidates", "compute_of"]

@@ -27,6 +27,7 @@ from fusionp2p.errors import FusionError, PeerUnavailable, PlanError, RemoteProt
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs import reputation
 from fusionp2p.jobs.build import AcceptedJob, plan_for_snapshot
+from fusionp2p.jobs.candidates import accepted_profile
 from fusionp2p.jobs.election import ElectionConfig, open_elector
 from fusionp2p.jobs.events import MembersChanged, encode_event
 from fusionp2p.jobs.host import JobHost
@@ -103,6 +104,7 @@ class Leading:
     book: ProgressBook
     data_history: tuple[tuple[int, int], ...]
     joiners: set[str]
+    _joiner_profiles: dict[str, DeviceProfile]
     _offered: dict[str, float]
     _answered: dict[str, float]
     _join_checked: tuple[tuple[int, frozenset[str]], float, float]
@@ -254,12 +256,16 @@ class Leading:
         ``dead_timeout``, and after the re-plan around it its leader dialled it every ``OFFER_AGAIN`` seconds
         until then (benchmarks.churn: each kill). A standby of an earlier epoch is offered the job again (it
         answers at once: jobs/node.py), not taken as holding it: a node that restarted with the same identity
-        holds nothing and is a joiner like any other (docs/jobs.md)."""
+        holds nothing and is a joiner like any other (docs/jobs.md). A node whose record has no profile yet
+        (its deferred start-up not run: swarm/startup.py) is offered the job as the publisher's first offer does:
+        the offer starts its start-up and its accept carries the profile it measured (``_offer_to``); it used
+        to be passed over until its record had one, up to ``defer`` (15 s) after it joined, or its first
+        probe round."""
         view = self.svc.swarm.view
         now = trio.current_time()
         for peer in view.alive(role="node"):
             rec = view.records.get(peer)
-            if (peer in plan.peers or peer in self.joiners or rec is None or rec.profile is None or rec.leaving
+            if (peer in plan.peers or peer in self.joiners or rec is None or rec.leaving
                     or not self.suspects.eligible(peer) or self.svc.confirmed_dead(peer)
                     or now - self._offered.get(peer, -math.inf) < self.svc.config.offer_retry):
                 continue
@@ -408,6 +414,12 @@ class Leading:
             self._offered[peer] = trio.current_time() - self.svc.config.offer_retry + OFFER_AGAIN
             return
         if reply.get("ok"):
+            rec = self.svc.swarm.view.records.get(peer)
+            try:   # the profile it measured: its record may have none yet (the offer started its start-up)
+                self._joiner_profiles[peer] = accepted_profile(reply, rec.profile if rec is not None else None)
+            except RemoteProtocolError as exc:
+                log.info("job %s: joiner %s accepted without a usable profile: %s", self.job_id, short_peer(peer), exc)
+                return
             log.info("job %s: %s accepted as a joiner", self.job_id, short_peer(peer))
             self.joiners.add(peer)
             self.svc.nursery.start_soon(self._tell_joined, peer)
@@ -546,6 +558,8 @@ class Leading:
             prof = rec.profile if rec is not None else None
             if p == self.me:
                 prof = self.svc.swarm.profile
+            elif prof is None:
+                prof = self._joiner_profiles.get(p)   # a joiner whose record had none (_offer_to)
             if prof is None:
                 raise PlanError(f"no device profile for member {short_peer(p)}")
             raw[p] = prof

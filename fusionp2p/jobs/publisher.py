@@ -52,7 +52,7 @@ from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs import reputation
 from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
-from fusionp2p.jobs.candidates import choose_candidates
+from fusionp2p.jobs.candidates import accepted_profile, choose_candidates
 from fusionp2p.jobs.checkpoint import decode_state, save_stage, stage_path
 from fusionp2p.jobs.content import ContentService
 from fusionp2p.jobs.election import fetch_latest, fetch_latest_record
@@ -97,7 +97,7 @@ from fusionp2p.wire.jobrecords import (
     status_key,
 )
 from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
-from fusionp2p.wire.records import BandwidthReport, NodeRecord, decode_profile
+from fusionp2p.wire.records import BandwidthReport, NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -189,18 +189,6 @@ async def discover(t: Transport, bootstraps: list[str], *, timeout: float) -> Sw
     links = [(a, b, Link(bandwidth_bps=e.bandwidth, latency_s=max(0.0, e.rtt / 2))) for a, b, e in judged]
     return SwarmView(members=members, addrs=addrs, links=links, records=records,
                      unmeasured=tuple(sorted(set(unmeasured) - set(members))))
-
-
-def accepted_profile(reply: dict[str, Any], known: DeviceProfile | None) -> DeviceProfile:
-    """The profile a member accepted an offer with: the one its reply carries (measured by its start-up,
-    perhaps after the view we ranked it by), else *known* (its record's; a node of an older version sends none).
-    RemoteProtocolError when the reply's is malformed, or there is none for a member whose record had none."""
-    raw = reply.get("profile")
-    if raw is not None:
-        return decode_profile(raw, "profile of an accept")
-    if known is None:
-        raise RemoteProtocolError("accepted the job without a device profile (none in its record either)")
-    return known
 
 
 class JobDriver:

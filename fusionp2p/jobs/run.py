@@ -142,6 +142,7 @@ class JobRun(Leading, Linking):
         self.losses: dict[int, float] = {}                        # this node's per-step losses (loss stage)
         self.last: StepStats | None = None                        # this node's latest step (status, metrics)
         self.joiners: set[str] = set()                            # accepted the job, no role yet
+        self._joiner_profiles = {}                                # joiner -> the profile its accept carried (lead.py)
         self._offered: dict[str, float] = {}                      # node -> when the leader offered it the job
         self._answered: dict[str, float] = {}                     # member the view calls dead -> when it answered
         self._join_checked: tuple[tuple[int, frozenset[str]], float, float] = ((-1, frozenset()), -math.inf, 0.0)

@@ -21,8 +21,8 @@ guessed: the node re-publishes its signed record with them once measured, and a 
 a live member whose record has none yet all the same (jobs/publisher.py): the offer starts the start-up
 here, the node answers once measured, and its accept carries the profile it measured, which the plan uses
 (a job submitted moments after a 5-node cluster started had run on the one node that had measured). A
-re-plan's leader still counts only members with a profile (jobs/lead.py: a joiner without one is taken in
-once measured, at most ``defer`` seconds later).
+re-plan's leader offers the job to such a node the same way and plans it with the profile of its accept
+(jobs/lead.py ``_offer_joiners``).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from fusionp2p.plan.snapshot import Snapshot
 from fusionp2p.swarm.node import SwarmNode
 from fusionp2p.swarm.startup import Startup, StartupConfig
 from fusionp2p.testing.swarm import TEST_PROFILE
+from fusionp2p.testing.wait import poll_until
 from fusionp2p.train.config import TrainConfig
 from fusionp2p.wire.protocols import JOB
 
@@ -178,3 +179,41 @@ def test_daemons_that_have_not_started_up_are_offered_the_job_over_libp2p(tmp_pa
     (snap,) = snaps
     assert dict(snap.members) == dict.fromkeys(peers, LATE)
     assert all(s.on_demand for s in startups)
+
+
+def test_a_node_without_a_profile_that_joins_a_running_job_is_offered_it_by_the_leader(tmp_path: Path) -> None:
+    """A re-plan's leader offers the job to a node that joined without a profile (its start-up deferred 600 s)
+    as the publisher's first offer does: the offer starts its start-up and it is taken as a joiner with the
+    profile its accept carried. The leader used to pass over a node whose record had no profile (up to
+    ``defer`` after it joined)."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=100_000, micro_batch=2, micro_batches=1, seed=1)   # runs until cancelled
+    jobs = NodeJobConfig(election_timeout=20, link_timeout=20, recv_timeout=20, progress_interval=0.0)
+
+    async def main() -> None:
+        with trio.fail_after(90):
+            async with open_embedded_swarm([TEST_PROFILE], tmp_path, config=EmbeddedConfig(jobs=jobs)) as emb:
+                boot = emb.bootstrap
+                client = emb.add_host()
+                await client.connect(emb.bootstrap_addr)
+                pub = publisher.Publisher(client, ContentService(client, ContentStore()), [boot.peer_id],
+                                          publisher.DriverConfig(idle_timeout=60))
+                await emb._nursery.start(pub.run)
+                events: list[ProgressEvent] = []
+                async with trio.open_nursery() as nursery:
+                    async def job() -> None:
+                        events.extend(await _run_tiny_job(pub, client, cfg, b"j", tmp_path / "pub"))
+                    nursery.start_soon(job)
+                    held = emb.nodes[0].jobs.jobs   # the job trains on its one node
+                    await poll_until(lambda: any(r.state.value == "running" for r in held.values()), timeout=60)
+                    (run,) = held.values()
+                    late = Startup(StartupConfig(defer=600))
+                    node = await emb.add_node(LATE, startup=late)
+                    with trio.fail_after(30):   # old code: never (defer 600 s, no probing)
+                        await late.wanted.wait()
+                    assert late.on_demand and late.reason.startswith("a job request"), late.reason
+                    await poll_until(lambda: node.peer_id in run.joiners, timeout=30)   # the leader took its accept
+                    assert run._joiner_profiles[node.peer_id] == LATE
+                    nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import trio
 import trio.testing
 
@@ -14,6 +15,7 @@ from fusionp2p.jobs.lifecycle import JobState
 from fusionp2p.jobs.node import NodeJobConfig
 from fusionp2p.jobs.run import JobRun
 from fusionp2p.net.memory import memory_network
+from fusionp2p.types import DeviceProfile
 
 
 def _run(transport: object, tmp_path: Path) -> JobRun:
@@ -232,5 +234,49 @@ def test_the_leader_offers_the_job_to_no_node_a_direct_question_found_dead(tmp_p
         run.members = frozenset({"a", "b", "c", "d"})       # c: a standby of the started epoch; d: just killed
         run._offer_joiners(SimpleNamespace(peers=("a", "b")))  # type: ignore[arg-type]
         assert offered == ["c", "e"]
+
+    trio.run(main)
+
+
+def test_the_leader_offers_the_job_to_a_node_without_a_profile_and_plans_it_with_the_one_it_accepted_with(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40: a node measures its device profile only when its deferred start-up runs (swarm/startup.py); a
+    re-plan's leader passed over a live node whose record had none (up to ``defer`` after it joined) while the
+    publisher's first offer went to it. It is offered the job, and planned with the profile its accept carries."""
+    from fusionp2p.jobs import lead
+
+    measured = DeviceProfile(device="cpu", kind="cpu", name="joiner", flops_fp32=3e10, flops_bf16=0.0,
+                             memory_bytes=2 << 30)
+    offered: list[str] = []
+
+    async def request(t: object, peer: str, msg: dict[str, object], **kw: object) -> dict[str, object]:
+        assert msg["op"] == "offer"
+        return {"ok": True, "job": "j1", "profile": measured.to_wire()}
+
+    async def admitted(*a: object, **kw: object) -> str:
+        return ""
+
+    monkeypatch.setattr(lead.job_proto, "request", request)
+    monkeypatch.setattr(lead.reputation, "admitted", admitted)
+
+    async def main() -> None:
+        run = _run(SimpleNamespace(peer_id="a"), tmp_path)
+        run.spec = SimpleNamespace(job_id="j1", model_hash="m", config=run.spec.config)  # type: ignore[assignment]
+        run.accepted = SimpleNamespace(envelope=b"env")  # type: ignore[assignment]
+        mine = SimpleNamespace(profile=measured, leaving=False, speed_on=lambda h: 0.0)
+        records = {"b": mine, "e": SimpleNamespace(profile=None, leaving=False, speed_on=lambda h: 0.0)}
+        alive = ["b", "e"]
+        run.svc.swarm = SimpleNamespace(  # type: ignore[attr-defined]
+            view=SimpleNamespace(alive=lambda role: alive, records=records, is_alive=lambda p: p in alive, left=set()),
+            profile=measured, speed_on=lambda h: 0.0,
+            bandwidth=SimpleNamespace(direct=lambda a, b: None, estimate=lambda a, b: None))
+        run.svc.confirmed_dead = lambda p: False  # type: ignore[method-assign, assignment]
+        run.svc.nursery = SimpleNamespace(start_soon=lambda fn, peer: offered.append(peer))  # type: ignore[attr-defined]
+        run._offer_joiners(SimpleNamespace(peers=("a", "b")))  # type: ignore[arg-type]
+        assert offered == ["e"]            # was []: no profile in its record
+        await run._offer_to("e")
+        assert run.joiners == {"e"}
+        snap = run._snapshot(["a", "e"], 1)
+        assert snap.members["e"] == measured   # from its accept: its record has none
 
     trio.run(main)
