@@ -52,7 +52,7 @@ from fusionp2p.data.file_shards import FileRange
 from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs import reputation
-from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
+from fusionp2p.jobs.build import BuiltJob
 from fusionp2p.jobs.candidates import choose_candidates
 from fusionp2p.jobs.checkpoint import decode_state, save_stage, stage_path
 from fusionp2p.jobs.content import ContentService
@@ -78,7 +78,7 @@ from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
 from fusionp2p.jobs.reputation import RECEIPT_TIMEOUT
 from fusionp2p.jobs.spec import JobSpec, decode_signed
-from fusionp2p.jobs.verify_links import BandwidthTable, judged_view, member_ask, verified_plan
+from fusionp2p.jobs.verify_links import BandwidthTable, first_plan, judged_view
 from fusionp2p.net.addrs import GLOBAL, LOOPBACK, PRIVATE, peer_dial_addrs
 from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import Transport
@@ -332,9 +332,8 @@ class JobDriver:
                 log.info("job %s: planned with the links read before the offers (%s)", self.job, exc)
         # the profiles scaled by the speeds the nodes trained at in earlier jobs of this model (jobs/rebalance.py)
         speeds = {p: r.speed_on(built.spec.model_hash) for p, r in view.records.items()}
-        snap, plan, _ = await verified_plan(   # estimated pairs that decide the layout measured first
-            self.job, calibrated(accepted, speeds).items(), view.links, view.table,
-            lambda s: plan_for_snapshot(built.spec, built.dag, s), member_ask(self.transport, self.job))
+        # on measured links, estimates elsewhere; estimated pairs that decide the layout measured first
+        snap, plan = await first_plan(self.transport, built, calibrated(accepted, speeds).items(), view.links, view.table)
         self._state(JobState.PLANNED, plan.plan_hash())
         self._on_plan(PlanChanged.of(plan, at=time.time(), accepted=accepted, replicas_hint=built.spec.config.replicas))
         # the plan's hash goes with it: a member that computed the same plan from the snapshot adopts it at

@@ -28,9 +28,13 @@ from typing import Any, Protocol
 import trio
 
 from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
+from fusionp2p.graph import OpDAG, coarsen, to_workload
 from fusionp2p.jobs import proto as job_proto
+from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot, planner_config
+from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan.plan import Plan
+from fusionp2p.plan.predict import predict
 from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
 from fusionp2p.plan.verify import MAX_PAIRS, Pair, PairCheck, check, pair, with_measured
 from fusionp2p.swarm.membership import BandwidthTable, LinkEstimate, judged_links
@@ -145,6 +149,7 @@ def decode_figure(reply: dict[str, Any]) -> Link:
 async def verified_plan(job: str, profiles: Iterable[tuple[str, DeviceProfile]],
                         measured: list[tuple[str, str, Link]], table: BandwidthTable | None,
                         planner: Callable[[Snapshot], Plan], ask: Ask, *,
+                        score: Callable[[Plan, Snapshot], float] | None = None,
                         timeout: float = MEASURE_TIMEOUT) -> tuple[Snapshot, Plan, PairCheck]:
     """The epoch-0 snapshot and plan of *job* (module docstring): measured links, estimates elsewhere, and the
     estimated pairs the plan's layout depends on measured (within *timeout*) before it is adopted."""
@@ -153,7 +158,7 @@ async def verified_plan(job: str, profiles: Iterable[tuple[str, DeviceProfile]],
     estimated = estimated_links(table, [p for p, _ in profiles], measured)
     snap = snapshot_from_records(job, 0, profiles, [*measured, *((a, b, lk) for (a, b), lk in estimated.items())])
     plan = planner(snap)
-    chk = check(plan, snap, estimated, planner)
+    chk = check(plan, snap, estimated, planner, score=score)
     if not chk.ask:
         if chk.depends:
             log.info("job %s: %s", job, chk.explain())
@@ -171,6 +176,32 @@ async def verified_plan(job: str, profiles: Iterable[tuple[str, DeviceProfile]],
         f"{short_peer(a)}-{short_peer(b)} {lk.bandwidth_bps / 1e6:.2f} MB/s (estimated {estimated[(a, b)].bandwidth_bps / 1e6:.2f})"
         for (a, b), lk in sorted(got.items())))
     return snap, plan, chk
+
+
+def job_score(spec: JobSpec, dag: OpDAG) -> Callable[[Plan, Snapshot], float]:
+    """A plan's predicted step time on a snapshot, as the job's planner prices it (``plan.verify.check``)."""
+    wl = to_workload(coarsen(dag), micro_batch=spec.config.micro_batch)
+    cfgs = (planner_config(spec.config), planner_config(spec.config, recompute=True))
+
+    def score(plan: Plan, snap: Snapshot) -> float:
+        for cfg in cfgs:   # made with activation recomputation where nothing fit without it (choose_plan)
+            try:
+                return predict(plan, wl, snap, cfg).step_time_s
+            except ValueError:
+                continue
+        raise ValueError("the plan fits neither with nor without recomputation")
+
+    return score
+
+
+async def first_plan(t: Transport, built: BuiltJob, profiles: Iterable[tuple[str, DeviceProfile]],
+                     measured: list[tuple[str, str, Link]], table: BandwidthTable | None) -> tuple[Snapshot, Plan]:
+    """The publisher's epoch-0 snapshot and plan of *built* (:func:`verified_plan`, the members asked over JOB)."""
+    spec, dag = built.spec, built.dag
+    snap, plan, _ = await verified_plan(spec.job_id, profiles, measured, table,
+                                        lambda s: plan_for_snapshot(spec, dag, s), member_ask(t, spec.job_id),
+                                        score=job_score(spec, dag))
+    return snap, plan
 
 
 class _Prober(Protocol):
@@ -211,5 +242,5 @@ class MeasureDesk:
         return {"ok": True, "bandwidth": float(e.bandwidth), "rtt": float(e.rtt)}
 
 
-__all__ = ["MAX_PAIRS", "BandwidthTable", "MEASURE_TIMEOUT", "MeasureDesk", "decode_figure", "estimate_table", "estimated_links", "judged_view",
+__all__ = ["MAX_PAIRS", "BandwidthTable", "MEASURE_TIMEOUT", "MeasureDesk", "decode_figure", "estimate_table", "estimated_links", "first_plan", "job_score", "judged_view",
            "measure_pairs", "member_ask", "verified_plan"]

@@ -14,7 +14,8 @@ amount for a node nobody measured yet. So before a plan is adopted (the publishe
    (:func:`pessimistic`: the estimate over ``ESTIMATE_ERROR``, and never above the median of the
    snapshot's measured links, so that an absurd announcement nobody has measured yet is tested at a rate
    the swarm has actually shown). If the layout (each stage's units and members) is the same, the estimate
-   does not decide the choice and the plan stands. Otherwise the estimated pairs are to be measured, at
+   does not decide the choice and the plan stands; so too when the plan, priced at those low ends, is
+   predicted at most ``MARGIN`` (5%) slower than the layout that won there. Otherwise the estimated pairs are to be measured, at
    most ``MAX_PAIRS`` of them, the highest estimates first (the likeliest to be announcements nobody
    backs).
 3. :func:`with_measured`: the snapshot with the measured figures in place of the estimates (a measurement
@@ -28,6 +29,7 @@ exactly as the adoption does.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -41,6 +43,9 @@ MAX_PAIRS = 16          # pairs measured before a plan is adopted, at most
 # the low end of an estimate: the table takes an announced capacity up to CAPACITY_SLACK (swarm/membership.py,
 # 4x) over the best rate others measured of the node, so a link estimated from it may be that much slower
 ESTIMATE_ERROR = 4.0
+# the plan at its estimates' low end predicted at most this much slower than the layout that wins there: the
+# estimate does not decide (within the noise of measured speeds, as the planner's BALANCE_MIN_GAIN)
+MARGIN = 0.05
 
 
 def pair(a: str, b: str) -> Pair:
@@ -95,8 +100,8 @@ class PairCheck:
         if not self.depends:
             return "every pair the plan runs on is measured"
         if not self.decides:
-            return (f"{len(self.depends)} estimated pair(s) the plan runs on do not decide it "
-                    f"(the same layout at 1/{ESTIMATE_ERROR:g} of their estimate)")
+            return (f"{len(self.depends)} estimated pair(s) the plan runs on do not decide it (at their low end "
+                    + (f"{self.alternative} wins by too little)" if self.alternative else "the same layout wins)"))
         left = len(self.depends) - len(self.ask)
         return (f"{len(self.depends)} estimated pair(s) decide the plan (at their low end: {self.alternative}); "
                 f"{len(self.ask)} to measure" + (f", {left} beyond the bound of {MAX_PAIRS} keep their estimate"
@@ -108,11 +113,12 @@ def describe(plan: Plan) -> str:
 
 
 def check(plan: Plan, snap: Snapshot, estimated: Collection[Pair], replan: Callable[[Snapshot], Plan], *,
-          max_pairs: int = MAX_PAIRS) -> PairCheck:
+          score: Callable[[Plan, Snapshot], float] | None = None, max_pairs: int = MAX_PAIRS) -> PairCheck:
     """Whether *plan* (made on *snap*) depends on pairs of *estimated* (links of *snap* that are estimates)
     and whether their estimate decides its layout: *replan* on *snap* with those pairs at their low end
-    (:func:`pessimistic`) gives another layout. At most one extra plan, and none when the plan runs on
-    measured pairs only."""
+    (:func:`pessimistic`) gives another layout, and (with *score*, a plan's predicted step time on a
+    snapshot) *plan* is predicted more than ``MARGIN`` slower than that layout there. At most one extra plan,
+    and none when the plan runs on measured pairs only."""
     est = {pair(*p) for p in estimated}
     depends = tuple(sorted(p for p in plan_pairs(plan) if p in est and p in snap.links))
     if not depends:
@@ -125,6 +131,13 @@ def check(plan: Plan, snap: Snapshot, estimated: Collection[Pair], replan: Calla
     alt = replan(low)
     if layout(alt) == layout(plan):
         return PairCheck(depends=depends)
+    if score is not None:
+        try:
+            mine, theirs = score(plan, low), score(alt, low)
+        except ValueError:   # not priced on the low snapshot: the estimate decides
+            mine, theirs = math.inf, 0.0
+        if mine <= (1 + MARGIN) * theirs:
+            return PairCheck(depends=depends, alternative=f"{describe(alt)}, within {MARGIN:.0%}")
     ask = sorted(depends, key=lambda p: (-snap.links[p].bandwidth_bps, p))[:max(0, max_pairs)]
     return PairCheck(depends=depends, decides=True, ask=tuple(ask), alternative=describe(alt))
 
@@ -138,5 +151,5 @@ def with_measured(snap: Snapshot, measured: Mapping[Pair, Link]) -> Snapshot:
     return Snapshot(job=snap.job, epoch=snap.epoch, members=snap.members, links=links)
 
 
-__all__ = ["ESTIMATE_ERROR", "MAX_PAIRS", "PairCheck", "check", "layout", "pessimistic", "plan_pairs",
+__all__ = ["ESTIMATE_ERROR", "MARGIN", "MAX_PAIRS", "PairCheck", "check", "layout", "pessimistic", "plan_pairs",
            "with_measured"]

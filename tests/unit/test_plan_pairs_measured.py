@@ -29,8 +29,9 @@ from fusionp2p.jobs.verify_links import (
 from fusionp2p.plan.config import PlannerConfig
 from fusionp2p.plan.joint import plan_joint
 from fusionp2p.plan.plan import Plan
+from fusionp2p.plan.predict import predict
 from fusionp2p.plan.snapshot import Link, Snapshot
-from fusionp2p.plan.verify import check, layout, plan_pairs
+from fusionp2p.plan.verify import MARGIN, check, layout, plan_pairs
 from fusionp2p.swarm.membership import LinkEstimate
 from fusionp2p.swarm.node import SwarmConfig
 from fusionp2p.testing.swarm import converge, local_swarm
@@ -45,6 +46,10 @@ PROFILES = [(p, profile(1e10, memory=90_000_000)) for p in (A, B, C, D)]   # eac
 
 def _planner(snap: Snapshot) -> Plan:
     return plan_joint(WORKLOAD, snap, PlannerConfig(micro_batches=8))
+
+
+def _score(plan: Plan, snap: Snapshot) -> float:
+    return predict(plan, WORKLOAD, snap, PlannerConfig(micro_batches=8)).step_time_s
 
 
 def _report(peer: str, cap: float, *links: tuple[str, float]) -> BandwidthReport:
@@ -65,7 +70,7 @@ def _run(links: list[tuple[str, str, Link]], table: Any, ask: Any, **kw: Any) ->
 
     async def main() -> None:
         t0 = trio.current_time()
-        out.extend(await verified_plan("job", PROFILES, links, table, _planner, ask, **kw))
+        out.extend(await verified_plan("job", PROFILES, links, table, _planner, ask, score=_score, **kw))
         out.append(trio.current_time() - t0)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -114,6 +119,22 @@ def test_a_plan_on_measured_pairs_asks_nothing() -> None:
     snap, plan, chk, took = _run(links, estimate_table(reports), ask)
     assert chk.depends == ((A, B),) and (A, B) in plan_pairs(plan) and not chk.decides and not chk.ask
     assert snap.link(A, B) == Link(bandwidth_bps=100e6, latency_s=0.01) and took == 0
+
+
+def test_a_layout_that_wins_by_less_than_the_margin_at_the_low_end_asks_nothing() -> None:
+    # the measured pairs at 50 MB/s: at its low end (25 MB/s) a-b no longer pairs the replicas (the layout's
+    # members change), but the plan priced there is within MARGIN of the one that wins there
+    r = 50e6
+    reports = [_report(A, 100e6, (C, r), (D, r)), _report(B, 100e6, (C, r), (D, r)), _report(C, 100e6, (D, r)),
+               _report(D, 100e6)]
+    links = [(m.src, m.dst, Link(bandwidth_bps=m.bandwidth, latency_s=m.rtt / 2)) for x in reports for m in x.measurements]
+
+    async def ask(asked_end: str, other: str, timeout: float) -> Link | None:
+        raise AssertionError("nothing is to be measured")
+
+    snap, plan, chk, took = _run(links, estimate_table(reports), ask)
+    assert chk.depends == ((A, B),) and not chk.decides and f"within {MARGIN:.0%}" in chk.alternative and took == 0
+    assert check(plan, snap, [(A, B)], _planner).decides   # without the margin, the layout alone, it would ask
 
 
 def test_a_pair_that_does_not_answer_keeps_its_estimate_and_the_deadline_holds(caplog: Any) -> None:
