@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +19,8 @@ import trio
 import trio.testing
 
 from fusionp2p.errors import RemoteProtocolError
+from fusionp2p.jobs import proto as job_proto
+from fusionp2p.jobs.node import NodeJobConfig, NodeJobService
 from fusionp2p.jobs.verify_links import (
     MAX_PAIRS,
     MEASURE_TIMEOUT,
@@ -24,6 +28,7 @@ from fusionp2p.jobs.verify_links import (
     decode_figure,
     estimate_table,
     measure_pairs,
+    member_ask,
     verified_plan,
 )
 from fusionp2p.plan.config import PlannerConfig
@@ -35,6 +40,7 @@ from fusionp2p.plan.verify import MARGIN, check, layout, plan_pairs
 from fusionp2p.swarm.membership import LinkEstimate
 from fusionp2p.swarm.node import SwarmConfig
 from fusionp2p.testing.swarm import converge, local_swarm
+from fusionp2p.wire.protocols import JOB
 from fusionp2p.wire.records import BandwidthReport, Measurement
 from tests.unit.test_plan_helpers import chain, profile
 
@@ -224,20 +230,27 @@ def test_a_node_measures_only_for_the_publisher_and_at_most_max_pairs_a_job() ->
             decode_figure(bad)
 
 
-def test_a_node_probes_the_pair_it_is_asked_for_over_the_probe_protocol() -> None:
-    """Real nodes (in-memory transport), probing off: the asked node measures its link to the other on demand,
-    answers the figure and keeps it (its next report carries it); asked again, it answers without a probe."""
+def test_a_node_probes_the_pair_it_is_asked_for_over_the_probe_protocol(tmp_path: Path) -> None:
+    """Real nodes (in-memory transport), probing off: the publisher (here the bootstrap's host) asks a node over
+    JOB (``measure``, the node's job service) for its link to another; the node measures it on demand over the
+    probe protocol, answers the figure and keeps it (its next report carries it); asked again, it answers
+    without a probe; another peer is refused."""
     async def main() -> None:
         with trio.fail_after(60):
-            async with local_swarm(2, libp2p=False, config=SwarmConfig(probing=False)) as (_boot, nodes):
+            async with local_swarm(2, libp2p=False, config=SwarmConfig(probing=False)) as (boot, nodes):
                 await converge(nodes, bandwidth=False, timeout=20)
                 a, b = nodes
+                svc = NodeJobService(a, tmp_path, NodeJobConfig())
+                svc.jobs["j1"] = SimpleNamespace(job_id="j1", publisher=boot.peer_id, members=None,  # type: ignore[assignment]
+                                                 offerers=set())
+                a.transport.set_stream_handler(JOB, job_proto.serve(svc.handle))
                 assert b.peer_id not in a.prober.links
-                desk = MeasureDesk(a.peer_id, a.prober, a.view)
-                got = await desk.answer("pub", "job", "pub", {"peer": b.peer_id, "within": 10.0})
-                assert got["ok"] and got["bandwidth"] > 0 and got["rtt"] > 0, got
+                ask = member_ask(boot.transport, "j1")
+                got = await ask(a.peer_id, b.peer_id, 10.0)
+                assert got is not None and got.bandwidth_bps > 0 and got.latency_s > 0, got
                 assert a.prober.links[b.peer_id].samples == 1 and a.prober.dirty
-                again = await desk.answer("pub", "job", "pub", {"peer": b.peer_id})
-                assert again == got and a.prober.links[b.peer_id].samples == 1
+                assert await ask(a.peer_id, b.peer_id, 10.0) == got and a.prober.links[b.peer_id].samples == 1
+                assert await member_ask(b.transport, "j1")(a.peer_id, b.peer_id, 10.0) is None   # not the publisher
+                assert await member_ask(boot.transport, "j2")(a.peer_id, b.peer_id, 10.0) is None   # no such job here
 
     trio.run(main)
