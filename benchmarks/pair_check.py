@@ -4,7 +4,8 @@ For each size N (members of a job: 8, 32, 64; --quick: 8, 32) and seed: every me
 from ``benchmarks.swarm_scale.LINK_MIX`` (a pair's true rate: the source's uplink and the destination's
 downlink, the smaller, both ways; latency the two one-way latencies), announces its capacities truthfully,
 and measures the pairs of up to 24 random peers (the swarm's bounded probing), reported at the true rate.
-In one run of four, one member lies: it announces 100x its capacities. The other pairs are estimated by the
+In one run of four, one member lies: it announces 100x its capacities, and nobody has measured a link of it
+yet (it joined last: only its own 24 pairs are measured), so nothing contradicts it. The other pairs are estimated by the
 real ``BandwidthTable``; the publisher's planning (``verify_links.verified_plan``, with a GPT-2-small-like
 workload through ``plan_joint``) then plans, checks and has the deciding pairs "measured" by an answer of
 their true rate at once (no network here: the figures are the planner's CPU and its choices).
@@ -61,12 +62,12 @@ def scenario(n: int, seed: int, liar: bool) -> dict[str, Any]:
     def true(a: str, b: str) -> Link:
         return Link(bandwidth_bps=min(caps[a][0], caps[b][1], caps[b][0], caps[a][1]), latency_s=caps[a][2] + caps[b][2])
 
+    lying = peers[0] if liar else ""
     measured: set[tuple[str, str]] = set()
     for a in peers:
         for b in rng.sample([p for p in peers if p != a], min(PROBED, n - 1)):
-            if (b, a) not in measured:
+            if (b, a) not in measured and b != lying:   # nobody has measured the liar yet: it measured its own
                 measured.add((a, b))
-    lying = peers[0] if liar else ""
     reports = []
     for p in peers:
         up, down, _ = caps[p]

@@ -5,7 +5,8 @@ Publisher side (:func:`verified_plan`): the snapshot of the accepting members ta
 links and, for the other pairs whose two ends both have measured links, the bandwidth table's estimate
 (``BandwidthTable.estimate``: the two ends' announced capacities, checked against what others measured of
 them), as a job leader's snapshot does (``jobs/lead.py``). The plan is made; if it runs on estimated pairs
-whose low end gives another layout (``plan.verify.check``), at most ``MAX_PAIRS`` of them are measured
+whose low end gives another layout (``plan.verify.check``; the low end no lower than what others measured of
+the two ends guarantees: :func:`floors`), at most ``MAX_PAIRS`` of them are measured
 within ``MEASURE_TIMEOUT`` seconds: one end of each is asked (``measure`` on the JOB protocol) to probe the
 other now and answer its figure, the end that announced less first (an inflated announcement is the
 likeliest lie; the other end is asked if the first cannot), and the plan is made again with the measured
@@ -86,6 +87,19 @@ def estimated_links(table: BandwidthTable, members: Iterable[str],
     return out
 
 
+def floors(table: BandwidthTable, pairs: Iterable[Pair]) -> dict[Pair, float]:
+    """A rate each of *pairs* is known to reach: the smaller of the best rates other (trusted) nodes measured on
+    a link of each end (``BandwidthTable.measured_of``). Where a pair's rate is its two ends' access links
+    (the model the estimates assume: docs/swarm.md), a measured link of a node is at most its smaller
+    capacity, so the pair reaches both ends' figures; a pair with an end nobody measured has none."""
+    out: dict[Pair, float] = {}
+    for a, b in pairs:
+        fa, fb = table.measured_of(a), table.measured_of(b)
+        if fa and fb:
+            out[(a, b)] = min(fa, fb)
+    return out
+
+
 def ask_order(p: Pair, table: BandwidthTable) -> tuple[str, str]:
     """Which end of *p* is asked first: the one that announced less (ties: the smaller id)."""
     a, b = p
@@ -158,7 +172,7 @@ async def verified_plan(job: str, profiles: Iterable[tuple[str, DeviceProfile]],
     estimated = estimated_links(table, [p for p, _ in profiles], measured)
     snap = snapshot_from_records(job, 0, profiles, [*measured, *((a, b, lk) for (a, b), lk in estimated.items())])
     plan = planner(snap)
-    chk = check(plan, snap, estimated, planner, score=score)
+    chk = check(plan, snap, estimated, planner, score=score, floors=floors(table, estimated))
     if not chk.ask:
         if chk.depends:
             log.info("job %s: %s", job, chk.explain())
@@ -242,5 +256,5 @@ class MeasureDesk:
         return {"ok": True, "bandwidth": float(e.bandwidth), "rtt": float(e.rtt)}
 
 
-__all__ = ["MAX_PAIRS", "BandwidthTable", "MEASURE_TIMEOUT", "MeasureDesk", "decode_figure", "estimate_table", "estimated_links", "first_plan", "job_score", "judged_view",
+__all__ = ["MAX_PAIRS", "BandwidthTable", "MEASURE_TIMEOUT", "MeasureDesk", "decode_figure", "estimate_table", "estimated_links", "first_plan", "floors", "job_score", "judged_view",
            "measure_pairs", "member_ask", "verified_plan"]

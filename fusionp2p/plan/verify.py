@@ -13,7 +13,9 @@ amount for a node nobody measured yet. So before a plan is adopted (the publishe
 2. :func:`check`: the plan is made again with those pairs at the low end of their estimate
    (:func:`pessimistic`: the estimate over ``ESTIMATE_ERROR``, and never above the median of the
    snapshot's measured links, so that an absurd announcement nobody has measured yet is tested at a rate
-   the swarm has actually shown). If the layout (each stage's units and members) is the same, the estimate
+   the swarm has actually shown), but not below a rate the pair is known to reach (*floors*: the caller's;
+   the publisher's is the smaller of the best rates others measured on a link of each end, a lower bound
+   of the pair's rate where a pair's rate is its two ends' access links, the model the estimates assume). If the layout (each stage's units and members) is the same, the estimate
    does not decide the choice and the plan stands; so too when the plan, priced at those low ends, is
    predicted at most ``MARGIN`` (5%) slower than the layout that won there. Otherwise the estimated pairs are to be measured, at
    most ``MAX_PAIRS`` of them, the highest estimates first (the likeliest to be announcements nobody
@@ -86,6 +88,16 @@ def pessimistic(est: Link, ceiling: float) -> Link:
     return Link(bandwidth_bps=bw, latency_s=est.latency_s)
 
 
+def low_end(est: Link, ceiling: float, floor: float) -> Link:
+    """Where an estimated link is checked: :func:`pessimistic`, but not below *floor* (a rate the pair is
+    known to reach: ``jobs/verify_links.floors``, from what others measured of its two ends), nor above the
+    estimate."""
+    low = pessimistic(est, ceiling)
+    if floor > low.bandwidth_bps:
+        return Link(bandwidth_bps=min(floor, est.bandwidth_bps), latency_s=est.latency_s)
+    return low
+
+
 @dataclass(frozen=True, slots=True)
 class PairCheck:
     """What :func:`check` found: the plan's estimated pairs, whether they decide its layout, and the pairs to
@@ -113,12 +125,14 @@ def describe(plan: Plan) -> str:
 
 
 def check(plan: Plan, snap: Snapshot, estimated: Collection[Pair], replan: Callable[[Snapshot], Plan], *,
-          score: Callable[[Plan, Snapshot], float] | None = None, max_pairs: int = MAX_PAIRS) -> PairCheck:
+          score: Callable[[Plan, Snapshot], float] | None = None, floors: Mapping[Pair, float] | None = None,
+          max_pairs: int = MAX_PAIRS) -> PairCheck:
     """Whether *plan* (made on *snap*) depends on pairs of *estimated* (links of *snap* that are estimates)
     and whether their estimate decides its layout: *replan* on *snap* with those pairs at their low end
     (:func:`pessimistic`) gives another layout, and (with *score*, a plan's predicted step time on a
-    snapshot) *plan* is predicted more than ``MARGIN`` slower than that layout there. At most one extra plan,
-    and none when the plan runs on measured pairs only."""
+    snapshot) *plan* is predicted more than ``MARGIN`` slower than that layout there. *floors*: a rate each
+    pair is known to reach (:func:`low_end`). At most one extra plan, and none when the plan runs on measured
+    pairs only."""
     est = {pair(*p) for p in estimated}
     depends = tuple(sorted(p for p in plan_pairs(plan) if p in est and p in snap.links))
     if not depends:
@@ -126,7 +140,7 @@ def check(plan: Plan, snap: Snapshot, estimated: Collection[Pair], replan: Calla
     ceiling = measured_median(snap, est)
     links = dict(snap.links)
     for p in depends:
-        links[p] = pessimistic(links[p], ceiling)
+        links[p] = low_end(links[p], ceiling, (floors or {}).get(p, 0.0))
     low = Snapshot(job=snap.job, epoch=snap.epoch, members=snap.members, links=links)
     alt = replan(low)
     if layout(alt) == layout(plan):
@@ -151,5 +165,5 @@ def with_measured(snap: Snapshot, measured: Mapping[Pair, Link]) -> Snapshot:
     return Snapshot(job=snap.job, epoch=snap.epoch, members=snap.members, links=links)
 
 
-__all__ = ["ESTIMATE_ERROR", "MARGIN", "MAX_PAIRS", "PairCheck", "check", "layout", "pessimistic", "plan_pairs",
+__all__ = ["ESTIMATE_ERROR", "MARGIN", "MAX_PAIRS", "PairCheck", "check", "layout", "low_end", "pessimistic", "plan_pairs",
            "with_measured"]

@@ -127,6 +127,21 @@ def test_a_plan_on_measured_pairs_asks_nothing() -> None:
     assert snap.link(A, B) == Link(bandwidth_bps=100e6, latency_s=0.01) and took == 0
 
 
+def test_ends_that_others_measured_fast_are_checked_at_that_rate_and_nothing_is_asked() -> None:
+    # a fifth node (no member of the job) measured links of a and of b at 80 MB/s: the pair reaches that rate
+    # where a pair's rate is its ends' access links, so the estimate is checked there, not at the swarm's median
+    links, _ = _swarm()
+    reports = [_report(A, 100e6, (C, 1e6), (D, 1e6)), _report(B, 100e6, (C, 1e6), (D, 1e6)), _report(C, 5e6, (D, 5e6)),
+               _report(D, 5e6), _report("peer-e", 100e6, (A, 80e6), (B, 80e6))]
+
+    async def ask(asked_end: str, other: str, timeout: float) -> Link | None:
+        raise AssertionError("nothing is to be measured")
+
+    snap, plan, chk, took = _run(links, estimate_table(reports), ask)
+    assert chk.depends == ((A, B),) and not chk.decides and (A, B) in plan_pairs(plan) and took == 0
+    assert check(plan, snap, [(A, B)], _planner).decides   # at the median's rate alone it would ask
+
+
 def test_a_layout_that_wins_by_less_than_the_margin_at_the_low_end_asks_nothing() -> None:
     # the measured pairs at 50 MB/s: at its low end (25 MB/s) a-b no longer pairs the replicas (the layout's
     # members change), but the plan priced there is within MARGIN of the one that wins there
