@@ -141,6 +141,10 @@ def check(plan: Plan, snap: Snapshot, estimated: Collection[Pair], replan: Calla
     links = dict(snap.links)
     for p in depends:
         links[p] = low_end(links[p], ceiling, (floors or {}).get(p, 0.0))
+    if score is not None and all(links[p].bandwidth_bps * (1 + MARGIN) >= snap.links[p].bandwidth_bps for p in depends):
+        # no link of the plan's is more than 1 + MARGIN slower at its low end, so neither is the plan (its
+        # predicted time is a sum and maximum of transfer times), and no layout beats it there by more
+        return PairCheck(depends=depends)
     low = Snapshot(job=snap.job, epoch=snap.epoch, members=snap.members, links=links)
     alt = replan(low)
     if layout(alt) == layout(plan):

@@ -27,6 +27,7 @@ from fusionp2p.jobs.verify_links import (
     MeasureDesk,
     decode_figure,
     estimate_table,
+    floors,
     measure_pairs,
     member_ask,
     verified_plan,
@@ -140,6 +141,16 @@ def test_ends_that_others_measured_fast_are_checked_at_that_rate_and_nothing_is_
     snap, plan, chk, took = _run(links, estimate_table(reports), ask)
     assert chk.depends == ((A, B),) and not chk.decides and (A, B) in plan_pairs(plan) and took == 0
     assert check(plan, snap, [(A, B)], _planner).decides   # at the median's rate alone it would ask
+    # measured at the estimate itself: no link of the plan's is slower at its low end, so no extra plan is made
+    plans: list[Snapshot] = []
+
+    def counted(s: Snapshot) -> Plan:
+        plans.append(s)
+        return _planner(s)
+
+    table = estimate_table([*reports[:-1], _report("peer-e", 100e6, (A, 100e6), (B, 100e6))])
+    chk2 = check(plan, snap, [(A, B)], counted, score=_score, floors=floors(table, [(A, B)]))
+    assert chk2.depends == ((A, B),) and not chk2.decides and plans == []
 
 
 def test_a_layout_that_wins_by_less_than_the_margin_at_the_low_end_asks_nothing() -> None:
