@@ -15,6 +15,8 @@ the JOB control protocol (``jobs/proto.py``):
   job's :class:`JobRun` elects the plan and trains (``jobs/run.py``).
 * ``halt`` / ``status`` / ``keep`` / ``done``: the re-plan and checkpoint traffic between members.
 * ``cancel``: from the publisher.
+* ``measure``: from the publisher, before it adopts the first plan: probe our link to another member now and
+  answer the figure (``jobs/verify_links.py``: at most 16 per job, one at a time).
 * ``receipt`` / ``receipts``: a finished job's publisher hands this node its signed work receipt, which it
   shows to whoever asks (a publisher or leader that requires a standing: ``jobs/reputation.py``).
 
@@ -54,6 +56,7 @@ from fusionp2p.jobs.replan import Resume
 from fusionp2p.jobs.reputation import ReceiptBook, decode_receipt
 from fusionp2p.jobs.run import JobRun, StartRequest, describe
 from fusionp2p.jobs.status import JobView
+from fusionp2p.jobs.verify_links import MeasureDesk
 from fusionp2p.net.addrs import tcp_endpoint, tcp_multiaddr
 from fusionp2p.net.bulk import DataPlane, DataPlaneConfig, open_data_plane
 from fusionp2p.net.resilient import (
@@ -99,6 +102,7 @@ class NodeJobService:
         self._subs: dict[str, trio.MemorySendChannel[tuple[str, ProgressEvent]]] = {}
         self._intakes: Counter[str] = Counter()   # offers being verified and fetched now, by offering peer (hold a slot)
         self._intake_ids = 0                       # names the pins of an offer being fetched (its job id is not known yet)
+        self._measure: MeasureDesk | None = None   # links measured for a publisher before its plan (jobs/verify_links.py)
 
     @property
     def receipts(self) -> ReceiptBook:
@@ -260,6 +264,10 @@ class NodeJobService:
             return {"ok": True}
         if op == "start":
             return self._start(peer, run, req)
+        if op == "measure":    # a link of ours its publisher's first plan depends on (jobs/verify_links.py)
+            if self._measure is None:
+                self._measure = MeasureDesk(self.transport.peer_id, self.swarm.prober, self.swarm.view)
+            return await self._measure.answer(peer, job_id, run.publisher, req)
         if op == "receipt":    # only from the publisher of a job this node ran, about that job
             r = decode_receipt(req.get("receipt"))
             ok = peer == run.publisher == r.issuer and r.job == job_id and self.receipts.add(r)

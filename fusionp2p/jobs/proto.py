@@ -36,7 +36,7 @@ MAX_JOB_FRAME = 8 * 1024 * 1024        # a snapshot of a large swarm fits; blobs
 # claims, bundle, stamps and verdict: verified stages between the members (jobs/verified.py); receipt and receipts:
 # work receipts for reputation admission (jobs/reputation.py)
 OPS = ("offer", "start", "cancel", "status", "report", "halt", "keep", "done", "replan", "end", "claims", "bundle",
-       "stamps", "verdict", "receipt", "receipts")
+       "stamps", "verdict", "receipt", "receipts", "measure")
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]   # (remote peer, request) -> reply
 

@@ -17,7 +17,8 @@ Theory of operation. A :class:`JobDriver` takes one built, signed job through it
    after the offers (its probes ran on meanwhile). A job submitted just after the nodes started ran on
    whichever had measured already (one node of five). ``offer_timeout`` bounds the wait; a node whose
    start-up does not serve within its ``on_demand_timeout`` (120 s) answers no and is left out.
-3. *Start*: propose the snapshot of the accepting members (profiles + measured links) as epoch 0.
+3. *Start*: propose the snapshot of the accepting members (profiles, measured links, estimates elsewhere; the
+   estimated pairs a layout hinges on measured first: ``jobs/verify_links.py``) as epoch 0.
    Every member plans from it and the members elect the plan over gossip. From then on the job
    belongs to its members: they re-plan among themselves when members die, leave or join
    (``jobs/run.py``), and we only follow.
@@ -51,7 +52,7 @@ from fusionp2p.data.file_shards import FileRange
 from fusionp2p.errors import ConfigError, FusionError, JobError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs import reputation
-from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot
+from fusionp2p.jobs.build import BuiltJob
 from fusionp2p.jobs.candidates import accepted_profile, choose_candidates
 from fusionp2p.jobs.checkpoint import decode_state, save_stage, stage_path
 from fusionp2p.jobs.content import ContentService
@@ -77,12 +78,11 @@ from fusionp2p.jobs.records import register_rankers
 from fusionp2p.jobs.replan import Resume
 from fusionp2p.jobs.reputation import RECEIPT_TIMEOUT
 from fusionp2p.jobs.spec import JobSpec, decode_signed
+from fusionp2p.jobs.verify_links import BandwidthTable, first_plan, judged_view
 from fusionp2p.net.addrs import GLOBAL, LOOPBACK, PRIVATE, peer_dial_addrs
 from fusionp2p.net.identity import verify
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Link
-from fusionp2p.plan.snapshot import snapshot_from_records
-from fusionp2p.swarm.membership import judged_links
 from fusionp2p.swarm.node import fetch_view
 from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.jobrecords import (
@@ -97,7 +97,7 @@ from fusionp2p.wire.jobrecords import (
     status_key,
 )
 from fusionp2p.wire.protocols import JOB, TOPIC_JOBS
-from fusionp2p.wire.records import BandwidthReport, NodeRecord
+from fusionp2p.wire.records import NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,7 @@ class SwarmView:
     # live training members whose record has no profile yet (their start-up has not measured it: offered the
     # job all the same; the accept carries the profile); their records and addresses are in the fields above
     unmeasured: tuple[str, ...] = ()
+    table: BandwidthTable | None = None   # the reports of the view, judged: the estimates of unmeasured pairs
 
 
 async def discover(t: Transport, bootstraps: list[str], *, timeout: float) -> SwarmView:
@@ -184,10 +185,8 @@ async def discover(t: Transport, bootstraps: list[str], *, timeout: float) -> Sw
                 unmeasured.append(rec.peer)
             records[rec.peer] = rec
             addrs[rec.peer] = rec.addrs
-    # a node whose capacity claims the bootstrap distrusts is planned from others' measurements of it
-    judged = judged_links([r for r in view["bw"] if isinstance(r, BandwidthReport)], view.get("distrusted", ()))
-    links = [(a, b, Link(bandwidth_bps=e.bandwidth, latency_s=max(0.0, e.rtt / 2))) for a, b, e in judged]
-    return SwarmView(members=members, addrs=addrs, links=links, records=records,
+    links, table = judged_view(view)   # a node the bootstrap distrusts: planned from others' measurements of it
+    return SwarmView(members=members, addrs=addrs, links=links, records=records, table=table,
                      unmeasured=tuple(sorted(set(unmeasured) - set(members))))
 
 
@@ -316,13 +315,13 @@ class JobDriver:
             # probed on while it ran and we waited: the links measured since, from a second read of the view
             try:
                 fresh = await discover(self.transport, self.bootstraps, timeout=cfg.view_timeout)
-                view = dataclasses.replace(view, links=fresh.links)
+                view = dataclasses.replace(view, links=fresh.links, table=fresh.table)
             except PeerUnavailable as exc:
                 log.info("job %s: planned with the links read before the offers (%s)", self.job, exc)
         # the profiles scaled by the speeds the nodes trained at in earlier jobs of this model (jobs/rebalance.py)
         speeds = {p: r.speed_on(built.spec.model_hash) for p, r in view.records.items()}
-        snap = snapshot_from_records(self.job, 0, calibrated(accepted, speeds).items(), view.links)
-        plan = plan_for_snapshot(built.spec, built.dag, snap)
+        # on measured links, estimates elsewhere; estimated pairs that decide the layout measured first
+        snap, plan = await first_plan(self.transport, built, calibrated(accepted, speeds).items(), view.links, view.table)
         self._state(JobState.PLANNED, plan.plan_hash())
         self._on_plan(PlanChanged.of(plan, at=time.time(), accepted=accepted, replicas_hint=built.spec.config.replicas))
         # the plan's hash goes with it: a member that computed the same plan from the snapshot adopts it at

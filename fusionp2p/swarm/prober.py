@@ -30,7 +30,7 @@ import trio
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import Transport
-from fusionp2p.swarm.membership import BandwidthTable, MembershipView, chosen, ema, probes_of
+from fusionp2p.swarm.membership import BandwidthTable, LinkEstimate, MembershipView, chosen, ema, probes_of
 from fusionp2p.swarm.probe import (
     OWN,
     RAW_RETRY,
@@ -140,6 +140,7 @@ class LinkProber:
         # (the view hands out the same list object until its members change: compared by identity first)
         self._sets: tuple[list[str], list[str], set[str]] = ([], [], set())
         self._sets_at = -float("inf")
+        self._asked = trio.Lock()                  # measurements asked for by a job's publisher: one at a time
 
     def set_training(self, training: Callable[[], bool]) -> None:
         self.training = training
@@ -318,6 +319,28 @@ class LinkProber:
                 await session.aclose()
         if res is not None:
             self._apply_probe(peer, res)
+
+    async def measure_now(self, peer: str, *, timeout: float) -> LinkEstimate | None:
+        """Our link to *peer*, measured now if we have no figure of it (asked for by a job's publisher before
+        it adopts a plan: jobs/verify_links.py), within *timeout*; None when it could not be. One such probe
+        at a time, outside the rounds (its transfer still draws on the duty bucket); the figure is ours from
+        then on, as a round's would be (our next report carries it)."""
+        link = self.links.get(peer)
+        if link is None or link.samples == 0:
+            spent = [0.0]
+            with trio.move_on_after(timeout):
+                async with self._asked:
+                    for _ in range(2):   # a pilot (no estimate to size the first transfer) is not a figure yet
+                        await self._probe_one(peer, trio.Lock(), trio.CapacityLimiter(1), spent)
+                        tried = self.links.get(peer)
+                        if tried is None or tried.samples or tried.failures:
+                            break
+            self._refill()
+            self.credit -= spent[0]
+            link = self.links.get(peer)
+        if link is None or not link.samples or not link.bandwidth:
+            return None
+        return LinkEstimate(link.bandwidth, link.rtt or 0.0, True)
 
     def _link(self, peer: str) -> _Link:
         """Our probe state for *peer*, created on first use."""

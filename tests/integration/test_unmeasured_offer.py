@@ -19,7 +19,7 @@ import trio
 
 from fusionp2p.data import BuiltinCorpus
 from fusionp2p.jobs import proto as job_proto
-from fusionp2p.jobs import publisher
+from fusionp2p.jobs import publisher, verify_links
 from fusionp2p.jobs.build import build_job, plan_for_snapshot
 from fusionp2p.jobs.content import ContentService, ContentStore
 from fusionp2p.jobs.embedded import EmbeddedConfig, open_embedded_swarm
@@ -51,14 +51,15 @@ async def _run_tiny_job(pub: publisher.Publisher, client: Any, cfg: TrainConfig,
 
 
 def _planned_snapshots(monkeypatch: pytest.MonkeyPatch) -> list[Snapshot]:
-    """The snapshots the publisher plans from (its plan_for_snapshot, wrapped)."""
+    """The snapshots the publisher plans from (its plan_for_snapshot, wrapped: jobs/verify_links.py; the first
+    is the members' snapshot, any later one the link check's)."""
     snaps: list[Snapshot] = []
 
     def planned(spec: Any, dag: Any, snap: Snapshot, **kw: Any) -> Any:
         snaps.append(snap)
         return plan_for_snapshot(spec, dag, snap, **kw)
 
-    monkeypatch.setattr(publisher, "plan_for_snapshot", planned)
+    monkeypatch.setattr(verify_links, "plan_for_snapshot", planned)
     return snaps
 
 
@@ -107,7 +108,7 @@ def test_members_without_a_profile_are_offered_the_job_and_planned_with_the_prof
     assert states == ["planned", "running", "done"], events[-1]
     measured, *deferred = got["nodes"]
     # every node that measured when offered is in the publisher's snapshot with the profile it measured
-    (snap,) = snaps
+    snap = snaps[0]
     assert dict(snap.members) == {measured: TEST_PROFILE, **dict.fromkeys(deferred, LATE)}
     plan = next(e for e in events if isinstance(e, PlanChanged))
     assert set(plan.members) | set(plan.idle) == {measured, *deferred}
@@ -176,7 +177,7 @@ def test_daemons_that_have_not_started_up_are_offered_the_job_over_libp2p(tmp_pa
 
     events, peers, startups = trio.run(main)
     assert [e.state for e in events if isinstance(e, JobStateChanged)] == ["planned", "running", "done"], events[-1]
-    (snap,) = snaps
+    snap = snaps[0]
     assert dict(snap.members) == dict.fromkeys(peers, LATE)
     assert all(s.on_demand for s in startups)
 

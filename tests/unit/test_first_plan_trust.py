@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from fusionp2p.errors import RemoteProtocolError
-from fusionp2p.jobs import publisher
+from fusionp2p.jobs import publisher, verify_links
 from fusionp2p.net.identity import Identity
 from fusionp2p.swarm.membership import judged_links
 from fusionp2p.swarm.node import SwarmConfig
@@ -90,7 +90,7 @@ def test_discover_takes_the_bootstraps_distrusted_nodes(monkeypatch: pytest.Monk
         seen.append(list(distrusted))
         return real(reports, distrusted)
 
-    monkeypatch.setattr(publisher, "judged_links", spy)
+    monkeypatch.setattr(verify_links, "judged_links", spy)
 
     want: list[str] = []
 
