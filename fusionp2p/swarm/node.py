@@ -56,6 +56,7 @@ from fusionp2p.swarm.reach import (
     verdict,
 )
 from fusionp2p.swarm.rejoin import keep_joined
+from fusionp2p.swarm.suspect import Confirmer
 
 # the VIEW protocol's wire lives in swarm/view_wire.py; re-exported here for its older importers
 from fusionp2p.swarm.view_wire import MAX_VIEW, fetch_view_raw
@@ -104,6 +105,11 @@ class SwarmConfig:
     # timeout is longer (more than ~20 members): 12 processes on the loaded 2-core machine opened streams in
     # 8 s (median), and a 10 s watch declared live nodes dead 14 times in 2 minutes
     watch_timeout: float = 20.0
+    # a member silent past its timeout is suspect this long, pinged directly (at most confirm_pings at once),
+    # and declared dead only if it neither answered nor sent a record (swarm/suspect.py; 0: dead at once)
+    # (20 processes on the 2-core machine, 2026-11-30: PROBE streams opened in 5.4 s, median, 9 s at p90)
+    confirm: float = 10.0
+    confirm_pings: int = 4
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     probing: bool = True               # measure bandwidth to peers (off on bootstraps)
     join_attempts: int = 5
@@ -125,11 +131,14 @@ class SwarmConfig:
             raise ConfigError("gossip_rate must be positive")
         if self.watch < 0 or not self.watch_timeout > 0:
             raise ConfigError("watch must be >= 0 and watch_timeout positive")
+        if not self.confirm >= 0 or self.confirm_pings < 1:
+            raise ConfigError("confirm must be >= 0 and confirm_pings >= 1")
 
 
 # A job's measured speed of this node (note_speed) enters the announced figure with this weight: one job's
 # figure is noisy (a benchmarks.wan host read 0.65-0.99x on the whole model in four consecutive jobs).
 SPEED_WEIGHT = 0.5
+ADDRS_TTL = 30.0   # seconds our derived listen addresses are reused (SwarmNode._own_addrs)
 
 
 @dataclass
@@ -157,7 +166,8 @@ class SwarmNode:
         self.config = config
         self.profile = profile
         self.peer_id = transport.peer_id
-        self.view = MembershipView(self_peer=self.peer_id, timeout=config.dead_timeout, beats=config.dead_beats)
+        self.view = MembershipView(self_peer=self.peer_id, timeout=config.dead_timeout, beats=config.dead_beats,
+                                   confirm=config.confirm)
         self.bandwidth = BandwidthTable()
         self.counters = Counters()
         self._started = wall_clock()
@@ -170,6 +180,7 @@ class SwarmNode:
         self._reported_down = 0.0
         self._announced = config.heartbeat
         self._last_beat = -float("inf")
+        self._addrs: tuple[float, tuple[str, ...]] | None = None   # (when, _own_addrs())
         self._dialed: set[str] = set()
         # member -> (when we may dial it again, the wait after the next failure): a member whose addresses
         # all fail is dialled again after 2, 4, ... 300 s, not at every heartbeat (issue 43: an attacker
@@ -186,6 +197,8 @@ class SwarmNode:
         self.watcher = Watcher(transport, k=config.watch, heartbeat=config.heartbeat, dead_after=max(config.watch_timeout, config.dead_timeout),
                                members=self.members, heard=self.view.last_seen.get, timeout_of=self.view.timeout_of,
                                declare=self._declare_gone)
+        self.confirmer = Confirmer(transport, self.view, limit=config.confirm_pings,
+                                   dead=lambda p: self._apply_events(self.view.declare_dead(p, trio.current_time())))
         self._urgent = False                        # the next early beat goes out at once (we were declared dead)
         self._pulling = False                       # the records being applied come from a VIEW, not gossip
         self._leaving = False
@@ -236,6 +249,7 @@ class SwarmNode:
             pulled = trio.Event()
             nursery.start_soon(self._pull_views, joined, pulled)
             nursery.start_soon(self._reaper)
+            nursery.start_soon(self.confirmer.run)
             nursery.start_soon(self._dialer)
             if self.config.probing and self.config.role == "node":
                 nursery.start_soon(self.prober.run)
@@ -489,12 +503,20 @@ class SwarmNode:
         self._announced = self.period()   # peers time us out by this, so it is also our next wait
         # direct addresses first (a peer on our LAN dials them), then circuits through our relays
         circuits = self.transport.circuit_addrs() if isinstance(self.transport, Relaying) else []
-        addrs = [a.rsplit("/p2p/", 1)[0] for a in self.transport.listen_addrs()][: MAX_ADDRS - min(len(circuits), 4)]
+        addrs = list(self._own_addrs())[: MAX_ADDRS - min(len(circuits), 4)]
         addrs += [a.rsplit("/p2p/", 1)[0] for a in circuits][:4]
         return NodeRecord(peer=self.peer_id, role=self.config.role, addrs=tuple(addrs),
                           profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced,
                           data=self.data_addrs, reach=self.reach, speed=self.speed, speed_model=self.speed_model,
                           seen=self.seen_ip, gone=gone)
+
+    def _own_addrs(self) -> tuple[str, ...]:
+        """Our listen addresses without the /p2p/ part, derived again at most every ``ADDRS_TTL`` seconds:
+        py-libp2p builds them anew per call (6% of publishing a heartbeat, per record and per dial)."""
+        now = trio.current_time()
+        if self._addrs is None or now - self._addrs[0] > ADDRS_TTL:
+            self._addrs = (now, tuple(a.rsplit("/p2p/", 1)[0] for a in self.transport.listen_addrs()))
+        return self._addrs[1]
 
     async def _publish_record(self, leaving: bool = False, gone: tuple[str, ...] = ()) -> None:
         self._last_beat = trio.current_time()
@@ -555,6 +577,8 @@ class SwarmNode:
                 # waits unread behind this wake-up, and is no evidence of their death
                 self.view.excuse(now - due)
             self._apply_events(self.view.tick(now))
+            if self.view.suspects:
+                self.confirmer.kick()
             due = now + period
 
     async def _listen(self, ch: trio.MemoryReceiveChannel[GossipMessage]) -> None:
@@ -638,7 +662,7 @@ class SwarmNode:
     def dial_scopes(self) -> frozenset[str]:
         """Where we dial peers' announced addresses (``net/addrs.py``): public addresses, and the private or
         loopback ranges that we listen on, reached a bootstrap on, or were seen at ourselves."""
-        own = {ip for a in self.transport.listen_addrs() if (ip := addr_ip(a.split("/p2p/", 1)[0])) is not None}
+        own = {ip for a in self._own_addrs() if (ip := addr_ip(a)) is not None}
         return dial_scopes(own | self._boot_ips | ({self.seen_ip} if self.seen_ip else set()))
 
     def punch_ips(self, peer: str) -> set[str] | None:
