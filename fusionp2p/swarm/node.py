@@ -8,8 +8,9 @@ Tasks, all owned by :meth:`SwarmNode.run`'s nursery:
   second whatever its size (every message reaches every node, D times over gossipsub);
 * listener: verify and apply the records in gossip (bad ones are counted and dropped; a report
   identical to the one we hold is not verified again);
-* reaper: mark peers dead after ``dead_timeout`` (or ``dead_beats`` of their announced periods, if
-  longer) without a heartbeat;
+* reaper: mark peers suspect after ``dead_timeout`` (or ``dead_beats`` of their announced periods, if
+  longer) without a heartbeat, and dead ``confirm`` seconds later unless they answered the direct ping
+  the confirmer (``swarm/suspect.py``, ``SwarmNode.confirmer``) sends them meanwhile;
 * watcher (``swarm/watch.py``, ``SwarmNode.watcher``): ping the ``watch`` members we chose every heartbeat
   and announce at once those that stopped answering (``NodeRecord.gone``), so that a death is known
   within a bound that does not grow with the swarm, as the heartbeat period does;
@@ -17,7 +18,7 @@ Tasks, all owned by :meth:`SwarmNode.run`'s nursery:
   one side only; the node signs its figures into our BandwidthReport and publishes our first figure,
   and the round that completes our share of the matrix, at once (early heartbeats, at most one per
   half period);
-* dialer: connect directly to every member we learn of (again if the connection dropped), so gossip
+* dialer (``swarm/dialer.py``): connect directly to every member we learn of (again if the connection dropped), so gossip
   and probes do not depend on the bootstrap; on joining, one VIEW round trip to the bootstrap tells us
   every live member at once.
 
@@ -44,6 +45,7 @@ from fusionp2p.net.dial_errors import is_final
 from fusionp2p.net.identity import verify
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage, Relaying, Stream, Transport
+from fusionp2p.swarm.dialer import MemberDialer
 from fusionp2p.swarm.membership import BandwidthTable, Change, MemberEvent, MembershipView
 from fusionp2p.swarm.probe import ProbeConfig, RawPath
 from fusionp2p.swarm.prober import LinkProber
@@ -181,12 +183,6 @@ class SwarmNode:
         self._announced = config.heartbeat
         self._last_beat = -float("inf")
         self._addrs: tuple[float, tuple[str, ...]] | None = None   # (when, _own_addrs())
-        self._dialed: set[str] = set()
-        # member -> (when we may dial it again, the wait after the next failure): a member whose addresses
-        # all fail is dialled again after 2, 4, ... 300 s, not at every heartbeat (issue 43: an attacker
-        # announcing unreachable addresses and reach=public had every NAT'd node dial 4 of them each second)
-        self._dial_after: dict[str, float] = {}
-        self._dial_wait: dict[str, float] = {}
         self._connected_at, self._connected_set = -float("inf"), set[str]()
         self._changed = trio.Event()
         self._beat_now = trio.Event()
@@ -220,7 +216,9 @@ class SwarmNode:
         self._relay_refused: dict[str, float] = {}   # relay candidate -> when it refused us a slot
         self.reach_service = ReachService(transport, serve_checks=config.role == "bootstrap",
                                           servers=lambda: self._servers, config=config.reach)
-        self._dial_send, self._dial_recv = trio.open_memory_channel[NodeRecord](1024)
+        self.dialer = MemberDialer(transport, connected=self._connected, alive=self.view.is_alive,
+                                   scopes=self.dial_scopes)   # swarm/dialer.py
+        self._dialed = self.dialer.queued
 
     # -- public -----------------------------------------------------------------------------------
     async def run(self, bootstrap: list[str], *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -250,7 +248,7 @@ class SwarmNode:
             nursery.start_soon(self._pull_views, joined, pulled)
             nursery.start_soon(self._reaper)
             nursery.start_soon(self.confirmer.run)
-            nursery.start_soon(self._dialer)
+            nursery.start_soon(self.dialer.run)
             if self.config.probing and self.config.role == "node":
                 nursery.start_soon(self.prober.run)
             if self.config.watch and self.config.role == "node":
@@ -636,10 +634,8 @@ class SwarmNode:
             # we are not connected to (never yet, or the connection dropped) is dialled at its heartbeat.
             # A node that peers cannot dial (behind a NAT) dials those that can instead (swarm/reach.py).
             if (should_dial(self.peer_id, self.reach, rec.peer, rec.reach) and not rec.leaving
-                    and rec.peer not in self._dialed and rec.addrs and rec.peer not in self._connected()
-                    and trio.current_time() >= self._dial_after.get(rec.peer, 0.0)):
-                self._dialed.add(rec.peer)
-                self._spawn_dial(rec)
+                    and rec.addrs and self.dialer.due(rec.peer) and rec.peer not in self._connected()):
+                self.dialer.spawn(rec)
         elif isinstance(rec, BandwidthReport) and self.bandwidth.on_report(rec):
             self._known_bw.discard(self._raw_bw.get(rec.peer, b""))
             self._raw_bw[rec.peer] = raw
@@ -681,42 +677,6 @@ class SwarmNode:
         if rec is None or rec.leaving or not self.view.is_alive(peer):
             return []
         return peer_dial_addrs([a for a in rec.addrs if "/p2p-circuit" in a], self.dial_scopes(), limit=2)
-
-    def _spawn_dial(self, rec: NodeRecord) -> None:
-        try:
-            self._dial_send.send_nowait(rec)
-        except trio.WouldBlock:
-            self._dialed.discard(rec.peer)  # retried at its next heartbeat
-
-    async def _dialer(self) -> None:
-        async for rec in self._dial_recv:
-            try:
-                if rec.peer in self._connected() or not self.view.is_alive(rec.peer):
-                    continue
-                # a record's addresses are its sender's claim: a few, in our scopes (net/addrs.py, issue 43)
-                addrs = peer_dial_addrs(rec.addrs, self.dial_scopes())
-                if len(addrs) < len(rec.addrs):
-                    log.debug("dial %s: %d of its %d addresses left out", short_peer(rec.peer), len(rec.addrs) - len(addrs),
-                              len(rec.addrs))
-                for addr in addrs:
-                    try:
-                        await self.transport.connect(f"{addr}/p2p/{rec.peer}")
-                        self._connected_set.add(rec.peer)
-                        self._dial_after.pop(rec.peer, None)
-                        self._dial_wait.pop(rec.peer, None)
-                        break
-                    except (PeerUnavailable, ConfigError) as exc:
-                        log.debug("dial %s at %s: %s", short_peer(rec.peer), addr, exc)
-                else:
-                    wait = self._dial_wait.get(rec.peer, 1.0) * 2
-                    self._dial_wait[rec.peer] = min(wait, 300.0)
-                    self._dial_after[rec.peer] = trio.current_time() + min(wait, 300.0)
-                    if len(self._dial_after) > 4096:   # bounded: the oldest entries go
-                        for p in list(self._dial_after)[:1024]:
-                            self._dial_after.pop(p, None)
-                            self._dial_wait.pop(p, None)
-            finally:
-                self._dialed.discard(rec.peer)   # _dialed = dials queued or under way
 
     def _apply_events(self, events: list[MemberEvent]) -> None:
         if not events:

@@ -6,7 +6,7 @@ each other's event loops and gossip (2026-11-30: 1,840 "dead" events in 5 minute
 silent past its timeout is only *suspect* (``MembershipView.suspects``, still a member) for
 ``SwarmConfig.confirm`` seconds, and :class:`Confirmer` pings it directly meanwhile (a PROBE stream, one
 ping): an answer vouches for it (``MembershipView.vouch``: as good as a record), a refused stream or dial
-declares it dead at once (a try that timed out is tried again), and silence until the suspicion ends lets the view declare it dead then. A
+(no connection left to it) declares it dead at once (any other failed try is tried again), and silence until the suspicion ends lets the view declare it dead then. A
 starved-but-alive node answers late, not never. Detection stays bounded: the records' timeout plus
 ``confirm`` at most, whatever the pings do (a suspect that was never pinged dies at the same deadline).
 
@@ -95,8 +95,11 @@ class Confirmer:
 
     async def _ask(self, peer: str, until: float) -> str:
         """"answered", "refused", "silent" (no answer by the suspect's deadline) or "cleared" (a record of
-        it came, or it died, meanwhile). A try that timed out (the transport's own stream deadline: a
-        loaded peer, or our own loop) is silence, tried again until the deadline, not a refusal."""
+        it came, or it died, meanwhile). Refused: a try failed at once and we hold no connection to the
+        peer (a killed process: its connection dropped and a new dial is refused). A try that timed out
+        (the transport's own stream deadline: a loaded peer, or our own loop), or failed on a connection
+        we still hold (20 processes at load ~20: "Failed to create stream" to live peers, 26 false deaths
+        in 150 s when taken for a refusal), is tried again until the deadline."""
         with trio.move_on_at(until):
             while True:
                 try:
@@ -105,7 +108,7 @@ class Confirmer:
                     if peer not in self.view.suspects:
                         return "cleared"
                     log.debug("suspect %s: %s", short_peer(peer), exc)
-                    if "timed out" not in str(exc):
+                    if "timed out" not in str(exc) and peer not in self.transport.connected_peers():
                         return "refused"
                     await trio.sleep(RETRY)
                     continue
