@@ -57,20 +57,7 @@ class MemberDialer:
             try:
                 if rec.peer in self.connected() or not self.alive(rec.peer):
                     continue
-                addrs = peer_dial_addrs(rec.addrs, self.scopes())
-                if len(addrs) < len(rec.addrs):
-                    log.debug("dial %s: %d of its %d addresses left out", short_peer(rec.peer), len(rec.addrs) - len(addrs),
-                              len(rec.addrs))
-                for addr in addrs:
-                    try:
-                        await self.transport.connect(f"{addr}/p2p/{rec.peer}")
-                        self.connected().add(rec.peer)
-                        self.after.pop(rec.peer, None)
-                        self.wait.pop(rec.peer, None)
-                        break
-                    except (PeerUnavailable, ConfigError) as exc:
-                        log.debug("dial %s at %s: %s", short_peer(rec.peer), addr, exc)
-                else:
+                if not await self.dial(rec):
                     wait = min(self.wait.get(rec.peer, 1.0) * 2, MAX_WAIT)
                     self.wait[rec.peer] = wait
                     self.after[rec.peer] = trio.current_time() + wait
@@ -81,5 +68,22 @@ class MemberDialer:
             finally:
                 self.queued.discard(rec.peer)
 
+    async def dial(self, rec: NodeRecord) -> bool:
+        """Connect to *rec*'s member at a few of its addresses in our scopes, in turn; whether one answered."""
+        addrs = peer_dial_addrs(rec.addrs, self.scopes())
+        if len(addrs) < len(rec.addrs):
+            log.debug("dial %s: %d of its %d addresses left out", short_peer(rec.peer), len(rec.addrs) - len(addrs),
+                      len(rec.addrs))
+        for addr in addrs:
+            try:
+                await self.transport.connect(f"{addr}/p2p/{rec.peer}")
+            except (PeerUnavailable, ConfigError) as exc:
+                log.debug("dial %s at %s: %s", short_peer(rec.peer), addr, exc)
+                continue
+            self.connected().add(rec.peer)
+            self.after.pop(rec.peer, None)
+            self.wait.pop(rec.peer, None)
+            return True
+        return False
 
 __all__ = ["MemberDialer"]

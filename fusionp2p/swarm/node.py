@@ -193,8 +193,6 @@ class SwarmNode:
         self.watcher = Watcher(transport, k=config.watch, heartbeat=config.heartbeat, dead_after=max(config.watch_timeout, config.dead_timeout),
                                members=self.members, heard=self.view.last_seen.get, timeout_of=self.view.timeout_of,
                                declare=self._declare_gone)
-        self.confirmer = Confirmer(transport, self.view, limit=config.confirm_pings,
-                                   dead=lambda p: self._apply_events(self.view.declare_dead(p, trio.current_time())))
         self._urgent = False                        # the next early beat goes out at once (we were declared dead)
         self._pulling = False                       # the records being applied come from a VIEW, not gossip
         self._leaving = False
@@ -219,6 +217,8 @@ class SwarmNode:
         self.dialer = MemberDialer(transport, connected=self._connected, alive=self.view.is_alive,
                                    scopes=self.dial_scopes)   # swarm/dialer.py
         self._dialed = self.dialer.queued
+        self.confirmer = Confirmer(transport, self.view, limit=config.confirm_pings, redial=self._redial,
+                                   dead=lambda p: self._apply_events(self.view.declare_dead(p, trio.current_time())))
 
     # -- public -----------------------------------------------------------------------------------
     async def run(self, bootstrap: list[str], *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -677,6 +677,10 @@ class SwarmNode:
         if rec is None or rec.leaving or not self.view.is_alive(peer):
             return []
         return peer_dial_addrs([a for a in rec.addrs if "/p2p-circuit" in a], self.dial_scopes(), limit=2)
+
+    async def _redial(self, peer: str) -> bool:
+        rec = self.view.records.get(peer)
+        return rec is not None and bool(rec.addrs) and await self.dialer.dial(rec)
 
     def _apply_events(self, events: list[MemberEvent]) -> None:
         if not events:

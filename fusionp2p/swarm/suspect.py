@@ -18,7 +18,7 @@ a slot, and die at their deadline if none came.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -34,16 +34,18 @@ RETRY = 0.5           # seconds between a timed-out try and the next one
 
 
 class Confirmer:
-    """Ping the view's suspects (``SwarmNode.confirmer``); *dead* is called with a peer whose ping was refused."""
+    """Ping the view's suspects (``SwarmNode.confirmer``); *dead* is called with a peer whose ping and dial
+    were refused."""
 
-    def __init__(self, transport: Transport, view: MembershipView, *, limit: int,
-                 dead: Callable[[str], None], vouched: Callable[[str], None] = lambda _: None) -> None:
+    def __init__(self, transport: Transport, view: MembershipView, *, limit: int, dead: Callable[[str], None],
+                 redial: Callable[[str], Awaitable[bool]], vouched: Callable[[str], None] = lambda _: None) -> None:
         if limit < 1:
             raise ValueError("limit must be >= 1")
         self.transport = transport
         self.view = view
         self.limit = limit
         self.dead = dead
+        self.redial = redial      # connect to the peer at its record's addresses: whether one answered
         self.vouched = vouched
         self.pinging: set[str] = set()
         self.answered = 0    # suspects that answered (each a false death avoided)
@@ -95,11 +97,13 @@ class Confirmer:
 
     async def _ask(self, peer: str, until: float) -> str:
         """"answered", "refused", "silent" (no answer by the suspect's deadline) or "cleared" (a record of
-        it came, or it died, meanwhile). Refused: a try failed at once and we hold no connection to the
-        peer (a killed process: its connection dropped and a new dial is refused). A try that timed out
-        (the transport's own stream deadline: a loaded peer, or our own loop), or failed on a connection
-        we still hold (20 processes at load ~20: "Failed to create stream" to live peers, 26 false deaths
-        in 150 s when taken for a refusal), is tried again until the deadline."""
+        it came, or it died, meanwhile). Refused: a try failed at once, we hold no connection to the peer,
+        and a dial at its record's addresses fails (a killed process: its connection dropped and a new
+        dial is refused). Any other failed try is tried again until the deadline: one that timed out (the
+        transport's own stream deadline: a loaded peer, or our own loop), or failed on a connection we still
+        hold, or without one but dialled again (20 live processes at load 20-30, 2026-11-30: "Failed to
+        create stream" on held connections, 26 false deaths in 150 s taken as refusals; then, without a
+        connection, 38 more, half of them py-libp2p's "No known addresses": its peerstore's, not the peer's)."""
         with trio.move_on_at(until):
             while True:
                 try:
@@ -108,7 +112,10 @@ class Confirmer:
                     if peer not in self.view.suspects:
                         return "cleared"
                     log.debug("suspect %s: %s", short_peer(peer), exc)
-                    if "timed out" not in str(exc) and peer not in self.transport.connected_peers():
+                    # no connection left: dial its announced addresses (py-libp2p's peerstore may have let
+                    # them expire: "No known addresses"); refused there, it is dead
+                    if ("timed out" not in str(exc) and peer not in self.transport.connected_peers()
+                            and not await self.redial(peer)):
                         return "refused"
                     await trio.sleep(RETRY)
                     continue

@@ -88,3 +88,61 @@ def test_a_member_whose_heartbeats_stop_but_answers_pings_is_not_declared_dead()
                 nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+class _HangingTransport:
+    """open_stream never answers: counts the pings under way at once."""
+
+    peer_id = IDS[0]
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.most = 0
+        self.asked: list[str] = []
+
+    def connected_peers(self) -> list[str]:
+        return list(IDS[1:])
+
+    async def open_stream(self, peer: str, protocol: str) -> Stream:
+        self.asked.append(peer)
+        self.now += 1
+        self.most = max(self.most, self.now)
+        try:
+            await trio.sleep_forever()
+        finally:
+            self.now -= 1
+        raise AssertionError("unreachable")
+
+
+def test_suspects_are_pinged_a_few_at_a_time_and_die_at_their_deadline_regardless() -> None:
+    """Many suspects at once (a lying swarm going silent, or our own loop starved): at most ``limit``
+    pings run, earliest deadline first, and every suspect is dead by its deadline, pinged or not."""
+    from fusionp2p.swarm.suspect import Confirmer
+
+    ids = [f"peer{i:03d}" for i in range(1, 41)]
+
+    async def main() -> None:
+        v = MembershipView(self_peer=IDS[0], timeout=5.0, confirm=3.0)
+        for i, p in enumerate(ids):
+            v.on_record(_rec(p, 1), i * 0.01)
+        t = _HangingTransport()
+        dead: list[str] = []
+        async def no_dial(peer: str) -> bool:
+            return False
+
+        c = Confirmer(t, v, limit=4, dead=dead.append, redial=no_dial)  # type: ignore[arg-type]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(c.run)
+            await trio.sleep(5.5)
+            assert v.tick(trio.current_time()) == [] and len(v.suspects) == len(ids)
+            c.kick()
+            await trio.sleep(1.0)
+            assert t.most == 4 and sorted(t.asked) == ids[:4]   # earliest deadlines (then ids) first, four at once
+            await trio.sleep(2.1)                       # past every suspect's deadline (5.5 + 3 s)
+            died = v.tick(trio.current_time())
+            assert sorted(e.peer for e in died) == ids and dead == []   # silence, not refusals
+            await trio.sleep(1.0)
+            assert t.now == 0 and len(t.asked) <= 12 and not c.pinging   # pings ended with their suspects
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
