@@ -1,10 +1,12 @@
 """Membership and bandwidth views: pure state machines fed with verified records and a clock.
 
 Every node keeps its *own* authoritative view (the DHT is only for discovery): a peer is alive while
-its heartbeats (signed NodeRecords with increasing ``seq``) keep arriving; it is dead once nothing
-came for ``timeout`` seconds, or for ``beats`` of its own announced heartbeat periods when that is
-longer (large swarms stretch the period, see swarm.py), and gone at once when it announces ``leaving``. ``now`` is always
-passed in (trio.current_time() in the shell, a fake clock in tests).
+its heartbeats (signed NodeRecords with increasing ``seq``) keep arriving; once nothing came for ``timeout``
+seconds, or for ``beats`` of its own announced heartbeat periods when that is longer (large swarms stretch
+the period, see swarm.py), it is *suspect* for ``confirm`` seconds (0: dead at once): still a member, and
+dead only if no word of it (a record, or the answer to the direct ping the shell sends it,
+``swarm/suspect.py``, :meth:`MembershipView.vouch`) came by then; it is gone at once when it announces
+``leaving``. ``now`` is always passed in (trio.current_time() in the shell, a fake clock in tests).
 
 The bandwidth table keeps each measuring node's latest report and answers, for any pair, the
 directly measured link (either direction, the fresher EMA wins) or, when unmeasured, the sound
@@ -93,14 +95,18 @@ RECENT_DEATHS = 120.0
 
 
 class MembershipView:
-    """Live members from heartbeats, with a timeout for dead peers."""
+    """Live members from heartbeats, with a timeout for dead peers (after *confirm* seconds of suspicion)."""
 
-    def __init__(self, *, self_peer: str, timeout: float, beats: float = 5.0) -> None:
-        if timeout <= 0 or beats <= 1:
-            raise ValueError("timeout must be positive and beats larger than 1")
+    def __init__(self, *, self_peer: str, timeout: float, beats: float = 5.0, confirm: float = 0.0) -> None:
+        if timeout <= 0 or beats <= 1 or not confirm >= 0:
+            raise ValueError("timeout must be positive, beats larger than 1 and confirm >= 0")
         self.self_peer = self_peer
         self.timeout = timeout
         self.beats = beats
+        self.confirm = confirm
+        # members silent past their timeout, by the end of their suspicion: alive until then, dead at it
+        # unless a record or a ping's answer (vouch) came; at most the live members
+        self.suspects: dict[str, float] = {}
         self.records: dict[str, NodeRecord] = {}
         self.last_seen: dict[str, float] = {}
         self.dead: set[str] = set()
@@ -122,6 +128,7 @@ class MembershipView:
             self.rejected += 1
             return []
         self.records[rec.peer] = rec
+        self.suspects.pop(rec.peer, None)
         if rec.leaving:
             self.last_seen.pop(rec.peer, None)
             self.dead.discard(rec.peer)
@@ -164,10 +171,22 @@ class MembershipView:
         meanwhile are not read yet, so that time does not count as their silence."""
         for peer in self.last_seen:
             self.last_seen[peer] += seconds
+        for peer in self.suspects:
+            self.suspects[peer] += seconds
+
+    def vouch(self, peer: str, now: float) -> bool:
+        """*peer* answered us directly (a ping): as good as a record now. False if it is no live member."""
+        if peer not in self.last_seen or peer == self.self_peer:
+            return False
+        self.last_seen[peer] = seen = max(self.last_seen[peer], now)
+        if self.suspects.pop(peer, None) is not None:   # its entry in _due is at the suspicion's end: one now
+            heapq.heappush(self._due, (seen + self.timeout_of(peer), peer))
+        return True
 
     def tick(self, now: float) -> list[MemberEvent]:
-        """The members silent past their timeout, now dead. Looks only at those whose deadline (as of
-        their last record) passed: per tick, work in the members that died or sent a record since."""
+        """The members silent past their timeout, now suspect (:attr:`suspects`), and those whose
+        suspicion ended without word of them, now dead. Looks only at those whose deadline (as of their
+        last record) passed: per tick, work in the members that died or sent a record since."""
         out = []
         while self._due and self._due[0][0] < now:
             _, peer = heapq.heappop(self._due)
@@ -175,19 +194,20 @@ class MembershipView:
             if seen is None or peer == self.self_peer:
                 continue   # dead, left or ourselves: no longer watched here
             deadline = seen + self.timeout_of(peer)
-            if now > deadline:
-                del self.last_seen[peer]
-                self.dead.add(peer)
-                self._died[peer] = now
-                self._alive.clear()
-                out.append(MemberEvent(Change.DEAD, peer))
-            else:
+            if now <= deadline:
+                self.suspects.pop(peer, None)
                 heapq.heappush(self._due, (deadline, peer))
+                continue
+            if self.confirm > 0:
+                until = self.suspects.setdefault(peer, now + self.confirm)
+                if now <= until:
+                    heapq.heappush(self._due, (until, peer))
+                    continue
+            out.extend(self._kill(peer, now))
         return out
 
-    def declare_dead(self, peer: str, now: float | None = None) -> list[MemberEvent]:
-        """*peer* is dead by a watcher's word (``swarm/watch.py``), not by its silence here; a newer record
-        of it revives it. *now*: when (for :meth:`counted`; None: not counted as a recent death)."""
+    def _kill(self, peer: str, now: float | None) -> list[MemberEvent]:
+        self.suspects.pop(peer, None)
         if peer == self.self_peer or self.last_seen.pop(peer, None) is None:
             return []
         self.dead.add(peer)
@@ -195,6 +215,11 @@ class MembershipView:
             self._died[peer] = now
         self._alive.clear()
         return [MemberEvent(Change.DEAD, peer)]
+
+    def declare_dead(self, peer: str, now: float | None = None) -> list[MemberEvent]:
+        """*peer* is dead by a watcher's word (``swarm/watch.py``), not by its silence here; a newer record
+        of it revives it. *now*: when (for :meth:`counted`; None: not counted as a recent death)."""
+        return self._kill(peer, now)
 
     def alive(self, *, role: str | None = "node") -> list[str]:
         """Sorted peer ids of live members (of one role, or all with role=None). The same list object until

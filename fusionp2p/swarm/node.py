@@ -8,8 +8,9 @@ Tasks, all owned by :meth:`SwarmNode.run`'s nursery:
   second whatever its size (every message reaches every node, D times over gossipsub);
 * listener: verify and apply the records in gossip (bad ones are counted and dropped; a report
   identical to the one we hold is not verified again);
-* reaper: mark peers dead after ``dead_timeout`` (or ``dead_beats`` of their announced periods, if
-  longer) without a heartbeat;
+* reaper: mark peers suspect after ``dead_timeout`` (or ``dead_beats`` of their announced periods, if
+  longer) without a heartbeat, and dead ``confirm`` seconds later unless they answered the direct ping
+  the confirmer (``swarm/suspect.py``, ``SwarmNode.confirmer``) sends them meanwhile;
 * watcher (``swarm/watch.py``, ``SwarmNode.watcher``): ping the ``watch`` members we chose every heartbeat
   and announce at once those that stopped answering (``NodeRecord.gone``), so that a death is known
   within a bound that does not grow with the swarm, as the heartbeat period does;
@@ -17,7 +18,7 @@ Tasks, all owned by :meth:`SwarmNode.run`'s nursery:
   one side only; the node signs its figures into our BandwidthReport and publishes our first figure,
   and the round that completes our share of the matrix, at once (early heartbeats, at most one per
   half period);
-* dialer: connect directly to every member we learn of (again if the connection dropped), so gossip
+* dialer (``swarm/dialer.py``): connect directly to every member we learn of (again if the connection dropped), so gossip
   and probes do not depend on the bootstrap; on joining, one VIEW round trip to the bootstrap tells us
   every live member at once.
 
@@ -44,6 +45,7 @@ from fusionp2p.net.dial_errors import is_final
 from fusionp2p.net.identity import verify
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import GossipMessage, Relaying, Stream, Transport
+from fusionp2p.swarm.dialer import MemberDialer
 from fusionp2p.swarm.membership import BandwidthTable, Change, MemberEvent, MembershipView
 from fusionp2p.swarm.probe import ProbeConfig, RawPath
 from fusionp2p.swarm.prober import LinkProber
@@ -56,6 +58,7 @@ from fusionp2p.swarm.reach import (
     verdict,
 )
 from fusionp2p.swarm.rejoin import keep_joined
+from fusionp2p.swarm.suspect import Confirmer
 
 # the VIEW protocol's wire lives in swarm/view_wire.py; re-exported here for its older importers
 from fusionp2p.swarm.view_wire import MAX_VIEW, fetch_view_raw
@@ -104,6 +107,11 @@ class SwarmConfig:
     # timeout is longer (more than ~20 members): 12 processes on the loaded 2-core machine opened streams in
     # 8 s (median), and a 10 s watch declared live nodes dead 14 times in 2 minutes
     watch_timeout: float = 20.0
+    # a member silent past its timeout is suspect this long, pinged directly (at most confirm_pings at once),
+    # and declared dead only if it neither answered nor sent a record (swarm/suspect.py; 0: dead at once)
+    # (20 processes on the 2-core machine, 2026-11-30: PROBE streams opened in 5.4 s, median, 9 s at p90)
+    confirm: float = 10.0
+    confirm_pings: int = 4
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     probing: bool = True               # measure bandwidth to peers (off on bootstraps)
     join_attempts: int = 5
@@ -125,11 +133,14 @@ class SwarmConfig:
             raise ConfigError("gossip_rate must be positive")
         if self.watch < 0 or not self.watch_timeout > 0:
             raise ConfigError("watch must be >= 0 and watch_timeout positive")
+        if not self.confirm >= 0 or self.confirm_pings < 1:
+            raise ConfigError("confirm must be >= 0 and confirm_pings >= 1")
 
 
 # A job's measured speed of this node (note_speed) enters the announced figure with this weight: one job's
 # figure is noisy (a benchmarks.wan host read 0.65-0.99x on the whole model in four consecutive jobs).
 SPEED_WEIGHT = 0.5
+ADDRS_TTL = 30.0   # seconds our derived listen addresses are reused (SwarmNode._own_addrs)
 
 
 @dataclass
@@ -157,7 +168,8 @@ class SwarmNode:
         self.config = config
         self.profile = profile
         self.peer_id = transport.peer_id
-        self.view = MembershipView(self_peer=self.peer_id, timeout=config.dead_timeout, beats=config.dead_beats)
+        self.view = MembershipView(self_peer=self.peer_id, timeout=config.dead_timeout, beats=config.dead_beats,
+                                   confirm=config.confirm)
         self.bandwidth = BandwidthTable()
         self.counters = Counters()
         self._started = wall_clock()
@@ -170,12 +182,7 @@ class SwarmNode:
         self._reported_down = 0.0
         self._announced = config.heartbeat
         self._last_beat = -float("inf")
-        self._dialed: set[str] = set()
-        # member -> (when we may dial it again, the wait after the next failure): a member whose addresses
-        # all fail is dialled again after 2, 4, ... 300 s, not at every heartbeat (issue 43: an attacker
-        # announcing unreachable addresses and reach=public had every NAT'd node dial 4 of them each second)
-        self._dial_after: dict[str, float] = {}
-        self._dial_wait: dict[str, float] = {}
+        self._addrs: tuple[float, tuple[str, ...]] | None = None   # (when, _own_addrs())
         self._connected_at, self._connected_set = -float("inf"), set[str]()
         self._changed = trio.Event()
         self._beat_now = trio.Event()
@@ -207,7 +214,11 @@ class SwarmNode:
         self._relay_refused: dict[str, float] = {}   # relay candidate -> when it refused us a slot
         self.reach_service = ReachService(transport, serve_checks=config.role == "bootstrap",
                                           servers=lambda: self._servers, config=config.reach)
-        self._dial_send, self._dial_recv = trio.open_memory_channel[NodeRecord](1024)
+        self.dialer = MemberDialer(transport, connected=self._connected, alive=self.view.is_alive,
+                                   scopes=self.dial_scopes)   # swarm/dialer.py
+        self._dialed = self.dialer.queued
+        self.confirmer = Confirmer(transport, self.view, limit=config.confirm_pings, redial=self._redial,
+                                   dead=lambda p: self._apply_events(self.view.declare_dead(p, trio.current_time())))
 
     # -- public -----------------------------------------------------------------------------------
     async def run(self, bootstrap: list[str], *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -236,7 +247,8 @@ class SwarmNode:
             pulled = trio.Event()
             nursery.start_soon(self._pull_views, joined, pulled)
             nursery.start_soon(self._reaper)
-            nursery.start_soon(self._dialer)
+            nursery.start_soon(self.confirmer.run)
+            nursery.start_soon(self.dialer.run)
             if self.config.probing and self.config.role == "node":
                 nursery.start_soon(self.prober.run)
             if self.config.watch and self.config.role == "node":
@@ -489,12 +501,20 @@ class SwarmNode:
         self._announced = self.period()   # peers time us out by this, so it is also our next wait
         # direct addresses first (a peer on our LAN dials them), then circuits through our relays
         circuits = self.transport.circuit_addrs() if isinstance(self.transport, Relaying) else []
-        addrs = [a.rsplit("/p2p/", 1)[0] for a in self.transport.listen_addrs()][: MAX_ADDRS - min(len(circuits), 4)]
+        addrs = list(self._own_addrs())[: MAX_ADDRS - min(len(circuits), 4)]
         addrs += [a.rsplit("/p2p/", 1)[0] for a in circuits][:4]
         return NodeRecord(peer=self.peer_id, role=self.config.role, addrs=tuple(addrs),
                           profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced,
                           data=self.data_addrs, reach=self.reach, speed=self.speed, speed_model=self.speed_model,
                           seen=self.seen_ip, gone=gone)
+
+    def _own_addrs(self) -> tuple[str, ...]:
+        """Our listen addresses without the /p2p/ part, derived again at most every ``ADDRS_TTL`` seconds:
+        py-libp2p builds them anew per call (6% of publishing a heartbeat, per record and per dial)."""
+        now = trio.current_time()
+        if self._addrs is None or now - self._addrs[0] > ADDRS_TTL:
+            self._addrs = (now, tuple(a.rsplit("/p2p/", 1)[0] for a in self.transport.listen_addrs()))
+        return self._addrs[1]
 
     async def _publish_record(self, leaving: bool = False, gone: tuple[str, ...] = ()) -> None:
         self._last_beat = trio.current_time()
@@ -555,6 +575,8 @@ class SwarmNode:
                 # waits unread behind this wake-up, and is no evidence of their death
                 self.view.excuse(now - due)
             self._apply_events(self.view.tick(now))
+            if self.view.suspects:
+                self.confirmer.kick()
             due = now + period
 
     async def _listen(self, ch: trio.MemoryReceiveChannel[GossipMessage]) -> None:
@@ -612,10 +634,8 @@ class SwarmNode:
             # we are not connected to (never yet, or the connection dropped) is dialled at its heartbeat.
             # A node that peers cannot dial (behind a NAT) dials those that can instead (swarm/reach.py).
             if (should_dial(self.peer_id, self.reach, rec.peer, rec.reach) and not rec.leaving
-                    and rec.peer not in self._dialed and rec.addrs and rec.peer not in self._connected()
-                    and trio.current_time() >= self._dial_after.get(rec.peer, 0.0)):
-                self._dialed.add(rec.peer)
-                self._spawn_dial(rec)
+                    and rec.addrs and self.dialer.due(rec.peer) and rec.peer not in self._connected()):
+                self.dialer.spawn(rec)
         elif isinstance(rec, BandwidthReport) and self.bandwidth.on_report(rec):
             self._known_bw.discard(self._raw_bw.get(rec.peer, b""))
             self._raw_bw[rec.peer] = raw
@@ -638,7 +658,7 @@ class SwarmNode:
     def dial_scopes(self) -> frozenset[str]:
         """Where we dial peers' announced addresses (``net/addrs.py``): public addresses, and the private or
         loopback ranges that we listen on, reached a bootstrap on, or were seen at ourselves."""
-        own = {ip for a in self.transport.listen_addrs() if (ip := addr_ip(a.split("/p2p/", 1)[0])) is not None}
+        own = {ip for a in self._own_addrs() if (ip := addr_ip(a)) is not None}
         return dial_scopes(own | self._boot_ips | ({self.seen_ip} if self.seen_ip else set()))
 
     def punch_ips(self, peer: str) -> set[str] | None:
@@ -658,41 +678,9 @@ class SwarmNode:
             return []
         return peer_dial_addrs([a for a in rec.addrs if "/p2p-circuit" in a], self.dial_scopes(), limit=2)
 
-    def _spawn_dial(self, rec: NodeRecord) -> None:
-        try:
-            self._dial_send.send_nowait(rec)
-        except trio.WouldBlock:
-            self._dialed.discard(rec.peer)  # retried at its next heartbeat
-
-    async def _dialer(self) -> None:
-        async for rec in self._dial_recv:
-            try:
-                if rec.peer in self._connected() or not self.view.is_alive(rec.peer):
-                    continue
-                # a record's addresses are its sender's claim: a few, in our scopes (net/addrs.py, issue 43)
-                addrs = peer_dial_addrs(rec.addrs, self.dial_scopes())
-                if len(addrs) < len(rec.addrs):
-                    log.debug("dial %s: %d of its %d addresses left out", short_peer(rec.peer), len(rec.addrs) - len(addrs),
-                              len(rec.addrs))
-                for addr in addrs:
-                    try:
-                        await self.transport.connect(f"{addr}/p2p/{rec.peer}")
-                        self._connected_set.add(rec.peer)
-                        self._dial_after.pop(rec.peer, None)
-                        self._dial_wait.pop(rec.peer, None)
-                        break
-                    except (PeerUnavailable, ConfigError) as exc:
-                        log.debug("dial %s at %s: %s", short_peer(rec.peer), addr, exc)
-                else:
-                    wait = self._dial_wait.get(rec.peer, 1.0) * 2
-                    self._dial_wait[rec.peer] = min(wait, 300.0)
-                    self._dial_after[rec.peer] = trio.current_time() + min(wait, 300.0)
-                    if len(self._dial_after) > 4096:   # bounded: the oldest entries go
-                        for p in list(self._dial_after)[:1024]:
-                            self._dial_after.pop(p, None)
-                            self._dial_wait.pop(p, None)
-            finally:
-                self._dialed.discard(rec.peer)   # _dialed = dials queued or under way
+    async def _redial(self, peer: str) -> bool:
+        rec = self.view.records.get(peer)
+        return rec is not None and bool(rec.addrs) and await self.dialer.dial(rec)
 
     def _apply_events(self, events: list[MemberEvent]) -> None:
         if not events:

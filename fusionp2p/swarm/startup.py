@@ -10,7 +10,9 @@ and the matrix took 80-207 s. So the start-up waits until the first of:
   start-up runs at once, at normal priority, and the request is answered by the job service once it
   serves, the device profile measured first;
 * the node's first probe round is done (``LinkProber.first_round``: its share of the matrix measured);
-* ``StartupConfig.defer`` seconds after the node joined (a lone node, or peers it cannot measure).
+* ``StartupConfig.defer`` seconds after the node joined (a lone node, or peers it cannot measure), plus
+  a random share of up to ``jitter`` times that: nodes started together (a benchmark's 20 processes) do not
+  all import torch and benchmark their device in the same second, each starving the others' heartbeats.
 
 In the last two cases torch's and the job service's imports run in a thread of their own at a lower CPU
 priority (``nice``, 5 by default; Linux sets it per thread), so that other processes' probes go first
@@ -30,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import sys
 import threading
 from collections.abc import Awaitable, Callable
@@ -48,6 +51,7 @@ JobHandler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StartupConfig:
     defer: float = 15.0          # at most this many seconds after joining before the start-up runs anyway
+    jitter: float = 0.5          # ... plus up to this share of defer, at random (spreads nodes started together)
     # the imports' thread runs this much nicer than the process (0: as the process). Not more: on a host
     # busy with other work a thread at nice 19 all but stops (4 nodes of a benchmark run at nice 10, at
     # load 25 on 2 cores, 2026-11-29: no profile 100 s after their start-up began with 10 here)
@@ -59,6 +63,8 @@ class StartupConfig:
     def __post_init__(self) -> None:
         if not self.defer >= 0:
             raise ConfigError("--defer-startup must be >= 0 seconds")
+        if not 0 <= self.jitter <= 1:
+            raise ConfigError("the start-up's jitter must be in [0, 1]")
         if not 0 <= self.nice <= 19:
             raise ConfigError("--startup-nice must be in [0, 19]")
         if not self.on_demand_timeout > 0:
@@ -99,8 +105,9 @@ class Startup:
                 nursery.start_soon(probed)
 
             async def deadline() -> None:
-                await trio.sleep(self.config.defer)
-                self.want(f"{self.config.defer:g} s after joining")
+                extra = self.config.defer * self.config.jitter * random.random()
+                await trio.sleep(self.config.defer + extra)
+                self.want(f"{self.config.defer:g} s after joining" + (f" (+{extra:.1f} s jitter)" if extra else ""))
             nursery.start_soon(deadline)
             await self.wanted.wait()
             nursery.cancel_scope.cancel()
