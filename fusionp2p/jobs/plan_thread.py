@@ -1,18 +1,19 @@
 """A job's plans computed off the node's event loop (issue 40).
 
-:func:`~fusionp2p.jobs.build.plan_for_snapshot` is pure CPU: 0.05 CPU-s for 8 members, 0.23 for 32 and 0.77 for
-64 (a 12-layer GPT-2, links between every pair; the publisher's verified planning may plan three times). Run
-on the trio loop it served nothing meanwhile: under a load of 22 a 64-member plan held the loop for 3.1 s, in
-which heartbeats, pings, probes and streams stalled and members looked dead. In a worker thread the loop runs
-at every switch of the GIL (5 ms): the same plan's worst loop lag was 0.044 s.
+:func:`~fusionp2p.jobs.build.plan_for_snapshot` is pure CPU: 0.04 CPU-s for 8 members, 0.24 for 32 and 0.8-1.0
+for 64 (a 12-layer GPT-2, every pair measured; the publisher's verified planning may plan three times). Made
+on the trio loop it served nothing meanwhile: a 64-member plan held the loop for 4.1 s under a load of 8.5 on
+two cores (``benchmarks/plan_lag.py``), in which heartbeats, pings, probes and streams stalled and members
+looked dead. In a worker thread the loop runs at every switch of the GIL (5 ms): the same plan's worst loop
+lag was 0.19 s, 32 members' 0.09 s.
 
 Every caller of the planner in ``jobs/`` (the publisher's first plan, ``jobs/verify_links.py``; a member's
 plan of each epoch, ``jobs/run.py``; the leader's re-plans and trial plans, ``jobs/lead.py``; a re-balance,
 ``jobs/rebalance.py``) plans through :func:`off_loop`, under the node's planning limiter
 (``NodeJobService.planning``, one plan at a time per node: a second waits rather than halve the first's
 CPU). The planner keeps no state between calls (no cache, no global RNG: its seeds are the job's, its
-NumPy generators local, and torch is not called), so a plan made in a thread is the plan made on the loop,
-bit for bit, and its hash the one the members elect by. A cancelled wait (the job's end, a deadline around
+NumPy generators local; neither ``plan/`` nor the DAG's coarsening imports torch), so a plan made in a
+thread is the plan made on the loop, bit for bit, and its hash the one the members elect by. A cancelled wait (the job's end, a deadline around
 the planning) abandons the thread: its result is dropped, and the thread holds the limiter until it ends, so
 the node's next plan waits for it rather than run beside it.
 
