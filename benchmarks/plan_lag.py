@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
     built = job()
-    heap = [[{} for _ in range(10)] for _ in range(100_000)]   # a node's heap, as the collector walks it
+    heap: list[list[dict[str, int]]] = [[{} for _ in range(10)] for _ in range(100_000)]   # a node's heap, as the collector walks it
     rows: list[dict[str, Any]] = []
 
     async def run() -> None:
