@@ -135,6 +135,7 @@ class JobHost(Protocol):
     transport: Transport
     config: NodeJobConfig
     content: ContentService
+    planning: trio.CapacityLimiter   # the node's plans are made in a thread under it (jobs/plan_thread.py)
 
     @property
     def nursery(self) -> trio.Nursery: ...

@@ -15,6 +15,7 @@ epochs; the split keeps the epoch's own run (``jobs/run.py``) apart from the lea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -26,12 +27,13 @@ import trio
 from fusionp2p.errors import FusionError, PeerUnavailable, PlanError, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs import reputation
-from fusionp2p.jobs.build import AcceptedJob, plan_for_snapshot
+from fusionp2p.jobs.build import AcceptedJob
 from fusionp2p.jobs.candidates import accepted_profile
 from fusionp2p.jobs.election import ElectionConfig, open_elector
 from fusionp2p.jobs.events import MembersChanged, encode_event
 from fusionp2p.jobs.host import JobHost
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
+from fusionp2p.jobs.plan_thread import off_loop, planned
 from fusionp2p.jobs.progress import ProgressBook
 from fusionp2p.jobs.rebalance import (
     bounded,
@@ -293,7 +295,7 @@ class Leading:
         self._join_checked = (key, now, every)
         try:
             snap = self._snapshot(sorted({*plan.peers, *usable}), self.epoch + 1)
-            trial = plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=plan)
+            trial = await planned(self.spec, self.accepted.dag, snap, self.svc.planning, previous=plan)
         except (PlanError, FusionError) as exc:
             log.info("job %s: a plan with joiners %s fails: %s", self.job_id, usable, exc)
             return
@@ -305,8 +307,8 @@ class Leading:
         # A halt costs seconds; take joiners in only for a predicted gain, judged against the best plan of the
         # present members under the same fresh measurements (the plan in force was chosen on older ones).
         try:
-            base = plan_for_snapshot(self.spec, self.accepted.dag, self._snapshot(list(plan.peers), self.epoch + 1),
-                                     previous=plan)
+            base = await planned(self.spec, self.accepted.dag, self._snapshot(list(plan.peers), self.epoch + 1),
+                                 self.svc.planning, previous=plan)
         except (PlanError, FusionError):
             base = None   # the present members alone no longer make a plan: the joiners are needed
         predicted = base is not None and base.step_time_s > 0 and trial.step_time_s > 0
@@ -361,8 +363,9 @@ class Leading:
                       len(micro_s), len(plan.peers))
             return
         try:
-            factors, trial, new, base = rebalanced(self.spec, self.accepted.dag, plan,
-                                                   self._snapshot(list(plan.peers), self.epoch + 1), micro_s)
+            snap = self._snapshot(list(plan.peers), self.epoch + 1)
+            factors, trial, new, base = await off_loop(functools.partial(
+                rebalanced, self.spec, self.accepted.dag, plan, snap, micro_s), self.svc.planning)
         except (PlanError, FusionError, ValueError) as exc:
             log.info("job %s: no plan by the measured speeds: %s", self.job_id, exc)
             return
@@ -477,7 +480,7 @@ class Leading:
         start = {"op": "start", "job": self.job_id, "snapshot": snap.to_wire(), "resume": resume.to_wire(),
                  "previous": plan.to_wire()}
         try:   # the plan we compute from it: members that compute the same adopt it without an election
-            mine = plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=plan)
+            mine = await planned(self.spec, self.accepted.dag, snap, self.svc.planning, previous=plan)
             self._plan_cache = (snap.snapshot_hash(), mine)
             start["plan"] = mine.plan_hash()
             # a plan that leaves live nodes out or moves the fences makes every member fetch state files: say why

@@ -103,6 +103,7 @@ class NodeJobService:
         self._intakes: Counter[str] = Counter()   # offers being verified and fetched now, by offering peer (hold a slot)
         self._intake_ids = 0                       # names the pins of an offer being fetched (its job id is not known yet)
         self._measure: MeasureDesk | None = None   # links measured for a publisher before its plan (jobs/verify_links.py)
+        self.planning = trio.CapacityLimiter(1)   # the node's plans, one at a time, in a thread (jobs/plan_thread.py)
 
     @property
     def receipts(self) -> ReceiptBook:

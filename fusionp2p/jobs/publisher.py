@@ -205,6 +205,7 @@ class JobDriver:
         self._emit = emit
         self.ckpt_root = ckpt_root
         self.config = config or DriverConfig()
+        self.planning = trio.CapacityLimiter(1)   # plans made in a thread, one at a time (jobs/plan_thread.py)
         self.members: set[str] = set()        # every peer we know to have been a member (reports accepted)
         self.current: tuple[str, ...] = ()    # the members of the newest plan we heard of
         self._stages = 0                      # the stages of that plan (0: none heard of)
@@ -321,7 +322,8 @@ class JobDriver:
         # the profiles scaled by the speeds the nodes trained at in earlier jobs of this model (jobs/rebalance.py)
         speeds = {p: r.speed_on(built.spec.model_hash) for p, r in view.records.items()}
         # on measured links, estimates elsewhere; estimated pairs that decide the layout measured first
-        snap, plan = await first_plan(self.transport, built, calibrated(accepted, speeds).items(), view.links, view.table)
+        snap, plan = await first_plan(self.transport, built, calibrated(accepted, speeds).items(), view.links, view.table,
+                                      self.planning)
         self._state(JobState.PLANNED, plan.plan_hash())
         self._on_plan(PlanChanged.of(plan, at=time.time(), accepted=accepted, replicas_hint=built.spec.config.replicas))
         # the plan's hash goes with it: a member that computed the same plan from the snapshot adopts it at
@@ -705,6 +707,7 @@ class Publisher:
         self.bootstraps = bootstraps
         self.config = config or DriverConfig()
         self.drivers: dict[str, JobDriver] = {}
+        self.planning = trio.CapacityLimiter(1)   # shared by its drivers: one plan at a time
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         register_rankers(self.transport)
@@ -732,6 +735,7 @@ class Publisher:
     async def run_job(self, built: BuiltJob, emit: Emit, ckpt_root: Path) -> None:
         """Drive *built* to a terminal state; every state change goes to *emit* (never raises but Cancelled)."""
         driver = JobDriver(self.transport, self.content, self.bootstraps, built, emit, ckpt_root, self.config)
+        driver.planning = self.planning
         self.drivers[driver.job] = driver
         try:
             await driver.run()

@@ -51,7 +51,6 @@ from fusionp2p.jobs.build import (
     averaging_lag,
     data_fn,
     eval_data_fn,
-    plan_for_snapshot,
     stage_programs,
     unit_names,
 )
@@ -75,6 +74,7 @@ from fusionp2p.jobs.host import JobHost
 from fusionp2p.jobs.lead import Leading, _Epoch
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.links import Linking
+from fusionp2p.jobs.plan_thread import planned
 from fusionp2p.jobs.progress import ProgressBook
 from fusionp2p.jobs.rebalance import epoch_speed
 from fusionp2p.jobs.replan import Halted, Resume, Source, announcer, leader_of
@@ -365,7 +365,8 @@ class JobRun(Leading, Linking):
         self.to(JobState.PLANNED, f"epoch {snap.epoch}")
         try:
             t0 = trio.current_time()
-            mine = self._planned(snap) or plan_for_snapshot(self.spec, self.accepted.dag, snap, previous=req.previous)
+            mine = self._planned(snap) or await planned(self.spec, self.accepted.dag, snap, self.svc.planning,
+                                                        previous=req.previous)
             plan = mine if await self._fast_adopt(req, mine) else await self._elect(snap, mine)
             log.info("job %s epoch %d: plan %s adopted in %.1f s", self.job_id, snap.epoch, plan.plan_hash()[:12],
                      trio.current_time() - t0)

@@ -21,6 +21,7 @@ absurd capacity makes at most ``MAX_PAIRS`` pairs measured once, before one plan
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -32,6 +33,7 @@ from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph import OpDAG, coarsen, to_workload
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot, planner_config
+from fusionp2p.jobs.plan_thread import off_loop
 from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan.plan import Plan
@@ -164,15 +166,23 @@ async def verified_plan(job: str, profiles: Iterable[tuple[str, DeviceProfile]],
                         measured: list[tuple[str, str, Link]], table: BandwidthTable | None,
                         planner: Callable[[Snapshot], Plan], ask: Ask, *,
                         score: Callable[[Plan, Snapshot], float] | None = None,
-                        timeout: float = MEASURE_TIMEOUT) -> tuple[Snapshot, Plan, PairCheck]:
+                        timeout: float = MEASURE_TIMEOUT, limiter: trio.CapacityLimiter | None = None,
+                        ) -> tuple[Snapshot, Plan, PairCheck]:
     """The epoch-0 snapshot and plan of *job* (module docstring): measured links, estimates elsewhere, and the
-    estimated pairs the plan's layout depends on measured (within *timeout*) before it is adopted."""
+    estimated pairs the plan's layout depends on measured (within *timeout*) before it is adopted. The plans
+    and the check are made in a worker thread under *limiter* (``jobs/plan_thread.py``; None: one of its own)."""
     profiles = list(profiles)
     table = table if table is not None else BandwidthTable()
+    limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
     estimated = estimated_links(table, [p for p, _ in profiles], measured)
     snap = snapshot_from_records(job, 0, profiles, [*measured, *((a, b, lk) for (a, b), lk in estimated.items())])
-    plan = planner(snap)
-    chk = check(plan, snap, estimated, planner, score=score, floors=floors(table, estimated))
+    bounds = floors(table, estimated)
+
+    def plan_and_check() -> tuple[Plan, PairCheck]:
+        made = planner(snap)
+        return made, check(made, snap, estimated, planner, score=score, floors=bounds)
+
+    plan, chk = await off_loop(plan_and_check, limiter)
     if not chk.ask:
         if chk.depends:
             log.info("job %s: %s", job, chk.explain())
@@ -185,7 +195,7 @@ async def verified_plan(job: str, profiles: Iterable[tuple[str, DeviceProfile]],
     if not got:
         return snap, plan, chk
     snap = with_measured(snap, got)
-    plan = planner(snap)
+    plan = await off_loop(functools.partial(planner, snap), limiter)
     log.info("job %s: planned again with %d measured pair(s): %s", job, len(got), ", ".join(
         f"{short_peer(a)}-{short_peer(b)} {lk.bandwidth_bps / 1e6:.2f} MB/s (estimated {estimated[(a, b)].bandwidth_bps / 1e6:.2f})"
         for (a, b), lk in sorted(got.items())))
@@ -209,12 +219,14 @@ def job_score(spec: JobSpec, dag: OpDAG) -> Callable[[Plan, Snapshot], float]:
 
 
 async def first_plan(t: Transport, built: BuiltJob, profiles: Iterable[tuple[str, DeviceProfile]],
-                     measured: list[tuple[str, str, Link]], table: BandwidthTable | None) -> tuple[Snapshot, Plan]:
-    """The publisher's epoch-0 snapshot and plan of *built* (:func:`verified_plan`, the members asked over JOB)."""
+                     measured: list[tuple[str, str, Link]], table: BandwidthTable | None,
+                     limiter: trio.CapacityLimiter | None = None) -> tuple[Snapshot, Plan]:
+    """The publisher's epoch-0 snapshot and plan of *built* (:func:`verified_plan`, the members asked over JOB,
+    the planning in a worker thread under *limiter*)."""
     spec, dag = built.spec, built.dag
     snap, plan, _ = await verified_plan(spec.job_id, profiles, measured, table,
                                         lambda s: plan_for_snapshot(spec, dag, s), member_ask(t, spec.job_id),
-                                        score=job_score(spec, dag))
+                                        score=job_score(spec, dag), limiter=limiter)
     return snap, plan
 
 

@@ -20,7 +20,7 @@ from fusionp2p.types import DeviceProfile
 
 def _run(transport: object, tmp_path: Path) -> JobRun:
     svc = SimpleNamespace(transport=transport, config=NodeJobConfig(report_timeout=1.0),
-                          drop_arrived=lambda *a, **k: None)
+                          drop_arrived=lambda *a, **k: None, planning=trio.CapacityLimiter(1))
     spec = SimpleNamespace(job_id="j1", publisher="pub", config=SimpleNamespace(steps=10, allow_members=(), min_work=0,
                                                                              trust_issuers=()))
     return JobRun(svc, SimpleNamespace(spec=spec), "pub")  # type: ignore[arg-type]
