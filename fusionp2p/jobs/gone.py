@@ -10,7 +10,7 @@ member alive for 45 s (last step 24 of 24)". So before believing the view, the c
 
 1. asks the members directly (``op: status`` over JOB, at most ``ASK_AT_MOST`` of them at once, within
    ``ASK_TIMEOUT``): one that holds the job and answers is alive, whatever the view says, and the check
-   starts over;
+   starts over; one that answers that its part is done says that the last step is done (3.);
 2. reads the job's status record again: a terminal one ends the job as it says;
 3. a job whose last step is reached (the record's step, or the steps the follower saw) is not failed for
    gone members: a record whose newest complete checkpoint is of the last step names the trained model's
@@ -40,13 +40,15 @@ log = logging.getLogger(__name__)
 
 ASK_AT_MOST = 8       # members asked directly at once (the current plan's first): bounded however large the job
 ASK_TIMEOUT = 10.0    # seconds for their answers (a member too loaded to answer within it is not counted alive)
-LIVE_STATES = frozenset(("planned", "running", "done"))   # a member in one of these can still finish the job
+# a member holding the job in one of these can still finish it, or ("done") has finished its part
+LIVE_STATES = frozenset(("pending", "planned", "running", "done"))
 
 
-async def ask_members(t: Transport, job: str, peers: Iterable[str], *, timeout: float = ASK_TIMEOUT) -> str | None:
+async def ask_members(t: Transport, job: str, peers: Iterable[str], *, timeout: float = ASK_TIMEOUT
+                      ) -> tuple[str, str] | None:
     """The first of *peers* (at most ``ASK_AT_MOST``) that answers ``status`` holding *job* in a state in which it
-    can still finish it, or None when none does within *timeout*."""
-    found: list[str] = []
+    can still finish it (or has: "done"), with that state; None when none does within *timeout*."""
+    found: list[tuple[str, str]] = []
     asked = list(dict.fromkeys(peers))[:ASK_AT_MOST]
 
     async def one(peer: str, scope: trio.CancelScope) -> None:
@@ -55,8 +57,9 @@ async def ask_members(t: Transport, job: str, peers: Iterable[str], *, timeout: 
         except (PeerUnavailable, RemoteProtocolError) as exc:
             log.debug("job %s: status of %s: %s", job, short_peer(peer), exc)
             return
-        if reply.get("ok") is True and reply.get("state") in LIVE_STATES:
-            found.append(peer)
+        state = reply.get("state")
+        if reply.get("ok") is True and isinstance(state, str) and state in LIVE_STATES:
+            found.append((peer, state))
             scope.cancel()
 
     with trio.move_on_after(timeout) as scope:
@@ -100,12 +103,14 @@ class GoneCheck:
         if now - self.since < self.gone_after:
             return None
         # the view's verdict is due: the members themselves, then the status record, before believing it
-        peer = await ask_members(self.transport, self.job, [*current, *sorted(known - set(current))])
-        if peer is not None:
-            log.warning("job %s: member %s answers directly though the swarm's view has none of its members alive: "
-                        "following on", self.job, short_peer(peer))
+        answer = await ask_members(self.transport, self.job, [*current, *sorted(known - set(current))])
+        if answer is not None and answer[1] != "done":
+            log.warning("job %s: member %s answers directly (%s) though the swarm's view has none of its members "
+                        "alive: following on", self.job, short_peer(answer[0]), answer[1])
             self._alive()
             return None
+        # a member that says its part is done: the job's steps are, and its final record is what is awaited
+        done_here = answer is not None
         st = await self._read_status()
         if st is not None and st.terminal:
             return st
@@ -114,18 +119,18 @@ class GoneCheck:
                         "its status record names the model's stage files (the checkpoint of step %d)",
                         self.job, steps, st.checkpoint_step)
             return dataclasses.replace(st, state="done", step=steps, final=st.checkpoint)
-        last = max(reached, st.step if st is not None else -1)
+        last = max(reached, st.step if st is not None else -1, steps if done_here else -1)
         if steps > 0 and last >= steps:
             if self.finishing is None:
                 self.finishing = now
                 log.warning("job %s: its last step %d of %d is done and none of its members is alive in the "
-                            "swarm or answers: waiting up to %.0f s for its final record", self.job, last, steps,
-                            self.final_wait)
+                            "swarm's view%s: waiting up to %.0f s for its final record", self.job, last, steps,
+                            " (one says its part is done)" if done_here else " or answers", self.final_wait)
             if now - self.finishing < self.final_wait:
                 return None
             raise JobError(f"its last step {last} of {steps} is done, but no final record came within "
-                           f"{self.final_wait:.0f} s and none of its {len(known)} members is alive in the swarm or "
-                           "answers, so its model cannot be collected; submit it again")
+                           f"{self.final_wait:.0f} s and none of its {len(known)} members is alive in the swarm's "
+                           "view, so its model cannot be collected; submit it again")
         names = ", ".join(short_peer(p) for p in sorted(known)[:8])
         raise JobError(f"none of its {len(known)} members ({names}) has been alive in the swarm for "
                        f"{now - self.since:.0f} s nor answers, so it cannot finish (last step {last} of "

@@ -197,3 +197,15 @@ def test_news_or_a_live_member_or_no_view_concludes_nothing(monkeypatch: pytest.
             await check(150.0, last_news=20.0)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_member_that_says_its_part_is_done_means_the_final_record_is_awaited(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The gossip of the last steps was lost (the follower saw step 10) and the view has no member alive, but a
+    member answers that its part is done: the last step is done, and the final record (at 90 s: after gone_after, within final_wait) is awaited."""
+    swarm_of(monkeypatch, [set()])
+    members_answer(monkeypatch, "done")
+    records(monkeypatch, lambda now: status(10) if now < 90 else status(STEPS, state="done", final=FINAL))
+    events, fetched, end = attach(tmp_path, 10)
+    assert [s for s, _ in states(events)][-1] == "done", states(events)
+    assert fetched == ["f" * 64] and 90 <= end < 100
