@@ -388,8 +388,10 @@ class JobDriver:
         self.epoch = st.epoch
         # the epoch's standbys as well, from its plan record (voted by a member the status names): when the plan's
         # members die one of them leads the job on, and its plans and status records are believed only from a
-        # member we know (a `job attach` that knew only the dead member followed nothing for 10 minutes)
-        with trio.move_on_after(self.config.status_poll):
+        # member we know (a `job attach` that knew only the dead member followed nothing for 10 minutes). A DHT walk:
+        # view_timeout, not status_poll (1 s in tests: on a starved loop the read timed out, the standbys stayed
+        # unknown, and their re-plan was ignored until idle_timeout)
+        with trio.move_on_after(self.config.view_timeout):
             rec = await fetch_latest_record(self.transport, self.job, known=self.members)
             if rec is not None:
                 self.members |= set(rec[2])

@@ -209,3 +209,29 @@ def test_a_member_that_says_its_part_is_done_means_the_final_record_is_awaited(
     events, fetched, end = attach(tmp_path, 10)
     assert [s for s, _ in states(events)][-1] == "done", states(events)
     assert fetched == ["f" * 64] and 90 <= end < 100
+
+
+def test_an_attach_learns_the_standbys_from_a_slow_plan_record_read(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """The plan record's read (a DHT walk) took 3 s on a starved loop, longer than status_poll (1 s in the tests):
+    the attach cut it off, never learned the standby, and ignored the standby's re-plan until idle_timeout."""
+    records(monkeypatch, lambda now: status(STEPS, state="done", final=FINAL))
+
+    async def slow_plan_record(*args: object, **kw: object) -> tuple[int, None, tuple[str, ...]]:
+        await trio.sleep(3.0)
+        return 0, None, ("B",)
+
+    monkeypatch.setattr(publisher, "fetch_latest_record", slow_plan_record)
+
+    async def main() -> set[str]:
+        d = JobDriver(None, None, ["boot"], None, lambda ev: None, tmp_path,  # type: ignore[arg-type]
+                      DriverConfig(status_poll=1.0), job="j", steps=STEPS)
+
+        async def fetch(holders: tuple[str, ...], h: str, stage: int, step: int) -> None:
+            pass
+
+        d._fetch_stage = fetch  # type: ignore[method-assign]
+        await d.attach()
+        return d.members
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == {"A", "B"}
