@@ -393,6 +393,8 @@ class JobDriver:
         # unknown, and their re-plan was ignored until idle_timeout)
         with trio.move_on_after(self.config.view_timeout):
             rec = await fetch_latest_record(self.transport, self.job, known=self.members)
+            if rec is None:   # the latest is a later epoch, voted by the standbys alone: the status's epoch's record
+                rec = await fetch_latest_record(self.transport, self.job, known=self.members, epoch=st.epoch)
             if rec is not None:
                 self.members |= set(rec[2])
         self.steps = self.steps or st.steps

@@ -235,3 +235,29 @@ def test_an_attach_learns_the_standbys_from_a_slow_plan_record_read(monkeypatch:
         return d.members
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == {"A", "B"}
+
+
+def test_an_attach_learns_the_standbys_from_the_status_epochs_plan_record(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """By the time the attach reads it, the latest plan record is the standbys' re-plan (epoch 1), which no member
+    it knows voted: it is not believed, and the standbys are learned from the status record's epoch's record (seen
+    on 0.1 core: the attach then ignored the standbys' plans and final record until idle_timeout)."""
+    records(monkeypatch, lambda now: status(STEPS, state="done", final=FINAL))
+
+    async def plan_records(*args: object, epoch: int | None = None, **kw: object
+                           ) -> tuple[int, None, tuple[str, ...]] | None:
+        return None if epoch is None else (0, None, ("B",))   # the latest does not verify; epoch 0's does
+
+    monkeypatch.setattr(publisher, "fetch_latest_record", plan_records)
+
+    async def main() -> set[str]:
+        d = JobDriver(None, None, ["boot"], None, lambda ev: None, tmp_path, CFG, job="j", steps=STEPS)  # type: ignore[arg-type]
+
+        async def fetch(holders: tuple[str, ...], h: str, stage: int, step: int) -> None:
+            pass
+
+        d._fetch_stage = fetch  # type: ignore[method-assign]
+        await d.attach()
+        return d.members
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == {"A", "B"}
