@@ -537,18 +537,19 @@ async def fetch_latest(transport: Transport, job: str, *, known: Iterable[str] =
     return (rec[0], rec[1]) if rec is not None else None
 
 
-async def fetch_latest_record(transport: Transport, job: str, *,
-                              known: Iterable[str] = ()) -> tuple[int, Plan, tuple[str, ...]] | None:
+async def fetch_latest_record(transport: Transport, job: str, *, known: Iterable[str] = (),
+                              epoch: int | None = None) -> tuple[int, Plan, tuple[str, ...]] | None:
     """:func:`fetch_latest` with the members the record lists: every node of the epoch's snapshot, the
-    plan's standbys too (what a publisher attaching from elsewhere has no other way to learn)."""
-    data = await transport.dht_get(latest_key(job))
+    plan's standbys too (what a publisher attaching from elsewhere has no other way to learn). With *epoch*:
+    that epoch's record instead of the latest (the latest may be a later epoch that no member we know voted)."""
+    data = await transport.dht_get(latest_key(job) if epoch is None else plan_key(job, epoch))
     if data is None:
         return None
     trusted = set(known)
     try:
         members, _, plan, votes = _read_record(data)
-        if plan.job != job:
-            raise RemoteProtocolError(f"plan record of job {plan.job}, not {job}")
+        if plan.job != job or (epoch is not None and plan.epoch != epoch):
+            raise RemoteProtocolError(f"plan record of job {plan.job} epoch {plan.epoch}, not {job} epoch {epoch}")
         voters = _self_elected(members, plan, votes, verify)
         if trusted and not trusted & set(voters):
             raise RemoteProtocolError("plan record: none of its voters is a known member")

@@ -27,7 +27,8 @@ Theory of operation. A :class:`JobDriver` takes one built, signed job through it
    checkpoints arrive on the jobs gossip topic; the leader's final ``report`` (and each stage's
    ``done``) over JOB streams; the job's signed status record in the DHT is read every
    ``status_poll`` seconds, so a lost report or a publisher that was away never loses the end.
-   No news for ``idle_timeout`` seconds fails the job.
+   No news for ``idle_timeout`` seconds fails the job, and so does a swarm's view with none of its members
+   alive for ``gone_after`` seconds, unless one answers directly or its last step is done (``jobs/gone.py``).
 5. *Collect*: fetch each stage's final state file by content hash from the nodes that hold it and lay
    it out under ``ckpt_root`` so ``checkpoint.assemble`` builds the whole model.
 
@@ -71,6 +72,7 @@ from fusionp2p.jobs.events import (
     StepProgress,
     decode_event,
 )
+from fusionp2p.jobs.gone import GoneCheck
 from fusionp2p.jobs.lifecycle import JobLifecycle, JobState
 from fusionp2p.jobs.progress import ProgressBook
 from fusionp2p.jobs.rebalance import calibrated
@@ -116,6 +118,9 @@ class DriverConfig:
     # them meanwhile: the job cannot finish, and ends FAILED at once instead of after idle_timeout's silence
     gone_after: float = 45.0
     view_poll: float = 15.0
+    # ... unless a member answers directly or the job's last step is done: then its final record is awaited this
+    # long (a leader waits up to conclude_timeout, 120 s, for every stage's done report first; jobs/gone.py)
+    final_wait: float = 150.0
     fetch_timeout: float = 300.0     # downloading one stage checkpoint
     status_poll: float = 5.0         # read the job's status record this often while following
     done_grace: float = 10.0         # every stage said done: wait this long for the leader's report
@@ -128,7 +133,7 @@ class DriverConfig:
         if self.candidates < 1:
             raise ConfigError("DriverConfig.candidates must be at least 1")
         for name in ("view_timeout", "offer_timeout", "start_timeout", "idle_timeout", "fetch_timeout",
-                     "status_poll", "done_grace", "gone_after", "view_poll"):
+                     "status_poll", "done_grace", "gone_after", "view_poll", "final_wait"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"DriverConfig.{name} must be positive")
 
@@ -219,7 +224,8 @@ class JobDriver:
         self._evals: set[int] = set()         # steps whose held-out loss was shown
         self._done: dict[tuple[int, int], dict[str, Any]] = {}
         self._next_view = trio.current_time() + self.config.view_poll   # when to look for live members (_gone)
-        self._gone_since: float | None = None   # since when no member of the job is alive in the swarm's view
+        self.gone = GoneCheck(t, self.job, gone_after=self.config.gone_after, final_wait=self.config.final_wait,
+                              discover=self._live_nodes, read_status=self.read_status)
         self.life = JobLifecycle(self.job, now=trio.current_time())
 
     # -- fed by the swarm client ----------------------------------------------------------------------
@@ -371,9 +377,13 @@ class JobDriver:
         self.epoch = st.epoch
         # the epoch's standbys as well, from its plan record (voted by a member the status names): when the plan's
         # members die one of them leads the job on, and its plans and status records are believed only from a
-        # member we know (a `job attach` that knew only the dead member followed nothing for 10 minutes)
-        with trio.move_on_after(self.config.status_poll):
+        # member we know (a `job attach` that knew only the dead member followed nothing for 10 minutes). A DHT walk:
+        # view_timeout, not status_poll (1 s in tests: on a starved loop the read timed out, the standbys stayed
+        # unknown, and their re-plan was ignored until idle_timeout)
+        with trio.move_on_after(self.config.view_timeout):
             rec = await fetch_latest_record(self.transport, self.job, known=self.members)
+            if rec is None:   # the latest is a later epoch, voted by the standbys alone: the status's epoch's record
+                rec = await fetch_latest_record(self.transport, self.job, known=self.members, epoch=st.epoch)
             if rec is not None:
                 self.members |= set(rec[2])
         self.steps = self.steps or st.steps
@@ -417,6 +427,7 @@ class JobDriver:
         last_news = trio.current_time()
         next_poll = trio.current_time() + cfg.status_poll
         done_since: float | None = None
+        record_step = -1   # the status record's step when it last moved on
         while True:
             if self._behind > self.epoch and trio.current_time() >= self._next_pull:
                 await self._pull_plan()
@@ -447,38 +458,25 @@ class JobDriver:
             if st is not None and st.terminal:
                 await self._end(st)
                 return
-            if st is not None and st.step > self.book.reached:
-                last_news = now
+            if st is not None and st.step > max(self.book.reached, record_step):
+                last_news = now   # the record's step moved on (one it had all along is no news: no gossip came)
+                record_step = st.step
             if st is not None and st.epoch > self.epoch:
                 self._heard_of(st.epoch)
             if now - last_news > cfg.idle_timeout:
                 raise JobError(f"no progress from the swarm for {cfg.idle_timeout:.0f} s")
             if now >= self._next_view:
                 self._next_view = now + cfg.view_poll
-                await self._gone(now, last_news)
+                st = await self.gone.check(now, known=self.members | set(self.current), current=self.current,
+                                           last_news=last_news, reached=self.book.reached, steps=self.steps)
+                if st is not None:
+                    await self._end(st)
+                    return
 
-    async def _gone(self, now: float, last_news: float) -> None:
-        """JobError once none of the job's members (every one we heard of, standbys too) has been alive in the
-        swarm's view for ``gone_after`` seconds with no news from them: a job whose members all died cannot
-        finish, and its follower would wait ``idle_timeout`` in silence (a `job attach` after its only member's
-        SIGKILL waited 10 minutes). No view (the bootstraps unreachable) concludes nothing."""
-        known = self.members | set(self.current)
-        try:
-            view = await discover(self.transport, self.bootstraps, timeout=self.config.view_timeout)
-        except PeerUnavailable as exc:
-            log.info("job %s: no view of the swarm to check its members in: %s", self.job, exc)
-            return
-        if known & set(view.members) or (self._gone_since is not None and last_news > self._gone_since):
-            self._gone_since = None
-            return
-        if self._gone_since is None:
-            self._gone_since = now
-            log.warning("job %s: none of its %d members is alive in the swarm", self.job, len(known))
-        if now - self._gone_since >= self.config.gone_after:
-            names = ", ".join(short_peer(p) for p in sorted(known)[:8])
-            raise JobError(f"none of its {len(known)} members ({names}) has been alive in the swarm for "
-                           f"{now - self._gone_since:.0f} s, so it cannot finish (last step {self.book.reached} of "
-                           f"{self.steps}); submit it again")
+    async def _live_nodes(self) -> set[str]:
+        """The live training nodes of the swarm's view (the gone check's, jobs/gone.py); PeerUnavailable: no view."""
+        view = await discover(self.transport, self.bootstraps, timeout=self.config.view_timeout)
+        return {*view.members, *view.unmeasured}
 
     def _on_report(self, peer: str, msg: dict[str, Any]) -> JobStatus | None:
         if peer not in self.members:

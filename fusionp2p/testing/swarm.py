@@ -22,7 +22,8 @@ async def local_swarm(n: int, *, config: SwarmConfig | None = None, libp2p: bool
                       profiles: list[DeviceProfile] | None = None) -> AsyncIterator[tuple[SwarmNode, list[SwarmNode]]]:
     """A bootstrap plus *n* nodes, all joined; yields (bootstrap, nodes)."""
     cfg = config or SwarmConfig(probe=ProbeConfig(bytes=256 * 1024))
-    boot_cfg = SwarmConfig(role="bootstrap", heartbeat=cfg.heartbeat, dead_timeout=cfg.dead_timeout)
+    boot_cfg = SwarmConfig(role="bootstrap", heartbeat=cfg.heartbeat, dead_timeout=cfg.dead_timeout,
+                           gossip_rate=cfg.gossip_rate)
     async with AsyncExitStack() as stack:
         if libp2p:
             transports = [await stack.enter_async_context(open_libp2p_transport(Identity.generate(), Libp2pConfig()))

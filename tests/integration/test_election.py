@@ -18,6 +18,7 @@ from fusionp2p.jobs.election import (
     Vote,
     fetch_adopted,
     fetch_latest,
+    fetch_latest_record,
     latest_key,
     open_elector,
     plan_key,
@@ -115,6 +116,14 @@ def test_six_nodes_shuffled_records_adopt_the_same_plan_then_one_dies() -> None:
                 assert got is not None
                 assert got[0] == 1
                 assert got[1].plan_hash() == h1
+
+                # One who knows only the dead member (a `job attach` from a status record of epoch 0) does not
+                # believe the latest record (epoch 1: none of its voters is known); epoch 0's record, read by its
+                # epoch, names every member of that epoch
+                assert await fetch_latest_record(late, JOB, known=[dead]) is None
+                rec0 = await fetch_latest_record(late, JOB, epoch=0)
+                assert rec0 is not None and rec0[0] == 0 and rec0[1].plan_hash() == h0 and set(rec0[2]) == set(peers)
+                assert await fetch_latest_record(late, JOB, epoch=5) is None   # no such epoch
 
     trio.run(main)
 

@@ -26,9 +26,20 @@ async def _start(nursery: trio.Nursery, boot: SwarmNode, nodes: list[SwarmNode],
 
 
 def test_eight_libp2p_nodes_converge_on_members_and_bandwidth() -> None:
+    # One process carries the whole swarm: at the default gossip_rate (5 heartbeat messages/s, each verified by all 9
+    # nodes, several times over gossipsub) it idled at 0.16-0.2 CPU-s/s, and short of CPU its probes timed out and
+    # its members were declared dead: converging took 139 s and 30.8 CPU-s on a 0.25-core cgroup (131 failed probes)
+    # and 192 s and 35 CPU-s (124 failed, 93 deaths; 10 s control deadline) at load 9-27, against 8 s and 2.6 CPU-s when it got its CPU.
+    # At 1 message/s (the 9 nodes together verify about what one node of a real swarm verifies at the default
+    # rate; a 9 s period, so a late heartbeat is no death: 5 periods) it idles at 0.05-0.08 CPU-s/s and converges
+    # in 14-17 s with 2.2-2.3 CPU-s on 0.15-0.25 core; the probes' control deadline of 10 s (3 s: a stream opened
+    # on a starved loop in more, and each failed open was paid again) took a 0.1-core run from 40-66 failed probes
+    # and 35-51 s to 2 and 28 s. (At 2 messages/s: 9 s when it got its CPU, not within 4 minutes on 0.1 core.)
+    cfg = SwarmConfig(probe=ProbeConfig(bytes=128 * 1024, takeover=1e6, ctrl_timeout=10.0), gossip_rate=1.0)
+
     async def main() -> None:
         with trio.fail_after(90):
-            async with local_swarm(8, config=SwarmConfig(probe=ProbeConfig(bytes=128 * 1024, takeover=1e6))) as (boot, nodes):
+            async with local_swarm(8, config=cfg) as (boot, nodes):
                 await converge(nodes, bandwidth=True, timeout=80)
                 ids = sorted(n.peer_id for n in nodes)
                 # every node holds the same member set and a complete, directly measured matrix
