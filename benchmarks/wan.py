@@ -113,7 +113,10 @@ def _status(tb: Testbed, addr: str) -> tuple[int, str]:
 
 
 def wait_for_links(tb: Testbed, addr: str, peers: set[str], timeout: float) -> dict[str, Any]:
-    """Poll ``fusionp2p status --json`` in the control host until every ordered pair of *peers* is measured."""
+    """Poll ``fusionp2p status --json`` in the control host until every ordered pair of *peers* is measured and
+    every peer's record carries its device profile (a node's start-up, the device benchmark among it, runs once
+    its first probe round is done, so the links may all be measured before the last profile is published: the
+    run's ``node_flops`` read None, 2026-11-30)."""
     deadline = time.monotonic() + timeout
     status: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -123,9 +126,11 @@ def wait_for_links(tb: Testbed, addr: str, peers: set[str], timeout: float) -> d
             status = json.loads(out)
             alive = {m["peer"] for m in status["members"] if m["alive"]}
             measured = {(e["src"], e["dst"]) for e in status["bandwidth"] if e["measured"]}
-            if peers <= alive and all((a, b) in measured for a in peers for b in peers if a != b):
+            profiled = {m["peer"] for m in status["members"] if m.get("profile")}
+            if peers <= alive and peers <= profiled and all((a, b) in measured for a in peers for b in peers if a != b):
                 return status
-    raise TestbedError(f"the nodes did not measure every link within {timeout:.0f} s (last status: {status})")
+    raise TestbedError(f"the nodes did not measure every link and their devices within {timeout:.0f} s "
+                       f"(last status: {status})")
 
 
 def seed_identity(home: Path, scenario: str, host: str) -> None:
