@@ -63,6 +63,14 @@ class GossipRouter(GossipSub):
         self.stats["queue_dropped" if rpc.publish else "queue_dropped_control"] += len(rpc.publish) or 1
         super()._handle_dropped_rpc(peer_id, rpc, reason)
 
+    def _check_spam_protection(self, peer_id: ID, msg: Any) -> bool:
+        """py-libp2p's per-(forwarder, topic) rate limit, its rejections counted (``spam_rejected``): a
+        rejected message is delivered here but not forwarded."""
+        ok: bool = super()._check_spam_protection(peer_id, msg)
+        if not ok:
+            self.stats["spam_rejected"] += 1
+        return ok
+
     def _prune_pending_messages(self, peer_id: ID) -> None:
         """py-libp2p's prune rebuilds a peer's whole queue on every message routed and logs a warning for
         every message past the cap: a peer that never subscribes to a busy topic (a publisher that only
@@ -139,8 +147,13 @@ class GossipPubsub(Pubsub):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # "rpcs" sent in "writes"; "sub_dropped": received messages our subscription channel had no room for
+        # our own messages "published"; "rpcs" sent in "writes"; "sub_dropped": received messages our
+        # subscription channel had no room for
         self.send_stats: collections.Counter[str] = collections.Counter()
+
+    async def publish(self, topic_id: str | list[str], data: bytes) -> None:
+        self.send_stats["published"] += 1
+        await super().publish(topic_id, data)
 
     async def subscribe(self, topic_id: str) -> TrioSubscriptionAPI:
         """py-libp2p's ``Pubsub.subscribe`` with a ``SUBSCRIPTION_BUFFER`` channel instead of 32."""
