@@ -46,7 +46,6 @@ from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamErro
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11
-from libp2p.pubsub.pubsub import Pubsub
 from libp2p.records.validator import Validator
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -60,7 +59,7 @@ from fusionp2p.net.advertised import WildcardExpander
 from fusionp2p.net.dht_fresh import freshest
 from fusionp2p.net.dht_providers import network_providers
 from fusionp2p.net.dial_errors import dial_cause
-from fusionp2p.net.gossip_router import GossipRouter
+from fusionp2p.net.gossip_router import GossipPubsub, GossipRouter
 from fusionp2p.net.holepunch import GuardedDCUtR, HolePunchLimits, HolePunchPolicy
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.listening import not_listening
@@ -346,7 +345,7 @@ class Libp2pTransport:
         # exists py-libp2p grafts "opportunistically" on every heartbeat (the spec says every 60), then prunes
         # the oversized mesh again: measured 5-11 GRAFT/s per node at 20 processes, with GRAFT-flood penalties.
         self.router.scorer = None
-        self.pubsub = Pubsub(self.host, self.router, max_inbound_rpc_size=4 * config.max_gossip_bytes)
+        self.pubsub = GossipPubsub(self.host, self.router, max_inbound_rpc_size=4 * config.max_gossip_bytes)
         push, stats, pubsub = self.pubsub.push_msg, self.router.stats, self.pubsub
 
         async def counting_push(msg_forwarder: ID, msg: Any) -> None:
@@ -377,11 +376,12 @@ class Libp2pTransport:
         return self.host.get_network()
 
     async def _log_stats(self, every: float = 5.0) -> None:
-        """Debug log of the gossip received (messages, duplicate copies, control messages by kind)."""
+        """Debug log of gossip received and dropped (net/gossip_router.py), sent, and our longest outbound queue."""
         while True:
             await trio.sleep(every)
-            log.debug("gossip received: %s; mesh %s", dict(self.router.stats),
-                      {t[:20]: len(p) for t, p in self.router.mesh.items()})
+            log.debug("gossip received: %s; mesh %s; sent %s; outbound queues max %d", dict(self.router.stats),
+                      {t[:20]: len(p) for t, p in self.router.mesh.items()}, dict(self.pubsub.send_stats),
+                      max(map(len, self.pubsub.peer_queues.values()), default=0))
 
     # -- identity ---------------------------------------------------------------------------------
     @property
