@@ -68,8 +68,8 @@ def watch_collections(slow_ms: float = 20.0) -> GcStats:
             stats.full_s += took
             stats.full_max_s = max(stats.full_max_s, took)
             if took * 1e3 >= slow_ms:
-                log.debug("gc: full collection %.1f ms (%d collected; %d frozen objects; full collections %d, %.2f s)",
-                          took * 1e3, info.get("collected", 0), gc.get_freeze_count(), stats.count[2], stats.full_s)
+                log.debug("gc: full collection %.1f ms (%d collected; full collections %d, %.2f s)",
+                          took * 1e3, info.get("collected", 0), stats.count[2], stats.full_s)
 
     gc.callbacks.append(on_gc)
     return stats
@@ -98,15 +98,12 @@ def collector_paused() -> Iterator[None]:
                 gc.enable()
 
 
-def freeze(reason: str) -> int:
-    """Move every object the collector tracks now into the permanent generation; the number frozen."""
+def freeze(reason: str) -> None:
+    """Move every object the collector tracks now into the permanent generation (O(1): the generations' lists
+    are spliced; ``gc.get_freeze_count`` would walk them all, so it is not called here)."""
     t = time.perf_counter()
-    before = gc.get_freeze_count()
     gc.freeze()
-    frozen = gc.get_freeze_count() - before
-    log.info("gc: froze %d long-lived objects (%s; %d in all) in %.1f ms", frozen, reason, gc.get_freeze_count(),
-             (time.perf_counter() - t) * 1e3)
-    return frozen
+    log.info("gc: froze the objects held now (%s) in %.1f ms", reason, (time.perf_counter() - t) * 1e3)
 
 
 __all__ = ["GcStats", "collector_paused", "freeze", "watch_collections"]
