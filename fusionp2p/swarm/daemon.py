@@ -20,7 +20,7 @@ from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport, parse_peer_addr
 from fusionp2p.net.relay import RelayLimits
 from fusionp2p.net.transport import StreamHandler
-from fusionp2p.swarm.gcfreeze import collector_paused, freeze, watch_collections
+from fusionp2p.swarm.gcfreeze import watch_collections
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.startup import Startup
 from fusionp2p.types import DeviceProfile
@@ -77,7 +77,7 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
     start-up still runs (the process does not wait for it)."""
     identity = Identity.load_or_create(cfg.home)
     startup = startup if startup is not None else Startup()
-    watch_collections()
+    watch_collections()   # full collections over 20 ms logged (swarm/gcfreeze.py); the freeze is not used: see there
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce,
                                                                     relay=cfg.relay, hole_punch=cfg.hole_punch)) as t:
@@ -89,7 +89,6 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
             swarm = SwarmNode(t, replace(cfg.swarm, role=cfg.role), None)   # the bootstrap never has a profile
             async with trio.open_nursery() as nursery:
                 await nursery.start(swarm.run, list(cfg.bootstrap))
-                freeze("the daemon started")   # its host and swarm layer live as long as the process (swarm/gcfreeze.py)
                 nursery.start_soon(_serve, cfg, swarm, nursery, extra_services, prepare, startup)
                 async for signum in signals:
                     log.info("signal %s: leaving", signal.Signals(signum).name)
@@ -106,15 +105,11 @@ async def _serve(cfg: DaemonConfig, swarm: SwarmNode, nursery: trio.Nursery,
     if cfg.role == "node":
         probing = swarm.config.probing
         await startup.trigger(swarm.prober.first_round if probing else None)
-        # no collection walks the ~170,000 objects torch's import allocates (swarm/gcfreeze.py): paused
-        # while it and the benchmark run, then they are frozen
-        with collector_paused():
-            if prepare is not None:
-                await startup.run_prepare(prepare)
-            # trio-typing's stubs predate abandon_on_cancel (as in swarm/probe.py)
-            swarm.profile = await trio.to_thread.run_sync(_node_profile, cfg,
-                                                          abandon_on_cancel=True)  # type: ignore[call-arg]
-            freeze("the start-up is done")   # torch's and the job service's modules: out of every full collection
+        if prepare is not None:
+            await startup.run_prepare(prepare)
+        # trio-typing's stubs predate abandon_on_cancel (as in swarm/probe.py)
+        swarm.profile = await trio.to_thread.run_sync(_node_profile, cfg,
+                                                      abandon_on_cancel=True)  # type: ignore[call-arg]
         swarm.beat_soon()
     if extra_services is not None:
         extra_services(swarm, nursery)

@@ -1,4 +1,11 @@
-"""A node's long-lived objects out of the cyclic collector's reach, and its full collections timed (issue 40).
+"""A node's full collections timed; the collector paused or objects frozen on request (issue 40).
+
+Measured and NOT adopted for the node's start-up (2026-11-30, m20b): the daemon paused the collector during
+its start-up and froze the objects after it and after its own start; in the 20-process benchmark
+(``--quick --sizes 20 --timeout 150``, loads 17-48 on 2 cores, back to back) deaths were 591, 409, 594 with
+it against 408, 401, 88, 93 without, although no full collection over 20 ms ran after the start-up (2-3
+in every node's start-up before, 1.3-4.4 s each). Not explained; the daemon now only installs
+:func:`watch_collections`. What follows describes the mechanism as it was tried.
 
 A full (generation-2) collection walks every tracked object the process holds and keeps the GIL while it
 does: on a node's heap after torch's import (some half a million objects: modules, functions, classes,

@@ -5,7 +5,6 @@ seconds of a forming swarm. Real libp2p on loopback."""
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 from collections.abc import Callable
@@ -123,27 +122,6 @@ def test_a_node_that_probes_nobody_starts_up_after_the_delay(tmp_path: Path, mon
     cfg = SwarmConfig(heartbeat=0.3, dead_timeout=5.0, watch=0)
     (s,) = _daemons(tmp_path, monkeypatch, 1, cfg, defer=0.5)
     assert s.reason.startswith("0.5 s after joining"), s.reason
-
-
-def test_the_start_up_s_objects_are_frozen_once_it_is_done(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the start-up imports lives as long as the process: the collector is paused while it runs and once
-    it is done its objects are out of the collector's generations (swarm/gcfreeze.py), so no full collection
-    walks them (2-3 in every node's start-up at 20 processes, 1.3-4.4 s each with the GIL held, loaded)."""
-    held: list[list[int]] = []
-    enabled: list[bool] = []
-
-    def prepare() -> None:   # the start-up's long-lived objects (torch's modules, in a node)
-        enabled.append(gc.isenabled())   # no collection walks them while they are made
-        held.extend([i] for i in range(10_000))
-
-    cfg = SwarmConfig(heartbeat=0.3, dead_timeout=5.0, watch=0)
-    try:
-        _daemons(tmp_path, monkeypatch, 1, cfg, defer=0.2, prepare=prepare)
-        assert len(held) == 10_000 and gc.get_freeze_count() >= 10_000
-        assert enabled == [False] and gc.isenabled()
-        assert not any(o is held[0] or o is held[-1] for o in gc.get_objects())   # frozen: no generation holds them
-    finally:
-        gc.unfreeze()
 
 
 def test_the_start_up_config_is_checked() -> None:
