@@ -20,6 +20,11 @@ the old "every pair measured" one). The table also shows the time until the memb
 until every pair has a figure (measured or estimated), until every pair is measured, and the time after
 all members joined (the headline before 2026-11-29); beside each, the CPU-seconds the processes spent
 from the last listen until then, a steadier figure than the times on a shared machine.
+`--preload` (a variant for a small machine's sake, written beside the default as ``membership_preload.json``, never
+instead of it): every node process forked from one forkserver that imported torch and the node's modules once
+(``cli/forked.py``, as ``LocalCluster(preload=True)``, ``make demo`` and ``benchmarks.churn --preload`` do), so
+20 emulated machines on 2 cores do not pay 20 torch imports on the same 2 cores; the forkserver's own CPU is
+counted in the processes' (the nodes are its children, not ours: their CPU is read from ``/proc`` at the end).
 `--probe-cost` times one probe session between two libp2p hosts in this process (both sides' CPU: open
 and pings, a first probe on the stream, one on a raw socket to the data plane), the unit cost of the
 matrix.
@@ -29,17 +34,21 @@ from __future__ import annotations
 
 import os
 import resource
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import trio
 
-from benchmarks._common import headline, parser, write
+from benchmarks._common import RESULTS, headline, parser, write
+from fusionp2p.cli.forked import Forked
+from fusionp2p.cli.forked import server_pid as forked_server_pid
 from fusionp2p.errors import PeerUnavailable
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
@@ -125,9 +134,21 @@ async def watch(addr: str, n: int, timeout: float, cpu: Callable[[], float] = la
     return times, cpus
 
 
-def run_one(n: int, timeout: float, log_dir: str | None = None) -> dict[str, Any]:
+def read_line(fd: int, timeout: float = 120.0) -> str:
+    """One line from a forked node's stdout pipe (unbuffered reads: its listen address)."""
+    buf, deadline = b"", time.monotonic() + timeout
+    while b"\n" not in buf and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 4096) if ready else b""
+        if ready and not chunk:
+            break
+        buf += chunk
+    return buf.split(b"\n", 1)[0].decode()
+
+
+def run_one(n: int, timeout: float, log_dir: str | None = None, preload: bool = False) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[subprocess.Popen[str] | Forked] = []
     logs: list[Any] = []
     level = "debug" if log_dir else "warning"
 
@@ -148,15 +169,31 @@ def run_one(n: int, timeout: float, log_dir: str | None = None) -> dict[str, Any
             procs.append(boot)
             assert boot.stdout is not None
             addr = boot.stdout.readline().strip()
-            procs.extend(subprocess.Popen(
-                [*CLI, "node", "--bootstrap", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--home", f"{tmp}/n{i}",
-                 "--torch-threads", "1", "--log-level", level],
-                stdout=subprocess.PIPE, stderr=err(f"node{i}"), text=True, env=env) for i in range(n))
+            for i in range(n):
+                argv = ["node", "--bootstrap", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--home", f"{tmp}/n{i}",
+                        "--torch-threads", "1", "--log-level", level]
+                if preload:   # forked from the pre-imported forkserver (started by the first Forked)
+                    log = os.path.join(log_dir, f"n{n}-node{i}.log") if log_dir else os.devnull
+                    procs.append(Forked(argv, {"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": env.get("MALLOC_ARENA_MAX", "1")},
+                                        Path(log)))
+                else:
+                    procs.append(subprocess.Popen([*CLI, *argv], stdout=subprocess.PIPE, stderr=err(f"node{i}"),
+                                                  text=True, env=env))
             for p in procs[1:]:
-                assert p.stdout is not None
-                p.stdout.readline()
+                if isinstance(p, Forked):
+                    read_line(p.stdout.fileno())
+                else:
+                    assert p.stdout is not None
+                    p.stdout.readline()
             t_listen = time.monotonic()
-            times, cpus = trio.run(watch, addr, n, timeout, lambda: sum(proc_cpu(p.pid) for p in procs))
+
+            def cpu_now() -> float:
+                server = forked_server_pid() if preload else None
+                return sum(proc_cpu(p.pid) for p in procs) + (proc_cpu(server) if server else 0.0)
+            times, cpus = trio.run(watch, addr, n, timeout, cpu_now)
+            forked_cpu = sum(proc_cpu(p.pid) for p in procs if isinstance(p, Forked))   # not our children
+            server = forked_server_pid() if preload else None
+            forked_cpu += proc_cpu(server) if server else 0.0
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -171,9 +208,9 @@ def run_one(n: int, timeout: float, log_dir: str | None = None) -> dict[str, Any
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     # the CPU the bootstrap and the nodes spent, start-up included: on a shared machine a steadier figure
     # than the wall times, which stretch with everyone else's load
-    cpu = ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime
+    cpu = ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime + (forked_cpu if preload else 0.0)
     t_members, t_matrix = times.get("members"), times.get("measured")
-    return {"n": n, "processes_cpu_s": cpu, "spawn_to_listen_s": t_listen - t_spawn, "members_after_listen_s": t_members,
+    return {"n": n, "preload": preload, "processes_cpu_s": cpu, "spawn_to_listen_s": t_listen - t_spawn, "members_after_listen_s": t_members,
             "needed_after_listen_s": times.get("needed"), "profiles_after_listen_s": times.get("profiles"),
             "matrix_after_members_s": None if t_matrix is None or t_members is None else t_matrix - t_members,
             "estimated_matrix_after_listen_s": times.get("estimated"),
@@ -260,6 +297,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for convergence per size")
     ap.add_argument("--log-dir", default=None, help="keep every process's debug log (stderr) in this directory")
     ap.add_argument("--start", action="store_true", help="only time one node's start to listening, 5 times in turn")
+    ap.add_argument("--preload", action="store_true",
+                    help="fork every node from one pre-imported forkserver (a variant, written beside the default)")
     ap.add_argument("--probe-cost", action="store_true", help="only time one probe session's CPU (median of 21)")
     args = ap.parse_args()
     if args.probe_cost:
@@ -282,6 +321,8 @@ def main() -> None:
                        f"CPU-s until listening: median {sorted(r['cpu_s'] for r in rows)[len(rows) // 2]:.2f}"),
               quick=args.quick)
         return
+    if args.preload and args.out.parent == RESULTS and args.out.stem.startswith("membership"):
+        args.out = args.out.with_name(args.out.stem + "_preload.json")   # beside the default figure, never over it
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([4, 8] if args.quick else [4, 8, 16, 20])
     rows = []
 
@@ -292,7 +333,7 @@ def main() -> None:
     print(f"{'N':>4} {'spawn->listen':>14} {'members':>16} {'needed measured':>16} {'all estimated':>16} "
           f"{'all measured':>16} {'after members':>14}")
     for n in sizes:
-        r = run_one(n, timeout=args.timeout, log_dir=args.log_dir)
+        r = run_one(n, timeout=args.timeout, log_dir=args.log_dir, preload=args.preload)
         rows.append(r)
         cells = [f"{f(r[t])} ({f(r.get(c))})".rjust(16) for t, c in (
             ("members_after_listen_s", "cpu_listen_to_members_s"), ("needed_after_listen_s", "cpu_listen_to_needed_s"),
@@ -305,7 +346,8 @@ def main() -> None:
     value = big["needed_after_listen_s"] if big["needed_after_listen_s"] is not None else args.timeout
     write("membership", args.out, rows,
           headline(f"{big['n']} processes: every pair the planner needs measured (those some node probes; every pair "
-                   f"up to {ProbeConfig().peers + 1} nodes), seconds after the last one listened",
+                   f"up to {ProbeConfig().peers + 1} nodes), seconds after the last one listened"
+                   + (" (nodes forked from one pre-imported forkserver)" if args.preload else ""),
                    value, "s", 15.0, "lower",
                    "absolute time; after listen overlaps each node's torch import and device benchmark; the same run "
                    "reports all pairs measured, the time after all members joined (the headline before 2026-11-29) "

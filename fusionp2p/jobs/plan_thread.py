@@ -26,11 +26,8 @@ is freed by reference counts as before, what it leaves in cycles is collected on
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 import trio
@@ -40,31 +37,10 @@ from fusionp2p.jobs.build import plan_for_snapshot
 from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.plan.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
+from fusionp2p.swarm.gcfreeze import collector_paused  # shared with the node's start-up
 from fusionp2p.train.spot import in_thread
 
 T = TypeVar("T")
-
-_gc = threading.Lock()
-_paused = [0, True]   # plans running with the collector paused; whether it was enabled before the first
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused while a plan is made (the module docstring), nested across threads:
-    the last plan to end enables it again, unless it was disabled before the first began."""
-    with _gc:
-        if _paused[0] == 0:
-            _paused[1] = gc.isenabled()
-            gc.disable()
-        _paused[0] += 1
-    try:
-        yield
-    finally:
-        with _gc:
-            _paused[0] -= 1
-            if _paused[0] == 0 and _paused[1]:
-                gc.enable()
-
 
 def _paused_call(fn: Callable[[], T]) -> T:
     with collector_paused():

@@ -20,6 +20,7 @@ from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport, parse_peer_addr
 from fusionp2p.net.relay import RelayLimits
 from fusionp2p.net.transport import StreamHandler
+from fusionp2p.swarm.gcfreeze import watch_collections
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.startup import Startup
 from fusionp2p.types import DeviceProfile
@@ -76,6 +77,7 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
     start-up still runs (the process does not wait for it)."""
     identity = Identity.load_or_create(cfg.home)
     startup = startup if startup is not None else Startup()
+    watch_collections()   # full collections over 20 ms logged (swarm/gcfreeze.py); the freeze is not used: see there
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce,
                                                                     relay=cfg.relay, hole_punch=cfg.hole_punch)) as t:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,7 @@ def test_a_node_imports_torch_only_when_a_job_request_comes_and_measures_before_
 
 
 def _daemons(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int, swarm: SwarmConfig,
-             defer: float) -> list[Startup]:
+             defer: float, prepare: Callable[[], None] = lambda: None) -> list[Startup]:
     """*n* daemons (the device benchmark stubbed, *prepare* counted) against one bootstrap until each has
     announced its profile; their start-ups."""
     monkeypatch.setattr(device, "measure_profile", lambda dev: TEST_PROFILE)
@@ -102,7 +103,7 @@ def _daemons(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int, swarm: Swa
                         dcfg = DaemonConfig(role="node", home=tmp_path / f"n{i}", listen=("/ip4/127.0.0.1/tcp/0",),
                                             bootstrap=(bt.listen_addrs()[0],), swarm=swarm)
                         nursery.start_soon(lambda d=dcfg, s=s: run_daemon(d, on_ready=lambda a: None,
-                                                                        prepare=lambda: None, startup=s))
+                                                                        prepare=prepare, startup=s))
                     await boot.wait_until(lambda: len(boot.members()) == n and all(
                         boot.view.records[p].profile == TEST_PROFILE for p in boot.members()), 45)
                     nursery.cancel_scope.cancel()
