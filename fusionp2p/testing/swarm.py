@@ -34,14 +34,18 @@ async def local_swarm(n: int, *, config: SwarmConfig | None = None, libp2p: bool
         boot = SwarmNode(transports[0], boot_cfg, None)
         nodes = [SwarmNode(t, cfg, (profiles[i] if profiles else TEST_PROFILE)) for i, t in enumerate(transports[1:])]
         async with trio.open_nursery() as nursery:
-            await nursery.start(boot.run, [])
-            addr = transports[0].listen_addrs()[0]
-            for node in nodes:
-                await nursery.start(node.run, [addr])
+            await start_swarm(nursery, boot, nodes, transports[0].listen_addrs()[0])
             try:
                 yield boot, nodes
             finally:
                 nursery.cancel_scope.cancel()
+
+
+async def start_swarm(nursery: trio.Nursery, boot: SwarmNode, nodes: list[SwarmNode], addr: str) -> None:
+    """Start the bootstrap *boot* (listening at *addr*), then every node of *nodes* joining through it."""
+    await nursery.start(boot.run, [])
+    for node in nodes:
+        await nursery.start(node.run, [addr])
 
 
 async def converge(nodes: list[SwarmNode], *, bandwidth: bool, timeout: float) -> None:

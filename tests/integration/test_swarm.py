@@ -7,22 +7,15 @@ import trio
 import trio.testing
 
 from fusionp2p.net.identity import Identity, verify
-from fusionp2p.net.memory import MemoryTransport, memory_network
+from fusionp2p.net.memory import memory_network
 from fusionp2p.net.transport import GossipMessage
 from fusionp2p.swarm import node as swarm_mod
 from fusionp2p.swarm.membership import Change, prober_of
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.probe import ProbeConfig
-from fusionp2p.testing.swarm import TEST_PROFILE, converge, local_swarm
+from fusionp2p.testing.swarm import TEST_PROFILE, converge, local_swarm, start_swarm
 from fusionp2p.wire.protocols import TOPIC_MEMBERS
 from fusionp2p.wire.records import BandwidthReport, encode_bundle
-
-
-async def _start(nursery: trio.Nursery, boot: SwarmNode, nodes: list[SwarmNode], boot_host: MemoryTransport) -> None:
-    """Start the bootstrap on *boot_host*, then every node joining through it."""
-    await nursery.start(boot.run, [])
-    for n in nodes:
-        await nursery.start(n.run, [boot_host.listen_addrs()[0]])
 
 
 def test_eight_libp2p_nodes_converge_on_members_and_bandwidth() -> None:
@@ -65,7 +58,7 @@ def test_dead_and_departing_peers_are_detected_with_fake_clock() -> None:
             boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=4.0), None)
             nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
             async with trio.open_nursery() as nursery:
-                await _start(nursery, boot, nodes, hosts[0])
+                await start_swarm(nursery, boot, nodes, hosts[0].listen_addrs()[0])
                 await converge(nodes, bandwidth=False, timeout=10)
                 # SIGKILL-like death: no goodbye
                 victim = nodes[3]
@@ -101,7 +94,7 @@ def test_a_held_up_event_loop_declares_nobody_dead() -> None:
             boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=4.0), None)
             nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
             async with trio.open_nursery() as nursery:
-                await _start(nursery, boot, nodes, hosts[0])
+                await start_swarm(nursery, boot, nodes, hosts[0].listen_addrs()[0])
                 await converge(nodes, bandwidth=False, timeout=10)
                 clock.jump(3 * cfg.dead_timeout)       # the loop held up: no task ran meanwhile
                 await trio.sleep(3 * cfg.heartbeat)    # the reapers and the queued heartbeats run
@@ -146,7 +139,7 @@ def test_heartbeat_period_stretches_with_the_swarm_without_false_deaths() -> Non
             boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=3.0, gossip_rate=1.0), None)
             nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
             async with trio.open_nursery() as nursery:
-                await _start(nursery, boot, nodes, hosts[0])
+                await start_swarm(nursery, boot, nodes, hosts[0].listen_addrs()[0])
                 await converge(nodes, bandwidth=False, timeout=30)
                 everyone = [boot, *nodes]
                 for n in everyone:     # every node has stretched its period and heard everyone announce it
@@ -203,7 +196,7 @@ def test_large_swarm_probes_a_bounded_sample_and_publishes_its_first_figure_at_o
 
             boot._apply_record = stamping  # type: ignore[method-assign]
             async with trio.open_nursery() as nursery:
-                await _start(nursery, boot, nodes, hosts[0])
+                await start_swarm(nursery, boot, nodes, hosts[0].listen_addrs()[0])
                 for n in nodes:
                     await boot.wait_until(lambda n=n: n.peer_id in boot.bandwidth.reports, timeout=60)
                 assert first_probe   # a node none of whose pairs is its own reports only its downlink figure
@@ -299,7 +292,7 @@ def test_refresh_probes_keep_to_the_duty_cycle() -> None:
 
                 n.prober._apply_probe = counting  # type: ignore[method-assign]
             async with trio.open_nursery() as nursery:
-                await _start(nursery, boot, nodes, hosts[0])
+                await start_swarm(nursery, boot, nodes, hosts[0].listen_addrs()[0])
                 await converge(nodes, bandwidth=True, timeout=30)
                 t0, first = trio.current_time(), sum(spent)
                 await trio.sleep(300)

@@ -94,6 +94,22 @@ def attach(tmp_path: Path, heard: int) -> tuple[list[ProgressEvent], list[str], 
     return events, fetched, end
 
 
+def attached_members(tmp_path: Path, cfg: DriverConfig) -> set[str]:
+    """Attach to job "j" (its stage files not fetched) and return the members the attach followed."""
+
+    async def main() -> set[str]:
+        d = JobDriver(None, None, ["boot"], None, lambda ev: None, tmp_path, cfg, job="j", steps=STEPS)  # type: ignore[arg-type]
+
+        async def fetch(holders: tuple[str, ...], h: str, stage: int, step: int) -> None:
+            pass
+
+        d._fetch_stage = fetch  # type: ignore[method-assign]
+        await d.attach()
+        return d.members
+
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 def states(events: list[ProgressEvent]) -> list[tuple[str, str]]:
     return [(e.state, e.reason) for e in events if isinstance(e, JobStateChanged)]
 
@@ -223,18 +239,7 @@ def test_an_attach_learns_the_standbys_from_a_slow_plan_record_read(monkeypatch:
 
     monkeypatch.setattr(publisher, "fetch_latest_record", slow_plan_record)
 
-    async def main() -> set[str]:
-        d = JobDriver(None, None, ["boot"], None, lambda ev: None, tmp_path,  # type: ignore[arg-type]
-                      DriverConfig(status_poll=1.0), job="j", steps=STEPS)
-
-        async def fetch(holders: tuple[str, ...], h: str, stage: int, step: int) -> None:
-            pass
-
-        d._fetch_stage = fetch  # type: ignore[method-assign]
-        await d.attach()
-        return d.members
-
-    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == {"A", "B"}
+    assert attached_members(tmp_path, DriverConfig(status_poll=1.0)) == {"A", "B"}
 
 
 def test_an_attach_learns_the_standbys_from_the_status_epochs_plan_record(monkeypatch: pytest.MonkeyPatch,
@@ -250,14 +255,4 @@ def test_an_attach_learns_the_standbys_from_the_status_epochs_plan_record(monkey
 
     monkeypatch.setattr(publisher, "fetch_latest_record", plan_records)
 
-    async def main() -> set[str]:
-        d = JobDriver(None, None, ["boot"], None, lambda ev: None, tmp_path, CFG, job="j", steps=STEPS)  # type: ignore[arg-type]
-
-        async def fetch(holders: tuple[str, ...], h: str, stage: int, step: int) -> None:
-            pass
-
-        d._fetch_stage = fetch  # type: ignore[method-assign]
-        await d.attach()
-        return d.members
-
-    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == {"A", "B"}
+    assert attached_members(tmp_path, CFG) == {"A", "B"}

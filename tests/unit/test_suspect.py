@@ -8,7 +8,7 @@ from fusionp2p.net.memory import MemoryTransport, memory_network
 from fusionp2p.net.transport import Stream
 from fusionp2p.swarm.membership import Change, MembershipView
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
-from fusionp2p.testing.swarm import TEST_PROFILE, converge
+from fusionp2p.testing.swarm import TEST_PROFILE, converge, start_swarm
 from fusionp2p.wire.protocols import PROBE
 from fusionp2p.wire.records import NodeRecord
 
@@ -60,9 +60,7 @@ def test_a_member_whose_heartbeats_stop_but_answers_pings_is_not_declared_dead()
             boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=4.0), None)
             nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
             async with trio.open_nursery() as nursery:
-                await nursery.start(boot.run, [])
-                for n in nodes:
-                    await nursery.start(n.run, [hosts[0].listen_addrs()[0]])
+                await start_swarm(nursery, boot, nodes, hosts[0].listen_addrs()[0])
                 await converge(nodes, bandwidth=False, timeout=10)
                 mute, watcher = nodes[0], nodes[1]
 

@@ -11,7 +11,7 @@ from fusionp2p.net.memory import memory_network
 from fusionp2p.swarm.membership import BandwidthTable, Change, MembershipView, chosen, probes_of
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.watch import Watch, watches
-from fusionp2p.testing.swarm import TEST_PROFILE, converge
+from fusionp2p.testing.swarm import TEST_PROFILE, converge, start_swarm
 from fusionp2p.wire.records import BandwidthReport, Measurement, NodeRecord
 
 IDS = [Identity(i.to_bytes(2, "big") * 16).peer_id for i in range(1, 301)]
@@ -120,9 +120,7 @@ def test_a_false_death_notice_costs_its_victim_one_flap() -> None:
             boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=4.0), None)
             nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
             async with trio.open_nursery() as nursery:
-                await nursery.start(boot.run, [])
-                for n in nodes:
-                    await nursery.start(n.run, [hosts[0].listen_addrs()[0]])
+                await start_swarm(nursery, boot, nodes, hosts[0].listen_addrs()[0])
                 await converge(nodes, bandwidth=False, timeout=30)
                 ids = nodes[0].members()
                 liar = nodes[0]
