@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     n.add_argument("--defer-startup", type=float, default=15.0, metavar="SECONDS",
                    help="the node imports torch, starts its job service and measures its device once its first "
-                        "bandwidth probes are done, when a job request comes, or at the latest this long after "
-                        "joining (default 15; the swarm forms first)")
+                        "bandwidth probes are done, when a job request comes, or this long after joining (default "
+                        "15; the swarm forms first), then up to 45 s more while those probes still progress")
     n.add_argument("--startup-nice", type=int, default=5, metavar="N",
                    help="that start-up's imports run N steps nicer than the node (0-19, default 5; a job request "
                         "that starts it runs them at the node's own priority)")

@@ -228,7 +228,9 @@ class EmbeddedSwarm:
 async def _deferred(swarm: SwarmNode, service: NodeJobService, profile: DeviceProfile, startup: Startup) -> None:
     """A node's deferred start-up (as ``swarm/daemon.py`` ``_serve`` runs it): once wanted, *profile* is its
     measured one, announced at once, then its job service runs and answers the requests that waited."""
-    await startup.trigger(swarm.prober.first_round if swarm.config.probing else None)
+    probing = swarm.config.probing
+    await startup.trigger(swarm.prober.first_round if probing else None,
+                          swarm.prober.links_measured if probing else None)
     swarm.profile = profile
     swarm.beat_soon()
     async with trio.open_nursery() as nursery:

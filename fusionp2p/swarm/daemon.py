@@ -104,7 +104,8 @@ async def _serve(cfg: DaemonConfig, swarm: SwarmNode, nursery: trio.Nursery,
     abandoned on a signal), its profile announced at once; then *extra_services*."""
     if cfg.role == "node":
         probing = swarm.config.probing
-        await startup.trigger(swarm.prober.first_round if probing else None)
+        await startup.trigger(swarm.prober.first_round if probing else None,
+                              swarm.prober.links_measured if probing else None)
         if prepare is not None:
             await startup.run_prepare(prepare)
         # trio-typing's stubs predate abandon_on_cancel (as in swarm/probe.py)

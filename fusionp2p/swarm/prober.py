@@ -241,8 +241,14 @@ class LinkProber:
     def _links_measured(self) -> bool:
         """Every link to the members we chose is measured, from our side or theirs (``first_round``)."""
         peers, _ = self.chosen()
-        return bool(peers) and all(self._measured(p) or p in self.server.inbound
-                                   or self.bandwidth.direct(self.peer_id, p) is not None for p in peers)
+        return bool(peers) and self.links_measured() == len(peers)
+
+    def links_measured(self) -> int:
+        """How many links to the members we chose are measured, from our side or theirs (the deferred
+        start-up waits while this grows: swarm/startup.py)."""
+        peers, _ = self.chosen()
+        return sum(self._measured(p) or p in self.server.inbound
+                   or self.bandwidth.direct(self.peer_id, p) is not None for p in peers)
 
     async def _probe_round(self) -> float:
         """Probe this round's peers; the seconds of bulk transfer spent.

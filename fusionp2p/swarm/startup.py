@@ -13,6 +13,12 @@ and the matrix took 80-207 s. So the start-up waits until the first of:
 * ``StartupConfig.defer`` seconds after the node joined (a lone node, or peers it cannot measure), plus
   a random share of up to ``jitter`` times that: nodes started together (a benchmark's 20 processes) do not
   all import torch and benchmark their device in the same second, each starving the others' heartbeats.
+  While its first round still measures links then (one more of them measured, by it or by the peer,
+  within the last ``stall`` seconds), it waits on, up to ``patience`` seconds more: 20 node processes on 2
+  cores (2026-11-30, idle) all reached the 15 s mark with 86 of the 190 pairs measured, their start-ups
+  (~120 CPU-s together) then ran amid the probes, 26 pairs were measured in the next 40 s (260 probe
+  streams timed out), and the last one 88 s after the last node listened; with the start-up's imports
+  preloaded the probes alone took 23 s (notes/probefloor.md).
 
 In the last two cases torch's and the job service's imports run in a thread of their own at a lower CPU
 priority (``nice``, 5 by default; Linux sets it per thread), so that other processes' probes go first
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import sys
@@ -52,6 +59,8 @@ JobHandler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 class StartupConfig:
     defer: float = 15.0          # at most this many seconds after joining before the start-up runs anyway
     jitter: float = 0.5          # ... plus up to this share of defer, at random (spreads nodes started together)
+    patience: float = 45.0       # ... plus at most this long while the first probe round still measures links (defer 0: none)
+    stall: float = 5.0           # ... (it does while one more link was measured within this many seconds)
     # the imports' thread runs this much nicer than the process (0: as the process). Not more: on a host
     # busy with other work a thread at nice 19 all but stops (4 nodes of a benchmark run at nice 10, at
     # load 25 on 2 cores, 2026-11-29: no profile 100 s after their start-up began with 10 here)
@@ -63,6 +72,8 @@ class StartupConfig:
     def __post_init__(self) -> None:
         if not self.defer >= 0:
             raise ConfigError("--defer-startup must be >= 0 seconds")
+        if not (self.patience >= 0 and self.stall > 0):
+            raise ConfigError("the start-up's patience must be >= 0 seconds, its stall positive")
         if not 0 <= self.jitter <= 1:
             raise ConfigError("the start-up's jitter must be in [0, 1]")
         if not 0 <= self.nice <= 19:
@@ -95,19 +106,40 @@ class Startup:
         self._handler = handler
         self.serving.set()
 
-    async def trigger(self, first_round: trio.Event | None) -> None:
-        """Until the start-up is wanted: a job request, *first_round* set, or ``defer`` seconds passed."""
+    async def trigger(self, first_round: trio.Event | None, measured: Callable[[], int] | None = None) -> None:
+        """Until the start-up is wanted: a job request, *first_round* set, or ``defer`` seconds passed (and
+        then, while *measured*, our links measured so far, still grows, up to ``patience`` more)."""
         async with trio.open_nursery() as nursery:
             if first_round is not None:
                 async def probed() -> None:
                     await first_round.wait()
                     self.want("the first probe round is done")
                 nursery.start_soon(probed)
+            progress = [0, -math.inf]   # links measured, and when that count last grew
+
+            async def watch() -> None:
+                assert measured is not None
+                while True:
+                    count = measured()
+                    if count > progress[0]:
+                        progress[:] = [count, trio.current_time()]
+                    await trio.sleep(min(1.0, self.config.stall / 4))
+            if measured is not None:
+                nursery.start_soon(watch)
 
             async def deadline() -> None:
-                extra = self.config.defer * self.config.jitter * random.random()
-                await trio.sleep(self.config.defer + extra)
-                self.want(f"{self.config.defer:g} s after joining" + (f" (+{extra:.1f} s jitter)" if extra else ""))
+                cfg = self.config
+                extra = cfg.defer * cfg.jitter * random.random()
+                await trio.sleep(cfg.defer + extra)
+                why = f"{cfg.defer:g} s after joining" + (f" (+{extra:.1f} s jitter)" if extra else "")
+                waited_from = trio.current_time()
+                while measured is not None and cfg.defer > 0 and trio.current_time() - progress[1] < cfg.stall:
+                    if trio.current_time() - waited_from >= cfg.patience:
+                        self.want(f"{why}, {cfg.patience:g} s more while the first probe round measured links")
+                        return
+                    await trio.sleep(min(1.0, cfg.stall / 4))
+                waited = trio.current_time() - waited_from
+                self.want(why + (f", {waited:.1f} s more until its probes stalled" if waited > 0 else ""))
             nursery.start_soon(deadline)
             await self.wanted.wait()
             nursery.cancel_scope.cancel()
