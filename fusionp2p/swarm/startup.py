@@ -18,7 +18,7 @@ and the matrix took 80-207 s. So the start-up waits until the first of:
   cores (2026-11-30, idle) all reached the 15 s mark with 86 of the 190 pairs measured, their start-ups
   (~120 CPU-s together) then ran amid the probes, 26 pairs were measured in the next 40 s (260 probe
   streams timed out), and the last one 88 s after the last node listened; with the start-up's imports
-  preloaded the probes alone took 23 s (notes/probefloor.md).
+  preloaded the probes alone took 23 s (issue 40).
 
 In the last two cases torch's and the job service's imports run in a thread of their own at a lower CPU
 priority (``nice``, 5 by default; Linux sets it per thread), so that other processes' probes go first

@@ -1,7 +1,7 @@
 """The deferred start-up's trigger (swarm/startup.py): past ``defer`` it waits on while the node's first
 probe round still measures links, until they stall or ``patience`` runs out. 20 node processes on 2 cores
 all ran their start-ups at the 15 s mark with 86 of 190 pairs measured, and the rest took until 88 s
-(notes/probefloor.md). Trio's mock clock: no network, no sleeps."""
+(issue 40). Trio's mock clock: no network, no sleeps."""
 
 from __future__ import annotations
 
