@@ -93,7 +93,12 @@ def test_a_hostile_peer_cannot_break_relayed_nodes_or_make_them_dial_for_it(tmp_
         start_node("home")      # both join while the dial-back service is under the attacker's checks
         start_node("office")
         status: dict[str, Any] = {}
-        for _ in range(40):
+        # a NAT'd node learns its reach in its deferred start-up: --defer-startup (15 s) + its jitter (up to 7.5 s)
+        # + up to StartupConfig.patience (45 s) while its first probe round progresses; then the relayed pair is
+        # probed. 40 status calls (~40 s) were too few: 2 of 4 runs failed so on 2026-11-30 (idle), the relayed pair
+        # not yet measured
+        deadline = time.monotonic() + 150.0
+        while time.monotonic() < deadline:
             rc, out = tb.run("boot", [*cli, "status", "--bootstrap", addr, "--json"], timeout=60.0)
             assert rc == 0, out
             status = json.loads(out)
