@@ -37,7 +37,7 @@ from fusionp2p.jobs.build import plan_for_snapshot
 from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.plan.plan import Plan
 from fusionp2p.plan.snapshot import Snapshot
-from fusionp2p.swarm.gcfreeze import collector_paused  # shared with the node's start-up
+from fusionp2p.swarm.gcfreeze import collector_paused
 from fusionp2p.train.spot import in_thread
 
 T = TypeVar("T")

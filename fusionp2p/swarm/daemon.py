@@ -77,7 +77,7 @@ async def run_daemon(cfg: DaemonConfig, *, on_ready: Callable[[Sequence[str]], N
     start-up still runs (the process does not wait for it)."""
     identity = Identity.load_or_create(cfg.home)
     startup = startup if startup is not None else Startup()
-    watch_collections()   # full collections over 20 ms logged (swarm/gcfreeze.py); the freeze is not used: see there
+    watch_collections()   # full collections over 20 ms logged (swarm/gcfreeze.py; a freeze after the start-up was tried, not adopted)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_libp2p_transport(identity, Libp2pConfig(listen=cfg.listen, announce=cfg.announce,
                                                                     relay=cfg.relay, hole_punch=cfg.hole_punch)) as t:

@@ -1,33 +1,19 @@
-"""A node's full collections timed; the collector paused or objects frozen on request (issue 40).
-
-Measured and NOT adopted for the node's start-up (2026-11-30, m20b): the daemon paused the collector during
-its start-up and froze the objects after it and after its own start; in the 20-process benchmark
-(``--quick --sizes 20 --timeout 150``, loads 17-48 on 2 cores, back to back) deaths were 591, 409, 594 with
-it against 408, 401, 88, 93 without, although no full collection over 20 ms ran after the start-up (2-3
-in every node's start-up before, 1.3-4.4 s each). Not explained; the daemon now only installs
-:func:`watch_collections`. What follows describes the mechanism as it was tried.
+"""A node's full collections timed, and the collector paused on request (issue 40).
 
 A full (generation-2) collection walks every tracked object the process holds and keeps the GIL while it
-does: on a node's heap after torch's import (some half a million objects: modules, functions, classes,
-torch's op registrations) one took ~0.5 s in the planner's process (jobs/plan_thread.py), and while it
-runs the node answers no ping, no heartbeat and no probe. Those objects live as long as the process, so
-:func:`freeze` moves them into the permanent generation (``gc.freeze``) once they exist: after the
-daemon's own start (its libp2p host, the swarm layer) and again once the heavy start-up is done (torch,
-the job service, the device benchmark: ``swarm/daemon.py``). A later collection walks only what was
-allocated since. Frozen objects are never collected: only what the process keeps for its lifetime
-belongs there, which is why the calls sit at those two moments and nowhere in a job's life. Garbage in
-cycles at those moments stays too: after torch's import ~6,600 objects (~1 MB, once), which a collection
-before the freeze would have freed at the price of walking all 250,000 (0.10 CPU-s with the GIL held,
-seconds of wall time on a loaded machine: the stall this module removes), so none is made.
+does: on a node's heap after torch's import one took ~0.5 s, and meanwhile the node answers no ping, no
+heartbeat and no probe.
 
-:func:`watch_collections` counts every collection per generation and logs each full one over
-``slow_ms`` at debug, with its duration (``gc.callbacks``, ``perf_counter``): the figure to compare
-before and after (``grep 'gc: full collection' <node log>``).
+:func:`watch_collections` counts every collection per generation and logs each full one over ``slow_ms`` at
+debug, with its duration (``gc.callbacks``, ``perf_counter``): ``grep 'gc: full collection' <node log>``.
 
-:func:`collector_paused` pauses the collector, nested across threads (the planner's, jobs/plan_thread.py, and
-the start-up's): torch's import allocates ~170,000 long-lived objects and set off 2-3 full collections in
-every node of the 20-process benchmark, 1.3-4.4 s each (wall, load 32-42 on 2 cores, 2026-11-30), all in the
-start-up; paused while it runs, then frozen, they are walked by none.
+:func:`collector_paused` pauses the collector, nested across threads, while a plan is made
+(jobs/plan_thread.py: without it a plan's allocations set off a full collection every other plan).
+
+Measured and NOT adopted (2026-11-30): pausing the collector during the node's start-up and ``gc.freeze()``
+after it. In the 20-process benchmark (``--quick --sizes 20 --timeout 150``, loads 17-48, back to back) no
+full collection over 20 ms ran after the start-up (2-3 of 1.3-4.4 s in every node's start-up before), yet
+deaths were 591, 409, 594 with it against 408, 401, 88, 93 without: not explained (docs/swarm.md).
 """
 
 from __future__ import annotations
@@ -105,12 +91,4 @@ def collector_paused() -> Iterator[None]:
                 gc.enable()
 
 
-def freeze(reason: str) -> None:
-    """Move every object the collector tracks now into the permanent generation (O(1): the generations' lists
-    are spliced; ``gc.get_freeze_count`` would walk them all, so it is not called here)."""
-    t = time.perf_counter()
-    gc.freeze()
-    log.info("gc: froze the objects held now (%s) in %.1f ms", reason, (time.perf_counter() - t) * 1e3)
-
-
-__all__ = ["GcStats", "collector_paused", "freeze", "watch_collections"]
+__all__ = ["GcStats", "collector_paused", "watch_collections"]
