@@ -124,6 +124,7 @@ class Leading:
     _wake: trio.Event
     _plan_cache: tuple[str, Plan] | None
     _rolled: set[str]
+    _tasks: trio.Nursery | None
 
     # ------------------------------------------------------------------ leading re-plans
     def _alive(self, peer: str) -> bool:
@@ -542,7 +543,9 @@ class Leading:
             return False
         log.info("job %s epoch %d: plan %s adopted as its %s %s computed it", self.job_id, mine.epoch,
                  mine.plan_hash()[:12], "leader" if plan is not None else "starter", short_peer(req.sender))
-        self.svc.nursery.start_soon(self._vote, req.snapshot, mine)
+        # in the job's own nursery: a vote still under way when the job ends is of no use to anyone and must
+        # not outlive it (it held an elector's tasks for up to election_timeout after the job was done)
+        (self._tasks or self.svc.nursery).start_soon(self._vote, req.snapshot, mine)
         return True
 
     async def _vote(self, snap: Snapshot, plan: Plan) -> None:
