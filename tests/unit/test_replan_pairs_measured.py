@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,7 +35,17 @@ from fusionp2p.plan.verify import layout, plan_pairs
 from fusionp2p.swarm.membership import BandwidthTable, LinkEstimate
 from fusionp2p.wire.records import BandwidthReport, Measurement
 from tests.unit.test_plan_helpers import profile
-from tests.unit.test_plan_pairs_measured import PROFILES, TRUE_AB, A, B, C, D, _planner, _report, _score, _swarm
+from tests.unit.test_plan_pairs_measured import (
+    PROFILES,
+    TRUE_AB,
+    A,
+    B,
+    C,
+    D,
+    _planner,
+    _score,
+    _swarm,
+)
 
 
 # ------------------------------------------------------------------ one estimating routine, the same snapshot
@@ -76,9 +85,12 @@ def _random_table(rng: random.Random) -> tuple[BandwidthTable, list[str]]:
     peers = [f"p{i:02d}" for i in range(rng.randint(2, 9))]
     reports = []
     for p in peers:
-        cap = lambda: rng.choice([0.0, 10 ** rng.uniform(4, 9), 10 ** rng.uniform(9, 12)])  # noqa: E731
-        ms = tuple(Measurement(src=p, dst=d, bandwidth=10 ** rng.uniform(4, 9), rtt=rng.choice([0.0, rng.uniform(1e-4, 0.2)]),
-                               samples=rng.choice([0, 1, 3])) for d in rng.sample(peers, rng.randint(0, len(peers))) if d != p)
+        def cap() -> float:
+            return rng.choice([0.0, 10 ** rng.uniform(4, 9), 10 ** rng.uniform(9, 12)])
+
+        ms = tuple(Measurement(src=p, dst=d, bandwidth=rng.choice([0.0, *[10 ** rng.uniform(4, 9)] * 9]),
+                               rtt=rng.choice([0.0, rng.uniform(1e-4, 0.2)]), samples=rng.choice([0, 1, 3]))
+                   for d in rng.sample(peers, rng.randint(0, len(peers))) if d != p)
         reports.append(BandwidthReport(peer=p, seq=1, uplink=cap(), downlink=cap(), measurements=ms))
     table = estimate_table(reports, rng.sample(peers, rng.choice([0, 0, 1])))
     return table, peers
