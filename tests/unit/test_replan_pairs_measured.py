@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,7 +19,8 @@ import trio
 import trio.testing
 
 from fusionp2p.jobs import lead, plan_thread
-from fusionp2p.jobs.node import NodeJobConfig
+from fusionp2p.jobs import proto as job_proto
+from fusionp2p.jobs.node import NodeJobConfig, NodeJobService
 from fusionp2p.jobs.replan import Halted, fill_unmeasured
 from fusionp2p.jobs.run import JobRun
 from fusionp2p.jobs.verify_links import (
@@ -27,12 +29,16 @@ from fusionp2p.jobs.verify_links import (
     MeasureDesk,
     estimate_table,
     estimated_links,
+    member_ask,
     member_links,
 )
 from fusionp2p.plan.plan import Plan
 from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
 from fusionp2p.plan.verify import layout, plan_pairs
 from fusionp2p.swarm.membership import BandwidthTable, LinkEstimate
+from fusionp2p.swarm.node import SwarmConfig
+from fusionp2p.testing.swarm import converge, local_swarm
+from fusionp2p.wire.protocols import JOB
 from fusionp2p.wire.records import BandwidthReport, Measurement
 from tests.unit.test_plan_helpers import profile
 from tests.unit.test_plan_pairs_measured import (
@@ -220,5 +226,42 @@ def test_a_node_measures_for_the_leader_it_sees_at_most_max_pairs_per_epoch() ->
         assert not (await desk.answer("lead", "job", "pub", {"peer": "x"}, leader=True, epoch=3))["ok"]
         assert (await desk.answer("lead", "job", "pub", {"peer": "x"}, leader=True, epoch=4))["ok"]  # the next epoch's
         assert (await desk.answer("pub", "job", "pub", {"peer": "x"}))["ok"]   # the publisher's count is its own
+
+    trio.run(main)
+
+
+def test_a_node_measures_over_the_job_protocol_for_the_leader_it_sees_not_for_another_member(tmp_path: Path) -> None:
+    """Real nodes (in-memory transport), probing off: the job's leader as node a sees it (here the bootstrap's
+    host; the publisher is elsewhere) asks a over JOB (``measure``) for its link to b: a probes it and answers;
+    b, a member a does not see lead, is refused. Fails on main e6f8e2a: only the publisher was answered."""
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with local_swarm(2, libp2p=False, config=SwarmConfig(probing=False)) as (boot, nodes):
+                await converge(nodes, bandwidth=False, timeout=20)
+                a, b = nodes
+                svc = NodeJobService(a, tmp_path, NodeJobConfig())
+                svc.jobs["j1"] = SimpleNamespace(job_id="j1", publisher="pub", members=None,  # type: ignore[assignment]
+                                                 offerers=set(), epoch=4, leads=lambda p: p == boot.peer_id)
+                a.transport.set_stream_handler(JOB, job_proto.serve(svc.handle))
+                assert await member_ask(b.transport, "j1")(a.peer_id, b.peer_id, 10.0) is None   # not its leader
+                got = await member_ask(boot.transport, "j1")(a.peer_id, b.peer_id, 10.0)
+                assert got is not None and got.bandwidth_bps > 0 and a.prober.links[b.peer_id].samples == 1
+                desk = svc._measure
+                assert desk is not None and desk.asked == {"j1@4": 1}   # counted against the epoch it leads from
+
+    trio.run(main)
+
+
+def test_leads_names_the_leader_this_node_sees() -> None:
+    _, table = _swarm()
+    plan = _planner(Snapshot(job="j1", epoch=2, members=dict(PROFILES)))
+
+    async def main() -> None:
+        run = _job_run(B, table, plan, [], answer=None)
+        assert run.leads(A) and not run.leads(B) and not run.leads("pub")
+        run.svc.confirmed_dead = lambda p: p == A  # type: ignore[method-assign, assignment]
+        assert run.leads(B) and not run.leads(A)   # a member whose death a direct question confirmed is passed over
+        run.plan = None
+        assert not run.leads(B)
 
     trio.run(main)
