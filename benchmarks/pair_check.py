@@ -13,7 +13,12 @@ their true rate at once (no network here: the figures are the planner's CPU and 
 Figures per size: CPU-s of the plan alone (what the publisher spent before) and of the whole verified
 planning (estimates, plan, check, re-plan), the runs where the estimate decided, the pairs asked, and the
 predicted step time, on the true matrix, of the plan adopted over that of the plan made on the estimates
-(below 1: measuring helped). ``python -m benchmarks.pair_check [--quick]``
+(below 1: measuring helped).
+
+Re-plans (``jobs/lead.py _checked_plan``): in each run a random member of the adopted plan then dies, and the
+leader's snapshot of the survivors (``verify_links.member_links`` on the same table, the pairs without a figure
+filled at the slowest measured one, as after a loss: ``replan.fill_unmeasured``) is planned alone and through
+``verify_links.checked_plan``; the same figures (``replan_*``). ``python -m benchmarks.pair_check [--quick]``
 """
 
 from __future__ import annotations
@@ -29,10 +34,18 @@ import trio
 from benchmarks._common import headline, parser, write
 from benchmarks.planner import device, gpt_like
 from benchmarks.swarm_scale import LINK_MIX
-from fusionp2p.jobs.verify_links import estimate_table, verified_plan
+from fusionp2p.jobs.replan import fill_unmeasured
+from fusionp2p.jobs.verify_links import (
+    checked_plan,
+    estimate_table,
+    estimated_links,
+    member_links,
+    verified_plan,
+)
 from fusionp2p.plan import Link, PlannerConfig, Snapshot, predict
 from fusionp2p.plan.joint import plan_joint
 from fusionp2p.plan.plan import Plan
+from fusionp2p.plan.snapshot import snapshot_from_records
 from fusionp2p.wire.records import BandwidthReport, Measurement
 
 NAME = "pair_check"
@@ -106,17 +119,45 @@ def scenario(n: int, seed: int, liar: bool) -> dict[str, Any]:
     full = Snapshot(job="bench", epoch=0, members=dict(profiles), links={
         (a, b): true(a, b) for i, a in enumerate(peers) for b in peers[i + 1:]})
     # the plan on the estimates alone (what was adopted without the check), and its CPU
-    from fusionp2p.jobs.verify_links import estimated_links
-    from fusionp2p.plan.snapshot import snapshot_from_records
     est = estimated_links(table, peers, links)
     snap0 = snapshot_from_records("bench", 0, profiles, [*links, *((a, b, lk) for (a, b), lk in est.items())])
     c0 = time.process_time()
     plan0 = planner(snap0)
     out["plan_cpu_s"] = time.process_time() - c0
     t0 = predict(plan0, workload, full, cfg).step_time_s
-    t1 = predict(out.pop("adopted"), workload, full, cfg).step_time_s
+    adopted = out.pop("adopted")
+    t1 = predict(adopted, workload, full, cfg).step_time_s
     out["true_step_ratio"] = t1 / t0
     out.update(n=n, seed=seed, liar=liar, estimated_pairs=len(est))
+    out.update(replan(rng.choice(adopted.peers), peers, profiles, table, planner, score, ask, asked, true, workload, cfg))
+    return out
+
+
+def replan(dead: str, peers: list[str], profiles: list[tuple[str, Any]], table: Any, planner: Any, score: Any,
+           ask: Any, asked: list[tuple[str, str]], true: Any, workload: Any, cfg: PlannerConfig) -> dict[str, Any]:
+    """The leader's re-plan after *dead*, a member of the adopted plan, died (module docstring)."""
+    members = [p for p in peers if p != dead]
+    links, est = member_links(table, members)
+    links, _ = fill_unmeasured(members, links)
+    snap = snapshot_from_records("bench", 1, [(p, prof) for p, prof in profiles if p != dead], links)
+    out: dict[str, Any] = {"replan_estimated_pairs": len(est)}
+    asked.clear()
+
+    async def main() -> None:
+        c0 = time.process_time()
+        _, plan, chk = await checked_plan("bench", snap, est, table, planner, ask, score=score)
+        out["replan_checked_cpu_s"] = time.process_time() - c0
+        out["replan_depends"], out["replan_decides"], out["replan_asked"] = len(chk.depends), chk.decides, len(asked)
+        out["adopted"] = plan
+
+    trio.run(main)
+    c0 = time.process_time()
+    plan0 = planner(snap)
+    out["replan_cpu_s"] = time.process_time() - c0
+    full = Snapshot(job="bench", epoch=1, members=dict(snap.members), links={
+        (a, b): true(a, b) for i, a in enumerate(members) for b in members[i + 1:]})
+    out["replan_true_step_ratio"] = (predict(out.pop("adopted"), workload, full, cfg).step_time_s
+                                     / predict(plan0, workload, full, cfg).step_time_s)
     return out
 
 
@@ -135,10 +176,18 @@ def main() -> None:
              "true_step_ratio_min": min(r["true_step_ratio"] for r in got),
              "true_step_ratio_max": max(r["true_step_ratio"] for r in got)}
         s["overhead"] = s["verified_cpu_s"] / s["plan_cpu_s"]
+        s.update(replan_cpu_s=statistics.median(r["replan_cpu_s"] for r in got),
+                 replan_checked_cpu_s=statistics.median(r["replan_checked_cpu_s"] for r in got),
+                 replan_decided=sum(r["replan_decides"] for r in got), replan_asked_max=max(r["replan_asked"] for r in got),
+                 replan_true_step_ratio_min=min(r["replan_true_step_ratio"] for r in got),
+                 replan_true_step_ratio_max=max(r["replan_true_step_ratio"] for r in got))
         summary.append(s)
         print(f"N={n:3d}: plan {s['plan_cpu_s']:.3f} CPU-s, verified planning {s['verified_cpu_s']:.3f} "
               f"({s['overhead']:.2f}x), decided in {s['decided']}/{runs}, at most {s['asked_max']} pairs asked, "
               f"adopted/unchecked true step time {s['true_step_ratio_min']:.3f}-{s['true_step_ratio_max']:.3f}")
+        print(f"       re-plan: plan {s['replan_cpu_s']:.3f} CPU-s, checked {s['replan_checked_cpu_s']:.3f}, decided in "
+              f"{s['replan_decided']}/{runs}, at most {s['replan_asked_max']} pairs asked, adopted/unchecked true step "
+              f"time {s['replan_true_step_ratio_min']:.3f}-{s['replan_true_step_ratio_max']:.3f}")
     worst = max(s["overhead"] for s in summary)
     write(NAME, args.out, {"rows": rows, "summary": summary},
           headline("CPU of the verified first planning over the plan alone, median per size, worst size", worst,

@@ -27,7 +27,7 @@ import trio
 from fusionp2p.errors import FusionError, PeerUnavailable, PlanError, RemoteProtocolError
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs import reputation
-from fusionp2p.jobs.build import AcceptedJob
+from fusionp2p.jobs.build import AcceptedJob, plan_for_snapshot
 from fusionp2p.jobs.candidates import accepted_profile
 from fusionp2p.jobs.election import ElectionConfig, open_elector
 from fusionp2p.jobs.events import MembersChanged, encode_event
@@ -57,9 +57,11 @@ from fusionp2p.jobs.replan import (
 from fusionp2p.jobs.spec import JobSpec
 from fusionp2p.jobs.suspects import Suspects
 from fusionp2p.jobs.verified import rollback
+from fusionp2p.jobs.verify_links import checked_plan, job_score, member_ask, member_links
 from fusionp2p.net.transport import Transport
 from fusionp2p.plan import Plan
 from fusionp2p.plan.snapshot import Link, Snapshot, snapshot_from_records
+from fusionp2p.plan.verify import Pair
 from fusionp2p.train.worker import StageWorker
 from fusionp2p.types import DeviceProfile, short_peer
 from fusionp2p.wire.jobrecords import JobStatus, StageFile, encode_record, status_key
@@ -477,11 +479,15 @@ class Leading:
             log.warning("job %s: some units lost every live state; resuming from %s (%d steps lost)", self.job_id,
                         f"the checkpoint of step {resume.step}" if resume.sources else "the published weights",
                         resume.lost_steps)
-        snap = self._snapshot(members, nxt, fill=at is None)
+        snap, estimated = self._snapshot_links(members, nxt, fill=at is None)
+        mine: Plan | None = None
+        try:   # the plan we compute from it (its deciding estimated pairs measured first: _checked_plan)
+            snap, mine = await self._checked_plan(snap, estimated, plan)
+        except (PlanError, FusionError) as exc:
+            log.info("job %s: no plan for epoch %d here (%s): the members elect one", self.job_id, nxt, exc)
         start = {"op": "start", "job": self.job_id, "snapshot": snap.to_wire(), "resume": resume.to_wire(),
                  "previous": plan.to_wire()}
-        try:   # the plan we compute from it: members that compute the same adopt it without an election
-            mine = await planned(self.spec, self.accepted.dag, snap, self.svc.planning, previous=plan)
+        if mine is not None:   # members that compute the same plan from the snapshot adopt it without an election
             self._plan_cache = (snap.snapshot_hash(), mine)
             start["plan"] = mine.plan_hash()
             # a plan that leaves live nodes out or moves the fences makes every member fetch state files: say why
@@ -490,8 +496,6 @@ class Leading:
                      "figure", self.job_id, nxt, [len(st.replicas) for st in mine.stages],
                      ", fences kept" if [f.unit for f in mine.fences] == [f.unit for f in plan.fences] else "",
                      f", no role for {[short_peer(p) for p in spare]}" if spare else "", pairs - len(snap.links), pairs)
-        except (PlanError, FusionError) as exc:
-            log.info("job %s: no plan for epoch %d here (%s): the members elect one", self.job_id, nxt, exc)
         replies = await self._ask_all(members, start, timeout=cfg.report_timeout)
         refused = {short_peer(p): m.get("error") for p, m in replies.items() if not m.get("ok")}
         if refused or len(replies) < len(members):
@@ -553,9 +557,41 @@ class Leading:
             async with open_elector(self.transport, ElectionConfig(timeout_s=min(10.0, self.svc.config.election_timeout))) as el:
                 await el.elect(snap, plan)
 
+    async def _checked_plan(self, snap: Snapshot, estimated: dict[Pair, Link], previous: Plan) -> tuple[Snapshot, Plan]:
+        """The re-plan of *snap*, checked as the publisher's first plan is (``verify_links.checked_plan``): when the
+        plan runs on pairs of *estimated* whose estimate decides its layout, at most ``MAX_PAIRS`` of them are
+        measured (``measure``, asked of their ends, this node's own through its handler) within
+        ``MEASURE_TIMEOUT`` and the plan made again. Called after the halt: the members are stopped (a re-plan
+        after a loss has no pipeline left to run; a planned one has reached its step boundary), so the probes
+        read idle links, and the job stays stopped at most ``MEASURE_TIMEOUT`` longer, only when an estimate
+        decides. The snapshot returned is the one the members are started with and compute the plan from."""
+        spec, dag = self.spec, self.accepted.dag
+
+        async def send(peer: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+            got = await self._ask_all([peer], msg, timeout=timeout)
+            if peer not in got:
+                raise PeerUnavailable(peer, "no answer to measure")
+            return got[peer]
+
+        snap, mine, _ = await checked_plan(self.job_id, snap, estimated, self.svc.swarm.bandwidth,
+                                           lambda s: plan_for_snapshot(spec, dag, s, previous=previous),
+                                           member_ask(None, self.job_id, send), score=job_score(spec, dag),
+                                           limiter=self.svc.planning)
+        return snap, mine
+
+    def leads(self, peer: str) -> bool:
+        """Whether *peer* leads this job's plan as this node sees it (it may ask for links measured: ``measure``)."""
+        plan = self.plan
+        return plan is not None and self._leader(plan) == peer
+
     def _snapshot(self, members: list[str], epoch: int, *, fill: bool = False) -> Snapshot:
-        """The planner's input for *members* at *epoch*; with *fill* (a re-plan after a loss), a pair without a
-        link figure counts as the slowest measured one (``replan.fill_unmeasured``), not as ``missing_link``."""
+        """The planner's input for *members* at *epoch* (:meth:`_snapshot_links`)."""
+        return self._snapshot_links(members, epoch, fill=fill)[0]
+
+    def _snapshot_links(self, members: list[str], epoch: int, *, fill: bool = False) -> tuple[Snapshot, dict[Pair, Link]]:
+        """The planner's input for *members* at *epoch*, and its links that are estimates; with *fill* (a re-plan
+        after a loss), a pair without a link figure counts as the slowest measured one
+        (``replan.fill_unmeasured``), not as ``missing_link``."""
         view = self.svc.swarm.view
         raw: dict[str, DeviceProfile] = {}
         speeds: dict[str, float] = {}
@@ -575,23 +611,15 @@ class Leading:
         # speed each measured in this job, or the members' typical ratio (_rebalance)
         profiles = [(p, scale_profile(prof, self._speeds.get(p, self._speed_typical)))
                     for p, prof in calibrated(raw, speeds).items()]
-        bw = self.svc.swarm.bandwidth
-        links = []
-        for i, a in enumerate(members):
-            for b in members[i + 1:]:
-                # measured, else estimated from the two members' capacities once both have measured links (a
-                # node measures a few dozen of its pairs: swarm/prober.py); else the planner's missing_link
-                e = bw.direct(a, b)
-                if e is None and (est := bw.estimate(a, b)) is not None and est.rtt > 0:
-                    e = est
-                if e is not None and e.bandwidth > 0 and math.isfinite(e.bandwidth) and math.isfinite(e.rtt):
-                    links.append((a, b, Link(bandwidth_bps=e.bandwidth, latency_s=max(0.0, e.rtt / 2))))
+        # measured, else estimated from the two members' capacities once both have measured links (a node
+        # measures a few dozen of its pairs: swarm/prober.py); else the planner's missing_link
+        links, estimated = member_links(self.svc.swarm.bandwidth, members)
         if fill:
             links, n = fill_unmeasured(members, links)
             if n:
                 log.info("job %s: %d of %d member pairs without a link figure planned at the slowest measured one",
                          self.job_id, n, len(members) * (len(members) - 1) // 2)
-        return snapshot_from_records(self.job_id, epoch, profiles, links)
+        return snapshot_from_records(self.job_id, epoch, profiles, links), estimated
 
     async def _ask_all(self, peers: list[str], msg: dict[str, Any], *,
                        timeout: float | None = None) -> dict[str, dict[str, Any]]:

@@ -265,10 +265,12 @@ class NodeJobService:
             return {"ok": True}
         if op == "start":
             return self._start(peer, run, req)
-        if op == "measure":    # a link of ours its publisher's first plan depends on (jobs/verify_links.py)
+        if op == "measure":    # a link of ours its publisher's first plan, or a leader's re-plan, depends on (verify_links)
             if self._measure is None:
                 self._measure = MeasureDesk(self.transport.peer_id, self.swarm.prober, self.swarm.view)
-            return await self._measure.answer(peer, job_id, run.publisher, req)
+            leader = peer != run.publisher and run.leads(peer)
+            return await self._measure.answer(peer, job_id, run.publisher, req, leader=leader,
+                                              epoch=run.epoch if leader else 0)
         if op == "receipt":    # only from the publisher of a job this node ran, about that job
             r = decode_receipt(req.get("receipt"))
             ok = peer == run.publisher == r.issuer and r.job == job_id and self.receipts.add(r)

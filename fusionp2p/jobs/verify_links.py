@@ -12,10 +12,15 @@ other now and answer its figure, the end that announced less first (an inflated 
 likeliest lie; the other end is asked if the first cannot), and the plan is made again with the measured
 figures and adopted. A pair not measured in time keeps its estimate, and the log says which.
 
-Node side (:class:`MeasureDesk`): a node answers ``measure`` only from the publisher of a job it accepted,
-for a live member other than itself, at most ``MAX_PAIRS`` times per job and one probe at a time
+Leader side: a job leader's re-plan (``jobs/lead.py _checked_plan``) is checked the same way
+(:func:`checked_plan`, on the snapshot of the members that answered its halt, :func:`member_links`: one
+routine estimates the pairs of both snapshots, :func:`estimated_links`).
+
+Node side (:class:`MeasureDesk`): a node answers ``measure`` only from the publisher of a job it accepted
+(at most ``MAX_PAIRS`` times per job) or from the leader of the job's plan as the node sees it (at most
+``MAX_PAIRS`` times per epoch of the node's), for a live member other than itself, one probe at a time
 (``LinkProber.measure_now``: an existing figure is answered without a probe), each within
-``MEASURE_TIMEOUT``. So a publisher cannot make a node probe more than a plan's bound, and a lying node's
+``MEASURE_TIMEOUT``. So neither can make a node probe more than a plan's bound, and a lying node's
 absurd capacity makes at most ``MAX_PAIRS`` pairs measured once, before one plan.
 """
 
@@ -24,12 +29,12 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import trio
 
-from fusionp2p.errors import PeerUnavailable, RemoteProtocolError
+from fusionp2p.errors import FusionError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.graph import OpDAG, coarsen, to_workload
 from fusionp2p.jobs import proto as job_proto
 from fusionp2p.jobs.build import BuiltJob, plan_for_snapshot, planner_config
@@ -71,22 +76,41 @@ def judged_view(view: Mapping[str, Any]) -> tuple[list[tuple[str, str, Link]], B
     return links, estimate_table(reports, view.get("distrusted", ()))
 
 
-def estimated_links(table: BandwidthTable, members: Iterable[str],
-                    measured: Iterable[tuple[str, str, Link]]) -> dict[Pair, Link]:
-    """Estimates for the pairs of *members* without a figure in *measured*, where both ends have measured
-    links (an estimate's latency is the two ends' measured ones: 0 means one end has none)."""
+def usable(e: LinkEstimate) -> bool:
+    """Whether a table's figure can be planned with: a positive finite rate and a finite RTT."""
+    return e.bandwidth > 0 and math.isfinite(e.bandwidth) and math.isfinite(e.rtt)
+
+
+def estimated_links(table: BandwidthTable, members: Sequence[str],
+                    measured: Iterable[tuple[str, str, Any]]) -> dict[Pair, Link]:
+    """Estimates for the pairs of *members* without a figure in *measured*, where both ends have measured links
+    (an estimate's latency is the two ends' measured ones: 0 means one end has none). A pair (a, b) with a
+    before b in *members* is estimated from a's uplink and b's downlink (``BandwidthTable.estimate``): the
+    order of *members* is part of the input (the publisher's is sorted, a leader's its sorted members), so
+    that every node that computes a snapshot from the same inputs computes the same one. The one routine of
+    the publisher's snapshot (:func:`verified_plan`) and a job leader's (:func:`member_links`)."""
     have = {pair(a, b) for a, b, _ in measured}
-    ms = sorted(members)
     out: dict[Pair, Link] = {}
-    for i, a in enumerate(ms):
-        for b in ms[i + 1:]:
-            if (a, b) in have:
+    for i, a in enumerate(members):
+        for b in members[i + 1:]:
+            if pair(a, b) in have:
                 continue
             e = table.estimate(a, b)
-            if e is not None and not e.measured and e.rtt > 0 and e.bandwidth > 0 and math.isfinite(e.bandwidth) \
-                    and math.isfinite(e.rtt):
-                out[(a, b)] = Link(bandwidth_bps=e.bandwidth, latency_s=e.rtt / 2)
+            if e is not None and not e.measured and e.rtt > 0 and usable(e):
+                out[pair(a, b)] = Link(bandwidth_bps=e.bandwidth, latency_s=e.rtt / 2)
     return out
+
+
+def member_links(table: BandwidthTable, members: Sequence[str]) -> tuple[list[tuple[str, str, Link]], dict[Pair, Link]]:
+    """A job leader's links of *members* (``jobs/lead.py _snapshot``): each pair's measurement
+    (``BandwidthTable.direct``; one without a usable figure is left out, not estimated) and, for the pairs
+    without one, :func:`estimated_links`; with the estimated ones apart (the pairs the re-plan's check may
+    have measured)."""
+    direct = [(a, b, e) for i, a in enumerate(members) for b in members[i + 1:] if (e := table.direct(a, b)) is not None]
+    estimated = estimated_links(table, members, direct)
+    links = [(a, b, Link(bandwidth_bps=e.bandwidth, latency_s=max(0.0, e.rtt / 2))) for a, b, e in direct if usable(e)]
+    links += [(a, b, lk) for (a, b), lk in estimated.items()]
+    return links, estimated
 
 
 def floors(table: BandwidthTable, pairs: Iterable[Pair]) -> dict[Pair, float]:
@@ -134,14 +158,24 @@ async def measure_pairs(pairs: Iterable[Pair], ask: Ask, order: Callable[[Pair],
     return out
 
 
-def member_ask(t: Transport, job: str) -> Ask:
-    """Ask a member of *job* over the JOB protocol (``measure``) to measure its link to another."""
+# (peer, request, seconds) -> its answer; PeerUnavailable or RemoteProtocolError when none came
+Send = Callable[[str, dict[str, Any], float], Awaitable[dict[str, Any]]]
+
+
+def member_ask(t: Transport | None, job: str, send: Send | None = None) -> Ask:
+    """Ask a member of *job* over the JOB protocol (``measure``) to measure its link to another (through *t*,
+    or *send*: a leader asks itself through its own handler)."""
+
+    async def over(peer: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        assert t is not None
+        return await job_proto.request(t, peer, msg, timeout=timeout)
+
+    sender = send if send is not None else over
 
     async def ask(asked: str, other: str, timeout: float) -> Link | None:
         try:
-            reply = await job_proto.request(t, asked, {"op": "measure", "job": job, "peer": other, "within": timeout},
-                                            timeout=timeout)
-            if not reply["ok"]:
+            reply = await sender(asked, {"op": "measure", "job": job, "peer": other, "within": timeout}, timeout)
+            if not reply.get("ok"):
                 log.info("job %s: %s did not measure its link to %s: %s", job, short_peer(asked), short_peer(other),
                          str(reply.get("error"))[:200])
                 return None
@@ -173,14 +207,30 @@ async def verified_plan(job: str, profiles: Iterable[tuple[str, DeviceProfile]],
     and the check are made in a worker thread under *limiter* (``jobs/plan_thread.py``; None: one of its own)."""
     profiles = list(profiles)
     table = table if table is not None else BandwidthTable()
-    limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
-    estimated = estimated_links(table, [p for p, _ in profiles], measured)
+    estimated = estimated_links(table, sorted(p for p, _ in profiles), measured)
     snap = snapshot_from_records(job, 0, profiles, [*measured, *((a, b, lk) for (a, b), lk in estimated.items())])
+    return await checked_plan(job, snap, estimated, table, planner, ask, score=score, timeout=timeout, limiter=limiter)
+
+
+async def checked_plan(job: str, snap: Snapshot, estimated: Mapping[Pair, Link], table: BandwidthTable,
+                       planner: Callable[[Snapshot], Plan], ask: Ask, *,
+                       score: Callable[[Plan, Snapshot], float] | None = None,
+                       timeout: float = MEASURE_TIMEOUT, limiter: trio.CapacityLimiter | None = None,
+                       ) -> tuple[Snapshot, Plan, PairCheck]:
+    """*snap*'s plan, with the pairs of *estimated* (its links that are *table*'s estimates) that decide its
+    layout measured within *timeout* and the plan made again on them (:func:`verified_plan`; a job leader's
+    re-plan, ``jobs/lead.py``). The snapshot adopted (*snap*, or it with the measured figures), its plan,
+    and what the check found."""
+    limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
     bounds = floors(table, estimated)
 
     def plan_and_check() -> tuple[Plan, PairCheck]:
         made = planner(snap)
-        return made, check(made, snap, estimated, planner, score=score, floors=bounds)
+        try:
+            return made, check(made, snap, estimated, planner, score=score, floors=bounds)
+        except (FusionError, ValueError) as exc:   # no plan at the estimates' low end: the plan stands unchecked
+            log.info("job %s: the estimated pairs not checked: %s", job, exc)
+            return made, PairCheck()
 
     plan, chk = await off_loop(plan_and_check, limiter)
     if not chk.ask:
@@ -204,10 +254,14 @@ async def verified_plan(job: str, profiles: Iterable[tuple[str, DeviceProfile]],
 
 def job_score(spec: JobSpec, dag: OpDAG) -> Callable[[Plan, Snapshot], float]:
     """A plan's predicted step time on a snapshot, as the job's planner prices it (``plan.verify.check``)."""
-    wl = to_workload(coarsen(dag), micro_batch=spec.config.micro_batch)
     cfgs = (planner_config(spec.config), planner_config(spec.config, recompute=True))
 
+    @functools.cache
+    def workload() -> Any:   # built on the first score, in the planning thread (the check), not on the loop
+        return to_workload(coarsen(dag), micro_batch=spec.config.micro_batch)
+
     def score(plan: Plan, snap: Snapshot) -> float:
+        wl = workload()
         for cfg in cfgs:   # made with activation recomputation where nothing fit without it (choose_plan)
             try:
                 return predict(plan, wl, snap, cfg).step_time_s
@@ -247,15 +301,22 @@ class MeasureDesk:
         self.view = view
         self.asked: dict[str, int] = {}
 
-    async def answer(self, peer: str, job: str, publisher: str, req: Mapping[str, Any]) -> dict[str, Any]:
-        if peer != publisher:
-            return {"ok": False, "error": "only the job's publisher asks for its links to be measured"}
+    async def answer(self, peer: str, job: str, publisher: str, req: Mapping[str, Any], *,
+                     leader: bool = False, epoch: int = 0) -> dict[str, Any]:
+        """*leader*: *peer* leads the job's plan as this node sees it (a re-plan's check, ``jobs/lead.py``), whose
+        asks count per *epoch* of this node's (the epoch it leads the re-plan of)."""
+        if peer == publisher:
+            key = job
+        elif leader:
+            key = f"{job}@{epoch}"
+        else:
+            return {"ok": False, "error": "only the job's publisher or its leader asks for its links to be measured"}
         other = job_proto.str_field(dict(req), "peer", "measure", limit=128)
         within = req.get("within", MEASURE_TIMEOUT)
         if isinstance(within, bool) or not isinstance(within, float | int) or not math.isfinite(within) or within <= 0:
             raise RemoteProtocolError("measure: 'within' must be a positive number of seconds")
-        n = self.asked.pop(job, 0)   # re-inserted: the most recent jobs are kept
-        self.asked[job] = n + 1
+        n = self.asked.pop(key, 0)   # re-inserted: the most recent jobs are kept
+        self.asked[key] = n + 1
         while len(self.asked) > MAX_JOBS:
             del self.asked[next(iter(self.asked))]
         if n >= MAX_PAIRS:
@@ -268,5 +329,6 @@ class MeasureDesk:
         return {"ok": True, "bandwidth": float(e.bandwidth), "rtt": float(e.rtt)}
 
 
-__all__ = ["MAX_PAIRS", "BandwidthTable", "MEASURE_TIMEOUT", "MeasureDesk", "decode_figure", "estimate_table", "estimated_links", "first_plan", "floors", "job_score", "judged_view",
-           "measure_pairs", "member_ask", "verified_plan"]
+__all__ = ["MAX_PAIRS", "BandwidthTable", "MEASURE_TIMEOUT", "MeasureDesk", "checked_plan", "decode_figure", "estimate_table",
+           "estimated_links", "first_plan", "floors", "job_score", "judged_view", "measure_pairs", "member_ask",
+           "member_links", "usable", "verified_plan"]
