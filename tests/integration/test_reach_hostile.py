@@ -7,6 +7,7 @@ relayed connection is refused: the IP seen there is the relay's, and the bootstr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import socket
 from contextlib import AsyncExitStack
@@ -62,13 +63,15 @@ def test_busy_rate_limited_and_wrong_server_refusals_are_not_verdicts() -> None:
                 await poll_until(lambda: svc._busy == 0)
                 svc._any_dialable = dial  # type: ignore[method-assign]
 
-                # a node checked once learns its reach (its data port answers; in-memory libp2p addresses
-                # cannot be dialled); its next check within min_interval is refused, and the node keeps
-                # what it learned (before: it went "private")
-                node = SwarmNode(net.add_host(), SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probing=False, reach=cfg),
+                # a node checked once, on joining, learns its reach (its data port answers; in-memory libp2p
+                # addresses cannot be dialled); its next check within min_interval is refused, and the node
+                # keeps what it learned (before: it went "private"). The node itself asks at once (its own
+                # min_interval 0; with the bootstrap's it would wait out the minute rather than be refused)
+                node = SwarmNode(net.add_host(), SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probing=False,
+                                                             reach=dataclasses.replace(cfg, min_interval=0.0)),
                                  TEST_PROFILE)
-                await nursery.start(node.run, [addr])
                 node.set_data_addrs((f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}",))
+                await nursery.start(node.run, [addr])
                 await node.wait_until(lambda: node.reach == REACH_DATA, 10)
                 refused = svc.served["refused"]
                 node.set_data_addrs(node.data_addrs)                    # check again, at once
