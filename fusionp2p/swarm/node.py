@@ -20,7 +20,9 @@ Tasks, all owned by :meth:`SwarmNode.run`'s nursery:
   half period);
 * dialer (``swarm/dialer.py``): connect directly to every member we learn of (again if the connection dropped), so gossip
   and probes do not depend on the bootstrap; on joining, one VIEW round trip to the bootstrap tells us
-  every live member at once.
+  every live member at once;
+* reach and relay (``swarm/self_reach.py``, ``SwarmNode.own_reach``): from joining on, whatever the deferred
+  start-up, learn from our bootstraps' dial-back whether peers can dial us, and hold relay slots while not.
 
 A VIEW protocol serves the raw signed records we hold, so ``fusionp2p status`` can show the swarm
 after one round trip and verify every record itself.
