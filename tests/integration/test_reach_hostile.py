@@ -204,3 +204,36 @@ def test_a_node_refused_on_joining_asks_again_soon() -> None:
         trio.run(main)
     finally:
         listener.close()
+
+
+def test_a_check_wanted_within_the_interval_waits_for_it_rather_than_being_refused() -> None:
+    """A node checks on joining (issue 40), and again when its data plane listens, which may be moments later (a
+    job request starts the start-up at once): that second check waits out the bootstraps' ``min_interval``
+    instead of being refused and asked again ``retry`` (10 s) later."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with memory_network() as net, trio.open_nursery() as nursery:
+                cfg = ReachConfig(min_interval=1.0, retry=60.0)
+                boot = SwarmNode(net.add_host(), SwarmConfig(role="bootstrap", heartbeat=0.2, dead_timeout=5.0,
+                                                             reach=cfg), None)
+                await nursery.start(boot.run, [])
+                svc = boot.reach_service
+                node = SwarmNode(net.add_host(), SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probing=False, reach=cfg),
+                                 TEST_PROFILE)
+                await nursery.start(node.run, [boot.transport.listen_addrs()[0]])
+                await node.wait_until(lambda: node.reach == "private", 10)    # on joining: no data plane yet
+                t0 = trio.current_time()
+                node.set_data_addrs((f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}",))
+                await node.wait_until(lambda: node.reach == REACH_DATA, 10)
+                assert svc.served["check"] == 2 and svc.served["refused"] == 0, svc.served
+                assert trio.current_time() - t0 < 5.0        # within the interval, not after `retry`
+                nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        listener.close()
