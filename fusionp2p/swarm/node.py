@@ -185,6 +185,7 @@ class SwarmNode:
                                members=self.members, heard=self.view.last_seen.get, timeout_of=self.view.timeout_of,
                                declare=self._declare_gone)
         self._urgent = False                        # the next early beat goes out at once (we were declared dead)
+        self._urgent_now = trio.Event()             # ... even one already waiting out its half period
         self._pulling = False                       # the records being applied come from a VIEW, not gossip
         self._leaving = False
         self.listeners: list[Callable[[MemberEvent], None]] = []
@@ -441,12 +442,13 @@ class SwarmNode:
                 await self._beat_now.wait()
                 # an early beat (newly measured pairs): at most one per half period, and the next regular beat
                 # is a full period after it, so peers' timeouts hold and the gossip budget is barely touched;
-                # at once when a watcher declared us dead (our record revives us everywhere)
+                # at once when a watcher declared us dead (our record revives us everywhere), also while an early
+                # beat already waits here (a new reach verdict on joining had delayed a revival by seconds)
                 if not self._urgent:
-                    await trio.sleep_until(self._last_beat + self._announced / 2)
-                self._urgent = False
+                    with trio.move_on_at(self._last_beat + self._announced / 2):
+                        await self._urgent_now.wait()
                 self.counters.early_beats += 1
-            self._beat_now = trio.Event()
+            self._beat_now, self._urgent_now, self._urgent = trio.Event(), trio.Event(), False
             if not self._leaving:
                 await self._publish_record()
 
@@ -467,6 +469,7 @@ class SwarmNode:
                 if not self._leaving:
                     self._urgent = True
                     self._beat_now.set()
+                    self._urgent_now.set()
                 continue
             if not self.view.is_alive(peer) or rec.peer == peer:
                 continue
