@@ -8,7 +8,8 @@ Theory of operation (docs/networking.md):
   address, ``0.0.0.0``, stands for that IP), one request per peer every ``min_interval`` seconds, at
   most ``max_concurrent`` at once, each dial bounded by ``dial_timeout``. The answer sets the node's
   ``reach`` (``wire/records.py``: public / p2p / data / private), which it announces in its signed
-  record and re-checks every ``recheck`` seconds. py-libp2p 0.8.1's AutoNAT was not used: its server
+  record; it asks on joining, when its data plane listens and every ``recheck`` seconds
+  (``swarm/self_reach.py``). py-libp2p 0.8.1's AutoNAT was not used: its server
   "dials back" with ``host.connect``, which returns the connection the requester already has open to
   it, so it reports every peer as public; and it does not know our data-plane port.
 * **Who dials whom.** Two members connect once (``swarm/node.py``): normally the larger peer id
