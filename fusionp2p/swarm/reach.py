@@ -55,7 +55,7 @@ class ReachConfig:
 
     dial_timeout: float = 3.0      # one dial-back TCP connect
     request_timeout: float = 15.0  # one request, its dials included
-    min_interval: float = 5.0      # per requesting peer, between two requests served
+    min_interval: float = 5.0      # per requesting peer, between two requests served (a node spaces its own so)
     max_concurrent: int = 16       # requests served at once ...
     per_ip: int = 2                # ... of them from one IP (many identities on one host hold no more)
     recheck: float = 300.0         # a node re-checks its reachability this often

@@ -81,11 +81,13 @@ class SelfReach:
                 with trio.move_on_after(wait):
                     await self.check_now.wait()
             # a bootstrap serves one check per peer every min_interval: one wanted sooner (the data plane listening
-            # moments after the join's check) waits for it, rather than being refused and asked again `retry` later
+            # moments after the join's check) waits for it, rather than being refused and asked again `retry` later.
+            # Counted from the last answer: the bootstrap took the request at some moment before it
             await trio.sleep_until(last + cfg.min_interval)
             self.check_now = trio.Event()
+            answered = await self._check()
             last = trio.current_time()
-            if await self._check():
+            if answered:
                 wait, retry = cfg.recheck, cfg.retry
             else:
                 # every server refused (busy, rate-limited): ask again soon, not in `recheck` (issue 43: a node
