@@ -20,7 +20,9 @@ Tasks, all owned by :meth:`SwarmNode.run`'s nursery:
   half period);
 * dialer (``swarm/dialer.py``): connect directly to every member we learn of (again if the connection dropped), so gossip
   and probes do not depend on the bootstrap; on joining, one VIEW round trip to the bootstrap tells us
-  every live member at once.
+  every live member at once;
+* reach and relay (``swarm/self_reach.py``, ``SwarmNode.own_reach``): from joining on, whatever the deferred
+  start-up, learn from our bootstraps' dial-back whether peers can dial us, and hold relay slots while not.
 
 A VIEW protocol serves the raw signed records we hold, so ``fusionp2p status`` can show the swarm
 after one round trip and verify every record itself.
@@ -49,15 +51,9 @@ from fusionp2p.swarm.dialer import MemberDialer
 from fusionp2p.swarm.membership import BandwidthTable, Change, MemberEvent, MembershipView
 from fusionp2p.swarm.probe import ProbeConfig, RawPath
 from fusionp2p.swarm.prober import LinkProber
-from fusionp2p.swarm.reach import (
-    ReachConfig,
-    ReachService,
-    check_reach,
-    install_reversal,
-    should_dial,
-    verdict,
-)
+from fusionp2p.swarm.reach import ReachConfig, ReachService, install_reversal, should_dial
 from fusionp2p.swarm.rejoin import keep_joined
+from fusionp2p.swarm.self_reach import SelfReach
 from fusionp2p.swarm.suspect import Confirmer
 
 # the VIEW protocol's wire lives in swarm/view_wire.py; re-exported here for its older importers
@@ -75,11 +71,6 @@ from fusionp2p.wire.records import (
     MAX_BANDWIDTH,
     MAX_RTT,
     MAX_SPEED,
-    REACH_DATA,
-    REACH_P2P,
-    REACH_PRIVATE,
-    REACH_PUBLIC,
-    REACH_UNKNOWN,
     BandwidthReport,
     Measurement,
     NodeRecord,
@@ -194,24 +185,21 @@ class SwarmNode:
                                members=self.members, heard=self.view.last_seen.get, timeout_of=self.view.timeout_of,
                                declare=self._declare_gone)
         self._urgent = False                        # the next early beat goes out at once (we were declared dead)
+        self._urgent_now = trio.Event()             # ... even one already waiting out its half period
         self._pulling = False                       # the records being applied come from a VIEW, not gossip
         self._leaving = False
         self.listeners: list[Callable[[MemberEvent], None]] = []
-        # announced in our record: the data plane's addresses (set by the job service once it listens) and
-        # what the bootstrap's dial-back found (swarm/reach.py)
-        self.data_addrs: tuple[str, ...] = ()
-        self.reach = REACH_UNKNOWN
         # the speed this node trained at in its last jobs of one model, as a factor of its profile's (0: none
         # measured; note_speed), and that model's hash, announced in our record for the planners of later jobs
         self.speed = 0.0
         self.speed_model = ""
-        self.reach_detail = ""                      # what the last check found, for logs and status
-        self.seen_ip = ""                           # the IP the last check saw us at (announced: hole punching)
         self._boot_ips: set[str] = set()            # the IPs of the bootstrap addresses we were given
         self._servers: set[str] = set()             # the bootstraps we joined (dial-back checks, reversal)
-        self._reach_now = trio.Event()
-        self._relay_now = trio.Event()
-        self._relay_refused: dict[str, float] = {}   # relay candidate -> when it refused us a slot
+        # announced in our record: what our bootstraps' dial-back found (swarm/self_reach.py: checked on joining,
+        # whatever the start-up), the data plane's addresses (set by the job service once it listens), relay slots
+        self.own_reach = SelfReach(transport, config.reach, relays=config.relays, relay_retry=config.relay_retry,
+                                   heartbeat=config.heartbeat, servers=lambda: self._servers,
+                                   records=lambda: self.view.records, announce=self.beat_soon)
         self.reach_service = ReachService(transport, serve_checks=config.role == "bootstrap",
                                           servers=lambda: self._servers, config=config.reach)
         self.dialer = MemberDialer(transport, connected=self._connected, alive=self.view.is_alive,
@@ -253,14 +241,14 @@ class SwarmNode:
                 nursery.start_soon(self.prober.run)
             if self.config.watch and self.config.role == "node":
                 nursery.start_soon(self.watcher.run)
-            if self.config.role == "node" and self._servers:
-                nursery.start_soon(self._reach_loop)
+            if self.config.role == "node" and self._servers:   # at once: a relay slot must not wait for the start-up
+                nursery.start_soon(self.own_reach.check_loop)
             if self._servers:   # a dropped bootstrap connection is dialled again (swarm/rejoin.py)
                 at = {p: a for a in bootstrap if (p := a.rsplit("/p2p/", 1)[-1]) in self._servers}
                 nursery.start_soon(partial(keep_joined, self.transport, at, period=self.period, pull=self._pull_view,
                                            dial_timeout=self.config.probe.timeout))
             if self.config.role == "node" and self.config.relays and isinstance(self.transport, Relaying):
-                nursery.start_soon(self._relay_loop, self.transport)
+                nursery.start_soon(self.own_reach.relay_loop, self.transport)
             # Our first record announces our heartbeat period, which follows the swarm's size: with the view
             # in hand it is the stretched one at once (otherwise the configured one, and an extra beat that
             # every node of a forming swarm sends within a second). The pull is not waited for long.
@@ -307,100 +295,24 @@ class SwarmNode:
 
     def set_data_addrs(self, addrs: tuple[str, ...]) -> None:
         """The data plane listens (``jobs/node.py``): announce *addrs* and check that peers can dial them."""
-        self.data_addrs = addrs
-        self._reach_now.set()
+        self.own_reach.set_data_addrs(addrs)
 
-    async def _reach_loop(self) -> None:
-        """Learn our reachability from a bootstrap's dial-back (``swarm/reach.py``), at once when the data
-        plane's addresses are known, then every ``reach.recheck`` seconds; announce changes early."""
-        cfg = self.config.reach
-        wait = cfg.recheck
-        while True:
-            with trio.move_on_after(wait):
-                await self._reach_now.wait()
-            self._reach_now = trio.Event()
-            # every server refused (busy, rate-limited): ask again soon, not in `recheck` (issue 43: a node
-            # that met a busy bootstrap on joining stayed "unknown", so unrelayed, for five minutes)
-            wait = min(cfg.recheck, cfg.retry if wait >= cfg.recheck else 2 * wait)
-            p2p = [a.rsplit("/p2p/", 1)[0] for a in self.transport.listen_addrs()]
-            for server in sorted(self._servers):
-                try:
-                    ok_p2p, ok_data, ip = await check_reach(self.transport, server, p2p=p2p, data=list(self.data_addrs),
-                                                            timeout=cfg.request_timeout)
-                except (PeerUnavailable, RemoteProtocolError) as exc:
-                    log.debug("reach check via %s: %s", short_peer(server), exc)
-                    continue
-                if ip != self.seen_ip and addr_ip(f"/ip{6 if ':' in ip else 4}/{ip}/tcp/1") is not None:
-                    self.seen_ip = ip
-                    self._beat_now.set()
-                reach = verdict(ok_p2p, ok_data) if self.data_addrs else (REACH_P2P if ok_p2p else REACH_PRIVATE)
-                self.reach_detail = (f"seen at {ip}; libp2p {'dialable' if ok_p2p else 'NOT dialable'} at "
-                                     f"{' '.join(p2p) or '-'}; data plane {'dialable' if ok_data else 'NOT dialable'} "
-                                     f"at {' '.join(self.data_addrs) or '-'}")
-                if reach != self.reach:
-                    log.info("reachability: %s (%s)", reach, self.reach_detail)
-                    if not ok_data and self.data_addrs:
-                        log.warning("peers cannot reach this node's data plane (%s): its tensors go over the slower "
-                                    "libp2p connection; forward the port and pass --data-announce (docs/networking.md)",
-                                    " ".join(self.data_addrs))
-                    self.reach = reach
-                    self._relay_now.set()
-                    self._beat_now.set()   # announced at once
-                wait = cfg.recheck
-                break
+    @property
+    def data_addrs(self) -> tuple[str, ...]:
+        return self.own_reach.data_addrs
+
+    @property
+    def reach(self) -> str:
+        """What our bootstraps' dial-back found (``wire/records.py`` REACH_*; ``swarm/self_reach.py``)."""
+        return self.own_reach.reach
+
+    @reach.setter
+    def reach(self, reach: str) -> None:
+        self.own_reach.reach = reach
 
     def needs_relay(self) -> bool:
         """Peers cannot open a libp2p connection to us (the dial-back check said so)."""
-        return self.reach in (REACH_PRIVATE, REACH_DATA)
-
-    def _relay_candidates(self) -> list[str]:
-        """Connected peers that may relay for us: our bootstraps first, then dialable members."""
-        connected = set(self.transport.connected_peers())
-        now = trio.current_time()
-        boots = sorted(self._servers & connected)
-        public = sorted(p for p, r in self.view.records.items()
-                        if p in connected and p not in boots and r.reach in (REACH_PUBLIC, REACH_P2P) and not r.leaving)
-        return [p for p in boots + public if now - self._relay_refused.get(p, -float("inf")) > self.config.relay_retry]
-
-    async def _relay_loop(self, relay: Relaying) -> None:
-        """While peers cannot dial us, hold ``relays`` slots on relays (circuit relay v2, ``net/relay.py``)
-        and announce their circuit addresses in our record; refresh each slot at half its lifetime, replace
-        lost ones; give them up when we become dialable."""
-        due: dict[str, float] = {}       # relay -> when its slot is refreshed
-        announced: list[str] = []
-        while True:
-            now = trio.current_time()
-            if self.needs_relay():
-                held = [r for r in relay.relays() if r in self.transport.connected_peers()]
-                for r in relay.relays():
-                    if r not in held:
-                        relay.forget_relay(r)
-                        due.pop(r, None)
-                todo = [r for r in held if due.get(r, 0.0) <= now]
-                todo += [c for c in self._relay_candidates() if c not in held][: max(0, self.config.relays - len(held))]
-                for r in todo:
-                    try:
-                        ttl = await relay.reserve(r)
-                        due[r] = trio.current_time() + max(1.0, ttl / 2)
-                    except PeerUnavailable as exc:
-                        # a bootstrap that does not relay is news; a member that does not is the usual case
-                        log.log(logging.INFO if r in self._servers else logging.DEBUG, "relay %s: %s", r[:16], exc)
-                        relay.forget_relay(r)
-                        due.pop(r, None)
-                        self._relay_refused[r] = trio.current_time()
-            else:
-                for r in relay.relays():
-                    relay.forget_relay(r)
-                due.clear()
-            addrs = relay.circuit_addrs()
-            if addrs != announced:
-                log.info("announcing %d relayed address(es)%s", len(addrs), "".join(f"\n  {a}" for a in addrs))
-                announced = addrs
-                self._beat_now.set()
-            wait = min([*due.values(), trio.current_time() + self.config.heartbeat * 5]) - trio.current_time()
-            with trio.move_on_after(max(0.1, wait)):
-                await self._relay_now.wait()
-            self._relay_now = trio.Event()
+        return self.own_reach.needs_relay()
 
     async def leave(self) -> None:
         """Announce departure (peers remove us at once)."""
@@ -506,7 +418,7 @@ class SwarmNode:
         return NodeRecord(peer=self.peer_id, role=self.config.role, addrs=tuple(addrs),
                           profile=self.profile, started=self._started, seq=self._seq, leaving=leaving, period=self._announced,
                           data=self.data_addrs, reach=self.reach, speed=self.speed, speed_model=self.speed_model,
-                          seen=self.seen_ip, gone=gone)
+                          seen=self.own_reach.seen_ip, gone=gone)
 
     def _own_addrs(self) -> tuple[str, ...]:
         """Our listen addresses without the /p2p/ part, derived again at most every ``ADDRS_TTL`` seconds:
@@ -530,12 +442,13 @@ class SwarmNode:
                 await self._beat_now.wait()
                 # an early beat (newly measured pairs): at most one per half period, and the next regular beat
                 # is a full period after it, so peers' timeouts hold and the gossip budget is barely touched;
-                # at once when a watcher declared us dead (our record revives us everywhere)
+                # at once when a watcher declared us dead (our record revives us everywhere), also while an early
+                # beat already waits here (a new reach verdict on joining had delayed a revival by seconds)
                 if not self._urgent:
-                    await trio.sleep_until(self._last_beat + self._announced / 2)
-                self._urgent = False
+                    with trio.move_on_at(self._last_beat + self._announced / 2):
+                        await self._urgent_now.wait()
                 self.counters.early_beats += 1
-            self._beat_now = trio.Event()
+            self._beat_now, self._urgent_now, self._urgent = trio.Event(), trio.Event(), False
             if not self._leaving:
                 await self._publish_record()
 
@@ -556,6 +469,7 @@ class SwarmNode:
                 if not self._leaving:
                     self._urgent = True
                     self._beat_now.set()
+                    self._urgent_now.set()
                 continue
             if not self.view.is_alive(peer) or rec.peer == peer:
                 continue
@@ -659,7 +573,7 @@ class SwarmNode:
         """Where we dial peers' announced addresses (``net/addrs.py``): public addresses, and the private or
         loopback ranges that we listen on, reached a bootstrap on, or were seen at ourselves."""
         own = {ip for a in self._own_addrs() if (ip := addr_ip(a)) is not None}
-        return dial_scopes(own | self._boot_ips | ({self.seen_ip} if self.seen_ip else set()))
+        return dial_scopes(own | self._boot_ips | ({self.own_reach.seen_ip} if self.own_reach.seen_ip else set()))
 
     def punch_ips(self, peer: str) -> set[str] | None:
         """Where hole punching may dial *peer* (``net/holepunch.py``): the IPs its signed record names (its

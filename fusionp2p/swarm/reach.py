@@ -8,7 +8,8 @@ Theory of operation (docs/networking.md):
   address, ``0.0.0.0``, stands for that IP), one request per peer every ``min_interval`` seconds, at
   most ``max_concurrent`` at once, each dial bounded by ``dial_timeout``. The answer sets the node's
   ``reach`` (``wire/records.py``: public / p2p / data / private), which it announces in its signed
-  record and re-checks every ``recheck`` seconds. py-libp2p 0.8.1's AutoNAT was not used: its server
+  record; it asks on joining, when its data plane listens and every ``recheck`` seconds
+  (``swarm/self_reach.py``). py-libp2p 0.8.1's AutoNAT was not used: its server
   "dials back" with ``host.connect``, which returns the connection the requester already has open to
   it, so it reports every peer as public; and it does not know our data-plane port.
 * **Who dials whom.** Two members connect once (``swarm/node.py``): normally the larger peer id
@@ -54,7 +55,7 @@ class ReachConfig:
 
     dial_timeout: float = 3.0      # one dial-back TCP connect
     request_timeout: float = 15.0  # one request, its dials included
-    min_interval: float = 5.0      # per requesting peer, between two requests served
+    min_interval: float = 5.0      # per requesting peer, between two requests served (a node spaces its own so)
     max_concurrent: int = 16       # requests served at once ...
     per_ip: int = 2                # ... of them from one IP (many identities on one host hold no more)
     recheck: float = 300.0         # a node re-checks its reachability this often

@@ -7,6 +7,7 @@ relayed connection is refused: the IP seen there is the relay's, and the bootstr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import socket
 from contextlib import AsyncExitStack
@@ -62,13 +63,15 @@ def test_busy_rate_limited_and_wrong_server_refusals_are_not_verdicts() -> None:
                 await poll_until(lambda: svc._busy == 0)
                 svc._any_dialable = dial  # type: ignore[method-assign]
 
-                # a node checked once learns its reach (its data port answers; in-memory libp2p addresses
-                # cannot be dialled); its next check within min_interval is refused, and the node keeps
-                # what it learned (before: it went "private")
-                node = SwarmNode(net.add_host(), SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probing=False, reach=cfg),
+                # a node checked once, on joining, learns its reach (its data port answers; in-memory libp2p
+                # addresses cannot be dialled); its next check within min_interval is refused, and the node
+                # keeps what it learned (before: it went "private"). The node itself asks at once (its own
+                # min_interval 0; with the bootstrap's it would wait out the minute rather than be refused)
+                node = SwarmNode(net.add_host(), SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probing=False,
+                                                             reach=dataclasses.replace(cfg, min_interval=0.0)),
                                  TEST_PROFILE)
-                await nursery.start(node.run, [addr])
                 node.set_data_addrs((f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}",))
+                await nursery.start(node.run, [addr])
                 await node.wait_until(lambda: node.reach == REACH_DATA, 10)
                 refused = svc.served["refused"]
                 node.set_data_addrs(node.data_addrs)                    # check again, at once
@@ -195,6 +198,39 @@ def test_a_node_refused_on_joining_asks_again_soon() -> None:
                 release.set()
                 svc._any_dialable = dial  # type: ignore[method-assign]
                 await node.wait_until(lambda: node.reach == REACH_DATA, 10)   # asked again within seconds
+                nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        listener.close()
+
+
+def test_a_check_wanted_within_the_interval_waits_for_it_rather_than_being_refused() -> None:
+    """A node checks on joining (issue 40), and again when its data plane listens, which may be moments later (a
+    job request starts the start-up at once): that second check waits out the bootstraps' ``min_interval``
+    instead of being refused and asked again ``retry`` (10 s) later."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with memory_network() as net, trio.open_nursery() as nursery:
+                cfg = ReachConfig(min_interval=1.0, retry=60.0)
+                boot = SwarmNode(net.add_host(), SwarmConfig(role="bootstrap", heartbeat=0.2, dead_timeout=5.0,
+                                                             reach=cfg), None)
+                await nursery.start(boot.run, [])
+                svc = boot.reach_service
+                node = SwarmNode(net.add_host(), SwarmConfig(heartbeat=0.2, dead_timeout=5.0, probing=False, reach=cfg),
+                                 TEST_PROFILE)
+                await nursery.start(node.run, [boot.transport.listen_addrs()[0]])
+                await node.wait_until(lambda: node.reach == "private", 10)    # on joining: no data plane yet
+                t0 = trio.current_time()
+                node.set_data_addrs((f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}",))
+                await node.wait_until(lambda: node.reach == REACH_DATA, 10)
+                assert svc.served["check"] == 2 and svc.served["refused"] == 0, svc.served
+                assert trio.current_time() - t0 < 5.0        # within the interval, not after `retry`
                 nursery.cancel_scope.cancel()
 
     try:

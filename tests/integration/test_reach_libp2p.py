@@ -16,6 +16,7 @@ from fusionp2p.net.libp2p_host import open_libp2p_transport
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.reach import ReachConfig, install_reversal, should_dial, verdict
 from fusionp2p.testing.swarm import TEST_PROFILE
+from fusionp2p.testing.wait import poll_until
 from fusionp2p.wire.protocols import PROBE  # a protocol every node serves
 
 FAST = ReachConfig(min_interval=0.0, dial_timeout=2.0, request_timeout=8.0)
@@ -57,9 +58,13 @@ def test_dial_back_check_and_connection_reversal() -> None:
                 await nursery.start(boot.run, [])
                 node = SwarmNode(tn, cfg, TEST_PROFILE)
                 await nursery.start(node.run, [tb.listen_addrs()[0]])
-                assert node.reach == "unknown"
+                # checked on joining, before any data plane listens: libp2p answers (issue 40: before, the
+                # first check waited for the data plane, i.e. for the node's deferred start-up)
+                await node.wait_until(lambda: node.reach == "p2p", 20)
+                assert "not listening yet" in node.own_reach.detail and boot.reach_service.served["check"] == 1
                 node.set_data_addrs((f"/ip4/127.0.0.1/tcp/{closed}",))
-                await node.wait_until(lambda: node.reach == "p2p", 20)       # libp2p answers, the data port not
+                await poll_until(lambda: f"NOT dialable at /ip4/127.0.0.1/tcp/{closed}" in node.own_reach.detail, 20)
+                assert node.reach == "p2p"                                       # libp2p answers, the data port not
                 await boot.wait_until(lambda: tn.peer_id in boot.view.records
                                       and boot.view.records[tn.peer_id].reach == "p2p", 10)   # and it says so
                 node.set_data_addrs((f"/ip4/127.0.0.1/tcp/{open_port}",))
@@ -67,7 +72,7 @@ def test_dial_back_check_and_connection_reversal() -> None:
                 # an address at another IP than the one the bootstrap sees is never dialled for us
                 node.set_data_addrs(("/ip4/192.0.2.1/tcp/4002",))
                 await node.wait_until(lambda: node.reach == "p2p", 20)
-                assert boot.reach_service.served["check"] >= 3
+                assert boot.reach_service.served["check"] >= 4
 
                 # connection reversal: a client that knows no address of the node (as if it sat behind a
                 # NAT) opens a stream to it through the bootstrap both are connected to

@@ -254,7 +254,7 @@ def test_swarm_nodes_behind_nats_reserve_and_connect_through_the_bootstrap() -> 
                     n = SwarmNode(t, cfg, TEST_PROFILE)
                     n.reach = "private"
                     await nursery.start(n.run, [tb.listen_addrs()[0]])
-                    n._relay_now.set()
+                    n.own_reach.relay_now.set()
                     nodes.append(n)
                 n1, n2 = nodes
                 await n1.wait_until(lambda: t2.peer_id in t1.connected_peers(), 30)
