@@ -2,11 +2,11 @@
 member dies one of them leads the job on, and the attach believes plans and status records only from members
 it knows. Before, it learned them only from the epoch's plan record, believed when one of the record's voters
 was a member the status named, and that was often not so (tests/integration/test_attach_standby.py failed "no
-progress from the swarm for 60 s" in every run under load 25-55):
+progress from the swarm for 60 s" in 5 of 10 runs at load 17-58):
 
-* the record holds the first quorum of votes its writer got, often the two standbys' alone;
-* the record's voters were the replay's quorum in peer-id order: with every member's vote in it, the highest id
-  (the test's only member) was never one of them.
+* the record holds the first quorum of votes its writer got, often the two standbys' alone (so in all 5 failures);
+* and a second way to the same refusal: the record's voters were the replay's quorum in peer-id order, so with
+  every member's vote in it the highest id (the test's only member) was never one of them.
 
 Now the leader's status record names the standbys, and every valid vote for the record's plan counts."""
 
