@@ -516,14 +516,18 @@ def parse_adopted(data: bytes, snapshot: Snapshot, *, verifier: Verifier = verif
 
 
 def _self_elected(members: list[str], plan: Plan, votes: list[Vote], verifier: Verifier) -> tuple[str, ...]:
-    """The voters that elect *plan* among the *members* a record lists; RemoteProtocolError if none do."""
+    """Every member (of those a record lists) whose valid vote is for *plan*, when the votes elect it;
+    RemoteProtocolError if they do not. Not the decision's voters: a replay decides at the quorum, in the
+    record's order (by peer id), and the votes after it were left out: of a record with the votes of all
+    three members of an epoch, its highest id was never a voter (a `job attach` that knew only that member,
+    the plan's only one, refused the record)."""
     core = Election(job=plan.job, epoch=plan.epoch, members=members, verifier=verifier)
     for v in votes:
         core.on_vote(v)
     decision = core.decision
     if not isinstance(decision, Adopted) or decision.plan_hash != plan.plan_hash():
         raise RemoteProtocolError("plan record: its votes do not elect its plan")
-    return decision.voters
+    return tuple(p for p, v in sorted(core.votes.items()) if v.plan_hash == decision.plan_hash)
 
 
 async def fetch_latest(transport: Transport, job: str, *, known: Iterable[str] = ()) -> tuple[int, Plan] | None:
@@ -552,9 +556,12 @@ async def fetch_latest_record(transport: Transport, job: str, *, known: Iterable
             raise RemoteProtocolError(f"plan record of job {plan.job} epoch {plan.epoch}, not {job} epoch {epoch}")
         voters = _self_elected(members, plan, votes, verify)
         if trusted and not trusted & set(voters):
-            raise RemoteProtocolError("plan record: none of its voters is a known member")
+            raise RemoteProtocolError(f"plan record: none of its voters ({', '.join(map(short_peer, voters))}; votes "
+                                      f"from {', '.join(short_peer(v.peer) for v in votes)}) is a known member "
+                                      f"({', '.join(short_peer(p) for p in sorted(trusted)[:8])})")
     except RemoteProtocolError as exc:
-        log.warning("ignoring the latest plan record of %s: %s", job, exc)
+        log.warning("ignoring the %s plan record of %s: %s", "latest" if epoch is None else f"epoch {epoch}'s", job,
+                    exc)
         return None
     return plan.epoch, plan, tuple(members)
 

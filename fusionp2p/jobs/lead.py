@@ -653,7 +653,8 @@ class Leading:
                          checkpoint_step=ck[0] if ck else -1,
                          checkpoint=tuple(StageFile(stage=i, hash=f.state, holders=f.holders)
                                           for i, f in enumerate(ck[1])) if ck else (),
-                         final=final, final_loss=final_loss, reason=reason or self.reason, at=time.time())
+                         final=final, final_loss=final_loss, reason=reason or self.reason, at=time.time(),
+                         standbys=tuple(sorted((self.members or frozenset()) - set(plan.peers))))
 
     async def _put_status(self, status: JobStatus) -> None:
         try:

@@ -372,14 +372,13 @@ class JobDriver:
                 st = await self.read_status()
         if st is None:
             raise JobError(f"job {self.job}: no status record in the swarm (unknown job, or never started)")
-        self.members = set(st.members)
+        # the job's standbys too (one leads it on when the plan's members die; only a known member is believed):
+        # the status names them. From an older leader, the epoch's plan record, if a voter is a member we know (often
+        # not: its votes are the first quorum its writer got). A DHT walk: view_timeout, not status_poll (1 s in
+        # tests: on a starved loop the read timed out, the standbys stayed unknown until idle_timeout)
+        self.members = {*st.members, *st.standbys}
         self.current = st.members
         self.epoch = st.epoch
-        # the epoch's standbys as well, from its plan record (voted by a member the status names): when the plan's
-        # members die one of them leads the job on, and its plans and status records are believed only from a
-        # member we know (a `job attach` that knew only the dead member followed nothing for 10 minutes). A DHT walk:
-        # view_timeout, not status_poll (1 s in tests: on a starved loop the read timed out, the standbys stayed
-        # unknown, and their re-plan was ignored until idle_timeout)
         with trio.move_on_after(self.config.view_timeout):
             rec = await fetch_latest_record(self.transport, self.job, known=self.members)
             if rec is None:   # the latest is a later epoch, voted by the standbys alone: the status's epoch's record
@@ -420,6 +419,7 @@ class JobDriver:
                 log.info("status record of %s signed by %s, who is no member of its plan: ignored",
                          self.job, short_peer(rec.peer))
                 return None
+        self.members |= set(rec.standbys)   # vouched for by a signer we believe (see _attach)
         return rec
 
     async def _follow(self) -> None:

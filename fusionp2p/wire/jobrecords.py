@@ -1,9 +1,10 @@
 """Signed DHT records that let a job outlive its publisher's session.
 
 * ``/fusionp2p/job/<job>/status``: a :class:`JobStatus` signed by the member that leads the job (or
-  led it last): state, epoch, members, the step reached, recent losses, the newest complete checkpoint
-  and, once the job ended, the final stage files by content hash. Anyone reads it (``fusionp2p job
-  status``, ``job attach``, ``job download``); the signer must be a member it names.
+  led it last): state, epoch, members (and the standbys that may lead it on), the step reached, recent
+  losses, the newest complete checkpoint and, once the job ended, the final stage files by content
+  hash. Anyone reads it (``fusionp2p job status``, ``job attach``, ``job download``); the signer must
+  be a member it names.
 * ``/fusionp2p/job/<job>/spec``: the publisher-signed job envelope (``jobs/spec.py``), so that a
   machine holding the publisher's key can follow and download a job it did not submit from.
 * ``/fusionp2p/publisher/<peer>/jobs``: a :class:`JobIndex` signed by the publisher, the jobs it
@@ -73,6 +74,10 @@ class JobStatus:
     final_loss: float | None = None
     reason: str = ""
     at: float = 0.0                             # the signer's wall clock
+    # the job's nodes without a role in the current plan (its snapshots' standbys): any of them may lead it on
+    # once the plan's members die, so a follower that knows the job from this record alone (`job attach`) must
+    # believe their plans and records. Optional on the wire (an older leader writes none; omitted when empty)
+    standbys: tuple[str, ...] = ()
 
     @property
     def terminal(self) -> bool:
@@ -91,6 +96,7 @@ class JobStatus:
             "final": [_file_wire(f) for f in self.final],
             "final_loss": None if self.final_loss is None else float(self.final_loss),
             "reason": self.reason[:2000], "at": float(self.at),
+            **({"standbys": list(self.standbys[:MAX_MEMBERS])} if self.standbys else {}),
         }
 
 
@@ -178,16 +184,17 @@ def _files(b: dict[str, Any], k: str) -> tuple[StageFile, ...]:
 def _status(b: dict[str, Any]) -> JobStatus:
     want = {"job", "peer", "publisher", "state", "epoch", "step", "steps", "members", "sizes", "losses",
             "ckpt_step", "ckpt", "final", "final_loss", "reason", "at"}
-    if set(b) != want:
+    if not want <= set(b) <= want | {"standbys"}:
         raise RemoteProtocolError(f"job status: fields {sorted(set(b) ^ want)} missing or unknown")
     state = _str(b, "state")
     if state not in STATES:
         raise RemoteProtocolError(f"job status: unknown state {state[:32]!r}")
     members = _list(b, "members", MAX_MEMBERS)
+    standbys = _list(b, "standbys", MAX_MEMBERS) if "standbys" in b else []
     sizes = _list(b, "sizes", MAX_MEMBERS)
-    if not all(isinstance(m, str) and len(m) <= 256 for m in members) or not all(
+    if not all(isinstance(m, str) and len(m) <= 256 for m in [*members, *standbys]) or not all(
             isinstance(x, int) and not isinstance(x, bool) and 0 < x <= MAX_MEMBERS for x in sizes):
-        raise RemoteProtocolError("job status: bad members or stage sizes")
+        raise RemoteProtocolError("job status: bad members, standbys or stage sizes")
     losses = []
     for item in _list(b, "losses", MAX_LOSSES):
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int) and not isinstance(item[0], bool)):
@@ -203,7 +210,7 @@ def _status(b: dict[str, Any]) -> JobStatus:
                      checkpoint=_files(b, "ckpt"), final=_files(b, "final"),
                      final_loss=None if fl is None else _float(fl, "final_loss") if isinstance(fl, int | float) and
                      math.isfinite(fl) else None,
-                     reason=_str(b, "reason", 2000), at=_float(b["at"], "at"))
+                     reason=_str(b, "reason", 2000), at=_float(b["at"], "at"), standbys=tuple(standbys))
 
 
 def _index(b: dict[str, Any]) -> JobIndex:

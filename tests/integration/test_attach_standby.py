@@ -1,6 +1,8 @@
 """`job attach` of a job carried on by a standby after the plan's only member and the publisher died (the heavy
 real-process test's case when the planner puts the model on one node): the attaching publisher learns the
-standbys from the epoch's plan record, believes the standby's re-plan and status, and follows the job to DONE."""
+standbys from the status record (its leader names them; before, only from the epoch's plan record, whose voters
+were often the standbys alone, so the attach knew only the dead member and failed "no progress from the swarm"
+under load), believes the standby's re-plan and status, and follows the job to DONE."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ and the members' answers are scripted."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -254,5 +255,20 @@ def test_an_attach_learns_the_standbys_from_the_status_epochs_plan_record(monkey
         return None if epoch is None else (0, None, ("B",))   # the latest does not verify; epoch 0's does
 
     monkeypatch.setattr(publisher, "fetch_latest_record", plan_records)
+
+    assert attached_members(tmp_path, CFG) == {"A", "B"}
+
+
+def test_an_attach_learns_the_standbys_from_the_status_record(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """No plan record it can believe (its voters were the standbys alone, none of them a member the status names):
+    the attach learns the standby from the status record, signed by the leader (before, it knew only the dead
+    member A, ignored B's re-plan and records, and failed "no progress from the swarm")."""
+    records(monkeypatch, lambda now: dataclasses.replace(status(STEPS, state="done", final=FINAL), standbys=("B",)))
+
+    async def no_plan_record(*args: object, **kw: object) -> None:
+        return None
+
+    monkeypatch.setattr(publisher, "fetch_latest_record", no_plan_record)
 
     assert attached_members(tmp_path, CFG) == {"A", "B"}
