@@ -151,6 +151,9 @@ def run_one(n: int, timeout: float, log_dir: str | None = None, preload: bool = 
     procs: list[subprocess.Popen[str] | Forked] = []
     logs: list[Any] = []
     level = "debug" if log_dir else "warning"
+    # our debug log in the log dir; py-libp2p's (in each node's temporary home, deleted at the end) at INFO: at
+    # DEBUG it was ~20% of a node's event-loop samples while the swarm probed (py-spy, 2026-11-30)
+    quiet = ["--libp2p-log-level", "info"]
 
     def err(name: str) -> Any:
         if not log_dir:
@@ -164,14 +167,14 @@ def run_one(n: int, timeout: float, log_dir: str | None = None, preload: bool = 
         try:
             t_spawn = time.monotonic()
             boot = subprocess.Popen([*CLI, "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--home", f"{tmp}/boot",
-                                     "--log-level", level],
+                                     "--log-level", level, *quiet],
                                     stdout=subprocess.PIPE, stderr=err("boot"), text=True, env=env)
             procs.append(boot)
             assert boot.stdout is not None
             addr = boot.stdout.readline().strip()
             for i in range(n):
                 argv = ["node", "--bootstrap", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--home", f"{tmp}/n{i}",
-                        "--torch-threads", "1", "--log-level", level]
+                        "--torch-threads", "1", "--log-level", level, *quiet]
                 if preload:   # forked from the pre-imported forkserver (started by the first Forked)
                     log = os.path.join(log_dir, f"n{n}-node{i}.log") if log_dir else os.devnull
                     procs.append(Forked(argv, {"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": env.get("MALLOC_ARENA_MAX", "1")},
