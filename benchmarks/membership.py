@@ -87,11 +87,14 @@ async def watch(addr: str, n: int, timeout: float, cpu: Callable[[], float] = la
     start-up done, which waits for their first probes, a job request or ``--defer-startup``), ``needed`` (every pair some node measures has a direct
     measurement: :func:`needed_pairs`), ``estimated`` (every pair has a figure, measured or estimated from
     the nodes' capacities), ``measured`` (every pair measured directly). A moment not reached is absent.
+    The CPU dict also holds ``needed_measured`` and ``needed_pairs``: how many of those pairs the last look
+    found measured (a run that timed out: how far it got).
     """
     t0 = trio.current_time()
     cpus = {"listen": cpu()}
     times: dict[str, float] = {}
     k = ProbeConfig().peers
+    progress = [0, 0]   # needed pairs measured at the last look, and of how many
 
     def reached(moment: str) -> None:
         if moment not in times:
@@ -122,7 +125,11 @@ async def watch(addr: str, n: int, timeout: float, cpu: Callable[[], float] = la
                     for r in v["bw"]:
                         if isinstance(r, BandwidthReport):
                             table.on_report(r)
-                    if all(table.direct(a, b) is not None for a, b in needed_pairs(nodes, k)):
+                    pairs = needed_pairs(nodes, k)
+                    done = sum(table.direct(a, b) is not None for a, b in pairs)
+                    # how far a run that times out got (on a shared machine at load 50 the 20-node run did)
+                    progress[:] = [done, len(pairs)]
+                    if done == len(pairs):
                         reached("needed")
                     if len(table.matrix(nodes)) == n * (n - 1):
                         reached("estimated")
@@ -131,6 +138,7 @@ async def watch(addr: str, n: int, timeout: float, cpu: Callable[[], float] = la
                 # polling another process's state; each poll is a new stream and a whole view for the bootstrap
                 # to encode (at 0.2 s: 6% of its profile while 10 nodes formed, 2026-11-29), so not too often
                 await trio.sleep(POLL)
+    cpus["needed_measured"], cpus["needed_pairs"] = progress
     return times, cpus
 
 
@@ -151,6 +159,9 @@ def run_one(n: int, timeout: float, log_dir: str | None = None, preload: bool = 
     procs: list[subprocess.Popen[str] | Forked] = []
     logs: list[Any] = []
     level = "debug" if log_dir else "warning"
+    # our debug log in the log dir; py-libp2p's (in each node's temporary home, deleted at the end) at INFO: at
+    # DEBUG it was ~20% of a node's event-loop samples while the swarm probed (py-spy, 2026-11-30)
+    quiet = ["--libp2p-log-level", "info"]
 
     def err(name: str) -> Any:
         if not log_dir:
@@ -164,14 +175,14 @@ def run_one(n: int, timeout: float, log_dir: str | None = None, preload: bool = 
         try:
             t_spawn = time.monotonic()
             boot = subprocess.Popen([*CLI, "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--home", f"{tmp}/boot",
-                                     "--log-level", level],
+                                     "--log-level", level, *quiet],
                                     stdout=subprocess.PIPE, stderr=err("boot"), text=True, env=env)
             procs.append(boot)
             assert boot.stdout is not None
             addr = boot.stdout.readline().strip()
             for i in range(n):
                 argv = ["node", "--bootstrap", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--home", f"{tmp}/n{i}",
-                        "--torch-threads", "1", "--log-level", level]
+                        "--torch-threads", "1", "--log-level", level, *quiet]
                 if preload:   # forked from the pre-imported forkserver (started by the first Forked)
                     log = os.path.join(log_dir, f"n{n}-node{i}.log") if log_dir else os.devnull
                     procs.append(Forked(argv, {"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": env.get("MALLOC_ARENA_MAX", "1")},
@@ -210,8 +221,10 @@ def run_one(n: int, timeout: float, log_dir: str | None = None, preload: bool = 
     # than the wall times, which stretch with everyone else's load
     cpu = ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime + (forked_cpu if preload else 0.0)
     t_members, t_matrix = times.get("members"), times.get("measured")
+    needed_measured, needed_of = int(cpus.pop("needed_measured")), int(cpus.pop("needed_pairs"))
     return {"n": n, "preload": preload, "processes_cpu_s": cpu, "spawn_to_listen_s": t_listen - t_spawn, "members_after_listen_s": t_members,
-            "needed_after_listen_s": times.get("needed"), "profiles_after_listen_s": times.get("profiles"),
+            "needed_after_listen_s": times.get("needed"), "needed_measured": needed_measured, "needed_pairs": needed_of,
+            "profiles_after_listen_s": times.get("profiles"),
             "matrix_after_members_s": None if t_matrix is None or t_members is None else t_matrix - t_members,
             "estimated_matrix_after_listen_s": times.get("estimated"),
             "matrix_after_listen_s": t_matrix, "members_after_spawn_s": None if t_members is None else t_members + t_listen - t_spawn,

@@ -28,8 +28,9 @@ def _data_home() -> Path:
     return Path(base) / "fusionp2p"
 
 
-def setup_logging(level: str, libp2p_log: Path | None) -> None:
-    # --log-level applies to our loggers; third-party ones (multiaddr logs every parse at DEBUG) stay at WARNING
+def setup_logging(level: str, libp2p_log: Path | None, libp2p_level: str | None = None) -> None:
+    # --log-level applies to our loggers; third-party ones (multiaddr logs every parse at DEBUG) stay at WARNING;
+    # py-libp2p's go to *libp2p_log* at *libp2p_level* (None: DEBUG with --log-level debug, else INFO)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("fusionp2p").setLevel(getattr(logging, level.upper(), logging.INFO))
     lp = logging.getLogger("libp2p")
@@ -41,13 +42,20 @@ def setup_logging(level: str, libp2p_log: Path | None) -> None:
         h = logging.FileHandler(libp2p_log)
         h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         lp.addHandler(h)
-        lp.setLevel(logging.DEBUG if level == "debug" else logging.INFO)   # --log-level debug: py-libp2p's too
+        lp.setLevel(getattr(logging, (libp2p_level or ("debug" if level == "debug" else "info")).upper()))
     else:
         lp.setLevel(logging.CRITICAL)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _libp2p_log(p: argparse.ArgumentParser) -> None:
+    # py-libp2p at DEBUG was ~20% of a node's event-loop samples while 20 processes probed (py-spy, 2026-11-30):
+    # a benchmark that wants our debug log (benchmarks.membership --log-dir) keeps py-libp2p's at INFO
+    p.add_argument("--libp2p-log-level", default=None, choices=["debug", "info", "warning", "error"],
+                   help="py-libp2p's log level in <home>/libp2p.log (default: debug with --log-level debug, else info)")
 
 
 _HTTP_HELP = ("serve a live dashboard, /api/... JSON and Prometheus /metrics, read-only, at ADDR: PORT (loopback) "
@@ -75,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not relay connections of nodes that cannot be dialled (circuit relay v2; docs/networking.md)")
     b.add_argument("--relay-rate", type=float, default=10.0, metavar="MB_PER_S", help=_RELAY_RATE_HELP)
     _common(b)
+    _libp2p_log(b)
 
     n = sub.add_parser("node", help="run a training node that joins a swarm")
     n.add_argument("--bootstrap", action="append", required=True, help="full multiaddr of a bootstrap (repeatable)")
@@ -122,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--hole-punch", action="store_true",
                    help="try DCUtR hole punching on relayed connections (experimental; docs/networking.md)")
     _common(n)
+    _libp2p_log(n)
 
     s = sub.add_parser("status", help="print the swarm's members and bandwidth matrix")
     s.add_argument("--bootstrap", action="append", required=True, help="full multiaddr of any swarm member")

@@ -75,7 +75,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
 
         http = parse_http_addr(args.http)
         _check_bindable(http.host, http.port, "--http")
-    setup_logging(args.log_level, home / "libp2p.log")
+    setup_logging(args.log_level, home / "libp2p.log", args.libp2p_log_level)
 
     def ready(addrs: Sequence[str]) -> None:
         for a in addrs:

@@ -379,6 +379,8 @@ class Libp2pTransport:
         """Debug log of gossip received and dropped (net/gossip_router.py), sent, and our longest outbound queue."""
         while True:
             await trio.sleep(every)
+            if not log.isEnabledFor(logging.DEBUG):   # the arguments cost a pass over the router's tables
+                continue
             log.debug("gossip received: %s; mesh %s; sent %s; outbound queues max %d", dict(self.router.stats),
                       {t[:20]: len(p) for t, p in self.router.mesh.items()}, dict(self.pubsub.send_stats),
                       max(map(len, self.pubsub.peer_queues.values()), default=0))

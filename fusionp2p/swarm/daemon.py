@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -106,21 +107,29 @@ async def _serve(cfg: DaemonConfig, swarm: SwarmNode, nursery: trio.Nursery,
         probing = swarm.config.probing
         await startup.trigger(swarm.prober.first_round if probing else None,
                               swarm.prober.links_measured if probing else None)
+        c0 = time.process_time()
         if prepare is not None:
             await startup.run_prepare(prepare)
         # trio-typing's stubs predate abandon_on_cancel (as in swarm/probe.py)
-        swarm.profile = await trio.to_thread.run_sync(_node_profile, cfg,
-                                                      abandon_on_cancel=True)  # type: ignore[call-arg]
+        swarm.profile, bench_cpu = await trio.to_thread.run_sync(_node_profile, cfg,
+                                                                 abandon_on_cancel=True)  # type: ignore[call-arg]
         swarm.beat_soon()
+        # what the start-up cost (issue 40: ~6 CPU-s a node among 20 starting on 2 cores), the threads' own
+        # CPU and the whole process's meanwhile (its event loop's probes and gossip included)
+        log.info("start-up done: imports %.2f CPU-s, device benchmark %.2f CPU-s (their threads), %.2f CPU-s the "
+                 "process's meanwhile", startup.prepare_cpu, bench_cpu, time.process_time() - c0)
     if extra_services is not None:
         extra_services(swarm, nursery)
     log.info("%s %s joined; %d members", cfg.role, swarm.peer_id, len(swarm.members()))
 
 
-def _node_profile(cfg: DaemonConfig) -> DeviceProfile:
+def _node_profile(cfg: DaemonConfig) -> tuple[DeviceProfile, float]:
     """(worker thread, normal priority: it measures the rate stages will get) the device benchmark,
-    slowed by the emulated slowdown; its memory is ``--memory`` where the user gave one."""
+    slowed by the emulated slowdown; its memory is ``--memory`` where the user gave one. With the
+    CPU-seconds this thread spent on it."""
     from fusionp2p.swarm.device import enable_tf32, measure_profile, resident, stage_memory_of
+
+    c0 = time.thread_time()
 
     enable_tf32(cfg.device)   # before the benchmark: the fp32 rate it announces is the one stages get
     profile = measure_profile(cfg.device).slowed(cfg.compute_slowdown)
@@ -131,7 +140,7 @@ def _node_profile(cfg: DaemonConfig) -> DeviceProfile:
         # on a GPU the offer is the device's memory, which the process's resident (host) size does not use
         own = resident()[0] if cfg.device == "cpu" else 0
         profile = replace(profile, memory_bytes=stage_memory_of(cfg.memory, own))
-    return profile
+    return profile, time.thread_time() - c0
 
 
 def check_home(home: str | None, default: Path) -> Path:

@@ -8,6 +8,9 @@ anywhere between the quota and full speed, so with a quota below the thread coun
 benchmark runs over at least ``QUOTA_PERIODS`` periods, and the planner sees the capped rate. Where
 the cgroup files cannot be read (``ip netns exec`` mounts a fresh /sys, hiding /sys/fs/cgroup), the
 throttling shows as a thread that got much less CPU time than wall time, which also lengthens it.
+Where the rate is per second of the benchmark thread's own CPU time (one torch thread, the cgroup files
+visible: :func:`measure_profile`), neither does: it runs for ``seconds`` of that CPU time, however long
+the wall.
 """
 
 from __future__ import annotations
@@ -69,7 +72,10 @@ def _rate(work: Callable[[], object], per_call: float, dev: torch.device, second
     """*per_call* units per second of ``work()`` (called once to warm up) over at least *seconds* of wall
     time; over at least *stalled_seconds* when this thread got less than 2/3 of the wall time (a CPU quota
     or a busy machine: see the module docstring). With *cpu_clock*, per second of this thread's CPU time
-    instead of wall time: the device's rate, whatever share of a core other processes left the benchmark."""
+    instead of wall time: the device's rate, whatever share of a core other processes left the benchmark;
+    then over *seconds* of that CPU time, however long the wall: a stretched wall time reads nothing more
+    there, and on a crowded machine (20 node processes starting on 2 cores) it cost each node up to
+    *stalled_seconds* of CPU a rate where *seconds* measure it."""
     import torch
 
     def call() -> None:
@@ -84,7 +90,10 @@ def _rate(work: Callable[[], object], per_call: float, dev: torch.device, second
         call()
         reps += 1
         wall = time.perf_counter() - t0
-        if wall >= seconds and (wall >= stalled_seconds or time.thread_time() - c0 > STALLED * wall):
+        if cpu_clock:
+            if time.thread_time() - c0 >= seconds:
+                break
+        elif wall >= seconds and (wall >= stalled_seconds or time.thread_time() - c0 > STALLED * wall):
             break
     cpu = time.thread_time() - c0
     return per_call * reps / (cpu if cpu_clock and cpu > 0 else time.perf_counter() - t0)
@@ -128,6 +137,11 @@ def _act_rate(dev: torch.device, seconds: float, *, stalled_seconds: float = 0.0
 # GPT-2 small block at 8 sequences of 1,024 tokens; launch overhead is then a small part of each op
 ACT_SHAPE_CUDA = (8192, 1024)
 QUOTA_PERIODS = 10
+WALL_SECONDS = 0.2       # each rate of measure_profile over this much wall time ...
+# ... or this much of the benchmark thread's CPU time: the fp32, element-wise and bf16 rates read the same
+# at 0.1 as at 0.2 (within the +-5% between runs at either; 2026-11-30, load 28), and each node of a swarm
+# starting together pays it (0.26 CPU-s where 0.2 took 0.52)
+CPU_SECONDS = 0.1
 STALLED = 2 / 3          # this thread's CPU time / wall time below which the benchmark runs longer
 _CGROUP_ROOTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
 _CGROUP_V1_CPU = (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup/cpu,cpuacct"))
@@ -301,18 +315,17 @@ def enable_tf32(device: str) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
-def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfile:
-    """A short benchmark of the device (blocking: call it in a worker thread). Its ``memory_bytes`` is
+def measure_profile(device: str = "cpu", *, seconds: float | None = None) -> DeviceProfile:
+    """A short benchmark of the device (blocking: call it in a worker thread), each rate over *seconds*
+    (default ``WALL_SECONDS``; on a CPU thread's own clock ``CPU_SECONDS``). Its ``memory_bytes`` is
     what the node offers by default: the available memory less the headroom (:func:`offered_memory`)."""
     import torch
 
     dev = parse_device(device)
     n = 512 if dev.type == "cpu" else 4096
-    stalled, cap, cpu_clock = 0.0, 1.0, False
+    stalled, cap, cpu_clock, quota = 0.0, 1.0, False, None
     if dev.type == "cpu":
         quota = own_cpu_quota()
-        if quota is not None and quota[0] < torch.get_num_threads():
-            seconds = max(seconds, QUOTA_PERIODS * quota[1])   # see the module docstring
         # the cgroup files may be out of sight (``ip netns exec`` mounts its own /sys): a thread that
         # got much less CPU than wall time is throttled or crowded, and is measured over 10 periods
         stalled = QUOTA_PERIODS * 0.1
@@ -324,6 +337,9 @@ def measure_profile(device: str = "cpu", *, seconds: float = 0.2) -> DeviceProfi
         # (plan/predict.py host_shares). Threads beyond the first run outside this thread's clock.
         if torch.get_num_threads() == 1 and cgroups_visible():
             cpu_clock, cap = True, min(1.0, quota[0]) if quota is not None else 1.0
+    seconds = seconds if seconds is not None else CPU_SECONDS if cpu_clock else WALL_SECONDS
+    if dev.type == "cpu" and not cpu_clock and quota is not None and quota[0] < torch.get_num_threads():
+        seconds = max(seconds, QUOTA_PERIODS * quota[1])   # wall-clock rates: see the module docstring
     fp32 = _matmul_rate(dev, torch.float32, seconds, n, stalled_seconds=stalled, cpu_clock=cpu_clock) * cap
     if dev.type == "cpu":
         act = _act_rate(dev, seconds, stalled_seconds=stalled, cpu_clock=cpu_clock) * cap

@@ -42,6 +42,7 @@ import os
 import random
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,7 @@ class Startup:
         self.on_demand = False        # wanted by a job request: no lower priority
         self.serving = trio.Event()
         self._handler: JobHandler | None = None
+        self.prepare_cpu = 0.0        # CPU-seconds of run_prepare's thread (logged by swarm/daemon.py)
 
     def want(self, reason: str, *, on_demand: bool = False) -> None:
         if self.wanted.is_set():
@@ -163,6 +165,7 @@ class Startup:
         failure: list[BaseException] = []
 
         def body() -> None:
+            c0 = time.thread_time()
             try:
                 if nice:
                     lower_priority(nice)
@@ -170,6 +173,7 @@ class Startup:
             except BaseException as exc:
                 failure.append(exc)
             finally:
+                self.prepare_cpu = time.thread_time() - c0
                 with contextlib.suppress(trio.RunFinishedError):   # the node ended while we imported
                     token.run_sync_soon(done.set)
 

@@ -79,3 +79,59 @@ def test_element_wise_rate_is_a_few_gb_per_second_at_most_on_a_cpu_thread() -> N
     rate = device._act_rate(torch.device("cpu"), 0.05)
     assert time.perf_counter() - t0 >= 0.05
     assert 1e6 < rate < 1e11
+
+
+class _Clocks:
+    """A fake ``time`` for device._rate: each call of the work takes 6 ms of wall time and 1 ms of this
+    thread's CPU (a crowded machine: the thread gets a sixth of a core)."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+        self.calls = 0
+
+    def perf_counter(self) -> float:
+        return self.wall
+
+    def thread_time(self) -> float:
+        return self.cpu
+
+    def work(self) -> None:
+        self.calls += 1
+        self.wall += 0.006
+        self.cpu += 0.001
+
+
+def test_a_cpu_clock_rate_costs_its_seconds_of_cpu_on_a_crowded_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the rate per CPU-second reads the same over any wall time: it stops at `seconds` of CPU, where the
+    # old loop ran to stalled_seconds of wall (1 s: ~167 calls, 0.17 CPU-s of a 0.05 s benchmark)
+    import torch
+
+    clocks = _Clocks()
+    monkeypatch.setattr(device, "time", clocks)
+    rate = device._rate(clocks.work, 2.0, torch.device("cpu"), 0.05, 1.0, cpu_clock=True)
+    assert clocks.calls <= 52 and clocks.cpu == pytest.approx(0.051, abs=0.002)
+    assert rate == pytest.approx(2.0 / 0.001)
+    # a wall-clock rate still runs longer where the thread is starved (a CPU quota hidden from it)
+    clocks = _Clocks()
+    monkeypatch.setattr(device, "time", clocks)
+    rate = device._rate(clocks.work, 2.0, torch.device("cpu"), 0.05, 1.0)
+    assert clocks.wall >= 1.0 and rate == pytest.approx(2.0 / 0.006, rel=0.01)
+
+
+def test_a_quota_does_not_lengthen_a_cpu_clock_benchmark(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    seen: list[tuple[float, bool]] = []
+
+    def fake_rate(dev: object, dtype: object, seconds: float, n: int, *, cpu_clock: bool = False, **kw: object) -> float:
+        seen.append((seconds, cpu_clock))
+        return 1e9
+
+    monkeypatch.setattr(device, "_matmul_rate", fake_rate)
+    monkeypatch.setattr(device, "_act_rate", lambda dev, seconds, **kw: 1e8)
+    monkeypatch.setattr(device, "own_cpu_quota", lambda: (0.25, 0.1))
+    monkeypatch.setattr(device, "cgroups_visible", lambda: True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    prof = device.measure_profile("cpu")
+    assert seen[0] == (pytest.approx(device.CPU_SECONDS), True)   # 0.1 s of CPU, not ten 0.1 s periods of it
+    assert prof.flops_fp32 == pytest.approx(0.25e9)   # capped by the quota
