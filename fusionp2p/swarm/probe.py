@@ -3,8 +3,9 @@
 A probe is a *session* on one stream: the client opens it and times three ping/pong round trips (RTT =
 the minimum; with a raw socket, also the kernel's smallest RTT of that socket, :func:`tcp_min_rtt`), then
 runs one or more bulk transfers: it announces *n* bytes and a *mark* (n/4), the
-server answers ``go`` (or ``busy`` while it is measuring another peer: concurrent transfers would share
-its link and each would under-measure; the session stays open for a later try), the client sends, and
+server answers ``go`` (while it is measuring another peer, concurrent transfers would share its link and
+each would under-measure: then it queues a client that may wait, ``swarm/probe_hold.py``, or answers ``busy``
+and the session stays open for a later try), the client sends, and
 the server acknowledges once all arrived with its own timing. That receiver-side figure is the
 measurement, on both sides. The server times the transfer twice, from the first read after the mark
 (what a token bucket lets through at line rate at the start, its burst, and TCP's slow start are left
@@ -17,7 +18,8 @@ moved ``MEASURE_BYTES`` (on links that fast a burst is a small part of it, and a
 A shorter one is a *pilot*: the client follows it at once with a transfer sized from the pilot's rate
 to last about ``TARGET_SECONDS`` (at most ``MAX_TRANSFERS`` in all). A pilot's figure is never reported
 as measured; the server applies the same rule before it takes an inbound rate as its downlink figure.
-The server is reserved for the client from its first transfer to the end of the stream, for at most
+The server is reserved for the client from its first transfer to the one that ends its probe by the
+rule above (or to the end of the stream), for at most
 ``SERVER_HOLD`` seconds (the client's own probe deadline) and ``MAX_TRANSFERS`` transfers; after that
 the stream is closed. Each peer's reservations draw on its own token bucket (``SERVER_HOLD`` seconds,
 refilled at ``SERVER_SHARE`` seconds per second), so no peer holds the server more than that share of

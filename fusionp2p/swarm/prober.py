@@ -5,8 +5,9 @@ chose (``membership.chosen``, a hash of each pair), each pair from one side only
 or from ours once its prober has left it unmeasured for ``probe.takeover`` seconds. The other pairs are
 estimated from the nodes' announced capacities (``BandwidthTable.estimate``). Rounds: every never-measured peer of ours at once
 (at most ``probe.first``; a first probe starts with a small pilot), then refresh rounds of a random
-sample of ``probe.sample`` every ``probe.interval``, none while this node trains. A busy peer is tried
-again within the round; figures are EMA-smoothed, RTTs the smallest of the last ``RTT_WINDOW``. A token
+sample of ``probe.sample`` every ``probe.interval``, none while this node trains. A busy peer queues us
+(``swarm/probe_hold.py``, where ``may_wait`` allows) or is tried
+again within the round and on the same session in the next; figures are EMA-smoothed, RTTs the smallest of the last ``RTT_WINDOW``. A token
 bucket keeps bulk transfers at ``probe.duty`` of the time (``probe.burst`` seconds at once; refresh
 rounds wait for it). Refresh rounds also wait ``probe.interval`` after a peer first measured its link to
 us (the swarm is forming: a refresh would hold servers that first measurements wait for). While the peers we chose stay the same and refreshed figures stay within a factor
