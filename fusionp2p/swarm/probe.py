@@ -57,7 +57,7 @@ import math
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -288,7 +288,12 @@ class _Framed:
 
 
 class ProbeBusy(Exception):
-    """The peer is measuring someone else right now; try again later (not a failure)."""
+    """The peer is measuring someone else right now; try again later (not a failure). ``held``: the peer's
+    server was ours but our own was busy (``ProbeSession.measure``'s *then*): close the session."""
+
+    def __init__(self, peer: str, *, held: bool = False) -> None:
+        super().__init__(peer)
+        self.held = held
 
 
 SERVER_IDLE = 10.0      # seconds a probe stream may sit without its next control frame
@@ -522,6 +527,8 @@ class ProbeSession:
         self._raw_failed = False
         self._sock: socket.socket | None = None
         self._wait: dict[str, object] = {}   # {"q": True}: the first request may wait in the server's FIFO
+        self._then: Callable[[], Awaitable[bool]] | None = None
+        self._held = False
         self.used = trio.current_time()      # its last control frame (a kept session: swarm/prober.py)
 
     async def ping(self) -> float:
@@ -536,13 +543,16 @@ class ProbeSession:
         return trio.current_time() - t0
 
     async def measure(self, nbytes: int, *, max_bytes: int = MEASURE_BYTES, raw: RawPath | None = None,
-                      wait: bool = False) -> ProbeResult:
+                      wait: bool = False, then: Callable[[], Awaitable[bool]] | None = None) -> ProbeResult:
         """Transfers until one is a measurement (see the module docstring); ProbeBusy before the first one
         if the server is measuring someone else (the session stays usable), PeerUnavailable on failure.
         With *raw*, both directions are timed on a raw socket to the peer's data-plane port when it grants
-        one. With *wait*, a busy server may queue us (``swarm/probe_hold.py``: the caller holds its own server
-        meanwhile, so only at a peer ``may_wait`` allows). No deadline of its own: the caller bounds it."""
+        one. With *wait*, a busy server may queue us (``swarm/probe_hold.py``); *then*, if given, is awaited
+        once the server is ours, before any transfer (the caller takes its own server: ``probe_hold.may_wait``);
+        False from it raises ProbeBusy with ``held`` set (the peer's server stays ours until the session
+        closes). No deadline of its own: the caller bounds it."""
         self._wait = {"q": True} if wait else {}
+        self._then, self._held = then, False
         if not 0 < nbytes <= MAX_PROBE_BYTES or not 0 < max_bytes <= MAX_PROBE_BYTES:
             raise ValueError(f"nbytes and max_bytes must be in (0, {MAX_PROBE_BYTES}]")
         try:
@@ -569,6 +579,13 @@ class ProbeSession:
                            reverse=reverse, path="direct" if self._sock is not None else "libp2p",
                            raw_failed=self._raw_failed)
 
+    async def _granted(self) -> None:
+        """The server is ours: the caller's *then*, once a measure."""
+        if not self._held:
+            self._held = True
+            if self._then is not None and not await self._then():
+                raise ProbeBusy(self.peer, held=True)
+
     async def _open_raw(self, raw: RawPath) -> None:
         """Ask for a raw socket (ProbeBusy while the server measures someone else; nothing asked then)."""
         f = self._f
@@ -578,6 +595,7 @@ class ProbeSession:
         if op == "busy":
             raise ProbeBusy(self.peer)
         self._raw_asked = True
+        await self._granted()
         if op == "noraw":
             return
         if op != "dial":
@@ -619,6 +637,7 @@ class ProbeSession:
                 raise ProbeBusy(self.peer)
             if answer.get("op") != "go":
                 raise RemoteProtocolError(f"unexpected probe answer {str(answer.get('op'))[:32]!r}")
+            await self._granted()
             t0 = trio.current_time()
             if op == "rback":
                 assert self._sock is not None

@@ -11,9 +11,10 @@ place per peer (not the holder's), each for at most ``QUEUE_WAIT`` seconds, afte
 ``busy`` as before; a peer whose share is used up is not queued. The node's own measurements (``OWN``)
 wait in the same FIFO.
 
-Waiting cannot deadlock two nodes: a prober holds its own server while it measures, so the prober asks
-to wait only at a peer whose id sorts above its own (``may_wait``); every chain of waits then runs up
-the id order and cannot close into a cycle. At a peer whose id sorts below, it is answered ``busy``.
+Waiting cannot deadlock two nodes: a measurement needs the prober's own server and the peer's, and the
+prober takes the one of the lower peer id first (``may_wait``: its own, then it waits for the peer's; or
+the peer's, then it waits for its own, and lets the peer's go if its own does not come in time). Every
+chain of waits runs up the id order and cannot close into a cycle.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ QUEUE_WAIT = 3.0        # seconds a waiter waits at most, then it is answered bu
 
 
 def may_wait(me: str, peer: str) -> bool:
-    """Whether our prober (which holds its own server meanwhile) may wait for *peer*'s server."""
+    """Whether our prober may wait for *peer*'s server while it holds its own (else it takes the peer's
+    first, then waits for its own)."""
     return me < peer
 
 

@@ -402,25 +402,30 @@ class LinkProber:
     async def _measure(self, session: ProbeSession, bulk: trio.Lock,
                        spent: list[float]) -> tuple[ProbeResult | None, bool]:
         """(the result or None, whether the peer or our own server was only busy: the session is worth keeping).
-        We wait our turn at our own server, and at the peer's where ``may_wait`` lets us (probe_hold.py)."""
+        A measurement needs our server and the peer's; we wait our turn for both (probe_hold.py), the one
+        of the lower peer id first (``may_wait``), so that no two nodes ever wait for each other."""
         peer = session.peer
         link = self._link(peer)
-        wait = may_wait(self.peer_id, peer)
+        own_first = may_wait(self.peer_id, peer)
         for attempt in range(self.config.busy_retries + 1):
             if attempt:
                 # it is measuring someone else, which takes a few hundred ms: let our other peers go first
                 await trio.sleep(self.rng.uniform(0.1, 0.3))
             async with bulk:
-                if not (self.server.reserve(OWN, trio.current_time()) or await self.server.wait_turn(OWN)):
+                if own_first and not await self._own_turn():
                     self.counters.probes_busy += 1   # a peer measures its link to us: ours would share it
                     log.debug("probe %s: our own server is busy", short_peer(peer))
                     continue
                 try:
                     raw = self.raw_path if trio.current_time() >= link.raw_after else None
                     with trio.fail_after(self.config.timeout):
-                        res = await session.measure(link.next_bytes, raw=raw, wait=wait)
-                except ProbeBusy:
+                        res = await session.measure(link.next_bytes, raw=raw, wait=True,
+                                                    then=None if own_first else self._own_turn)
+                except ProbeBusy as exc:
                     self.counters.probes_busy += 1
+                    if exc.held:   # its server is ours until the session closes: close it now
+                        log.debug("probe %s: our own server is busy", short_peer(peer))
+                        return None, False
                     log.debug("probe %s: busy", short_peer(peer))
                     continue
                 except (PeerUnavailable, trio.TooSlowError) as exc:
@@ -432,6 +437,11 @@ class LinkProber:
                 spent[0] += res.elapsed
                 return res, False
         return None, True   # still busy: the next round tries again on this session, one heartbeat later
+
+    async def _own_turn(self) -> bool:
+        """Our own server, for our measurement (at once, or in its queue): a peer's transfer into or out of
+        us at the same time would share our link."""
+        return self.server.reserve(OWN, trio.current_time()) or await self.server.wait_turn(OWN)
 
     def _apply_probe(self, peer: str, res: ProbeResult) -> None:
         if not self.view.is_alive(peer):

@@ -138,8 +138,8 @@ def _nodes(body):  # type: ignore[no-untyped-def]
 
 
 def test_a_busy_peers_session_is_kept_for_the_next_round() -> None:
-    """A prober refused as busy (at a peer it may not wait for) keeps its session: the next round measures on
-    it, with no new stream (before: closed, and opened again one heartbeat later)."""
+    """A prober refused as busy (the peer's server stayed held past each wait) keeps its session: the next
+    round measures on it, with no new stream (before: closed, and opened again one heartbeat later)."""
     async def body(nodes):  # type: ignore[no-untyped-def]
         a, b = next((x, y) for x in nodes for y in nodes if x is not y and not may_wait(x.peer_id, y.peer_id))
         opens = []
