@@ -179,3 +179,32 @@ def test_no_takeover_while_the_pairs_prober_tries() -> None:
         assert y.peer_id in x.prober._probe_targets()
 
     _nodes(body)
+
+
+def test_a_prober_that_took_the_peers_server_first_lets_it_go_if_its_own_does_not_come() -> None:
+    """At a peer whose id sorts below ours we take its server first, then wait for our own (the lower id
+    first: no two nodes wait for each other); if ours stays held past QUEUE_WAIT, the session closes and the
+    peer's server is free again at once, not after its hold."""
+    async def body(nodes):  # type: ignore[no-untyped-def]
+        a, b = next((x, y) for x in nodes for y in nodes if x is not y and not may_wait(x.peer_id, y.peer_id))
+        pr = a.prober
+        assert pr.server.reserve("someone", trio.current_time())   # a peer measures its link to us
+        seen: list[bool] = []
+        orig = pr._own_turn
+
+        async def own_turn() -> bool:
+            seen.append(b.prober.server.holds(a.peer_id, trio.current_time()))   # the peer's server is ours
+            return await orig()
+
+        pr._own_turn = own_turn  # type: ignore[method-assign]
+        t0 = trio.current_time()
+        await pr._probe_one(b.peer_id, trio.Lock(), trio.CapacityLimiter(1), [0.0])
+        assert seen == [True] and trio.current_time() - t0 == pytest.approx(QUEUE_WAIT, abs=0.1)
+        assert a.counters.probes_busy == 1 and not pr.kept and not pr.links[b.peer_id].samples
+        await trio.testing.wait_all_tasks_blocked()
+        assert not b.prober.server.busy(trio.current_time())
+        pr.server.release("someone", trio.current_time())
+        await pr._probe_one(b.peer_id, trio.Lock(), trio.CapacityLimiter(1), [0.0])
+        assert pr.links[b.peer_id].samples == 1
+
+    _nodes(body)
