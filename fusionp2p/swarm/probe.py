@@ -3,8 +3,9 @@
 A probe is a *session* on one stream: the client opens it and times three ping/pong round trips (RTT =
 the minimum; with a raw socket, also the kernel's smallest RTT of that socket, :func:`tcp_min_rtt`), then
 runs one or more bulk transfers: it announces *n* bytes and a *mark* (n/4), the
-server answers ``go`` (or ``busy`` while it is measuring another peer: concurrent transfers would share
-its link and each would under-measure; the session stays open for a later try), the client sends, and
+server answers ``go`` (while it is measuring another peer, concurrent transfers would share its link and
+each would under-measure: then it queues a client that may wait, ``swarm/probe_hold.py``, or answers ``busy``
+and the session stays open for a later try), the client sends, and
 the server acknowledges once all arrived with its own timing. That receiver-side figure is the
 measurement, on both sides. The server times the transfer twice, from the first read after the mark
 (what a token bucket lets through at line rate at the start, its burst, and TCP's slow start are left
@@ -17,7 +18,8 @@ moved ``MEASURE_BYTES`` (on links that fast a burst is a small part of it, and a
 A shorter one is a *pilot*: the client follows it at once with a transfer sized from the pilot's rate
 to last about ``TARGET_SECONDS`` (at most ``MAX_TRANSFERS`` in all). A pilot's figure is never reported
 as measured; the server applies the same rule before it takes an inbound rate as its downlink figure.
-The server is reserved for the client from its first transfer to the end of the stream, for at most
+The server is reserved for the client from its first transfer to the one that ends its probe by the
+rule above (or to the end of the stream), for at most
 ``SERVER_HOLD`` seconds (the client's own probe deadline) and ``MAX_TRANSFERS`` transfers; after that
 the stream is closed. Each peer's reservations draw on its own token bucket (``SERVER_HOLD`` seconds,
 refilled at ``SERVER_SHARE`` seconds per second), so no peer holds the server more than that share of
@@ -55,7 +57,7 @@ import math
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -64,6 +66,8 @@ import trio
 from fusionp2p.errors import ConfigError, PeerUnavailable, RemoteProtocolError
 from fusionp2p.net.refusals import Refusals
 from fusionp2p.net.transport import Stream, Transport
+from fusionp2p.swarm.probe_hold import OWN as OWN  # re-exported: ProbeServer.reserve(OWN)
+from fusionp2p.swarm.probe_hold import QUEUE, QUEUE_WAIT, SERVER_HOLD, SERVER_SHARE, Reservations
 from fusionp2p.types import short_peer
 from fusionp2p.wire.check import as_map, as_str
 from fusionp2p.wire.framing import FrameDecoder, encode_frame
@@ -283,97 +287,43 @@ class _Framed:
         await self.s.send_all(encode_frame(packb(m), max_frame=_CTRL))
 
 
-OWN = ""   # ProbeServer.reserve(OWN, ...): the node measures a link itself (no peer id is empty)
-
-
 class ProbeBusy(Exception):
-    """The peer is measuring someone else right now; try again later (not a failure)."""
+    """The peer is measuring someone else right now; try again later (not a failure). ``held``: the peer's
+    server was ours but our own was busy (``ProbeSession.measure``'s *then*): close the session."""
+
+    def __init__(self, peer: str, *, held: bool = False) -> None:
+        super().__init__(peer)
+        self.held = held
 
 
 SERVER_IDLE = 10.0      # seconds a probe stream may sit without its next control frame
 SERVER_BULK = 30.0      # seconds a bulk transfer may take before the server gives up on it
-SERVER_HOLD = 10.0      # seconds one reservation lasts at most (= ProbeConfig.timeout, the client's deadline)
-SERVER_SHARE = 0.1      # of the time one peer's reservations may take, in the long run
 
 
-class ProbeServer:
+class ProbeServer(Reservations):
     """Server side of PROBE: one bulk transfer at a time, so that measurements do not share the link.
 
-    The reservation is a small state machine with injected time (``now``): :meth:`reserve` grants the
-    server to one peer until ``now + hold``; it ends at :meth:`release`, or by itself at that deadline
-    (whatever the holder's stream does). The time held is drawn from the peer's bucket (``hold`` seconds,
-    refilled at ``share`` per second); a peer with an empty bucket is refused like a busy server. The
-    server also remembers the rate at which the second half of each peer's probe arrived (EMA): our
-    downlink. The node reserves it for itself (``OWN``, no share charged) while it measures a link as a
-    client: a peer's transfer into or out of us at the same time would share our link, and both
-    figures would read low (the two 10 Mbit/s hosts of ``benchmarks.wan --scenario mixed`` read their
-    own link at 4.0 and 3.3 Mbit/s in one run, both directions timed, while their peers probed them).
+    Who holds it, and who waits for it, is the reservation's (``swarm/probe_hold.py``). The server also
+    remembers the rate at which the second half of each peer's probe arrived (EMA): our downlink. The
+    node reserves it for itself (``OWN``, no share charged) while it measures a link as a client: a
+    peer's transfer into or out of us at the same time would share our link, and both figures would
+    read low (the two 10 Mbit/s hosts of ``benchmarks.wan --scenario mixed`` read their own link at
+    4.0 and 3.3 Mbit/s in one run, both directions timed, while their peers probed them).
     """
 
-    MAX_PEERS = 1024
-
     def __init__(self, *, alpha: float = 0.5, hold: float = SERVER_HOLD, share: float = SERVER_SHARE,
-                 refusals: Refusals | None = None) -> None:
-        if not (hold > 0 and 0 < share <= 1):
-            raise ConfigError("probe server: hold must be positive, share in (0, 1]")
+                 refusals: Refusals | None = None, queue: int = QUEUE, queue_wait: float = QUEUE_WAIT) -> None:
+        super().__init__(hold=hold, share=share, queue=queue, queue_wait=queue_wait)
         self.refusals = refusals if refusals is not None else Refusals()   # the node's table (SwarmNode.refusals)
         self._alpha = alpha
-        self.hold = hold
-        self.share = share
-        self._holder: str | None = None
-        self._since = 0.0
-        self.until = 0.0                          # the current reservation's deadline
-        self._bucket: dict[str, tuple[float, float]] = {}   # peer -> (seconds of holding left, as of when)
         self.inbound: dict[str, float] = {}
         self.raw: RawPath | None = None           # the data plane's port, once the node has one
         self.quiet: Callable[[], bool] = lambda: False   # True while the node trains: no re-measurements
 
-    def busy(self, now: float) -> bool:
-        """Whether some peer holds the server at *now*."""
-        self._expire(now)
-        return self._holder is not None
-
-    def holds(self, peer: str, now: float) -> bool:
-        self._expire(now)
-        return self._holder == peer
-
-    def reserve(self, peer: str, now: float) -> bool:
-        """Reserve the server for *peer* until ``now + hold``; False while another peer holds it, or while
-        *peer*'s own reservations exceed its share of the time."""
-        self._expire(now)
-        if self._holder is not None or (peer != OWN and self._credit(peer, now) <= 0):
-            return False
-        self._holder, self._since, self.until = peer, now, now + self.hold
-        return True
-
-    def release(self, peer: str, now: float) -> None:
-        if self._holder == peer:
-            self._end(now)
-
-    def _expire(self, now: float) -> None:
-        if self._holder is not None and now >= self.until:
-            self._end(self.until)
-
-    def _credit(self, peer: str, now: float) -> float:
-        credit, at = self._bucket.get(peer, (self.hold, now))
-        return min(self.hold, credit + self.share * max(0.0, now - at))
-
-    def _end(self, now: float) -> None:
-        peer = self._holder
-        assert peer is not None
-        if peer == OWN:   # our own measurement: no share to charge
-            self._holder = None
-            return
-        left = self._credit(peer, now) - (now - self._since)
-        self._bucket.pop(peer, None)
-        self._bucket[peer] = (left, now)
-        self._holder = None
-        while len(self._bucket) > self.MAX_PEERS:
-            del self._bucket[next(iter(self._bucket))]
-
     async def __call__(self, stream: Stream) -> None:
         if self.refusals.banned(stream.remote_peer, now=trio.current_time()):
             return   # a banned peer's stream is closed unread
+        self.saw(stream.remote_peer, trio.current_time())
         await serve_probe(stream, self)
 
     def record_inbound(self, peer: str, rate: float) -> None:
@@ -399,6 +349,7 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
     f = _Framed(stream, _CHUNK)
     peer = stream.remote_peer
     holding = False   # we reserved the server for this client (its first transfer), until the stream ends
+    held_at = 0.0     # ... since then
     transfers = back = 0
     sock: socket.socket | None = None   # the raw socket, once the client dialled it
     raw_asked = False
@@ -424,11 +375,16 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
                     raise RemoteProtocolError("probe reservation used up")   # closes the stream
                 # while we train, a peer that measured us before is refused like a busy server: its figure
                 # would read what our job leaves of the link (a first measurement still runs)
-                if not holding and ((peer in server.inbound and server.quiet()) or not server.reserve(peer, now)):
-                    with trio.fail_after(SERVER_IDLE):
-                        await f.send_ctrl({"op": "busy"})
-                    continue
-                holding = True
+                if not holding:
+                    server.saw(peer, now)
+                    # a client that can wait ("q") takes a place in the server's short FIFO (probe_hold.py)
+                    if (peer in server.inbound and server.quiet()) or not (
+                            server.reserve(peer, now) or (m.get("q") is True and await server.wait_turn(peer))):
+                        with trio.fail_after(SERVER_IDLE):
+                            await f.send_ctrl({"op": "busy"})
+                        continue
+                    holding, held_at = True, trio.current_time()
+                now = trio.current_time()
                 limit = min(limit, server.until - now)
             if op == "raw":
                 if raw_asked:
@@ -447,6 +403,8 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
                 with trio.fail_after(limit):
                     await f.send_ctrl({"op": "go"})
                     await _raw_io(peer, _raw_send, sock, n, limit)
+                if server is not None and (n >= MEASURE_BYTES or back == MAX_TRANSFERS):
+                    holding = _served(server, peer, held_at, transfers + back)   # the client's last transfer
                 continue
             transfers += 1
             if transfers > MAX_TRANSFERS or (op == "rbulk" and sock is None):
@@ -466,6 +424,10 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
             # the same figure and the same rule as the client's: a pilot's rate is not a downlink figure
             if server is not None and rate is not None and conclusive(n, timed):
                 server.record_inbound(stream.remote_peer, rate)
+            if server is not None and op == "bulk" and (conclusive(n, timed) or transfers == MAX_TRANSFERS):
+                # the client's last transfer on the stream path (the same rule as its own): free the server
+                # now, not a one-way trip later when its stream closes (a loaded loop's trip is ~0.2 s)
+                holding = _served(server, peer, held_at, transfers)
     except RemoteProtocolError as exc:
         if server is not None:
             server.refusals.refuse(peer, "probe/protocol", now=trio.current_time(), detail=str(exc))
@@ -473,7 +435,15 @@ async def _serve_probe(stream: Stream, server: ProbeServer | None) -> None:
     finally:
         _close_raw(sock)
         if server is not None and holding:
-            server.release(peer, trio.current_time())
+            _served(server, peer, held_at, transfers + back)
+
+
+def _served(server: ProbeServer, peer: str, held_at: float, transfers: int) -> bool:
+    """Release the server held for *peer* since *held_at* (False: no longer holding)."""
+    now = trio.current_time()
+    server.release(peer, now)
+    log.debug("probe server: %s held %.3f s, %d transfers", short_peer(peer), now - held_at, transfers)
+    return False
 
 
 async def _grant_raw(f: _Framed, server: ProbeServer | None, peer: str) -> socket.socket | None:
@@ -556,6 +526,10 @@ class ProbeSession:
         self._raw_asked = False
         self._raw_failed = False
         self._sock: socket.socket | None = None
+        self._wait: dict[str, object] = {}   # {"q": True}: the first request may wait in the server's FIFO
+        self._then: Callable[[], Awaitable[bool]] | None = None
+        self._held = False
+        self.used = trio.current_time()      # its last control frame (a kept session: swarm/prober.py)
 
     async def ping(self) -> float:
         """One more round trip on the session (a watcher's liveness check, ``swarm/watch.py``): its RTT.
@@ -568,11 +542,17 @@ class ProbeSession:
             raise PeerUnavailable(self.peer, f"probe ping: {exc}") from None
         return trio.current_time() - t0
 
-    async def measure(self, nbytes: int, *, max_bytes: int = MEASURE_BYTES, raw: RawPath | None = None) -> ProbeResult:
+    async def measure(self, nbytes: int, *, max_bytes: int = MEASURE_BYTES, raw: RawPath | None = None,
+                      wait: bool = False, then: Callable[[], Awaitable[bool]] | None = None) -> ProbeResult:
         """Transfers until one is a measurement (see the module docstring); ProbeBusy before the first one
         if the server is measuring someone else (the session stays usable), PeerUnavailable on failure.
         With *raw*, both directions are timed on a raw socket to the peer's data-plane port when it grants
-        one. No deadline of its own: the caller bounds it."""
+        one. With *wait*, a busy server may queue us (``swarm/probe_hold.py``); *then*, if given, is awaited
+        once the server is ours, before any transfer (the caller takes its own server: ``probe_hold.may_wait``);
+        False from it raises ProbeBusy with ``held`` set (the peer's server stays ours until the session
+        closes). No deadline of its own: the caller bounds it."""
+        self._wait = {"q": True} if wait else {}
+        self._then, self._held = then, False
         if not 0 < nbytes <= MAX_PROBE_BYTES or not 0 < max_bytes <= MAX_PROBE_BYTES:
             raise ValueError(f"nbytes and max_bytes must be in (0, {MAX_PROBE_BYTES}]")
         try:
@@ -585,6 +565,8 @@ class ProbeSession:
                                             max_bytes)
         except RemoteProtocolError as exc:
             raise PeerUnavailable(self.peer, f"probe failed: {exc}") from None
+        finally:
+            self.used = trio.current_time()
         reverse = rev.rate if rev is not None and rev.measured else None
         kernel = tcp_min_rtt(self._sock) if self._sock is not None else None
         if kernel is not None and kernel < self.rtt:
@@ -597,15 +579,23 @@ class ProbeSession:
                            reverse=reverse, path="direct" if self._sock is not None else "libp2p",
                            raw_failed=self._raw_failed)
 
+    async def _granted(self) -> None:
+        """The server is ours: the caller's *then*, once a measure."""
+        if not self._held:
+            self._held = True
+            if self._then is not None and not await self._then():
+                raise ProbeBusy(self.peer, held=True)
+
     async def _open_raw(self, raw: RawPath) -> None:
         """Ask for a raw socket (ProbeBusy while the server measures someone else; nothing asked then)."""
         f = self._f
-        await f.send_ctrl({"op": "raw"})
+        await f.send_ctrl({"op": "raw", **self._wait})
         answer = await f.recv_ctrl()
         op = answer.get("op")
         if op == "busy":
             raise ProbeBusy(self.peer)
         self._raw_asked = True
+        await self._granted()
         if op == "noraw":
             return
         if op != "dial":
@@ -641,12 +631,13 @@ class ProbeSession:
         f, stream = self._f, self.stream
         t = _Transfers(size=size)
         while True:
-            await f.send_ctrl({"op": op, "n": size, "mark": mark_of(size)})
+            await f.send_ctrl({"op": op, "n": size, "mark": mark_of(size), **self._wait})
             answer = await f.recv_ctrl()
             if answer.get("op") == "busy" and t.transfers == 0 and op == "bulk":
                 raise ProbeBusy(self.peer)
             if answer.get("op") != "go":
                 raise RemoteProtocolError(f"unexpected probe answer {str(answer.get('op'))[:32]!r}")
+            await self._granted()
             t0 = trio.current_time()
             if op == "rback":
                 assert self._sock is not None
