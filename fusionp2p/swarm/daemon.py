@@ -7,6 +7,7 @@ SIGTERM (announce departure, close streams, exit 0).
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import time
@@ -24,6 +25,7 @@ from fusionp2p.net.transport import StreamHandler
 from fusionp2p.swarm.gcfreeze import watch_collections
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.startup import Startup
+from fusionp2p.threads import run_abandonable
 from fusionp2p.types import DeviceProfile
 
 log = logging.getLogger(__name__)
@@ -110,9 +112,8 @@ async def _serve(cfg: DaemonConfig, swarm: SwarmNode, nursery: trio.Nursery,
         c0 = time.process_time()
         if prepare is not None:
             await startup.run_prepare(prepare)
-        # trio-typing's stubs predate abandon_on_cancel (as in swarm/probe.py)
-        swarm.profile, bench_cpu = await trio.to_thread.run_sync(_node_profile, cfg,
-                                                                 abandon_on_cancel=True)  # type: ignore[call-arg]
+        # a stop abandons the benchmark (torch) to its thread; the process's exit waits for it (fusionp2p/threads.py)
+        swarm.profile, bench_cpu = await run_abandonable(functools.partial(_node_profile, cfg))
         swarm.beat_soon()
         # what the start-up cost (issue 40: ~6 CPU-s a node among 20 starting on 2 cores), the threads' own
         # CPU and the whole process's meanwhile (its event loop's probes and gossip included)

@@ -43,6 +43,7 @@ import trio
 
 from fusionp2p.graph.executor import StageExecutor
 from fusionp2p.graph.program import StageProgram
+from fusionp2p.threads import run_abandonable
 from fusionp2p.train.receipts import Signer, Stamp, TensorDigests
 from fusionp2p.train.verify import (
     Claim,
@@ -246,8 +247,7 @@ class Checker:
 async def in_thread(fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
     """*fn* in a worker thread under *limiter*. A cancelled wait (a deadline) abandons the thread, which keeps
     its token until it ends: the next stage-sized job waits for it rather than run beside it."""
-    # trio-typing's stubs predate abandon_on_cancel (as in swarm/probe.py)
-    return await trio.to_thread.run_sync(fn, limiter=limiter, abandon_on_cancel=True)  # type: ignore[call-arg,no-any-return]
+    return await run_abandonable(fn, limiter=limiter)   # the process's exit waits for it (fusionp2p/threads.py)
 
 
 def _cpu() -> float:
