@@ -56,7 +56,7 @@ def test_no_pickle_on_peer_paths() -> None:
 # Layers, from the bottom (docs/architecture.md "Layers"). A module imports only from its own layer or
 # below; `testing` is the test kit, which the product never imports.
 LAYERS: list[set[str]] = [
-    {"errors", "types", "device", "sizes"},
+    {"errors", "types", "device", "sizes", "threads"},
     {"wire", "graph", "plan", "compress", "average", "data", "models"},   # pure cores (+ data, models)
     {"net", "testbed"},
     {"swarm"},
