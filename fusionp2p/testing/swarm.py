@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import trio
+import trio.testing
 
 from fusionp2p.net.identity import Identity
 from fusionp2p.net.libp2p_host import Libp2pConfig, open_libp2p_transport
-from fusionp2p.net.memory import memory_network
+from fusionp2p.net.memory import MemoryNetwork, memory_network
 from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.probe import ProbeConfig
 from fusionp2p.types import DeviceProfile
@@ -54,3 +55,22 @@ async def converge(nodes: list[SwarmNode], *, bandwidth: bool, timeout: float) -
     for node in nodes:
         await node.wait_until(lambda node=node: node.members() == ids and (not bandwidth or node.bandwidth.complete(ids)),  # type: ignore[misc]
                               timeout)
+
+
+def run_hand_driven(body: Callable[[MemoryNetwork, list[SwarmNode]], Awaitable[None]], *, dead_timeout: float) -> None:
+    """*body(net, nodes)* on 3 nodes and a bootstrap, memory transport, probing off (driven by hand), once every
+    node sees the others, on a mock clock (600 virtual seconds at most)."""
+    async def main() -> None:
+        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=dead_timeout, probing=False, watch=0)
+        async with memory_network() as net:
+            hosts = [net.add_host() for _ in range(4)]
+            boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=dead_timeout), None)
+            nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
+            with trio.fail_after(600):   # virtual seconds
+                async with trio.open_nursery() as nursery:
+                    await start_swarm(nursery, boot, nodes, hosts[0].listen_addrs()[0])
+                    await converge(nodes, bandwidth=False, timeout=10)
+                    await body(net, nodes)
+                    nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -7,31 +7,14 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from fusionp2p.net.memory import memory_network
 from fusionp2p.swarm.membership import Change, MemberEvent
-from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.prober import BACKOFF_MAX, KEEP_DEAD, _Link
-from fusionp2p.testing.swarm import TEST_PROFILE, converge
+from fusionp2p.testing.swarm import run_hand_driven
 
 
 def _run(body):  # type: ignore[no-untyped-def]
-    """*body(net, nodes)* on 3 nodes and a bootstrap, memory transport, probing off (driven by hand)."""
-    async def main() -> None:
-        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=4.0, probing=False, watch=0)
-        async with memory_network() as net:
-            hosts = [net.add_host() for _ in range(4)]
-            boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=4.0), None)
-            nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
-            with trio.fail_after(600):   # virtual seconds
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(boot.run, [])
-                    for n in nodes:
-                        await nursery.start(n.run, [hosts[0].listen_addrs()[0]])
-                    await converge(nodes, bandwidth=False, timeout=10)
-                    await body(net, nodes)
-                    nursery.cancel_scope.cancel()
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    """*body(net, nodes)* on 3 nodes and a bootstrap, probing off (driven by hand): ``testing.swarm.run_hand_driven``."""
+    run_hand_driven(body, dead_timeout=4.0)
 
 
 def test_a_flapping_member_keeps_its_measured_link() -> None:

@@ -10,10 +10,9 @@ import trio.testing
 
 from fusionp2p.net.memory import memory_network
 from fusionp2p.swarm.membership import prober_of
-from fusionp2p.swarm.node import SwarmConfig, SwarmNode
 from fusionp2p.swarm.probe import MEASURE_BYTES, ProbeBusy, ProbeResult, ProbeServer, open_probe
 from fusionp2p.swarm.probe_hold import OWN, QUEUE, QUEUE_WAIT, Reservations, may_wait
-from fusionp2p.testing.swarm import TEST_PROFILE, converge
+from fusionp2p.testing.swarm import run_hand_driven
 from fusionp2p.wire.framing import encode_frame
 from fusionp2p.wire.msg import packb
 from fusionp2p.wire.protocols import PROBE
@@ -118,23 +117,11 @@ def test_a_waiter_past_the_queue_bound_is_refused_and_a_wait_has_a_deadline() ->
 
 
 def _nodes(body):  # type: ignore[no-untyped-def]
-    """*body(nodes)* on 3 nodes and a bootstrap, memory transport, probing off (driven by hand)."""
-    async def main() -> None:
-        cfg = SwarmConfig(heartbeat=1.0, dead_timeout=60.0, probing=False, watch=0)
-        async with memory_network() as net:
-            hosts = [net.add_host() for _ in range(4)]
-            boot = SwarmNode(hosts[0], SwarmConfig(role="bootstrap", heartbeat=1.0, dead_timeout=60.0), None)
-            nodes = [SwarmNode(h, cfg, TEST_PROFILE) for h in hosts[1:]]
-            with trio.fail_after(600):   # virtual seconds
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(boot.run, [])
-                    for n in nodes:
-                        await nursery.start(n.run, [hosts[0].listen_addrs()[0]])
-                    await converge(nodes, bandwidth=False, timeout=10)
-                    await body(nodes)
-                    nursery.cancel_scope.cancel()
+    """*body(nodes)* on 3 nodes and a bootstrap, probing off (driven by hand): ``testing.swarm.run_hand_driven``."""
+    async def with_nodes(net, nodes):  # type: ignore[no-untyped-def]
+        await body(nodes)
 
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    run_hand_driven(with_nodes, dead_timeout=60.0)
 
 
 def test_a_busy_peers_session_is_kept_for_the_next_round() -> None:
